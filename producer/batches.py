@@ -1,0 +1,254 @@
+"""Reading batches back (status, results, listings) and cancelling them.
+
+Owns the read side and `cancel`. Counts come from the batch counters, plus requests that no one will ever
+finish: those of chunk jobs that rq failed for good (e.g. a worker died and retries ran out). They have no
+result record, so they are derived here at read time from the chunk jobs' rq status.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import redis
+from pydantic import BaseModel
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from producer.result_store import queue_results
+from schemas import keys
+from schemas.keys import BatchField
+from schemas.request import Request
+from schemas.result import FinishReason, ResultLine, to_openai_output
+from schemas.status import BatchStatus, WorkerStats
+
+PAGE_SIZE = 1000
+
+
+class BatchNotFound(LookupError):
+    def __init__(self, batch_id: str):
+        super().__init__(f"no batch {batch_id!r} (never submitted, or its results expired)")
+
+
+class BatchNotFinished(RuntimeError):
+    def __init__(self, status: BatchStatus):
+        self.status = status
+        pending = status.num_queued + status.num_running
+        super().__init__(f"batch {status.batch_id} has {pending} unfinished requests")
+
+
+def read_meta(conn: redis.Redis, batch_id: str) -> dict[str, str]:
+    raw = conn.hgetall(keys.batch(batch_id))
+    if not raw:
+        raise BatchNotFound(batch_id)
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
+    meta = read_meta(conn, batch_id)
+    running_counts = [int(v) for v in conn.hvals(keys.batch_running(batch_id))]
+    total = int(meta[BatchField.NUM_REQUESTS.value])
+    completed, failed, cancelled = (int(meta.get(f.value, 0)) for f in _OUTCOME_FIELDS)
+    lost = {} if completed + failed + cancelled >= total else find_lost_requests(conn, batch_id)
+    failed += sum(1 for reason, _ in lost.values() if reason == "error")
+    cancelled += sum(1 for reason, _ in lost.values() if reason == "cancelled")
+    unfinished = total - completed - failed - cancelled
+    running = min(max(0, sum(running_counts)), unfinished)
+
+    first_started_at = _float_or_none(meta.get(BatchField.FIRST_STARTED_AT.value))
+    last_finished_at = _float_or_none(meta.get(BatchField.LAST_FINISHED_AT.value))
+    num_finished = total - unfinished
+    end = last_finished_at if unfinished == 0 else time.time()
+    elapsed_seconds = (end - first_started_at) if first_started_at and end else 0.0
+    completion_tokens = int(meta.get(BatchField.COMPLETION_TOKENS.value, 0))
+    rate = num_finished / elapsed_seconds if elapsed_seconds > 0 else 0.0
+    return BatchStatus(
+        batch_id=batch_id,
+        name=meta.get(BatchField.NAME.value),
+        queue=meta[BatchField.QUEUE.value],
+        created_at=float(meta[BatchField.CREATED_AT.value]),
+        first_started_at=first_started_at,
+        last_finished_at=last_finished_at,
+        cancelled_at=_float_or_none(meta.get(BatchField.CANCELLED_AT.value)),
+        num_total=total,
+        num_queued=unfinished - running,
+        num_running=running,
+        num_completed=completed,
+        num_failed=failed,
+        num_cancelled=cancelled,
+        prompt_tokens=int(meta.get(BatchField.PROMPT_TOKENS.value, 0)),
+        completion_tokens=completion_tokens,
+        gpu_seconds=float(meta.get(BatchField.GPU_SECONDS.value, 0.0)),
+        requests_per_second=rate,
+        completion_tokens_per_second=completion_tokens / elapsed_seconds if elapsed_seconds > 0 else 0.0,
+        eta_seconds=0.0 if unfinished == 0 else (unfinished / rate if rate > 0 else None),
+    )
+
+
+_OUTCOME_FIELDS = (BatchField.NUM_COMPLETED, BatchField.NUM_FAILED, BatchField.NUM_CANCELLED)
+_LOST_STATUSES = {
+    JobStatus.FAILED.value: "error",
+    JobStatus.STOPPED.value: "cancelled",
+    JobStatus.CANCELED.value: "cancelled",
+    None: "error",  # the job hash is gone: it expired before anyone ran it
+}
+
+
+def find_lost_requests(conn: redis.Redis, batch_id: str) -> dict[int, tuple[FinishReason, str]]:
+    """Unfinished requests whose chunk job will never run again: index -> (finish_reason, message)."""
+    ranges = {k.decode(): _parse_range(v) for k, v in conn.hgetall(keys.batch_jobs(batch_id)).items()}
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id in ranges:
+            pipe.hget(Job.key_for(job_id), "status")
+        statuses = [s.decode() if s is not None else None for s in pipe.execute()]
+    lost: dict[int, tuple[FinishReason, str]] = {}
+    for (job_id, (start, stop)), status in zip(ranges.items(), statuses):
+        if status not in _LOST_STATUSES:
+            continue
+        indices = list(range(start, stop))
+        done = conn.hmget(keys.batch_results(batch_id), indices)
+        missing = [i for i, raw in zip(indices, done) if raw is None]
+        if missing:
+            message = _job_failure_message(conn, job_id, status)
+            lost.update({i: (_LOST_STATUSES[status], message) for i in missing})
+    return lost
+
+
+def _job_failure_message(conn: redis.Redis, job_id: str, status: str | None) -> str:
+    if status is None:
+        return f"chunk job {job_id} expired before a worker ran it"
+    reason = status
+    try:
+        latest = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
+        if latest is not None and latest.exc_string:
+            reason = latest.exc_string.strip().splitlines()[-1]
+    except Exception:  # the message is best effort; the count is what matters
+        pass
+    return f"chunk job {job_id} {status}: {reason}"
+
+
+def iter_results(
+    conn: redis.Redis, batch_id: str, output_format: str = "cbq", partial: bool = False
+) -> Iterator[BaseModel]:
+    """Results in input order: `ResultLine`s, or `OpenAIBatchOutputLine`s for output_format="openai".
+
+    Raises BatchNotFinished unless every request finished; with partial=True, yields the finished ones only.
+    """
+    assert output_format in ("cbq", "openai"), f"unknown output format {output_format!r}"
+    status = get_status(conn, batch_id)
+    if not status.is_done and not partial:
+        raise BatchNotFinished(status)
+    meta = read_meta(conn, batch_id)
+    num_recorded = sum(int(meta.get(f.value, 0)) for f in _OUTCOME_FIELDS)
+    lost = find_lost_requests(conn, batch_id) if num_recorded < status.num_total else {}
+    model = meta.get(BatchField.MODEL.value) or "cbq"
+    created_at = int(float(meta[BatchField.CREATED_AT.value]))
+    for page_start in range(0, status.num_total, PAGE_SIZE):
+        indices = list(range(page_start, min(page_start + PAGE_SIZE, status.num_total)))
+        raw_results = conn.hmget(keys.batch_results(batch_id), indices)
+        need_requests = output_format == "openai" or any(i in lost for i in indices)
+        raw_requests = conn.hmget(keys.batch_requests(batch_id), indices) if need_requests else [None] * len(indices)
+        for index, raw_result, raw_request in zip(indices, raw_results, raw_requests):
+            request = Request.model_validate_json(raw_request) if raw_request is not None else None
+            if raw_result is not None:
+                result = ResultLine.model_validate_json(raw_result)
+            elif index in lost:
+                reason, message = lost[index]
+                custom_id = request.custom_id if request is not None else None
+                error = message if reason == "error" else None
+                result = ResultLine(custom_id=custom_id, index=index, finish_reason=reason, error=error)
+            else:
+                continue  # still running (partial output)
+            if output_format == "cbq":
+                yield result
+            else:
+                request = request or Request(index=index, line_no=1, shape="prompt", prompt="")
+                yield to_openai_output(result, request, batch_id, model, created_at)
+
+
+@dataclass
+class CancelReport:
+    batch_id: str
+    num_chunks_dequeued: int  # removed from the queue before any worker took them
+    num_requests_cancelled: int  # written as cancelled right away; running ones follow as workers abort them
+
+
+def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
+    """Stop a batch: queued chunks never run, running requests are aborted by their workers.
+
+    1. The cancel flag is set first, so a worker dequeuing a chunk from now on skips it.
+    2. Chunk jobs still in the queue are removed with LREM; whichever of us or a worker removes a job id from
+       the queue owns that chunk. For the ones we own, the job is cancelled in rq and its unfinished requests
+       are written as cancelled, in one transaction.
+    """
+    meta = read_meta(conn, batch_id)
+    ttl_seconds = int(meta[BatchField.TTL_SECONDS.value])
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.set(keys.batch_cancel(batch_id), "1", ex=ttl_seconds)
+        pipe.hsetnx(keys.batch(batch_id), BatchField.CANCELLED_AT.value, repr(time.time()))
+        pipe.execute()
+
+    ranges = {k.decode(): _parse_range(v) for k, v in conn.hgetall(keys.batch_jobs(batch_id)).items()}
+    queue = Queue(meta[BatchField.QUEUE.value], connection=conn, serializer=JSONSerializer)
+    with conn.pipeline(transaction=True) as pipe:
+        for job_id in ranges:
+            pipe.lrem(queue.key, 1, job_id)
+        owned = [job_id for job_id, removed in zip(ranges, pipe.execute()) if removed]
+    if not owned:
+        return CancelReport(batch_id, 0, 0)
+
+    indices = [i for job_id in owned for i in range(*ranges[job_id])]
+    done = conn.hmget(keys.batch_results(batch_id), indices)
+    todo = [i for i, raw in zip(indices, done) if raw is None]  # a retried chunk may have finished some
+    requests = conn.hmget(keys.batch_requests(batch_id), todo) if todo else []
+    results = [
+        ResultLine(custom_id=_custom_id(raw), index=i, finish_reason="cancelled") for i, raw in zip(todo, requests)
+    ]
+    jobs = [job for job in Job.fetch_many(owned, connection=conn, serializer=JSONSerializer) if job is not None]
+    with conn.pipeline(transaction=True) as pipe:
+        for job in jobs:
+            if not job.is_canceled:
+                job.cancel(pipeline=pipe)
+        queue_results(pipe, batch_id, ttl_seconds, results)
+        pipe.execute()
+    return CancelReport(batch_id, len(owned), len(results))
+
+
+def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:
+    """The most recent batches first; forgets batches whose keys expired."""
+    out = []
+    for raw_id in conn.zrevrange(keys.BATCHES, 0, max(0, limit - 1)):
+        batch_id = raw_id.decode()
+        try:
+            out.append(get_status(conn, batch_id))
+        except BatchNotFound:
+            conn.zrem(keys.BATCHES, batch_id)
+    return out
+
+
+def list_workers(conn: redis.Redis) -> list[WorkerStats]:
+    """Workers that published stats recently; forgets those whose stats expired."""
+    names = [n.decode() for n in conn.zrange(keys.WORKERS, 0, -1)]
+    raw_stats = conn.mget([keys.worker_stats(n) for n in names]) if names else []
+    out = []
+    for name, raw in zip(names, raw_stats):
+        if raw is None:
+            conn.zrem(keys.WORKERS, name)
+        else:
+            out.append(WorkerStats.model_validate_json(raw))
+    return out
+
+
+def _parse_range(raw: bytes) -> tuple[int, int]:
+    start, stop = raw.decode().split(":")
+    return int(start), int(stop)
+
+
+def _float_or_none(value: str | None) -> float | None:
+    return float(value) if value else None
+
+
+def _custom_id(raw_request: bytes | None) -> str | None:
+    return Request.model_validate_json(raw_request).custom_id if raw_request is not None else None

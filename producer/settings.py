@@ -1,0 +1,39 @@
+"""Defaults shared by producer and worker, their environment variables, and the Redis connection factory."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+REDIS_URL_ENV = "CBQ_REDIS_URL"
+RESULT_TTL_ENV = "CBQ_RESULT_TTL"
+QUEUE_ENV = "CBQ_QUEUE"
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_QUEUE = "cbq"
+DEFAULT_RESULT_TTL_SECONDS = 7 * 24 * 3600
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_RETRIES = 2  # a chunk whose worker died is re-enqueued this many times (finished requests are skipped)
+
+
+def default_redis_url() -> str:
+    return os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for `url` (redis://, rediss:// with TLS, unix://; passwords in the URL are fine).
+
+    Responses stay bytes: rq needs that, and cbq decodes what it reads itself.
+    """
+    return redis.Redis.from_url(url, health_check_interval=30)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

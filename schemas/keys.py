@@ -1,0 +1,110 @@
+"""Every Redis key cbq uses, from one place. Owns the key layout; nothing else spells a `cbq:` key.
+
+Layout of one batch (all keys expire together after the batch's result TTL):
+
+    cbq:batch:{id}            hash   metadata + counters (see BatchField)
+    cbq:batch:{id}:requests   hash   index -> normalized request JSON (written once by `cbq submit`)
+    cbq:batch:{id}:results    hash   index -> result JSON (written once per request by the worker)
+    cbq:batch:{id}:jobs       hash   rq job id -> "start:stop" (the request range the chunk job carries)
+    cbq:batch:{id}:running    hash   rq job id -> requests of that chunk still inside an engine
+    cbq:batch:{id}:cancel     string present once `cbq cancel` ran; workers poll it to abort
+
+Global:
+
+    cbq:batches               zset   batch id -> created_at (for `cbq stats`)
+    cbq:name:{name}           hash   custom_id -> batch id, for dedupe across resubmissions of a --name
+    cbq:workers               zset   worker name -> last stats publish time
+    cbq:worker:{name}:stats   string WorkerStats JSON, expires when the worker stops publishing
+
+The rq side keeps rq's own `rq:` keys (queues, jobs, registries); cbq never writes them directly.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+PREFIX = "cbq:"
+
+
+class BatchField(str, Enum):
+    """Fields of the `cbq:batch:{id}` hash. Counters are HINCRBY'd by the worker, one pipeline per write."""
+
+    NAME = "name"
+    QUEUE = "queue"
+    CREATED_AT = "created_at"  # epoch seconds, set by submit
+    NUM_REQUESTS = "num_requests"
+    NUM_CHUNKS = "num_chunks"
+    TTL_SECONDS = "ttl_seconds"
+    MODEL = "model"  # the model of the last worker that wrote a result
+    FIRST_STARTED_AT = "first_started_at"  # epoch seconds, HSETNX by the first admitting worker
+    LAST_FINISHED_AT = "last_finished_at"
+    CANCELLED_AT = "cancelled_at"
+    NUM_COMPLETED = "num_completed"  # finish_reason stop|length
+    NUM_FAILED = "num_failed"  # finish_reason error
+    NUM_CANCELLED = "num_cancelled"
+    PROMPT_TOKENS = "prompt_tokens"
+    COMPLETION_TOKENS = "completion_tokens"
+    GPU_SECONDS = "gpu_seconds"
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_requests(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}:requests"
+
+
+def batch_results(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}:results"
+
+
+def batch_jobs(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}:jobs"
+
+
+def batch_running(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}:running"
+
+
+def batch_cancel(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}:cancel"
+
+
+def all_batch_keys(batch_id: str) -> list[str]:
+    """Every key of one batch, so TTLs are refreshed (and deletes done) for all of them together."""
+    return [
+        batch(batch_id),
+        batch_requests(batch_id),
+        batch_results(batch_id),
+        batch_jobs(batch_id),
+        batch_running(batch_id),
+        batch_cancel(batch_id),
+    ]
+
+
+BATCHES = f"{PREFIX}batches"
+WORKERS = f"{PREFIX}workers"
+
+
+def name_index(name: str) -> str:
+    return f"{PREFIX}name:{name}"
+
+
+def worker_stats(worker_name: str) -> str:
+    return f"{PREFIX}worker:{worker_name}:stats"
+
+
+def chunk_job_id(batch_id: str, chunk_index: int) -> str:
+    """rq job id of one chunk (rq allows letters, digits, '_' and '-')."""
+    return f"cbq-{batch_id}-{chunk_index:06d}"
+
+
+def engine_request_id(batch_id: str, index: int) -> str:
+    """Request id handed to the engine; `split_engine_request_id` inverts it."""
+    return f"{batch_id}:{index}"
+
+
+def split_engine_request_id(request_id: str) -> tuple[str, int]:
+    batch_id, _, index = request_id.rpartition(":")
+    return batch_id, int(index)

@@ -1,0 +1,105 @@
+"""Result lines: what `cbq results` writes, in cbq's own shape or as OpenAI Batch output lines.
+
+Owns the output contract. The worker stores one `ResultLine` JSON per request in `cbq:batch:{id}:results`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.request import CHAT_COMPLETIONS_URL, Request
+
+FinishReason = Literal["stop", "length", "error", "cancelled"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Model):
+    prompt_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
+    gpu_seconds: float = Field(0.0, ge=0)  # this request's share of the device time of the steps it was in
+    queue_seconds: float = 0.0  # submitted -> first scheduled by the engine
+    ttft_seconds: float = 0.0  # submitted -> first token known
+    latency_seconds: float = 0.0  # submitted -> finished
+
+
+class ResultLine(_Model):
+    custom_id: str | None = None
+    index: int = Field(ge=0)  # position in the batch (input order)
+    text: str = ""
+    token_ids: list[int] | None = None  # only when submitted with --token-ids
+    finish_reason: FinishReason
+    usage: Usage = Usage()
+    error: str | None = None  # set exactly when finish_reason is "error"
+
+    @model_validator(mode="after")
+    def _error_iff_failed(self):
+        if (self.finish_reason == "error") != (self.error is not None):
+            raise ValueError("error is set exactly when finish_reason is 'error'")
+        return self
+
+
+# --- OpenAI Batch output -------------------------------------------------------------------------------------
+
+
+class OpenAIUsage(_Model):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class OpenAIResponse(_Model):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]  # a `text_completion` or `chat.completion` object
+
+
+class OpenAIError(_Model):
+    code: str
+    message: str
+
+
+class OpenAIBatchOutputLine(_Model):
+    id: str
+    custom_id: str
+    response: OpenAIResponse | None = None
+    error: OpenAIError | None = None
+
+
+def to_openai_output(
+    result: ResultLine, request: Request, batch_id: str, model: str, created_at: int
+) -> OpenAIBatchOutputLine:
+    """OpenAI Batch output for one request. Chat requests (any input shape) give `chat.completion` bodies,
+    prompt requests `text_completion`; failed and cancelled requests give `error` and no response."""
+    request_id = f"{batch_id}-{result.index}"
+    custom_id = result.custom_id or f"request-{result.index}"
+    line_id = f"batch_req_{request_id}"
+    if result.finish_reason in ("error", "cancelled"):
+        code = "generation_error" if result.finish_reason == "error" else "cancelled"
+        message = result.error or "the request was cancelled before it finished"
+        return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, error=OpenAIError(code=code, message=message))
+
+    usage = OpenAIUsage(
+        prompt_tokens=result.usage.prompt_tokens,
+        completion_tokens=result.usage.completion_tokens,
+        total_tokens=result.usage.prompt_tokens + result.usage.completion_tokens,
+    ).model_dump()
+    is_chat = request.is_chat or request.url == CHAT_COMPLETIONS_URL
+    common = {"created": created_at, "model": request.model or model, "usage": usage}
+    if is_chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
+        body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "choices": [choice], **common}
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": [choice], **common}
+    response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
+    return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)

@@ -1,0 +1,49 @@
+"""Shared fixtures for engine tests: tiny random-weight models in fp32 on CPU and their greedy references."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.models import load_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_model(name, torch.device("cpu"), torch.float32)
+        return cache[name]
+
+    return get
+
+
+def make_requests(tokenizer, num: int, seed: int = 0, max_prompt: int = 400, max_new: int = 40, **sampling):
+    """Mixed prompt lengths (1 .. max_prompt tokens) and mixed max_new_tokens."""
+    rng = random.Random(seed)
+    lengths = [1, 2, max_prompt] + [rng.randint(1, max_prompt) for _ in range(num - 3)]
+    reqs = []
+    for i, n in enumerate(lengths[:num]):
+        ids = [tokenizer.bos_token_id] + [rng.randrange(256) for _ in range(n - 1)]
+        params = SamplingParams(max_new_tokens=rng.randint(1, max_new), **sampling)
+        reqs.append(EngineRequest(f"r{i}", ids, params))
+    return reqs
+
+
+def hf_greedy(model, tokenizer, req: EngineRequest) -> list[int]:
+    """`model.generate` greedy output for one request, alone (no padding)."""
+    ids = torch.tensor([req.prompt_ids])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=req.sampling.max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return out[0, ids.shape[1] :].tolist()

@@ -1,0 +1,369 @@
+"""Triton paged-attention kernels vs the torch reference (worker/engine/attention.py).
+
+Two ways to run the same checks:
+  - on CUDA (`@pytest.mark.gpu`, skipped without a device or without triton);
+  - on CPU through Triton's interpreter, in a subprocess with TRITON_INTERPRET=1 (this module sets no
+    environment itself), with tiny sizes; skipped when triton is not installed (CI).
+Run the interpreter variant by hand with:  TRITON_INTERPRET=1 python tests/worker/engine/test_attention_triton.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine import attention_triton as at
+from worker.engine.attention import paged_attention_ref, write_kv_ref
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and at.HAVE_TRITON), reason="needs a CUDA device and triton"
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Case builders and checks (shared by the GPU tests and the interpreter run)
+# ------------------------------------------------------------------------------------------------
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_case(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed):
+    """Random paged cache with shuffled, non-contiguous blocks.
+
+    Cache slots at or past a sequence's context length, and spare blocks, hold NaN: a kernel that reads
+    (rather than masks) them poisons its output. Unused block-table entries are -1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(ctx_lens)
+    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(blocks_per_seq + [1]) + 2
+    block_tables = torch.full((num_seqs, max_blocks), -1, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    used = 0
+    for b, (ctx, nb) in enumerate(zip(ctx_lens, blocks_per_seq, strict=True)):
+        blocks = perm[used : used + nb]
+        used += nb
+        block_tables[b, :nb] = blocks.to(torch.int32)
+        flat_k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)
+        flat_v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)
+        flat_k[:ctx] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        flat_v[:ctx] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        k_cache[blocks] = flat_k.reshape(nb, block_size, num_kv_heads, head_dim)
+        v_cache[blocks] = flat_v.reshape(nb, block_size, num_kv_heads, head_dim)
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    return dict(
+        q=q.to(dtype).to(device),
+        k_cache=k_cache.to(dtype).to(device),
+        v_cache=v_cache.to(dtype).to(device),
+        block_tables=block_tables.to(device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def _assert_close(out, ref, dtype, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in output (element not written, or poisoned cache read)"
+    err = _rel_err(out, ref)
+    assert err < TOL[dtype], f"{what}: relative error {err:.3g} >= {TOL[dtype]}"
+    return err
+
+
+def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0, **kw):
+    c = make_case(
+        ctx_lens, [1] * len(ctx_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed
+    )
+    ref = paged_attention_ref(
+        c["q"],
+        c["k_cache"],
+        c["v_cache"],
+        c["block_tables"],
+        c["cu_seqlens_q"],
+        c["context_lens"],
+        c["scale"],
+    )
+    out = torch.full_like(c["q"], float("nan"))
+    res = at.paged_decode_attention(
+        c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["context_lens"], c["scale"], out=out, **kw
+    )
+    assert res is out
+    what = f"decode ctx={ctx_lens} H={num_heads} KVH={num_kv_heads} D={head_dim} bs={block_size} {dtype} {kw}"
+    err = _assert_close(out, ref, dtype, what)
+    zero_rows = [b for b, n in enumerate(ctx_lens) if n == 0]
+    if zero_rows:
+        assert (out[zero_rows] == 0).all(), f"{what}: context_len 0 rows must be zeros"
+    return err
+
+
+def check_prefill(
+    ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0, pad_rows=0, **kw
+):
+    c = make_case(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed)
+    q = c["q"]
+    if pad_rows:  # rows past cu_seqlens_q[-1] (padding of a graph bucket): must come back as zeros
+        q = torch.cat([q, torch.randn(pad_rows, num_heads, head_dim).to(dtype).to(device)])
+    ref = paged_attention_ref(
+        q, c["k_cache"], c["v_cache"], c["block_tables"], c["cu_seqlens_q"], c["context_lens"], c["scale"]
+    )
+    out = torch.full_like(q, float("nan"))
+    res = at.paged_prefill_attention(
+        q,
+        c["k_cache"],
+        c["v_cache"],
+        c["block_tables"],
+        c["cu_seqlens_q"],
+        c["context_lens"],
+        c["scale"],
+        out=out,
+        **kw,
+    )
+    assert res is out
+    what = f"prefill ctx={ctx_lens} q={q_lens} H={num_heads} KVH={num_kv_heads} D={head_dim} bs={block_size} {dtype} {kw}"
+    err = _assert_close(out, ref, dtype, what)
+    if pad_rows:
+        assert (out[-pad_rows:] == 0).all(), f"{what}: padding rows must be zeros"
+    return err
+
+
+def check_write_kv(num_tokens, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = -(-num_tokens // block_size) + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(torch.int32)
+    slots[torch.arange(num_tokens) % 3 == 1] = -1  # padding rows: skipped
+    slots = slots.to(device)
+    # key/value as views into a fused qkv-like buffer: row stride != KVH * D
+    fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    key, value = fused[:, :num_kv_heads], fused[:, 2 * num_kv_heads :]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_ref(key, value, k_ref, v_ref, slots)
+    at.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref), "write_kv: K cache differs from reference"
+    assert torch.equal(v_cache, v_ref), "write_kv: V cache differs from reference"
+
+
+# Context-length mixes: 1, exactly a block multiple, just past one, long; 0 = padding row of a graph bucket.
+def _decode_ctx(block_size, long):
+    return [1, block_size, 4 * block_size, 4 * block_size + 1, long, 0, 3, long // 2 + 7]
+
+
+def _prefill_mix(block_size, long):
+    # (ctx_lens, q_lens): first chunk, later chunk over a cached prefix, exact-block chunk, decode rows
+    ctx = [37, long, 2 * block_size, 5, 1, long // 2 + 3, 0]
+    ql = [37, 67, 2 * block_size, 1, 1, 1, 0]
+    return ctx, ql
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU tests
+# ------------------------------------------------------------------------------------------------
+
+GPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 4)])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_decode(dtype, head_dim, num_heads, num_kv_heads, block_size):
+    ctx = _decode_ctx(block_size, long=1500)
+    for max_num_splits in (1, at.DEFAULT_MAX_NUM_SPLITS):
+        check_decode(
+            ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", max_num_splits=max_num_splits
+        )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_decode_hints_and_workspace(dtype):
+    ctx = [700, 1, 0, 512, 33]
+    check_decode(ctx, 32, 8, 128, 16, dtype, "cuda", max_context_len=700)
+    b, h, d = len(ctx), 32, 128
+    splits = at.decode_num_splits(b, 8, d, dtype, 700, device=torch.device("cuda"))
+    ws = torch.empty(max(1, at.decode_workspace_numel(b, h, d, splits)), dtype=torch.float32, device="cuda")
+    check_decode(ctx, h, 8, d, 16, dtype, "cuda", max_context_len=700, workspace=ws)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 4)])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_prefill(dtype, head_dim, num_heads, num_kv_heads, block_size):
+    ctx, ql = _prefill_mix(block_size, long=1100)
+    check_prefill(ctx, ql, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", pad_rows=5)
+    check_prefill(
+        ctx, ql, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", max_query_len=max(ql)
+    )
+    # a single long first chunk (many query tiles)
+    check_prefill(
+        [600], [600], num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", max_query_len=600
+    )
+    # an all-decode batch through the prefill kernel (small M tiles)
+    check_prefill(
+        [1, 40, 300], [1, 1, 1], num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", max_query_len=1
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_odd_shapes(dtype):
+    # small head dims of tiny test models, a non-power-of-two head dim, a non-power-of-two GQA group, block 8
+    check_decode([1, 9, 100, 0], 4, 1, 16, 8, dtype, "cuda")
+    check_decode([1, 9, 100, 0], 6, 2, 32, 8, dtype, "cuda")
+    check_decode([1, 64, 333], 12, 4, 80, 32, dtype, "cuda")
+    check_prefill([20, 9, 1], [20, 4, 1], 4, 1, 16, 8, dtype, "cuda")
+    check_prefill([70, 9, 1], [50, 4, 1], 6, 2, 32, 8, dtype, "cuda", pad_rows=2)
+    check_prefill([200, 64, 333], [130, 64, 1], 12, 4, 80, 32, dtype, "cuda")
+    check_prefill([130, 5], [129, 5], 28, 4, 128, 16, dtype, "cuda")  # Qwen2-7B-like group of 7
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(8, 128, 16), (1, 16, 8), (2, 64, 128)])
+def test_gpu_write_kv(dtype, num_kv_heads, head_dim, block_size):
+    check_write_kv(37, num_kv_heads, head_dim, block_size, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_cuda_graph_capture():
+    """Decode captures into a CUDA graph and replays correctly with new device-side context lengths."""
+    dtype, h, kvh, d, bs = torch.bfloat16, 32, 8, 128, 16
+    c = make_case([300, 16, 0, 900], [1] * 4, h, kvh, d, bs, dtype, "cuda", seed=1)
+    out = torch.empty_like(c["q"])
+    args = (c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["context_lens"], c["scale"])
+    at.paged_decode_attention(*args, out=out)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        at.paged_decode_attention(*args, out=out)
+    # new metadata, same buffers; contexts stay within each sequence's written cache
+    c["context_lens"].copy_(torch.tensor([299, 0, 0, 17], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    cu = torch.arange(5, dtype=torch.int32, device="cuda")
+    ref = paged_attention_ref(
+        c["q"], c["k_cache"], c["v_cache"], c["block_tables"], cu, c["context_lens"], c["scale"]
+    )
+    _assert_close(out, ref, dtype, "decode after graph replay")
+    assert (out[1:3] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Interpreter variant (CPU, tiny sizes)
+# ------------------------------------------------------------------------------------------------
+
+
+def _interpreter_checks() -> None:
+    """The same checks on CPU tensors, tiny sizes; meant to run with TRITON_INTERPRET=1."""
+    torch.manual_seed(0)
+    errs = []
+    cases = [  # (H, KVH, D, block_size, dtype): MHA, GQA 4, padded head dim with a group of 3
+        (4, 4, 16, 8, torch.float32),
+        (8, 2, 32, 16, torch.float32),
+        (6, 2, 24, 16, torch.float32),
+        (8, 2, 32, 16, torch.bfloat16),
+        (6, 2, 24, 16, torch.float16),
+    ]
+    for h, kvh, d, bs, dtype in cases:
+        ctx = _decode_ctx(bs, long=150)
+        for max_num_splits in (1, at.DEFAULT_MAX_NUM_SPLITS):
+            errs.append(check_decode(ctx, h, kvh, d, bs, dtype, "cpu", max_num_splits=max_num_splits))
+        ctx, ql = _prefill_mix(bs, long=90)
+        errs.append(check_prefill(ctx, ql, h, kvh, d, bs, dtype, "cpu", pad_rows=3))
+        errs.append(check_prefill(ctx, ql, h, kvh, d, bs, dtype, "cpu", max_query_len=max(ql)))
+        check_write_kv(11, kvh, d, bs, dtype, "cpu")
+    # a block size above the KV tile, and a decode-only batch through the prefill kernel
+    errs.append(check_decode([1, 128, 129, 300], 4, 2, 16, 128, torch.float32, "cpu", max_num_splits=4))
+    errs.append(check_prefill([3, 128, 200], [1, 1, 1], 4, 2, 16, 128, torch.float32, "cpu", max_query_len=1))
+    print(f"interpreter checks passed: {len(errs)} attention checks, max relative error {max(errs):.3g}")
+
+
+def _patch_triton_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter gaps, for this process only (no effect on compiled kernels):
+    - loop bounds loaded from memory are 1-element arrays, which numpy >= 2.4 refuses to turn into ints;
+    - tl.dot on bf16 operands multiplies their raw uint16 storage.
+    """
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig_patch = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_lang_tensor
+
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if getattr(h.dtype, "scalar", h.dtype) == tl.bfloat16:
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, *rest):
+        return orig_dot(self, widen(a), widen(b), d, *rest)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(not _triton_installed(), reason="triton not installed")
+def test_kernels_in_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    assert "interpreter checks passed" in proc.stdout
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    if not at.HAVE_TRITON:
+        sys.exit("triton is not installed")
+    _patch_triton_interpreter()
+    _interpreter_checks()

@@ -1,0 +1,100 @@
+"""The engine's public data types: what goes in (`EngineRequest`) and what comes out (`EngineResult`).
+
+Plain dataclasses, no torch, redis or pydantic: the worker converts schemas at its edge into these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the model's context length
+    ERROR = "error"  # rejected or failed; `EngineResult.error` says why
+    CANCELLED = "cancelled"  # aborted by the caller
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # None: derived from the request id, so still reproducible
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        assert self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"
+        assert self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"
+        assert 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"
+        assert self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float | None = None  # time.time() when the request entered the system; default: now
+    want_token_ids: bool = True
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    gpu_seconds: float = 0.0  # this request's share (by tokens processed) of each step's device time
+    queue_seconds: float = 0.0  # arrival -> first scheduled
+    ttft_seconds: float = 0.0  # arrival -> first token known on the host
+    latency_seconds: float = 0.0  # arrival -> finished
+
+
+@dataclass
+class EngineResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    error: str | None = None
+
+
+@dataclass
+class TokenDelta:
+    """Tokens of one request that became known on the host in one step (for streaming)."""
+
+    request_id: str
+    token_ids: list[int]
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (recomputed ones after preemption count again)
+    output_tokens: int = 0
+    busy_seconds: float = 0.0  # device time of all steps
+    cpu_prep_seconds: float = 0.0  # scheduling + batch building, summed over steps
+    wall_seconds: float = 0.0  # since the loop started
+    num_preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def busy_fraction(self) -> float:
+        return min(1.0, self.busy_seconds / self.wall_seconds) if self.wall_seconds > 0 else 0.0
+
+    @property
+    def cpu_prep_ms_per_step(self) -> float:
+        return 1000 * self.cpu_prep_seconds / self.steps if self.steps else 0.0

@@ -1,0 +1,71 @@
+"""Paged attention: write new K/V into the paged cache, then attend over each sequence's block table.
+
+Owns nothing: the cache tensors belong to the model runner, the metadata to the batch builder.
+Two implementations share one calling convention:
+  - plain torch (this file): the reference, used on CPU and in tests;
+  - Triton (`attention_triton.py`): used on CUDA.
+
+Conventions (all index tensors int32 unless stated):
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  slot_mapping[T]: flat slot (block * block_size + offset) of each new token's K/V; -1 = padding, skip
+  q[T, num_heads, head_dim], the T tokens of B sequences laid end to end
+  cu_seqlens_q[B+1]: sequence b owns query rows cu_seqlens_q[b] : cu_seqlens_q[b+1]
+  context_lens[B]: tokens of sequence b in the cache *including* this step's; query row j of b sits at
+    position context_lens[b] - q_len_b + j and sees keys at positions <= its own (causal).
+  block_tables[B, max_blocks]: block ids of each sequence, in order.
+A step's new K/V are written before attention runs, so attention only ever reads the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key/value: [T, num_kv_heads, head_dim]. Rows whose slot is -1 are skipped."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    # NOTE: boolean indexing syncs on CUDA; the reference only runs on CPU and in tests.
+    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of T ragged query rows over the paged cache. Returns [T, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    tables = block_tables.long()
+    for b in range(len(ctx)):
+        q_start, q_end, ctx_len = cu[b], cu[b + 1], ctx[b]
+        q_len = q_end - q_start
+        if q_len == 0 or ctx_len == 0:
+            continue
+        num_blocks = (ctx_len + block_size - 1) // block_size
+        blocks = tables[b, :num_blocks]
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]  # [L, KVH, D]
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # [H, L, D]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
+        queries = q[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
+        scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [H, q_len, L]
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        k_pos = torch.arange(ctx_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1)
+    return out

@@ -1,0 +1,754 @@
+"""Triton kernels for paged attention on CUDA; same conventions as the torch reference in `attention.py`.
+
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (last dim contiguous)
+  slot_mapping[T]: flat slot (block * block_size + offset); -1 = padding, skipped
+  context_lens[B]: tokens in the cache *including* this step's
+  block_tables[B, max_blocks]: block ids of each sequence, in order
+
+Three public entry points:
+  write_kv                 scatter this step's K/V rows into the cache (one launch for K and V)
+  paged_decode_attention   one query row per sequence; split-K over the context ("flash-decoding"),
+                           then a small log-sum-exp reduction kernel
+  paged_prefill_attention  ragged causal attention of T query rows (chunked prefill, mixed batches)
+
+Everything the launches depend on is derived from host-side Python ints (shapes, optional hints), never
+from device tensors, so decode and prefill are CUDA-graph capturable.
+
+GQA: every program handles all `group = num_heads // num_kv_heads` query heads of one KV head, so each K/V
+tile is loaded once per group. Query heads are folded into the M dimension of the tensor-core dots
+(decode: the group, padded to 16 rows; prefill: query positions x group).
+
+Softmax runs in the log2 domain (exp2) with fp32 accumulators. For fp32 inputs every `tl.dot` uses
+input_precision="ieee" (no tf32), so fp32 results track the reference to ~1e-6.
+
+The module imports without triton (CPU CI): `HAVE_TRITON` says whether the kernels exist.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # CI is CPU-only and has no triton; the engine only calls this module on CUDA.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # ImportError, or a broken install
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = [
+    "HAVE_TRITON",
+    "write_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "decode_num_splits",
+    "decode_workspace_numel",
+]
+
+LOG2E = 1.4426950408889634
+DEFAULT_MAX_NUM_SPLITS = 32
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _require_triton() -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError(
+            "attention_triton needs triton; use worker.engine.attention (torch reference) instead"
+        )
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, _next_pow2(head_dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # "ieee" only matters (and is only safe to ask for) with fp32 operands; fp16/bf16 ignore "tf32".
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+    return 132  # interpreter runs on CPU tensors: pretend H100/H200 so the split logic is exercised
+
+
+def _device_sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _sm_count(None)
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fixed launch configurations (no autotuning: graph-safe and deterministic).
+# --------------------------------------------------------------------------------------------------------
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(TILE_N tokens per KV tile, num_warps, num_stages)."""
+    row_bytes = _block_d(head_dim) * (4 if dtype == torch.float32 else 2)
+    if row_bytes <= 256:  # bf16/fp16 with D <= 128, fp32 with D <= 64
+        return 64, 4, 3
+    if row_bytes <= 512:
+        return 32, 4, 3
+    return 16, 4, 2
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for full-size query tiles."""
+    bd = _block_d(head_dim)
+    if dtype == torch.float32:  # fp32 "ieee" dots run on FMA units: keep register tiles small
+        if bd <= 64:
+            return 64, 32, 4, 2
+        if bd <= 128:
+            return 32, 32, 4, 2
+        return 16, 16, 4, 2
+    if bd <= 64:
+        return 128, 64, 4, 3
+    if bd <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def decode_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_context_len: int,
+    max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
+    device: torch.device | None = None,
+) -> int:
+    """How many context splits the decode kernel uses; host-side ints only (graph-safe).
+
+    Aim for about 4 programs per SM, rounded up to a power of two; never more splits than KV tiles in
+    `max_context_len` (an upper bound: the kernel splits each sequence's *actual* context evenly over
+    the splits, so a generous bound costs only a few idle programs).
+    """
+    tile_n = _decode_config(head_dim, dtype)[0]
+    sms = _device_sm_count(device) if device is not None else _sm_count(None)
+    programs = max(1, num_seqs * num_kv_heads)
+    want = _next_pow2(_cdiv(4 * sms, programs))
+    max_tiles = max(1, _cdiv(max(1, max_context_len), tile_n))
+    return max(1, min(want, max_num_splits, max_tiles))
+
+
+def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of the split-K workspace: partial outputs [B, H, S, D] then log-sum-exps [B, H, S]."""
+    if num_splits <= 1:
+        return 0
+    return num_seqs * num_heads * num_splits * (head_dim + 1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _write_kv_kernel(
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot < 0:
+            return
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+        k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+        v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        out_ptr,
+        part_o_ptr,
+        part_lse_ptr,
+        scale_log2,
+        num_heads,
+        stride_qb,
+        stride_qh,
+        stride_ob,
+        stride_oh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        NUM_SPLITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        ctx = tl.load(context_lens_ptr + b)
+        # Split this sequence's *actual* context evenly (in whole tiles) over the NUM_SPLITS programs;
+        # trailing splits of short sequences get an empty range and report lse = -inf.
+        tiles_per_split = tl.cdiv(tl.cdiv(ctx, TILE_N), NUM_SPLITS)
+        start = split * tiles_per_split * TILE_N
+        end = tl.minimum(start + tiles_per_split * TILE_N, ctx)
+
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, BLOCK_D)
+        g_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        b64 = b.to(tl.int64)
+        q = tl.load(
+            q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+
+        bt_row = block_tables_ptr + b64 * stride_bt
+        k_base = k_cache_ptr + kvh * stride_kh
+        v_base = v_cache_ptr + kvh * stride_vh
+        offs_n = tl.arange(0, TILE_N)
+        for n0 in range(start, end, TILE_N):
+            pos = n0 + offs_n
+            valid = pos < end
+            page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            in_page = pos % BLOCK_SIZE
+            if HEAD_DIM == BLOCK_D:
+                kv_mask = valid[:, None]
+            else:
+                kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        o = tl.where(has[:, None], o, 0.0)
+        if NUM_SPLITS == 1:
+            tl.store(
+                out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=g_mask[:, None] & d_mask[None, :],
+            )
+        else:
+            # workspace rows: ((b * H + head) * NUM_SPLITS + split)
+            row = (b64 * num_heads + heads) * NUM_SPLITS + split
+            tl.store(
+                part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                o,
+                mask=g_mask[:, None] & d_mask[None, :],
+            )
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        part_o_ptr,
+        part_lse_ptr,
+        out_ptr,
+        num_heads,
+        stride_ob,
+        stride_oh,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_mask = s < NUM_SPLITS
+        d_mask = d < HEAD_DIM
+        row = (b * num_heads + h) * NUM_SPLITS + s
+        lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # 0 for empty splits
+        denom = tl.sum(w, 0)
+        o = tl.load(
+            part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        cu_seqlens_ptr,
+        context_lens_ptr,
+        out_ptr,
+        scale_log2,
+        num_seqs,
+        num_tokens,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        GROUP: tl.constexpr,
+        Q_PER_TILE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        pid_q = tl.program_id(0)
+        b = tl.program_id(1)
+        kvh = tl.program_id(2)
+
+        r = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        qi = r // GROUP  # query position inside the tile
+        g = r % GROUP  # head inside the group
+        heads = kvh * GROUP + g
+        d_mask = d < HEAD_DIM
+        row_in_tile = qi < Q_PER_TILE
+
+        if b >= num_seqs:
+            # The extra "sequence": zero the rows past cu_seqlens_q[B] (padding of a graph bucket), so
+            # every element of `out` is written, like the reference's zeros_like.
+            tail = tl.load(cu_seqlens_ptr + num_seqs)
+            step = tl.num_programs(0) * Q_PER_TILE
+            zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            for t0 in range(tail + pid_q * Q_PER_TILE, num_tokens, step):
+                tok = (t0 + qi).to(tl.int64)
+                m = row_in_tile & (tok < num_tokens)
+                tl.store(
+                    out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                    zero,
+                    mask=m[:, None] & d_mask[None, :],
+                )
+            return
+
+        tile = tl.num_programs(0) - 1 - pid_q  # longest (last) query tiles first: better tail balance
+        q_start = tl.load(cu_seqlens_ptr + b)
+        q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+        tile_q0 = tile * Q_PER_TILE
+        if tile_q0 >= q_len:
+            return
+        ctx = tl.load(context_lens_ptr + b)
+
+        q_local = tile_q0 + qi
+        row_valid = row_in_tile & (q_local < q_len)
+        q_pos = ctx - q_len + q_local  # absolute position of each row in its sequence
+        tok = (q_start + q_local).to(tl.int64)
+        io_mask = row_valid[:, None] & d_mask[None, :]
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=io_mask,
+            other=0.0,
+        )
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        first_pos = ctx - q_len + tile_q0
+        last_local = tl.minimum(tile_q0 + Q_PER_TILE, q_len) - 1
+        kv_end = tl.maximum(ctx - q_len + last_local + 1, 0)  # keys past this are masked for every row
+        full_end = tl.maximum(((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)  # keys below are seen by all rows
+        full_end = tl.minimum(full_end, kv_end)
+
+        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kvh * stride_kh
+        v_base = v_cache_ptr + kvh * stride_vh
+        offs_n = tl.arange(0, BLOCK_N)
+
+        # Phase 1: KV tiles entirely at or below every row's causal limit; no score masking.
+        for n0 in range(0, full_end, BLOCK_N):
+            pos = n0 + offs_n
+            page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+            in_page = pos % BLOCK_SIZE
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :])
+            else:
+                k = tl.load(
+                    k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :],
+                    mask=d_mask[None, :],
+                    other=0.0,
+                )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if HEAD_DIM == BLOCK_D:
+                v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :])
+            else:
+                v = tl.load(
+                    v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
+                    mask=d_mask[None, :],
+                    other=0.0,
+                )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        # Phase 2: tiles crossing the causal diagonal; mask key > row position.
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            pos = n0 + offs_n
+            valid = pos < kv_end
+            page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            in_page = pos % BLOCK_SIZE
+            if HEAD_DIM == BLOCK_D:
+                kv_mask = valid[:, None]
+            else:
+                kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet (padding)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        o = tl.where(has[:, None], o, 0.0)
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Host wrappers
+# --------------------------------------------------------------------------------------------------------
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        "caches must be [num_blocks, block_size, KVH, D]"
+    )
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    assert block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
+    return block_size, num_kv_heads, head_dim
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key/value [T, KVH, D] (any row/head strides) into the paged caches; rows with slot -1 are skipped."""
+    _require_triton()
+    block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_tokens = key.shape[0]
+    assert key.shape == (num_tokens, num_kv_heads, head_dim) and value.shape == key.shape
+    assert slot_mapping.shape[0] >= num_tokens
+    if num_tokens == 0:
+        return
+    key = _last_dim_contiguous(key)
+    value = _last_dim_contiguous(value)
+    block_h = _next_pow2(num_kv_heads)
+    block_d = _next_pow2(head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 1,
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
+    max_context_len: int | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query row per sequence: q [B, H, D] at position context_lens[b] - 1. Returns [B, H, D].
+
+    Sequences with context_lens 0 get zeros. `max_context_len` (host int, optional) is an upper bound on
+    context_lens used only to cap the number of splits; without it block_tables.shape[1] * block_size is
+    used. `workspace`: optional fp32 tensor of at least `decode_workspace_numel(...)` elements (needed only
+    when more than one split is used); otherwise it is allocated (shape depends on host ints only).
+    """
+    _require_triton()
+    block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_seqs, num_heads, q_dim = q.shape
+    assert q_dim == head_dim, f"q head_dim {q_dim} != cache head_dim {head_dim}"
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert block_tables.shape[0] >= num_seqs and context_lens.shape[0] >= num_seqs
+    assert block_tables.stride(-1) == 1, "block_tables rows must be contiguous"
+    q = _last_dim_contiguous(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    tile_n, num_warps, num_stages = _decode_config(head_dim, q.dtype)
+    bound = block_tables.shape[1] * block_size
+    if max_context_len is not None:
+        bound = min(bound, max_context_len)
+    num_splits = decode_num_splits(
+        num_seqs, num_kv_heads, head_dim, q.dtype, bound, max_num_splits=max_num_splits, device=q.device
+    )
+    block_d = _block_d(head_dim)
+
+    if num_splits > 1:
+        n_o = num_seqs * num_heads * num_splits * head_dim
+        n_lse = num_seqs * num_heads * num_splits
+        if workspace is None:
+            workspace = torch.empty(n_o + n_lse, dtype=torch.float32, device=q.device)
+        assert (
+            workspace.dtype == torch.float32
+            and workspace.numel() >= n_o + n_lse
+            and workspace.is_contiguous()
+        )
+        part_o = workspace[:n_o]
+        part_lse = workspace[n_o : n_o + n_lse]
+    else:
+        part_o = part_lse = out  # unused
+
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_o,
+        part_lse,
+        float(scale) * LOG2E,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, _next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_o,
+            part_lse,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=_next_pow2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d * _next_pow2(num_splits) >= 2048 else 2,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Ragged causal attention of q [T, H, D] over the paged cache. Returns [T, H, D].
+
+    B = len(context_lens). Row j of sequence b sits at position context_lens[b] - q_len_b + j. Rows past
+    cu_seqlens_q[B] and sequences with context_lens 0 get zeros. `max_query_len` (host int, optional) bounds
+    the longest q_len: it sizes the grid and picks smaller query tiles for decode-heavy batches; without it
+    the grid is sized for T rows per sequence (correct, but many programs exit at once).
+    """
+    _require_triton()
+    block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_tokens, num_heads, q_dim = q.shape
+    assert q_dim == head_dim, f"q head_dim {q_dim} != cache head_dim {head_dim}"
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    num_seqs = context_lens.shape[0]
+    assert cu_seqlens_q.shape[0] == num_seqs + 1 and block_tables.shape[0] >= num_seqs
+    assert block_tables.stride(-1) == 1, "block_tables rows must be contiguous"
+    q = _last_dim_contiguous(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_tokens == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype)
+    max_q = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
+    # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
+    block_m = min(block_m, max(16, _next_pow2(max_q * group)))
+    block_m = max(block_m, _next_pow2(group))
+    if block_m <= 32:
+        num_warps = min(num_warps, 4)
+    q_per_tile = block_m // group
+    n_q_tiles = _cdiv(max_q, q_per_tile)
+
+    _prefill_kernel[(n_q_tiles, num_seqs + 1, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        float(scale) * LOG2E,
+        num_seqs,
+        num_tokens,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        Q_PER_TILE=q_per_tile,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=block_size,
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

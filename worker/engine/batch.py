@@ -1,0 +1,183 @@
+"""Batch builder and IO slots. Owns the two IO slots (host buffers, pinned on CUDA, and their device
+twins) and writes each step's flattened ragged batch into one of them.
+
+Async mode alternates slots: while the device runs step N from slot A, the host writes step N+1
+into slot B. Every array sits at a fixed offset of one int32 and one float32 buffer, so a step is
+three host-to-device copies and CUDA graphs can read fixed device addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .block_manager import NULL_BLOCK
+from .scheduler import StepPlan
+from .sequence import Sequence
+
+# (name, length in units of: "tokens" = max_num_tokens, "seqs" = max_num_seqs, "seqs+1")
+_INT_FIELDS = (
+    ("input_ids", "tokens"),
+    ("positions", "tokens"),
+    ("slot_mapping", "tokens"),
+    ("carry_src", "tokens"),  # -1, or the previous step's output row that fills this input token
+    ("cu_seqlens_q", "seqs+1"),
+    ("context_lens", "seqs"),
+    ("logits_indices", "seqs"),
+    ("top_k", "seqs"),
+    ("seeds", "seqs"),
+    ("sample_positions", "seqs"),  # position of the token being sampled: the random stream's counter
+)
+_FLOAT_FIELDS = ("temperature", "top_p")
+
+
+@dataclass
+class BatchMeta:
+    """Host-side facts about a built step: shapes and flags the runner needs without reading the device."""
+
+    slot: int
+    num_tokens: int  # T, padded to the graph bucket for decode-only steps
+    num_seqs: int  # B, padded likewise
+    num_real_seqs: int
+    num_sample_rows: int  # R: rows of logits / sampled ids (padded rows are ignored)
+    max_query_len: int
+    max_context_len: int
+    is_decode_only: bool
+    any_random: bool
+    any_top_k_top_p: bool
+    has_carry: bool
+
+
+class IOSlot:
+    """One set of step buffers. `host_*` are numpy views of pinned CPU tensors; `dev` holds device views."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        pin = device.type == "cuda"
+        sizes = {"tokens": max_num_tokens, "seqs": max_num_seqs, "seqs+1": max_num_seqs + 1}
+        int_len = sum(sizes[kind] for _, kind in _INT_FIELDS)
+        self.int_host = torch.zeros(int_len, dtype=torch.int32, pin_memory=pin)
+        self.float_host = torch.zeros(len(_FLOAT_FIELDS) * max_num_seqs, dtype=torch.float32, pin_memory=pin)
+        self.tables_host = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.sampled_host = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
+        self.int_dev = torch.zeros(int_len, dtype=torch.int32, device=device)
+        self.float_dev = torch.zeros(len(_FLOAT_FIELDS) * max_num_seqs, dtype=torch.float32, device=device)
+        self.tables_dev = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.sampled_dev = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.host: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        offset = 0
+        int_np = self.int_host.numpy()
+        for name, kind in _INT_FIELDS:
+            n = sizes[kind]
+            self.host[name] = int_np[offset : offset + n]
+            self.dev[name] = self.int_dev[offset : offset + n]
+            offset += n
+        float_np = self.float_host.numpy()
+        for i, name in enumerate(_FLOAT_FIELDS):
+            self.host[name] = float_np[i * max_num_seqs : (i + 1) * max_num_seqs]
+            self.dev[name] = self.float_dev[i * max_num_seqs : (i + 1) * max_num_seqs]
+        self.host["block_tables"] = self.tables_host.numpy()
+        self.dev["block_tables"] = self.tables_dev
+        self.int_used = int_len  # how much of int_host the last build wrote (copied whole: it is small)
+        self.num_table_rows = 0
+
+
+class BatchBuilder:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device, graph_buckets: tuple[int, ...] = ()):
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.slots = [IOSlot(max_num_tokens, max_num_seqs, max_blocks_per_seq, device) for _ in range(2)]
+        self.graph_buckets = tuple(sorted(graph_buckets))
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for bucket in self.graph_buckets:
+            if bucket >= num_seqs:
+                return bucket
+        return None
+
+    def build(self, plan: StepPlan, slot_index: int, prev_rows: dict[Sequence, int]) -> BatchMeta:
+        """Write `plan` into slot `slot_index`. `prev_rows` maps sequences whose newest token is still
+        being sampled by the previous step to that step's output row (the carry-over map)."""
+        slot = self.slots[slot_index]
+        h = slot.host
+        chunks = plan.chunks
+        num_real = len(chunks)
+        is_decode_only = plan.is_decode_only
+        bucket = self.bucket_for(num_real) if is_decode_only else None
+        num_seqs = bucket or num_real
+
+        q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_real)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_real)
+        samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_real)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1 : num_real + 1])
+        cu[num_real + 1 :] = cu[num_real] + np.arange(1, num_seqs - num_real + 1)  # padding: one row each
+        num_real_tokens = int(cu[num_real])
+        num_tokens = int(cu[num_seqs])
+
+        # 1. Token ids; a token still being sampled gets a placeholder and a carry-over source row.
+        carry = h["carry_src"][:num_tokens]
+        carry.fill(-1)
+        ids: list[int] = []
+        for b, c in enumerate(chunks):
+            seq = c.seq
+            num_known = len(seq.prompt_ids) + len(seq.output_ids)
+            end = c.start + c.num_tokens
+            if end <= num_known:
+                ids.extend(seq.token_ids_slice(c.start, end))
+            else:
+                assert end == num_known + 1 and c.num_tokens == 1 and seq in prev_rows, (
+                    f"{seq.request_id}: only a decode's single input token can be in flight"
+                )
+                ids.append(0)
+                carry[cu[b]] = prev_rows[seq]
+        h["input_ids"][:num_real_tokens] = ids
+        h["input_ids"][num_real_tokens:num_tokens] = 0
+
+        # 2. Positions, block tables, slot mapping: vectorised over tokens.
+        seq_of_token = np.repeat(np.arange(num_real), q_lens)
+        positions = (np.arange(num_real_tokens) - np.repeat(cu[:num_real], q_lens)) + np.repeat(starts, q_lens)
+        h["positions"][:num_real_tokens] = positions
+        h["positions"][num_real_tokens:num_tokens] = 0
+        tables = h["block_tables"]
+        for b, c in enumerate(chunks):
+            tables[b, : len(c.seq.block_table)] = c.seq.block_table
+        tables[num_real:num_seqs, 0] = NULL_BLOCK
+        bs = self.block_size
+        h["slot_mapping"][:num_real_tokens] = tables[seq_of_token, positions // bs] * bs + positions % bs
+        h["slot_mapping"][num_real_tokens:num_tokens] = NULL_BLOCK * bs  # padding writes the scratch block
+        h["cu_seqlens_q"][: num_seqs + 1] = cu
+        context_lens = starts + q_lens
+        h["context_lens"][:num_real] = context_lens
+        h["context_lens"][num_real:num_seqs] = 0
+
+        # 3. Sampling rows: one per sampling chunk, in order; padded decode rows sample garbage, ignored.
+        sample_chunks = [c for c in chunks if c.samples]
+        num_rows = num_seqs if bucket else len(sample_chunks)
+        h["logits_indices"][: len(sample_chunks)] = cu[1 : num_real + 1][samples] - 1
+        h["logits_indices"][len(sample_chunks) : num_rows] = cu[num_real + 1 : num_seqs + 1] - 1
+        params = [c.seq.sampling for c in sample_chunks]
+        temps = np.fromiter((p.temperature for p in params), dtype=np.float32, count=len(params))
+        h["temperature"][: len(params)] = temps
+        h["temperature"][len(params) : num_rows] = 0.0
+        h["top_p"][: len(params)] = [p.top_p for p in params]
+        h["top_k"][: len(params)] = [p.top_k for p in params]
+        h["seeds"][: len(params)] = [c.seq.seed for c in sample_chunks]
+        h["sample_positions"][: len(params)] = [c.start + c.num_tokens for c in sample_chunks]
+        slot.num_table_rows = num_seqs
+        return BatchMeta(
+            slot=slot_index,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            num_real_seqs=num_real,
+            num_sample_rows=num_rows,
+            max_query_len=int(q_lens.max()) if num_real else 0,
+            max_context_len=int(context_lens.max()) if num_real else 0,
+            is_decode_only=is_decode_only,
+            any_random=bool((temps > 0).any()),
+            any_top_k_top_p=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            has_carry=bool(prev_rows),
+        )

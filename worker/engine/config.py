@@ -1,0 +1,35 @@
+"""Engine configuration: one frozen dataclass, derived values as properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    mode: str = "async"  # "sync": CPU waits for step N before preparing N+1; "async": overlapped
+    device: str = "auto"  # "auto" -> cuda if available, else cpu
+    dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # explicit cache size; None -> sized from memory
+    kv_memory_fraction: float = 0.90  # of device memory free after loading the model (CUDA)
+    kv_cache_bytes_cpu: int = 256 << 20  # cache budget on CPU when num_kv_blocks is None
+    max_num_batched_tokens: int = 2048  # token budget per step (decodes + prefill chunks)
+    max_num_seqs: int = 256  # running requests at most
+    max_model_len: int | None = None  # None -> the model's max_position_embeddings
+    use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+    attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
+    seed: int = 0  # base for requests without a seed
+
+    def __post_init__(self):
+        assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
+        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: power of two"
+        assert self.max_num_batched_tokens >= self.max_num_seqs or self.max_num_batched_tokens >= 1
+        assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
+        assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2"
+
+    @property
+    def is_async(self) -> bool:
+        return self.mode == "async"

@@ -1,0 +1,293 @@
+"""The engine: a continuous-batching step loop over the scheduler, batch builder and model runner.
+
+Knows nothing of Redis or pydantic: requests come in as `EngineRequest`, results go out as
+`EngineResult`. Owns the request registry (`_seqs`), the inbox of adds/aborts from other threads,
+the results queue, and the engine-wide accounting.
+
+Sync and async are the same loop; async only moves "wait for step N" after "launch step N+1":
+
+    sync:   schedule N, build N, launch N, wait N, process N, schedule N+1, ...
+    async:  schedule N+1, build N+1, launch N+1, wait N, process N, schedule N+2, ...
+
+In async mode step N+1 is planned before step N's tokens are known: a decode's input is a
+placeholder that the device fills from step N's output (carry-over), and a sequence that step N
+finishes was already scheduled in N+1; its extra token is discarded when N+1 is processed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .api import EngineRequest, EngineResult, EngineStats, FinishReason, TokenDelta, Usage
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .models import load_model, resolve_dtype
+from .scheduler import Scheduler, StepPlan
+from .sequence import Sequence
+from .stop import check_stop, final_text
+
+_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+_ACTIVATION_RESERVE_BYTES = 6 << 30  # CUDA: room for activations, logits and graphs beside the KV cache
+
+
+@dataclass
+class _InflightStep:
+    plan: StepPlan
+    handle: object  # model_runner.StepHandle
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, emit_deltas: bool = False):
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        model_len = config.max_model_len or model.config.max_position_embeddings
+        window = getattr(model.config, "sliding_window", None)
+        if window and getattr(model.config, "use_sliding_window", True):
+            model_len = min(model_len, window)  # beyond the window the model would attend differently
+        # A lone sequence must always fit in the cache, or preemption could never make room for it.
+        self.max_model_len = min(model_len, (num_blocks - 1) * config.block_size)
+        buckets = tuple(b for b in _GRAPH_BUCKETS if b <= min(config.max_num_seqs, config.max_num_batched_tokens))
+        self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len, buckets)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        self._seqs: dict[str, Sequence] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.Queue[EngineResult] = queue.Queue()
+        self._deltas: queue.Queue[TokenDelta] | None = queue.Queue() if emit_deltas else None
+        self._lock = threading.Lock()
+        self._num_unfinished = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats = EngineStats()
+        self._loop_start: float | None = None
+        self._slot = 0
+        self.runner.capture_graphs()
+
+    @classmethod
+    def from_model(cls, model: str = "tiny-llama", emit_deltas: bool = False, **config_overrides) -> Engine:
+        """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine."""
+        config = EngineConfig(**config_overrides)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else (
+            torch.device(config.device))
+        hf_model, tokenizer = load_model(model, device, resolve_dtype(config.dtype, device), seed=config.seed)
+        return cls(hf_model, tokenizer, config, emit_deltas=emit_deltas)
+
+    def _blocks_from_memory(self) -> int:
+        per_block = kv_bytes_per_block(self.model.config, self.config.block_size, self.model.dtype)
+        if self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free_bytes * self.config.kv_memory_fraction) - _ACTIVATION_RESERVE_BYTES
+        else:
+            budget = self.config.kv_cache_bytes_cpu
+        return max(2, budget // per_block)
+
+    # -- public API (thread-safe) -----------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request. A bad one comes back at once as an ERROR result; it never raises."""
+        with self._lock:
+            self._num_unfinished += 1
+        error = self._validate(req)
+        if error:
+            self._emit_error(req, error)
+            return
+        self._inbox.put(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def get_results(self, timeout: float | None = 0) -> list[EngineResult]:
+        """Results finished since the last call; waits up to `timeout` seconds for the first one."""
+        results = []
+        try:
+            results.append(self._results.get(timeout=timeout) if timeout else self._results.get_nowait())
+            while True:
+                results.append(self._results.get_nowait())
+        except queue.Empty:
+            pass
+        return results
+
+    def get_deltas(self) -> list[TokenDelta]:
+        assert self._deltas is not None, "construct the engine with emit_deltas=True"
+        out = []
+        while not self._deltas.empty():
+            out.append(self._deltas.get_nowait())
+        return out
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return self._num_unfinished
+
+    def has_capacity(self) -> bool:
+        """More requests are useful while fewer than enough wait to refill every running slot."""
+        return self.num_unfinished() < 2 * self.config.max_num_seqs
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        wall = time.perf_counter() - self._loop_start if self._loop_start else 0.0
+        return EngineStats(s.steps, s.prompt_tokens, s.output_tokens, s.busy_seconds, s.cpu_prep_seconds, wall,
+                           self.scheduler.num_preemptions, len(self.scheduler.running), len(self.scheduler.waiting))
+
+    def start(self) -> None:
+        assert self._thread is None, "engine already started"
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run_loop, args=(False,), name="cbq-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineResult]:
+        """Run `requests` to completion in the calling thread; results in input order."""
+        assert self._thread is None, "generate() cannot run while the loop thread is started"
+        for req in requests:
+            self.add_request(req)
+        self._run_loop(stop_when_idle=True)
+        by_id = {r.request_id: r for r in self.get_results()}
+        return [by_id[req.request_id] for req in requests]
+
+    # -- the step loop ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run_loop(self, stop_when_idle: bool) -> None:
+        self._loop_start = self._loop_start or time.perf_counter()
+        inflight: _InflightStep | None = None
+        while not self._stop.is_set():
+            idle = inflight is None and not self.scheduler.has_unfinished()
+            if idle and stop_when_idle and self._inbox.empty():
+                break
+            self._drain_inbox(block=idle)
+            # 1. Plan and launch the next step (in async mode, while the previous one still runs).
+            launched = self._launch_next(inflight)
+            # 2. Wait for the previous step's tokens and apply them.
+            if inflight is not None:
+                self._process(inflight)
+            inflight = launched
+            # 3. Sync mode: no overlap, wait for this step right away.
+            if not self.config.is_async and inflight is not None:
+                self._process(inflight)
+                inflight = None
+        if inflight is not None:
+            self._process(inflight)
+
+    def _launch_next(self, inflight: _InflightStep | None) -> _InflightStep | None:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return None
+        now = time.time()
+        for chunk in plan.chunks:
+            if chunk.seq.first_scheduled_time is None:
+                chunk.seq.first_scheduled_time = now
+        prev_rows = {c.seq: row for row, c in enumerate(inflight.plan.sampling_chunks())} if inflight else {}
+        meta = self.runner.builder.build(plan, self._slot, prev_rows)
+        self._stats.cpu_prep_seconds += time.perf_counter() - t0
+        handle = self.runner.launch(meta)
+        self._slot ^= 1
+        return _InflightStep(plan, handle)
+
+    def _process(self, step: _InflightStep) -> None:
+        tokens, device_seconds = self.runner.wait(step.handle)
+        stats = self._stats
+        stats.steps += 1
+        stats.busy_seconds += device_seconds
+        num_step_tokens = step.plan.num_tokens
+        now = time.time()
+        for chunk in step.plan.chunks:
+            chunk.seq.gpu_seconds += device_seconds * chunk.num_tokens / num_step_tokens
+            is_decode = chunk.num_tokens == 1 and chunk.start >= len(chunk.seq.prompt_ids)
+            if not is_decode:
+                stats.prompt_tokens += chunk.num_tokens
+        for row, chunk in enumerate(step.plan.sampling_chunks()):
+            seq = chunk.seq
+            self.scheduler.on_token(seq)
+            if seq.is_finished:
+                continue  # finished (or aborted) at an earlier step; this token was speculative
+            seq.output_ids.append(tokens[row])
+            stats.output_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._deltas is not None:
+                self._deltas.put(TokenDelta(seq.request_id, [tokens[row]]))
+            reason = check_stop(seq, self.eos_token_ids, self.max_model_len, self.tokenizer)
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            while True:
+                kind, payload = item
+                if kind == "add":
+                    self._admit(payload)
+                elif kind == "abort":
+                    seq = self._seqs.get(payload)
+                    if seq is not None and not seq.is_finished:
+                        self._finish(seq, FinishReason.CANCELLED)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    # -- request lifecycle ------------------------------------------------------------------------
+    def _validate(self, req: EngineRequest) -> str | None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "empty prompt: at least one token is needed"
+        if n >= self.max_model_len:
+            return (f"prompt has {n} tokens; the context is {self.max_model_len} tokens and at least one "
+                    "must be left for generation")
+        vocab = self.model.config.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            return f"prompt token ids must be in [0, {vocab})"
+        return None
+
+    def _admit(self, req: EngineRequest) -> None:
+        if req.request_id in self._seqs:
+            self._emit_error(req, f"duplicate request id {req.request_id!r} while the first is still running")
+            return
+        seed = req.sampling.seed
+        if seed is None:
+            seed = zlib.crc32(req.request_id.encode()) ^ self.config.seed
+        seq = Sequence(req.request_id, list(req.prompt_ids), req.sampling, seed & 0x7FFFFFFF,
+                       arrival_time=req.arrival_time or time.time())
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        seq.finish_time = time.time()
+        del self._seqs[seq.request_id]
+        text = final_text(seq, self.eos_token_ids, self.tokenizer)
+        first_sched = seq.first_scheduled_time or seq.finish_time
+        usage = Usage(
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            gpu_seconds=seq.gpu_seconds,
+            queue_seconds=max(0.0, first_sched - seq.arrival_time),
+            ttft_seconds=max(0.0, (seq.first_token_time or seq.finish_time) - seq.arrival_time),
+            latency_seconds=max(0.0, seq.finish_time - seq.arrival_time),
+        )
+        self._put_result(EngineResult(seq.request_id, text, list(seq.output_ids), reason, usage, error))
+
+    def _emit_error(self, req: EngineRequest, error: str) -> None:
+        usage = Usage(prompt_tokens=len(req.prompt_ids))
+        self._put_result(EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error))
+
+    def _put_result(self, result: EngineResult) -> None:
+        with self._lock:
+            self._num_unfinished -= 1
+        self._results.put(result)

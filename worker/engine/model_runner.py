@@ -1,0 +1,219 @@
+"""Model runner: owns the model, the paged KV cache, the CUDA streams and events, and the CUDA graphs.
+
+`launch(meta)` queues one step on the device and returns at once with a `StepHandle`; `wait(handle)`
+blocks until that step's sampled tokens are on the host. On CUDA a step is:
+  H2D stream:     wait until the slot's previous compute finished; copy the slot's host buffers up
+  compute stream: wait for H2D; carry-over gather; forward (graph replay for decode); sample
+  D2H stream:     wait for compute; copy sampled ids down; record `d2h_done`
+The default stream is never used in the loop. On CPU the streams and events are no-ops and the same
+code runs synchronously.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .attention_backend import (
+    ATTN_IMPLEMENTATION,
+    AttentionBackend,
+    AttentionMetadata,
+    TritonAttentionBackend,
+    register_paged_attention,
+)
+from .batch import BatchBuilder, BatchMeta, IOSlot
+from .config import EngineConfig
+from .sampler import sample
+
+
+@dataclass
+class StepHandle:
+    meta: BatchMeta
+    sampled_host: torch.Tensor  # view of the slot's pinned output buffer
+    d2h_done: torch.cuda.Event | None
+    start: torch.cuda.Event | None
+    end: torch.cuda.Event | None
+    keep_alive: tuple = ()  # tensors queued work still reads, held until the step completes
+    cpu_seconds: float = 0.0  # CPU path: the step's compute time, measured synchronously
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig, device: torch.device, num_kv_blocks: int,
+                 max_model_len: int, graph_buckets: tuple[int, ...]):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        register_paged_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.is_cuda else "torch"
+        self.attn_backend = TritonAttentionBackend() if backend == "triton" else AttentionBackend()
+
+        self.num_kv_blocks = num_kv_blocks
+        self.kv_caches = allocate_kv_cache(model.config, num_kv_blocks, config.block_size, model.dtype, device)
+        max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.max_model_len = max_model_len
+        max_num_tokens = max(config.max_num_batched_tokens, max(graph_buckets, default=0))
+        self.builder = BatchBuilder(max_num_tokens, config.max_num_seqs, max_blocks_per_seq, config.block_size,
+                                    device, graph_buckets if self._use_graphs else ())
+        if self.is_cuda:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.compute_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.slot_compute_done = [torch.cuda.Event() for _ in range(2)]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.vocab_size = model.config.vocab_size
+
+    @property
+    def _use_graphs(self) -> bool:
+        return self.is_cuda and self.config.use_cuda_graphs
+
+    # -- one step ---------------------------------------------------------------------------------
+    def launch(self, meta: BatchMeta) -> StepHandle:
+        slot = self.builder.slots[meta.slot]
+        # Slots alternate on every launch, so the previous step's sampled ids live in the other slot.
+        prev_sampled = self.builder.slots[1 - meta.slot].sampled_dev
+        if not self.is_cuda:
+            t0 = time.perf_counter()
+            self._copy_inputs(slot, meta)
+            self._compute(slot, meta, prev_sampled)
+            slot.sampled_host[: meta.num_sample_rows].copy_(slot.sampled_dev[: meta.num_sample_rows])
+            handle = StepHandle(meta, slot.sampled_host, None, None, None)
+            handle.cpu_seconds = time.perf_counter() - t0
+            return handle
+        h2d_done, start, end, compute_done, d2h_done = (torch.cuda.Event(enable_timing=i in (1, 2)) for i in range(5))
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(self.slot_compute_done[meta.slot])
+            self._copy_inputs(slot, meta)
+            h2d_done.record()
+        with torch.cuda.stream(self.compute_stream):
+            self.compute_stream.wait_event(h2d_done)
+            start.record()
+            self._compute(slot, meta, prev_sampled)
+            end.record()
+            compute_done.record()
+            self.slot_compute_done[meta.slot] = compute_done
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(compute_done)
+            rows = meta.num_sample_rows
+            slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows], non_blocking=True)
+            d2h_done.record()
+        return StepHandle(meta, slot.sampled_host, d2h_done, start, end)
+
+    def wait(self, handle: StepHandle) -> tuple[list[int], float]:
+        """Block until the step's tokens are on the host. Returns (token ids, device seconds of the step)."""
+        if handle.d2h_done is not None:
+            handle.d2h_done.synchronize()
+            seconds = handle.start.elapsed_time(handle.end) / 1000.0
+        else:
+            seconds = handle.cpu_seconds
+        return handle.sampled_host[: handle.meta.num_sample_rows].tolist(), seconds
+
+    def _copy_inputs(self, slot: IOSlot, meta: BatchMeta) -> None:
+        nb = self.is_cuda
+        slot.int_dev.copy_(slot.int_host, non_blocking=nb)
+        slot.float_dev.copy_(slot.float_host, non_blocking=nb)
+        slot.tables_dev[: meta.num_seqs].copy_(slot.tables_host[: meta.num_seqs], non_blocking=nb)
+
+    def _compute(self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor) -> None:
+        d = slot.dev
+        rows = meta.num_sample_rows
+        key = (meta.slot, meta.num_seqs)
+        if meta.is_decode_only and key in self.graphs:
+            self.graphs[key].replay()
+            logits = self.graph_logits[key]
+        else:
+            logits = self._forward(slot, meta, prev_sampled, logits_indices=d["logits_indices"][:rows])
+        tokens = sample(
+            logits, d["temperature"][:rows], d["top_p"][:rows], d["top_k"][:rows], d["seeds"][:rows],
+            d["sample_positions"][:rows], meta.any_random, meta.any_top_k_top_p,
+        )
+        slot.sampled_dev[:rows].copy_(tokens)
+
+    def _forward(self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor, logits_indices) -> torch.Tensor:
+        d = slot.dev
+        num_tokens, num_seqs = meta.num_tokens, meta.num_seqs
+        input_ids = d["input_ids"][:num_tokens]
+        if meta.has_carry or meta.is_decode_only:
+            # Carry-over: fill placeholders with the previous step's sampled ids, on the device.
+            src = d["carry_src"][:num_tokens]
+            input_ids.copy_(torch.where(src >= 0, prev_sampled[src.clamp(min=0)], input_ids))
+        attn = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=d["slot_mapping"][:num_tokens],
+            block_tables=d["block_tables"][:num_seqs],
+            cu_seqlens_q=d["cu_seqlens_q"][: num_seqs + 1],
+            context_lens=d["context_lens"][:num_seqs],
+            max_query_len=meta.max_query_len,
+            max_context_len=meta.max_context_len,
+            is_decode_only=meta.is_decode_only,
+            backend=self.attn_backend,
+        )
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=d["positions"][:num_tokens][None],
+            logits_to_keep=logits_indices,
+            use_cache=False,
+            cbq=attn,
+        )
+        return out.logits[0]
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """One graph per (IO slot, batch bucket), largest first, all in one memory pool."""
+        if not self._use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for slot_index in (0, 1):
+            slot = self.builder.slots[slot_index]
+            prev_sampled = self.builder.slots[1 - slot_index].sampled_dev
+            for bucket in sorted(self.builder.graph_buckets, reverse=True):
+                meta = _decode_capture_meta(slot_index, bucket, self.max_model_len)
+                _fill_padding_decode(slot, bucket)
+                with torch.cuda.stream(self.compute_stream):
+                    self._forward(slot, meta, prev_sampled, logits_indices=0)  # warm-up outside capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
+                    logits = self._forward(slot, meta, prev_sampled, logits_indices=0)
+                self.graphs[(slot_index, bucket)] = graph
+                self.graph_logits[(slot_index, bucket)] = logits
+        torch.cuda.synchronize(self.device)
+
+
+def _decode_capture_meta(slot_index: int, bucket: int, max_model_len: int) -> BatchMeta:
+    # Graphs are captured for the worst case, so kernels size their grids for any context length.
+    return BatchMeta(slot=slot_index, num_tokens=bucket, num_seqs=bucket, num_real_seqs=bucket,
+                     num_sample_rows=bucket, max_query_len=1, max_context_len=max_model_len,
+                     is_decode_only=True, any_random=False, any_top_k_top_p=False, has_carry=True)
+
+
+def _fill_padding_decode(slot: IOSlot, bucket: int) -> None:
+    """Valid dummy inputs for capture: every row a padding row (context 0, scratch slot)."""
+    d = slot.dev
+    d["input_ids"][:bucket].zero_()
+    d["positions"][:bucket].zero_()
+    d["slot_mapping"][:bucket].zero_()
+    d["carry_src"][:bucket].fill_(-1)
+    d["cu_seqlens_q"][: bucket + 1].copy_(torch.arange(bucket + 1, dtype=torch.int32))
+    d["context_lens"][:bucket].zero_()
+    d["block_tables"][:bucket].zero_()
+
+
+def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_kv_cache(model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    shape = (model_config.num_hidden_layers, 2, num_blocks, block_size, model_config.num_key_value_heads, head_dim)
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    return [(cache[i, 0], cache[i, 1]) for i in range(model_config.num_hidden_layers)]
+

@@ -1,0 +1,67 @@
+"""Sampler: greedy, temperature, top-k, top-p, with a per-request seed. Owns no state.
+
+Random draws come from a counter-based hash of (seed, position, vocab id), turned into Gumbel noise:
+argmax(logits / T + Gumbel) samples exactly from softmax(logits / T). So a request's tokens depend
+only on its seed and its positions, never on what else shares the batch or on sync vs async, and
+nothing here syncs with the host (graph- and stream-friendly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32  # products wrap in int64; the low 32 bits stay exact
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] floats in (0, 1), a pure function of (seed, position, vocab id)."""
+    row = _fmix32((seeds.long() * 0x9E3779B1 + positions.long()) & _M32)
+    col = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F) & _M32
+    bits = _fmix32(row[:, None] ^ col[None, :])
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k (0 = off) and top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    keep = (top_k[:, None] <= 0) | (ranks[None, :] < top_k[:, None])
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is below top_p: the first token always stays.
+    keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+    masked = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    any_random: bool,
+    any_top_k_top_p: bool,
+) -> torch.Tensor:
+    """logits [R, V]; per-row params [R]. `any_*` are host-side flags so all-greedy steps stay cheap.
+
+    Returns int32 token ids [R]. Rows with temperature 0 are greedy.
+    """
+    greedy = logits.argmax(dim=-1).to(torch.int32)
+    if not any_random:
+        return greedy
+    scaled = logits.float() / temperature.clamp(min=1e-6)[:, None]
+    if any_top_k_top_p:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
+    sampled = (scaled + gumbel).argmax(dim=-1).to(torch.int32)
+    return torch.where(temperature > 0, sampled, greedy)

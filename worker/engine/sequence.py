@@ -1,0 +1,72 @@
+"""`Sequence`: the one piece of state shared by the engine's owners. Each owner changes only its fields:
+
+- scheduler: `status`, `num_computed_tokens`, `num_inflight_samples`
+- block manager: `block_table`
+- engine (when a step's tokens arrive): `output_ids`, `finish_reason`, timestamps, accounting counters
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .api import FinishReason, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # the request's random stream is a function of (seed, position) only
+    arrival_time: float = field(default_factory=time.time)
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    # Tokens whose K/V are in the cache or will be written by steps already launched.
+    num_computed_tokens: int = 0
+    # Tokens sampled by launched steps whose values the host does not know yet (async: at most 1-2).
+    num_inflight_samples: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # accounting
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    gpu_seconds: float = 0.0
+    num_preemptions: int = 0
+    text: str = ""  # set when finished
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus tokens sampled in flight: the sequence's length as the scheduler sees it."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight_samples
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, known or in flight."""
+        return len(self.output_ids) + self.num_inflight_samples
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Known token ids in [start, end) of prompt + output (callers never ask for in-flight ones)."""
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - num_prompt]

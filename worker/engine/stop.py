@@ -1,0 +1,46 @@
+"""Stop conditions and final text. Owns nothing: reads a `Sequence` after a token was appended.
+
+Stop strings are found by decoding only a tail window of the output each step (cheap, incremental);
+the window holds enough tokens for the longest stop string because every token decodes to at least
+one byte. The final text is cut just before the first occurrence.
+"""
+
+from __future__ import annotations
+
+from .api import FinishReason
+from .sequence import Sequence
+
+_WINDOW_SLACK_TOKENS = 4
+
+
+def check_stop(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int, tokenizer) -> FinishReason | None:
+    """Why `seq` must stop after its newest token, or None."""
+    params = seq.sampling
+    token = seq.output_ids[-1]
+    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return FinishReason.STOP
+    if params.stop and _tail_has_stop_string(seq, tokenizer):
+        return FinishReason.STOP
+    if len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _tail_has_stop_string(seq: Sequence, tokenizer) -> bool:
+    window = max(len(s.encode("utf-8")) for s in seq.sampling.stop) + _WINDOW_SLACK_TOKENS
+    tail = tokenizer.decode(seq.output_ids[-window:])
+    return any(s in tail for s in seq.sampling.stop)
+
+
+def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
+    """Decoded output without a final stop token, cut before the first stop string."""
+    ids = seq.output_ids
+    params = seq.sampling
+    if ids and ((ids[-1] in eos_token_ids and not params.ignore_eos) or ids[-1] in params.stop_token_ids):
+        ids = ids[:-1]
+    text = tokenizer.decode(ids)
+    if params.stop:
+        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if cuts:
+            text = text[: min(cuts)]
+    return text

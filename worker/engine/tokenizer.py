@@ -1,0 +1,68 @@
+"""Tokenizers: a file-free byte tokenizer for presets, and a thin wrapper over Hugging Face tokenizers.
+
+Both expose the same small surface the engine and the worker use:
+`encode(text)`, `encode_chat(messages)`, `decode(ids)`, `eos_token_ids`, `vocab_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0-255; then BOS, EOS and PAD. Ids past those decode to nothing.
+
+    Needs no files, so tests and benchmarks never download anything.
+    """
+
+    NUM_BYTES = 256
+
+    def __init__(self):
+        self.bos_token_id = self.NUM_BYTES
+        self.eos_token_id = self.NUM_BYTES + 1
+        self.pad_token_id = self.NUM_BYTES + 2
+        self.vocab_size = self.NUM_BYTES + 3
+        self.eos_token_ids = frozenset({self.eos_token_id})
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id, *text.encode("utf-8")]
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # A fixed, documented template: "<|role|>\ncontent\n" per message, then the assistant's turn.
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        return self.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Wraps a `transformers` tokenizer loaded from a local path or hub name."""
+
+    def __init__(self, tokenizer, extra_eos_ids: tuple[int, ...] = ()):
+        self._tok = tokenizer
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.eos_token_ids = frozenset(eos | set(extra_eos_ids))
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, extra_eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(name_or_path), extra_eos_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if getattr(self._tok, "chat_template", None):
+            ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        # No template: a plain transcript, so chat lines still work with base models.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
