@@ -104,12 +104,12 @@ def find_lost_requests(conn: redis.Redis, batch_id: str) -> dict[int, tuple[Fini
             pipe.hget(Job.key_for(job_id), "status")
         statuses = [s.decode() if s is not None else None for s in pipe.execute()]
     lost: dict[int, tuple[FinishReason, str]] = {}
-    for (job_id, (start, stop)), status in zip(ranges.items(), statuses):
+    for (job_id, (start, stop)), status in zip(ranges.items(), statuses, strict=True):
         if status not in _LOST_STATUSES:
             continue
         indices = list(range(start, stop))
         done = conn.hmget(keys.batch_results(batch_id), indices)
-        missing = [i for i, raw in zip(indices, done) if raw is None]
+        missing = [i for i, raw in zip(indices, done, strict=True) if raw is None]
         if missing:
             message = _job_failure_message(conn, job_id, status)
             lost.update({i: (_LOST_STATUSES[status], message) for i in missing})
@@ -149,8 +149,10 @@ def iter_results(
         indices = list(range(page_start, min(page_start + PAGE_SIZE, status.num_total)))
         raw_results = conn.hmget(keys.batch_results(batch_id), indices)
         need_requests = output_format == "openai" or any(i in lost for i in indices)
-        raw_requests = conn.hmget(keys.batch_requests(batch_id), indices) if need_requests else [None] * len(indices)
-        for index, raw_result, raw_request in zip(indices, raw_results, raw_requests):
+        raw_requests = (
+            conn.hmget(keys.batch_requests(batch_id), indices) if need_requests else [None] * len(indices)
+        )
+        for index, raw_result, raw_request in zip(indices, raw_results, raw_requests, strict=True):
             request = Request.model_validate_json(raw_request) if raw_request is not None else None
             if raw_result is not None:
                 result = ResultLine.model_validate_json(raw_result)
@@ -195,18 +197,23 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
     with conn.pipeline(transaction=True) as pipe:
         for job_id in ranges:
             pipe.lrem(queue.key, 1, job_id)
-        owned = [job_id for job_id, removed in zip(ranges, pipe.execute()) if removed]
+        owned = [job_id for job_id, removed in zip(ranges, pipe.execute(), strict=True) if removed]
     if not owned:
         return CancelReport(batch_id, 0, 0)
 
     indices = [i for job_id in owned for i in range(*ranges[job_id])]
     done = conn.hmget(keys.batch_results(batch_id), indices)
-    todo = [i for i, raw in zip(indices, done) if raw is None]  # a retried chunk may have finished some
+    todo = [
+        i for i, raw in zip(indices, done, strict=True) if raw is None
+    ]  # a retried chunk may have finished some
     requests = conn.hmget(keys.batch_requests(batch_id), todo) if todo else []
     results = [
-        ResultLine(custom_id=_custom_id(raw), index=i, finish_reason="cancelled") for i, raw in zip(todo, requests)
+        ResultLine(custom_id=_custom_id(raw), index=i, finish_reason="cancelled")
+        for i, raw in zip(todo, requests, strict=True)
     ]
-    jobs = [job for job in Job.fetch_many(owned, connection=conn, serializer=JSONSerializer) if job is not None]
+    jobs = [
+        job for job in Job.fetch_many(owned, connection=conn, serializer=JSONSerializer) if job is not None
+    ]
     with conn.pipeline(transaction=True) as pipe:
         for job in jobs:
             if not job.is_canceled:
@@ -233,7 +240,7 @@ def list_workers(conn: redis.Redis) -> list[WorkerStats]:
     names = [n.decode() for n in conn.zrange(keys.WORKERS, 0, -1)]
     raw_stats = conn.mget([keys.worker_stats(n) for n in names]) if names else []
     out = []
-    for name, raw in zip(names, raw_stats):
+    for name, raw in zip(names, raw_stats, strict=True):
         if raw is None:
             conn.zrem(keys.WORKERS, name)
         else:

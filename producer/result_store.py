@@ -47,15 +47,21 @@ def queue_results(
     `running_job_ids` has one entry per result that came out of an engine (its chunk's running count drops);
     `finished_job_ids` are chunks with nothing left running (their entry is removed).
     """
-    if not results and not finished_job_ids:
+    running_job_ids, finished_job_ids = list(running_job_ids), list(finished_job_ids)
+    if not results and not running_job_ids and not finished_job_ids:
         return
     meta_key = keys.batch(batch_id)
     if results:
-        pipe.hset(keys.batch_results(batch_id), mapping={r.index: r.model_dump_json(exclude_none=True) for r in results})
+        pipe.hset(
+            keys.batch_results(batch_id),
+            mapping={r.index: r.model_dump_json(exclude_none=True) for r in results},
+        )
         for field, count in Counter(_COUNTER_OF_REASON[r.finish_reason] for r in results).items():
             pipe.hincrby(meta_key, field.value, count)
         pipe.hincrby(meta_key, BatchField.PROMPT_TOKENS.value, sum(r.usage.prompt_tokens for r in results))
-        pipe.hincrby(meta_key, BatchField.COMPLETION_TOKENS.value, sum(r.usage.completion_tokens for r in results))
+        pipe.hincrby(
+            meta_key, BatchField.COMPLETION_TOKENS.value, sum(r.usage.completion_tokens for r in results)
+        )
         pipe.hincrbyfloat(meta_key, BatchField.GPU_SECONDS.value, sum(r.usage.gpu_seconds for r in results))
         fields = {BatchField.LAST_FINISHED_AT.value: repr(time.time())}
         if model:
@@ -64,9 +70,8 @@ def queue_results(
     running_key = keys.batch_running(batch_id)
     for job_id, count in Counter(running_job_ids).items():
         pipe.hincrby(running_key, job_id, -count)
-    finished = list(finished_job_ids)
-    if finished:
-        pipe.hdel(running_key, *finished)
+    if finished_job_ids:
+        pipe.hdel(running_key, *finished_job_ids)
     # Results expire `ttl_seconds` after the batch's last activity, all keys together.
     for key in keys.all_batch_keys(batch_id):
         pipe.expire(key, ttl_seconds)

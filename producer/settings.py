@@ -15,7 +15,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_QUEUE = "cbq"
 DEFAULT_RESULT_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_CHUNK_SIZE = 64
-DEFAULT_RETRIES = 2  # a chunk whose worker died is re-enqueued this many times (finished requests are skipped)
+DEFAULT_RETRIES = (
+    2  # a chunk whose worker died is re-enqueued this many times (finished requests are skipped)
+)
 
 
 def default_redis_url() -> str:

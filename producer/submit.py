@@ -53,7 +53,9 @@ def validate_lines(lines: Iterable[str], on_line: Callable[[], None] | None = No
         if parsed.custom_id is not None:
             first = first_line_of.setdefault(parsed.custom_id, line_no)
             if first != line_no:
-                issue = FieldIssue("custom_id", f"duplicate custom_id {parsed.custom_id!r} (first on line {first})")
+                issue = FieldIssue(
+                    "custom_id", f"duplicate custom_id {parsed.custom_id!r} (first on line {first})"
+                )
                 out.errors.append(RequestLineError(line_no, [issue]))
                 continue
         out.requests.append(parsed)
@@ -66,7 +68,7 @@ class SubmitOptions:
     name: str | None = None  # resubmissions with the same name skip custom_ids already submitted
     chunk_size: int = 64
     ttl_seconds: int = 7 * 24 * 3600
-    defaults: SamplingOverrides = SamplingOverrides()
+    defaults: SamplingOverrides = field(default_factory=SamplingOverrides)
     return_token_ids: bool = False
     retries: int = 2
     job_timeout_seconds: int = -1  # -1: no limit (a chunk's time depends on the load of the engine)
@@ -112,7 +114,7 @@ def _already_submitted(conn: redis.Redis, name: str | None, parsed: list[ParsedR
     if name is None or not custom_ids:
         return set()
     found = conn.hmget(keys.name_index(name), custom_ids)
-    return {cid for cid, batch_id in zip(custom_ids, found) if batch_id is not None}
+    return {cid for cid, batch_id in zip(custom_ids, found, strict=True) if batch_id is not None}
 
 
 def _stage_requests(conn, batch_id, requests: list[Request], ttl_seconds: int, on_progress) -> None:
@@ -129,7 +131,9 @@ def _stage_requests(conn, batch_id, requests: list[Request], ttl_seconds: int, o
 
 def _commit(conn: redis.Redis, batch_id: str, requests: list[Request], options: SubmitOptions) -> int:
     queue = Queue(options.queue, connection=conn, serializer=JSONSerializer)
-    ranges = [(s, min(s + options.chunk_size, len(requests))) for s in range(0, len(requests), options.chunk_size)]
+    ranges = [
+        (s, min(s + options.chunk_size, len(requests))) for s in range(0, len(requests), options.chunk_size)
+    ]
     custom_ids = {r.custom_id: batch_id for r in requests if r.custom_id is not None}
     name_key = keys.name_index(options.name) if options.name else None
     ttl = options.ttl_seconds
@@ -138,13 +142,22 @@ def _commit(conn: redis.Redis, batch_id: str, requests: list[Request], options: 
         if name_key is not None and custom_ids:
             # WATCH makes a concurrent submit under the same name abort one of the two commits.
             pipe.watch(name_key)
-            clash = [cid for cid, found in zip(custom_ids, pipe.hmget(name_key, list(custom_ids))) if found]
+            clash = [
+                cid
+                for cid, found in zip(custom_ids, pipe.hmget(name_key, list(custom_ids)), strict=True)
+                if found
+            ]
             if clash:
-                raise SubmitConflict(f"{len(clash)} custom_ids were just submitted under --name {options.name!r}")
+                raise SubmitConflict(
+                    f"{len(clash)} custom_ids were just submitted under --name {options.name!r}"
+                )
             pipe.multi()
         pipe.hset(keys.batch(batch_id), mapping=_batch_fields(batch_id, requests, len(ranges), options))
         job_ids = [keys.chunk_job_id(batch_id, k) for k in range(len(ranges))]
-        pipe.hset(keys.batch_jobs(batch_id), mapping={jid: f"{s}:{e}" for jid, (s, e) in zip(job_ids, ranges)})
+        pipe.hset(
+            keys.batch_jobs(batch_id),
+            mapping={jid: f"{s}:{e}" for jid, (s, e) in zip(job_ids, ranges, strict=True)},
+        )
         queue.enqueue_many(
             [
                 Queue.prepare_data(
@@ -158,7 +171,7 @@ def _commit(conn: redis.Redis, batch_id: str, requests: list[Request], options: 
                     ttl=ttl,
                     retry=_retry(options.retries),
                 )
-                for jid, (s, e) in zip(job_ids, ranges)
+                for jid, (s, e) in zip(job_ids, ranges, strict=True)
             ],
             pipeline=pipe,
         )

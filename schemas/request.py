@@ -207,9 +207,13 @@ def parse_request_line(text: str, line_no: int) -> ParsedRequest | None:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise RequestLineError(line_no, [FieldIssue("", f"invalid JSON: {exc.msg} at column {exc.colno}")]) from None
+        raise RequestLineError(
+            line_no, [FieldIssue("", f"invalid JSON: {exc.msg} at column {exc.colno}")]
+        ) from None
     if not isinstance(obj, dict):
-        raise RequestLineError(line_no, [FieldIssue("", f"a line must be a JSON object, got {type(obj).__name__}")])
+        raise RequestLineError(
+            line_no, [FieldIssue("", f"a line must be a JSON object, got {type(obj).__name__}")]
+        )
 
     if _OPENAI_KEYS & obj.keys():
         return _parse_openai_line(obj, line_no)

@@ -81,7 +81,9 @@ def to_openai_output(
     if result.finish_reason in ("error", "cancelled"):
         code = "generation_error" if result.finish_reason == "error" else "cancelled"
         message = result.error or "the request was cancelled before it finished"
-        return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, error=OpenAIError(code=code, message=message))
+        return OpenAIBatchOutputLine(
+            id=line_id, custom_id=custom_id, error=OpenAIError(code=code, message=message)
+        )
 
     usage = OpenAIUsage(
         prompt_tokens=result.usage.prompt_tokens,

@@ -205,7 +205,9 @@ class FakeEngine:
 
     def _error(self, req: EngineRequest, now: float) -> EngineResult:
         n = len(req.prompt_ids)
-        message = "empty prompt" if n == 0 else f"prompt has {n} tokens; max_model_len is {self.max_model_len}"
+        message = (
+            "empty prompt" if n == 0 else f"prompt has {n} tokens; max_model_len is {self.max_model_len}"
+        )
         return EngineResult(
             request_id=req.request_id,
             text="",

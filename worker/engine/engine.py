@@ -16,6 +16,7 @@ finishes was already scheduled in N+1; its extra token is discarded when N+1 is 
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -70,6 +71,8 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
+        # Per step (num_tokens, num_seqs, context tokens read, device seconds): for floors and profiles.
+        self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=1 << 16)
         self._loop_start: float | None = None
         self._slot = 0
         self.runner.capture_graphs()
@@ -138,6 +141,12 @@ class Engine:
         return EngineStats(s.steps, s.prompt_tokens, s.output_tokens, s.busy_seconds, s.cpu_prep_seconds, wall,
                            self.scheduler.num_preemptions, len(self.scheduler.running), len(self.scheduler.waiting))
 
+    def reset_stats(self) -> None:
+        """Start accounting afresh (benchmarks call this after warm-up)."""
+        self._stats = EngineStats()
+        self.step_log.clear()
+        self._loop_start = None
+
     def start(self) -> None:
         assert self._thread is None, "engine already started"
         self._stop.clear()
@@ -205,6 +214,8 @@ class Engine:
         stats.steps += 1
         stats.busy_seconds += device_seconds
         num_step_tokens = step.plan.num_tokens
+        context_tokens = sum(c.start + c.num_tokens for c in step.plan.chunks)
+        self.step_log.append((num_step_tokens, len(step.plan.chunks), context_tokens, device_seconds))
         now = time.time()
         for chunk in step.plan.chunks:
             chunk.seq.gpu_seconds += device_seconds * chunk.num_tokens / num_step_tokens

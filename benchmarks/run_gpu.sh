@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
+#   bash benchmarks/run_gpu.sh [tests] [kernels] [w1] [w1hf] [w2] [queue]   (no argument: all of them)
+# Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
+# (see benchmarks/README.md). Results and logs go to $OUT (the device tool) or benchmarks/out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+stages=${*:-tests kernels w1 w1hf w2 queue}
+has() { [[ " $stages " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+
+bench() { timeout "$1" python3 -m worker.bench engine "${@:2}"; }
+
+if has tests; then
+    timeout 420 python3 -m pytest -q -m gpu tests/worker/engine -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if has kernels; then
+    timeout 120 python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -20
+fi
+if has w1; then
+    bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --json-out "$OUT/w1.json" 2>&1 | tail -12
+fi
+if has w1hf; then
+    bench 400 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --compare-hf --hf-output-len 128 \
+        --json-out "$OUT/w1_hf.json" 2>&1 | tail -12
+fi
+if has w2; then
+    bench 480 --model llama3-8b --workload W2 --mode both --max-num-seqs 512 --max-num-batched-tokens 4096 \
+        --json-out "$OUT/w2.json" 2>&1 | tail -12
+fi
+if has queue; then
+    bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.queue_e2e_bench --model llama3-8b --workload W2 \
+        --json-out "$OUT/w2_queue.json" 2>&1 | tail -12
+fi
+ls -la "$OUT"

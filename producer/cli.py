@@ -1,0 +1,381 @@
+"""`cbq`: the command line. The root group and the producer-side commands (nothing here imports torch).
+
+`worker` and `run` live in `worker/cli.py`, `bench` in `worker/bench.py`; they are imported only when run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+import click
+
+from producer import batches, settings
+from producer.lazy_group import LazyGroup
+from producer.options import (
+    echo_json,
+    json_option,
+    open_redis,
+    queue_option,
+    redis_url_option,
+    sampling_options,
+    ttl_option,
+)
+from producer.submit import SubmitConflict, SubmitOptions, submit_batch, validate_lines
+from schemas.request import SamplingOverrides
+from schemas.status import BatchStatus
+
+PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
+
+LAZY_COMMANDS = {
+    "worker": ("worker.cli:worker", "Run a GPU worker that drains a queue into the engine."),
+    "run": ("worker.cli:run", "Submit a file, run it in-process, write the results (no setup needed)."),
+    "bench": ("worker.bench:bench", "Benchmarks (engine, queue)."),
+}
+
+
+@click.group(
+    cls=LazyGroup, lazy_commands=LAZY_COMMANDS, context_settings={"help_option_names": ["-h", "--help"]}
+)
+@click.version_option(package_name="cbq")
+def main():
+    """cbq: bulk LLM generation. Producers submit JSONL files to a Redis queue; GPU workers drain it into a
+    continuous-batching engine and write results, token counts and GPU time back to Redis.
+
+    Quick start without Redis: `cbq run examples/prompts.jsonl -o out.jsonl`.
+    """
+
+
+# --- submit --------------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@redis_url_option
+@queue_option
+@click.option(
+    "--name", help="Batch name; resubmitting under the same name skips custom_ids already submitted."
+)
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=settings.DEFAULT_CHUNK_SIZE,
+    show_default=True,
+    help="Requests per rq job.",
+)
+@ttl_option
+@click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the invalid ones.")
+@click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
+@click.option(
+    "--retries",
+    type=click.IntRange(min=0),
+    default=settings.DEFAULT_RETRIES,
+    show_default=True,
+    help="Times a chunk is retried when its worker dies or fails (finished requests are not redone).",
+)
+@click.option(
+    "--job-timeout",
+    type=int,
+    default=-1,
+    show_default=True,
+    help="Seconds a chunk may stay in a worker before it is aborted and retried; -1: no limit.",
+)
+@sampling_options
+@json_option
+def submit(
+    file,
+    redis_url,
+    queue,
+    name,
+    chunk_size,
+    ttl_seconds,
+    skip_invalid,
+    return_token_ids,
+    retries,
+    job_timeout,
+    defaults: SamplingOverrides,
+    as_json,
+):
+    """Validate FILE (JSONL; `-` for stdin) and enqueue it as one batch; prints the batch id.
+
+    Each line is {"prompt": ...}, {"messages": [...]} or an OpenAI Batch line (custom_id, method, url, body).
+    Every line is validated first: if any is invalid, each bad line is reported and nothing is enqueued.
+    Blank lines are skipped. Sampling flags are batch defaults; values on a line win.
+    """
+    if job_timeout == 0 or job_timeout < -1:
+        raise click.BadParameter(
+            "must be -1 (no limit) or a positive number of seconds", param_hint="--job-timeout"
+        )
+    lines = file.read().splitlines()
+    validated = _validate_with_progress(lines)
+    for error in validated.errors:
+        click.echo(str(error), err=True)
+    if validated.errors and not skip_invalid:
+        if as_json:
+            echo_json({"batch_id": None, "errors": [_error_json(e) for e in validated.errors]})
+        raise click.ClickException(
+            f"{len(validated.errors)} invalid line(s); nothing was enqueued (--skip-invalid enqueues the valid ones)"
+        )
+    if not validated.requests:
+        raise click.ClickException("no requests in the input")
+
+    conn = open_redis(redis_url)
+    options = SubmitOptions(
+        queue=queue,
+        name=name,
+        chunk_size=chunk_size,
+        ttl_seconds=ttl_seconds,
+        defaults=defaults,
+        return_token_ids=return_token_ids,
+        retries=retries,
+        job_timeout_seconds=job_timeout,
+    )
+    try:
+        report = _submit_with_progress(conn, validated.requests, options)
+    except SubmitConflict as exc:
+        raise click.ClickException(str(exc)) from None
+
+    if report.skipped_custom_ids:
+        shown = ", ".join(report.skipped_custom_ids[:10]) + (
+            " ..." if len(report.skipped_custom_ids) > 10 else ""
+        )
+        click.echo(
+            f"skipped {len(report.skipped_custom_ids)} already submitted under --name {name}: {shown}",
+            err=True,
+        )
+    if report.batch_id is None:
+        click.echo("nothing to submit: every request was already submitted under this name", err=True)
+    elif not as_json:
+        click.echo(
+            f"submitted {report.num_requests} requests in {report.num_chunks} chunks to queue {queue}",
+            err=True,
+        )
+        click.echo(report.batch_id)
+    if as_json:
+        echo_json(
+            {
+                "batch_id": report.batch_id,
+                "queue": queue,
+                "num_requests": report.num_requests,
+                "num_chunks": report.num_chunks,
+                "num_invalid": len(validated.errors),
+                "skipped_custom_ids": report.skipped_custom_ids,
+                "errors": [_error_json(e) for e in validated.errors],
+            }
+        )
+
+
+def _validate_with_progress(lines: list[str]):
+    if len(lines) < PROGRESS_MIN_LINES:
+        return validate_lines(lines)
+    with click.progressbar(length=len(lines), label="validating", file=sys.stderr) as bar:
+        return validate_lines(lines, on_line=lambda: bar.update(1))
+
+
+def _submit_with_progress(conn, requests, options):
+    if len(requests) < PROGRESS_MIN_LINES:
+        return submit_batch(conn, requests, options)
+    with click.progressbar(length=len(requests), label="storing", file=sys.stderr) as bar:
+        return submit_batch(conn, requests, options, on_progress=bar.update)
+
+
+def _error_json(error) -> dict:
+    return {"line": error.line_no, "issues": [{"field": i.field, "message": i.message} for i in error.issues]}
+
+
+# --- status / wait -------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("batch_id")
+@redis_url_option
+@json_option
+def status(batch_id, redis_url, as_json):
+    """Counts, token totals, rates and ETA of a batch."""
+    st = _get_status(open_redis(redis_url), batch_id)
+    if as_json:
+        echo_json(_status_json(st))
+    else:
+        click.echo(format_status(st))
+
+
+def format_status(st: BatchStatus) -> str:
+    name = f" ({st.name})" if st.name else ""
+    eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
+    return "\n".join(
+        [
+            f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}",
+            f"  total {st.num_total}  queued {st.num_queued}  running {st.num_running}  "
+            f"completed {st.num_completed}  failed {st.num_failed}  cancelled {st.num_cancelled}",
+            f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  gpu {st.gpu_seconds:.2f} s",
+            f"  rate {st.requests_per_second:.1f} req/s  {st.completion_tokens_per_second:.1f} completion tok/s  "
+            f"ETA {eta}",
+        ]
+    )
+
+
+@main.command()
+@click.argument("batch_id")
+@redis_url_option
+@click.option(
+    "--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True, help="Poll every N s."
+)
+@click.option(
+    "--timeout", type=click.FloatRange(min=0), default=None, help="Give up after N seconds (exit 1)."
+)
+@json_option
+def wait(batch_id, redis_url, interval, timeout, as_json):
+    """Show progress until BATCH_ID has finished.
+
+    Exit status: 0 when every request completed, 2 when the batch finished with failed or cancelled
+    requests, 1 on error or --timeout.
+    """
+    conn = open_redis(redis_url)
+    st = _get_status(conn, batch_id)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with click.progressbar(length=st.num_total, label=f"batch {batch_id}", file=sys.stderr) as bar:
+        shown = 0
+        while True:
+            bar.update(st.num_finished - shown)
+            shown = st.num_finished
+            if st.is_done:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise click.ClickException(f"timed out: {st.num_total - st.num_finished} requests unfinished")
+            time.sleep(interval)
+            st = _get_status(conn, batch_id)
+    if as_json:
+        echo_json(_status_json(st))
+    else:
+        click.echo(format_status(st))
+    if st.num_failed or st.num_cancelled:
+        sys.exit(2)
+
+
+# --- results -------------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("batch_id")
+@redis_url_option
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default="-",
+    help="Output file (default: stdout). Written atomically.",
+)
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["cbq", "openai"]),
+    default="cbq",
+    show_default=True,
+    help="cbq result lines, or OpenAI Batch output lines.",
+)
+@click.option("--partial", is_flag=True, help="Write the finished requests of an unfinished batch.")
+def results(batch_id, redis_url, output, output_format, partial):
+    """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included."""
+    conn = open_redis(redis_url)
+    try:
+        lines = batches.iter_results(conn, batch_id, output_format=output_format, partial=partial)
+        first = next(lines, None)  # raises before the output file is created when the batch is not ready
+        num_written = 0
+        with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
+            for line in itertools.chain([first] if first is not None else [], lines):
+                out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
+                num_written += 1
+    except batches.BatchNotFound as exc:
+        raise click.ClickException(str(exc)) from None
+    except batches.BatchNotFinished as exc:
+        raise click.ClickException(f"{exc}; wait with `cbq wait {batch_id}` or pass --partial") from None
+    if output != "-":
+        click.echo(f"wrote {num_written} results to {output}", err=True)
+
+
+# --- cancel --------------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("batch_id")
+@redis_url_option
+@json_option
+def cancel(batch_id, redis_url, as_json):
+    """Cancel BATCH_ID: queued requests never run, running ones are aborted by their workers."""
+    conn = open_redis(redis_url)
+    try:
+        report = batches.cancel_batch(conn, batch_id)
+    except batches.BatchNotFound as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        echo_json(
+            {
+                "batch_id": batch_id,
+                "num_chunks_dequeued": report.num_chunks_dequeued,
+                "num_requests_cancelled": report.num_requests_cancelled,
+            }
+        )
+    else:
+        click.echo(
+            f"cancelled batch {batch_id}: {report.num_requests_cancelled} queued requests cancelled; "
+            "running requests are being aborted by their workers"
+        )
+
+
+# --- stats ---------------------------------------------------------------------------------------------------
+
+
+@main.command()
+@redis_url_option
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=10, show_default=True, help="Recent batches shown."
+)
+@json_option
+def stats(redis_url, limit, as_json):
+    """Per-worker throughput and GPU use, and per-batch token and GPU-time accounting."""
+    conn = open_redis(redis_url)
+    workers = batches.list_workers(conn)
+    recent = batches.list_batches(conn, limit)
+    if as_json:
+        echo_json(
+            {"workers": [w.model_dump() for w in workers], "batches": [_status_json(b) for b in recent]}
+        )
+        return
+    click.echo(f"workers ({len(workers)})")
+    click.echo(
+        f"  {'name':<24} {'state':<9} {'model':<16} {'in flight':>9} {'tok/s':>9} {'gpu busy':>8} {'prep ms':>8} {'done':>8}"
+    )
+    for w in workers:
+        click.echo(
+            f"  {w.worker_name:<24} {w.state:<9} {w.model[:16]:<16} {w.num_in_flight_requests:>9} "
+            f"{w.output_tokens_per_second:>9.1f} {w.busy_fraction:>8.0%} {w.cpu_prep_ms_per_step:>8.2f} "
+            f"{w.num_requests_finished:>8}"
+        )
+    click.echo(f"batches (latest {len(recent)})")
+    click.echo(
+        f"  {'batch':<18} {'state':<10} {'done/total':>13} {'failed':>7} {'prompt tok':>11} {'compl tok':>10} {'gpu s':>8}"
+    )
+    for b in recent:
+        click.echo(
+            f"  {b.batch_id:<18} {b.state:<10} {f'{b.num_finished}/{b.num_total}':>13} {b.num_failed:>7} "
+            f"{b.prompt_tokens:>11} {b.completion_tokens:>10} {b.gpu_seconds:>8.2f}"
+        )
+
+
+# --- helpers -------------------------------------------------------------------------------------------------
+
+
+def _get_status(conn, batch_id: str) -> BatchStatus:
+    try:
+        return batches.get_status(conn, batch_id)
+    except batches.BatchNotFound as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _status_json(st: BatchStatus) -> dict:
+    return {**st.model_dump(), "state": st.state, "is_done": st.is_done}
+
+
+if __name__ == "__main__":
+    main()

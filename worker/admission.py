@@ -1,0 +1,137 @@
+"""Expanding one chunk job into engine requests. Owns the read of a chunk's requests and their tokenization.
+
+A chunk is loaded in one pipeline (batch hash, cancel flag, its stored requests, their existing results).
+Requests that already have a result are skipped, so a retried chunk never redoes finished work. Anything
+wrong with one request (unreadable stored JSON, a tokenizer error) becomes an error result for that request
+only; a chunk whose batch is gone raises `BatchGone`, which fails that one job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from schemas import keys
+from schemas.chunk import ChunkPayload
+from schemas.keys import BatchField
+from schemas.request import Request
+from schemas.result import ResultLine, Usage
+from worker.engine.api import EngineRequest, EngineResult, SamplingParams
+
+
+class BatchGone(LookupError):
+    """The chunk's batch no longer exists (expired or deleted): the job fails, nothing else does."""
+
+
+@dataclass
+class ChunkWork:
+    payload: ChunkPayload
+    created_at: float
+    ttl_seconds: int
+    is_cancelled: bool
+    to_run: list[tuple[Request, EngineRequest]] = field(default_factory=list)
+    finished_now: list[ResultLine] = field(default_factory=list)  # settled without the engine
+    num_skipped: int = 0  # already had a result (a retried chunk)
+
+
+def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: Any) -> ChunkWork:
+    indices = list(payload.indices)
+    meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hmget(keys.batch(payload.batch_id), meta_fields)
+        pipe.exists(keys.batch_cancel(payload.batch_id))
+        pipe.hmget(keys.batch_requests(payload.batch_id), indices)
+        pipe.hmget(keys.batch_results(payload.batch_id), indices)
+        (created_at, ttl_seconds, num_requests), is_cancelled, raw_requests, raw_results = pipe.execute()
+    if created_at is None:
+        raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
+    if payload.stop > int(num_requests):
+        raise ValueError(
+            f"chunk [{payload.start}, {payload.stop}) is past the batch's {int(num_requests)} requests"
+        )
+
+    work = ChunkWork(payload, float(created_at), int(ttl_seconds), bool(is_cancelled))
+    for index, raw_request, raw_result in zip(indices, raw_requests, raw_results, strict=True):
+        if raw_result is not None:
+            work.num_skipped += 1
+        elif raw_request is None:
+            work.finished_now.append(_error(index, None, "stored request is missing"))
+        elif work.is_cancelled:
+            work.finished_now.append(
+                ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
+            )
+        else:
+            _expand_one(work, index, raw_request, tokenizer)
+    return work
+
+
+def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Any) -> None:
+    try:
+        request = Request.model_validate_json(raw_request)
+    except ValidationError as exc:
+        work.finished_now.append(_error(index, None, f"stored request is invalid: {exc.errors()[0]['msg']}"))
+        return
+    if request.index != index:
+        work.finished_now.append(
+            _error(index, request.custom_id, f"stored request has index {request.index}")
+        )
+        return
+    try:
+        engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at)
+    except Exception as exc:  # a tokenizer failure fails this request, not the chunk
+        work.finished_now.append(_error(index, request.custom_id, f"tokenization failed: {exc!r}"))
+        return
+    work.to_run.append((request, engine_request))
+
+
+def to_engine_request(request: Request, tokenizer: Any, batch_id: str, arrival_time: float) -> EngineRequest:
+    if request.is_chat:
+        prompt_ids = tokenizer.encode_chat([m.model_dump() for m in request.messages])
+    else:
+        prompt_ids = tokenizer.encode(request.prompt)
+    s = request.sampling
+    sampling = SamplingParams(
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    return EngineRequest(
+        request_id=keys.engine_request_id(batch_id, request.index),
+        prompt_ids=list(prompt_ids),
+        sampling=sampling,
+        arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
+        want_token_ids=request.return_token_ids,
+    )
+
+
+def to_result_line(request: Request, result: EngineResult) -> ResultLine:
+    reason = result.finish_reason.value
+    return ResultLine(
+        custom_id=request.custom_id,
+        index=request.index,
+        text=result.text,
+        token_ids=list(result.token_ids) if request.return_token_ids else None,
+        finish_reason=reason,
+        usage=Usage(**dataclasses.asdict(result.usage)),
+        error=(result.error or "the engine reported an error") if reason == "error" else None,
+    )
+
+
+def _error(index: int, custom_id: str | None, message: str) -> ResultLine:
+    return ResultLine(custom_id=custom_id, index=index, finish_reason="error", error=message)
+
+
+def _custom_id(raw_request: bytes) -> str | None:
+    try:
+        return Request.model_validate_json(raw_request).custom_id
+    except ValidationError:
+        return None

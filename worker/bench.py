@@ -1,0 +1,336 @@
+"""`cbq bench`: engine benchmarks (sync vs async, vs transformers' own continuous batching).
+
+Prints a table and writes JSON with every number. Benchmarks are not tests: run them on purpose, on
+the device you want numbers for, and record the command with the results (see benchmarks/).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import click
+
+WORKLOADS = {
+    # name: (num_requests, prompt_len range, output_len range)
+    "W1": (32, (256, 256), (1024, 1024)),
+    "W2": (1000, (100, 1024), (100, 1024)),
+    "tiny": (16, (8, 64), (16, 32)),
+}
+PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    output_tokens: int
+    wall_seconds: float
+    output_tok_s: float
+    total_tok_s: float
+    steps: int = 0
+    step_ms: float = 0.0  # wall time per step
+    gpu_ms: float = 0.0  # device time per step (CUDA events on the compute stream)
+    cpu_prep_ms: float = 0.0  # scheduling + batch building per step
+    gpu_busy: float = 0.0  # device time / wall time
+    floor_seconds: float = 0.0  # sum over steps of max(bytes / bandwidth, flops / peak)
+    floor_ratio: float = 0.0  # floor_seconds / wall_seconds: 1.0 would be at the floor
+    floor_tok_s: float = 0.0
+    num_preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int | None = None):
+    from worker.engine.api import EngineRequest, SamplingParams
+
+    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    n = num_requests or n
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab_limit) for _ in range(rng.randint(p_lo, p_hi))]
+        params = SamplingParams(max_new_tokens=rng.randint(o_lo, o_hi), ignore_eos=True)
+        reqs.append(EngineRequest(f"{name}-{i}", prompt, params))
+    return reqs
+
+
+def measure_copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    import torch
+
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / 10
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / seconds
+
+
+def model_bytes(model) -> tuple[int, int]:
+    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters()) - embed.numel()
+    return total - embed.numel() * embed.element_size(), params
+
+
+def floor_seconds(
+    step_log, weight_bytes: int, num_params: int, kv_bytes_per_token: int, bandwidth: float
+) -> float:
+    if bandwidth <= 0:
+        return 0.0
+    total = 0.0
+    for num_tokens, _num_seqs, context_tokens, _dev in step_log:
+        memory = (weight_bytes + context_tokens * kv_bytes_per_token) / bandwidth
+        compute = 2 * num_params * num_tokens / PEAK_BF16_FLOPS
+        total += max(memory, compute)
+    return total
+
+
+def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
+    from worker.engine.model_runner import kv_bytes_per_block
+
+    engine.reset_stats()
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    stats = engine.stats()
+    errors = [r for r in results if r.error]
+    assert not errors, f"{len(errors)} requests failed, first: {errors[0].error}"
+    out_tokens = sum(len(r.token_ids) for r in results)
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    weight_bytes, num_params = model_bytes(engine.model)
+    kv_per_token = kv_bytes_per_block(engine.model.config, 1, engine.model.dtype)
+    floor = floor_seconds(engine.step_log, weight_bytes, num_params, kv_per_token, bandwidth)
+    steps = max(stats.steps, 1)
+    return ModeResult(
+        mode=mode,
+        output_tokens=out_tokens,
+        wall_seconds=wall,
+        output_tok_s=out_tokens / wall,
+        total_tok_s=(out_tokens + prompt_tokens) / wall,
+        steps=stats.steps,
+        step_ms=1000 * wall / steps,
+        gpu_ms=1000 * stats.busy_seconds / steps,
+        cpu_prep_ms=1000 * stats.cpu_prep_seconds / steps,
+        gpu_busy=min(1.0, stats.busy_seconds / wall),
+        floor_seconds=floor,
+        floor_ratio=floor / wall if floor else 0.0,
+        floor_tok_s=out_tokens / floor if floor else 0.0,
+        num_preemptions=stats.num_preemptions,
+    )
+
+
+def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
+    """transformers' own continuous batching (`generate_batch`) on the same model and prompts."""
+    import torch
+    from transformers import GenerationConfig
+
+    max_new = max(r.sampling.max_new_tokens for r in reqs)
+    if output_len_cap:
+        max_new = min(max_new, output_len_cap)
+    saved = (
+        model.config._attn_implementation,
+        model.config.eos_token_id,
+        model.generation_config.eos_token_id,
+    )
+    model.set_attn_implementation("paged|sdpa")
+    model.config.eos_token_id = None  # random weights: lengths are fixed by the workload, as for cbq
+    model.generation_config.eos_token_id = None
+    try:
+        gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        inputs = [r.prompt_ids for r in reqs]
+        model.generate_batch(
+            inputs=inputs[:2],
+            generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0),
+        )
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outputs = model.generate_batch(inputs=inputs, generation_config=gen)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        model.set_attn_implementation(saved[0])
+        model.config.eos_token_id, model.generation_config.eos_token_id = saved[1], saved[2]
+    out_tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    prompt_tokens = sum(len(i) for i in inputs)
+    return ModeResult(
+        mode="hf",
+        output_tokens=out_tokens,
+        wall_seconds=wall,
+        output_tok_s=out_tokens / wall,
+        total_tok_s=(out_tokens + prompt_tokens) / wall,
+        extra={"max_new_tokens": max_new},
+    )
+
+
+def print_table(workload: str, model_name: str, results: list[ModeResult]) -> None:
+    cols = [
+        "mode",
+        "out tok/s",
+        "total tok/s",
+        "steps",
+        "step ms",
+        "gpu ms",
+        "prep ms",
+        "busy",
+        "floor tok/s",
+        "floor ratio",
+        "preempt",
+    ]
+    click.echo(f"\n{workload} on {model_name}")
+    click.echo(" | ".join(f"{c:>11}" for c in cols))
+    for r in results:
+        row = [
+            r.mode,
+            f"{r.output_tok_s:,.0f}",
+            f"{r.total_tok_s:,.0f}",
+            r.steps,
+            f"{r.step_ms:.2f}",
+            f"{r.gpu_ms:.2f}",
+            f"{r.cpu_prep_ms:.3f}",
+            f"{r.gpu_busy:.1%}",
+            f"{r.floor_tok_s:,.0f}",
+            f"{r.floor_ratio:.2f}",
+            r.num_preemptions,
+        ]
+        click.echo(" | ".join(f"{str(v):>11}" for v in row))
+
+
+@click.group("bench")
+def bench():
+    """Benchmarks: `cbq bench engine` (GPU or CPU), `cbq bench queue` (Redis throughput)."""
+
+
+@bench.command("engine")
+@click.option("--model", default="llama3-8b", show_default=True, help="Preset name or checkpoint path.")
+@click.option("--workload", type=click.Choice(list(WORKLOADS)), default="W1", show_default=True)
+@click.option("--num-requests", type=int, default=None, help="Override the workload's request count.")
+@click.option("--mode", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True)
+@click.option("--compare-hf", is_flag=True, help="Also run transformers' generate_batch on the same inputs.")
+@click.option("--hf-output-len", type=int, default=None, help="Cap HF's new tokens (it is slow).")
+@click.option("--hf-num-requests", type=int, default=None, help="Run HF on the first N requests only.")
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--num-kv-blocks", type=int, default=None)
+@click.option("--no-cuda-graphs", is_flag=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+def engine_bench(
+    model,
+    workload,
+    num_requests,
+    mode,
+    compare_hf,
+    hf_output_len,
+    hf_num_requests,
+    max_num_seqs,
+    max_num_batched_tokens,
+    num_kv_blocks,
+    no_cuda_graphs,
+    device,
+    dtype,
+    json_out,
+):
+    """Run a workload through the engine in sync and/or async mode and report throughput vs the floor."""
+    import torch
+
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.models import load_model, resolve_dtype
+
+    dev = (
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "auto"
+        else torch.device(device)
+    )
+    t0 = time.perf_counter()
+    hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
+    load_seconds = time.perf_counter() - t0
+    bandwidth = measure_copy_bandwidth(dev)
+    reqs = make_workload(workload, min(hf_model.config.vocab_size, 32000), num_requests=num_requests)
+    warmup = make_workload("tiny", 256, seed=1)
+    modes = ["sync", "async"] if mode == "both" else [mode]
+    results: list[ModeResult] = []
+    for m in modes:
+        config = EngineConfig(
+            mode=m,
+            device=str(dev),
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_kv_blocks=num_kv_blocks,
+            use_cuda_graphs=not no_cuda_graphs,
+        )
+        t1 = time.perf_counter()
+        engine = Engine(hf_model, tokenizer, config)
+        setup = time.perf_counter() - t1
+        engine.generate(warmup)  # compile kernels, touch every path once
+        result = run_engine_mode(engine, reqs, m, bandwidth)
+        result.extra.update(
+            setup_seconds=setup,
+            num_kv_blocks=engine.runner.num_kv_blocks,
+            max_model_len=engine.max_model_len,
+            graphs=len(engine.runner.graphs),
+        )
+        results.append(result)
+        del engine
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if compare_hf:
+        hf_reqs = reqs[:hf_num_requests] if hf_num_requests else reqs
+        results.append(run_hf(hf_model, hf_reqs, hf_output_len))
+    by_mode = {r.mode: r for r in results}
+    if "sync" in by_mode and "async" in by_mode:
+        click.echo(
+            f"async/sync output tok/s: {by_mode['async'].output_tok_s / by_mode['sync'].output_tok_s:.3f}"
+        )
+    print_table(workload, model, results)
+    report = {
+        "workload": workload,
+        "model": model,
+        "num_requests": len(reqs),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "copy_bandwidth_bytes_s": bandwidth,
+        "load_seconds": load_seconds,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "cuda_graphs": not no_cuda_graphs,
+        },
+        "results": {r.mode: asdict(r) for r in results},
+    }
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        click.echo(f"wrote {json_out}")
+
+
+def _mount_queue_bench() -> None:
+    try:
+        from worker.queue_bench import queue_bench
+    except ImportError:
+        return
+    bench.add_command(queue_bench, "queue")
+
+
+_mount_queue_bench()
+
+
+if __name__ == "__main__":
+    bench()

@@ -1,0 +1,466 @@
+"""CbqWorker: an rq worker that keeps many chunk jobs in flight inside one continuous-batching engine.
+
+Owns the in-flight table (rq job -> its chunk, engine request -> its chunk) and every rq state transition of a
+chunk job. Redis I/O happens here, in the main thread; the engine's step loop runs in its own thread
+(`engine.start()`), and the two meet only through the engine's thread-safe methods.
+
+rq's stock workers run one job at a time; here `work()` is replaced, and each job goes through rq's own hooks:
+`prepare_execution` + `prepare_job_execution` on admit, `maintain_heartbeats` while in flight,
+`handle_job_success` (so `job.return_value()` is the chunk's summary) or `handle_job_failure` (FailedJobRegistry,
+retries) when its last request is back, and `run_maintenance_tasks` periodically.
+"""
+
+from __future__ import annotations
+
+import queue as thread_queue
+import signal
+import threading
+import time
+import traceback
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from rq.exceptions import DequeueTimeout
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from rq.suspension import is_suspended
+from rq.utils import now as rq_now
+from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
+
+from producer.result_store import queue_admission, queue_results
+from schemas import keys
+from schemas.chunk import CHUNK_FUNC, ChunkPayload
+from schemas.request import Request
+from schemas.result import ResultLine
+from worker.admission import load_chunk, to_result_line
+from worker.engine.api import EngineResult, FinishReason
+from worker.stats_publisher import build_worker_stats, publish
+
+RESULT_POLL_SECONDS = 0.02  # longest wait for engine results while work is in flight
+CANCEL_POLL_SECONDS = 0.5
+SUSPENSION_POLL_SECONDS = 1.0
+IDLE_DEQUEUE_TIMEOUT_SECONDS = 1  # blocking dequeue when idle (rq wants whole seconds)
+
+
+@dataclass
+class InFlightJob:
+    job: Job
+    queue: Queue
+    execution: Execution
+    payload: ChunkPayload
+    ttl_seconds: int
+    admitted_at: float  # time.monotonic()
+    pending: dict[str, Request] = field(default_factory=dict)  # engine request id -> request
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    abort_reason: str | None = None  # "cancelled" | "stopped" | "timeout"
+    failure: str | None = None  # set: the job ends through handle_job_failure
+
+    def summary(self) -> dict[str, Any]:
+        """The job's return value (JSON, via rq's JSONSerializer)."""
+        return {
+            "batch_id": self.payload.batch_id,
+            "start": self.payload.start,
+            "stop": self.payload.stop,
+            **self.counts,
+        }
+
+
+@dataclass
+class _Outcome:
+    owner: InFlightJob
+    result: ResultLine | None  # None: nothing to record (a request aborted by a timeout gets retried)
+    from_engine: bool  # the request was counted as running
+
+
+class CbqWorker(BaseWorker):
+    """Drains cbq chunk jobs from rq queues into `engine` (anything with the Engine interface)."""
+
+    def __init__(
+        self,
+        queues,
+        engine: Any,
+        *,
+        connection: redis.Redis,
+        model_name: str = "",
+        mode: str | None = None,
+        name: str | None = None,
+        stats_interval_seconds: float = 2.0,
+        **kwargs: Any,
+    ):
+        kwargs.setdefault("job_monitoring_interval", 10)
+        super().__init__(
+            queues,
+            name=name or f"cbq-{uuid.uuid4().hex[:12]}",
+            connection=connection,
+            serializer=JSONSerializer,
+            **kwargs,
+        )
+        self.engine = engine
+        self.model_name = model_name
+        self.mode = mode
+        self.stats_interval_seconds = stats_interval_seconds
+        self._jobs: dict[str, InFlightJob] = {}  # rq job id -> chunk in flight
+        self._owner_of: dict[str, InFlightJob] = {}  # engine request id -> its chunk
+        self._outcomes: list[_Outcome] = []  # settled requests not yet written to Redis
+        self._stop_execution_ids: thread_queue.SimpleQueue[str] = thread_queue.SimpleQueue()
+        self._started_at = time.time()
+        self._is_suspended = False
+        self._next_at: dict[str, float] = defaultdict(float)  # periodic task -> next time.monotonic()
+        self.num_jobs_admitted = 0
+        self.num_jobs_finished = 0
+        self.num_requests_finished = 0
+
+    # --- the loop ----------------------------------------------------------------------------------------------
+
+    def work(
+        self,
+        burst: bool = False,
+        logging_level: str | None = "INFO",
+        date_format: str = "%H:%M:%S",
+        log_format: str = "%(asctime)s %(message)s",
+        max_jobs: int | None = None,
+        max_idle_time: int | None = None,
+        with_scheduler: bool = False,
+        dequeue_strategy: DequeueStrategy = DequeueStrategy.DEFAULT,
+    ) -> bool:
+        """Run until stopped (SIGINT/SIGTERM: stop admitting, drain, exit), or in burst mode until the queues
+        are empty and nothing is in flight. Returns whether any job was admitted."""
+        self.bootstrap(logging_level, date_format, log_format)
+        self._dequeue_strategy = dequeue_strategy
+        if with_scheduler:
+            self._start_scheduler(burst, logging_level, date_format, log_format)
+        self._install_signal_handlers()
+        self.engine.start()
+        idle_since = time.monotonic()
+        try:
+            while True:
+                # 1. rq housekeeping: registries, abandoned jobs, `rq suspend`
+                self._run_periodic_tasks()
+                # 2. admit chunk jobs while the engine can use more requests
+                queue_is_empty = self._admit_jobs(max_jobs)
+                # 3. collect finished requests, write them, finish chunks whose last request is back
+                waiting_is_useful = queue_is_empty or not self._can_admit(max_jobs)
+                self._collect_engine_results(RESULT_POLL_SECONDS if self._jobs and waiting_is_useful else 0)
+                self._flush_outcomes()
+                if self._jobs:
+                    idle_since = time.monotonic()
+                    continue
+                # 4. nothing in flight: exit, or wait for the next job
+                if self._stop_requested:
+                    self.log.info("Worker %s: drained, stopping on request", self.name)
+                    break
+                if burst and queue_is_empty:
+                    self.log.info(
+                        "Worker %s: queues empty and nothing in flight, quitting (burst)", self.name
+                    )
+                    break
+                if max_jobs is not None and self.num_jobs_admitted >= max_jobs:
+                    break
+                if max_idle_time is not None and time.monotonic() - idle_since > max_idle_time:
+                    self.log.info("Worker %s: idle for %d seconds, quitting", self.name, max_idle_time)
+                    break
+                self._wait_for_job()
+        except BaseException:
+            # A crash (engine thread died, Redis gone, cold shutdown): hand the chunks back to rq right away,
+            # rather than leaving them for the abandoned-job cleanup; retries skip what was written.
+            self._fail_all_in_flight(traceback.format_exc())
+            raise
+        finally:
+            self.engine.shutdown()
+            self._publish_stats(state="stopped")
+            self.teardown()
+        return self.num_jobs_admitted > 0
+
+    def _can_admit(self, max_jobs: int | None) -> bool:
+        if self._stop_requested or self._is_suspended:
+            return False
+        if max_jobs is not None and self.num_jobs_admitted >= max_jobs:
+            return False
+        return self.engine.has_capacity()
+
+    def _admit_jobs(self, max_jobs: int | None) -> bool:
+        """Dequeue and admit jobs while the engine has capacity. Returns True when the queues were empty."""
+        while self._can_admit(max_jobs):
+            result = self._dequeue(timeout=None)
+            if result is None:
+                return True
+            self._admit(*result)
+        return False
+
+    def _wait_for_job(self) -> None:
+        if self.get_state() != WorkerStatus.IDLE:
+            self.set_state(WorkerStatus.IDLE)
+        if not self._can_admit(None):
+            time.sleep(SUSPENSION_POLL_SECONDS / 10)
+            return
+        try:
+            result = self._dequeue(timeout=IDLE_DEQUEUE_TIMEOUT_SECONDS)
+        except DequeueTimeout:
+            return
+        if result is not None:
+            self._admit(*result)
+
+    def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
+        result = self.queue_class.dequeue_any(
+            self._ordered_queues,
+            timeout,
+            connection=self.connection,
+            job_class=self.job_class,
+            serializer=self.serializer,
+            death_penalty_class=self.death_penalty_class,
+        )
+        if result is not None:
+            self.reorder_queues(reference_queue=result[1])
+        return result
+
+    # --- admission ---------------------------------------------------------------------------------------------
+
+    def _admit(self, job: Job, queue: Queue) -> None:
+        """Start an rq execution for `job` and hand its requests to the engine. A bad job fails alone."""
+        self.num_jobs_admitted += 1
+        execution = self.prepare_execution(job)
+        self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+        try:
+            if job.func_name != CHUNK_FUNC:
+                raise ValueError(f"not a cbq chunk job: it calls {job.func_name!r}, expected {CHUNK_FUNC!r}")
+            payload = ChunkPayload.model_validate(job.kwargs)
+            work = load_chunk(self.connection, payload, self.engine.tokenizer)
+        except Exception:
+            self.log.exception("Worker %s: job %s cannot be run", self.name, job.id)
+            self._finish_job_failed(job, queue, execution, traceback.format_exc())
+            return
+
+        owner = InFlightJob(job, queue, execution, payload, work.ttl_seconds, time.monotonic())
+        owner.counts["num_skipped"] = work.num_skipped
+        self._jobs[job.id] = owner
+        with self.connection.pipeline(transaction=True) as pipe:
+            queue_admission(pipe, payload.batch_id, job.id, len(work.to_run), work.ttl_seconds)
+            pipe.execute()
+        self._outcomes.extend(_Outcome(owner, r, from_engine=False) for r in work.finished_now)
+        for request, engine_request in work.to_run:
+            try:
+                self.engine.add_request(engine_request)
+            except Exception as exc:  # the engine broke its contract for one request: fail that request only
+                self.log.exception("Worker %s: engine rejected %s", self.name, engine_request.request_id)
+                error = ResultLine(
+                    custom_id=request.custom_id, index=request.index, finish_reason="error", error=repr(exc)
+                )
+                self._outcomes.append(_Outcome(owner, error, from_engine=True))
+                continue
+            owner.pending[engine_request.request_id] = request
+            self._owner_of[engine_request.request_id] = owner
+
+    # --- results -----------------------------------------------------------------------------------------------
+
+    def _collect_engine_results(self, timeout: float) -> None:
+        for result in self.engine.get_results(timeout=timeout):
+            owner = self._owner_of.pop(result.request_id, None)
+            if owner is None:
+                self.log.warning(
+                    "Worker %s: result for unknown request %s ignored", self.name, result.request_id
+                )
+                continue
+            request = owner.pending.pop(result.request_id)
+            self._outcomes.append(_Outcome(owner, self._record_for(owner, request, result), from_engine=True))
+
+    @staticmethod
+    def _record_for(owner: InFlightJob, request: Request, result: EngineResult) -> ResultLine | None:
+        if owner.abort_reason == "timeout" and result.finish_reason == FinishReason.CANCELLED:
+            return None  # not finished: the retried chunk runs it again
+        return to_result_line(request, result)
+
+    def _flush_outcomes(self) -> None:
+        """Write settled requests (one MULTI for all of them), then finish chunks with nothing left in flight."""
+        # A chunk is done once nothing of it is in the engine (all its outcomes are in this flush).
+        done_jobs = [owner for owner in self._jobs.values() if not owner.pending]
+        if not self._outcomes and not done_jobs:
+            return
+        outcomes, self._outcomes = self._outcomes, []
+        by_batch: dict[str, list[_Outcome]] = defaultdict(list)
+        for outcome in outcomes:
+            by_batch[outcome.owner.payload.batch_id].append(outcome)
+            if outcome.result is not None:
+                outcome.owner.counts[f"num_{_COUNT_OF_REASON[outcome.result.finish_reason]}"] += 1
+        for owner in done_jobs:
+            by_batch.setdefault(owner.payload.batch_id, [])
+        with self.connection.pipeline(transaction=True) as pipe:
+            for batch_id, group in by_batch.items():
+                done_here = [owner for owner in done_jobs if owner.payload.batch_id == batch_id]
+                queue_results(
+                    pipe,
+                    batch_id,
+                    (group[0].owner if group else done_here[0]).ttl_seconds,
+                    [o.result for o in group if o.result is not None],
+                    running_job_ids=[o.owner.job.id for o in group if o.from_engine],
+                    finished_job_ids=[owner.job.id for owner in done_here],
+                    model=self.model_name,
+                )
+            pipe.execute()
+        self.num_requests_finished += sum(1 for o in outcomes if o.result is not None)
+        for owner in done_jobs:
+            self._finish_job(owner)
+
+    # --- finishing jobs through rq's handlers ------------------------------------------------------------------
+
+    def _finish_job(self, owner: InFlightJob) -> None:
+        del self._jobs[owner.job.id]
+        self.num_jobs_finished += 1
+        job, queue, execution = owner.job, owner.queue, owner.execution
+        if owner.failure is not None:
+            self._finish_job_failed(
+                job, queue, execution, owner.failure, stopped=owner.abort_reason == "stopped"
+            )
+            return
+        self.handle_execution_ended(job, queue, job.success_callback_timeout)
+        job._result = owner.summary()  # NOTE: rq's handle_job_success stores job._result as the return value
+        self.handle_job_success(
+            job=job, queue=queue, started_job_registry=queue.started_job_registry, execution=execution
+        )
+
+    def _finish_job_failed(
+        self, job: Job, queue: Queue, execution: Execution, exc_string: str, stopped: bool = False
+    ) -> None:
+        self.handle_execution_ended(job, queue, job.failure_callback_timeout)
+        if stopped:
+            self._stopped_job_id = job.id  # rq marks it STOPPED instead of FAILED, and never retries it
+        self.handle_job_failure(
+            job=job,
+            queue=queue,
+            started_job_registry=queue.started_job_registry,
+            exc_string=exc_string,
+            execution=execution,
+        )
+
+    def _fail_all_in_flight(self, exc_string: str) -> None:
+        for owner in list(self._jobs.values()):
+            for request_id in owner.pending:
+                self._owner_of.pop(request_id, None)
+            try:
+                self._finish_job_failed(owner.job, owner.queue, owner.execution, exc_string)
+            except Exception:
+                self.log.exception("Worker %s: could not hand job %s back", self.name, owner.job.id)
+        self._jobs.clear()
+
+    # --- aborts: cancel flags, `rq` stop commands, timeouts ----------------------------------------------------
+
+    def _abort(self, owner: InFlightJob, reason: str, failure: str | None = None) -> None:
+        if owner.abort_reason is not None:
+            return
+        owner.abort_reason = reason
+        owner.failure = failure
+        self.log.info(
+            "Worker %s: aborting %d requests of job %s (%s)",
+            self.name,
+            len(owner.pending),
+            owner.job.id,
+            reason,
+        )
+        for request_id in list(owner.pending):
+            self.engine.abort(request_id)
+
+    def _check_cancel_flags(self) -> None:
+        batch_ids = sorted({owner.payload.batch_id for owner in self._jobs.values()})
+        if not batch_ids:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.exists(keys.batch_cancel(batch_id))
+            cancelled = {b for b, flag in zip(batch_ids, pipe.execute(), strict=True) if flag}
+        for owner in list(self._jobs.values()):
+            if owner.payload.batch_id in cancelled:
+                self._abort(owner, "cancelled")
+
+    def _check_stop_commands(self) -> None:
+        while not self._stop_execution_ids.empty():
+            execution_id = self._stop_execution_ids.get_nowait()
+            for owner in list(self._jobs.values()):
+                if owner.execution.id == execution_id:
+                    self._abort(owner, "stopped", failure="stopped by an rq stop-job command")
+
+    def _check_timeouts(self) -> None:
+        for owner in list(self._jobs.values()):
+            timeout = owner.job.timeout
+            if timeout is not None and timeout > 0 and time.monotonic() - owner.admitted_at > timeout:
+                self._abort(
+                    owner, "timeout", failure=f"JobTimeoutException: chunk ran longer than {timeout} s"
+                )
+
+    def request_stop_execution(self, execution_id: str) -> None:
+        """`rq` stop-job command (called from rq's pubsub thread): the main loop aborts that chunk."""
+        self._stop_execution_ids.put(execution_id)
+
+    # --- periodic tasks ----------------------------------------------------------------------------------------
+
+    def _due(self, task: str, every_seconds: float) -> bool:
+        now = time.monotonic()
+        if now < self._next_at[task]:
+            return False
+        self._next_at[task] = now + every_seconds
+        return True
+
+    def _run_periodic_tasks(self) -> None:
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
+        if self._due("suspension", SUSPENSION_POLL_SECONDS):
+            self._is_suspended = bool(is_suspended(self.connection, self))
+        if self._due("cancel", CANCEL_POLL_SECONDS):
+            self._check_cancel_flags()
+            self._check_timeouts()
+        self._check_stop_commands()
+        if self._due("heartbeat", self.job_monitoring_interval):
+            self._heartbeat_all()
+        if self._due("stats", self.stats_interval_seconds):
+            self._publish_stats()
+
+    def _heartbeat_all(self) -> None:
+        if not self._jobs:
+            self.heartbeat()
+        for owner in self._jobs.values():
+            self.maintain_heartbeats(owner.job, owner.execution)
+
+    def _publish_stats(self, state: str | None = None) -> None:
+        if state is None:
+            state = "draining" if self._stop_requested else ("busy" if self._jobs else "idle")
+        try:
+            stats = build_worker_stats(
+                worker_name=self.name,
+                model=self.model_name,
+                mode=self.mode,
+                queues=self.queue_names(),
+                started_at=self._started_at,
+                state=state,
+                engine_stats=self.engine.stats(),
+                num_in_flight_jobs=len(self._jobs),
+                num_in_flight_requests=len(self._owner_of),
+                num_jobs_finished=self.num_jobs_finished,
+                num_requests_finished=self.num_requests_finished,
+            )
+            publish(self.connection, stats)
+        except Exception:  # stats are informational; never let them stop the worker
+            self.log.exception("Worker %s: publishing stats failed", self.name)
+
+    # --- signals -----------------------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        # Signal handlers can only be set from the main thread; a worker embedded in a thread (tests, notebooks)
+        # is stopped by its owner through `request_stop` instead.
+        if threading.current_thread() is threading.main_thread():
+            super()._install_signal_handlers()
+
+    def request_stop(self, signum, frame) -> None:
+        """First SIGINT/SIGTERM: stop admitting and drain what is in flight. A second one: cold stop."""
+        self._shutdown_requested_date = rq_now()
+        self._stop_requested = True
+        signal.signal(signal.SIGINT, self.request_force_stop)
+        signal.signal(signal.SIGTERM, self.request_force_stop)
+        self.log.info(
+            "Worker %s: warm shutdown requested, draining %d jobs in flight", self.name, len(self._jobs)
+        )
+
+
+_COUNT_OF_REASON = {"stop": "completed", "length": "completed", "error": "failed", "cancelled": "cancelled"}

@@ -1,0 +1,60 @@
+"""Publishing a worker's stats to Redis for `cbq stats`. Owns `cbq:worker:{name}:stats` and `cbq:workers`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import redis
+
+from schemas import keys
+from schemas.status import WorkerStats
+from worker.engine.api import EngineStats
+
+STATS_TTL_SECONDS = 60  # a worker that stops publishing disappears from `cbq stats` after this
+
+
+def build_worker_stats(
+    *,
+    worker_name: str,
+    model: str,
+    mode: str | None,
+    queues: list[str],
+    started_at: float,
+    state: str,
+    engine_stats: EngineStats,
+    num_in_flight_jobs: int,
+    num_in_flight_requests: int,
+    num_jobs_finished: int,
+    num_requests_finished: int,
+) -> WorkerStats:
+    return WorkerStats(
+        worker_name=worker_name,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        model=model,
+        mode=mode,
+        queues=queues,
+        started_at=started_at,
+        updated_at=time.time(),
+        state=state,
+        num_in_flight_jobs=num_in_flight_jobs,
+        num_in_flight_requests=num_in_flight_requests,
+        num_jobs_finished=num_jobs_finished,
+        num_requests_finished=num_requests_finished,
+        steps=engine_stats.steps,
+        prompt_tokens=engine_stats.prompt_tokens,
+        output_tokens=engine_stats.output_tokens,
+        output_tokens_per_second=engine_stats.output_tok_s,
+        busy_fraction=engine_stats.busy_fraction,
+        cpu_prep_ms_per_step=engine_stats.cpu_prep_ms_per_step,
+        num_preemptions=engine_stats.num_preemptions,
+    )
+
+
+def publish(conn: redis.Redis, stats: WorkerStats) -> None:
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.set(keys.worker_stats(stats.worker_name), stats.model_dump_json(), ex=STATS_TTL_SECONDS)
+        pipe.zadd(keys.WORKERS, {stats.worker_name: stats.updated_at})
+        pipe.execute()
