@@ -341,6 +341,10 @@ class CbqWorker(BaseWorker):
             for request_id in owner.pending:
                 self._owner_of.pop(request_id, None)
             try:
+                with self.connection.pipeline(transaction=True) as pipe:
+                    # Nothing of this chunk runs here any more; a retry registers again what it runs.
+                    queue_results(pipe, owner.payload.batch_id, owner.ttl_seconds, [], finished_job_ids=[owner.job.id])
+                    pipe.execute()
                 self._finish_job_failed(owner.job, owner.queue, owner.execution, exc_string)
             except Exception:
                 self.log.exception("Worker %s: could not hand job %s back", self.name, owner.job.id)
@@ -391,8 +395,15 @@ class CbqWorker(BaseWorker):
                 )
 
     def request_stop_execution(self, execution_id: str) -> None:
-        """`rq` stop-job command (called from rq's pubsub thread): the main loop aborts that chunk."""
+        """rq's stop-execution command (called from rq's pubsub thread): the main loop aborts that chunk."""
         self._stop_execution_ids.put(execution_id)
+
+    def kill_horse(self, sig=None) -> None:
+        """rq's stop-job command sets `_stopped_job_id` and kills the horse; cbq has no horse, so it stops that
+        job's chunk instead. (Called from rq's pubsub thread.)"""
+        owner = self._jobs.get(self._stopped_job_id or "")
+        if owner is not None:
+            self._stop_execution_ids.put(owner.execution.id)
 
     # --- periodic tasks ----------------------------------------------------------------------------------------
 
@@ -443,6 +454,15 @@ class CbqWorker(BaseWorker):
             publish(self.connection, stats)
         except Exception:  # stats are informational; never let them stop the worker
             self.log.exception("Worker %s: publishing stats failed", self.name)
+
+    def subscribe(self) -> None:
+        """rq's command channel (`rq` stop-job, shutdown). Polled every 0.2 s instead of rq's 60 s, because
+        teardown joins this thread for up to 1 s and `cbq run` should not idle that long before exiting."""
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=0.2, daemon=True, exception_handler=self._pubsub_exception_handler
+        )
 
     # --- signals -----------------------------------------------------------------------------------------------
 

@@ -107,18 +107,19 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for full-size query tiles."""
+    # Checked by compiling for sm_90 (ptxas -v): no register spills except fp32 D=128 (~90 B, FMA dots).
     bd = _block_d(head_dim)
     if dtype == torch.float32:  # fp32 "ieee" dots run on FMA units: keep register tiles small
         if bd <= 64:
-            return 64, 32, 4, 2
+            return 64, 32, 8, 2
         if bd <= 128:
-            return 32, 32, 4, 2
+            return 32, 16, 4, 2
         return 16, 16, 4, 2
     if bd <= 64:
-        return 128, 64, 4, 3
-    if bd <= 128:
         return 128, 64, 8, 3
-    return 64, 32, 4, 2
+    if bd <= 128:
+        return 128, 64, 8, 3  # wgmma, ~185 regs, ~96 KiB smem
+    return 64, 32, 8, 2
 
 
 def decode_num_splits(
@@ -580,9 +581,10 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query row per sequence: q [B, H, D] at position context_lens[b] - 1. Returns [B, H, D].
 
-    Sequences with context_lens 0 get zeros. `max_context_len` (host int, optional) is an upper bound on
-    context_lens used only to cap the number of splits; without it block_tables.shape[1] * block_size is
-    used. `workspace`: optional fp32 tensor of at least `decode_workspace_numel(...)` elements (needed only
+    Sequences with context_lens 0 get zeros. `max_context_len` (host int, optional) only caps the number of
+    splits (default bound: block_tables.shape[1] * block_size); results are correct even if a sequence is
+    longer, since each program splits its sequence's actual context on the device. For CUDA graphs pass the
+    model's max length at capture so the baked-in split count suits any context. `workspace`: optional fp32 tensor of at least `decode_workspace_numel(...)` elements (needed only
     when more than one split is used); otherwise it is allocated (shape depends on host ints only).
     """
     _require_triton()
@@ -688,9 +690,10 @@ def paged_prefill_attention(
     """Ragged causal attention of q [T, H, D] over the paged cache. Returns [T, H, D].
 
     B = len(context_lens). Row j of sequence b sits at position context_lens[b] - q_len_b + j. Rows past
-    cu_seqlens_q[B] and sequences with context_lens 0 get zeros. `max_query_len` (host int, optional) bounds
-    the longest q_len: it sizes the grid and picks smaller query tiles for decode-heavy batches; without it
-    the grid is sized for T rows per sequence (correct, but many programs exit at once).
+    cu_seqlens_q[B] and sequences with context_lens 0 get zeros. `max_query_len` (host int, optional) must be
+    >= the longest q_len (rows past it are not computed): it sizes the grid and picks smaller query tiles
+    for decode-heavy batches; without it the grid is sized for T rows per sequence (correct, but many
+    programs exit at once).
     """
     _require_triton()
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
@@ -698,7 +701,7 @@ def paged_prefill_attention(
     assert q_dim == head_dim, f"q head_dim {q_dim} != cache head_dim {head_dim}"
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     num_seqs = context_lens.shape[0]
-    assert cu_seqlens_q.shape[0] == num_seqs + 1 and block_tables.shape[0] >= num_seqs
+    assert cu_seqlens_q.shape[0] >= num_seqs + 1 and block_tables.shape[0] >= num_seqs
     assert block_tables.stride(-1) == 1, "block_tables rows must be contiguous"
     q = _last_dim_contiguous(q)
     if out is None:

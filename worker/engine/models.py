@@ -93,7 +93,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
@@ -102,13 +102,17 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = ByteTokenizer()
     else:
+        _check_model_type(AutoConfig.from_pretrained(name_or_path).model_type)  # before reading any weights
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
         tokenizer = _load_tokenizer(name_or_path, model.config)
-    model_type = model.config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    _check_model_type(model.config.model_type)
     model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _check_model_type(model_type: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def _load_tokenizer(name_or_path: str, config):

@@ -27,7 +27,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     row = _fmix32((seeds.long() * 0x9E3779B1 + positions.long()) & _M32)
     col = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F) & _M32
     bits = _fmix32(row[:, None] ^ col[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # NOTE: 23 bits, so k + 0.5 is exact in float32 and the largest value is 1 - 2**-24. With 24 bits the top
+    # value rounded to exactly 1.0, whose Gumbel noise is +inf: that token won even where top-k/top-p masked it.
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Stop conditions and final text. Owns nothing: reads a `Sequence` after a token was appended.
 
 Stop strings are found by decoding only a tail window of the output each step (cheap, incremental);
-the window holds enough tokens for the longest stop string because every token decodes to at least
-one byte. The final text is cut just before the first occurrence.
+the window holds enough tokens for the longest stop string because most tokens decode to at least
+one byte (it widens when some decode to nothing). The final text is cut just before the first
+occurrence.
 """
 
 from __future__ import annotations
@@ -21,15 +22,24 @@ def check_stop(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int,
         return FinishReason.STOP
     if params.stop and _tail_has_stop_string(seq, tokenizer):
         return FinishReason.STOP
-    if len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= max_model_len:
+    # NOTE: known tokens only: `seq.num_tokens` also counts samples in flight (async) and would stop one early.
+    num_known = len(seq.prompt_ids) + len(seq.output_ids)
+    if len(seq.output_ids) >= params.max_new_tokens or num_known >= max_model_len:
         return FinishReason.LENGTH
     return None
 
 
 def _tail_has_stop_string(seq: Sequence, tokenizer) -> bool:
-    window = max(len(s.encode("utf-8")) for s in seq.sampling.stop) + _WINDOW_SLACK_TOKENS
+    stop = seq.sampling.stop
+    window = max(len(s.encode("utf-8")) for s in stop) + _WINDOW_SLACK_TOKENS
     tail = tokenizer.decode(seq.output_ids[-window:])
-    return any(s in tail for s in seq.sampling.stop)
+    # NOTE: some ids decode to nothing (special tokens, the byte tokenizer's unused ids), so a window of
+    # tokens can hold too little text: widen it until the tail is long enough or covers the whole output.
+    min_chars = max(len(s) for s in stop) + _WINDOW_SLACK_TOKENS
+    while len(tail) < min_chars and window < len(seq.output_ids):
+        window *= 2
+        tail = tokenizer.decode(seq.output_ids[-window:])
+    return any(s in tail for s in stop)
 
 
 def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:

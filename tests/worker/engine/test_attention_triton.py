@@ -81,6 +81,16 @@ def make_case(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, d
     )
 
 
+def _reference(*args):
+    """paged_attention_ref with full-precision fp32 matmuls, whatever another test set globally (TF32)."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        return paged_attention_ref(*args)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
 def _assert_close(out, ref, dtype, what):
     assert not torch.isnan(out).any(), f"{what}: NaN in output (element not written, or poisoned cache read)"
     err = _rel_err(out, ref)
@@ -92,7 +102,7 @@ def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
     c = make_case(
         ctx_lens, [1] * len(ctx_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed
     )
-    ref = paged_attention_ref(
+    ref = _reference(
         c["q"],
         c["k_cache"],
         c["v_cache"],
@@ -121,7 +131,7 @@ def check_prefill(
     q = c["q"]
     if pad_rows:  # rows past cu_seqlens_q[-1] (padding of a graph bucket): must come back as zeros
         q = torch.cat([q, torch.randn(pad_rows, num_heads, head_dim).to(dtype).to(device)])
-    ref = paged_attention_ref(
+    ref = _reference(
         q, c["k_cache"], c["v_cache"], c["block_tables"], c["cu_seqlens_q"], c["context_lens"], c["scale"]
     )
     out = torch.full_like(q, float("nan"))
@@ -152,14 +162,24 @@ def check_write_kv(num_tokens, num_kv_heads, head_dim, block_size, dtype, device
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(torch.int32)
     slots[torch.arange(num_tokens) % 3 == 1] = -1  # padding rows: skipped
     slots = slots.to(device)
-    # key/value as views into a fused qkv-like buffer: row stride != KVH * D
+    # key: a view into a fused qkv-like buffer (row stride != KVH * D); value: the transposed view
+    # transformers hands over ([1, KVH, T, D] -> [T, KVH, D], head stride T * D)
     fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    key, value = fused[:, :num_kv_heads], fused[:, 2 * num_kv_heads :]
+    key = fused[:, :num_kv_heads]
+    hf_value = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=gen).to(dtype).to(device)
+    value = hf_value[0].transpose(0, 1)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     write_kv_ref(key, value, k_ref, v_ref, slots)
     at.write_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_ref), "write_kv: K cache differs from reference"
     assert torch.equal(v_cache, v_ref), "write_kv: V cache differs from reference"
+    # int64 slots and a cache of another dtype (cast on store) also work
+    k32 = torch.zeros(k_cache.shape, dtype=torch.float32, device=device)
+    v32 = torch.zeros_like(k32)
+    k32_ref, v32_ref = k32.clone(), v32.clone()
+    write_kv_ref(key, value, k32_ref, v32_ref, slots)
+    at.write_kv(key, value, k32, v32, slots.long())
+    assert torch.equal(k32, k32_ref) and torch.equal(v32, v32_ref), "write_kv: int64 slots / fp32 cache"
 
 
 # Context-length mixes: 1, exactly a block multiple, just past one, long; 0 = padding row of a graph bucket.
@@ -172,6 +192,27 @@ def _prefill_mix(block_size, long):
     ctx = [37, long, 2 * block_size, 5, 1, long // 2 + 3, 0]
     ql = [37, 67, 2 * block_size, 1, 1, 1, 0]
     return ctx, ql
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-side logic (runs everywhere, triton or not)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_module_imports_and_split_heuristic():
+    assert isinstance(at.HAVE_TRITON, bool)
+    bf16 = torch.bfloat16
+    for batch in (1, 8, 32, 256, 1024):
+        for ctx in (1, 16, 100, 1024, 8192):
+            for max_splits in (1, 4, at.DEFAULT_MAX_NUM_SPLITS):
+                s = at.decode_num_splits(batch, 8, 128, bf16, ctx, max_num_splits=max_splits)
+                assert 1 <= s <= max_splits
+                assert s <= max(1, -(-ctx // 16))  # never more splits than 16-token tiles (tiles are >= 16)
+    # more sequences never means more splits
+    seq = [at.decode_num_splits(b, 8, 128, bf16, 4096) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    assert seq == sorted(seq, reverse=True)
+    assert at.decode_workspace_numel(4, 32, 128, 1) == 0
+    assert at.decode_workspace_numel(4, 32, 128, 8) == 4 * 32 * 8 * 129
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,7 +230,7 @@ GPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_gpu_decode(dtype, head_dim, num_heads, num_kv_heads, block_size):
     ctx = _decode_ctx(block_size, long=1500)
-    for max_num_splits in (1, at.DEFAULT_MAX_NUM_SPLITS):
+    for max_num_splits in (1, 2, at.DEFAULT_MAX_NUM_SPLITS):
         check_decode(
             ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", max_num_splits=max_num_splits
         )
@@ -270,9 +311,7 @@ def test_gpu_decode_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     cu = torch.arange(5, dtype=torch.int32, device="cuda")
-    ref = paged_attention_ref(
-        c["q"], c["k_cache"], c["v_cache"], c["block_tables"], cu, c["context_lens"], c["scale"]
-    )
+    ref = _reference(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], cu, c["context_lens"], c["scale"])
     _assert_close(out, ref, dtype, "decode after graph replay")
     assert (out[1:3] == 0).all()
 
@@ -295,7 +334,7 @@ def _interpreter_checks() -> None:
     ]
     for h, kvh, d, bs, dtype in cases:
         ctx = _decode_ctx(bs, long=150)
-        for max_num_splits in (1, at.DEFAULT_MAX_NUM_SPLITS):
+        for max_num_splits in (1, 2, at.DEFAULT_MAX_NUM_SPLITS):
             errs.append(check_decode(ctx, h, kvh, d, bs, dtype, "cpu", max_num_splits=max_num_splits))
         ctx, ql = _prefill_mix(bs, long=90)
         errs.append(check_prefill(ctx, ql, h, kvh, d, bs, dtype, "cpu", pad_rows=3))

@@ -1,0 +1,191 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from producer import settings
+from producer.cli import main
+
+
+@pytest.fixture
+def cbq(conn, monkeypatch):
+    """Run `cbq ARGS...` in-process against the test's Redis (whatever --redis-url says)."""
+    monkeypatch.setattr(settings, "connect", lambda url: conn)
+    runner = CliRunner()
+
+    def invoke(*args, input=None):
+        return runner.invoke(main, list(args), input=input, catch_exceptions=False)
+
+    return invoke
+
+
+def write_jsonl(tmp_path, objs, name="in.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return str(path)
+
+
+def queue_count(conn, name="cbq"):
+    return Queue(name, connection=conn, serializer=JSONSerializer).count
+
+
+def test_submit_prints_the_batch_id_and_json_last_line(cbq, conn, tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}]}])
+    plain = cbq("submit", path)
+    assert plain.exit_code == 0
+    assert len(plain.stdout.strip()) == 16  # just the batch id on stdout
+    assert "submitted 2 requests in 1 chunks to queue cbq" in plain.stderr
+
+    as_json = cbq("submit", path, "--json", "--chunk-size", "1", "--queue", "other")
+    record = json.loads(as_json.stdout.strip().splitlines()[-1])
+    assert record["num_requests"] == 2 and record["num_chunks"] == 2 and record["queue"] == "other"
+    assert queue_count(conn, "other") == 2
+
+
+def test_invalid_file_enqueues_nothing_and_reports_every_bad_line(cbq, conn, tmp_path):
+    path = write_jsonl(
+        tmp_path,
+        [
+            {"prompt": "ok"},
+            {"prompt": "x", "temperature": -1},
+            "not json",
+            {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 3}},
+            {"prompt": "dup", "custom_id": "d"},
+            {"prompt": "dup", "custom_id": "d"},
+        ],
+    )
+    result = cbq("submit", path)
+    assert result.exit_code == 1
+    assert "line 2: temperature: Input should be greater than or equal to 0" in result.stderr
+    assert "line 3: invalid JSON" in result.stderr
+    assert "line 4: body.n: Input should be 1" in result.stderr
+    assert "line 6: custom_id: duplicate custom_id 'd' (first on line 5)" in result.stderr
+    assert "4 invalid line(s); nothing was enqueued" in result.stderr
+    assert queue_count(conn) == 0 and not conn.keys("cbq:*")
+
+    as_json = cbq("submit", path, "--json")
+    record = json.loads(as_json.stdout.strip().splitlines()[-1])
+    assert record["batch_id"] is None and [e["line"] for e in record["errors"]] == [2, 3, 4, 6]
+
+
+def test_skip_invalid_enqueues_the_valid_lines(cbq, conn, tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "ok"}, {"prompt": 5}, {"prompt": "ok too"}])
+    result = cbq("submit", path, "--skip-invalid", "--json")
+    assert result.exit_code == 0
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["num_requests"] == 2 and record["num_invalid"] == 1
+    assert "line 2: prompt: Input should be a valid string" in result.stderr
+
+
+def test_submit_from_stdin_and_bad_flags(cbq, conn):
+    ok = cbq("submit", "-", "--max-new-tokens", "4", "--stop", "a", "--stop", "b", input='{"prompt": "x"}\n')
+    assert ok.exit_code == 0
+    bad = cbq("submit", "-", "--temperature", "-2", input='{"prompt": "x"}\n')
+    assert bad.exit_code == 2
+    assert "Invalid value for --temperature: Input should be greater than or equal to 0" in bad.stderr
+    empty = cbq("submit", "-", input="\n\n")
+    assert empty.exit_code == 1 and "no requests in the input" in empty.stderr
+    timeout = cbq("submit", "-", "--job-timeout", "0", input='{"prompt": "x"}\n')
+    assert timeout.exit_code == 2 and "--job-timeout" in timeout.stderr
+
+
+def test_resubmission_under_a_name_reports_skipped_ids(cbq, tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "a", "custom_id": "x"}])
+    assert cbq("submit", path, "--name", "n").exit_code == 0
+    again = cbq("submit", path, "--name", "n", "--json")
+    assert "skipped 1 already submitted under --name n: x" in again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["batch_id"] is None
+
+
+def test_status_results_and_cancel_without_a_worker(cbq, conn, tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"p{i}", "custom_id": f"c{i}"} for i in range(5)])
+    batch_id = cbq("submit", path, "--chunk-size", "2").stdout.strip()
+
+    status = json.loads(cbq("status", batch_id, "--json").stdout)
+    assert (status["num_queued"], status["state"], status["is_done"]) == (5, "queued", False)
+    assert "total 5  queued 5  running 0" in cbq("status", batch_id).stdout
+
+    early = cbq("results", batch_id)
+    assert early.exit_code == 1 and "has 5 unfinished requests" in early.stderr and "--partial" in early.stderr
+    assert cbq("results", batch_id, "--partial").stdout == ""
+
+    cancelled = json.loads(cbq("cancel", batch_id, "--json").stdout)
+    assert cancelled == {"batch_id": batch_id, "num_chunks_dequeued": 3, "num_requests_cancelled": 5}
+    assert queue_count(conn) == 0
+    status = json.loads(cbq("status", batch_id, "--json").stdout)
+    assert (status["num_cancelled"], status["state"]) == (5, "cancelled")
+
+    out = tmp_path / "out.jsonl"
+    written = cbq("results", batch_id, "-o", str(out))
+    assert f"wrote 5 results to {out}" in written.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["custom_id"], r["finish_reason"]) for r in lines] == [
+        (i, f"c{i}", "cancelled") for i in range(5)
+    ]
+    openai = [json.loads(line) for line in cbq("results", batch_id, "--format", "openai").stdout.splitlines()]
+    assert openai[0]["error"]["code"] == "cancelled" and openai[0]["custom_id"] == "c0"
+
+    waited = cbq("wait", batch_id, "--interval", "0.05")
+    assert waited.exit_code == 2  # finished, but not every request completed
+    assert "cancelled 5" in waited.stdout
+
+
+def test_wait_times_out(cbq, tmp_path):
+    batch_id = cbq("submit", write_jsonl(tmp_path, [{"prompt": "a"}])).stdout.strip()
+    result = cbq("wait", batch_id, "--interval", "0.05", "--timeout", "0.1")
+    assert result.exit_code == 1 and "timed out: 1 requests unfinished" in result.stderr
+
+
+def test_unknown_batch_is_a_clear_error(cbq):
+    for command in ("status", "results", "cancel", "wait"):
+        result = cbq(command, "nope")
+        assert result.exit_code == 1
+        assert "no batch 'nope' (never submitted, or its results expired)" in result.stderr
+
+
+def test_stats_lists_batches(cbq, tmp_path):
+    batch_id = cbq("submit", write_jsonl(tmp_path, [{"prompt": "a"}])).stdout.strip()
+    record = json.loads(cbq("stats", "--json").stdout)
+    assert record["workers"] == [] and record["batches"][0]["batch_id"] == batch_id
+    assert batch_id in cbq("stats").stdout
+
+
+def test_large_files_show_progress(cbq, fake_redis, tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"p{i}"} for i in range(6000)])
+    result = cbq("submit", path, "--json")
+    assert json.loads(result.stdout.strip().splitlines()[-1])["num_requests"] == 6000
+    assert "validating" in result.stderr and "storing" in result.stderr
+
+
+def test_unreachable_redis_is_a_clear_error():
+    result = CliRunner().invoke(main, ["status", "b", "--redis-url", "redis://:secret@127.0.0.1:1/0"])
+    assert result.exit_code == 1
+    assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in result.stderr
+    assert "secret" not in result.stderr
+
+
+def test_redis_urls_with_password_and_tls_are_accepted():
+    tls = settings.connect("rediss://:pw@example.com:6380/2")
+    kwargs = tls.connection_pool.connection_kwargs
+    assert (kwargs["host"], kwargs["port"], kwargs["db"], kwargs["password"]) == ("example.com", 6380, 2, "pw")
+    assert tls.connection_pool.connection_class.__name__ == "SSLConnection"
+    assert settings.redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+
+
+def test_importing_the_cli_and_its_help_never_import_torch():
+    code = (
+        "import sys; from click.testing import CliRunner; from producer.cli import main; "
+        "r = CliRunner().invoke(main, ['--help']); assert r.exit_code == 0, r.output; "
+        "assert all(c in r.output for c in ('submit', 'worker', 'run', 'bench', 'stats')), r.output; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bench_is_mounted_lazily():
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0

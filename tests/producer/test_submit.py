@@ -1,0 +1,121 @@
+import json
+import zlib
+
+import pytest
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer import batches
+from producer.submit import SubmitConflict, SubmitOptions, submit_batch, validate_lines
+from schemas import keys
+from schemas.chunk import CHUNK_FUNC
+from schemas.request import Request, Sampling, SamplingOverrides
+
+
+def lines_of(*objs) -> list[str]:
+    return [o if isinstance(o, str) else json.dumps(o) for o in objs]
+
+
+def test_validate_lines_reports_every_bad_line_and_skips_blank_ones():
+    v = validate_lines(
+        lines_of({"prompt": "a"}, "", {"prompt": 1}, "{oops", {"messages": [{"role": "user", "content": "x"}]}, "  ")
+    )
+    assert [p.line_no for p in v.requests] == [1, 5]
+    assert [e.line_no for e in v.errors] == [3, 4]
+    assert v.num_blank_lines == 2
+    assert str(v.errors[0]) == "line 3: prompt: Input should be a valid string"
+
+
+def test_duplicate_custom_ids_name_both_lines():
+    v = validate_lines(lines_of({"prompt": "a", "custom_id": "x"}, {"prompt": "b"}, {"prompt": "c", "custom_id": "x"}))
+    assert [str(e) for e in v.errors] == ["line 3: custom_id: duplicate custom_id 'x' (first on line 1)"]
+    assert len(v.requests) == 2
+
+
+def submit(conn, objs, **options):
+    parsed = validate_lines(lines_of(*objs)).requests
+    return submit_batch(conn, parsed, SubmitOptions(**{"queue": "q", **options}))
+
+
+def test_submit_stores_requests_once_and_enqueues_json_chunk_jobs(conn):
+    report = submit(conn, [{"prompt": f"p{i}", "custom_id": f"c{i}"} for i in range(10)], chunk_size=4)
+    assert (report.num_requests, report.num_chunks) == (10, 3)
+    queue = Queue("q", connection=conn, serializer=JSONSerializer)
+    assert queue.count == 3
+    assert conn.hlen(keys.batch_requests(report.batch_id)) == 10
+    stored = Request.model_validate_json(conn.hget(keys.batch_requests(report.batch_id), 9))
+    assert (stored.index, stored.custom_id, stored.prompt) == (9, "c9", "p9")
+
+    job = Job.fetch(queue.job_ids[2], connection=conn, serializer=JSONSerializer)
+    assert job.func_name == CHUNK_FUNC
+    assert job.kwargs == {"batch_id": report.batch_id, "start": 8, "stop": 10}
+    assert job.retries_left == 2 and job.timeout == -1
+    # The payload on the wire is JSON (rq compresses job data with zlib): nothing a worker would unpickle.
+    raw = conn.hget(job.key, "data")
+    assert json.loads(zlib.decompress(raw))[0] == CHUNK_FUNC
+
+    status = batches.get_status(conn, report.batch_id)
+    assert (status.num_total, status.num_queued, status.state) == (10, 10, "queued")
+
+
+def test_batch_defaults_apply_where_a_line_is_silent(conn):
+    report = submit(
+        conn,
+        [{"prompt": "a", "temperature": 0.5}, {"prompt": "b"}],
+        defaults=SamplingOverrides(temperature=1.0, max_new_tokens=3, stop=["x"]),
+    )
+    stored = [Request.model_validate_json(r) for r in conn.hmget(keys.batch_requests(report.batch_id), [0, 1])]
+    assert stored[0].sampling == Sampling(temperature=0.5, max_new_tokens=3, stop=["x"])
+    assert stored[1].sampling == Sampling(temperature=1.0, max_new_tokens=3, stop=["x"])
+
+
+def test_every_batch_key_gets_the_ttl(conn):
+    report = submit(conn, [{"prompt": "a"}], ttl_seconds=1234, name="n")
+    assert 1200 < conn.ttl(keys.batch(report.batch_id)) <= 1234
+    assert 1200 < conn.ttl(keys.batch_requests(report.batch_id)) <= 1234
+    assert 1200 < conn.ttl(keys.batch_jobs(report.batch_id)) <= 1234
+    assert conn.ttl(keys.name_index("n")) == -2  # no custom_ids: no name index
+
+
+def test_resubmitting_under_a_name_skips_custom_ids_already_submitted(conn):
+    first = submit(conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "b", "custom_id": "y"}], name="nightly")
+    second = submit(
+        conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}, {"prompt": "no id"}], name="nightly"
+    )
+    assert second.skipped_custom_ids == ["x"] and second.num_requests == 2
+    third = submit(conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}], name="nightly")
+    assert third.batch_id is None and third.skipped_custom_ids == ["x", "z"]
+    other_name = submit(conn, [{"prompt": "a", "custom_id": "x"}], name="other")
+    assert other_name.num_requests == 1
+    assert conn.hget(keys.name_index("nightly"), "y").decode() == first.batch_id
+
+
+def test_a_failed_commit_leaves_nothing_visible(conn, monkeypatch):
+    def broken_enqueue_many(self, *args, **kwargs):
+        raise ConnectionError("network went away mid-commit")
+
+    monkeypatch.setattr(Queue, "enqueue_many", broken_enqueue_many)
+    with pytest.raises(ConnectionError):
+        submit(conn, [{"prompt": "a", "custom_id": "x"}], name="n")
+    assert Queue("q", connection=conn, serializer=JSONSerializer).count == 0
+    assert conn.zcard(keys.BATCHES) == 0
+    assert conn.exists(keys.name_index("n")) == 0
+    assert not [k for k in conn.keys("cbq:batch:*") if not k.endswith(b":requests")]
+    staged = conn.keys("cbq:batch:*:requests")  # staging only, invisible, and expiring
+    assert len(staged) == 1 and conn.ttl(staged[0]) > 0
+
+
+def test_a_concurrent_submit_under_the_same_name_is_refused(conn, monkeypatch):
+    import producer.submit as submit_module
+
+    original = submit_module._stage_requests
+
+    def stage_then_race(conn_, batch_id, requests, ttl_seconds, on_progress):
+        original(conn_, batch_id, requests, ttl_seconds, on_progress)
+        conn.hset(keys.name_index("n"), "x", "someone-else")  # another submit committed in between
+
+    monkeypatch.setattr(submit_module, "_stage_requests", stage_then_race)
+    with pytest.raises(SubmitConflict, match="just submitted under --name 'n'"):
+        submit(conn, [{"prompt": "a", "custom_id": "x"}], name="n")
+    assert Queue("q", connection=conn, serializer=JSONSerializer).count == 0

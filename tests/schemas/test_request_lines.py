@@ -1,0 +1,207 @@
+import json
+
+import pytest
+
+from schemas.request import (
+    ChatMessage,
+    ParsedRequest,
+    Request,
+    Sampling,
+    SamplingOverrides,
+    parse_request_line,
+)
+
+
+def parse(obj, line_no=7) -> ParsedRequest:
+    return parse_request_line(json.dumps(obj), line_no)
+
+
+def error_of(obj_or_text, line_no=7) -> str:
+    text = obj_or_text if isinstance(obj_or_text, str) else json.dumps(obj_or_text)
+    with pytest.raises(ValueError) as info:
+        parse_request_line(text, line_no)
+    return str(info.value)
+
+
+# --- valid shapes --------------------------------------------------------------------------------------------
+
+
+def test_simple_prompt_line_with_sampling_fields():
+    p = parse(
+        {
+            "prompt": "hi",
+            "custom_id": "a",
+            "max_new_tokens": 5,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 3,
+            "seed": 1,
+            "stop": ["x", "y"],
+            "stop_token_ids": [2],
+            "ignore_eos": True,
+        }
+    )
+    assert (p.shape, p.prompt, p.custom_id, p.line_no) == ("prompt", "hi", "a", 7)
+    assert p.overrides.given() == {
+        "max_new_tokens": 5,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 3,
+        "seed": 1,
+        "stop": ["x", "y"],
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+    }
+
+
+def test_single_stop_string_becomes_a_list_and_int_temperature_is_a_float():
+    p = parse({"prompt": "hi", "stop": "\n", "temperature": 1})
+    assert p.overrides.stop == ["\n"]
+    assert p.overrides.temperature == 1.0
+
+
+def test_chat_line():
+    p = parse({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
+    assert p.shape == "chat"
+    assert p.messages == [ChatMessage(role="system", content="s"), ChatMessage(role="user", content="u")]
+    assert p.custom_id is None
+
+
+def test_openai_completion_line():
+    p = parse(
+        {
+            "custom_id": "c1",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "p", "max_tokens": 9, "temperature": 0.2, "stop": "END", "n": 1},
+        }
+    )
+    assert (p.shape, p.url, p.model, p.prompt, p.custom_id) == ("openai", "/v1/completions", "m", "p", "c1")
+    assert p.overrides.given() == {"max_new_tokens": 9, "temperature": 0.2, "stop": ["END"]}
+
+
+def test_openai_chat_line_with_max_completion_tokens_and_top_k():
+    p = parse(
+        {
+            "custom_id": "c2",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 4, "top_k": 5},
+        }
+    )
+    assert p.messages[0].content == "q"
+    assert p.overrides.given() == {"max_new_tokens": 4, "top_k": 5}
+
+
+def test_blank_lines_are_skipped():
+    assert parse_request_line("", 1) is None
+    assert parse_request_line("   \t", 2) is None
+
+
+def test_resolve_line_values_win_over_batch_defaults_which_win_over_builtins():
+    p = parse({"prompt": "hi", "temperature": 0.3})
+    r = p.resolve(index=4, defaults=SamplingOverrides(temperature=1.0, max_new_tokens=9))
+    assert r.index == 4 and r.line_no == 7
+    assert r.sampling == Sampling(temperature=0.3, max_new_tokens=9)
+    assert p.resolve(0).sampling == Sampling(temperature=0.3)
+
+
+def test_stored_request_round_trips_through_json():
+    r = parse({"messages": [{"role": "user", "content": "u"}], "stop": "x"}).resolve(3, return_token_ids=True)
+    again = Request.model_validate_json(r.model_dump_json(exclude_defaults=True))
+    assert again == r and again.is_chat
+
+
+# --- invalid lines: every error names the line and the field -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "obj, expected",
+    [
+        ({"prompt": "x", "temperature": -1}, "line 7: temperature: Input should be greater than or equal to 0"),
+        ({"prompt": "x", "max_new_tokens": 0}, "line 7: max_new_tokens: Input should be greater than or equal to 1"),
+        ({"prompt": "x", "top_p": 0}, "line 7: top_p: Input should be greater than 0"),
+        ({"prompt": "x", "top_p": 1.5}, "line 7: top_p: Input should be less than or equal to 1"),
+        ({"prompt": "x", "top_k": -2}, "line 7: top_k: Input should be greater than or equal to 0"),
+        ({"prompt": "x", "temperature": "0.5"}, "line 7: temperature: Input should be a valid number"),
+        ({"prompt": "x", "ignore_eos": 1}, "line 7: ignore_eos: Input should be a valid boolean"),
+        ({"prompt": "x", "stop": [1]}, "line 7: stop[0]: Input should be a valid string"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "line 7: stop_token_ids[0]: Input should be greater than or equal to 0"),
+        ({"prompt": 3}, "line 7: prompt: Input should be a valid string"),
+        ({"prompt": "x", "custom_id": ""}, "line 7: custom_id: String should have at least 1 character"),
+        ({"messages": []}, "line 7: messages: List should have at least 1 item after validation, not 0"),
+        (
+            {"messages": [{"role": "bot", "content": "x"}]},
+            "line 7: messages[0].role: Input should be 'system', 'user' or 'assistant'",
+        ),
+        ({"messages": [{"role": "user"}]}, "line 7: messages[0].content: Field required"),
+        ({"prompt": "x", "messages": []}, "line 7: give either prompt or messages, not both"),
+        ({"text": "x"}, 'line 7: expected {"prompt": ...}, {"messages": [...]}, or an OpenAI Batch line'),
+    ],
+)
+def test_simple_and_chat_errors(obj, expected):
+    assert error_of(obj).startswith(expected)
+
+
+def test_unknown_field_lists_the_allowed_ones():
+    message = error_of({"prompt": "x", "temprature": 1})
+    assert message.startswith("line 7: temprature: unknown or unsupported field (allowed: ")
+    assert "temperature" in message
+
+
+def test_invalid_json_and_non_objects():
+    assert error_of("{bad", 3).startswith("line 3: invalid JSON: Expecting property name")
+    assert error_of("[1, 2]", 4) == "line 4: a line must be a JSON object, got list"
+    assert error_of("null", 5) == "line 5: a line must be a JSON object, got NoneType"
+    assert error_of('{"prompt": "x", "temperature": NaN}').startswith("line 7: temperature: Input should be a finite")
+
+
+def openai_line(body, url="/v1/completions", **envelope):
+    return {"custom_id": "c", "method": "POST", "url": url, "body": body, **envelope}
+
+
+@pytest.mark.parametrize(
+    "obj, expected",
+    [
+        (
+            openai_line({"prompt": "x", "temperature": -1}),
+            "line 7: body.temperature: Input should be greater than or equal to 0",
+        ),
+        (openai_line({"prompt": "x", "n": 2}), "line 7: body.n: Input should be 1"),
+        (openai_line({"prompt": "x", "stream": True}), "line 7: body.stream: Input should be False"),
+        (
+            openai_line({"prompt": "x", "frequency_penalty": 0.5}),
+            "line 7: body.frequency_penalty: unknown or unsupported field (allowed: model,",
+        ),
+        (openai_line({"prompt": ["a", "b"]}), "line 7: body.prompt: Input should be a valid string"),
+        (openai_line({"messages": [{"role": "user", "content": "x"}]}), "line 7: body.prompt: Field required"),
+        (
+            openai_line({"prompt": "x"}, url="/v1/chat/completions"),
+            "line 7: body.messages: Field required",
+        ),
+        (
+            openai_line({"prompt": "x", "max_tokens": 3, "max_completion_tokens": 3}),
+            "line 7: body: give max_tokens or max_completion_tokens, not both",
+        ),
+        (
+            openai_line({"prompt": "x"}, url="/v1/embeddings"),
+            "line 7: url: Input should be '/v1/completions' or '/v1/chat/completions'",
+        ),
+        (openai_line({"prompt": "x"}, method="GET"), "line 7: method: Input should be 'POST'"),
+        ({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}, "line 7: custom_id: Field required"),
+        (openai_line("not an object"), "line 7: body: Input should be a valid dictionary"),
+    ],
+)
+def test_openai_errors(obj, expected):
+    assert error_of(obj).startswith(expected)
+
+
+def test_error_carries_line_field_and_all_issues():
+    with pytest.raises(ValueError) as info:
+        parse_request_line(json.dumps({"prompt": "x", "temperature": -1, "top_p": 2}), 12)
+    error = info.value
+    assert error.line_no == 12
+    assert error.field == "temperature"
+    assert error.message == "Input should be greater than or equal to 0"
+    assert [i.field for i in error.issues] == ["temperature", "top_p"]
+    assert str(error).splitlines()[1] == "line 12: top_p: Input should be less than or equal to 1"

@@ -1,0 +1,154 @@
+"""`cbq worker` and `cbq run`. Imported lazily by `producer.cli`; the engine (torch) is imported only when built."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from producer import batches
+from producer.cli import format_status
+from producer.options import open_redis, queue_option, redis_url_option, sampling_options
+from producer.settings import DEFAULT_CHUNK_SIZE
+from producer.submit import SubmitOptions, submit_batch, validate_lines
+from worker.queue_worker import CbqWorker
+
+MODEL_ENV = "CBQ_MODEL"
+DEFAULT_MODEL = "tiny-llama"
+
+
+def build_engine(model: str, mode: str, device: str | None, fake_engine: bool):
+    """The real engine for `model` (a preset name, local path or hub name), or the instant FakeEngine."""
+    if fake_engine:
+        from worker.fake_engine import FakeEngine
+
+        return FakeEngine()
+    from worker.engine.engine import Engine  # imports torch: only here
+
+    overrides = {"mode": mode}
+    if device:
+        overrides["device"] = device
+    return Engine.from_model(model, **overrides)
+
+
+def engine_options(f):
+    f = click.option(
+        "--fake-engine", is_flag=True, help="Use the instant echo engine (no model, no torch), to try the queue."
+    )(f)
+    f = click.option("--device", default=None, help="Engine device, e.g. cuda:0 or cpu (default: the engine's).")(f)
+    f = click.option(
+        "--mode",
+        type=click.Choice(["sync", "async"]),
+        default="async",
+        show_default=True,
+        help="Engine step loop: async overlaps CPU batch preparation with GPU compute.",
+    )(f)
+    f = click.option(
+        "--model",
+        envvar=MODEL_ENV,
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help=f"Engine preset name, local checkpoint path or hub name. Env: {MODEL_ENV}.",
+    )(f)
+    return f
+
+
+@click.command()
+@engine_options
+@redis_url_option
+@queue_option
+@click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
+@click.option("--name", help="Worker name (default: a random one).")
+@click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
+@click.option("--with-scheduler", is_flag=True, help="Also run rq's scheduler (for jobs retried with intervals).")
+def worker(model, mode, device, fake_engine, redis_url, queue, burst, name, log_level, with_scheduler):
+    """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
+
+    Many chunk jobs are in flight at once. SIGINT/SIGTERM stops admitting and drains what is in flight;
+    a second signal stops at once (unfinished chunks are retried by rq, finished requests are not redone).
+    """
+    conn = open_redis(redis_url)
+    engine = build_engine(model, mode, device, fake_engine)
+    cbq_worker = CbqWorker(
+        [queue], engine, connection=conn, model_name="fake" if fake_engine else model, mode=mode, name=name
+    )
+    cbq_worker.work(burst=burst, logging_level=log_level, with_scheduler=with_scheduler)
+
+
+@click.command()
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True), help="Results file.")
+@engine_options
+@click.option(
+    "--redis-url",
+    default=None,
+    help="Use this Redis instead of an in-process one (CBQ_REDIS_URL is ignored here: run is self-contained).",
+)
+@queue_option
+@click.option("--format", "output_format", type=click.Choice(["cbq", "openai"]), default="cbq", show_default=True)
+@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True)
+@click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
+@click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
+@sampling_options
+def run(
+    file,
+    output,
+    model,
+    mode,
+    device,
+    fake_engine,
+    redis_url,
+    queue,
+    output_format,
+    chunk_size,
+    return_token_ids,
+    log_level,
+    defaults,
+):
+    """Submit FILE, run it with an in-process worker, and write the results to OUTPUT, in input order.
+
+    Producer and worker share one process and, unless --redis-url is given, an in-process Redis (fakeredis):
+    the whole pipeline with one command and nothing to set up.
+    """
+    validated = validate_lines(file.read().splitlines())
+    for error in validated.errors:
+        click.echo(str(error), err=True)
+    if validated.errors:
+        raise click.ClickException(f"{len(validated.errors)} invalid line(s); nothing was run")
+    if not validated.requests:
+        raise click.ClickException("no requests in the input")
+
+    conn = open_redis(redis_url) if redis_url else _in_process_redis()
+    click.echo(f"loading {'the fake engine' if fake_engine else model}", err=True)
+    engine = build_engine(model, mode, device, fake_engine)  # first, so queue times do not include loading
+    options = SubmitOptions(
+        queue=queue, chunk_size=chunk_size, defaults=defaults, return_token_ids=return_token_ids, retries=0
+    )
+    report = submit_batch(conn, validated.requests, options)
+    click.echo(f"batch {report.batch_id}: {report.num_requests} requests", err=True)
+    cbq_worker = CbqWorker(
+        [queue],
+        engine,
+        connection=conn,
+        model_name="fake" if fake_engine else model,
+        mode=mode,
+        name=f"cbq-run-{os.getpid()}",
+    )
+    cbq_worker.work(burst=True, logging_level=log_level)
+
+    with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
+        for line in batches.iter_results(conn, report.batch_id, output_format=output_format, partial=True):
+            out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
+    status = batches.get_status(conn, report.batch_id)
+    click.echo(format_status(status), err=True)
+    if not status.is_done:
+        raise click.ClickException("the worker stopped before the batch finished; partial results written")
+    if status.num_failed:
+        sys.exit(2)
+
+
+def _in_process_redis():
+    import fakeredis
+
+    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
