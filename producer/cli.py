@@ -107,7 +107,7 @@ def submit(
         raise click.BadParameter(
             "must be -1 (no limit) or a positive number of seconds", param_hint="--job-timeout"
         )
-    lines = file.read().splitlines()
+    lines = read_lines(file)
     validated = _validate_with_progress(lines)
     for error in validated.errors:
         click.echo(str(error), err=True)
@@ -164,6 +164,11 @@ def submit(
                 "errors": [_error_json(e) for e in validated.errors],
             }
         )
+
+
+def read_lines(file) -> list[str]:
+    """Lines split on newlines only: str.splitlines() would also split inside JSON strings at U+2028 etc."""
+    return [line.rstrip("\n") for line in file]
 
 
 def _validate_with_progress(lines: list[str]):

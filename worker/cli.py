@@ -8,7 +8,7 @@ import sys
 import click
 
 from producer import batches
-from producer.cli import format_status
+from producer.cli import format_status, read_lines
 from producer.options import open_redis, queue_option, redis_url_option, sampling_options
 from producer.settings import DEFAULT_CHUNK_SIZE
 from producer.submit import SubmitOptions, submit_batch, validate_lines
@@ -34,9 +34,13 @@ def build_engine(model: str, mode: str, device: str | None, fake_engine: bool):
 
 def engine_options(f):
     f = click.option(
-        "--fake-engine", is_flag=True, help="Use the instant echo engine (no model, no torch), to try the queue."
+        "--fake-engine",
+        is_flag=True,
+        help="Use the instant echo engine (no model, no torch), to try the queue.",
     )(f)
-    f = click.option("--device", default=None, help="Engine device, e.g. cuda:0 or cpu (default: the engine's).")(f)
+    f = click.option(
+        "--device", default=None, help="Engine device, e.g. cuda:0 or cpu (default: the engine's)."
+    )(f)
     f = click.option(
         "--mode",
         type=click.Choice(["sync", "async"]),
@@ -61,8 +65,7 @@ def engine_options(f):
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
 @click.option("--name", help="Worker name (default: a random one).")
 @click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
-@click.option("--with-scheduler", is_flag=True, help="Also run rq's scheduler (for jobs retried with intervals).")
-def worker(model, mode, device, fake_engine, redis_url, queue, burst, name, log_level, with_scheduler):
+def worker(model, mode, device, fake_engine, redis_url, queue, burst, name, log_level):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
 
     Many chunk jobs are in flight at once. SIGINT/SIGTERM stops admitting and drains what is in flight;
@@ -73,12 +76,14 @@ def worker(model, mode, device, fake_engine, redis_url, queue, burst, name, log_
     cbq_worker = CbqWorker(
         [queue], engine, connection=conn, model_name="fake" if fake_engine else model, mode=mode, name=name
     )
-    cbq_worker.work(burst=burst, logging_level=log_level, with_scheduler=with_scheduler)
+    cbq_worker.work(burst=burst, logging_level=log_level)
 
 
 @click.command()
 @click.argument("file", type=click.File("r", encoding="utf-8"))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True), help="Results file.")
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True), help="Results file."
+)
 @engine_options
 @click.option(
     "--redis-url",
@@ -86,8 +91,21 @@ def worker(model, mode, device, fake_engine, redis_url, queue, burst, name, log_
     help="Use this Redis instead of an in-process one (CBQ_REDIS_URL is ignored here: run is self-contained).",
 )
 @queue_option
-@click.option("--format", "output_format", type=click.Choice(["cbq", "openai"]), default="cbq", show_default=True)
-@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True)
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["cbq", "openai"]),
+    default="cbq",
+    show_default=True,
+    help="cbq result lines, or OpenAI Batch output lines.",
+)
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CHUNK_SIZE,
+    show_default=True,
+    help="Requests per rq job.",
+)
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
 @sampling_options
@@ -111,7 +129,7 @@ def run(
     Producer and worker share one process and, unless --redis-url is given, an in-process Redis (fakeredis):
     the whole pipeline with one command and nothing to set up.
     """
-    validated = validate_lines(file.read().splitlines())
+    validated = validate_lines(read_lines(file))
     for error in validated.errors:
         click.echo(str(error), err=True)
     if validated.errors:

@@ -37,9 +37,14 @@ class QueueBenchRow:
     worker_jobs_per_second: float
 
 
-def run_one(conn, num_requests: int, chunk_size: int, max_new_tokens: int, max_num_running: int) -> QueueBenchRow:
+def run_one(
+    conn, num_requests: int, chunk_size: int, max_new_tokens: int, max_num_running: int
+) -> QueueBenchRow:
     queue = f"cbq-bench-{uuid.uuid4().hex[:8]}"
-    lines = [json.dumps({"prompt": f"benchmark prompt number {i}", "custom_id": f"r{i}"}) for i in range(num_requests)]
+    lines = [
+        json.dumps({"prompt": f"benchmark prompt number {i}", "custom_id": f"r{i}"})
+        for i in range(num_requests)
+    ]
     parsed = validate_lines(lines).requests
     defaults = SamplingOverrides(max_new_tokens=max_new_tokens)
     options = SubmitOptions(queue=queue, chunk_size=chunk_size, ttl_seconds=600, retries=0, defaults=defaults)
@@ -129,7 +134,11 @@ def queue_bench(redis_url, fake, num_requests, chunk_sizes, max_new_tokens, max_
     if json_out:
         record = {
             "redis": "fakeredis" if fake else _redis_server(conn),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+            },
             "max_new_tokens": max_new_tokens,
             "rows": [asdict(r) for r in rows],
         }

@@ -130,10 +130,12 @@ class CbqWorker(BaseWorker):
     ) -> bool:
         """Run until stopped (SIGINT/SIGTERM: stop admitting, drain, exit), or in burst mode until the queues
         are empty and nothing is in flight. Returns whether any job was admitted."""
+        if with_scheduler:
+            # rq's scheduler runs in a forked process, and the engine has already started CUDA. cbq retries
+            # without intervals, so it needs no scheduler; run `rq worker --with-scheduler` elsewhere if wanted.
+            raise ValueError("CbqWorker does not run rq's scheduler: it would fork after CUDA started")
         self.bootstrap(logging_level, date_format, log_format)
         self._dequeue_strategy = dequeue_strategy
-        if with_scheduler:
-            self._start_scheduler(burst, logging_level, date_format, log_format)
         self._install_signal_handlers()
         self.engine.start()
         idle_since = time.monotonic()
@@ -153,6 +155,9 @@ class CbqWorker(BaseWorker):
                 # 4. nothing in flight: exit, or wait for the next job
                 if self._stop_requested:
                     self.log.info("Worker %s: drained, stopping on request", self.name)
+                    break
+                if burst and self._is_suspended:
+                    self.log.info("Worker %s: suspended in burst mode, quitting", self.name)
                     break
                 if burst and queue_is_empty:
                     self.log.info(
@@ -195,8 +200,8 @@ class CbqWorker(BaseWorker):
     def _wait_for_job(self) -> None:
         if self.get_state() != WorkerStatus.IDLE:
             self.set_state(WorkerStatus.IDLE)
-        if not self._can_admit(None):
-            time.sleep(SUSPENSION_POLL_SECONDS / 10)
+        if not self._can_admit(None):  # suspended (`rq suspend`): keep the loop turning, slowly
+            time.sleep(0.1)
             return
         try:
             result = self._dequeue(timeout=IDLE_DEQUEUE_TIMEOUT_SECONDS)
@@ -272,7 +277,13 @@ class CbqWorker(BaseWorker):
     def _record_for(owner: InFlightJob, request: Request, result: EngineResult) -> ResultLine | None:
         if owner.abort_reason == "timeout" and result.finish_reason == FinishReason.CANCELLED:
             return None  # not finished: the retried chunk runs it again
-        return to_result_line(request, result)
+        try:
+            return to_result_line(request, result)
+        except Exception as exc:  # an engine result we cannot record fails that request, not the worker
+            message = f"invalid engine result: {exc!r}"
+            return ResultLine(
+                custom_id=request.custom_id, index=request.index, finish_reason="error", error=message
+            )
 
     def _flush_outcomes(self) -> None:
         """Write settled requests (one MULTI for all of them), then finish chunks with nothing left in flight."""
@@ -343,7 +354,9 @@ class CbqWorker(BaseWorker):
             try:
                 with self.connection.pipeline(transaction=True) as pipe:
                     # Nothing of this chunk runs here any more; a retry registers again what it runs.
-                    queue_results(pipe, owner.payload.batch_id, owner.ttl_seconds, [], finished_job_ids=[owner.job.id])
+                    queue_results(
+                        pipe, owner.payload.batch_id, owner.ttl_seconds, [], finished_job_ids=[owner.job.id]
+                    )
                     pipe.execute()
                 self._finish_job_failed(owner.job, owner.queue, owner.execution, exc_string)
             except Exception:

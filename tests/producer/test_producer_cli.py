@@ -110,7 +110,9 @@ def test_status_results_and_cancel_without_a_worker(cbq, conn, tmp_path):
     assert "total 5  queued 5  running 0" in cbq("status", batch_id).stdout
 
     early = cbq("results", batch_id)
-    assert early.exit_code == 1 and "has 5 unfinished requests" in early.stderr and "--partial" in early.stderr
+    assert (
+        early.exit_code == 1 and "has 5 unfinished requests" in early.stderr and "--partial" in early.stderr
+    )
     assert cbq("results", batch_id, "--partial").stdout == ""
 
     cancelled = json.loads(cbq("cancel", batch_id, "--json").stdout)
@@ -161,6 +163,26 @@ def test_large_files_show_progress(cbq, fake_redis, tmp_path):
     assert "validating" in result.stderr and "storing" in result.stderr
 
 
+def test_lines_split_on_newlines_only(cbq, conn, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a\u2028b\u0085c"}\r\n{"prompt": "d"}\n', encoding="utf-8")
+    record = json.loads(cbq("submit", str(path), "--json").stdout.splitlines()[-1])
+    assert record["num_requests"] == 2
+
+
+def test_result_ttl_comes_from_the_environment(conn, monkeypatch, tmp_path):
+    monkeypatch.setattr(settings, "connect", lambda url: conn)
+    path = write_jsonl(tmp_path, [{"prompt": "a"}])
+    result = CliRunner(env={"CBQ_RESULT_TTL": "321"}).invoke(main, ["submit", path])
+    batch_id = result.stdout.strip()
+    assert 300 < conn.ttl(f"cbq:batch:{batch_id}") <= 321
+
+
+def test_redis_url_comes_from_the_environment():
+    result = CliRunner(env={"CBQ_REDIS_URL": "redis://127.0.0.1:1/3"}).invoke(main, ["stats"])
+    assert result.exit_code == 1 and "cannot reach Redis at redis://127.0.0.1:1/3" in result.stderr
+
+
 def test_unreachable_redis_is_a_clear_error():
     result = CliRunner().invoke(main, ["status", "b", "--redis-url", "redis://:secret@127.0.0.1:1/0"])
     assert result.exit_code == 1
@@ -171,7 +193,12 @@ def test_unreachable_redis_is_a_clear_error():
 def test_redis_urls_with_password_and_tls_are_accepted():
     tls = settings.connect("rediss://:pw@example.com:6380/2")
     kwargs = tls.connection_pool.connection_kwargs
-    assert (kwargs["host"], kwargs["port"], kwargs["db"], kwargs["password"]) == ("example.com", 6380, 2, "pw")
+    assert (kwargs["host"], kwargs["port"], kwargs["db"], kwargs["password"]) == (
+        "example.com",
+        6380,
+        2,
+        "pw",
+    )
     assert tls.connection_pool.connection_class.__name__ == "SSLConnection"
     assert settings.redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
 

@@ -19,7 +19,14 @@ def lines_of(*objs) -> list[str]:
 
 def test_validate_lines_reports_every_bad_line_and_skips_blank_ones():
     v = validate_lines(
-        lines_of({"prompt": "a"}, "", {"prompt": 1}, "{oops", {"messages": [{"role": "user", "content": "x"}]}, "  ")
+        lines_of(
+            {"prompt": "a"},
+            "",
+            {"prompt": 1},
+            "{oops",
+            {"messages": [{"role": "user", "content": "x"}]},
+            "  ",
+        )
     )
     assert [p.line_no for p in v.requests] == [1, 5]
     assert [e.line_no for e in v.errors] == [3, 4]
@@ -28,7 +35,9 @@ def test_validate_lines_reports_every_bad_line_and_skips_blank_ones():
 
 
 def test_duplicate_custom_ids_name_both_lines():
-    v = validate_lines(lines_of({"prompt": "a", "custom_id": "x"}, {"prompt": "b"}, {"prompt": "c", "custom_id": "x"}))
+    v = validate_lines(
+        lines_of({"prompt": "a", "custom_id": "x"}, {"prompt": "b"}, {"prompt": "c", "custom_id": "x"})
+    )
     assert [str(e) for e in v.errors] == ["line 3: custom_id: duplicate custom_id 'x' (first on line 1)"]
     assert len(v.requests) == 2
 
@@ -65,7 +74,9 @@ def test_batch_defaults_apply_where_a_line_is_silent(conn):
         [{"prompt": "a", "temperature": 0.5}, {"prompt": "b"}],
         defaults=SamplingOverrides(temperature=1.0, max_new_tokens=3, stop=["x"]),
     )
-    stored = [Request.model_validate_json(r) for r in conn.hmget(keys.batch_requests(report.batch_id), [0, 1])]
+    stored = [
+        Request.model_validate_json(r) for r in conn.hmget(keys.batch_requests(report.batch_id), [0, 1])
+    ]
     assert stored[0].sampling == Sampling(temperature=0.5, max_new_tokens=3, stop=["x"])
     assert stored[1].sampling == Sampling(temperature=1.0, max_new_tokens=3, stop=["x"])
 
@@ -79,12 +90,18 @@ def test_every_batch_key_gets_the_ttl(conn):
 
 
 def test_resubmitting_under_a_name_skips_custom_ids_already_submitted(conn):
-    first = submit(conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "b", "custom_id": "y"}], name="nightly")
+    first = submit(
+        conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "b", "custom_id": "y"}], name="nightly"
+    )
     second = submit(
-        conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}, {"prompt": "no id"}], name="nightly"
+        conn,
+        [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}, {"prompt": "no id"}],
+        name="nightly",
     )
     assert second.skipped_custom_ids == ["x"] and second.num_requests == 2
-    third = submit(conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}], name="nightly")
+    third = submit(
+        conn, [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}], name="nightly"
+    )
     assert third.batch_id is None and third.skipped_custom_ids == ["x", "z"]
     other_name = submit(conn, [{"prompt": "a", "custom_id": "x"}], name="other")
     assert other_name.num_requests == 1

@@ -118,15 +118,24 @@ def test_stored_request_round_trips_through_json():
 @pytest.mark.parametrize(
     "obj, expected",
     [
-        ({"prompt": "x", "temperature": -1}, "line 7: temperature: Input should be greater than or equal to 0"),
-        ({"prompt": "x", "max_new_tokens": 0}, "line 7: max_new_tokens: Input should be greater than or equal to 1"),
+        (
+            {"prompt": "x", "temperature": -1},
+            "line 7: temperature: Input should be greater than or equal to 0",
+        ),
+        (
+            {"prompt": "x", "max_new_tokens": 0},
+            "line 7: max_new_tokens: Input should be greater than or equal to 1",
+        ),
         ({"prompt": "x", "top_p": 0}, "line 7: top_p: Input should be greater than 0"),
         ({"prompt": "x", "top_p": 1.5}, "line 7: top_p: Input should be less than or equal to 1"),
         ({"prompt": "x", "top_k": -2}, "line 7: top_k: Input should be greater than or equal to 0"),
         ({"prompt": "x", "temperature": "0.5"}, "line 7: temperature: Input should be a valid number"),
         ({"prompt": "x", "ignore_eos": 1}, "line 7: ignore_eos: Input should be a valid boolean"),
         ({"prompt": "x", "stop": [1]}, "line 7: stop[0]: Input should be a valid string"),
-        ({"prompt": "x", "stop_token_ids": [-1]}, "line 7: stop_token_ids[0]: Input should be greater than or equal to 0"),
+        (
+            {"prompt": "x", "stop_token_ids": [-1]},
+            "line 7: stop_token_ids[0]: Input should be greater than or equal to 0",
+        ),
         ({"prompt": 3}, "line 7: prompt: Input should be a valid string"),
         ({"prompt": "x", "custom_id": ""}, "line 7: custom_id: String should have at least 1 character"),
         ({"messages": []}, "line 7: messages: List should have at least 1 item after validation, not 0"),
@@ -153,7 +162,9 @@ def test_invalid_json_and_non_objects():
     assert error_of("{bad", 3).startswith("line 3: invalid JSON: Expecting property name")
     assert error_of("[1, 2]", 4) == "line 4: a line must be a JSON object, got list"
     assert error_of("null", 5) == "line 5: a line must be a JSON object, got NoneType"
-    assert error_of('{"prompt": "x", "temperature": NaN}').startswith("line 7: temperature: Input should be a finite")
+    assert error_of('{"prompt": "x", "temperature": NaN}').startswith(
+        "line 7: temperature: Input should be a finite"
+    )
 
 
 def openai_line(body, url="/v1/completions", **envelope):
@@ -174,7 +185,10 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body.frequency_penalty: unknown or unsupported field (allowed: model,",
         ),
         (openai_line({"prompt": ["a", "b"]}), "line 7: body.prompt: Input should be a valid string"),
-        (openai_line({"messages": [{"role": "user", "content": "x"}]}), "line 7: body.prompt: Field required"),
+        (
+            openai_line({"messages": [{"role": "user", "content": "x"}]}),
+            "line 7: body.prompt: Field required",
+        ),
         (
             openai_line({"prompt": "x"}, url="/v1/chat/completions"),
             "line 7: body.messages: Field required",
@@ -188,7 +202,10 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: url: Input should be '/v1/completions' or '/v1/chat/completions'",
         ),
         (openai_line({"prompt": "x"}, method="GET"), "line 7: method: Input should be 'POST'"),
-        ({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}, "line 7: custom_id: Field required"),
+        (
+            {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
+            "line 7: custom_id: Field required",
+        ),
         (openai_line("not an object"), "line 7: body: Input should be a valid dictionary"),
     ],
 )

@@ -9,7 +9,13 @@ from schemas.status import BatchStatus, WorkerStats
 
 
 def result(**kw) -> ResultLine:
-    base = {"custom_id": "c", "index": 3, "text": "out", "finish_reason": "length", "usage": Usage(prompt_tokens=4, completion_tokens=2)}
+    base = {
+        "custom_id": "c",
+        "index": 3,
+        "text": "out",
+        "finish_reason": "length",
+        "usage": Usage(prompt_tokens=4, completion_tokens=2),
+    }
     return ResultLine(**{**base, **kw})
 
 
@@ -26,7 +32,9 @@ def test_result_line_error_is_set_exactly_for_failures():
 
 
 def test_openai_output_for_a_completion():
-    req = Request(index=3, line_no=4, custom_id="c", shape="openai", url="/v1/completions", model="m", prompt="p")
+    req = Request(
+        index=3, line_no=4, custom_id="c", shape="openai", url="/v1/completions", model="m", prompt="p"
+    )
     out = to_openai_output(result(), req, "b1", model="worker-model", created_at=100)
     assert out.custom_id == "c" and out.error is None
     assert out.response.status_code == 200 and out.response.request_id == "b1-3"
@@ -48,13 +56,26 @@ def test_openai_output_for_chat_uses_the_worker_model_and_a_generated_custom_id(
 def test_openai_output_for_failures_has_an_error_and_no_response():
     req = Request(index=3, line_no=4, shape="prompt", prompt="p")
     failed = to_openai_output(result(finish_reason="error", error="prompt too long"), req, "b", "m", 1)
-    assert failed.response is None and failed.error.model_dump() == {"code": "generation_error", "message": "prompt too long"}
+    assert failed.response is None and failed.error.model_dump() == {
+        "code": "generation_error",
+        "message": "prompt too long",
+    }
     cancelled = to_openai_output(result(finish_reason="cancelled"), req, "b", "m", 1)
     assert cancelled.error.code == "cancelled"
 
 
 def status(**kw) -> BatchStatus:
-    base = dict(batch_id="b", queue="q", created_at=1.0, num_total=10, num_queued=2, num_running=3, num_completed=4, num_failed=1, num_cancelled=0)
+    base = dict(
+        batch_id="b",
+        queue="q",
+        created_at=1.0,
+        num_total=10,
+        num_queued=2,
+        num_running=3,
+        num_completed=4,
+        num_failed=1,
+        num_cancelled=0,
+    )
     return BatchStatus(**{**base, **kw})
 
 
@@ -62,18 +83,33 @@ def test_batch_status_counts_must_add_up_and_state_follows_them():
     assert status().state == "queued" and not status().is_done
     assert status(first_started_at=2.0).state == "running"
     assert status(num_queued=0, num_running=0, num_completed=9).state == "done"
-    assert status(num_queued=0, num_running=0, num_completed=4, num_cancelled=5, cancelled_at=3.0).state == "cancelled"
+    assert (
+        status(num_queued=0, num_running=0, num_completed=4, num_cancelled=5, cancelled_at=3.0).state
+        == "cancelled"
+    )
     with pytest.raises(ValidationError, match="counts add up to 11, not num_total=10"):
         status(num_queued=3)
 
 
 def test_worker_stats_round_trip():
-    ws = WorkerStats(worker_name="w", hostname="h", pid=1, model="m", queues=["q"], started_at=1, updated_at=2, state="idle")
+    ws = WorkerStats(
+        worker_name="w",
+        hostname="h",
+        pid=1,
+        model="m",
+        queues=["q"],
+        started_at=1,
+        updated_at=2,
+        state="idle",
+    )
     assert WorkerStats.model_validate_json(ws.model_dump_json()) == ws
 
 
 def test_keys_share_one_prefix_and_ids_round_trip():
-    assert all(k.startswith("cbq:") for k in keys.all_batch_keys("b1") + [keys.BATCHES, keys.WORKERS, keys.name_index("n")])
+    assert all(
+        k.startswith("cbq:")
+        for k in keys.all_batch_keys("b1") + [keys.BATCHES, keys.WORKERS, keys.name_index("n")]
+    )
     assert keys.split_engine_request_id(keys.engine_request_id("b1", 42)) == ("b1", 42)
     assert keys.chunk_job_id("b1", 3) == "cbq-b1-000003"
 

@@ -14,7 +14,11 @@ def req(rid, prompt="hello world", **sampling) -> EngineRequest:
 def test_echo_honours_max_new_tokens_and_cycles_the_prompt():
     engine = FakeEngine()
     [short, long] = engine.generate([req("a", max_new_tokens=5), req("b", prompt="ab", max_new_tokens=5)])
-    assert (short.text, short.finish_reason, short.usage.completion_tokens) == ("hello", FinishReason.LENGTH, 5)
+    assert (short.text, short.finish_reason, short.usage.completion_tokens) == (
+        "hello",
+        FinishReason.LENGTH,
+        5,
+    )
     assert long.text == "ababa" and long.token_ids == list(b"ababa")
     assert short.usage.prompt_tokens == 11 and short.usage.gpu_seconds > 0
 

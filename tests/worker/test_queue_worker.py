@@ -31,11 +31,13 @@ def mixed_requests(n: int) -> list[dict]:
         elif kind == 1:
             out.append({"custom_id": f"chat-{i}", "messages": [{"role": "user", "content": f"question {i}"}]})
         elif kind == 2:
-            body = {"prompt": f"completion {i}", "max_tokens": 3, "stop": "t"}
+            body = {"prompt": f"completion {i}", "max_tokens": 3, "stop": "o"}
             out.append({"custom_id": f"oa-{i}", "method": "POST", "url": "/v1/completions", "body": body})
         else:
             body = {"messages": [{"role": "user", "content": f"chat {i}"}], "max_completion_tokens": 4}
-            out.append({"custom_id": f"oac-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+            out.append(
+                {"custom_id": f"oac-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
     return out
 
 
@@ -46,7 +48,9 @@ def expected_texts(objs, max_new_tokens_default=None) -> list[str]:
     from schemas.request import SamplingOverrides
 
     defaults = SamplingOverrides(max_new_tokens=max_new_tokens_default)
-    reqs = [to_engine_request(p.resolve(i, defaults), engine.tokenizer, "b", 0.0) for i, p in enumerate(parsed)]
+    reqs = [
+        to_engine_request(p.resolve(i, defaults), engine.tokenizer, "b", 0.0) for i, p in enumerate(parsed)
+    ]
     return [r.text for r in engine.generate(reqs)]
 
 
@@ -94,7 +98,10 @@ def test_openai_batch_input_gives_openai_batch_output(cbq, burst_worker, write_j
     first, second = lines[0], lines[1]
     assert first["response"]["body"]["object"] == "text_completion"
     assert first["response"]["body"]["model"] == "my-model"
-    assert second["response"]["body"]["object"] == "chat.completion" and second["response"]["body"]["model"] == "fake"
+    assert (
+        second["response"]["body"]["object"] == "chat.completion"
+        and second["response"]["body"]["model"] == "fake"
+    )
     expected = expected_texts(objs)
     assert first["response"]["body"]["choices"][0]["text"] == expected[0]
     assert second["response"]["body"]["choices"][0]["message"]["content"] == expected[1]
@@ -162,13 +169,67 @@ def test_dedupe_within_a_file_and_across_resubmissions(cbq, burst_worker, write_
     dup = cbq("submit", write_jsonl([{"prompt": "a", "custom_id": "x"}, {"prompt": "b", "custom_id": "x"}]))
     assert dup.exit_code == 1 and "line 2: custom_id: duplicate custom_id 'x' (first on line 1)" in dup.stderr
 
-    first = submit(cbq, write_jsonl, [{"prompt": "a", "custom_id": "x"}, {"prompt": "b", "custom_id": "y"}], "--name", "n")
-    second = submit(cbq, write_jsonl, [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}], "--name", "n")
+    first = submit(
+        cbq,
+        write_jsonl,
+        [{"prompt": "a", "custom_id": "x"}, {"prompt": "b", "custom_id": "y"}],
+        "--name",
+        "n",
+    )
+    second = submit(
+        cbq,
+        write_jsonl,
+        [{"prompt": "a", "custom_id": "x"}, {"prompt": "c", "custom_id": "z"}],
+        "--name",
+        "n",
+    )
     engine = FakeEngine()
     burst_worker(engine)
     assert engine.num_added == 3  # x ran once
     assert [r["custom_id"] for r in results_of(cbq, first)] == ["x", "y"]
     assert [r["custom_id"] for r in results_of(cbq, second)] == ["z"]
+
+
+def test_every_chunk_in_flight_gets_heartbeats(cbq, conn, write_jsonl):
+    from worker.queue_worker import CbqWorker
+
+    batch_id = submit(cbq, write_jsonl, mixed_requests(4), "--chunk-size", "2")
+    worker = CbqWorker(
+        ["cbq"], FakeEngine(latency_seconds=60), connection=conn, model_name="fake", job_monitoring_interval=1
+    )
+    thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"})
+    thread.start()
+    _wait_until(lambda: batches.get_status(conn, batch_id).num_running == 4)
+    jobs = [
+        Job.fetch(keys.chunk_job_id(batch_id, c), connection=conn, serializer=JSONSerializer) for c in (0, 1)
+    ]
+    first = [job.get_executions()[0].last_heartbeat for job in jobs]
+    time.sleep(1.5)
+    later = [job.get_executions()[0].last_heartbeat for job in jobs]
+    assert all(b > a for a, b in zip(first, later, strict=True))
+    batches.cancel_batch(conn, batch_id)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_a_suspended_burst_worker_takes_nothing(cbq, conn, burst_worker, write_jsonl):
+    from rq.suspension import resume, suspend
+
+    batch_id = submit(cbq, write_jsonl, mixed_requests(3))
+    suspend(conn)
+    engine = FakeEngine()
+    burst_worker(engine)
+    assert engine.num_added == 0
+    resume(conn)
+    burst_worker(engine)
+    assert batches.get_status(conn, batch_id).num_completed == 3
+
+
+def test_the_worker_refuses_to_fork_a_scheduler(conn):
+    from worker.queue_worker import CbqWorker
+
+    with pytest.raises(ValueError, match="would fork after CUDA started"):
+        CbqWorker(["cbq"], FakeEngine(), connection=conn).work(with_scheduler=True)
 
 
 class CrashingEngine(FakeEngine):
@@ -206,6 +267,33 @@ def test_a_retried_chunk_skips_finished_requests(cbq, conn, burst_worker, write_
     assert job.return_value(refresh=True)["num_skipped"] == 4
 
 
+def test_a_chunk_abandoned_by_a_dead_worker_is_retried_by_rq_maintenance(
+    cbq, conn, burst_worker, write_jsonl
+):
+    from rq.registry import StartedJobRegistry
+
+    from worker.queue_worker import CbqWorker
+
+    class DiesHard(CbqWorker):
+        def _fail_all_in_flight(self, exc_string):  # SIGKILL: nobody hands the chunk back
+            pass
+
+    batch_id = submit(cbq, write_jsonl, mixed_requests(6), "--chunk-size", "6", "--retries", "1")
+    with pytest.raises(RuntimeError):
+        DiesHard(["cbq"], CrashingEngine(crash_after=2), connection=conn).work(
+            burst=True, logging_level="WARNING"
+        )
+    registry = StartedJobRegistry("cbq", connection=conn, serializer=JSONSerializer)
+    [entry] = conn.zrange(registry.key, 0, -1)
+    conn.zadd(registry.key, {entry: 1})  # its heartbeats stopped long ago
+
+    engine = FakeEngine()
+    burst_worker(engine)  # starts with rq's maintenance: the abandoned chunk is re-enqueued, then run
+    assert engine.num_added == 4
+    status = batches.get_status(conn, batch_id)
+    assert (status.num_completed, status.state) == (6, "done")
+
+
 def test_a_chunk_that_fails_for_good_reports_its_requests_as_failed(cbq, conn, burst_worker, write_jsonl):
     batch_id = submit(cbq, write_jsonl, mixed_requests(10), "--chunk-size", "5", "--retries", "0")
     with pytest.raises(RuntimeError):
@@ -223,7 +311,13 @@ def test_a_chunk_that_fails_for_good_reports_its_requests_as_failed(cbq, conn, b
 
 
 def test_failing_requests_do_not_take_down_the_worker(cbq, conn, burst_worker, write_jsonl):
-    objs = [{"prompt": "fine"}, {"prompt": "x" * 100}, {"prompt": "please boom"}, {"prompt": ""}, {"prompt": "ok"}]
+    objs = [
+        {"prompt": "fine"},
+        {"prompt": "x" * 100},
+        {"prompt": "please boom"},
+        {"prompt": ""},
+        {"prompt": "ok"},
+    ]
     batch_id = submit(cbq, write_jsonl, objs, "--chunk-size", "2")
     burst_worker(FakeEngine(max_model_len=50, raise_on_prompt_substring="boom"))
     lines = results_of(cbq, batch_id)
@@ -274,7 +368,10 @@ def test_sigterm_stops_admitting_and_drains(cbq, conn, burst_worker, write_jsonl
     worker = burst_worker(SignalOnFirstRequest(latency_seconds=0.2))
     assert worker.num_jobs_admitted == 1 and worker.num_jobs_finished == 1
     status = batches.get_status(conn, batch_id)
-    assert (status.num_completed, status.num_queued) == (3, 6)  # the chunk in flight was finished, no more taken
+    assert (status.num_completed, status.num_queued) == (
+        3,
+        6,
+    )  # the chunk in flight was finished, no more taken
 
 
 def test_worker_publishes_stats(cbq, burst_worker, write_jsonl):
@@ -282,23 +379,43 @@ def test_worker_publishes_stats(cbq, burst_worker, write_jsonl):
     worker = burst_worker()
     record = json.loads(cbq("stats", "--json").stdout)
     [stats] = record["workers"]
-    assert (stats["worker_name"], stats["state"], stats["num_requests_finished"]) == (worker.name, "stopped", 5)
+    assert (stats["worker_name"], stats["state"], stats["num_requests_finished"]) == (
+        worker.name,
+        "stopped",
+        5,
+    )
     assert stats["output_tokens"] > 0 and stats["model"] == "fake"
     assert "stopped" in cbq("stats").stdout
 
 
 @pytest.mark.redis_server
-def test_rq_info_shows_the_queue(real_redis):
+def test_rq_info_shows_the_queue_and_every_chunk_in_flight(real_redis):
     from producer.submit import SubmitOptions, submit_batch
+    from worker.queue_worker import CbqWorker
 
     parsed = validate_lines([json.dumps(o) for o in mixed_requests(10)]).requests
-    submit_batch(real_redis, parsed, SubmitOptions(queue="cbq-info", chunk_size=4))
+    batch_id = submit_batch(real_redis, parsed, SubmitOptions(queue="cbq-info", chunk_size=4)).batch_id
     kwargs = real_redis.connection_pool.connection_kwargs
     url = f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs['db']}"
     rq = os.path.join(os.path.dirname(sys.executable), "rq")
-    out = subprocess.run([rq, "info", "--url", url], check=True, capture_output=True, text=True).stdout
-    [queue_line] = [line for line in out.splitlines() if line.startswith("cbq-info")]
-    assert queue_line.split("|")[0].split() == ["cbq-info"] and queue_line.rstrip().endswith("3")
+
+    def rq_info() -> str:
+        return subprocess.run([rq, "info", "--url", url], check=True, capture_output=True, text=True).stdout
+
+    [queue_line] = [line for line in rq_info().splitlines() if line.startswith("cbq-info")]
+    assert queue_line.endswith(" 3, 0 executing, 0 finished, 0 failed")
+
+    worker = CbqWorker(["cbq-info"], FakeEngine(latency_seconds=60), connection=real_redis, model_name="fake")
+    thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"})
+    thread.start()
+    _wait_until(lambda: batches.get_status(real_redis, batch_id).num_running == 10)
+    out = rq_info()
+    assert "0, 3 executing" in out  # rq sees all three chunk executions of the one worker
+    [worker_line] = [line for line in out.splitlines() if line.startswith(worker.name)]
+    assert "busy cbq-info" in worker_line and "1 workers, 1 queues" in out
+    batches.cancel_batch(real_redis, batch_id)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def _wait_until(predicate, timeout_seconds: float = 10.0) -> None:

@@ -26,6 +26,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     max_query_len: int  # host-side bounds, so kernels pick their grids without reading the device
     max_context_len: int
+    num_prefill_seqs: int  # leading sequences with several query rows; the rest have one each
+    num_prefill_tokens: int
     is_decode_only: bool
     backend: AttentionBackend
 
@@ -39,7 +41,9 @@ class AttentionBackend:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale)
+        return paged_attention_ref(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale
+        )
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -58,10 +62,22 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:
             return self._k.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, max_context_len=meta.max_context_len
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                scale,
+                max_context_len=meta.max_context_len,
             )
         return self._k.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            scale,
             max_query_len=meta.max_query_len,
         )
 

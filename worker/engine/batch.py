@@ -42,6 +42,8 @@ class BatchMeta:
     num_seqs: int  # B, padded likewise
     num_real_seqs: int
     num_sample_rows: int  # R: rows of logits / sampled ids (padded rows are ignored)
+    num_prefill_seqs: int  # leading sequences for the varlen kernel: through the last multi-token chunk
+    num_prefill_tokens: int  # their tokens; the rest of the batch is one token per sequence
     max_query_len: int
     max_context_len: int
     is_decode_only: bool
@@ -85,8 +87,15 @@ class IOSlot:
 
 
 class BatchBuilder:
-    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, graph_buckets: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        graph_buckets: tuple[int, ...] = (),
+    ):
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.slots = [IOSlot(max_num_tokens, max_num_seqs, max_blocks_per_seq, device) for _ in range(2)]
@@ -139,7 +148,9 @@ class BatchBuilder:
 
         # 2. Positions, block tables, slot mapping: vectorised over tokens.
         seq_of_token = np.repeat(np.arange(num_real), q_lens)
-        positions = (np.arange(num_real_tokens) - np.repeat(cu[:num_real], q_lens)) + np.repeat(starts, q_lens)
+        positions = (np.arange(num_real_tokens) - np.repeat(cu[:num_real], q_lens)) + np.repeat(
+            starts, q_lens
+        )
         h["positions"][:num_real_tokens] = positions
         h["positions"][num_real_tokens:num_tokens] = 0
         tables = h["block_tables"]
@@ -168,12 +179,18 @@ class BatchBuilder:
         h["seeds"][: len(params)] = [c.seq.seed for c in sample_chunks]
         h["sample_positions"][: len(params)] = [c.start + c.num_tokens for c in sample_chunks]
         slot.num_table_rows = num_seqs
+        # Everything up to the last multi-token chunk goes to the varlen kernel (the scheduler puts them
+        # first, so normally exactly the multi-token chunks); the single-token tail to the decode kernel.
+        multi = np.flatnonzero(q_lens > 1)
+        num_prefill_seqs = int(multi[-1]) + 1 if len(multi) else 0
         return BatchMeta(
             slot=slot_index,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             num_real_seqs=num_real,
             num_sample_rows=num_rows,
+            num_prefill_seqs=num_prefill_seqs,
+            num_prefill_tokens=int(cu[num_prefill_seqs]),
             max_query_len=int(q_lens.max()) if num_real else 0,
             max_context_len=int(context_lens.max()) if num_real else 0,
             is_decode_only=is_decode_only,

@@ -20,13 +20,16 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int | None = None  # None -> the model's max_position_embeddings
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+    fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
     seed: int = 0  # base for requests without a seed
 
     def __post_init__(self):
         assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
-        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: power of two"
-        assert self.max_num_batched_tokens >= self.max_num_seqs or self.max_num_batched_tokens >= 1
+        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, (
+            "block_size: power of two"
+        )
+        assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"
         assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
         assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2"
 

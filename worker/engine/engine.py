@@ -34,7 +34,31 @@ from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .stop import check_stop, final_text
 
-_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+_GRAPH_BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+    640,
+    768,
+    896,
+    1024,
+)
 _ACTIVATION_RESERVE_BYTES = 6 << 30  # CUDA: room for activations, logits and graphs beside the KV cache
 
 
@@ -58,10 +82,14 @@ class Engine:
             model_len = min(model_len, window)  # beyond the window the model would attend differently
         # A lone sequence must always fit in the cache, or preemption could never make room for it.
         self.max_model_len = min(model_len, (num_blocks - 1) * config.block_size)
-        buckets = tuple(b for b in _GRAPH_BUCKETS if b <= min(config.max_num_seqs, config.max_num_batched_tokens))
+        buckets = tuple(
+            b for b in _GRAPH_BUCKETS if b <= min(config.max_num_seqs, config.max_num_batched_tokens)
+        )
         self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len, buckets)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
+        )
         self._seqs: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.Queue[EngineResult] = queue.Queue()
@@ -81,8 +109,11 @@ class Engine:
     def from_model(cls, model: str = "tiny-llama", emit_deltas: bool = False, **config_overrides) -> Engine:
         """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine."""
         config = EngineConfig(**config_overrides)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else (
-            torch.device(config.device))
+        device = (
+            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if config.device == "auto"
+            else (torch.device(config.device))
+        )
         hf_model, tokenizer = load_model(model, device, resolve_dtype(config.dtype, device), seed=config.seed)
         return cls(hf_model, tokenizer, config, emit_deltas=emit_deltas)
 
@@ -138,8 +169,17 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self._stats
         wall = time.perf_counter() - self._loop_start if self._loop_start else 0.0
-        return EngineStats(s.steps, s.prompt_tokens, s.output_tokens, s.busy_seconds, s.cpu_prep_seconds, wall,
-                           self.scheduler.num_preemptions, len(self.scheduler.running), len(self.scheduler.waiting))
+        return EngineStats(
+            s.steps,
+            s.prompt_tokens,
+            s.output_tokens,
+            s.busy_seconds,
+            s.cpu_prep_seconds,
+            wall,
+            self.scheduler.num_preemptions,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+        )
 
     def reset_stats(self) -> None:
         """Start accounting afresh (benchmarks call this after warm-up)."""
@@ -197,6 +237,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return None
+        plan.put_multi_token_chunks_first()
         now = time.time()
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:
@@ -258,8 +299,10 @@ class Engine:
         if n == 0:
             return "empty prompt: at least one token is needed"
         if n >= self.max_model_len:
-            return (f"prompt has {n} tokens; the context is {self.max_model_len} tokens and at least one "
-                    "must be left for generation")
+            return (
+                f"prompt has {n} tokens; the context is {self.max_model_len} tokens and at least one "
+                "must be left for generation"
+            )
         vocab = self.model.config.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})"
@@ -272,8 +315,13 @@ class Engine:
         seed = req.sampling.seed
         if seed is None:
             seed = zlib.crc32(req.request_id.encode()) ^ self.config.seed
-        seq = Sequence(req.request_id, list(req.prompt_ids), req.sampling, seed & 0x7FFFFFFF,
-                       arrival_time=req.arrival_time or time.time())
+        seq = Sequence(
+            req.request_id,
+            list(req.prompt_ids),
+            req.sampling,
+            seed & 0x7FFFFFFF,
+            arrival_time=req.arrival_time or time.time(),
+        )
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 

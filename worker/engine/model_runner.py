@@ -25,6 +25,7 @@ from .attention_backend import (
 )
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
+from .fused_ops import install_fused_rmsnorm, install_fused_rotary
 from .sampler import sample
 
 
@@ -40,8 +41,15 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig, device: torch.device, num_kv_blocks: int,
-                 max_model_len: int, graph_buckets: tuple[int, ...]):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        device: torch.device,
+        num_kv_blocks: int,
+        max_model_len: int,
+        graph_buckets: tuple[int, ...],
+    ):
         self.model = model
         self.config = config
         self.device = device
@@ -52,14 +60,25 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.is_cuda else "torch"
         self.attn_backend = TritonAttentionBackend() if backend == "triton" else AttentionBackend()
+        if self.is_cuda and config.fused_kernels:
+            install_fused_rmsnorm(model)
+            install_fused_rotary(model)
 
         self.num_kv_blocks = num_kv_blocks
-        self.kv_caches = allocate_kv_cache(model.config, num_kv_blocks, config.block_size, model.dtype, device)
+        self.kv_caches = allocate_kv_cache(
+            model.config, num_kv_blocks, config.block_size, model.dtype, device
+        )
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.max_model_len = max_model_len
         max_num_tokens = max(config.max_num_batched_tokens, max(graph_buckets, default=0))
-        self.builder = BatchBuilder(max_num_tokens, config.max_num_seqs, max_blocks_per_seq, config.block_size,
-                                    device, graph_buckets if self._use_graphs else ())
+        self.builder = BatchBuilder(
+            max_num_tokens,
+            config.max_num_seqs,
+            max_blocks_per_seq,
+            config.block_size,
+            device,
+            graph_buckets if self._use_graphs else (),
+        )
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.compute_stream = torch.cuda.Stream(device)
@@ -86,7 +105,9 @@ class ModelRunner:
             handle = StepHandle(meta, slot.sampled_host, None, None, None)
             handle.cpu_seconds = time.perf_counter() - t0
             return handle
-        h2d_done, start, end, compute_done, d2h_done = (torch.cuda.Event(enable_timing=i in (1, 2)) for i in range(5))
+        h2d_done, start, end, compute_done, d2h_done = (
+            torch.cuda.Event(enable_timing=i in (1, 2)) for i in range(5)
+        )
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(self.slot_compute_done[meta.slot])
             self._copy_inputs(slot, meta)
@@ -130,12 +151,20 @@ class ModelRunner:
         else:
             logits = self._forward(slot, meta, prev_sampled, logits_indices=d["logits_indices"][:rows])
         tokens = sample(
-            logits, d["temperature"][:rows], d["top_p"][:rows], d["top_k"][:rows], d["seeds"][:rows],
-            d["sample_positions"][:rows], meta.any_random, meta.any_top_k_top_p,
+            logits,
+            d["temperature"][:rows],
+            d["top_p"][:rows],
+            d["top_k"][:rows],
+            d["seeds"][:rows],
+            d["sample_positions"][:rows],
+            meta.any_random,
+            meta.any_top_k_top_p,
         )
         slot.sampled_dev[:rows].copy_(tokens)
 
-    def _forward(self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor, logits_indices) -> torch.Tensor:
+    def _forward(
+        self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor, logits_indices
+    ) -> torch.Tensor:
         d = slot.dev
         num_tokens, num_seqs = meta.num_tokens, meta.num_seqs
         input_ids = d["input_ids"][:num_tokens]
@@ -151,6 +180,8 @@ class ModelRunner:
             context_lens=d["context_lens"][:num_seqs],
             max_query_len=meta.max_query_len,
             max_context_len=meta.max_context_len,
+            num_prefill_seqs=meta.num_prefill_seqs,
+            num_prefill_tokens=meta.num_prefill_tokens,
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
         )
@@ -188,9 +219,19 @@ class ModelRunner:
 
 def _decode_capture_meta(slot_index: int, bucket: int, max_model_len: int) -> BatchMeta:
     # Graphs are captured for the worst case, so kernels size their grids for any context length.
-    return BatchMeta(slot=slot_index, num_tokens=bucket, num_seqs=bucket, num_real_seqs=bucket,
-                     num_sample_rows=bucket, max_query_len=1, max_context_len=max_model_len,
-                     is_decode_only=True, any_random=False, any_top_k_top_p=False, has_carry=True)
+    return BatchMeta(
+        slot=slot_index,
+        num_tokens=bucket,
+        num_seqs=bucket,
+        num_real_seqs=bucket,
+        num_sample_rows=bucket,
+        max_query_len=1,
+        max_context_len=max_model_len,
+        is_decode_only=True,
+        any_random=False,
+        any_top_k_top_p=False,
+        has_carry=True,
+    )
 
 
 def _fill_padding_decode(slot: IOSlot, bucket: int) -> None:
@@ -206,14 +247,28 @@ def _fill_padding_decode(slot: IOSlot, bucket: int) -> None:
 
 
 def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    head_dim = (
+        getattr(model_config, "head_dim", None)
+        or model_config.hidden_size // model_config.num_attention_heads
+    )
     per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def allocate_kv_cache(model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    shape = (model_config.num_hidden_layers, 2, num_blocks, block_size, model_config.num_key_value_heads, head_dim)
+def allocate_kv_cache(
+    model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+):
+    head_dim = (
+        getattr(model_config, "head_dim", None)
+        or model_config.hidden_size // model_config.num_attention_heads
+    )
+    shape = (
+        model_config.num_hidden_layers,
+        2,
+        num_blocks,
+        block_size,
+        model_config.num_key_value_heads,
+        head_dim,
+    )
     cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(model_config.num_hidden_layers)]
-

@@ -80,15 +80,25 @@ def preset_config(name: str):
     model_type, kwargs = PRESETS[name]
     tok = ByteTokenizer()
     return AutoConfig.for_model(
-        model_type, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kwargs
+        model_type,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **kwargs,
     )
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-            "float16": torch.float16, "fp16": torch.float16}[dtype]
+    return {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }[dtype]
 
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -112,7 +122,9 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
 
 def _check_model_type(model_type: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
 
 
 def _load_tokenizer(name_or_path: str, config):
@@ -120,7 +132,8 @@ def _load_tokenizer(name_or_path: str, config):
     extra = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     is_local = os.path.isdir(name_or_path)
     has_files = is_local and any(
-        os.path.exists(os.path.join(name_or_path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        os.path.exists(os.path.join(name_or_path, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     if has_files or not is_local:
         return HFTokenizer.from_pretrained(name_or_path, extra_eos_ids=extra)

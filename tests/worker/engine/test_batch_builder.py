@@ -18,7 +18,9 @@ CPU = torch.device("cpu")
 
 
 def make_builder(graph_buckets: tuple[int, ...] = (), max_num_seqs: int = 16) -> BatchBuilder:
-    return BatchBuilder(64, max_num_seqs, max_blocks_per_seq=8, block_size=BS, device=CPU, graph_buckets=graph_buckets)
+    return BatchBuilder(
+        64, max_num_seqs, max_blocks_per_seq=8, block_size=BS, device=CPU, graph_buckets=graph_buckets
+    )
 
 
 def make_seq(request_id, prompt_ids, output_ids=(), block_table=(), seed=0, **sampling) -> Sequence:
@@ -38,7 +40,9 @@ def mixed_plan():
     a = make_seq("a", [10, 11, 12, 13, 14], [15], block_table=[7, 3], seed=5, temperature=0.5, top_k=3)
     b = make_seq("b", list(range(20, 30)), block_table=[5, 8], seed=6)
     c = make_seq("c", [30, 31, 32], block_table=[2], seed=9, temperature=0.7, top_p=0.8)
-    plan = StepPlan([ScheduledChunk(a, 5, 1, True), ScheduledChunk(b, 4, 3, False), ScheduledChunk(c, 0, 3, True)])
+    plan = StepPlan(
+        [ScheduledChunk(a, 5, 1, True), ScheduledChunk(b, 4, 3, False), ScheduledChunk(c, 0, 3, True)]
+    )
     return plan, (a, b, c)
 
 
@@ -50,7 +54,15 @@ def test_mixed_plan_host_arrays(mixed_plan):
     assert ints(h["input_ids"], 7) == [15, 24, 25, 26, 30, 31, 32]
     assert ints(h["positions"], 7) == [5, 4, 5, 6, 0, 1, 2]
     # slot = block_table[pos // bs] * bs + pos % bs
-    assert ints(h["slot_mapping"], 7) == [3 * 4 + 1, 8 * 4 + 0, 8 * 4 + 1, 8 * 4 + 2, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2]
+    assert ints(h["slot_mapping"], 7) == [
+        3 * 4 + 1,
+        8 * 4 + 0,
+        8 * 4 + 1,
+        8 * 4 + 2,
+        2 * 4 + 0,
+        2 * 4 + 1,
+        2 * 4 + 2,
+    ]
     assert ints(h["carry_src"], 7) == [-1] * 7
     assert ints(h["cu_seqlens_q"], 4) == [0, 1, 4, 7]
     assert ints(h["context_lens"], 3) == [6, 7, 3]
@@ -64,7 +76,13 @@ def test_mixed_plan_host_arrays(mixed_plan):
     assert ints(h["top_k"], 2) == [3, 0]
     assert ints(h["seeds"], 2) == [5, 9]
     assert ints(h["sample_positions"], 2) == [6, 3]  # position of the token being sampled
-    assert (meta.slot, meta.num_tokens, meta.num_seqs, meta.num_real_seqs, meta.num_sample_rows) == (0, 7, 3, 3, 2)
+    assert (meta.slot, meta.num_tokens, meta.num_seqs, meta.num_real_seqs, meta.num_sample_rows) == (
+        0,
+        7,
+        3,
+        3,
+        2,
+    )
     assert (meta.max_query_len, meta.max_context_len) == (3, 7)
     assert not meta.is_decode_only and meta.any_random and meta.any_top_k_top_p and not meta.has_carry
 
@@ -106,7 +124,9 @@ def test_in_flight_decode_input_is_carried_over_from_the_previous_step():
     a.num_inflight_samples = 1
     b = make_seq("b", [7, 8], [9], block_table=[1])  # its newest token is known
     c = make_seq("c", [1, 2, 3], block_table=[2])
-    plan = StepPlan([ScheduledChunk(a, 5, 1, True), ScheduledChunk(c, 0, 3, True), ScheduledChunk(b, 2, 1, True)])
+    plan = StepPlan(
+        [ScheduledChunk(a, 5, 1, True), ScheduledChunk(c, 0, 3, True), ScheduledChunk(b, 2, 1, True)]
+    )
     meta = builder.build(plan, 1, prev_rows={a: 2, b: 0})
     h = builder.slots[1].host
     assert ints(h["input_ids"], 5) == [0, 1, 2, 3, 9]  # placeholder 0 for a's in-flight token
@@ -140,7 +160,12 @@ def test_decode_only_plan_is_padded_to_the_graph_bucket():
     assert meta.is_decode_only and not meta.any_random
     assert ints(h["input_ids"], 4) == [40, 41, 42, 0]
     assert ints(h["positions"], 4) == [3, 4, 5, 0]
-    assert ints(h["slot_mapping"], 4) == [10 * 4 + 3, 21 * 4 + 0, 22 * 4 + 1, 0]  # padding writes the scratch block
+    assert ints(h["slot_mapping"], 4) == [
+        10 * 4 + 3,
+        21 * 4 + 0,
+        22 * 4 + 1,
+        0,
+    ]  # padding writes the scratch block
     assert ints(h["cu_seqlens_q"], 5) == [0, 1, 2, 3, 4]
     assert ints(h["context_lens"], 4) == [4, 5, 6, 0]
     assert h["block_tables"][3, 0] == 0
@@ -162,7 +187,9 @@ def test_bucket_choice_and_no_padding_for_mixed_steps():
     meta = builder.build(plan, 0, prev_rows={})
     assert (meta.num_seqs, meta.num_tokens, meta.num_sample_rows) == (2, 3, 2) and not meta.is_decode_only
     # Without buckets (CPU), decode-only steps are not padded either.
-    meta = make_builder().build(StepPlan([ScheduledChunk(s, 2, 1, True) for s in decodes[:3]]), 0, prev_rows={})
+    meta = make_builder().build(
+        StepPlan([ScheduledChunk(s, 2, 1, True) for s in decodes[:3]]), 0, prev_rows={}
+    )
     assert (meta.num_seqs, meta.num_sample_rows) == (3, 3)
 
 
@@ -175,7 +202,9 @@ def test_the_two_slots_are_independent_buffers(mixed_plan):
     other = make_seq("o", [99, 98], block_table=[11], temperature=1.0, seed=3)
     builder.build(StepPlan([ScheduledChunk(other, 0, 2, True)]), 1, prev_rows={})
     for name, array in s0.host.items():
-        np.testing.assert_array_equal(array, before[name], err_msg=f"slot 0 {name} changed by a build into slot 1")
+        np.testing.assert_array_equal(
+            array, before[name], err_msg=f"slot 0 {name} changed by a build into slot 1"
+        )
     assert ints(s1.host["input_ids"], 2) == [99, 98]
     for name in s0.host:
         assert not np.shares_memory(s0.host[name], s1.host[name]), name

@@ -16,7 +16,9 @@ BLOCK_SIZE = 4
 
 
 def make_seq(request_id: str, num_prompt: int = 1, max_new_tokens: int = 16) -> Sequence:
-    return Sequence(request_id, list(range(num_prompt)), SamplingParams(max_new_tokens=max_new_tokens), seed=0)
+    return Sequence(
+        request_id, list(range(num_prompt)), SamplingParams(max_new_tokens=max_new_tokens), seed=0
+    )
 
 
 def test_allocate_grows_block_table_by_ceil_tokens_over_block_size():

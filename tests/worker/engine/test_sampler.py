@@ -25,8 +25,14 @@ def draw(logits, temperature=1.0, top_p=1.0, top_k=0, seed=7, positions=None) ->
         positions = torch.arange(logits.shape[0], dtype=torch.int32)
     rows = logits.shape[0]
     return sample(
-        logits, f32([temperature] * rows), f32([top_p] * rows), i32([top_k] * rows), i32([seed] * rows), positions,
-        any_random=temperature > 0, any_top_k_top_p=top_k > 0 or top_p < 1,
+        logits,
+        f32([temperature] * rows),
+        f32([top_p] * rows),
+        i32([top_k] * rows),
+        i32([seed] * rows),
+        positions,
+        any_random=temperature > 0,
+        any_top_k_top_p=top_k > 0 or top_p < 1,
     )
 
 
@@ -45,10 +51,14 @@ def test_greedy_rows_equal_argmax():
     greedy = logits.argmax(-1)
     for row in (0, 2, 4):
         assert out[row] == greedy[row]
-    out = sample(logits, f32([0.0] * 6), f32([1.0] * 6), i32([0] * 6), i32(range(6)), i32(range(6)), False, False)
+    out = sample(
+        logits, f32([0.0] * 6), f32([1.0] * 6), i32([0] * 6), i32(range(6)), i32(range(6)), False, False
+    )
     assert out.tolist() == greedy.tolist()
     # Greedy ignores top-k / top-p: the argmax always survives both cuts anyway.
-    out = sample(logits, f32([0.0] * 6), f32([0.1] * 6), i32([1] * 6), i32(range(6)), i32(range(6)), True, True)
+    out = sample(
+        logits, f32([0.0] * 6), f32([0.1] * 6), i32([1] * 6), i32(range(6)), i32(range(6)), True, True
+    )
     assert out.tolist() == greedy.tolist()
 
 

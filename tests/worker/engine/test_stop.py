@@ -5,10 +5,12 @@ then end to end through `Engine.generate` with the byte tokenizer, in sync and a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from worker.engine.api import EngineRequest, FinishReason, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.models import load_model
 from worker.engine.sequence import Sequence
 from worker.engine.stop import check_stop, final_text
 from worker.engine.tokenizer import ByteTokenizer
@@ -17,6 +19,13 @@ TOK = ByteTokenizer()
 EOS = TOK.eos_token_id
 EOS_IDS = TOK.eos_token_ids
 JUNK = 300  # a model id past the byte tokenizer's: decodes to nothing
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """This module's own tiny-llama (fp32, CPU): an Engine switches its model's attention to the paged
+    kernel, so the shared `tiny_models` instances, which other tests run through HF generate, stay out."""
+    return load_model("tiny-llama", torch.device("cpu"), torch.float32)
 
 
 class MarkTokenizer:
@@ -31,7 +40,9 @@ def ids_of(text: str) -> list[int]:
 
 
 def seq_with(output_ids: list[int], num_prompt: int = 3, **sampling) -> Sequence:
-    seq = Sequence("r", [TOK.bos_token_id] * num_prompt, SamplingParams(**{"max_new_tokens": 100, **sampling}), 0)
+    seq = Sequence(
+        "r", [TOK.bos_token_id] * num_prompt, SamplingParams(**{"max_new_tokens": 100, **sampling}), 0
+    )
     seq.output_ids = list(output_ids)
     return seq
 
@@ -71,7 +82,9 @@ def test_stop_token_ids_stop_and_are_left_out_of_the_text():
 def test_stop_string_spanning_several_tokens():
     out = ids_of("Hello, world! Bye")
     reason, n = run_check(out, stop=("world",))
-    assert reason == FinishReason.STOP and n == len(ids_of("Hello, world")), "stops on the token completing it"
+    assert reason == FinishReason.STOP and n == len(ids_of("Hello, world")), (
+        "stops on the token completing it"
+    )
     seq = seq_with(out[:n], stop=("world",))
     assert final_text(seq, EOS_IDS, TOK) == "Hello, "
 
@@ -121,12 +134,14 @@ MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
-def base(tiny_models):
+def base(llama):
     """Greedy outputs (EOS ignored) of a few prompts; stop tests rerun them with a stop condition."""
-    model, tok = tiny_models("tiny-llama")
+    model, tok = llama
     engine = Engine(model, tok, EngineConfig(mode="sync", num_kv_blocks=128))
     reqs = [
-        EngineRequest(f"p{i}", tok.encode(f"prompt {i}: the quick brown fox"), SamplingParams(MAX_NEW, ignore_eos=True))
+        EngineRequest(
+            f"p{i}", tok.encode(f"prompt {i}: the quick brown fox"), SamplingParams(MAX_NEW, ignore_eos=True)
+        )
         for i in range(24)
     ]
     results = engine.generate(reqs)
@@ -134,8 +149,8 @@ def base(tiny_models):
     return {req.request_id: (req.prompt_ids, res.token_ids) for req, res in zip(reqs, results, strict=True)}
 
 
-def rerun(tiny_models, mode: str, prompt_ids: list[int], max_model_len: int | None = None, **sampling):
-    model, tok = tiny_models("tiny-llama")
+def rerun(llama, mode: str, prompt_ids: list[int], max_model_len: int | None = None, **sampling):
+    model, tok = llama
     engine = Engine(model, tok, EngineConfig(mode=mode, num_kv_blocks=128, max_model_len=max_model_len))
     sampling = {"max_new_tokens": MAX_NEW, **sampling}
     # A neighbour shares the batch. (In async mode the stopped request was already scheduled one step
@@ -151,23 +166,23 @@ MODES = ["sync", "async"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_engine_eos_stops_unless_ignored(tiny_models, base, mode):
+def test_engine_eos_stops_unless_ignored(llama, base, mode):
     found = [(p, out, out.index(EOS)) for p, out in base.values() if EOS in out[:-1]]
     assert found, "no greedy output reaches EOS: pick other prompts"
     prompt, out, k = found[0]
-    res = rerun(tiny_models, mode, prompt)
+    res = rerun(llama, mode, prompt)
     assert res.finish_reason == FinishReason.STOP
     assert res.token_ids == out[: k + 1] and res.usage.completion_tokens == k + 1
     assert res.text == TOK.decode(out[:k])
-    res = rerun(tiny_models, mode, prompt, ignore_eos=True)
+    res = rerun(llama, mode, prompt, ignore_eos=True)
     assert res.finish_reason == FinishReason.LENGTH and res.token_ids == out
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_engine_stop_token_ids(tiny_models, base, mode):
+def test_engine_stop_token_ids(llama, base, mode):
     prompt, out = base["p0"]
     k = next(i for i in range(4, MAX_NEW - 2) if out[i] not in out[:i] and out[i] != EOS)
-    res = rerun(tiny_models, mode, prompt, ignore_eos=True, stop_token_ids=(out[k],))
+    res = rerun(llama, mode, prompt, ignore_eos=True, stop_token_ids=(out[k],))
     assert res.finish_reason == FinishReason.STOP
     assert res.token_ids == out[: k + 1]
     assert res.text == TOK.decode(out[:k])
@@ -182,7 +197,7 @@ def printable_run(out: list[int]) -> tuple[int, int] | None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_engine_stop_string_spanning_tokens(tiny_models, base, mode):
+def test_engine_stop_string_spanning_tokens(llama, base, mode):
     spans = [(p, out, printable_run(out)) for p, out in base.values()]
     spans = [(p, out, span) for p, out, span in spans if span]
     assert len(spans) >= 2, "too few printable runs in the greedy outputs: pick other prompts"
@@ -192,24 +207,24 @@ def test_engine_stop_string_spanning_tokens(tiny_models, base, mode):
         # The run stops on the token that completes the first occurrence.
         m = next(n for n in range(1, len(out) + 1) if stop in TOK.decode(out[:n]))
         assert m < len(out)
-        res = rerun(tiny_models, mode, prompt, ignore_eos=True, stop=(stop,))
+        res = rerun(llama, mode, prompt, ignore_eos=True, stop=(stop,))
         assert res.finish_reason == FinishReason.STOP, stop
         assert res.text == full_text[: full_text.index(stop)]
         assert res.token_ids == out[:m]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_engine_max_new_tokens_gives_length(tiny_models, base, mode):
+def test_engine_max_new_tokens_gives_length(llama, base, mode):
     prompt, out = base["p1"]
-    res = rerun(tiny_models, mode, prompt, ignore_eos=True, max_new_tokens=5)
+    res = rerun(llama, mode, prompt, ignore_eos=True, max_new_tokens=5)
     assert res.finish_reason == FinishReason.LENGTH and res.token_ids == out[:5]
     assert res.text == TOK.decode(out[:5])
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_engine_context_length_gives_length(tiny_models, base, mode):
+def test_engine_context_length_gives_length(llama, base, mode):
     prompt, out = base["p2"]
     max_model_len = len(prompt) + 6
-    res = rerun(tiny_models, mode, prompt, max_model_len=max_model_len, ignore_eos=True)
+    res = rerun(llama, mode, prompt, max_model_len=max_model_len, ignore_eos=True)
     assert res.finish_reason == FinishReason.LENGTH
     assert res.token_ids == out[:6], "prompt + output fill the context exactly"
