@@ -20,6 +20,9 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 
 bench() { timeout "$1" python3 -m worker.bench engine "${@:2}"; }
 
+if has enginetests; then
+    timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -25
+fi
 if has tests; then
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
@@ -38,7 +41,7 @@ if has w2; then
         --json-out "$OUT/w2.json" 2>&1 | tail -12
 fi
 if has queue; then
-    bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.queue_e2e_bench --model llama3-8b --workload W2 \
+    bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.bench e2e --model llama3-8b --workload W2 \
         --json-out "$OUT/w2_queue.json" 2>&1 | tail -12
 fi
 ls -la "$OUT"

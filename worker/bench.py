@@ -290,9 +290,14 @@ def engine_bench(
         del engine
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    hf_error = None
     if compare_hf:
         hf_reqs = reqs[:hf_num_requests] if hf_num_requests else reqs
-        results.append(run_hf(hf_model, hf_reqs, hf_output_len))
+        try:
+            results.append(run_hf(hf_model, hf_reqs, hf_output_len))
+        except Exception as exc:  # keep cbq's numbers even if transformers' API differs
+            hf_error = f"{type(exc).__name__}: {exc}"
+            click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
     if "sync" in by_mode and "async" in by_mode:
         click.echo(
@@ -314,6 +319,7 @@ def engine_bench(
             "cuda_graphs": not no_cuda_graphs,
         },
         "results": {r.mode: asdict(r) for r in results},
+        "hf_error": hf_error,
     }
     if json_out:
         with open(json_out, "w") as f:
@@ -321,15 +327,15 @@ def engine_bench(
         click.echo(f"wrote {json_out}")
 
 
-def _mount_queue_bench() -> None:
-    try:
-        from worker.queue_bench import queue_bench
-    except ImportError:
-        return
+def _mount_queue_benches() -> None:
+    from worker.queue_bench import queue_bench
+    from worker.queue_e2e_bench import e2e_bench
+
     bench.add_command(queue_bench, "queue")
+    bench.add_command(e2e_bench, "e2e")
 
 
-_mount_queue_bench()
+_mount_queue_benches()
 
 
 if __name__ == "__main__":

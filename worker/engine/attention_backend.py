@@ -86,7 +86,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """transformers calls this per layer with query [1, H, T, D], key/value [1, KVH, T, D]."""
     meta: AttentionMetadata = kwargs["cbq"]
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    q = query[0].transpose(0, 1)  # [T, H, D], strided: the kernels take any strides but the last
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

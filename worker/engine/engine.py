@@ -141,7 +141,8 @@ class Engine:
         self._inbox.put(("abort", request_id))
 
     def get_results(self, timeout: float | None = 0) -> list[EngineResult]:
-        """Results finished since the last call; waits up to `timeout` seconds for the first one."""
+        """Results finished since the last call; waits up to `timeout` seconds for the first one
+        (0 or None: does not wait)."""
         results = []
         try:
             results.append(self._results.get(timeout=timeout) if timeout else self._results.get_nowait())
@@ -203,6 +204,7 @@ class Engine:
     def generate(self, requests: list[EngineRequest]) -> list[EngineResult]:
         """Run `requests` to completion in the calling thread; results in input order."""
         assert self._thread is None, "generate() cannot run while the loop thread is started"
+        self._stop.clear()  # usable again after a shutdown()
         for req in requests:
             self.add_request(req)
         self._run_loop(stop_when_idle=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from worker.engine.api import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler, StepPlan
-from worker.engine.sequence import Sequence, SeqStatus
+from worker.engine.sequence import SeqStatus, Sequence
 
 BS = 4  # block size
 

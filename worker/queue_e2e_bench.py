@@ -1,0 +1,134 @@
+"""`cbq bench e2e`: end-to-end throughput through Redis and rq as a fraction of engine-only throughput.
+
+Same process, same model, same requests: first `engine.generate` on the token ids (engine only), then
+the requests are submitted as JSONL lines to Redis and a burst `CbqWorker` drains them through the
+same engine. The ratio shows what the queue (Redis I/O, tokenization, bookkeeping in the worker's main
+thread, competing with the engine thread for the GIL) costs the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import click
+
+
+def _workload_lines(name: str, num_requests: int | None, seed: int = 0) -> list[str]:
+    """JSONL prompt lines whose byte-tokenized lengths follow the workload (BOS + one token per byte)."""
+    from worker.bench import WORKLOADS
+
+    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    rng = random.Random(seed)
+    lines = []
+    for i in range(num_requests or n):
+        text = "".join(chr(rng.randrange(32, 127)) for _ in range(rng.randint(p_lo, p_hi) - 1))
+        line = {
+            "custom_id": f"{name}-{i}",
+            "prompt": text,
+            "max_new_tokens": rng.randint(o_lo, o_hi),
+            "ignore_eos": True,
+        }
+        lines.append(json.dumps(line))
+    return lines
+
+
+@click.command("e2e")
+@click.option("--model", default="llama3-8b", show_default=True)
+@click.option("--workload", default="W2", show_default=True)
+@click.option("--num-requests", type=int, default=None)
+@click.option(
+    "--redis-url",
+    default="redis://127.0.0.1:6379/15",
+    show_default=True,
+    help="A database this benchmark may flush.",
+)
+@click.option("--chunk-size", type=int, default=64, show_default=True)
+@click.option("--max-num-seqs", type=int, default=512, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+def e2e_bench(
+    model, workload, num_requests, redis_url, chunk_size, max_num_seqs, max_num_batched_tokens, json_out
+):
+    """Engine-only vs through-Redis output tok/s on the same requests, in one process."""
+    import redis
+
+    from producer.submit import SubmitOptions, submit_batch, validate_lines
+    from worker.bench import make_workload
+    from worker.engine.api import EngineRequest
+    from worker.engine.engine import Engine
+    from worker.queue_worker import CbqWorker
+
+    engine = Engine.from_model(
+        model, mode="async", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    lines = _workload_lines(workload, num_requests)
+    parsed = [json.loads(line) for line in lines]
+    reqs = [
+        EngineRequest(p["custom_id"], engine.tokenizer.encode(p["prompt"]), sampling)
+        for p, sampling in zip(parsed, (_sampling(p) for p in parsed), strict=True)
+    ]
+    engine.generate(make_workload("tiny", 256, seed=1))  # warm-up: kernels compiled, graphs used
+
+    engine.reset_stats()
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    engine_seconds = time.perf_counter() - t0
+    engine_tokens = sum(len(r.token_ids) for r in results)
+
+    conn = redis.Redis.from_url(redis_url)
+    conn.flushdb()
+    t0 = time.perf_counter()
+    validated = validate_lines(lines)
+    assert not validated.errors, validated.errors[:3]
+    report = submit_batch(conn, validated.requests, SubmitOptions(queue="cbq-bench", chunk_size=chunk_size))
+    submit_seconds = time.perf_counter() - t0
+    engine.reset_stats()
+    worker = CbqWorker(["cbq-bench"], engine, connection=conn, model_name=model, mode="async")
+    t0 = time.perf_counter()
+    worker.work(burst=True, logging_level="WARNING")
+    queue_seconds = time.perf_counter() - t0
+    queue_tokens = engine.stats().output_tokens
+    assert worker.num_requests_finished == len(lines), (worker.num_requests_finished, len(lines))
+
+    engine_tok_s = engine_tokens / engine_seconds
+    queue_tok_s = queue_tokens / queue_seconds
+    out = {
+        "workload": workload,
+        "model": model,
+        "num_requests": len(lines),
+        "batch_id": report.batch_id,
+        "engine_only": {
+            "output_tokens": engine_tokens,
+            "seconds": engine_seconds,
+            "output_tok_s": engine_tok_s,
+        },
+        "through_redis": {
+            "output_tokens": queue_tokens,
+            "seconds": queue_seconds,
+            "output_tok_s": queue_tok_s,
+            "submit_seconds": submit_seconds,
+        },
+        "ratio": queue_tok_s / engine_tok_s,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    click.echo(f"{'path':>14} | {'out tok/s':>10} | {'seconds':>8}")
+    click.echo(f"{'engine only':>14} | {engine_tok_s:>10,.0f} | {engine_seconds:>8.1f}")
+    click.echo(f"{'through redis':>14} | {queue_tok_s:>10,.0f} | {queue_seconds:>8.1f}")
+    click.echo(
+        f"end-to-end / engine-only: {out['ratio']:.3f} (submit took {submit_seconds:.2f} s, not counted)"
+    )
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def _sampling(line: dict):
+    from worker.engine.api import SamplingParams
+
+    return SamplingParams(max_new_tokens=line["max_new_tokens"], ignore_eos=True)
+
+
+if __name__ == "__main__":
+    e2e_bench()
