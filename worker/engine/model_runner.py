@@ -225,6 +225,8 @@ def _decode_capture_meta(slot_index: int, bucket: int, max_model_len: int) -> Ba
         num_seqs=bucket,
         num_real_seqs=bucket,
         num_sample_rows=bucket,
+        num_prefill_seqs=0,
+        num_prefill_tokens=0,
         max_query_len=1,
         max_context_len=max_model_len,
         is_decode_only=True,
