@@ -328,8 +328,11 @@ def engine_bench(
 
 
 def _mount_queue_benches() -> None:
-    from worker.queue_bench import queue_bench
-    from worker.queue_e2e_bench import e2e_bench
+    try:  # the queue benchmarks need redis-py and rq; `bench engine` must run without them
+        from worker.queue_bench import queue_bench
+        from worker.queue_e2e_bench import e2e_bench
+    except ImportError:
+        return
 
     bench.add_command(queue_bench, "queue")
     bench.add_command(e2e_bench, "e2e")
