@@ -37,11 +37,11 @@ if has w1hf; then
         --json-out "$OUT/w1_hf.json" 2>&1 | tail -12
 fi
 if has w2; then
-    bench 480 --model llama3-8b --workload W2 --mode both --max-num-seqs 512 --max-num-batched-tokens 4096 \
+    bench 480 --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2.json" 2>&1 | tail -12
 fi
 if has queue; then
-    bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.bench e2e --model llama3-8b --workload W2 \
+    bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_queue.json" 2>&1 | tail -12
 fi
 ls -la "$OUT"
