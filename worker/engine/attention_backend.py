@@ -84,7 +84,14 @@ class TritonAttentionBackend(AttentionBackend):
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers calls this per layer with query [1, H, T, D], key/value [1, KVH, T, D]."""
-    meta: AttentionMetadata = kwargs["cbq"]
+    meta: AttentionMetadata | None = kwargs.pop("cbq", None)
+    if meta is None:
+        # A plain forward / `model.generate` on a model an Engine has adopted: behave like sdpa.
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D], strided: the kernels take any strides but the last
     k = key[0].transpose(0, 1)
