@@ -218,7 +218,8 @@ def bench():
 @click.option("--model", default="llama3-8b", show_default=True, help="Preset name or checkpoint path.")
 @click.option("--workload", type=click.Choice(list(WORKLOADS)), default="W1", show_default=True)
 @click.option("--num-requests", type=int, default=None, help="Override the workload's request count.")
-@click.option("--mode", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True)
+@click.option("--mode", type=click.Choice(["sync", "async", "both", "none"]), default="both", show_default=True,
+              help="Engine modes to run; 'none' with --compare-hf runs transformers only.")
 @click.option("--compare-hf", is_flag=True, help="Also run transformers' generate_batch on the same inputs.")
 @click.option("--hf-output-len", type=int, default=None, help="Cap HF's new tokens (it is slow).")
 @click.option("--hf-num-requests", type=int, default=None, help="Run HF on the first N requests only.")
@@ -263,7 +264,7 @@ def engine_bench(
     bandwidth = measure_copy_bandwidth(dev)
     reqs = make_workload(workload, min(hf_model.config.vocab_size, 32000), num_requests=num_requests)
     warmup = make_workload("tiny", 256, seed=1)
-    modes = ["sync", "async"] if mode == "both" else [mode]
+    modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     results: list[ModeResult] = []
     for m in modes:
         config = EngineConfig(
