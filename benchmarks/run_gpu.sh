@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [tests] [kernels] [w1] [w1hf] [w2] [queue]   (no argument: all of them)
+#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [w1] [w1hf] [w2] [w2hf] [queue]
+# (no argument: all but enginetests, which `tests` includes). About 15 minutes in all on the H200:
+# split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
 # Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
 # (see benchmarks/README.md). Results and logs go to $OUT (the device tool) or benchmarks/out.
 set -uo pipefail
@@ -13,7 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-stages=${*:-tests kernels w1 w1hf w2 queue}
+stages=${*:-tests kernels w1 w1hf w2 w2hf queue}
 has() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
@@ -44,4 +46,9 @@ if has queue; then
     bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_queue.json" 2>&1 | tail -12
 fi
+if has w2hf; then
+    bench 300 --model llama3-8b --workload W2 --mode none --compare-hf --hf-num-requests 200 --hf-output-len 256 \
+        --json-out "$OUT/w2_hf.json" 2>&1 | tail -6
+fi
+python3 benchmarks/collect_results.py "$OUT" >/dev/null && cp benchmarks/results.json "$OUT/results.json"
 ls -la "$OUT"

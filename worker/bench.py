@@ -172,7 +172,7 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
         wall_seconds=wall,
         output_tok_s=out_tokens / wall,
         total_tok_s=(out_tokens + prompt_tokens) / wall,
-        extra={"max_new_tokens": max_new},
+        extra={"max_new_tokens": max_new, "num_requests": len(reqs)},
     )
 
 
@@ -218,8 +218,13 @@ def bench():
 @click.option("--model", default="llama3-8b", show_default=True, help="Preset name or checkpoint path.")
 @click.option("--workload", type=click.Choice(list(WORKLOADS)), default="W1", show_default=True)
 @click.option("--num-requests", type=int, default=None, help="Override the workload's request count.")
-@click.option("--mode", type=click.Choice(["sync", "async", "both", "none"]), default="both", show_default=True,
-              help="Engine modes to run; 'none' with --compare-hf runs transformers only.")
+@click.option(
+    "--mode",
+    type=click.Choice(["sync", "async", "both", "none"]),
+    default="both",
+    show_default=True,
+    help="Engine modes to run; 'none' with --compare-hf runs transformers only.",
+)
 @click.option("--compare-hf", is_flag=True, help="Also run transformers' generate_batch on the same inputs.")
 @click.option("--hf-output-len", type=int, default=None, help="Cap HF's new tokens (it is slow).")
 @click.option("--hf-num-requests", type=int, default=None, help="Run HF on the first N requests only.")

@@ -1,0 +1,88 @@
+"""Merge the JSON files that `benchmarks/run_gpu.sh` writes into `benchmarks/results.json`.
+
+python3 benchmarks/collect_results.py DIR   # DIR holds w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FIELDS = (
+    "output_tok_s",
+    "total_tok_s",
+    "gpu_busy",
+    "floor_ratio",
+    "floor_tok_s",
+    "step_ms",
+    "gpu_ms",
+    "cpu_prep_ms",
+    "steps",
+    "output_tokens",
+    "wall_seconds",
+    "num_preemptions",
+)
+COMMANDS = {
+    "W1": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode both --max-num-seqs 32",
+    "W1_hf": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "--compare-hf --hf-output-len 128",
+    "W2": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192",
+    "W2_hf": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode none --compare-hf "
+    "--hf-num-requests 200 --hf-output-len 256",
+    "W2_queue": "python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192",
+}
+
+
+def main(src: Path) -> dict:
+    def load(name):
+        path = src / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    w1, w1_hf, w2, w2_hf, queue = (
+        load(n) for n in ("w1.json", "w1_hf.json", "w2.json", "w2_hf.json", "w2_queue.json")
+    )
+    first = w1 or w2
+    out = {
+        "device": first["device"],
+        "torch": first["torch"],
+        "date": first["date"],
+        "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
+        "commands": COMMANDS,
+        "note": "Whole-workload runs of cbq's engine (random-weight Llama-3-8B shape, bf16, EOS ignored). "
+        "'hf' is transformers' generate_batch (paged|sdpa) on the same model and prompts in the same process, "
+        "on the subset and output cap named in its entry (it is too slow for the full workload).",
+    }
+    for name, main_run, hf_run in (("W1", w1, w1_hf), ("W2", w2, w2_hf)):
+        if not main_run:
+            continue
+        entry = {mode: {k: r[k] for k in FIELDS} for mode, r in main_run["results"].items()}
+        if "sync" in entry and "async" in entry:
+            entry["async_over_sync"] = entry["async"]["output_tok_s"] / entry["sync"]["output_tok_s"]
+        if hf_run and "hf" in hf_run["results"]:
+            hf = hf_run["results"]["hf"]
+            entry["hf"] = {k: hf[k] for k in ("output_tok_s", "total_tok_s", "output_tokens", "wall_seconds")}
+            entry["hf"].update(gpu_busy=None, floor_ratio=None, step_ms=None, cpu_prep_ms=None, **hf["extra"])
+            entry["cbq_async_over_hf"] = entry["async"]["output_tok_s"] / hf["output_tok_s"]
+        entry["config"] = main_run["config"]
+        out[name] = entry
+    if queue:
+        out["W2_through_redis"] = {
+            "engine_only_tok_s": queue["engine_only"]["output_tok_s"],
+            "through_redis_tok_s": queue["through_redis"]["output_tok_s"],
+            "ratio": queue["ratio"],
+        }
+    return out
+
+
+if __name__ == "__main__":
+    src = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/h200")
+    result = main(src)
+    Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        json.dumps({k: v for k, v in result.items() if k in ("W1", "W2", "W2_through_redis")}, indent=1)[
+            :3000
+        ]
+    )
