@@ -104,9 +104,8 @@ def decode_case(batch: int, ctx: int, graph: bool = True, **kw) -> None:
     print(line, flush=True)
 
 
-def prefill_case(num_seqs: int, seq_len: int) -> None:
-    c = make_paged([seq_len] * num_seqs, [seq_len] * num_seqs)
-    out = torch.empty_like(c["q"])
+def prefill_runner(c: dict, out: torch.Tensor):
+    """A no-argument closure launching the varlen prefill kernel on case `c` (for timing)."""
 
     def run():
         at.paged_prefill_attention(
@@ -120,6 +119,15 @@ def prefill_case(num_seqs: int, seq_len: int) -> None:
             out=out,
             max_query_len=c["max_query_len"],
         )
+
+    return run
+
+
+def prefill_case(num_seqs: int, seq_len: int) -> None:
+    c = make_paged([seq_len] * num_seqs, [seq_len] * num_seqs)
+    out = torch.empty_like(c["q"])
+
+    run = prefill_runner(c, out)
 
     run()
     # causal attention: QK^T and PV over the lower triangle (incl. diagonal)
@@ -155,18 +163,7 @@ def mixed_case() -> None:
     c = make_paged(ctx, ql)
     out = torch.empty_like(c["q"])
 
-    def run():
-        at.paged_prefill_attention(
-            c["q"],
-            c["k_cache"],
-            c["v_cache"],
-            c["block_tables"],
-            c["cu_seqlens_q"],
-            c["context_lens"],
-            c["scale"],
-            out=out,
-            max_query_len=c["max_query_len"],
-        )
+    run = prefill_runner(c, out)
 
     run()
     ms = bench(run)

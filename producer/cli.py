@@ -15,6 +15,7 @@ from producer import batches, settings
 from producer.lazy_group import LazyGroup
 from producer.options import (
     echo_json,
+    format_option,
     json_option,
     open_redis,
     queue_option,
@@ -271,14 +272,7 @@ def wait(batch_id, redis_url, interval, timeout, as_json):
     default="-",
     help="Output file (default: stdout). Written atomically.",
 )
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["cbq", "openai"]),
-    default="cbq",
-    show_default=True,
-    help="cbq result lines, or OpenAI Batch output lines.",
-)
+@format_option
 @click.option("--partial", is_flag=True, help="Write the finished requests of an unfinished batch.")
 def results(batch_id, redis_url, output, output_format, partial):
     """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included."""

@@ -34,6 +34,17 @@ def queue_option(f: Callable) -> Callable:
     )(f)
 
 
+def format_option(f: Callable) -> Callable:
+    return click.option(
+        "--format",
+        "output_format",
+        type=click.Choice(["cbq", "openai"]),
+        default="cbq",
+        show_default=True,
+        help="cbq result lines, or OpenAI Batch output lines.",
+    )(f)
+
+
 def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(f)
 

@@ -9,7 +9,7 @@ import click
 
 from producer import batches
 from producer.cli import format_status, read_lines
-from producer.options import open_redis, queue_option, redis_url_option, sampling_options
+from producer.options import format_option, open_redis, queue_option, redis_url_option, sampling_options
 from producer.settings import DEFAULT_CHUNK_SIZE
 from producer.submit import SubmitOptions, submit_batch, validate_lines
 from worker.queue_worker import CbqWorker
@@ -91,14 +91,7 @@ def worker(model, mode, device, fake_engine, redis_url, queue, burst, name, log_
     help="Use this Redis instead of an in-process one (CBQ_REDIS_URL is ignored here: run is self-contained).",
 )
 @queue_option
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["cbq", "openai"]),
-    default="cbq",
-    show_default=True,
-    help="cbq result lines, or OpenAI Batch output lines.",
-)
+@format_option
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),

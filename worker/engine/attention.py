@@ -22,7 +22,11 @@ import torch
 
 
 def write_kv_ref(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """key/value: [T, num_kv_heads, head_dim]. Rows whose slot is -1 are skipped."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

@@ -14,7 +14,9 @@ from .sequence import Sequence
 _WINDOW_SLACK_TOKENS = 4
 
 
-def check_stop(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int, tokenizer) -> FinishReason | None:
+def check_stop(
+    seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int, tokenizer
+) -> FinishReason | None:
     """Why `seq` must stop after its newest token, or None."""
     params = seq.sampling
     token = seq.output_ids[-1]
