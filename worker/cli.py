@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -18,7 +19,9 @@ MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
 
 
-def build_engine(model: str, mode: str, device: str | None, fake_engine: bool):
+def build_engine(
+    model: str, mode: str, device: str | None, fake_engine: bool, engine_config: dict | None = None
+):
     """The real engine for `model` (a preset name, local path or hub name), or the instant FakeEngine."""
     if fake_engine:
         from worker.fake_engine import FakeEngine
@@ -26,13 +29,47 @@ def build_engine(model: str, mode: str, device: str | None, fake_engine: bool):
         return FakeEngine()
     from worker.engine.engine import Engine  # imports torch: only here
 
-    overrides = {"mode": mode}
+    overrides = {"mode": mode, **(engine_config or {})}
     if device:
         overrides["device"] = device
     return Engine.from_model(model, **overrides)
 
 
+def engine_tuning_options(f):
+    """--max-num-seqs, --max-num-batched-tokens, --dtype, gathered into one `engine_config` dict argument."""
+
+    @functools.wraps(f)
+    def wrapper(*args, max_num_seqs, max_num_batched_tokens, dtype, **kwargs):
+        given = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "dtype": dtype,
+        }
+        return f(*args, engine_config={k: v for k, v in given.items() if v is not None}, **kwargs)
+
+    wrapper = click.option(
+        "--dtype",
+        type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+        default=None,
+        help="Model dtype (default: bfloat16 on CUDA, float32 on CPU).",
+    )(wrapper)
+    wrapper = click.option(
+        "--max-num-batched-tokens",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Token budget per engine step (default 2048; 8192 suits an 8B model on an H200).",
+    )(wrapper)
+    wrapper = click.option(
+        "--max-num-seqs",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Running requests at most (default 256; W2 on an H200 peaked at 1024).",
+    )(wrapper)
+    return wrapper
+
+
 def engine_options(f):
+    f = engine_tuning_options(f)
     f = click.option(
         "--fake-engine",
         is_flag=True,
@@ -65,14 +102,14 @@ def engine_options(f):
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
 @click.option("--name", help="Worker name (default: a random one).")
 @click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
-def worker(model, mode, device, fake_engine, redis_url, queue, burst, name, log_level):
+def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
 
     Many chunk jobs are in flight at once. SIGINT/SIGTERM stops admitting and drains what is in flight;
     a second signal stops at once (unfinished chunks are retried by rq, finished requests are not redone).
     """
     conn = open_redis(redis_url)
-    engine = build_engine(model, mode, device, fake_engine)
+    engine = build_engine(model, mode, device, fake_engine, engine_config)
     cbq_worker = CbqWorker(
         [queue], engine, connection=conn, model_name="fake" if fake_engine else model, mode=mode, name=name
     )
@@ -109,6 +146,7 @@ def run(
     mode,
     device,
     fake_engine,
+    engine_config,
     redis_url,
     queue,
     output_format,
@@ -132,7 +170,9 @@ def run(
 
     conn = open_redis(redis_url) if redis_url else _in_process_redis()
     click.echo(f"loading {'the fake engine' if fake_engine else model}", err=True)
-    engine = build_engine(model, mode, device, fake_engine)  # first, so queue times do not include loading
+    engine = build_engine(
+        model, mode, device, fake_engine, engine_config
+    )  # first, so queue times do not include loading
     options = SubmitOptions(
         queue=queue, chunk_size=chunk_size, defaults=defaults, return_token_ids=return_token_ids, retries=0
     )

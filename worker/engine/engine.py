@@ -17,6 +17,7 @@ finishes was already scheduled in N+1; its extra token is discarded when N+1 is 
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -33,6 +34,8 @@ from .models import load_model, resolve_dtype
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .stop import check_stop, final_text
+
+logger = logging.getLogger("cbq.engine")
 
 _GRAPH_BUCKETS = (
     1,
@@ -97,6 +100,7 @@ class Engine:
         self._lock = threading.Lock()
         self._num_unfinished = 0
         self._stop = threading.Event()
+        self._fatal_error: BaseException | None = None  # set if the loop thread dies
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
         # Per step (num_tokens, num_seqs, context tokens read, device seconds): for floors and profiles.
@@ -150,6 +154,9 @@ class Engine:
                 results.append(self._results.get_nowait())
         except queue.Empty:
             pass
+        results = [r for r in results if r is not None]  # None: the loop thread's death notice
+        if not results and self._fatal_error is not None:
+            raise RuntimeError("the engine loop has died; see the log") from self._fatal_error
         return results
 
     def get_deltas(self) -> list[TokenDelta]:
@@ -191,7 +198,7 @@ class Engine:
     def start(self) -> None:
         assert self._thread is None, "engine already started"
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run_loop, args=(False,), name="cbq-engine", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name="cbq-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -221,18 +228,39 @@ class Engine:
             if idle and stop_when_idle and self._inbox.empty():
                 break
             self._drain_inbox(block=idle)
-            # 1. Plan and launch the next step (in async mode, while the previous one still runs).
-            launched = self._launch_next(inflight)
-            # 2. Wait for the previous step's tokens and apply them.
-            if inflight is not None:
-                self._process(inflight)
-            inflight = launched
-            # 3. Sync mode: no overlap, wait for this step right away.
-            if not self.config.is_async and inflight is not None:
-                self._process(inflight)
+            try:
+                # 1. Plan and launch the next step (in async mode, while the previous one still runs).
+                launched = self._launch_next(inflight)
+                # 2. Wait for the previous step's tokens and apply them.
+                if inflight is not None:
+                    self._process(inflight)
+                inflight = launched
+                # 3. Sync mode: no overlap, wait for this step right away.
+                if not self.config.is_async and inflight is not None:
+                    self._process(inflight)
+                    inflight = None
+            except Exception as exc:  # a failed step fails the requests it touched, not the engine
+                self._fail_scheduled(exc)
                 inflight = None
         if inflight is not None:
             self._process(inflight)
+
+    def _thread_main(self) -> None:
+        try:
+            self._run_loop(stop_when_idle=False)
+        except BaseException as exc:
+            self._fatal_error = exc
+            logger.exception("engine loop died")
+            self._results.put(None)  # wake a get_results() waiter so it sees the error
+
+    def _fail_scheduled(self, exc: Exception) -> None:
+        """Finish with ERROR every sequence a failed step may have touched; waiting ones carry on."""
+        logger.exception("engine step failed; failing the running requests")
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        touched = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.num_inflight_samples]
+        for seq in touched:
+            seq.num_inflight_samples = 0
+            self._finish(seq, FinishReason.ERROR, error=message)
 
     def _launch_next(self, inflight: _InflightStep | None) -> _InflightStep | None:
         t0 = time.perf_counter()
@@ -332,7 +360,7 @@ class Engine:
         seq.finish_reason = reason
         seq.finish_time = time.time()
         del self._seqs[seq.request_id]
-        text = final_text(seq, self.eos_token_ids, self.tokenizer)
+        text = "" if reason == FinishReason.ERROR else final_text(seq, self.eos_token_ids, self.tokenizer)
         first_sched = seq.first_scheduled_time or seq.finish_time
         usage = Usage(
             prompt_tokens=len(seq.prompt_ids),

@@ -1,0 +1,33 @@
+"""Engine tuning flags of `cbq worker` / `cbq run` reach the engine's config."""
+
+from __future__ import annotations
+
+import click
+from click.testing import CliRunner
+
+from worker.cli import build_engine, engine_tuning_options
+
+
+def test_tuning_flags_are_gathered_into_engine_config():
+    seen = {}
+
+    @click.command()
+    @engine_tuning_options
+    def cmd(engine_config):
+        seen.update(engine_config)
+
+    result = CliRunner().invoke(cmd, ["--max-num-seqs", "3", "--max-num-batched-tokens", "64"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"max_num_seqs": 3, "max_num_batched_tokens": 64}
+    assert CliRunner().invoke(cmd, ["--max-num-seqs", "0"]).exit_code != 0
+
+
+def test_build_engine_applies_the_overrides():
+    engine = build_engine(
+        "tiny-llama", "sync", "cpu", False, {"max_num_seqs": 3, "max_num_batched_tokens": 64}
+    )
+    assert (engine.config.mode, engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (
+        "sync",
+        3,
+        64,
+    )
