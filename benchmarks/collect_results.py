@@ -45,6 +45,8 @@ def main(src: Path) -> dict:
         load(n) for n in ("w1.json", "w1_hf.json", "w2.json", "w2_hf.json", "w2_queue.json")
     )
     first = w1 or w2
+    if first is None:
+        return {}
     out = {
         "device": first["device"],
         "torch": first["torch"],
@@ -80,6 +82,8 @@ def main(src: Path) -> dict:
 if __name__ == "__main__":
     src = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/h200")
     result = main(src)
+    if not result:
+        sys.exit(f"no w1.json or w2.json in {src}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps({k: v for k, v in result.items() if k in ("W1", "W2", "W2_through_redis")}, indent=1)[
