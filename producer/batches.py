@@ -39,6 +39,9 @@ class BatchNotFinished(RuntimeError):
         super().__init__(f"batch {status.batch_id} has {pending} unfinished requests")
 
 
+CANCEL_ATTEMPTS = 20  # WATCH retries when workers keep dequeuing while cancel looks
+
+
 def read_meta(conn: redis.Redis, batch_id: str) -> dict[str, str]:
     raw = conn.hgetall(keys.batch(batch_id))
     if not raw:
@@ -181,9 +184,9 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
     """Stop a batch: queued chunks never run, running requests are aborted by their workers.
 
     1. The cancel flag is set first, so a worker dequeuing a chunk from now on skips it.
-    2. Chunk jobs still in the queue are removed with LREM; whichever of us or a worker removes a job id from
-       the queue owns that chunk. For the ones we own, the job is cancelled in rq and its unfinished requests
-       are written as cancelled, in one transaction.
+    2. Chunk jobs still in the queue are taken out and their unfinished requests written as cancelled in ONE
+       transaction, under WATCH of the queue: if a worker dequeues in between, the transaction is retried.
+       So a chunk is owned either by a worker or by cancel, and a crash leaves nothing half-cancelled.
     """
     meta = read_meta(conn, batch_id)
     ttl_seconds = int(meta[BatchField.TTL_SECONDS.value])
@@ -194,33 +197,45 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
 
     ranges = {k.decode(): _parse_range(v) for k, v in conn.hgetall(keys.batch_jobs(batch_id)).items()}
     queue = Queue(meta[BatchField.QUEUE.value], connection=conn, serializer=JSONSerializer)
-    with conn.pipeline(transaction=True) as pipe:
-        for job_id in ranges:
-            pipe.lrem(queue.key, 1, job_id)
-        owned = [job_id for job_id, removed in zip(ranges, pipe.execute(), strict=True) if removed]
-    if not owned:
-        return CancelReport(batch_id, 0, 0)
+    for _ in range(CANCEL_ATTEMPTS):
+        with conn.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(queue.key)
+                queued = {job_id.decode() for job_id in pipe.lrange(queue.key, 0, -1)}
+                owned = [job_id for job_id in ranges if job_id in queued]
+                if not owned:
+                    return CancelReport(batch_id, 0, 0)
+                results = _cancelled_results(conn, batch_id, [i for j in owned for i in range(*ranges[j])])
+                jobs = [
+                    j
+                    for j in Job.fetch_many(owned, connection=conn, serializer=JSONSerializer)
+                    if j is not None
+                ]
+                pipe.multi()
+                for job_id in owned:
+                    pipe.lrem(queue.key, 1, job_id)
+                for job in jobs:
+                    if not job.is_canceled:
+                        job.cancel(pipeline=pipe)
+                queue_results(pipe, batch_id, ttl_seconds, results)
+                pipe.execute()
+                return CancelReport(batch_id, len(owned), len(results))
+            except redis.WatchError:
+                continue  # a worker took a chunk meanwhile: look again
+    raise RuntimeError(f"could not cancel batch {batch_id}: the queue kept changing; run cancel again")
 
-    indices = [i for job_id in owned for i in range(*ranges[job_id])]
+
+def _cancelled_results(conn: redis.Redis, batch_id: str, indices: list[int]) -> list[ResultLine]:
+    """Cancelled result lines for the requests among `indices` that have no result yet."""
     done = conn.hmget(keys.batch_results(batch_id), indices)
     todo = [
         i for i, raw in zip(indices, done, strict=True) if raw is None
     ]  # a retried chunk may have finished some
     requests = conn.hmget(keys.batch_requests(batch_id), todo) if todo else []
-    results = [
+    return [
         ResultLine(custom_id=_custom_id(raw), index=i, finish_reason="cancelled")
         for i, raw in zip(todo, requests, strict=True)
     ]
-    jobs = [
-        job for job in Job.fetch_many(owned, connection=conn, serializer=JSONSerializer) if job is not None
-    ]
-    with conn.pipeline(transaction=True) as pipe:
-        for job in jobs:
-            if not job.is_canceled:
-                job.cancel(pipeline=pipe)
-        queue_results(pipe, batch_id, ttl_seconds, results)
-        pipe.execute()
-    return CancelReport(batch_id, len(owned), len(results))
 
 
 def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:

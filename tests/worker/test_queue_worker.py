@@ -423,3 +423,46 @@ def _wait_until(predicate, timeout_seconds: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_cancel_racing_a_worker_dequeue_never_double_owns_a_chunk(cbq, conn, write_jsonl, monkeypatch):
+    """A worker takes a chunk between cancel's look at the queue and its write: the WATCH makes cancel retry,
+    so that chunk stays the worker's (not cancelled) and the rest are cancelled in one transaction."""
+    batch_id = submit(cbq, write_jsonl, mixed_requests(9), "--chunk-size", "3")
+    queue_key = Queue("cbq", connection=conn, serializer=JSONSerializer).key
+    taken: list[bytes] = []
+    real_fetch_many = Job.fetch_many
+
+    def fetch_many_while_a_worker_dequeues(job_ids, **kwargs):
+        if not taken:
+            taken.append(conn.lpop(queue_key))  # the "worker" owns this chunk now
+        return real_fetch_many(job_ids, **kwargs)
+
+    monkeypatch.setattr(batches.Job, "fetch_many", fetch_many_while_a_worker_dequeues)
+    report = batches.cancel_batch(conn, batch_id)
+    assert taken and taken[0] is not None
+    assert report.num_chunks_dequeued == 2 and report.num_requests_cancelled == 6
+    assert conn.llen(queue_key) == 0
+    cancelled = {
+        r.index for r in batches.iter_results(conn, batch_id, partial=True) if r.finish_reason == "cancelled"
+    }
+    assert len(cancelled) == 6
+
+
+def test_cancel_interrupted_before_its_write_leaves_nothing_half_done(cbq, conn, write_jsonl, monkeypatch):
+    """Taking chunks out of the queue and writing them as cancelled is one transaction: if cancel dies in
+    between, the chunks are still queued, and running cancel again completes the job."""
+    batch_id = submit(cbq, write_jsonl, mixed_requests(9), "--chunk-size", "3")
+    queue_key = Queue("cbq", connection=conn, serializer=JSONSerializer).key
+
+    def crash(*args, **kwargs):
+        raise ConnectionError("cancel died here")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(batches, "queue_results", crash)
+        with pytest.raises(ConnectionError):
+            batches.cancel_batch(conn, batch_id)
+    assert conn.llen(queue_key) == 3, "chunks left the queue without being written as cancelled"
+    report = batches.cancel_batch(conn, batch_id)
+    assert (report.num_chunks_dequeued, report.num_requests_cancelled) == (3, 9)
+    assert {r["finish_reason"] for r in results_of(cbq, batch_id)} == {"cancelled"}
