@@ -82,8 +82,6 @@ class IOSlot:
             self.dev[name] = self.float_dev[i * max_num_seqs : (i + 1) * max_num_seqs]
         self.host["block_tables"] = self.tables_host.numpy()
         self.dev["block_tables"] = self.tables_dev
-        self.int_used = int_len  # how much of int_host the last build wrote (copied whole: it is small)
-        self.num_table_rows = 0
 
 
 class BatchBuilder:
@@ -178,7 +176,6 @@ class BatchBuilder:
         h["top_k"][: len(params)] = [p.top_k for p in params]
         h["seeds"][: len(params)] = [c.seq.seed for c in sample_chunks]
         h["sample_positions"][: len(params)] = [c.start + c.num_tokens for c in sample_chunks]
-        slot.num_table_rows = num_seqs
         # Everything up to the last multi-token chunk goes to the varlen kernel (the scheduler puts them
         # first, so normally exactly the multi-token chunks); the single-token tail to the decode kernel.
         multi = np.flatnonzero(q_lens > 1)

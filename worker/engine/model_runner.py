@@ -31,12 +31,13 @@ from .sampler import sample
 
 @dataclass
 class StepHandle:
+    # NOTE: queued work reads only the slots' persistent buffers and tensors the caching allocator made on
+    # the compute stream, which it reuses only in that stream's order: nothing else needs holding alive.
     meta: BatchMeta
     sampled_host: torch.Tensor  # view of the slot's pinned output buffer
     d2h_done: torch.cuda.Event | None
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
-    keep_alive: tuple = ()  # tensors queued work still reads, held until the step completes
     cpu_seconds: float = 0.0  # CPU path: the step's compute time, measured synchronously
 
 
