@@ -57,13 +57,13 @@ def engine_tuning_options(f):
         "--max-num-batched-tokens",
         type=click.IntRange(min=1),
         default=None,
-        help="Token budget per engine step (default 2048; 8192 suits an 8B model on an H200).",
+        help="Token budget per engine step (default 8192).",
     )(wrapper)
     wrapper = click.option(
         "--max-num-seqs",
         type=click.IntRange(min=1),
         default=None,
-        help="Running requests at most (default 256; W2 on an H200 peaked at 1024).",
+        help="Running requests at most (default 1024).",
     )(wrapper)
     return wrapper
 

@@ -45,8 +45,8 @@ def _workload_lines(name: str, num_requests: int | None, seed: int = 0) -> list[
     help="A database this benchmark may flush.",
 )
 @click.option("--chunk-size", type=int, default=64, show_default=True)
-@click.option("--max-num-seqs", type=int, default=512, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True)
+@click.option("--max-num-seqs", type=int, default=1024, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def e2e_bench(
     model, workload, num_requests, redis_url, chunk_size, max_num_seqs, max_num_batched_tokens, json_out
