@@ -24,8 +24,8 @@ FIELDS = (
     "num_preemptions",
 )
 COMMANDS = {
-    "W1": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode both --max-num-seqs 32",
-    "W1_hf": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "W1": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048",
+    "W1_hf": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 "
     "--compare-hf --hf-output-len 128",
     "W2": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",

@@ -32,10 +32,10 @@ if has kernels; then
     timeout 120 python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -20
 fi
 if has w1; then
-    bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --json-out "$OUT/w1.json" 2>&1 | tail -12
+    bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 --json-out "$OUT/w1.json" 2>&1 | tail -12
 fi
 if has w1hf; then
-    bench 400 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --compare-hf --hf-output-len 128 \
+    bench 400 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 --compare-hf --hf-output-len 128 \
         --json-out "$OUT/w1_hf.json" 2>&1 | tail -12
 fi
 if has w2; then
