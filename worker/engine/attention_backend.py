@@ -26,8 +26,6 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     max_query_len: int  # host-side bounds, so kernels pick their grids without reading the device
     max_context_len: int
-    num_prefill_seqs: int  # leading sequences with several query rows; the rest have one each
-    num_prefill_tokens: int
     is_decode_only: bool
     backend: AttentionBackend
 

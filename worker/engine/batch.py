@@ -42,8 +42,6 @@ class BatchMeta:
     num_seqs: int  # B, padded likewise
     num_real_seqs: int
     num_sample_rows: int  # R: rows of logits / sampled ids (padded rows are ignored)
-    num_prefill_seqs: int  # leading sequences for the varlen kernel: through the last multi-token chunk
-    num_prefill_tokens: int  # their tokens; the rest of the batch is one token per sequence
     max_query_len: int
     max_context_len: int
     is_decode_only: bool
@@ -176,18 +174,12 @@ class BatchBuilder:
         h["top_k"][: len(params)] = [p.top_k for p in params]
         h["seeds"][: len(params)] = [c.seq.seed for c in sample_chunks]
         h["sample_positions"][: len(params)] = [c.start + c.num_tokens for c in sample_chunks]
-        # Everything up to the last multi-token chunk goes to the varlen kernel (the scheduler puts them
-        # first, so normally exactly the multi-token chunks); the single-token tail to the decode kernel.
-        multi = np.flatnonzero(q_lens > 1)
-        num_prefill_seqs = int(multi[-1]) + 1 if len(multi) else 0
         return BatchMeta(
             slot=slot_index,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             num_real_seqs=num_real,
             num_sample_rows=num_rows,
-            num_prefill_seqs=num_prefill_seqs,
-            num_prefill_tokens=int(cu[num_prefill_seqs]),
             max_query_len=int(q_lens.max()) if num_real else 0,
             max_context_len=int(context_lens.max()) if num_real else 0,
             is_decode_only=is_decode_only,

@@ -267,7 +267,6 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return None
-        plan.put_multi_token_chunks_first()
         now = time.time()
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:

@@ -181,8 +181,6 @@ class ModelRunner:
             context_lens=d["context_lens"][:num_seqs],
             max_query_len=meta.max_query_len,
             max_context_len=meta.max_context_len,
-            num_prefill_seqs=meta.num_prefill_seqs,
-            num_prefill_tokens=meta.num_prefill_tokens,
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
         )
@@ -226,8 +224,6 @@ def _decode_capture_meta(slot_index: int, bucket: int, max_model_len: int) -> Ba
         num_seqs=bucket,
         num_real_seqs=bucket,
         num_sample_rows=bucket,
-        num_prefill_seqs=0,
-        num_prefill_tokens=0,
         max_query_len=1,
         max_context_len=max_model_len,
         is_decode_only=True,

@@ -40,11 +40,6 @@ class StepPlan:
     def is_decode_only(self) -> bool:
         return all(c.num_tokens == 1 and c.samples for c in self.chunks)
 
-    def put_multi_token_chunks_first(self) -> None:
-        """Batch layout for attention: the varlen prefill kernel takes the multi-token head of the
-        batch, the split-K decode kernel the single-token tail. Stable, so priority order is kept."""
-        self.chunks.sort(key=lambda c: c.num_tokens == 1)
-
     def sampling_chunks(self) -> list[ScheduledChunk]:
         """Chunks that produce a token; output row k of the step belongs to the k-th of them."""
         return [c for c in self.chunks if c.samples]
