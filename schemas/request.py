@@ -110,18 +110,23 @@ def _all_optional(model: type[BaseModel], names: dict[str, str] | None = None) -
     return fields
 
 
+def overrides_model(sampling: type[Sampling]) -> type[SamplingOverrides]:
+    """The model of `sampling`'s fields as given on a line or by batch flags: same bounds, None = not given."""
+    return create_model(
+        "SamplingOverrides",
+        __base__=_Overrides,
+        __module__=__name__,
+        __doc__='Sampling fields as given on a line or by batch flags; None means "not given here".',
+        **_all_optional(sampling),
+    )
+
+
 if TYPE_CHECKING:  # the type checker cannot see fields made by create_model; at runtime they are all there
 
     class SamplingOverrides(_Overrides): ...
 
 else:
-    SamplingOverrides = create_model(
-        "SamplingOverrides",
-        __base__=_Overrides,
-        __module__=__name__,
-        __doc__='Sampling fields as given on a line or by batch flags; None means "not given here".',
-        **_all_optional(Sampling),
-    )
+    SamplingOverrides = overrides_model(Sampling)
 
 
 CustomId = Annotated[str, Field(min_length=1, max_length=512)]
