@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from schemas import keys
 from schemas.chunk import ChunkPayload
 from schemas.keys import BatchField
-from schemas.request import Request
+from schemas.request import Request, Sampling
 from schemas.result import ResultLine, Usage
 from worker.engine.api import EngineRequest, EngineResult, SamplingParams
 
@@ -93,24 +93,18 @@ def to_engine_request(request: Request, tokenizer: Any, batch_id: str, arrival_t
         prompt_ids = tokenizer.encode_chat([m.model_dump() for m in request.messages])
     else:
         prompt_ids = tokenizer.encode(request.prompt)
-    s = request.sampling
-    sampling = SamplingParams(
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-    )
     return EngineRequest(
         request_id=keys.engine_request_id(batch_id, request.index),
         prompt_ids=list(prompt_ids),
-        sampling=sampling,
+        sampling=to_sampling_params(request.sampling),
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
         want_token_ids=request.return_token_ids,
     )
+
+
+def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams, field by field under the same names (lists become tuples)."""
+    return params_type(**{name: tuple(v) if isinstance(v, list) else v for name, v in sampling})
 
 
 def to_result_line(request: Request, result: EngineResult) -> ResultLine:

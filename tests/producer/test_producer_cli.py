@@ -86,7 +86,10 @@ def test_submit_from_stdin_and_bad_flags(cbq, conn):
     assert ok.exit_code == 0
     bad = cbq("submit", "-", "--temperature", "-2", input='{"prompt": "x"}\n')
     assert bad.exit_code == 2
-    assert "Invalid value for --temperature: Input should be greater than or equal to 0" in bad.stderr
+    assert "Invalid value for '--temperature': -2.0 is not in the range 0<=x<=100.0" in bad.stderr
+    long_stop = cbq("submit", "-", "--stop", "s" * 257, input='{"prompt": "x"}\n')  # a bound click cannot see
+    assert long_stop.exit_code == 2
+    assert "Invalid value for --stop: String should have at most 256 characters" in long_stop.stderr
     empty = cbq("submit", "-", input="\n\n")
     assert empty.exit_code == 1 and "no requests in the input" in empty.stderr
     timeout = cbq("submit", "-", "--job-timeout", "0", input='{"prompt": "x"}\n')
