@@ -1,4 +1,7 @@
-"""`cbq worker` and `cbq run`. Imported lazily by `producer.cli`; the engine (torch) is imported only when built."""
+"""`cbq worker` and `cbq run`, plugged into `cbq` through the `cbq.commands` entry points (pyproject.toml).
+
+Imported only when one of them runs (or `cbq --help` lists them); the engine (torch) only when one is built.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,11 @@ import sys
 
 import click
 
-from producer import batches
-from producer.cli import format_status, read_lines
+from producer import store
+from producer.cli_common import format_status, read_lines
 from producer.options import format_option, open_redis, queue_option, redis_url_option, sampling_options
 from producer.settings import DEFAULT_CHUNK_SIZE
-from producer.submit import SubmitOptions, submit_batch, validate_lines
+from producer.store import SubmitOptions, submit_batch, validate_lines
 from worker.queue_worker import CbqWorker
 
 MODEL_ENV = "CBQ_MODEL"
@@ -189,9 +192,9 @@ def run(
     cbq_worker.work(burst=True, logging_level=log_level)
 
     with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
-        for line in batches.iter_results(conn, report.batch_id, output_format=output_format, partial=True):
+        for line in store.iter_results(conn, report.batch_id, output_format=output_format, partial=True):
             out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
-    status = batches.get_status(conn, report.batch_id)
+    status = store.get_status(conn, report.batch_id)
     click.echo(format_status(status), err=True)
     if not status.is_done:
         raise click.ClickException("the worker stopped before the batch finished; partial results written")

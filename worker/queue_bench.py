@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from producer import batches
+from producer import store
 from producer.options import open_redis, redis_url_option
-from producer.submit import SubmitOptions, submit_batch, validate_lines
+from producer.store import SubmitOptions, submit_batch, validate_lines
 from schemas import keys
 from schemas.request import SamplingOverrides
 from worker.fake_engine import FakeEngine
@@ -58,7 +58,7 @@ def run_one(
     worker.work(burst=True, logging_level="WARNING")
     worker_seconds = worker.loop_seconds
 
-    status = batches.get_status(conn, report.batch_id)
+    status = store.get_status(conn, report.batch_id)
     assert status.num_completed == num_requests, f"only {status.num_completed}/{num_requests} completed"
     _cleanup(conn, report.batch_id, queue)
     return QueueBenchRow(

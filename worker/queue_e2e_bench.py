@@ -54,7 +54,7 @@ def e2e_bench(
     """Engine-only vs through-Redis output tok/s on the same requests, in one process."""
     import redis
 
-    from producer.submit import SubmitOptions, submit_batch, validate_lines
+    from producer.store import SubmitOptions, submit_batch, validate_lines
     from worker.bench import make_workload
     from worker.engine.api import EngineRequest
     from worker.engine.engine import Engine

@@ -1,4 +1,5 @@
-"""The only code that writes request outcomes: the results hash, the batch counters and the running table.
+"""The only code that writes request outcomes (the results hash, the batch counters, the running table) and
+worker stats (`cbq:worker:{name}:stats`, `cbq:workers`).
 
 Callers queue these writes on a MULTI pipeline of their own, together with whatever else belongs to the same
 state change, so a result and its counters land together or not at all. Each chunk job has one owner at a time
@@ -12,11 +13,15 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 
+import redis
 from redis.client import Pipeline
 
 from schemas import keys
 from schemas.keys import BatchField
 from schemas.result import ResultLine
+from schemas.status import WorkerStats
+
+WORKER_STATS_TTL_SECONDS = 60  # a worker that stops publishing disappears from `cbq stats` after this
 
 _COUNTER_OF_REASON = {
     "stop": BatchField.NUM_COMPLETED,
@@ -75,3 +80,11 @@ def queue_results(
     # Results expire `ttl_seconds` after the batch's last activity, all keys together.
     for key in keys.all_batch_keys(batch_id):
         pipe.expire(key, ttl_seconds)
+
+
+def publish_worker_stats(conn: redis.Redis, stats: WorkerStats) -> None:
+    """Publish one worker's stats for `cbq stats`; they expire unless published again."""
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.set(keys.worker_stats(stats.worker_name), stats.model_dump_json(), ex=WORKER_STATS_TTL_SECONDS)
+        pipe.zadd(keys.WORKERS, {stats.worker_name: stats.updated_at})
+        pipe.execute()

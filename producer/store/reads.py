@@ -1,6 +1,6 @@
-"""Reading batches back (status, results, listings) and cancelling them.
+"""Reading batches back: status, results in input order, listings of batches and workers.
 
-Owns the read side and `cancel`. Counts come from the batch counters, plus requests that no one will ever
+Owns the read side of the store. Counts come from the batch counters, plus requests that no one will ever
 finish: those of chunk jobs that rq failed for good (e.g. a worker died and retries ran out). They have no
 result record, so they are derived here at read time from the chunk jobs' rq status.
 """
@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import redis
 from pydantic import BaseModel
-from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from producer.result_store import queue_results
 from schemas import keys
 from schemas.keys import BatchField
 from schemas.request import Request
@@ -37,9 +34,6 @@ class BatchNotFinished(RuntimeError):
         self.status = status
         pending = status.num_queued + status.num_running
         super().__init__(f"batch {status.batch_id} has {pending} unfinished requests")
-
-
-CANCEL_ATTEMPTS = 20  # WATCH retries when workers keep dequeuing while cancel looks
 
 
 def read_meta(conn: redis.Redis, batch_id: str) -> dict[str, str]:
@@ -101,7 +95,7 @@ _LOST_STATUSES = {
 
 def find_lost_requests(conn: redis.Redis, batch_id: str) -> dict[int, tuple[FinishReason, str]]:
     """Unfinished requests whose chunk job will never run again: index -> (finish_reason, message)."""
-    ranges = {k.decode(): _parse_range(v) for k, v in conn.hgetall(keys.batch_jobs(batch_id)).items()}
+    ranges = chunk_ranges(conn, batch_id)
     with conn.pipeline(transaction=False) as pipe:
         for job_id in ranges:
             pipe.hget(Job.key_for(job_id), "status")
@@ -173,71 +167,6 @@ def iter_results(
                 yield to_openai_output(result, request, batch_id, model, created_at)
 
 
-@dataclass
-class CancelReport:
-    batch_id: str
-    num_chunks_dequeued: int  # removed from the queue before any worker took them
-    num_requests_cancelled: int  # written as cancelled right away; running ones follow as workers abort them
-
-
-def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
-    """Stop a batch: queued chunks never run, running requests are aborted by their workers.
-
-    1. The cancel flag is set first, so a worker dequeuing a chunk from now on skips it.
-    2. Chunk jobs still in the queue are taken out and their unfinished requests written as cancelled in ONE
-       transaction, under WATCH of the queue: if a worker dequeues in between, the transaction is retried.
-       So a chunk is owned either by a worker or by cancel, and a crash leaves nothing half-cancelled.
-    """
-    meta = read_meta(conn, batch_id)
-    ttl_seconds = int(meta[BatchField.TTL_SECONDS.value])
-    with conn.pipeline(transaction=True) as pipe:
-        pipe.set(keys.batch_cancel(batch_id), "1", ex=ttl_seconds)
-        pipe.hsetnx(keys.batch(batch_id), BatchField.CANCELLED_AT.value, repr(time.time()))
-        pipe.execute()
-
-    ranges = {k.decode(): _parse_range(v) for k, v in conn.hgetall(keys.batch_jobs(batch_id)).items()}
-    queue = Queue(meta[BatchField.QUEUE.value], connection=conn, serializer=JSONSerializer)
-    for _ in range(CANCEL_ATTEMPTS):
-        with conn.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(queue.key)
-                queued = {job_id.decode() for job_id in pipe.lrange(queue.key, 0, -1)}
-                owned = [job_id for job_id in ranges if job_id in queued]
-                if not owned:
-                    return CancelReport(batch_id, 0, 0)
-                results = _cancelled_results(conn, batch_id, [i for j in owned for i in range(*ranges[j])])
-                jobs = [
-                    j
-                    for j in Job.fetch_many(owned, connection=conn, serializer=JSONSerializer)
-                    if j is not None
-                ]
-                pipe.multi()
-                for job_id in owned:
-                    pipe.lrem(queue.key, 1, job_id)
-                for job in jobs:
-                    if not job.is_canceled:
-                        job.cancel(pipeline=pipe)
-                queue_results(pipe, batch_id, ttl_seconds, results)
-                pipe.execute()
-                return CancelReport(batch_id, len(owned), len(results))
-            except redis.WatchError:
-                continue  # a worker took a chunk meanwhile: look again
-    raise RuntimeError(f"could not cancel batch {batch_id}: the queue kept changing; run cancel again")
-
-
-def _cancelled_results(conn: redis.Redis, batch_id: str, indices: list[int]) -> list[ResultLine]:
-    """Cancelled result lines for the requests among `indices` that have no result yet."""
-    done = conn.hmget(keys.batch_results(batch_id), indices)
-    todo = [
-        i for i, raw in zip(indices, done, strict=True) if raw is None
-    ]  # a retried chunk may have finished some
-    requests = conn.hmget(keys.batch_requests(batch_id), todo) if todo else []
-    return [
-        ResultLine(custom_id=_custom_id(raw), index=i, finish_reason="cancelled")
-        for i, raw in zip(todo, requests, strict=True)
-    ]
-
-
 def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:
     """The most recent batches first; forgets batches whose keys expired."""
     out = []
@@ -263,14 +192,14 @@ def list_workers(conn: redis.Redis) -> list[WorkerStats]:
     return out
 
 
-def _parse_range(raw: bytes) -> tuple[int, int]:
-    start, stop = raw.decode().split(":")
-    return int(start), int(stop)
+def chunk_ranges(conn: redis.Redis, batch_id: str) -> dict[str, tuple[int, int]]:
+    """rq job id -> (start, stop) of the requests that chunk job carries."""
+    ranges = {}
+    for job_id, raw in conn.hgetall(keys.batch_jobs(batch_id)).items():
+        start, stop = raw.decode().split(":")
+        ranges[job_id.decode()] = (int(start), int(stop))
+    return ranges
 
 
 def _float_or_none(value: str | None) -> float | None:
     return float(value) if value else None
-
-
-def _custom_id(raw_request: bytes | None) -> str | None:
-    return Request.model_validate_json(raw_request).custom_id if raw_request is not None else None
