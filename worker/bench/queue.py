@@ -59,7 +59,8 @@ def run_one(
     worker_seconds = worker.loop_seconds
 
     status = store.get_status(conn, report.batch_id)
-    assert status.num_completed == num_requests, f"only {status.num_completed}/{num_requests} completed"
+    if status.num_completed != num_requests:
+        raise click.ClickException(f"only {status.num_completed}/{num_requests} requests completed")
     _cleanup(conn, report.batch_id, queue)
     return QueueBenchRow(
         chunk_size=chunk_size,
