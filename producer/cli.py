@@ -6,14 +6,13 @@ are imported only when used; this module names none of them.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 
 import click
 
 from producer import settings, store
-from producer.cli_common import format_status, read_lines, status_json
+from producer.cli_common import format_status, read_lines, status_json, write_result_lines
 from producer.lazy_group import PluginGroup
 from producer.options import (
     echo_json,
@@ -72,7 +71,7 @@ def main():
 @click.option(
     "--job-timeout",
     type=int,
-    default=-1,
+    default=settings.NO_JOB_TIMEOUT,
     show_default=True,
     help="Seconds a chunk may stay in a worker before it is aborted and retried; -1: no limit.",
 )
@@ -98,7 +97,7 @@ def submit(
     Every line is validated first: if any is invalid, each bad line is reported and nothing is enqueued.
     Blank lines are skipped. Sampling flags are batch defaults; values on a line win.
     """
-    if job_timeout == 0 or job_timeout < -1:
+    if job_timeout != settings.NO_JOB_TIMEOUT and job_timeout < 1:
         raise click.BadParameter(
             "must be -1 (no limit) or a positive number of seconds", param_hint="--job-timeout"
         )
@@ -253,12 +252,7 @@ def results(batch_id, redis_url, output, output_format, partial):
     conn = open_redis(redis_url)
     try:
         lines = store.iter_results(conn, batch_id, output_format=output_format, partial=partial)
-        first = next(lines, None)  # raises before the output file is created when the batch is not ready
-        num_written = 0
-        with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
-            for line in itertools.chain([first] if first is not None else [], lines):
-                out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
-                num_written += 1
+        num_written = write_result_lines(output, lines, output_format)
     except store.BatchNotFound as exc:
         raise click.ClickException(str(exc)) from None
     except store.BatchNotFinished as exc:
@@ -311,9 +305,7 @@ def stats(redis_url, limit, as_json):
     workers = store.list_workers(conn)
     recent = store.list_batches(conn, limit)
     if as_json:
-        echo_json(
-            {"workers": [w.model_dump() for w in workers], "batches": [status_json(b) for b in recent]}
-        )
+        echo_json({"workers": [w.model_dump() for w in workers], "batches": [status_json(b) for b in recent]})
         return
     click.echo(f"workers ({len(workers)})")
     click.echo(

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from producer import settings
 from schemas.request import SamplingOverrides
+from schemas.result import OUTPUT_FORMATS
 
 
 def redis_url_option(f: Callable) -> Callable:
@@ -38,8 +39,8 @@ def format_option(f: Callable) -> Callable:
     return click.option(
         "--format",
         "output_format",
-        type=click.Choice(["cbq", "openai"]),
-        default="cbq",
+        type=click.Choice(OUTPUT_FORMATS),
+        default=OUTPUT_FORMATS[0],
         show_default=True,
         help="cbq result lines, or OpenAI Batch output lines.",
     )(f)

@@ -49,4 +49,3 @@ def build_worker_stats(
         cpu_prep_ms_per_step=engine_stats.cpu_prep_ms_per_step,
         num_preemptions=engine_stats.num_preemptions,
     )
-

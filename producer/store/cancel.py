@@ -85,7 +85,5 @@ def _cancelled_results(conn: redis.Redis, batch_id: str, indices: list[int]) -> 
     ]
 
 
-
-
 def _custom_id(raw_request: bytes | None) -> str | None:
     return Request.model_validate_json(raw_request).custom_id if raw_request is not None else None

@@ -8,6 +8,7 @@ result record, so they are derived here at read time from the chunk jobs' rq sta
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import redis
@@ -18,7 +19,15 @@ from rq.serializers import JSONSerializer
 from schemas import keys
 from schemas.keys import BatchField
 from schemas.request import Request
-from schemas.result import FinishReason, ResultLine, to_openai_output
+from schemas.result import (
+    OUTCOME_OF_REASON,
+    OUTCOMES,
+    OUTPUT_FORMATS,
+    FinishReason,
+    Outcome,
+    ResultLine,
+    to_openai_output,
+)
 from schemas.status import BatchStatus, WorkerStats
 
 PAGE_SIZE = 1000
@@ -47,11 +56,11 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     meta = read_meta(conn, batch_id)
     running_counts = [int(v) for v in conn.hvals(keys.batch_running(batch_id))]
     total = int(meta[BatchField.NUM_REQUESTS.value])
-    completed, failed, cancelled = (int(meta.get(f.value, 0)) for f in _OUTCOME_FIELDS)
-    lost = {} if completed + failed + cancelled >= total else find_lost_requests(conn, batch_id)
-    failed += sum(1 for reason, _ in lost.values() if reason == "error")
-    cancelled += sum(1 for reason, _ in lost.values() if reason == "cancelled")
-    unfinished = total - completed - failed - cancelled
+    counts = _recorded_outcomes(meta)
+    lost = {} if counts.total() >= total else find_lost_requests(conn, batch_id)
+    counts.update(OUTCOME_OF_REASON[reason] for reason, _ in lost.values())
+    completed, failed, cancelled = counts["completed"], counts["failed"], counts["cancelled"]
+    unfinished = total - counts.total()
     running = min(max(0, sum(running_counts)), unfinished)
 
     first_started_at = _float_or_none(meta.get(BatchField.FIRST_STARTED_AT.value))
@@ -84,7 +93,6 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     )
 
 
-_OUTCOME_FIELDS = (BatchField.NUM_COMPLETED, BatchField.NUM_FAILED, BatchField.NUM_CANCELLED)
 _LOST_STATUSES = {
     JobStatus.FAILED.value: "error",
     JobStatus.STOPPED.value: "cancelled",
@@ -133,13 +141,13 @@ def iter_results(
 
     Raises BatchNotFinished unless every request finished; with partial=True, yields the finished ones only.
     """
-    assert output_format in ("cbq", "openai"), f"unknown output format {output_format!r}"
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"unknown output format {output_format!r}; expected one of {OUTPUT_FORMATS}")
     status = get_status(conn, batch_id)
     if not status.is_done and not partial:
         raise BatchNotFinished(status)
     meta = read_meta(conn, batch_id)
-    num_recorded = sum(int(meta.get(f.value, 0)) for f in _OUTCOME_FIELDS)
-    lost = find_lost_requests(conn, batch_id) if num_recorded < status.num_total else {}
+    lost = find_lost_requests(conn, batch_id) if _recorded_outcomes(meta).total() < status.num_total else {}
     model = meta.get(BatchField.MODEL.value) or "cbq"
     created_at = int(float(meta[BatchField.CREATED_AT.value]))
     for page_start in range(0, status.num_total, PAGE_SIZE):
@@ -199,6 +207,11 @@ def chunk_ranges(conn: redis.Redis, batch_id: str) -> dict[str, tuple[int, int]]
         start, stop = raw.decode().split(":")
         ranges[job_id.decode()] = (int(start), int(stop))
     return ranges
+
+
+def _recorded_outcomes(meta: dict[str, str]) -> Counter[Outcome]:
+    """The batch counters, by outcome (requests of failed chunk jobs are not in them: see find_lost_requests)."""
+    return Counter({outcome: int(meta.get(BatchField.counter_of(outcome).value, 0)) for outcome in OUTCOMES})
 
 
 def _float_or_none(value: str | None) -> float | None:

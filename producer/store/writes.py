@@ -18,17 +18,10 @@ from redis.client import Pipeline
 
 from schemas import keys
 from schemas.keys import BatchField
-from schemas.result import ResultLine
+from schemas.result import OUTCOME_OF_REASON, ResultLine
 from schemas.status import WorkerStats
 
 WORKER_STATS_TTL_SECONDS = 60  # a worker that stops publishing disappears from `cbq stats` after this
-
-_COUNTER_OF_REASON = {
-    "stop": BatchField.NUM_COMPLETED,
-    "length": BatchField.NUM_COMPLETED,
-    "error": BatchField.NUM_FAILED,
-    "cancelled": BatchField.NUM_CANCELLED,
-}
 
 
 def queue_admission(pipe: Pipeline, batch_id: str, job_id: str, num_running: int, ttl_seconds: int) -> None:
@@ -61,8 +54,8 @@ def queue_results(
             keys.batch_results(batch_id),
             mapping={r.index: r.model_dump_json(exclude_none=True) for r in results},
         )
-        for field, count in Counter(_COUNTER_OF_REASON[r.finish_reason] for r in results).items():
-            pipe.hincrby(meta_key, field.value, count)
+        for outcome, count in Counter(OUTCOME_OF_REASON[r.finish_reason] for r in results).items():
+            pipe.hincrby(meta_key, BatchField.counter_of(outcome).value, count)
         pipe.hincrby(meta_key, BatchField.PROMPT_TOKENS.value, sum(r.usage.prompt_tokens for r in results))
         pipe.hincrby(
             meta_key, BatchField.COMPLETION_TOKENS.value, sum(r.usage.completion_tokens for r in results)

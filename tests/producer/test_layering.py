@@ -55,7 +55,9 @@ def test_a_missing_entry_point_gives_a_clear_error(monkeypatch):
     result = CliRunner().invoke(lazy_group.PluginGroup("cbq"), ["worker", "--help"])
     assert result.exit_code == 2
     assert "No such command 'worker'" in result.output
-    assert "'cbq.commands' entry points are registered" in result.output and "pip install -e ." in result.output
+    assert (
+        "'cbq.commands' entry points are registered" in result.output and "pip install -e ." in result.output
+    )
 
 
 def test_a_plugin_that_fails_to_import_is_listed_and_explains_itself():

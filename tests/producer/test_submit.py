@@ -136,3 +136,17 @@ def test_a_concurrent_submit_under_the_same_name_is_refused(conn, monkeypatch):
     with pytest.raises(SubmitConflict, match="just submitted under --name 'n'"):
         submit(conn, [{"prompt": "a", "custom_id": "x"}], name="n")
     assert Queue("q", connection=conn, serializer=JSONSerializer).count == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [{"chunk_size": 0}, {"ttl_seconds": 0}, {"retries": -1}, {"job_timeout_seconds": 0}]
+)
+def test_submit_options_reject_bad_values_with_value_errors(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SubmitOptions(queue="q", **bad)
+
+
+def test_iter_results_rejects_an_unknown_format_with_a_value_error(conn):
+    report = submit_batch(conn, validate_lines(lines_of({"prompt": "a"})).requests, SubmitOptions(queue="q"))
+    with pytest.raises(ValueError, match="unknown output format"):
+        next(store.iter_results(conn, report.batch_id, output_format="csv", partial=True))

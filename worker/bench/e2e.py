@@ -117,4 +117,3 @@ def _sampling(line: dict):
     from worker.engine.api import SamplingParams
 
     return SamplingParams(max_new_tokens=line["max_new_tokens"], ignore_eos=True)
-

@@ -310,4 +310,3 @@ def engine_bench(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
         click.echo(f"wrote {json_out}")
-
