@@ -1,6 +1,7 @@
 """The arrows run one way: `worker` imports `producer`, `producer` never imports (or names) `worker`."""
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,20 +35,34 @@ def test_producer_source_names_no_worker_module():
     assert not offenders, offenders
 
 
+def _modules_after(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter has imported after running `code`."""
+    code += "; import sys, json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
 def test_importing_every_producer_module_imports_nothing_of_worker():
-    code = (
-        "import pkgutil, sys, importlib, producer; "
-        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(producer.__path__, 'producer.')]; "
-        "bad = sorted(m for m in sys.modules if m == 'worker' or m.startswith('worker.')); "
-        "assert not bad, bad"
+    modules = _modules_after(
+        "import importlib, pkgutil, producer; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(producer.__path__, 'producer.')]"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert "worker" not in modules and "torch" not in modules
+
+
+def test_cbq_submit_help_imports_no_plugin_and_cbq_help_no_torch():
+    invoke = (
+        "from click.testing import CliRunner; from producer.cli import main; CliRunner().invoke(main, {})"
+    )
+    assert "worker" not in _modules_after(invoke.format("['submit', '--help']"))
+    assert "torch" not in _modules_after(invoke.format("['--help']"))
 
 
 def test_plugin_commands_come_from_entry_points():
-    help_text = CliRunner().invoke(main, ["--help"]).output
-    for name in ("worker", "run", "bench"):
-        assert name in help_text
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for name in ("submit", "stats", "worker", "run", "bench"):
+        assert name in result.output
 
 
 def test_a_missing_entry_point_gives_a_clear_error(monkeypatch):
