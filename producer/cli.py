@@ -1,18 +1,19 @@
 """`cbq`: the command line. The root group and the producer-side commands (nothing here imports torch).
 
-`worker` and `run` live in `worker/cli.py`, `bench` in `worker/bench.py`; they are imported only when run.
+Other commands (`worker`, `run`, `bench`) plug in through the `cbq.commands` entry points in pyproject.toml and
+are imported only when used; this module names none of them.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 
 import click
 
-from producer import batches, settings
-from producer.lazy_group import LazyGroup
+from producer import settings, store
+from producer.cli_common import format_status, read_lines, status_json, write_result_lines
+from producer.lazy_group import PluginGroup
 from producer.options import (
     echo_json,
     format_option,
@@ -23,22 +24,14 @@ from producer.options import (
     sampling_options,
     ttl_option,
 )
-from producer.submit import SubmitConflict, SubmitOptions, submit_batch, validate_lines
+from producer.store import SubmitConflict, SubmitOptions, submit_batch, validate_lines
 from schemas.request import SamplingOverrides
 from schemas.status import BatchStatus
 
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
 
-LAZY_COMMANDS = {
-    "worker": ("worker.cli:worker", "Run a GPU worker that drains a queue into the engine."),
-    "run": ("worker.cli:run", "Submit a file, run it in-process, write the results (no setup needed)."),
-    "bench": ("worker.bench:bench", "Benchmarks (engine, queue)."),
-}
 
-
-@click.group(
-    cls=LazyGroup, lazy_commands=LAZY_COMMANDS, context_settings={"help_option_names": ["-h", "--help"]}
-)
+@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="cbq")
 def main():
     """cbq: bulk LLM generation. Producers submit JSONL files to a Redis queue; GPU workers drain it into a
@@ -78,7 +71,7 @@ def main():
 @click.option(
     "--job-timeout",
     type=int,
-    default=-1,
+    default=settings.NO_JOB_TIMEOUT,
     show_default=True,
     help="Seconds a chunk may stay in a worker before it is aborted and retried; -1: no limit.",
 )
@@ -104,7 +97,7 @@ def submit(
     Every line is validated first: if any is invalid, each bad line is reported and nothing is enqueued.
     Blank lines are skipped. Sampling flags are batch defaults; values on a line win.
     """
-    if job_timeout == 0 or job_timeout < -1:
+    if job_timeout != settings.NO_JOB_TIMEOUT and job_timeout < 1:
         raise click.BadParameter(
             "must be -1 (no limit) or a positive number of seconds", param_hint="--job-timeout"
         )
@@ -167,11 +160,6 @@ def submit(
         )
 
 
-def read_lines(file) -> list[str]:
-    """Lines split on newlines only: str.splitlines() would also split inside JSON strings at U+2028 etc."""
-    return [line.rstrip("\n") for line in file]
-
-
 def _validate_with_progress(lines: list[str]):
     if len(lines) < PROGRESS_MIN_LINES:
         return validate_lines(lines)
@@ -201,24 +189,9 @@ def status(batch_id, redis_url, as_json):
     """Counts, token totals, rates and ETA of a batch."""
     st = _get_status(open_redis(redis_url), batch_id)
     if as_json:
-        echo_json(_status_json(st))
+        echo_json(status_json(st))
     else:
         click.echo(format_status(st))
-
-
-def format_status(st: BatchStatus) -> str:
-    name = f" ({st.name})" if st.name else ""
-    eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
-    return "\n".join(
-        [
-            f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}",
-            f"  total {st.num_total}  queued {st.num_queued}  running {st.num_running}  "
-            f"completed {st.num_completed}  failed {st.num_failed}  cancelled {st.num_cancelled}",
-            f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  gpu {st.gpu_seconds:.2f} s",
-            f"  rate {st.requests_per_second:.1f} req/s  {st.completion_tokens_per_second:.1f} completion tok/s  "
-            f"ETA {eta}",
-        ]
-    )
 
 
 @main.command()
@@ -252,7 +225,7 @@ def wait(batch_id, redis_url, interval, timeout, as_json):
             time.sleep(interval)
             st = _get_status(conn, batch_id)
     if as_json:
-        echo_json(_status_json(st))
+        echo_json(status_json(st))
     else:
         click.echo(format_status(st))
     if st.num_failed or st.num_cancelled:
@@ -278,16 +251,11 @@ def results(batch_id, redis_url, output, output_format, partial):
     """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included."""
     conn = open_redis(redis_url)
     try:
-        lines = batches.iter_results(conn, batch_id, output_format=output_format, partial=partial)
-        first = next(lines, None)  # raises before the output file is created when the batch is not ready
-        num_written = 0
-        with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
-            for line in itertools.chain([first] if first is not None else [], lines):
-                out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
-                num_written += 1
-    except batches.BatchNotFound as exc:
+        lines = store.iter_results(conn, batch_id, output_format=output_format, partial=partial)
+        num_written = write_result_lines(output, lines, output_format)
+    except store.BatchNotFound as exc:
         raise click.ClickException(str(exc)) from None
-    except batches.BatchNotFinished as exc:
+    except store.BatchNotFinished as exc:
         raise click.ClickException(f"{exc}; wait with `cbq wait {batch_id}` or pass --partial") from None
     if output != "-":
         click.echo(f"wrote {num_written} results to {output}", err=True)
@@ -304,8 +272,8 @@ def cancel(batch_id, redis_url, as_json):
     """Cancel BATCH_ID: queued requests never run, running ones are aborted by their workers."""
     conn = open_redis(redis_url)
     try:
-        report = batches.cancel_batch(conn, batch_id)
-    except batches.BatchNotFound as exc:
+        report = store.cancel_batch(conn, batch_id)
+    except store.BatchNotFound as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         echo_json(
@@ -334,12 +302,10 @@ def cancel(batch_id, redis_url, as_json):
 def stats(redis_url, limit, as_json):
     """Per-worker throughput and GPU use, and per-batch token and GPU-time accounting."""
     conn = open_redis(redis_url)
-    workers = batches.list_workers(conn)
-    recent = batches.list_batches(conn, limit)
+    workers = store.list_workers(conn)
+    recent = store.list_batches(conn, limit)
     if as_json:
-        echo_json(
-            {"workers": [w.model_dump() for w in workers], "batches": [_status_json(b) for b in recent]}
-        )
+        echo_json({"workers": [w.model_dump() for w in workers], "batches": [status_json(b) for b in recent]})
         return
     click.echo(f"workers ({len(workers)})")
     click.echo(
@@ -367,13 +333,9 @@ def stats(redis_url, limit, as_json):
 
 def _get_status(conn, batch_id: str) -> BatchStatus:
     try:
-        return batches.get_status(conn, batch_id)
-    except batches.BatchNotFound as exc:
+        return store.get_status(conn, batch_id)
+    except store.BatchNotFound as exc:
         raise click.ClickException(str(exc)) from None
-
-
-def _status_json(st: BatchStatus) -> dict:
-    return {**st.model_dump(), "state": st.state, "is_done": st.is_done}
 
 
 if __name__ == "__main__":

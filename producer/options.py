@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 
 from producer import settings
 from schemas.request import SamplingOverrides
+from schemas.result import OUTPUT_FORMATS
 
 
 def redis_url_option(f: Callable) -> Callable:
@@ -43,8 +44,8 @@ def format_option(f: Callable) -> Callable:
     return click.option(
         "--format",
         "output_format",
-        type=click.Choice(["cbq", "openai"]),
-        default="cbq",
+        type=click.Choice(OUTPUT_FORMATS),
+        default=OUTPUT_FORMATS[0],
         show_default=True,
         help="cbq result lines, or OpenAI Batch output lines.",
     )(f)

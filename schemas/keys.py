@@ -46,6 +46,11 @@ class BatchField(str, Enum):
     COMPLETION_TOKENS = "completion_tokens"
     GPU_SECONDS = "gpu_seconds"
 
+    @classmethod
+    def counter_of(cls, outcome: str) -> BatchField:
+        """The counter of one `schemas.result.Outcome`: NUM_COMPLETED, NUM_FAILED or NUM_CANCELLED."""
+        return cls(f"num_{outcome}")
+
 
 def batch(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}"

@@ -1,4 +1,7 @@
-"""`cbq worker` and `cbq run`. Imported lazily by `producer.cli`; the engine (torch) is imported only when built."""
+"""`cbq worker` and `cbq run`, plugged into `cbq` through the `cbq.commands` entry points (pyproject.toml).
+
+Imported only when one of them runs (or `cbq --help` lists them); the engine (torch) only when one is built.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,17 @@ import sys
 
 import click
 
-from producer import batches
-from producer.cli import format_status, read_lines
+from producer import store
+from producer.cli_common import format_status, read_lines, write_result_lines
 from producer.options import format_option, open_redis, queue_option, redis_url_option, sampling_options
-from producer.settings import DEFAULT_CHUNK_SIZE
-from producer.submit import SubmitOptions, submit_batch, validate_lines
+from producer.settings import DEFAULT_CHUNK_SIZE, in_process_redis
+from producer.store import SubmitOptions, submit_batch, validate_lines
+from worker.engine.config import MODES, EngineConfig
 from worker.queue_worker import CbqWorker
 
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
+ENGINE_DEFAULTS = EngineConfig()  # help texts show these; options left unset keep them
 
 
 def build_engine(
@@ -51,19 +56,19 @@ def engine_tuning_options(f):
         "--dtype",
         type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
         default=None,
-        help="Model dtype (default: bfloat16 on CUDA, float32 on CPU).",
+        help=f"Model dtype (default: {ENGINE_DEFAULTS.dtype}, i.e. bfloat16 on CUDA, float32 on CPU).",
     )(wrapper)
     wrapper = click.option(
         "--max-num-batched-tokens",
         type=click.IntRange(min=1),
         default=None,
-        help="Token budget per engine step (default 8192).",
+        help=f"Token budget per engine step (default {ENGINE_DEFAULTS.max_num_batched_tokens}).",
     )(wrapper)
     wrapper = click.option(
         "--max-num-seqs",
         type=click.IntRange(min=1),
         default=None,
-        help="Running requests at most (default 1024).",
+        help=f"Running requests at most (default {ENGINE_DEFAULTS.max_num_seqs}).",
     )(wrapper)
     return wrapper
 
@@ -76,12 +81,14 @@ def engine_options(f):
         help="Use the instant echo engine (no model, no torch), to try the queue.",
     )(f)
     f = click.option(
-        "--device", default=None, help="Engine device, e.g. cuda:0 or cpu (default: the engine's)."
+        "--device",
+        default=None,
+        help=f"Engine device, e.g. cuda:0 or cpu (default: {ENGINE_DEFAULTS.device}, CUDA when there is one).",
     )(f)
     f = click.option(
         "--mode",
-        type=click.Choice(["sync", "async"]),
-        default="async",
+        type=click.Choice(MODES),
+        default=ENGINE_DEFAULTS.mode,
         show_default=True,
         help="Engine step loop: async overlaps CPU batch preparation with GPU compute.",
     )(f)
@@ -168,7 +175,7 @@ def run(
     if not validated.requests:
         raise click.ClickException("no requests in the input")
 
-    conn = open_redis(redis_url) if redis_url else _in_process_redis()
+    conn = open_redis(redis_url) if redis_url else in_process_redis()
     click.echo(f"loading {'the fake engine' if fake_engine else model}", err=True)
     engine = build_engine(
         model, mode, device, fake_engine, engine_config
@@ -188,18 +195,11 @@ def run(
     )
     cbq_worker.work(burst=True, logging_level=log_level)
 
-    with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
-        for line in batches.iter_results(conn, report.batch_id, output_format=output_format, partial=True):
-            out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
-    status = batches.get_status(conn, report.batch_id)
+    lines = store.iter_results(conn, report.batch_id, output_format=output_format, partial=True)
+    write_result_lines(output, lines, output_format)
+    status = store.get_status(conn, report.batch_id)
     click.echo(format_status(status), err=True)
     if not status.is_done:
         raise click.ClickException("the worker stopped before the batch finished; partial results written")
     if status.num_failed:
         sys.exit(2)
-
-
-def _in_process_redis():
-    import fakeredis
-
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())

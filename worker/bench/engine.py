@@ -1,25 +1,21 @@
-"""`cbq bench`: engine benchmarks (sync vs async, vs transformers' own continuous batching).
+"""`cbq bench engine`: a workload through the engine, sync vs async, vs transformers' own continuous batching.
 
-Prints a table and writes JSON with every number. Benchmarks are not tests: run them on purpose, on
-the device you want numbers for, and record the command with the results (see benchmarks/).
+Prints a table and writes JSON with every number, including the memory/compute floor of every step.
 """
 
 from __future__ import annotations
 
 import json
 import platform
-import random
 import time
 from dataclasses import asdict, dataclass, field
 
 import click
 
-WORKLOADS = {
-    # name: (num_requests, prompt_len range, output_len range)
-    "W1": (32, (256, 256), (1024, 1024)),
-    "W2": (1000, (100, 1024), (100, 1024)),
-    "tiny": (16, (8, 64), (16, 32)),
-}
+from worker.bench.common import WORKLOADS, make_workload
+from worker.engine.config import EngineConfig
+
+ENGINE_DEFAULTS = EngineConfig()
 PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
 
 
@@ -40,20 +36,6 @@ class ModeResult:
     floor_tok_s: float = 0.0
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)
-
-
-def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int | None = None):
-    from worker.engine.api import EngineRequest, SamplingParams
-
-    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
-    n = num_requests or n
-    rng = random.Random(seed)
-    reqs = []
-    for i in range(n):
-        prompt = [rng.randrange(vocab_limit) for _ in range(rng.randint(p_lo, p_hi))]
-        params = SamplingParams(max_new_tokens=rng.randint(o_lo, o_hi), ignore_eos=True)
-        reqs.append(EngineRequest(f"{name}-{i}", prompt, params))
-    return reqs
 
 
 def measure_copy_bandwidth(device) -> float:
@@ -108,7 +90,8 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
     wall = time.perf_counter() - t0
     stats = engine.stats()
     errors = [r for r in results if r.error]
-    assert not errors, f"{len(errors)} requests failed, first: {errors[0].error}"
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].error}")
     out_tokens = sum(len(r.token_ids) for r in results)
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
     weight_bytes, num_params = model_bytes(engine.model)
@@ -209,12 +192,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
         click.echo(" | ".join(f"{str(v):>11}" for v in row))
 
 
-@click.group("bench")
-def bench():
-    """Benchmarks: `cbq bench engine` (GPU or CPU), `cbq bench queue` (Redis throughput)."""
-
-
-@bench.command("engine")
+@click.command("engine")
 @click.option("--model", default="llama3-8b", show_default=True, help="Preset name or checkpoint path.")
 @click.option("--workload", type=click.Choice(list(WORKLOADS)), default="W1", show_default=True)
 @click.option("--num-requests", type=int, default=None, help="Override the workload's request count.")
@@ -228,12 +206,14 @@ def bench():
 @click.option("--compare-hf", is_flag=True, help="Also run transformers' generate_batch on the same inputs.")
 @click.option("--hf-output-len", type=int, default=None, help="Cap HF's new tokens (it is slow).")
 @click.option("--hf-num-requests", type=int, default=None, help="Run HF on the first N requests only.")
-@click.option("--max-num-seqs", type=int, default=1024, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
+@click.option("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs, show_default=True)
+@click.option(
+    "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens, show_default=True
+)
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--no-cuda-graphs", is_flag=True)
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
+@click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
+@click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def engine_bench(
     model,
@@ -254,7 +234,6 @@ def engine_bench(
     """Run a workload through the engine in sync and/or async mode and report throughput vs the floor."""
     import torch
 
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.models import load_model, resolve_dtype
 
@@ -331,21 +310,3 @@ def engine_bench(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
         click.echo(f"wrote {json_out}")
-
-
-def _mount_queue_benches() -> None:
-    try:  # the queue benchmarks need redis-py and rq; `bench engine` must run without them
-        from worker.queue_bench import queue_bench
-        from worker.queue_e2e_bench import e2e_bench
-    except ImportError:
-        return
-
-    bench.add_command(queue_bench, "queue")
-    bench.add_command(e2e_bench, "e2e")
-
-
-_mount_queue_benches()
-
-
-if __name__ == "__main__":
-    bench()
