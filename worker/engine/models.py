@@ -88,6 +88,13 @@ def preset_config(name: str):
     )
 
 
+def resolve_device(device: str) -> torch.device:
+    """"auto" is CUDA when there is one, else the CPU; anything else is a torch device string."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
