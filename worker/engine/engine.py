@@ -172,7 +172,8 @@ class Engine:
         self._loop_start = None
 
     def start(self) -> None:
-        assert self._thread is None, "engine already started"
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
         self._stop.clear()
         self._thread = threading.Thread(target=self._thread_main, name="cbq-engine", daemon=True)
         self._thread.start()
@@ -186,7 +187,8 @@ class Engine:
 
     def generate(self, requests: list[EngineRequest]) -> list[EngineResult]:
         """Run `requests` to completion in the calling thread; results in input order."""
-        assert self._thread is None, "generate() cannot run while the loop thread is started"
+        if self._thread is not None:
+            raise RuntimeError("generate() cannot run while the loop thread is started")
         self._stop.clear()  # usable again after a shutdown()
         for req in requests:
             self.add_request(req)

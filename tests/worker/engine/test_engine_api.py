@@ -78,9 +78,9 @@ def test_threaded_api_matches_generate(llama, mode):
     assert {rid: res.token_ids for rid, res in results.items()} == expected
     assert_all_blocks_free(engine)
     engine.start()
-    with pytest.raises(AssertionError, match="already started"):
+    with pytest.raises(RuntimeError, match="already started"):
         engine.start()
-    with pytest.raises(AssertionError, match="cannot run while the loop thread is started"):
+    with pytest.raises(RuntimeError, match="cannot run while the loop thread is started"):
         engine.generate(reqs[:1])
     engine.shutdown()
 
@@ -240,3 +240,33 @@ def test_usage_queue_time_counts_from_arrival(llama):
     req = EngineRequest("late", tok.encode("hi"), SamplingParams(4), arrival_time=arrival)
     [res] = engine.generate([req])
     assert 5.0 <= res.usage.queue_seconds <= res.usage.ttft_seconds <= res.usage.latency_seconds < 30
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+    ],
+)
+def test_bad_sampling_params_raise_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mode": "turbo"}, "mode must be one of"),
+        ({"block_size": 12}, "block_size must be a power of two"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+        ({"num_kv_blocks": 1}, "num_kv_blocks must be >= 2"),
+        ({"kv_memory_fraction": 1.5}, r"kv_memory_fraction must be in \(0, 1\]"),
+    ],
+)
+def test_bad_engine_config_raises_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
