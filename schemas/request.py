@@ -168,7 +168,7 @@ class ParsedRequest(StrictModel):
     line_no: int
     custom_id: str | None
     shape: Shape
-    url: str | None = None
+    url: Literal["/v1/completions", "/v1/chat/completions"] | None = None
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
