@@ -523,6 +523,19 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
     return block_size, num_kv_heads, head_dim
 
 
+def _attention_strides(
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, ...]:
+    """The stride arguments of the decode and prefill kernels, in their order (the last dims are contiguous)."""
+    return (
+        *q.stride()[:2],
+        *out.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+    )
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -634,17 +647,7 @@ def paged_decode_attention(
         part_lse,
         float(scale) * LOG2E,
         num_heads,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
+        *_attention_strides(q, out, k_cache, v_cache, block_tables),
         NUM_SPLITS=num_splits,
         GROUP=group,
         GROUP_PAD=max(16, _next_pow2(group)),
@@ -729,17 +732,7 @@ def paged_prefill_attention(
         float(scale) * LOG2E,
         num_seqs,
         num_tokens,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
+        *_attention_strides(q, out, k_cache, v_cache, block_tables),
         GROUP=group,
         Q_PER_TILE=q_per_tile,
         BLOCK_M=block_m,
