@@ -14,7 +14,7 @@ Blank lines are skipped: `parse_request_line` returns None for them, so editors'
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, cast
 
 from pydantic import (
     BaseModel,
@@ -105,8 +105,9 @@ def _all_optional(model: type[BaseModel], names: dict[str, str] | None = None) -
     fields = {}
     for name, source in (names or {n: n for n in model.model_fields}).items():
         info = model.model_fields[source]
-        annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-        fields[name] = (annotation | None, Field(None, description=info.description))
+        type_and_bounds = (info.annotation, *info.metadata)
+        annotation: Any = Annotated[type_and_bounds] if info.metadata else info.annotation
+        fields[name] = (Optional[annotation], Field(None, description=info.description))  # noqa: UP045
     return fields
 
 
@@ -114,7 +115,7 @@ def overrides_model(sampling: type[Sampling]) -> type[SamplingOverrides]:
     """The model of `sampling`'s fields as given on a line or by batch flags: same bounds, None = not given."""
     return create_model(
         "SamplingOverrides",
-        __base__=_Overrides,
+        __base__=cast("type[SamplingOverrides]", _Overrides),
         __module__=__name__,
         __doc__='Sampling fields as given on a line or by batch flags; None means "not given here".',
         **_all_optional(sampling),
@@ -237,7 +238,7 @@ class ParsedRequest(StrictModel):
     line_no: int
     custom_id: str | None
     shape: Shape
-    url: str | None = None
+    url: Literal["/v1/completions", "/v1/chat/completions"] | None = None
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from pydantic import ValidationError
@@ -20,7 +19,7 @@ from schemas.chunk import ChunkPayload
 from schemas.keys import BatchField
 from schemas.request import Request, Sampling
 from schemas.result import ResultLine, Usage
-from worker.engine.api import EngineRequest, EngineResult, SamplingParams
+from worker.engine.api import EngineRequest, EngineResult, SamplingParams, TokenizerProtocol
 
 
 class BatchGone(LookupError):
@@ -38,7 +37,7 @@ class ChunkWork:
     num_skipped: int = 0  # already had a result (a retried chunk)
 
 
-def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: Any) -> ChunkWork:
+def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: TokenizerProtocol) -> ChunkWork:
     indices = list(payload.indices)
     meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
     with conn.pipeline(transaction=False) as pipe:
@@ -69,7 +68,7 @@ def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: Any) -> Chun
     return work
 
 
-def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Any) -> None:
+def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: TokenizerProtocol) -> None:
     try:
         request = Request.model_validate_json(raw_request)
     except ValidationError as exc:
@@ -88,7 +87,7 @@ def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Any)
     work.to_run.append((request, engine_request))
 
 
-def to_engine_request(request: Request, tokenizer: Any, batch_id: str, arrival_time: float) -> EngineRequest:
+def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: str, arrival_time: float) -> EngineRequest:
     if request.is_chat:
         prompt_ids = tokenizer.encode_chat([m.model_dump() for m in request.messages])
     else:
@@ -98,7 +97,6 @@ def to_engine_request(request: Request, tokenizer: Any, batch_id: str, arrival_t
         prompt_ids=list(prompt_ids),
         sampling=to_sampling_params(request.sampling),
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
-        want_token_ids=request.return_token_ids,
     )
 
 

@@ -38,7 +38,7 @@ from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.request import Request
 from schemas.result import OUTCOME_OF_REASON, ResultLine
 from worker.admission import load_chunk, to_result_line
-from worker.engine.api import EngineResult, FinishReason
+from worker.engine.api import EngineProtocol, EngineResult, FinishReason
 from worker.stats_publisher import build_worker_stats
 
 RESULT_POLL_SECONDS = 0.02  # longest wait for engine results while work is in flight
@@ -83,7 +83,7 @@ class CbqWorker(BaseWorker):
     def __init__(
         self,
         queues,
-        engine: Any,
+        engine: EngineProtocol,
         *,
         connection: redis.Redis,
         model_name: str = "",

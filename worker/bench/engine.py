@@ -82,7 +82,7 @@ def floor_seconds(
 
 
 def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
-    from worker.engine.model_runner import kv_bytes_per_block
+    from worker.engine.kv_cache import kv_bytes_per_block
 
     engine.reset_stats()
     t0 = time.perf_counter()
@@ -235,13 +235,9 @@ def engine_bench(
     import torch
 
     from worker.engine.engine import Engine
-    from worker.engine.models import load_model, resolve_dtype
+    from worker.engine.models import load_model, resolve_device, resolve_dtype
 
-    dev = (
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "auto"
-        else torch.device(device)
-    )
+    dev = resolve_device(device)
     t0 = time.perf_counter()
     hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
     load_seconds = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """Batch builder and IO slots. Owns the two IO slots (host buffers, pinned on CUDA, and their device
 twins) and writes each step's flattened ragged batch into one of them.
 
-Async mode alternates slots: while the device runs step N from slot A, the host writes step N+1
+The model runner alternates slots: while the device runs step N from slot A, the host writes step N+1
 into slot B. Every array sits at a fixed offset of one int32 and one float32 buffer, so a step is
 three host-to-device copies and CUDA graphs can read fixed device addresses.
 """

@@ -26,14 +26,22 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
     seed: int = 0  # base for requests without a seed
 
-    def __post_init__(self):
-        assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
-        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, (
-            "block_size: power of two"
-        )
-        assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"
-        assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
-        assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2"
+    def __post_init__(self) -> None:
+        # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
     def is_async(self) -> bool:

@@ -35,14 +35,12 @@ class Sequence:
     num_inflight_samples: int = 0
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    error: str | None = None
     # accounting
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     gpu_seconds: float = 0.0
     num_preemptions: int = 0
-    text: str = ""  # set when finished
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,8 @@ with chunked prefill, forced preemption and requests arriving mid-generation."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from worker.engine.config import EngineConfig
@@ -24,7 +26,8 @@ _REFERENCES: dict[str, tuple[list, dict]] = {}
 def references(tiny_models, name: str):
     if name not in _REFERENCES:
         model, tok = tiny_models(name)
-        reqs = make_requests(tok, NUM_REQUESTS, seed=hash(name) % 1000)
+        # NOTE: not hash(name): str hashes change per process (PYTHONHASHSEED), and so would the requests
+        reqs = make_requests(tok, NUM_REQUESTS, seed=zlib.crc32(name.encode()) % 1000)
         _REFERENCES[name] = (reqs, {r.request_id: hf_greedy(model, tok, r) for r in reqs})
     return _REFERENCES[name]
 
