@@ -31,7 +31,12 @@ from schemas.status import BatchStatus
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
 
 
-@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
+# `serve` is the producer's own (in producer/server, with the optional `server` extra), imported only when used.
+@click.group(
+    cls=PluginGroup,
+    lazy_commands={"serve": "producer.server.cli:serve"},
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(package_name="cbq")
 def main():
     """cbq: bulk LLM generation. Producers submit JSONL files to a Redis queue; GPU workers drain it into a
