@@ -109,7 +109,15 @@ def engine_options(f):
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
 @click.option("--name", help="Worker name (default: a random one).")
 @click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
-def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level):
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (all interfaces, path /metrics).",
+)
+def worker(
+    model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level, metrics_port
+):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
 
     Many chunk jobs are in flight at once. SIGINT/SIGTERM stops admitting and drains what is in flight;
@@ -120,6 +128,10 @@ def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, bu
     cbq_worker = CbqWorker(
         [queue], engine, connection=conn, model_name="fake" if fake_engine else model, mode=mode, name=name
     )
+    if metrics_port is not None:
+        from worker.metrics import serve_metrics
+
+        serve_metrics(cbq_worker, metrics_port)
     cbq_worker.work(burst=burst, logging_level=log_level)
 
 
