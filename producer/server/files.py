@@ -169,8 +169,11 @@ class FileStore:
 
 
 def _is_orphan(path: Path, now: float) -> bool:
-    record_path = path.with_name(f"{path.name}.json")
-    return path.stat().st_mtime < now - STALE_TMP_SECONDS and not record_path.exists()
+    try:
+        is_stale = path.stat().st_mtime < now - STALE_TMP_SECONDS
+    except FileNotFoundError:  # deleted meanwhile (with its record, just above)
+        return False
+    return is_stale and not path.with_name(f"{path.name}.json").exists()
 
 
 class _Writer:
