@@ -338,3 +338,15 @@ def test_serve_refuses_a_public_host_without_api_keys(monkeypatch):
     monkeypatch.delenv("CBQ_API_KEYS", raising=False)
     result = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--redis-url", REDIS_URL])
     assert result.exit_code == 1 and "refusing to serve 0.0.0.0 without authentication" in result.output
+
+
+def test_the_readme_python_client_example_runs(stack, monkeypatch, capsys):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Python client", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setenv("CBQ_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("CBQ_QUEUE", stack.queue)
+    exec(compile(code, "README.md (Python client)", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed] == ["q1", "q2"]
+    assert all(line.split()[1] in ("stop", "length") for line in printed)
