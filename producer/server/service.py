@@ -120,7 +120,7 @@ class BatchService:
 
     def cancel(self, api_batch_id: str) -> dict:
         record = self.records.get(api_batch_id)
-        if not record.is_terminal:
+        if not record.is_terminal and not record.finalizing_at:  # finalizing: every request has finished
             self.records.update(api_batch_id, only_if_unset=True, cancelling_at=int(time.time()))
             if record.cbq_batch_id is not None:
                 self.client.batch(record.cbq_batch_id).cancel()
