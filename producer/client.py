@@ -111,7 +111,7 @@ class Client:
         skip_invalid: bool = False,
         return_token_ids: bool = False,
         retries: int = settings.DEFAULT_RETRIES,
-        job_timeout_seconds: int = -1,
+        job_timeout_seconds: int = settings.NO_JOB_TIMEOUT,
         queue: str | None = None,
         on_progress: Callable[[int], None] | None = None,
         **defaults,
