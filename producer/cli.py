@@ -17,6 +17,7 @@ from producer.cli_common import format_status, read_lines, status_json, write_re
 from producer.client import BatchNotFinished, BatchNotFound, Client, NothingToSubmit, SubmitConflict
 from producer.lazy_group import PluginGroup
 from producer.options import (
+    chunk_size_option,
     echo_json,
     format_option,
     json_option,
@@ -56,13 +57,7 @@ def main():
 @click.option(
     "--name", help="Batch name; resubmitting under the same name skips custom_ids already submitted."
 )
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=settings.DEFAULT_CHUNK_SIZE,
-    show_default=True,
-    help="Requests per rq job.",
-)
+@chunk_size_option
 @ttl_option
 @click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the invalid ones.")
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")

@@ -13,8 +13,15 @@ import click
 
 from producer.cli_common import format_status, read_lines, write_result_lines
 from producer.client import Client
-from producer.options import format_option, open_redis, queue_option, redis_url_option, sampling_options
-from producer.settings import DEFAULT_CHUNK_SIZE, in_process_redis
+from producer.options import (
+    chunk_size_option,
+    format_option,
+    open_redis,
+    queue_option,
+    redis_url_option,
+    sampling_options,
+)
+from producer.settings import in_process_redis
 from worker.engine.config import MODES, EngineConfig
 from worker.queue_worker import CbqWorker
 
@@ -147,13 +154,7 @@ def worker(
 )
 @queue_option
 @format_option
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=DEFAULT_CHUNK_SIZE,
-    show_default=True,
-    help="Requests per rq job.",
-)
+@chunk_size_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
 @sampling_options

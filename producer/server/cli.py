@@ -7,9 +7,8 @@ import os
 
 import click
 
-from producer import settings
 from producer.client import Client
-from producer.options import open_redis, queue_option, redis_url_option, ttl_option
+from producer.options import chunk_size_option, open_redis, queue_option, redis_url_option, ttl_option
 
 API_KEYS_ENV = "CBQ_API_KEYS"
 FILES_DIR_ENV = "CBQ_FILES_DIR"
@@ -50,13 +49,7 @@ def is_loopback(host: str) -> bool:
     show_default=True,
     help="Largest accepted upload.",
 )
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=settings.DEFAULT_CHUNK_SIZE,
-    show_default=True,
-    help="Requests per rq job.",
-)
+@chunk_size_option
 @click.option("--log-level", default="info", show_default=True, help="uvicorn's log level.")
 def serve(host, port, redis_url, queue, files_dir, ttl_seconds, max_file_bytes, chunk_size, log_level):
     """Serve OpenAI's Files and Batches API over cbq: point the `openai` SDK's base_url at http://HOST:PORT/v1.
