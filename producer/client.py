@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import redis
 from pydantic import BaseModel, ValidationError
@@ -233,7 +233,7 @@ class _progress_reporter:
 
     def __init__(self, progress, batch_id: str, first: BatchStatus):
         self._progress, self._batch_id, self._first = progress, batch_id, first
-        self._bar = None
+        self._bar: Any = None  # click's progress bar, when progress is True
         self._shown = 0
 
     def __enter__(self) -> Callable[[BatchStatus], None]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import hmac
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
@@ -217,7 +219,7 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         Route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
     ]
-    handlers = {
+    handlers: dict[Any, Callable] = {
         ApiError: api_error,
         FileNotFound: not_found,
         BatchRecordNotFound: not_found,

@@ -69,6 +69,7 @@ class FileStore:
                 if num_bytes > self.max_bytes:
                     raise FileTooLarge(self.max_bytes)
                 out.write(piece)
+        assert out.record is not None, "a writer that exited cleanly has stored its file"
         return out.record
 
     @contextmanager

@@ -22,6 +22,7 @@ from producer.server.records import MAX_REPORTED_ERRORS, BatchRecord, BatchRecor
 from schemas import keys
 from schemas.errors import RequestLineError
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
+from schemas.result import OpenAIBatchOutputLine
 from schemas.status import BatchStatus
 
 log = logging.getLogger("cbq.server")
@@ -91,7 +92,7 @@ class BatchService:
         if status is not None and not record.is_terminal:
             if not status.is_done and time.time() >= record.expires_at and not record.expire_requested_at:
                 self.records.update(api_batch_id, only_if_unset=True, expire_requested_at=int(time.time()))
-                self.client.batch(record.cbq_batch_id).cancel()
+                self.client.batch(status.batch_id).cancel()
             elif status.is_done and self._take_finalize_lock(api_batch_id):
                 self.records.update(api_batch_id, only_if_unset=True, finalizing_at=int(time.time()))
                 self._pool.submit(self._logged, self._finalize, api_batch_id)
@@ -135,6 +136,7 @@ class BatchService:
     def _finalize(self, api_batch_id: str) -> None:
         """Write the output file (successful requests) and the error file (the others), then the final status."""
         record = self.records.get(api_batch_id)
+        assert record.cbq_batch_id is not None, f"{api_batch_id} is finalized before it was submitted"
         ttl = record.output_expires_seconds
         with (
             self.files.writer(f"{api_batch_id}_output.jsonl", "batch_output", ttl) as output,
@@ -142,6 +144,7 @@ class BatchService:
         ):
             num_output = num_errors = 0
             for line in self.client.batch(record.cbq_batch_id).results(format="openai"):
+                assert isinstance(line, OpenAIBatchOutputLine), type(line)
                 failed = line.error is not None or (
                     line.response is not None and line.response.status_code >= 400
                 )
@@ -155,14 +158,15 @@ class BatchService:
         elif record.expire_requested_at:
             outcome = "expired_at"
         changes: dict = {outcome: now}
-        if num_output:
-            changes["output_file_id"] = output.record.id
-        else:
-            self.files.delete(output.record.id)
-        if num_errors:
-            changes["error_file_id"] = errors.record.id
-        else:
-            self.files.delete(errors.record.id)
+        for writer, num_lines, field in (
+            (output, num_output, "output_file_id"),
+            (errors, num_errors, "error_file_id"),
+        ):
+            assert writer.record is not None, "a writer that exited cleanly has stored its file"
+            if num_lines:
+                changes[field] = writer.record.id
+            else:
+                self.files.delete(writer.record.id)
         self.records.update(api_batch_id, **changes)
 
     @staticmethod
