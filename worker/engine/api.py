@@ -82,6 +82,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_kv_blocks_used: int = 0  # paged KV blocks held by requests when the snapshot was taken
+    num_kv_blocks_total: int = 0  # usable blocks (the scratch block excluded)
 
     @property
     def output_tok_s(self) -> float:

@@ -163,6 +163,8 @@ class Engine:
             self.scheduler.num_preemptions,
             len(self.scheduler.running),
             len(self.scheduler.waiting),
+            num_kv_blocks_used=self.blocks.num_usable_blocks - self.blocks.num_free_blocks,
+            num_kv_blocks_total=self.blocks.num_usable_blocks,
         )
 
     def reset_stats(self) -> None:
