@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("sync", "async")
+DECODERS = ("auto", "owned", "hf")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
+    decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda
     seed: int = 0  # base for requests without a seed
 
     def __post_init__(self):
@@ -33,6 +35,7 @@ class EngineConfig:
         )
         assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"
         assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
+        assert self.decoder in DECODERS, f"decoder must be one of {DECODERS}, got {self.decoder!r}"
         assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2"
 
     @property

@@ -25,6 +25,7 @@ from .attention_backend import (
 )
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
+from .decoder import build_decoder
 from .fused_ops import install_fused_rmsnorm, install_fused_rotary
 from .sampler import sample
 
@@ -64,6 +65,10 @@ class ModelRunner:
         if self.is_cuda and config.fused_kernels:
             install_fused_rmsnorm(model)
             install_fused_rotary(model)
+        # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
+        self.decoder = build_decoder(
+            model, config.decoder, device, max_model_len, self.is_cuda and config.fused_kernels
+        )
 
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(
@@ -184,6 +189,11 @@ class ModelRunner:
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
         )
+        if self.decoder is not None:
+            positions = d["positions"][:num_tokens]
+            return self.decoder(
+                input_ids, positions, attn, logits_indices if torch.is_tensor(logits_indices) else None
+            )
         out = self.model(
             input_ids=input_ids[None],
             position_ids=d["positions"][:num_tokens][None],
