@@ -152,7 +152,9 @@ class ModelRunner:
         rows = meta.num_sample_rows
         key = (meta.slot, meta.num_seqs)
         if meta.is_decode_only and key in self.graphs:
-            self.graphs[key].replay()
+            self.graphs[key].replay()  # also writes the greedy ids into slot.sampled_dev
+            if not meta.any_random:
+                return
             logits = self.graph_logits[key]
         else:
             logits = self._forward(slot, meta, prev_sampled, logits_indices=d["logits_indices"][:rows])
@@ -188,6 +190,7 @@ class ModelRunner:
             max_context_len=meta.max_context_len,
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
+            num_decode_seqs=meta.num_decode_seqs,
         )
         if self.decoder is not None:
             positions = d["positions"][:num_tokens]
@@ -221,6 +224,7 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                     logits = self._forward(slot, meta, prev_sampled, logits_indices=0)
+                    slot.sampled_dev[:bucket].copy_(logits.argmax(dim=-1))  # greedy inside the graph
                 self.graphs[(slot_index, bucket)] = graph
                 self.graph_logits[(slot_index, bucket)] = logits
         torch.cuda.synchronize(self.device)
