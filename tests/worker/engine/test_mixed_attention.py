@@ -36,14 +36,9 @@ def check_mixed(device: str, dtype: torch.dtype, num_decode: int) -> None:
     ctx = [9, 40, 1, 17, 33, 37, 70, 16]
     q_lens = [1, 1, 1, 1, 1, 37, 30, 16]
     c = make_case(ctx, q_lens, 8, 2, 32, 16, dtype, device, seed=num_decode)
+    ctx_t = c["context_lens"]
     ref = _reference(
-        c["q"],
-        c["k_cache"],
-        c["v_cache"],
-        c["block_tables"],
-        c["cu_seqlens_q"],
-        c["context_lens"],
-        c["scale"],
+        *(c[k] for k in ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q")), ctx_t, c["scale"]
     )
     meta = AttentionMetadata(
         kv_caches=[],
