@@ -29,6 +29,7 @@ from .attention_backend import (
 )
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
+from .decoder import build_decoder
 from .fused_ops import install_fused_rmsnorm, install_fused_rotary
 from .kv_cache import allocate_kv_cache
 from .sampler import sample
@@ -90,6 +91,10 @@ class ModelRunner:
         if self.is_cuda and config.fused_kernels:
             install_fused_rmsnorm(model)
             install_fused_rotary(model)
+        # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
+        self.decoder = build_decoder(
+            model, config.decoder, device, max_model_len, self.is_cuda and config.fused_kernels
+        )
 
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(
@@ -195,7 +200,9 @@ class ModelRunner:
         rows = meta.num_sample_rows
         key = (meta.slot, meta.num_seqs)
         if meta.is_decode_only and key in self.graphs:
-            self.graphs[key].replay()
+            self.graphs[key].replay()  # also writes the greedy ids into slot.sampled_dev
+            if not meta.any_random:
+                return
             logits = self.graph_logits[key]
         else:
             logits = self._forward_slot(slot, meta, prev_sampled, logits_indices=d["logits_indices"][:rows])
@@ -232,6 +239,7 @@ class ModelRunner:
             max_context_len=meta.max_context_len,
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
+            num_decode_seqs=meta.num_decode_seqs,
         )
         return self._forward(input_ids, d["positions"][:num_tokens], attn, logits_indices)
 
@@ -244,6 +252,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model: token ids [T] at positions [T], with this step's attention metadata. Returns the logits of
         the rows `logits_indices` picks ([R, vocab]; 0 keeps them all)."""
+        if self.decoder is not None:
+            return self.decoder(
+                input_ids, positions, attn, logits_indices if torch.is_tensor(logits_indices) else None
+            )
         out = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
@@ -271,6 +283,7 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                     logits = self._forward_slot(slot, meta, prev_sampled, logits_indices=0)
+                    slot.sampled_dev[:bucket].copy_(logits.argmax(dim=-1))  # greedy inside the graph
                 self.graphs[(slot_index, bucket)] = graph
                 self.graph_logits[(slot_index, bucket)] = logits
         torch.cuda.synchronize(self.device)
