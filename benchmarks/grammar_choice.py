@@ -150,7 +150,10 @@ SCHEMAS: list[tuple[dict, object]] = [
         },
         {
             "order_id": 1001,
-            "customer": {"name": "Bo", "address": {"street": "1 Main St", "city": "Springfield", "zip": "12345"}},
+            "customer": {
+                "name": "Bo",
+                "address": {"street": "1 Main St", "city": "Springfield", "zip": "12345"},
+            },
             "items": [{"sku": "X1", "qty": 2}, {"sku": "Y7", "qty": 1}],
         },
     ),
@@ -289,7 +292,9 @@ def build_tokenizer(vocab_size: int, cache_dir: str = "/tmp/cbq_grammar_bench", 
         import sysconfig
 
         # Local text only: every Python source of the environment, plus any English docs the OS carries.
-        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "**", "*.py"), recursive=True))
+        files = sorted(
+            glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "**", "*.py"), recursive=True)
+        )
         files += sorted(glob.glob("/usr/share/vim/vim*/doc/*.txt"))
         corpus_path = os.path.join(cache_dir, "json_corpus.txt")
         rng = np.random.default_rng(0)
@@ -310,7 +315,9 @@ def build_tokenizer(vocab_size: int, cache_dir: str = "/tmp/cbq_grammar_bench", 
         tok.train(files + [corpus_path], trainer)
         tok.add_special_tokens(SPECIALS)
         tok.save(path)
-        print(f"trained BPE ({tok.get_vocab_size()} tokens) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(
+            f"trained BPE ({tok.get_vocab_size()} tokens) in {time.perf_counter() - t0:.1f}s", file=sys.stderr
+        )
     return PreTrainedTokenizerFast(
         tokenizer_file=path, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
     )
@@ -344,9 +351,7 @@ class LLG:
         self.vocab = len(hf_tok)
 
     def compile(self, schema: dict):
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False}
-        )
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         m = self.llg.LLMatcher(self.tok, grammar)
         assert not m.is_error(), m.get_error()
         return m
@@ -359,7 +364,10 @@ class LLG:
 
     def fill_batch(self, matchers, bitmask: np.ndarray) -> None:
         self.executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
+            [(m, i) for i, m in enumerate(matchers)],
+            bitmask.ctypes.data,
+            bitmask.shape[1] * 4,
+            bitmask.shape[0],
         )
 
     def accepts_eos(self, m, eos: int, row: np.ndarray) -> bool:
@@ -385,7 +393,9 @@ class XGR:
         self.vocab = len(hf_tok)
 
     def compile(self, schema: dict):
-        cg = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        cg = self.compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
         return self.xgr.GrammarMatcher(cg)
 
     def fill(self, m, row: np.ndarray) -> None:
