@@ -81,7 +81,10 @@ class GrammarCompiler:
         return compiled.deep_copy()
 
     def _compile(self, constraint: Constraint) -> Any:
-        import llguidance
+        try:
+            import llguidance
+        except ImportError as exc:  # a core dependency; without it constrained requests fail, others run
+            raise GrammarError(f"constraints need the llguidance package: {exc}") from exc
 
         grammar = _grammar_text(llguidance, constraint)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)

@@ -102,7 +102,7 @@ def test_regex_and_choice_constraints(llama):
             assert r.finish_reason == FinishReason.STOP and r.text in choices, (name, r.text)
 
 
-MIXED = ["person", "product", "tags", "refs", "unit_number", "shape"]
+MIXED = ["person", "tags", "refs", "shape"]
 
 
 def mixed_batch(tok, sampled: bool) -> list[EngineRequest]:
@@ -111,8 +111,8 @@ def mixed_batch(tok, sampled: bool) -> list[EngineRequest]:
     for i, name in enumerate(MIXED):
         sampling = {"temperature": 0.9, "top_p": 0.9, "seed": 100 + i} if sampled else {}
         reqs.append(json_request(tok, name, SCHEMAS[name], **sampling))
-        plain = SamplingParams(max_new_tokens=5 + 7 * i, temperature=1.0 if i % 2 else 0.0, seed=i)
-        reqs.append(EngineRequest(f"plain{i}", tok.encode("x" * (3 + 20 * i)), plain))
+        plain = SamplingParams(max_new_tokens=4 + 6 * i, temperature=1.0 if i % 2 else 0.0, seed=i)
+        reqs.append(EngineRequest(f"plain{i}", tok.encode("x" * (3 + 15 * i)), plain))
     return reqs
 
 
@@ -141,7 +141,7 @@ def test_seeded_constrained_request_is_the_same_alone_and_in_a_batch(llama):
     others = mixed_batch(tok, sampled=True)
     for mode in ("sync", "async"):
         busy, engine = run(
-            llama, mode, others[:5] + [target] + others[5:], max_num_batched_tokens=48, num_kv_blocks=24
+            llama, mode, others[:5] + [target] + others[5:], max_num_batched_tokens=48, num_kv_blocks=20
         )
         assert busy["target"].token_ids == alone["target"].token_ids, mode
         assert engine.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
@@ -227,7 +227,7 @@ def bpe_llama():
 def test_hf_tokenizer_json_schemas(bpe_llama):
     model, tok = bpe_llama
     assert len(tok.backend) < model.config.vocab_size, "the model pads its vocabulary past the tokenizer's"
-    names = ["person", "nested_user", "order", "scores", "shape", "product", "words"]
+    names = ["person", "nested_user", "scores", "shape", "words"]
     reqs = [
         json_request(tok, name, SCHEMAS[name], temperature=1.0 if i % 2 else 0.0, seed=i)
         for i, name in enumerate(names)

@@ -37,7 +37,7 @@ def requests(tok) -> list[EngineRequest]:
         "no_logprobs": SamplingParams(10, temperature=1.0, seed=5),
     }
     return [
-        EngineRequest(name, tok.encode(f"{name}: once upon a time" * (i + 1)), p)
+        EngineRequest(name, tok.encode(f"{name}: once upon a time" + "x" * 7 * i), p)
         for i, (name, p) in enumerate(params.items())
     ]
 
@@ -47,7 +47,7 @@ def results(llama):
     model, tok = llama
     out = {}
     for mode in ("sync", "async"):
-        engine = Engine(model, tok, EngineConfig(mode=mode, num_kv_blocks=256, max_num_batched_tokens=64))
+        engine = Engine(model, tok, EngineConfig(mode=mode, num_kv_blocks=256))
         out[mode] = {r.request_id: r for r in engine.generate(requests(tok))}
     return out
 
