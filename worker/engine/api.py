@@ -20,6 +20,24 @@ class FinishReason(str, Enum):
     CANCELLED = "cancelled"  # aborted by the caller
 
 
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's bound)
+
+
+class ConstraintKind(str, Enum):
+    JSON_SCHEMA = "json_schema"  # spec: the schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; spec unused
+    REGEX = "regex"  # spec: the pattern (Rust `regex` syntax), matched against the whole output
+    CHOICE = "choice"  # spec: a JSON list of strings; the output is exactly one of them
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. JSON is compact: no whitespace between tokens (see grammar.py)."""
+
+    kind: ConstraintKind
+    spec: str = ""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
@@ -30,6 +48,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Per output token: the chosen token's log-probability and this many top alternatives (0..20), from
+    # the model's raw distribution (logits before the constraint mask, temperature, top-k and top-p).
+    logprobs: int | None = None  # None: no logprobs
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (library callers build these directly): raise, never assert.
@@ -41,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
 
 
 @dataclass
@@ -61,6 +85,15 @@ class Usage:
     latency_seconds: float = 0.0  # arrival -> finished
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the model's raw distribution, and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class EngineResult:
     request_id: str
@@ -69,6 +102,7 @@ class EngineResult:
     finish_reason: FinishReason
     usage: Usage
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass
@@ -84,6 +118,7 @@ class EngineStats:
     num_waiting: int = 0
     num_kv_blocks_used: int = 0  # paged KV blocks held by requests when the snapshot was taken
     num_kv_blocks_total: int = 0  # usable blocks (the scratch block excluded)
+    mask_seconds: float = 0.0  # host time computing constraint masks, summed over steps
 
     @property
     def output_tok_s(self) -> float:

@@ -48,6 +48,11 @@ class HFTokenizer:
         self.eos_token_ids = frozenset(eos | set(extra_eos_ids))
         self.vocab_size = len(tokenizer)
 
+    @property
+    def backend(self) -> Any:
+        """The wrapped `transformers` tokenizer (grammar.py builds llguidance's vocabulary from it)."""
+        return self._tok
+
     @classmethod
     def from_pretrained(cls, name_or_path: str, extra_eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
         from transformers import AutoTokenizer
