@@ -8,7 +8,7 @@ rounds:
   silu_mul         silu(gate) * up over a fused [T, 2 * I] gate/up GEMM output
   qkv_rope_write   from one fused [T, (H + 2 * KVH) * D] QKV GEMM output: Qwen3's per-head q/k RMSNorm,
                    rotary on q and k (cos/sin tables indexed by position), q out as [T, H, D], and k/v
-                   scattered into the paged cache at `slot_mapping` (-1 = skip): one launch per layer
+                   scattered into the paged cache at `slot_mapping` (padding rows write scratch block 0): one launch per layer
                    instead of norm, rotary and KV-write kernels
 All launches depend only on shapes, so they are CUDA-graph capturable. The module imports without
 triton (`HAVE_TRITON`).
@@ -182,19 +182,18 @@ if HAVE_TRITON:
         tl.store(q_dst, y1.to(dtype), mask=qm)
         tl.store(q_dst + HALF, y2.to(dtype), mask=qm)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            blk = slot // BLOCK_SIZE
-            off = slot % BLOCK_SIZE
-            kh = (hh - NUM_HEADS)[:, None]
-            k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + i[None, :]
-            km = m & is_k[:, None]
-            tl.store(k_dst, y1.to(k_cache_ptr.dtype.element_ty), mask=km)
-            tl.store(k_dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=km)
-            vh = (hh - NUM_HEADS - NUM_KV_HEADS)[:, None]
-            v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh * stride_vch + i[None, :]
-            vm = m & is_v[:, None]
-            tl.store(v_dst, y1.to(v_cache_ptr.dtype.element_ty), mask=vm)
-            tl.store(v_dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=vm)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        kh = (hh - NUM_HEADS)[:, None]
+        k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + i[None, :]
+        km = m & is_k[:, None]
+        tl.store(k_dst, y1.to(k_cache_ptr.dtype.element_ty), mask=km)
+        tl.store(k_dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=km)
+        vh = (hh - NUM_HEADS - NUM_KV_HEADS)[:, None]
+        v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh * stride_vch + i[None, :]
+        vm = m & is_v[:, None]
+        tl.store(v_dst, y1.to(v_cache_ptr.dtype.element_ty), mask=vm)
+        tl.store(v_dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=vm)
 
 
 def add_rmsnorm(x, residual, weight, eps):
