@@ -38,6 +38,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+MAX_SAMPLES_PER_REQUEST = 128  # bound on `EngineRequest.n` (OpenAI's own limit)
+
+
 @dataclass
 class EngineRequest:
     request_id: str
@@ -45,12 +48,18 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float | None = None  # time.time() when the request entered the system; default: now
     want_token_ids: bool = True
+    # Parallel samples of this prompt. They share its KV blocks; sample i draws from a stream derived from
+    # (seed, i) (`sampler.sample_seed`), sample 0 from the seed itself, so n = 1 gives sample 0.
+    n: int = 1
 
 
 @dataclass
 class Usage:
+    """Per request: the prompt counts once however many samples share it; completion tokens of all samples."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache instead of being computed
     gpu_seconds: float = 0.0  # this request's share (by tokens processed) of each step's device time
     queue_seconds: float = 0.0  # arrival -> first scheduled
     ttft_seconds: float = 0.0  # arrival -> first token known on the host
@@ -58,21 +67,41 @@ class Usage:
 
 
 @dataclass
+class SampleOutput:
+    """One of a request's n parallel samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+
+
+@dataclass
 class EngineResult:
+    """One per request, when all its samples are done. `text`, `token_ids` and a STOP/LENGTH
+    `finish_reason` are sample 0's; ERROR or CANCELLED apply to the whole request. For n > 1, `samples`
+    holds every sample in index order (it is empty for n = 1: use `all_samples`)."""
+
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
     usage: Usage
     error: str | None = None
+    samples: list[SampleOutput] = field(default_factory=list)
+
+    @property
+    def all_samples(self) -> list[SampleOutput]:
+        return self.samples or [SampleOutput(0, self.text, self.token_ids, self.finish_reason)]
 
 
 @dataclass
 class TokenDelta:
-    """Tokens of one request that became known on the host in one step (for streaming)."""
+    """Tokens of one request's sample that became known on the host in one step (for streaming)."""
 
     request_id: str
     token_ids: list[int]
+    sample_index: int = 0
 
 
 @dataclass
@@ -86,6 +115,12 @@ class EngineStats:
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there (their prefill was skipped)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def output_tok_s(self) -> float:

@@ -25,6 +25,9 @@ class EngineConfig:
     fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
     seed: int = 0  # base for requests without a seed
+    # Full KV blocks are kept after their request finishes and shared by any prompt that starts with the
+    # same tokens (block_manager.py). Off: every prompt is computed whole (parallel samples still share).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
