@@ -177,6 +177,8 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The hash chain of `seq`'s first `num_blocks` full blocks (extends the memo on `seq`)."""
         hashes, bs = seq.block_hashes, self.block_size
+        num_known = seq.num_prompt_tokens + len(seq.output_ids)
+        assert num_blocks * bs <= num_known, f"{seq.request_id}: naming a block of unknown tokens"
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else seq.kv_namespace

@@ -112,7 +112,9 @@ def test_check_integrity_detects_a_block_held_without_a_reference(two_owners):
     blocks, a, b = two_owners
     c = make_seq("c")
     c.block_table.append(a.block_table[0])  # shared without going through the block manager
-    with pytest.raises(AssertionError, match=rf"block {a.block_table[0]}: ref count 1, held by 2 block tables"):
+    with pytest.raises(
+        AssertionError, match=rf"block {a.block_table[0]}: ref count 1, held by 2 block tables"
+    ):
         blocks.check_integrity([a, b, c])
 
 
