@@ -80,13 +80,19 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> bool:
         """Whether `seq` can cover `num_tokens` tokens, after sharing `prefix` (from `match_prefix`) if given.
         Cached blocks in `prefix` stop being evictable once shared, so they do not count as room."""
-        needed = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(prefix))
-        num_taken_from_cache = sum(1 for b in prefix if self.ref_counts[b] == 0)
-        return needed <= self.num_free_blocks - num_taken_from_cache
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table) - len(prefix)
+        if needed <= 0:
+            return True  # most decode steps
+        room = len(self._free) + len(self._evictable)
+        if prefix:
+            room -= sum(1 for b in prefix if self.ref_counts[b] == 0)
+        return needed <= room
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` to cover `num_tokens` tokens. Caller checked `can_allocate`."""
-        needed = self.blocks_needed(seq, num_tokens)
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return
         assert needed <= self.num_free_blocks, (
             f"{seq.request_id}: needs {needed} blocks, {self.num_free_blocks} free"
         )

@@ -39,6 +39,9 @@ class ScheduledChunk:
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Chunks whose processing matters to the block manager: they write a block's last token, or end the
+    # prompt of a leader with followers waiting. Most decodes are neither, so processing skips them.
+    committing_chunks: list[ScheduledChunk] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -137,15 +140,21 @@ class Scheduler:
         return prefix
 
     def _schedule_chunk(self, plan: StepPlan, seq: Sequence, num_new: int) -> int:
-        start = seq.num_computed_tokens
-        assert start >= seq.num_committed_blocks * self.blocks.block_size, (
+        start, end, block_size = (
+            seq.num_computed_tokens,
+            seq.num_computed_tokens + num_new,
+            self.blocks.block_size,
+        )
+        assert start >= seq.num_committed_blocks * block_size, (
             f"{seq.request_id}: would write a committed (shareable) block"
         )
-        self.blocks.allocate(seq, start + num_new)
-        samples = start + num_new == seq.num_tokens
-        plan.chunks.append(ScheduledChunk(seq, start, num_new, samples, seq.num_preemptions))
-        seq.num_computed_tokens += num_new
-        if samples:
+        self.blocks.allocate(seq, end)
+        chunk = ScheduledChunk(seq, start, num_new, end == seq.num_tokens, seq.num_preemptions)
+        plan.chunks.append(chunk)
+        if end // block_size > start // block_size or seq in self._followers:
+            plan.committing_chunks.append(chunk)
+        seq.num_computed_tokens = end
+        if chunk.samples:
             seq.num_inflight_samples += 1
         return num_new
 
@@ -161,7 +170,7 @@ class Scheduler:
     def on_step_processed(self, plan: StepPlan) -> None:
         """A launched step has completed and its tokens are known: the K/V it wrote can be shared. Call
         before its tokens are applied, so a sequence that they finish still registers its blocks."""
-        for chunk in plan.chunks:
+        for chunk in plan.committing_chunks:
             seq = chunk.seq
             if seq.status != SeqStatus.RUNNING or seq.num_preemptions != chunk.epoch:
                 continue  # finished or preempted since: the blocks it wrote were released
