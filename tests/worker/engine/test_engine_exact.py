@@ -8,7 +8,7 @@ import pytest
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 
-from .conftest import hf_greedy, make_requests
+from .conftest import generate_with_late_arrivals, hf_greedy, make_requests
 
 NUM_REQUESTS = 32
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2"]
@@ -63,18 +63,7 @@ def test_requests_arriving_mid_generation(tiny_models, mode):
     model, tok = tiny_models("tiny-llama")
     reqs, ref = references(tiny_models, "tiny-llama")
     engine = Engine(model, tok, EngineConfig(mode=mode, max_num_batched_tokens=96, num_kv_blocks=80))
-    engine.start()
-    try:
-        for req in reqs[:16]:
-            engine.add_request(req)
-        results = engine.get_results(timeout=60)  # the first result: generation is under way
-        assert results and engine.num_unfinished() > 0
-        for req in reqs[16:]:
-            engine.add_request(req)
-        while engine.num_unfinished() > 0:
-            results += engine.get_results(timeout=60)
-    finally:
-        engine.shutdown()
+    results = generate_with_late_arrivals(engine, reqs, 16)
     by_id = {r.request_id: r for r in results}
     assert sorted(by_id) == sorted(r.request_id for r in reqs)
     for req in reqs:

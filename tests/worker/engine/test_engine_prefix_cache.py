@@ -15,7 +15,7 @@ from worker.engine.engine import Engine
 from worker.engine.model_runner import StepHandle
 from worker.engine.models import load_model
 
-from .conftest import hf_greedy
+from .conftest import generate_with_late_arrivals, hf_greedy
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2"]
 # Budgets that are not multiples of the block size (16), so chunks end inside blocks.
@@ -101,18 +101,7 @@ def test_requests_arriving_while_others_run_hit_the_cache(tiny_models, mode):
     model, tok = tiny_models("tiny-llama")
     reqs, ref = references(tiny_models, "tiny-llama")
     engine = Engine(model, tok, EngineConfig(mode=mode, max_num_batched_tokens=40, num_kv_blocks=60))
-    engine.start()
-    try:
-        for req in reqs[:8]:
-            engine.add_request(req)
-        results = engine.get_results(timeout=60)  # the first result: generation is under way
-        assert results and engine.num_unfinished() > 0
-        for req in reqs[8:]:
-            engine.add_request(req)
-        while engine.num_unfinished() > 0:
-            results += engine.get_results(timeout=60)
-    finally:
-        engine.shutdown()
+    results = generate_with_late_arrivals(engine, reqs, 8)
     assert {r.request_id: r.token_ids for r in results} == ref
     assert engine.stats().prefix_cache_hits > 0
     assert_clean(engine)
