@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import functools
 import json
+import types
+import typing
 from collections.abc import Callable
+from typing import Annotated, Any
 
+import annotated_types
 import click
 import redis
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from producer import settings
 from schemas.request import SamplingOverrides
+from schemas.result import OUTPUT_FORMATS
 
 
 def redis_url_option(f: Callable) -> Callable:
@@ -38,10 +44,20 @@ def format_option(f: Callable) -> Callable:
     return click.option(
         "--format",
         "output_format",
-        type=click.Choice(["cbq", "openai"]),
-        default="cbq",
+        type=click.Choice(OUTPUT_FORMATS),
+        default=OUTPUT_FORMATS[0],
         show_default=True,
         help="cbq result lines, or OpenAI Batch output lines.",
+    )(f)
+
+
+def chunk_size_option(f: Callable) -> Callable:
+    return click.option(
+        "--chunk-size",
+        type=click.IntRange(min=1),
+        default=settings.DEFAULT_CHUNK_SIZE,
+        show_default=True,
+        help="Requests per rq job.",
     )(f)
 
 
@@ -49,40 +65,80 @@ def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(f)
 
 
-def sampling_options(f: Callable) -> Callable:
-    """Batch-level sampling defaults; values given on a line win. Adds a `defaults: SamplingOverrides` kwarg."""
-    options = [
-        click.option("--max-new-tokens", type=int, help="Default max_new_tokens (>= 1)."),
-        click.option("--temperature", type=float, help="Default temperature (>= 0; 0 is greedy)."),
-        click.option("--top-p", type=float, help="Default top_p, in (0, 1]."),
-        click.option("--top-k", type=int, help="Default top_k (>= 0; 0 means off)."),
-        click.option("--seed", type=int, help="Default seed."),
-        click.option("--stop", multiple=True, help="Default stop string (repeat for several)."),
-        click.option("--ignore-eos/--no-ignore-eos", default=None, help="Default for ignore_eos."),
-    ]
+def sampling_options(f: Callable, *, overrides: type[SamplingOverrides] = SamplingOverrides) -> Callable:
+    """One flag per sampling field, as batch defaults (values on a line win). Adds a `defaults` kwarg.
+
+    The flags are derived from `overrides` (by default from `schemas.request.Sampling`): `--top-k` for `top_k`,
+    the field's description as help, numeric bounds as click ranges, a repeatable flag for a list field and a
+    `--x/--no-x` pair for a bool. pydantic then checks every bound again and gives the error of the flag.
+    """
+    names = list(overrides.model_fields)
 
     @functools.wraps(f)
-    def wrapper(*args, max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, **kwargs):
-        given = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "stop": list(stop) or None,
-            "ignore_eos": ignore_eos,
-        }
+    def wrapper(*args, **kwargs):
+        given = {name: kwargs.pop(name) for name in names}
+        given = {name: list(v) if isinstance(v, tuple) else v for name, v in given.items()}
         try:
-            defaults = SamplingOverrides(**given)
+            defaults = overrides(**{name: v for name, v in given.items() if v not in (None, [])})
         except ValidationError as exc:
             error = exc.errors(include_url=False)[0]
-            flag = "--" + str(error["loc"][0]).replace("_", "-")
-            raise click.BadParameter(error["msg"], param_hint=flag) from None
+            raise click.BadParameter(error["msg"], param_hint=_flag(str(error["loc"][0]))) from None
         return f(*args, defaults=defaults, **kwargs)
 
-    for option in reversed(options):
-        wrapper = option(wrapper)
+    for name in reversed(names):
+        wrapper = _sampling_option(name, overrides.model_fields[name])(wrapper)
     return wrapper
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _sampling_option(name: str, info: FieldInfo) -> Callable:
+    annotation, bounds = _unwrap(info.annotation, info.metadata)
+    help_text = info.description or ""
+    if annotation is bool:
+        return click.option(f"{_flag(name)}/--no-{name.replace('_', '-')}", default=None, help=help_text)
+    if typing.get_origin(annotation) is list:
+        item, item_bounds = _unwrap(typing.get_args(annotation)[0], [])
+        most = next((b.max_length for b in bounds if isinstance(b, annotated_types.MaxLen)), None)
+        repeat = f" Repeat for several{f' (at most {most})' if most else ''}."
+        return click.option(
+            _flag(name), type=_click_type(item, item_bounds), multiple=True, help=help_text + repeat
+        )
+    return click.option(_flag(name), type=_click_type(annotation, bounds), help=help_text)
+
+
+def _unwrap(annotation: Any, metadata: list[Any]) -> tuple[Any, list[Any]]:
+    """(`int`, [Ge(1), Le(9)]) from `Annotated[int, Field(ge=1, le=9)] | None` and the field's own metadata."""
+    bounds = list(metadata)
+    while True:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) is Annotated:
+            for extra in args[1:]:
+                bounds += extra.metadata if isinstance(extra, FieldInfo) else [extra]
+            annotation = args[0]
+        elif typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+            annotation = args[0]
+        else:
+            return annotation, bounds
+
+
+def _click_type(annotation: Any, bounds: list[Any]) -> Any:
+    """`annotation` as a click type, a range when it has numeric bounds (click shows the range in --help)."""
+    if annotation not in (int, float):
+        return annotation
+    lo = next((b for b in bounds if isinstance(b, (annotated_types.Ge, annotated_types.Gt))), None)
+    hi = next((b for b in bounds if isinstance(b, (annotated_types.Le, annotated_types.Lt))), None)
+    if lo is None and hi is None:
+        return annotation
+    range_type = click.IntRange if annotation is int else click.FloatRange
+    return range_type(
+        min=None if lo is None else getattr(lo, "ge", getattr(lo, "gt", None)),
+        max=None if hi is None else getattr(hi, "le", getattr(hi, "lt", None)),
+        min_open=isinstance(lo, annotated_types.Gt),
+        max_open=isinstance(hi, annotated_types.Lt),
+    )
 
 
 def ttl_option(f: Callable) -> Callable:

@@ -15,9 +15,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_QUEUE = "cbq"
 DEFAULT_RESULT_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_CHUNK_SIZE = 64
-DEFAULT_RETRIES = (
-    2  # a chunk whose worker died is re-enqueued this many times (finished requests are skipped)
-)
+# A chunk whose worker died is re-enqueued this many times (finished requests are skipped).
+DEFAULT_RETRIES = 2
+NO_JOB_TIMEOUT = -1  # the default: a chunk's time depends on the load of the engine, so no limit
 
 
 def default_redis_url() -> str:
@@ -30,6 +30,13 @@ def connect(url: str) -> redis.Redis:
     Responses stay bytes: rq needs that, and cbq decodes what it reads itself.
     """
     return redis.Redis.from_url(url, health_check_interval=30)
+
+
+def in_process_redis() -> redis.Redis:
+    """A private in-process Redis (fakeredis), for `cbq run` and benchmarks that need no server."""
+    import fakeredis
+
+    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
 
 
 def redact_url(url: str) -> str:

@@ -14,9 +14,17 @@ Blank lines are skipped: `parse_request_line` returns None for them, so editors'
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, cast
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from schemas.errors import FieldIssue, RequestLineError, issues_from_validation_error
 
@@ -34,8 +42,22 @@ def _one_string_is_a_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-StopStrings = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_one_string_is_a_list)]
-TokenId = Annotated[int, Field(ge=0)]
+# Bounds on every sampling value (listed in the README's "Input lines"): the engine packs these into int32 and
+# float32 step buffers and scans stop strings every step, so one absurd value must fail its line, not a step.
+MAX_NEW_TOKENS_LIMIT = 2**20
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1_000_000  # larger than any vocabulary: a top_k at or above the vocab size keeps every token
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1  # fits the engine's int32 token buffers
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[
+    list[StopString], Field(max_length=MAX_STOP_STRINGS), BeforeValidator(_one_string_is_a_list)
+]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 
 
@@ -44,33 +66,68 @@ class ChatMessage(StrictModel):
     content: str
 
 
-class SamplingOverrides(StrictModel):
-    """Sampling fields as given on a line or by batch flags; None means "not given here"."""
+class Sampling(StrictModel):
+    """The one definition of the sampling fields: names, types, bounds, defaults and descriptions.
 
-    max_new_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: Seed | None = None
-    stop: StopStrings | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
+    Everything else is derived from it: `SamplingOverrides` (every field optional, for lines and batch flags),
+    the OpenAI body fields (through `OPENAI_RENAMES`), the `cbq submit`/`cbq run` flags
+    (`producer.options.sampling_options`) and the engine's `SamplingParams` (`worker.admission`, by field
+    name; a test checks both sides name the same fields with the same defaults). To add a field, add it here
+    and to `SamplingParams`.
+    """
 
+    max_new_tokens: int = Field(
+        DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT, description="Most tokens to generate."
+    )
+    temperature: float = Field(
+        0.0, ge=0, le=MAX_TEMPERATURE, description="Sampling temperature; 0 is greedy."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Keep the most likely tokens up to this total probability; 1 keeps all."
+    )
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens; 0 keeps all.")
+    seed: Seed | None = Field(None, description="Random seed; without one, the request id seeds the draws.")
+    stop: StopStrings = Field([], description="Strings that end the output (the text is cut before them).")
+    stop_token_ids: StopTokenIds = Field([], description="Token ids that end the output.")
+    ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
+
+
+class _Overrides(StrictModel):
     def given(self) -> dict[str, Any]:
         return {name: value for name, value in self if value is not None}
 
 
-class Sampling(StrictModel):
-    """Resolved sampling parameters of one request (mirrors the engine's SamplingParams)."""
+def _all_optional(model: type[BaseModel], names: dict[str, str] | None = None) -> dict[str, Any]:
+    """`create_model` field definitions: `model`'s fields with their bounds, each optional (None: not given).
 
-    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
-    temperature: float = Field(0.0, ge=0)  # 0 means greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # 0 means no top-k cut
-    seed: Seed | None = None
-    stop: StopStrings = []
-    stop_token_ids: list[TokenId] = []
-    ignore_eos: bool = False
+    `names` maps a new field name to the `model` field it copies (default: every field under its own name).
+    """
+    fields = {}
+    for name, source in (names or {n: n for n in model.model_fields}).items():
+        info = model.model_fields[source]
+        type_and_bounds = (info.annotation, *info.metadata)
+        annotation: Any = Annotated[type_and_bounds] if info.metadata else info.annotation
+        fields[name] = (Optional[annotation], Field(None, description=info.description))  # noqa: UP045
+    return fields
+
+
+def overrides_model(sampling: type[Sampling]) -> type[SamplingOverrides]:
+    """The model of `sampling`'s fields as given on a line or by batch flags: same bounds, None = not given."""
+    return create_model(
+        "SamplingOverrides",
+        __base__=cast("type[SamplingOverrides]", _Overrides),
+        __module__=__name__,
+        __doc__='Sampling fields as given on a line or by batch flags; None means "not given here".',
+        **_all_optional(sampling),
+    )
+
+
+if TYPE_CHECKING:  # the type checker cannot see fields made by create_model; at runtime they are all there
+
+    class SamplingOverrides(_Overrides): ...
+
+else:
+    SamplingOverrides = overrides_model(Sampling)
 
 
 CustomId = Annotated[str, Field(min_length=1, max_length=512)]
@@ -86,37 +143,50 @@ class ChatLine(SamplingOverrides):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-class _OpenAIBody(StrictModel):
+# OpenAI body field -> the cbq sampling field it sets; every other sampling field keeps its name.
+OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+
+
+class _OpenAIBodyBase(StrictModel):
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: Seed | None = None
-    stop: StopStrings | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
     n: Literal[1] | None = None  # one completion per request
     stream: Literal[False] | None = None
 
     @model_validator(mode="after")
-    def _one_length_limit(self):
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
+    def _one_name_per_field(self):
+        for target in set(OPENAI_RENAMES.values()):
+            given = [
+                name
+                for name, to in OPENAI_RENAMES.items()
+                if to == target and getattr(self, name) is not None
+            ]
+            if len(given) > 1:
+                raise ValueError(f"give {' or '.join(given)}, not both")
         return self
 
     def overrides(self) -> SamplingOverrides:
+        given = {name: getattr(self, name) for name in _OPENAI_SAMPLING_NAMES}
         return SamplingOverrides(
-            max_new_tokens=self.max_completion_tokens or self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
+            **{_OPENAI_SAMPLING_NAMES[name]: value for name, value in given.items() if value is not None}
         )
+
+
+# Every sampling field a body accepts -> the cbq field it sets.
+_OPENAI_SAMPLING_NAMES = OPENAI_RENAMES | {
+    n: n for n in Sampling.model_fields if n not in OPENAI_RENAMES.values()
+}
+
+if TYPE_CHECKING:
+
+    class _OpenAIBody(_OpenAIBodyBase): ...
+
+else:
+    _OpenAIBody = create_model(
+        "_OpenAIBody",
+        __base__=_OpenAIBodyBase,
+        __module__=__name__,
+        **_all_optional(Sampling, _OPENAI_SAMPLING_NAMES),
+    )
 
 
 class CompletionBody(_OpenAIBody):
@@ -168,7 +238,7 @@ class ParsedRequest(StrictModel):
     line_no: int
     custom_id: str | None
     shape: Shape
-    url: str | None = None
+    url: Literal["/v1/completions", "/v1/chat/completions"] | None = None
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -5,13 +5,24 @@ Owns the output contract. The worker stores one `ResultLine` JSON per request in
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.request import CHAT_COMPLETIONS_URL, Request
 
 FinishReason = Literal["stop", "length", "error", "cancelled"]
+Outcome = Literal["completed", "failed", "cancelled"]  # what a batch counts: `num_{outcome}` fields
+OUTPUT_FORMATS = ("cbq", "openai")  # `cbq results --format`: ResultLine, or OpenAI Batch output lines
+
+# The one mapping from a request's finish reason to the batch counter it lands in.
+OUTCOME_OF_REASON: dict[FinishReason, Outcome] = {
+    "stop": "completed",
+    "length": "completed",
+    "error": "failed",
+    "cancelled": "cancelled",
+}
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 
 class _Model(BaseModel):

@@ -1,6 +1,6 @@
 """Batch status and worker stats: what `cbq status`, `cbq wait` and `cbq stats` show (and print with --json).
 
-Owns the shapes only; `producer.batches` computes BatchStatus from Redis, the worker publishes WorkerStats.
+Owns the shapes only; `producer.store.reads` computes BatchStatus from Redis, the worker publishes WorkerStats.
 All `*_at` fields are Unix epoch seconds.
 """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from pydantic import ValidationError
@@ -18,9 +17,9 @@ from pydantic import ValidationError
 from schemas import keys
 from schemas.chunk import ChunkPayload
 from schemas.keys import BatchField
-from schemas.request import Request
+from schemas.request import Request, Sampling
 from schemas.result import ResultLine, Usage
-from worker.engine.api import EngineRequest, EngineResult, SamplingParams
+from worker.engine.api import EngineRequest, EngineResult, SamplingParams, TokenizerProtocol
 
 
 class BatchGone(LookupError):
@@ -38,7 +37,7 @@ class ChunkWork:
     num_skipped: int = 0  # already had a result (a retried chunk)
 
 
-def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: Any) -> ChunkWork:
+def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: TokenizerProtocol) -> ChunkWork:
     indices = list(payload.indices)
     meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
     with conn.pipeline(transaction=False) as pipe:
@@ -69,7 +68,7 @@ def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: Any) -> Chun
     return work
 
 
-def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Any) -> None:
+def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: TokenizerProtocol) -> None:
     try:
         request = Request.model_validate_json(raw_request)
     except ValidationError as exc:
@@ -88,29 +87,22 @@ def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Any)
     work.to_run.append((request, engine_request))
 
 
-def to_engine_request(request: Request, tokenizer: Any, batch_id: str, arrival_time: float) -> EngineRequest:
+def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: str, arrival_time: float) -> EngineRequest:
     if request.is_chat:
         prompt_ids = tokenizer.encode_chat([m.model_dump() for m in request.messages])
     else:
         prompt_ids = tokenizer.encode(request.prompt)
-    s = request.sampling
-    sampling = SamplingParams(
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-    )
     return EngineRequest(
         request_id=keys.engine_request_id(batch_id, request.index),
         prompt_ids=list(prompt_ids),
-        sampling=sampling,
+        sampling=to_sampling_params(request.sampling),
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
-        want_token_ids=request.return_token_ids,
     )
+
+
+def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams, field by field under the same names (lists become tuples)."""
+    return params_type(**{name: tuple(v) if isinstance(v, list) else v for name, v in sampling})
 
 
 def to_result_line(request: Request, result: EngineResult) -> ResultLine:

@@ -1,4 +1,7 @@
-"""`cbq worker` and `cbq run`. Imported lazily by `producer.cli`; the engine (torch) is imported only when built."""
+"""`cbq worker` and `cbq run`, plugged into `cbq` through the `cbq.commands` entry points (pyproject.toml).
+
+Imported only when one of them runs (or `cbq --help` lists them); the engine (torch) only when one is built.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,23 @@ import sys
 
 import click
 
-from producer import batches
-from producer.cli import format_status, read_lines
-from producer.options import format_option, open_redis, queue_option, redis_url_option, sampling_options
-from producer.settings import DEFAULT_CHUNK_SIZE
-from producer.submit import SubmitOptions, submit_batch, validate_lines
+from producer.cli_common import format_status, read_lines, write_result_lines
+from producer.client import Client
+from producer.options import (
+    chunk_size_option,
+    format_option,
+    open_redis,
+    queue_option,
+    redis_url_option,
+    sampling_options,
+)
+from producer.settings import in_process_redis
+from worker.engine.config import MODES, EngineConfig
 from worker.queue_worker import CbqWorker
 
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
+ENGINE_DEFAULTS = EngineConfig()  # help texts show these; options left unset keep them
 
 
 def build_engine(
@@ -59,19 +70,19 @@ def engine_tuning_options(f):
         "--dtype",
         type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
         default=None,
-        help="Model dtype (default: bfloat16 on CUDA, float32 on CPU).",
+        help=f"Model dtype (default: {ENGINE_DEFAULTS.dtype}, i.e. bfloat16 on CUDA, float32 on CPU).",
     )(wrapper)
     wrapper = click.option(
         "--max-num-batched-tokens",
         type=click.IntRange(min=1),
         default=None,
-        help="Token budget per engine step (default 8192).",
+        help=f"Token budget per engine step (default {ENGINE_DEFAULTS.max_num_batched_tokens}).",
     )(wrapper)
     wrapper = click.option(
         "--max-num-seqs",
         type=click.IntRange(min=1),
         default=None,
-        help="Running requests at most (default 1024).",
+        help=f"Running requests at most (default {ENGINE_DEFAULTS.max_num_seqs}).",
     )(wrapper)
     return wrapper
 
@@ -84,12 +95,14 @@ def engine_options(f):
         help="Use the instant echo engine (no model, no torch), to try the queue.",
     )(f)
     f = click.option(
-        "--device", default=None, help="Engine device, e.g. cuda:0 or cpu (default: the engine's)."
+        "--device",
+        default=None,
+        help=f"Engine device, e.g. cuda:0 or cpu (default: {ENGINE_DEFAULTS.device}, CUDA when there is one).",
     )(f)
     f = click.option(
         "--mode",
-        type=click.Choice(["sync", "async"]),
-        default="async",
+        type=click.Choice(MODES),
+        default=ENGINE_DEFAULTS.mode,
         show_default=True,
         help="Engine step loop: async overlaps CPU batch preparation with GPU compute.",
     )(f)
@@ -110,7 +123,15 @@ def engine_options(f):
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
 @click.option("--name", help="Worker name (default: a random one).")
 @click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
-def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level):
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (all interfaces, path /metrics).",
+)
+def worker(
+    model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level, metrics_port
+):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
 
     Many chunk jobs are in flight at once. SIGINT/SIGTERM stops admitting and drains what is in flight;
@@ -121,6 +142,10 @@ def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, bu
     cbq_worker = CbqWorker(
         [queue], engine, connection=conn, model_name="fake" if fake_engine else model, mode=mode, name=name
     )
+    if metrics_port is not None:
+        from worker.metrics import serve_metrics
+
+        serve_metrics(cbq_worker, metrics_port)
     cbq_worker.work(burst=burst, logging_level=log_level)
 
 
@@ -137,13 +162,7 @@ def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, bu
 )
 @queue_option
 @format_option
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=DEFAULT_CHUNK_SIZE,
-    show_default=True,
-    help="Requests per rq job.",
-)
+@chunk_size_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
 @sampling_options
@@ -168,7 +187,8 @@ def run(
     Producer and worker share one process and, unless --redis-url is given, an in-process Redis (fakeredis):
     the whole pipeline with one command and nothing to set up.
     """
-    validated = validate_lines(read_lines(file))
+    client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
+    validated = client.validate(read_lines(file))
     for error in validated.errors:
         click.echo(str(error), err=True)
     if validated.errors:
@@ -176,38 +196,28 @@ def run(
     if not validated.requests:
         raise click.ClickException("no requests in the input")
 
-    conn = open_redis(redis_url) if redis_url else _in_process_redis()
     click.echo(f"loading {'the fake engine' if fake_engine else model}", err=True)
     engine = build_engine(
         model, mode, device, fake_engine, engine_config
     )  # first, so queue times do not include loading
-    options = SubmitOptions(
-        queue=queue, chunk_size=chunk_size, defaults=defaults, return_token_ids=return_token_ids, retries=0
+    batch = client.submit(
+        validated, chunk_size=chunk_size, return_token_ids=return_token_ids, retries=0, **defaults.given()
     )
-    report = submit_batch(conn, validated.requests, options)
-    click.echo(f"batch {report.batch_id}: {report.num_requests} requests", err=True)
+    click.echo(f"batch {batch.id}: {batch.submission.num_requests} requests", err=True)
     cbq_worker = CbqWorker(
         [queue],
         engine,
-        connection=conn,
+        connection=client.connection,
         model_name="fake" if fake_engine else model,
         mode=mode,
         name=f"cbq-run-{os.getpid()}",
     )
     cbq_worker.work(burst=True, logging_level=log_level)
 
-    with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
-        for line in batches.iter_results(conn, report.batch_id, output_format=output_format, partial=True):
-            out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
-    status = batches.get_status(conn, report.batch_id)
+    write_result_lines(output, batch.results(format=output_format, partial=True), output_format)
+    status = batch.status()
     click.echo(format_status(status), err=True)
     if not status.is_done:
         raise click.ClickException("the worker stopped before the batch finished; partial results written")
     if status.num_failed:
         sys.exit(2)
-
-
-def _in_process_redis():
-    import fakeredis
-
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())

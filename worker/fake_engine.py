@@ -5,7 +5,8 @@ measured without a model. Owns its own request table; it knows nothing about Red
 
 Output rule (an "echo"): generated token k is prompt token k (cycling), so the text is the start of the
 prompt, `max_new_tokens` bytes long unless a stop string or stop token id ends it first. Sampling parameters
-other than the length and stop conditions are ignored. The tokenizer maps UTF-8 bytes to ids 0-255.
+other than the length and stop conditions are ignored. The tokenizer is the engine's byte tokenizer without
+BOS: UTF-8 bytes are ids 0-255.
 """
 
 from __future__ import annotations
@@ -16,23 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.engine.api import EngineRequest, EngineResult, EngineStats, FinishReason, Usage
+from worker.engine.tokenizer import ByteTokenizer
 
 FAKE_GPU_SECONDS_PER_TOKEN = 1e-5  # a made-up device cost, so accounting code sees non-zero numbers
-
-
-class ByteTokenizer:
-    eos_token_ids = frozenset()
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
-        return self.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -61,7 +48,7 @@ class FakeEngine:
         latency_seconds: float = 0.0,
         raise_on_prompt_substring: str | None = None,
     ):
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = ByteTokenizer(add_bos=False)
         self.max_model_len = max_model_len
         self.max_num_running = max_num_running
         self.latency_seconds = latency_seconds
@@ -185,7 +172,7 @@ class FakeEngine:
         return EngineResult(
             request_id=req.request_id,
             text=text,
-            token_ids=output_ids if req.want_token_ids else [],
+            token_ids=output_ids,
             finish_reason=reason,
             usage=usage,
         )

@@ -32,14 +32,14 @@ from rq.suspension import is_suspended
 from rq.utils import now as rq_now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
-from producer.result_store import queue_admission, queue_results
+from producer.store import publish_worker_stats, queue_admission, queue_results
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.request import Request
-from schemas.result import ResultLine
+from schemas.result import OUTCOME_OF_REASON, ResultLine
 from worker.admission import load_chunk, to_result_line
-from worker.engine.api import EngineResult, FinishReason
-from worker.stats_publisher import build_worker_stats, publish
+from worker.engine.api import EngineProtocol, EngineResult, FinishReason
+from worker.stats_publisher import build_worker_stats
 
 RESULT_POLL_SECONDS = 0.02  # longest wait for engine results while work is in flight
 CANCEL_POLL_SECONDS = 0.5
@@ -83,7 +83,7 @@ class CbqWorker(BaseWorker):
     def __init__(
         self,
         queues,
-        engine: Any,
+        engine: EngineProtocol,
         *,
         connection: redis.Redis,
         model_name: str = "",
@@ -296,7 +296,7 @@ class CbqWorker(BaseWorker):
         for outcome in outcomes:
             by_batch[outcome.owner.payload.batch_id].append(outcome)
             if outcome.result is not None:
-                outcome.owner.counts[f"num_{_COUNT_OF_REASON[outcome.result.finish_reason]}"] += 1
+                outcome.owner.counts[f"num_{OUTCOME_OF_REASON[outcome.result.finish_reason]}"] += 1
         for owner in done_jobs:
             by_batch.setdefault(owner.payload.batch_id, [])
         with self.connection.pipeline(transaction=True) as pipe:
@@ -464,7 +464,7 @@ class CbqWorker(BaseWorker):
                 num_jobs_finished=self.num_jobs_finished,
                 num_requests_finished=self.num_requests_finished,
             )
-            publish(self.connection, stats)
+            publish_worker_stats(self.connection, stats)
         except Exception:  # stats are informational; never let them stop the worker
             self.log.exception("Worker %s: publishing stats failed", self.name)
 
@@ -494,6 +494,3 @@ class CbqWorker(BaseWorker):
         self.log.info(
             "Worker %s: warm shutdown requested, draining %d jobs in flight", self.name, len(self._jobs)
         )
-
-
-_COUNT_OF_REASON = {"stop": "completed", "length": "completed", "error": "failed", "cancelled": "cancelled"}

@@ -1,4 +1,7 @@
-"""Publishing a worker's stats to Redis for `cbq stats`. Owns `cbq:worker:{name}:stats` and `cbq:workers`."""
+"""A worker's stats for `cbq stats`: engine counters and the worker's own, as one `WorkerStats`.
+
+`producer.store.publish_worker_stats` writes them to Redis.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,8 @@ import os
 import socket
 import time
 
-import redis
-
-from schemas import keys
 from schemas.status import WorkerStats
 from worker.engine.api import EngineStats
-
-STATS_TTL_SECONDS = 60  # a worker that stops publishing disappears from `cbq stats` after this
 
 
 def build_worker_stats(
@@ -51,10 +49,3 @@ def build_worker_stats(
         cpu_prep_ms_per_step=engine_stats.cpu_prep_ms_per_step,
         num_preemptions=engine_stats.num_preemptions,
     )
-
-
-def publish(conn: redis.Redis, stats: WorkerStats) -> None:
-    with conn.pipeline(transaction=True) as pipe:
-        pipe.set(keys.worker_stats(stats.worker_name), stats.model_dump_json(), ex=STATS_TTL_SECONDS)
-        pipe.zadd(keys.WORKERS, {stats.worker_name: stats.updated_at})
-        pipe.execute()

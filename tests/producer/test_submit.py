@@ -6,8 +6,8 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from producer import batches
-from producer.submit import SubmitConflict, SubmitOptions, submit_batch, validate_lines
+from producer import store
+from producer.store import SubmitConflict, SubmitOptions, submit_batch, validate_lines
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC
 from schemas.request import Request, Sampling, SamplingOverrides
@@ -64,7 +64,7 @@ def test_submit_stores_requests_once_and_enqueues_json_chunk_jobs(conn):
     raw = conn.hget(job.key, "data")
     assert json.loads(zlib.decompress(raw))[0] == CHUNK_FUNC
 
-    status = batches.get_status(conn, report.batch_id)
+    status = store.get_status(conn, report.batch_id)
     assert (status.num_total, status.num_queued, status.state) == (10, 10, "queued")
 
 
@@ -124,7 +124,7 @@ def test_a_failed_commit_leaves_nothing_visible(conn, monkeypatch):
 
 
 def test_a_concurrent_submit_under_the_same_name_is_refused(conn, monkeypatch):
-    import producer.submit as submit_module
+    import producer.store.submit as submit_module
 
     original = submit_module._stage_requests
 
@@ -136,3 +136,17 @@ def test_a_concurrent_submit_under_the_same_name_is_refused(conn, monkeypatch):
     with pytest.raises(SubmitConflict, match="just submitted under --name 'n'"):
         submit(conn, [{"prompt": "a", "custom_id": "x"}], name="n")
     assert Queue("q", connection=conn, serializer=JSONSerializer).count == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [{"chunk_size": 0}, {"ttl_seconds": 0}, {"retries": -1}, {"job_timeout_seconds": 0}]
+)
+def test_submit_options_reject_bad_values_with_value_errors(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SubmitOptions(queue="q", **bad)
+
+
+def test_iter_results_rejects_an_unknown_format_with_a_value_error(conn):
+    report = submit_batch(conn, validate_lines(lines_of({"prompt": "a"})).requests, SubmitOptions(queue="q"))
+    with pytest.raises(ValueError, match="unknown output format"):
+        next(store.iter_results(conn, report.batch_id, output_format="csv", partial=True))

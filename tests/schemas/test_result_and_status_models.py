@@ -122,3 +122,18 @@ def test_chunk_payload_is_strict():
         ChunkPayload(batch_id="b:x", start=0, stop=1)
     with pytest.raises(ValidationError, match="Input should be a valid integer"):
         ChunkPayload.model_validate({"batch_id": "b", "start": "0", "stop": 1})
+
+
+def test_every_finish_reason_counts_as_one_batch_outcome():
+    from typing import get_args
+
+    from schemas.keys import BatchField
+    from schemas.result import OUTCOME_OF_REASON, OUTCOMES, FinishReason
+
+    assert set(OUTCOME_OF_REASON) == set(get_args(FinishReason))
+    assert set(OUTCOME_OF_REASON.values()) == set(OUTCOMES)
+    assert [BatchField.counter_of(o) for o in OUTCOMES] == [
+        BatchField.NUM_COMPLETED,
+        BatchField.NUM_FAILED,
+        BatchField.NUM_CANCELLED,
+    ]

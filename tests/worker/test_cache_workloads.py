@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.cache_workloads import CACHE_WORKLOADS, make_cache_workload
+from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model

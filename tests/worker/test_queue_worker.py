@@ -14,8 +14,8 @@ from rq.command import send_stop_execution_command
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from producer import batches
-from producer.submit import validate_lines
+from producer import store
+from producer.store import validate_lines
 from schemas import keys
 from worker.admission import to_engine_request
 from worker.fake_engine import FakeEngine
@@ -132,14 +132,14 @@ def test_cancel_aborts_running_requests(cbq, conn, write_jsonl):
     worker = CbqWorker(["cbq"], engine, connection=conn, model_name="fake")
     thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"})
     thread.start()
-    _wait_until(lambda: batches.get_status(conn, batch_id).num_running == 20)
+    _wait_until(lambda: store.get_status(conn, batch_id).num_running == 20)
     report = json.loads(cbq("cancel", batch_id, "--json").stdout)
     assert report["num_chunks_dequeued"] == 0  # the worker owns all three chunks
     thread.join(timeout=10)
     assert not thread.is_alive()
     lines = results_of(cbq, batch_id)
     assert [r["finish_reason"] for r in lines] == ["cancelled"] * 20
-    status = batches.get_status(conn, batch_id)
+    status = store.get_status(conn, batch_id)
     assert (status.num_cancelled, status.state) == (20, "cancelled")
     job = Job.fetch(keys.chunk_job_id(batch_id, 0), connection=conn, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FINISHED and job.return_value()["num_cancelled"] == 8
@@ -153,7 +153,7 @@ def test_rq_stop_execution_command_stops_one_chunk(cbq, conn, write_jsonl):
     worker = CbqWorker(["cbq"], engine, connection=conn, model_name="fake")
     thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"})
     thread.start()
-    _wait_until(lambda: batches.get_status(conn, batch_id).num_running == 4)
+    _wait_until(lambda: store.get_status(conn, batch_id).num_running == 4)
     for chunk in (0, 1):
         job = Job.fetch(keys.chunk_job_id(batch_id, chunk), connection=conn, serializer=JSONSerializer)
         [execution] = job.get_executions()
@@ -199,7 +199,7 @@ def test_every_chunk_in_flight_gets_heartbeats(cbq, conn, write_jsonl):
     )
     thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"})
     thread.start()
-    _wait_until(lambda: batches.get_status(conn, batch_id).num_running == 4)
+    _wait_until(lambda: store.get_status(conn, batch_id).num_running == 4)
     jobs = [
         Job.fetch(keys.chunk_job_id(batch_id, c), connection=conn, serializer=JSONSerializer) for c in (0, 1)
     ]
@@ -207,7 +207,7 @@ def test_every_chunk_in_flight_gets_heartbeats(cbq, conn, write_jsonl):
     time.sleep(1.5)
     later = [job.get_executions()[0].last_heartbeat for job in jobs]
     assert all(b > a for a, b in zip(first, later, strict=True))
-    batches.cancel_batch(conn, batch_id)
+    store.cancel_batch(conn, batch_id)
     thread.join(timeout=10)
     assert not thread.is_alive()
 
@@ -222,7 +222,7 @@ def test_a_suspended_burst_worker_takes_nothing(cbq, conn, burst_worker, write_j
     assert engine.num_added == 0
     resume(conn)
     burst_worker(engine)
-    assert batches.get_status(conn, batch_id).num_completed == 3
+    assert store.get_status(conn, batch_id).num_completed == 3
 
 
 def test_the_worker_refuses_to_fork_a_scheduler(conn):
@@ -253,7 +253,7 @@ def test_a_retried_chunk_skips_finished_requests(cbq, conn, burst_worker, write_
     batch_id = submit(cbq, write_jsonl, objs, "--chunk-size", "10", "--retries", "1")
     with pytest.raises(RuntimeError, match="engine thread died"):
         burst_worker(CrashingEngine(crash_after=4))
-    status = batches.get_status(conn, batch_id)
+    status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.num_queued, status.num_running) == (4, 6, 0)
     job = Job.fetch(keys.chunk_job_id(batch_id, 0), connection=conn, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.QUEUED and job.retries_left == 0
@@ -263,7 +263,7 @@ def test_a_retried_chunk_skips_finished_requests(cbq, conn, burst_worker, write_
     assert engine.num_added == 6  # only what the crashed worker had not written
     lines = results_of(cbq, batch_id)
     assert [r["text"] for r in lines] == expected_texts(objs)
-    assert batches.get_status(conn, batch_id).num_completed == 10  # nothing counted twice
+    assert store.get_status(conn, batch_id).num_completed == 10  # nothing counted twice
     assert job.return_value(refresh=True)["num_skipped"] == 4
 
 
@@ -290,7 +290,7 @@ def test_a_chunk_abandoned_by_a_dead_worker_is_retried_by_rq_maintenance(
     engine = FakeEngine()
     burst_worker(engine)  # starts with rq's maintenance: the abandoned chunk is re-enqueued, then run
     assert engine.num_added == 4
-    status = batches.get_status(conn, batch_id)
+    status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.state) == (6, "done")
 
 
@@ -298,7 +298,7 @@ def test_a_chunk_that_fails_for_good_reports_its_requests_as_failed(cbq, conn, b
     batch_id = submit(cbq, write_jsonl, mixed_requests(10), "--chunk-size", "5", "--retries", "0")
     with pytest.raises(RuntimeError):
         burst_worker(CrashingEngine(crash_after=7, max_num_running=5))  # chunk 0 done, chunk 1 half done
-    status = batches.get_status(conn, batch_id)
+    status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.num_failed, status.state) == (7, 3, "done")
     lines = results_of(cbq, batch_id)
     failed = [r for r in lines if r["finish_reason"] == "error"]
@@ -324,7 +324,7 @@ def test_failing_requests_do_not_take_down_the_worker(cbq, conn, burst_worker, w
     assert [r["finish_reason"] for r in lines] == ["length", "error", "error", "error", "length"]
     assert lines[1]["error"] == "prompt has 100 tokens; max_model_len is 50"
     assert "FakeEngine told to fail" in lines[2]["error"]
-    status = batches.get_status(conn, batch_id)
+    status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.num_failed) == (2, 3)
     assert Queue("cbq", connection=conn, serializer=JSONSerializer).failed_job_registry.count == 0
 
@@ -336,7 +336,7 @@ def test_a_bad_job_fails_alone(cbq, conn, burst_worker, write_jsonl):
     bad_payload = queue.enqueue("worker.chunk_job.run_chunk", batch_id="x", start=3, stop=1)
     batch_id = submit(cbq, write_jsonl, mixed_requests(6))
     burst_worker()
-    assert batches.get_status(conn, batch_id).num_completed == 6
+    assert store.get_status(conn, batch_id).num_completed == 6
     failed = queue.failed_job_registry
     assert sorted(failed.get_job_ids()) == sorted([not_ours.id, missing_batch.id, bad_payload.id])
     assert "not a cbq chunk job" in not_ours.latest_result().exc_string
@@ -351,7 +351,7 @@ def test_job_timeout_aborts_and_the_retry_finishes(cbq, conn, burst_worker, writ
 
     slow = CbqWorker(["cbq"], FakeEngine(latency_seconds=60), connection=conn, model_name="fake")
     slow.work(burst=True, logging_level="WARNING", max_jobs=1)
-    status = batches.get_status(conn, batch_id)
+    status = store.get_status(conn, batch_id)
     assert (status.num_queued, status.num_finished) == (4, 0)  # aborted by the timeout, not recorded
     burst_worker()
     assert [r["text"] for r in results_of(cbq, batch_id)] == expected_texts(objs)
@@ -367,7 +367,7 @@ def test_sigterm_stops_admitting_and_drains(cbq, conn, burst_worker, write_jsonl
     batch_id = submit(cbq, write_jsonl, mixed_requests(9), "--chunk-size", "3")
     worker = burst_worker(SignalOnFirstRequest(latency_seconds=0.2))
     assert worker.num_jobs_admitted == 1 and worker.num_jobs_finished == 1
-    status = batches.get_status(conn, batch_id)
+    status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.num_queued) == (
         3,
         6,
@@ -390,7 +390,7 @@ def test_worker_publishes_stats(cbq, burst_worker, write_jsonl):
 
 @pytest.mark.redis_server
 def test_rq_info_shows_the_queue_and_every_chunk_in_flight(real_redis):
-    from producer.submit import SubmitOptions, submit_batch
+    from producer.store import SubmitOptions, submit_batch
     from worker.queue_worker import CbqWorker
 
     parsed = validate_lines([json.dumps(o) for o in mixed_requests(10)]).requests
@@ -408,12 +408,12 @@ def test_rq_info_shows_the_queue_and_every_chunk_in_flight(real_redis):
     worker = CbqWorker(["cbq-info"], FakeEngine(latency_seconds=60), connection=real_redis, model_name="fake")
     thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"})
     thread.start()
-    _wait_until(lambda: batches.get_status(real_redis, batch_id).num_running == 10)
+    _wait_until(lambda: store.get_status(real_redis, batch_id).num_running == 10)
     out = rq_info()
     assert "0, 3 executing" in out  # rq sees all three chunk executions of the one worker
     [worker_line] = [line for line in out.splitlines() if line.startswith(worker.name)]
     assert "busy cbq-info" in worker_line and "1 workers, 1 queues" in out
-    batches.cancel_batch(real_redis, batch_id)
+    store.cancel_batch(real_redis, batch_id)
     thread.join(timeout=10)
     assert not thread.is_alive()
 
@@ -438,13 +438,13 @@ def test_cancel_racing_a_worker_dequeue_never_double_owns_a_chunk(cbq, conn, wri
             taken.append(conn.lpop(queue_key))  # the "worker" owns this chunk now
         return real_fetch_many(job_ids, **kwargs)
 
-    monkeypatch.setattr(batches.Job, "fetch_many", fetch_many_while_a_worker_dequeues)
-    report = batches.cancel_batch(conn, batch_id)
+    monkeypatch.setattr(store.cancel.Job, "fetch_many", fetch_many_while_a_worker_dequeues)
+    report = store.cancel_batch(conn, batch_id)
     assert taken and taken[0] is not None
     assert report.num_chunks_dequeued == 2 and report.num_requests_cancelled == 6
     assert conn.llen(queue_key) == 0
     cancelled = {
-        r.index for r in batches.iter_results(conn, batch_id, partial=True) if r.finish_reason == "cancelled"
+        r.index for r in store.iter_results(conn, batch_id, partial=True) if r.finish_reason == "cancelled"
     }
     assert len(cancelled) == 6
 
@@ -459,10 +459,10 @@ def test_cancel_interrupted_before_its_write_leaves_nothing_half_done(cbq, conn,
         raise ConnectionError("cancel died here")
 
     with monkeypatch.context() as patch:
-        patch.setattr(batches, "queue_results", crash)
+        patch.setattr(store.cancel, "queue_results", crash)
         with pytest.raises(ConnectionError):
-            batches.cancel_batch(conn, batch_id)
+            store.cancel_batch(conn, batch_id)
     assert conn.llen(queue_key) == 3, "chunks left the queue without being written as cancelled"
-    report = batches.cancel_batch(conn, batch_id)
+    report = store.cancel_batch(conn, batch_id)
     assert (report.num_chunks_dequeued, report.num_requests_cancelled) == (3, 9)
     assert {r["finish_reason"] for r in results_of(cbq, batch_id)} == {"cancelled"}

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from producer.cli import main
-from producer.submit import validate_lines
+from producer.store import validate_lines
 from schemas import keys
 from worker.admission import to_engine_request
 

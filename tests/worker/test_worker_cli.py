@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from producer.cli import main
-from worker.queue_bench import queue_bench
+from worker.bench.queue import queue_bench
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 

@@ -1,12 +1,16 @@
-"""The engine's public data types: what goes in (`EngineRequest`) and what comes out (`EngineResult`).
+"""The engine's public types: what goes in (`EngineRequest`), what comes out (`EngineResult`), and the two
+seams other code relies on: `EngineProtocol` (what the queue worker and `cbq run` use of an engine) and
+`TokenizerProtocol` (what the engine, `stop.py` and admission use of a tokenizer).
 
-Plain dataclasses, no torch, redis or pydantic: the worker converts schemas at its edge into these.
+Plain dataclasses and protocols, no torch, redis or pydantic: the worker converts schemas at its edge into these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Protocol, runtime_checkable
 
 
 class FinishReason(str, Enum):
@@ -27,15 +31,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
-    def __post_init__(self):
-        assert self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"
-        assert self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"
-        assert 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"
-        assert self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+    def __post_init__(self) -> None:
+        # NOTE: user-reachable (library callers build these directly): raise, never assert.
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
 MAX_SAMPLES_PER_REQUEST = 128  # bound on `EngineRequest.n` (OpenAI's own limit)
@@ -47,7 +52,6 @@ class EngineRequest:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float | None = None  # time.time() when the request entered the system; default: now
-    want_token_ids: bool = True
     # Parallel samples of this prompt. They share its KV blocks; sample i draws from a stream derived from
     # (seed, i) (`sampler.sample_seed`), sample 0 from the seed itself, so n = 1 gives sample 0.
     n: int = 1
@@ -96,15 +100,6 @@ class EngineResult:
 
 
 @dataclass
-class TokenDelta:
-    """Tokens of one request's sample that became known on the host in one step (for streaming)."""
-
-    request_id: str
-    token_ids: list[int]
-    sample_index: int = 0
-
-
-@dataclass
 class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0  # prompt tokens computed (recomputed ones after preemption count again)
@@ -115,6 +110,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_kv_blocks_used: int = 0  # paged KV blocks held by requests when the snapshot was taken
+    num_kv_blocks_total: int = 0  # usable blocks (the scratch block excluded)
     prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found there (their prefill was skipped)
 
@@ -133,3 +130,58 @@ class EngineStats:
     @property
     def cpu_prep_ms_per_step(self) -> float:
         return 1000 * self.cpu_prep_seconds / self.steps if self.steps else 0.0
+
+
+@runtime_checkable
+class TokenizerProtocol(Protocol):
+    """What the engine, `stop.py` and admission use of a tokenizer (`tokenizer.ByteTokenizer`, `HFTokenizer`)."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    """What the queue worker (`CbqWorker`) and `cbq run` use of an engine; `Engine` and `FakeEngine` satisfy it.
+
+    `add_request`, `abort`, `get_results`, `has_capacity` and `stats` are called from another thread than the
+    step loop's, so an implementation makes them thread-safe.
+    """
+
+    @property
+    def tokenizer(self) -> TokenizerProtocol: ...
+
+    def start(self) -> None:
+        """Start the step loop in a background thread."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the step loop; requests still in flight get no result."""
+        ...
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request; a bad one comes back as an ERROR result."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request as CANCELLED (ignored if unknown or already finished)."""
+        ...
+
+    def get_results(self, timeout: float | None = 0) -> list[EngineResult]:
+        """Results finished since the last call, waiting up to `timeout` seconds for the first (0: no wait)."""
+        ...
+
+    def has_capacity(self) -> bool:
+        """Whether more requests would be useful now."""
+        ...
+
+    def stats(self) -> EngineStats: ...

@@ -7,7 +7,8 @@ Two implementations share one calling convention:
 
 Conventions (all index tensors int32 unless stated):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-  slot_mapping[T]: flat slot (block * block_size + offset) of each new token's K/V; -1 = padding, skip
+  slot_mapping[T]: flat slot (block * block_size + offset) of each new token's K/V; padding rows write
+    into scratch block 0, which no sequence owns
   q[T, num_heads, head_dim], the T tokens of B sequences laid end to end
   cu_seqlens_q[B+1]: sequence b owns query rows cu_seqlens_q[b] : cu_seqlens_q[b+1]
   context_lens[B]: tokens of sequence b in the cache *including* this step's; query row j of b sits at
@@ -28,13 +29,11 @@ def write_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value: [T, num_kv_heads, head_dim]. Rows whose slot is -1 are skipped."""
+    """key/value: [T, num_kv_heads, head_dim], row t into flat slot slot_mapping[t]."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    # NOTE: boolean indexing syncs on CUDA; the reference only runs on CPU and in tests.
-    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = value[keep].to(v_cache.dtype)
+    slots = slot_mapping[: key.shape[0]].long()
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value.to(v_cache.dtype)
 
 
 def paged_attention_ref(

@@ -1,7 +1,7 @@
 """Triton kernels for paged attention on CUDA; same conventions as the torch reference in `attention.py`.
 
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (last dim contiguous)
-  slot_mapping[T]: flat slot (block * block_size + offset); -1 = padding, skipped
+  slot_mapping[T]: flat slot (block * block_size + offset); padding rows point into scratch block 0
   context_lens[B]: tokens in the cache *including* this step's
   block_tables[B, max_blocks]: block ids of each sequence, in order
 
@@ -182,9 +182,7 @@ if HAVE_TRITON:
         BLOCK_D: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot < 0:
-            return
+        slot = tl.load(slot_ptr + t).to(tl.int64)  # padding rows write the scratch block: no skip branch
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
         h = tl.arange(0, BLOCK_H)
@@ -196,6 +194,77 @@ if HAVE_TRITON:
         v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _load_rows(ptrs, valid, d_mask, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr):
+        """A [rows, BLOCK_D] tile; masked rows and padded head-dim columns read as 0 (unmasked: no mask at all)."""
+        if MASK_ROWS:
+            if MASK_D:
+                x = tl.load(ptrs, mask=valid[:, None] & d_mask[None, :], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=valid[:, None], other=0.0)
+        else:
+            if MASK_D:
+                x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+            else:
+                x = tl.load(ptrs)
+        return x
+
+    @triton.jit
+    def _attend_kv_tile(
+        q,
+        m_i,
+        l_i,
+        acc,
+        pos,
+        kv_end,
+        q_pos,
+        bt_row,
+        k_base,
+        v_base,
+        d,
+        d_mask,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        scale_log2,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        MASK_TAIL: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        """One online-softmax step of the rows `q` over the KV positions `pos` of a paged sequence.
+
+        MASK_TAIL: positions at or past `kv_end` are not read and score -inf. CAUSAL: position p is visible to
+        row r only if p <= q_pos[r] (this also hides the tail, since kv_end - 1 is the largest q_pos), and a
+        row that sees nothing yet keeps a finite running max. Returns the updated (m_i, l_i, acc).
+        """
+        valid = pos < kv_end
+        if MASK_TAIL:
+            page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        in_page = pos % BLOCK_SIZE
+        k_ptrs = k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :]
+        k = _load_rows(k_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        if CAUSAL:
+            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        elif MASK_TAIL:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if CAUSAL:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet (padding)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :]
+        v = _load_rows(v_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
 
     @triton.jit
     def _decode_split_kernel(
@@ -261,32 +330,11 @@ if HAVE_TRITON:
         v_base = v_cache_ptr + kvh * stride_vh
         offs_n = tl.arange(0, TILE_N)
         for n0 in range(start, end, TILE_N):
-            pos = n0 + offs_n
-            valid = pos < end
-            page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            in_page = pos % BLOCK_SIZE
-            if HEAD_DIM == BLOCK_D:
-                kv_mask = valid[:, None]
-            else:
-                kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            m_i, l_i, acc = _attend_kv_tile(
+                q, m_i, l_i, acc, n0 + offs_n, end, end, bt_row, k_base, v_base, d, d_mask,
+                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, False, DOT_PREC,  # MASK_TAIL, CAUSAL
+            )  # fmt: skip
 
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -437,62 +485,18 @@ if HAVE_TRITON:
 
         # Phase 1: KV tiles entirely at or below every row's causal limit; no score masking.
         for n0 in range(0, full_end, BLOCK_N):
-            pos = n0 + offs_n
-            page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
-            in_page = pos % BLOCK_SIZE
-            if HEAD_DIM == BLOCK_D:
-                k = tl.load(k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :])
-            else:
-                k = tl.load(
-                    k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :],
-                    mask=d_mask[None, :],
-                    other=0.0,
-                )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if HEAD_DIM == BLOCK_D:
-                v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :])
-            else:
-                v = tl.load(
-                    v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
-                    mask=d_mask[None, :],
-                    other=0.0,
-                )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
-
+            m_i, l_i, acc = _attend_kv_tile(
+                q, m_i, l_i, acc, n0 + offs_n, full_end, q_pos, bt_row, k_base, v_base, d, d_mask,
+                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, False, False, DOT_PREC,  # MASK_TAIL, CAUSAL
+            )  # fmt: skip
         # Phase 2: tiles crossing the causal diagonal; mask key > row position.
         for n0 in range(full_end, kv_end, BLOCK_N):
-            pos = n0 + offs_n
-            valid = pos < kv_end
-            page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            in_page = pos % BLOCK_SIZE
-            if HEAD_DIM == BLOCK_D:
-                kv_mask = valid[:, None]
-            else:
-                kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet (padding)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            m_i, l_i, acc = _attend_kv_tile(
+                q, m_i, l_i, acc, n0 + offs_n, kv_end, q_pos, bt_row, k_base, v_base, d, d_mask,
+                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, DOT_PREC,  # MASK_TAIL, CAUSAL
+            )  # fmt: skip
 
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -519,6 +523,19 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
     return block_size, num_kv_heads, head_dim
 
 
+def _attention_strides(
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, ...]:
+    """The stride arguments of the decode and prefill kernels, in their order (the last dims are contiguous)."""
+    return (
+        *q.stride()[:2],
+        *out.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+    )
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -530,7 +547,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value [T, KVH, D] (any row/head strides) into the paged caches; rows with slot -1 are skipped."""
+    """key/value [T, KVH, D] (any row/head strides) into the paged caches at slot_mapping[:T]."""
     _require_triton()
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_tokens = key.shape[0]
@@ -577,15 +594,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
     max_context_len: int | None = None,
-    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q [B, H, D] at position context_lens[b] - 1. Returns [B, H, D].
 
     Sequences with context_lens 0 get zeros. `max_context_len` (host int, optional) only caps the number of
     splits (default bound: block_tables.shape[1] * block_size); results are correct even if a sequence is
     longer, since each program splits its sequence's actual context on the device. For CUDA graphs pass the
-    model's max length at capture so the baked-in split count suits any context. `workspace`: optional fp32 tensor of at least `decode_workspace_numel(...)` elements (needed only
-    when more than one split is used); otherwise it is allocated (shape depends on host ints only).
+    model's max length at capture so the baked-in split count suits any context. With more than one split, an
+    fp32 workspace of `decode_workspace_numel(...)` elements is allocated (its size depends on host ints only).
     """
     _require_triton()
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
@@ -612,17 +628,11 @@ def paged_decode_attention(
     block_d = _block_d(head_dim)
 
     if num_splits > 1:
-        n_o = num_seqs * num_heads * num_splits * head_dim
-        n_lse = num_seqs * num_heads * num_splits
-        if workspace is None:
-            workspace = torch.empty(n_o + n_lse, dtype=torch.float32, device=q.device)
-        assert (
-            workspace.dtype == torch.float32
-            and workspace.numel() >= n_o + n_lse
-            and workspace.is_contiguous()
-        )
+        workspace_numel = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
+        workspace = torch.empty(workspace_numel, dtype=torch.float32, device=q.device)
+        n_o = num_seqs * num_heads * num_splits * head_dim  # partial outputs first, then the log-sum-exps
         part_o = workspace[:n_o]
-        part_lse = workspace[n_o : n_o + n_lse]
+        part_lse = workspace[n_o:]
     else:
         part_o = part_lse = out  # unused
 
@@ -637,17 +647,7 @@ def paged_decode_attention(
         part_lse,
         float(scale) * LOG2E,
         num_heads,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
+        *_attention_strides(q, out, k_cache, v_cache, block_tables),
         NUM_SPLITS=num_splits,
         GROUP=group,
         GROUP_PAD=max(16, _next_pow2(group)),
@@ -732,17 +732,7 @@ def paged_prefill_attention(
         float(scale) * LOG2E,
         num_seqs,
         num_tokens,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
+        *_attention_strides(q, out, k_cache, v_cache, block_tables),
         GROUP=group,
         Q_PER_TILE=q_per_tile,
         BLOCK_M=block_m,

@@ -103,7 +103,9 @@ class BlockManager:
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of[block]]
+        name = self._hash_of[block]
+        assert name is not None, f"cached block {block} has no hash"
+        del self._block_of[name]
         self._hash_of[block] = None
         self.num_evictions += 1
         return block

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("sync", "async")
+DECODERS = ("auto", "owned", "hf")
 
 
 @dataclass(frozen=True)
@@ -24,19 +25,30 @@ class EngineConfig:
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
+    decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda
     seed: int = 0  # base for requests without a seed
     # Full KV blocks are kept after their request finishes and shared by any prompt that starts with the
     # same tokens (block_manager.py). Off: every prompt is computed whole (parallel samples still share).
     enable_prefix_caching: bool = True
 
-    def __post_init__(self):
-        assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
-        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, (
-            "block_size: power of two"
-        )
-        assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"
-        assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
-        assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2"
+    def __post_init__(self) -> None:
+        # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
     def is_async(self) -> bool:

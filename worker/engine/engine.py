@@ -1,8 +1,8 @@
 """The engine: a continuous-batching step loop over the scheduler, batch builder and model runner.
 
 Knows nothing of Redis or pydantic: requests come in as `EngineRequest`, results go out as
-`EngineResult`. Owns the request registry (`_requests`: each request's n samples), the inbox of adds/aborts from other threads,
-the results queue, and the engine-wide accounting.
+`EngineResult`. Owns the request registry (`_requests`: each request's n samples), the inbox of
+adds/aborts from other threads, the results queue, and the engine-wide accounting.
 
 Sync and async are the same loop; async only moves "wait for step N" after "launch step N+1":
 
@@ -23,6 +23,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,13 +34,14 @@ from .api import (
     EngineStats,
     FinishReason,
     SampleOutput,
-    TokenDelta,
+    TokenizerProtocol,
     Usage,
 )
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .model_runner import ModelRunner, kv_bytes_per_block
-from .models import load_model, resolve_dtype
+from .kv_cache import num_blocks_from_memory
+from .model_runner import ModelRunner, StepHandle
+from .models import load_model, resolve_device, resolve_dtype
 from .sampler import sample_seed
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
@@ -47,66 +49,61 @@ from .stop import check_stop, final_text
 
 logger = logging.getLogger("cbq.engine")
 
-_GRAPH_BUCKETS = (
-    1,
-    2,
-    4,
-    8,
-    16,
-    24,
-    32,
-    48,
-    64,
-    96,
-    128,
-    160,
-    192,
-    224,
-    256,
-    320,
-    384,
-    448,
-    512,
-    640,
-    768,
-    896,
-    1024,
-)
-_ACTIVATION_RESERVE_BYTES = 6 << 30  # CUDA: room for activations, logits and graphs beside the KV cache
+
+# -- inbox messages (other threads -> the loop thread), dispatched with isinstance --------------------------
+@dataclass(frozen=True)
+class _Add:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Nothing to do: wakes a loop blocked on an empty inbox so it sees the stop flag."""
+
+
+_InboxMessage = _Add | _Abort | _Wake
+
+
+@dataclass(frozen=True)
+class _LoopDied:
+    """Put on the results queue when the loop thread dies, so a `get_results` waiter wakes and raises."""
 
 
 @dataclass
 class _InflightStep:
     plan: StepPlan
-    handle: object  # model_runner.StepHandle
+    handle: StepHandle
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None, emit_deltas: bool = False):
+    def __init__(self, model: Any, tokenizer: TokenizerProtocol, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
-        self.device = next(model.parameters()).device
+        self.device: torch.device = next(model.parameters()).device
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        num_blocks = config.num_kv_blocks or num_blocks_from_memory(
+            model.config, model.dtype, self.device, config
+        )
         model_len = config.max_model_len or model.config.max_position_embeddings
         window = getattr(model.config, "sliding_window", None)
         if window and getattr(model.config, "use_sliding_window", True):
             model_len = min(model_len, window)  # beyond the window the model would attend differently
         # A lone sequence must always fit in the cache, or preemption could never make room for it.
-        self.max_model_len = min(model_len, (num_blocks - 1) * config.block_size)
-        buckets = tuple(
-            b for b in _GRAPH_BUCKETS if b <= min(config.max_num_seqs, config.max_num_batched_tokens)
-        )
-        self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len, buckets)
+        self.max_model_len: int = min(model_len, (num_blocks - 1) * config.block_size)
+        self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
         )
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its samples, in index order
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._results: queue.Queue[EngineResult] = queue.Queue()
-        self._deltas: queue.Queue[TokenDelta] | None = queue.Queue() if emit_deltas else None
+        self._inbox: queue.SimpleQueue[_InboxMessage] = queue.SimpleQueue()
+        self._results: queue.Queue[EngineResult | _LoopDied] = queue.Queue()
         self._lock = threading.Lock()
         self._num_unfinished = 0
         self._num_unfinished_samples = 0
@@ -117,29 +114,15 @@ class Engine:
         # Per step (num_tokens, num_seqs, context tokens read, device seconds): for floors and profiles.
         self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=1 << 16)
         self._loop_start: float | None = None
-        self._slot = 0
         self.runner.capture_graphs()
 
     @classmethod
-    def from_model(cls, model: str = "tiny-llama", emit_deltas: bool = False, **config_overrides) -> Engine:
+    def from_model(cls, model: str = "tiny-llama", **config_overrides: Any) -> Engine:
         """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine."""
         config = EngineConfig(**config_overrides)
-        device = (
-            torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            if config.device == "auto"
-            else (torch.device(config.device))
-        )
+        device = resolve_device(config.device)
         hf_model, tokenizer = load_model(model, device, resolve_dtype(config.dtype, device), seed=config.seed)
-        return cls(hf_model, tokenizer, config, emit_deltas=emit_deltas)
-
-    def _blocks_from_memory(self) -> int:
-        per_block = kv_bytes_per_block(self.model.config, self.config.block_size, self.model.dtype)
-        if self.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free_bytes * self.config.kv_memory_fraction) - _ACTIVATION_RESERVE_BYTES
-        else:
-            budget = self.config.kv_cache_bytes_cpu
-        return max(2, budget // per_block)
+        return cls(hf_model, tokenizer, config)
 
     # -- public API (thread-safe) -----------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -151,32 +134,25 @@ class Engine:
         if error:
             self._emit_error(req, error)
             return
-        self._inbox.put(("add", req))
+        self._inbox.put(_Add(req))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
 
     def get_results(self, timeout: float | None = 0) -> list[EngineResult]:
         """Results finished since the last call; waits up to `timeout` seconds for the first one
         (0 or None: does not wait)."""
-        results = []
+        items: list[EngineResult | _LoopDied] = []
         try:
-            results.append(self._results.get(timeout=timeout) if timeout else self._results.get_nowait())
+            items.append(self._results.get(timeout=timeout) if timeout else self._results.get_nowait())
             while True:
-                results.append(self._results.get_nowait())
+                items.append(self._results.get_nowait())
         except queue.Empty:
             pass
-        results = [r for r in results if r is not None]  # None: the loop thread's death notice
+        results = [r for r in items if isinstance(r, EngineResult)]
         if not results and self._fatal_error is not None:
             raise RuntimeError("the engine loop has died; see the log") from self._fatal_error
         return results
-
-    def get_deltas(self) -> list[TokenDelta]:
-        assert self._deltas is not None, "construct the engine with emit_deltas=True"
-        out = []
-        while not self._deltas.empty():
-            out.append(self._deltas.get_nowait())
-        return out
 
     def num_unfinished(self) -> int:
         with self._lock:
@@ -200,8 +176,10 @@ class Engine:
             self.scheduler.num_preemptions,
             len(self.scheduler.running),
             len(self.scheduler.waiting),
-            self.blocks.num_cache_queries,
-            self.blocks.num_cache_hits,
+            num_kv_blocks_used=self.blocks.num_usable_blocks - self.blocks.num_free_blocks,
+            num_kv_blocks_total=self.blocks.num_usable_blocks,
+            prefix_cache_queries=self.blocks.num_cache_queries,
+            prefix_cache_hits=self.blocks.num_cache_hits,
         )
 
     def reset_stats(self) -> None:
@@ -212,21 +190,23 @@ class Engine:
         self._loop_start = None
 
     def start(self) -> None:
-        assert self._thread is None, "engine already started"
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
         self._stop.clear()
         self._thread = threading.Thread(target=self._thread_main, name="cbq-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(_Wake())
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
     def generate(self, requests: list[EngineRequest]) -> list[EngineResult]:
         """Run `requests` to completion in the calling thread; results in input order."""
-        assert self._thread is None, "generate() cannot run while the loop thread is started"
+        if self._thread is not None:
+            raise RuntimeError("generate() cannot run while the loop thread is started")
         self._stop.clear()  # usable again after a shutdown()
         for req in requests:
             self.add_request(req)
@@ -246,7 +226,7 @@ class Engine:
             self._drain_inbox(block=idle)
             try:
                 # 1. Plan and launch the next step (in async mode, while the previous one still runs).
-                launched = self._launch_next(inflight)
+                launched = self._launch_next()
                 # 2. Wait for the previous step's tokens and apply them.
                 if inflight is not None:
                     self._process(inflight)
@@ -267,18 +247,17 @@ class Engine:
         except BaseException as exc:
             self._fatal_error = exc
             logger.exception("engine loop died")
-            self._results.put(None)  # wake a get_results() waiter so it sees the error
+            self._results.put(_LoopDied())  # wake a get_results() waiter so it sees the error
 
     def _fail_scheduled(self, exc: Exception) -> None:
         """Finish with ERROR every sequence a failed step may have touched; waiting ones carry on."""
         logger.exception("engine step failed; failing the running requests")
         message = f"engine step failed: {type(exc).__name__}: {exc}"
-        touched = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.num_inflight_samples]
-        for seq in touched:
-            seq.num_inflight_samples = 0
+        self.runner.discard_inflight()
+        for seq in self.scheduler.on_step_failed():
             self._finish(seq, FinishReason.ERROR, error=message)
 
-    def _launch_next(self, inflight: _InflightStep | None) -> _InflightStep | None:
+    def _launch_next(self) -> _InflightStep | None:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.chunks:
@@ -287,11 +266,9 @@ class Engine:
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = now
-        prev_rows = {c.seq: row for row, c in enumerate(inflight.plan.sampling_chunks())} if inflight else {}
-        meta = self.runner.builder.build(plan, self._slot, prev_rows)
-        self._stats.cpu_prep_seconds += time.perf_counter() - t0
-        handle = self.runner.launch(meta)
-        self._slot ^= 1
+        schedule_seconds = time.perf_counter() - t0
+        handle = self.runner.launch(plan)  # the runner carries over tokens the step in flight still samples
+        self._stats.cpu_prep_seconds += schedule_seconds + handle.build_seconds
         return _InflightStep(plan, handle)
 
     def _process(self, step: _InflightStep) -> None:
@@ -318,24 +295,21 @@ class Engine:
             stats.output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if self._deltas is not None:
-                self._deltas.put(TokenDelta(seq.request_id, [tokens[row]], seq.sample_index))
             reason = check_stop(seq, self.eos_token_ids, self.max_model_len, self.tokenizer)
             if reason is not None:
                 self._finish(seq, reason)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            message = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             while True:
-                kind, payload = item
-                if kind == "add":
-                    self._admit(payload)
-                elif kind == "abort":
-                    samples = self._requests.get(payload)
+                if isinstance(message, _Add):
+                    self._admit(message.request)
+                elif isinstance(message, _Abort):
+                    samples = self._requests.get(message.request_id)
                     if samples is not None:
                         self._finish(samples[0], FinishReason.CANCELLED)  # cancels every sample
-                item = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
         except queue.Empty:
             pass
 
@@ -390,25 +364,25 @@ class Engine:
             if not sample.is_finished:
                 self.scheduler.finish(sample)
                 sample.finish_reason, sample.finish_time = reason, now
-                sample.error = error
-        if all(sample.is_finished for sample in samples):
+        if all(sample.is_finished for sample in samples):  # always so after a group-wide finish
             del self._requests[seq.request_id]
-            self._put_result(self._request_result(samples), len(samples))
+            self._put_result(self._request_result(samples, error), len(samples))
 
-    def _request_result(self, samples: list[Sequence]) -> EngineResult:
+    def _request_result(self, samples: list[Sequence], error: str | None) -> EngineResult:
         first = samples[0]
         failed = [s for s in samples if s.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)]
         reason = failed[0].finish_reason if failed else first.finish_reason
+        assert reason is not None
         outputs = [
             SampleOutput(
                 s.sample_index,
                 "" if reason == FinishReason.ERROR else final_text(s, self.eos_token_ids, self.tokenizer),
                 list(s.output_ids),
-                s.finish_reason,
+                s.finish_reason or reason,
             )
             for s in samples
         ]
-        finish_time = max(s.finish_time for s in samples)
+        finish_time = max(s.finish_time or 0.0 for s in samples)
         first_scheduled = min(
             (s.first_scheduled_time for s in samples if s.first_scheduled_time), default=None
         )
@@ -422,7 +396,6 @@ class Engine:
             ttft_seconds=max(0.0, (first_token or finish_time) - first.arrival_time),
             latency_seconds=max(0.0, finish_time - first.arrival_time),
         )
-        error = failed[0].error if failed else None
         out = outputs[0]
         return EngineResult(
             first.request_id,

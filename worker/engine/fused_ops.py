@@ -12,6 +12,7 @@ each for q and k. CPU runs keep transformers' own code.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def install_fused_rotary(model: torch.nn.Module) -> bool:
     NOTE: this rebinds a module-level function, so it affects every model of that family in the process;
     it computes the same function and falls back to the original for anything but the plain case.
     """
-    module = sys.modules.get(type(model).__module__)
+    module: Any = sys.modules.get(type(model).__module__)
     original = getattr(module, "apply_rotary_pos_emb", None)
     if not HAVE_TRITON or original is None or getattr(original, "is_cbq_fused", False):
         return False
@@ -108,7 +109,7 @@ def install_fused_rotary(model: torch.nn.Module) -> bool:
             return rotary(q, cos, sin), rotary(k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
-    apply_rotary_pos_emb.is_cbq_fused = True
+    apply_rotary_pos_emb.is_cbq_fused = True  # type: ignore[attr-defined]
     module.apply_rotary_pos_emb = apply_rotary_pos_emb
     return True
 

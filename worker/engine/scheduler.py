@@ -188,6 +188,15 @@ class Scheduler:
         assert seq.num_inflight_samples > 0, f"{seq.request_id}: token arrived with none in flight"
         seq.num_inflight_samples -= 1
 
+    def on_step_failed(self) -> list[Sequence]:
+        """A launched step failed, so its tokens never arrive. Returns the sequences it may have touched (every
+        running one, and waiting ones with a token in flight), with nothing left in flight; the caller
+        finishes them."""
+        touched = list(self.running) + [s for s in self.waiting if s.num_inflight_samples]
+        for seq in touched:
+            seq.num_inflight_samples = 0
+        return touched
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and free its blocks."""
         leader = self._leader_of.pop(seq, None)

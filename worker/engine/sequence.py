@@ -43,7 +43,6 @@ class Sequence:
     # Leading blocks of `block_table` whose K/V is known written (processed steps, cache hits, forks).
     num_committed_blocks: int = 0
     finish_reason: FinishReason | None = None
-    error: str | None = None
     # accounting
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -51,7 +50,6 @@ class Sequence:
     gpu_seconds: float = 0.0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused (cache hit or fork) at first admission
-    text: str = ""  # set when finished
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,23 +1,25 @@
-"""Tokenizers: a file-free byte tokenizer for presets, and a thin wrapper over Hugging Face tokenizers.
-
-Both expose the same small surface the engine and the worker use:
-`encode(text)`, `encode_chat(messages)`, `decode(ids)`, `eos_token_ids`, `vocab_size`.
+"""Tokenizers: a file-free byte tokenizer for presets and the fake engine, and a thin wrapper over Hugging Face
+tokenizers. Both satisfy `api.TokenizerProtocol`: `encode(text)`, `encode_chat(messages)`, `decode(ids)`,
+`eos_token_ids`, `vocab_size`. Imports no torch, so the fake engine can use the byte tokenizer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0-255; then BOS, EOS and PAD. Ids past those decode to nothing.
 
-    Needs no files, so tests and benchmarks never download anything.
+    Needs no files, so tests and benchmarks never download anything. `add_bos=False` (the fake engine, which
+    echoes the prompt) encodes text to its bytes alone.
     """
 
     NUM_BYTES = 256
 
-    def __init__(self):
+    def __init__(self, add_bos: bool = True):
+        self.add_bos = add_bos
         self.bos_token_id = self.NUM_BYTES
         self.eos_token_id = self.NUM_BYTES + 1
         self.pad_token_id = self.NUM_BYTES + 2
@@ -25,21 +27,22 @@ class ByteTokenizer:
         self.eos_token_ids = frozenset({self.eos_token_id})
 
     def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id, *text.encode("utf-8")]
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if self.add_bos else ids
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # A fixed, documented template: "<|role|>\ncontent\n" per message, then the assistant's turn.
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
     """Wraps a `transformers` tokenizer loaded from a local path or hub name."""
 
-    def __init__(self, tokenizer, extra_eos_ids: tuple[int, ...] = ()):
+    def __init__(self, tokenizer: Any, extra_eos_ids: tuple[int, ...] = ()):
         self._tok = tokenizer
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.eos_token_ids = frozenset(eos | set(extra_eos_ids))
@@ -64,5 +67,5 @@ class HFTokenizer:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

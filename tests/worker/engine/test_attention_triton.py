@@ -159,9 +159,10 @@ def check_write_kv(num_tokens, num_kv_heads, head_dim, block_size, dtype, device
     num_blocks = -(-num_tokens // block_size) + 2
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(torch.int32)
-    slots[torch.arange(num_tokens) % 3 == 1] = -1  # padding rows: skipped
-    slots = slots.to(device)
+    # real rows write distinct slots past the scratch block 0; padding rows all write scratch slot 0
+    slots = block_size + torch.randperm((num_blocks - 1) * block_size, generator=gen)[:num_tokens]
+    slots[torch.arange(num_tokens) % 3 == 1] = 0
+    slots = slots.to(torch.int32).to(device)
     # key: a view into a fused qkv-like buffer (row stride != KVH * D); value: the transposed view
     # transformers hands over ([1, KVH, T, D] -> [T, KVH, D], head stride T * D)
     fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
@@ -171,15 +172,16 @@ def check_write_kv(num_tokens, num_kv_heads, head_dim, block_size, dtype, device
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     write_kv_ref(key, value, k_ref, v_ref, slots)
     at.write_kv(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref), "write_kv: K cache differs from reference"
-    assert torch.equal(v_cache, v_ref), "write_kv: V cache differs from reference"
+    # block 0 is scratch: several padding rows race for slot 0 there, so only the real blocks are compared
+    assert torch.equal(k_cache[1:], k_ref[1:]), "write_kv: K cache differs from reference"
+    assert torch.equal(v_cache[1:], v_ref[1:]), "write_kv: V cache differs from reference"
     # int64 slots and a cache of another dtype (cast on store) also work
     k32 = torch.zeros(k_cache.shape, dtype=torch.float32, device=device)
     v32 = torch.zeros_like(k32)
     k32_ref, v32_ref = k32.clone(), v32.clone()
     write_kv_ref(key, value, k32_ref, v32_ref, slots)
     at.write_kv(key, value, k32, v32, slots.long())
-    assert torch.equal(k32, k32_ref) and torch.equal(v32, v32_ref), "write_kv: int64 slots / fp32 cache"
+    assert torch.equal(k32[1:], k32_ref[1:]) and torch.equal(v32[1:], v32_ref[1:]), "int64 slots / fp32 cache"
 
 
 # Context-length mixes: 1, exactly a block multiple, just past one, long; 0 = padding row of a graph bucket.
@@ -239,13 +241,8 @@ def test_gpu_decode(dtype, head_dim, num_heads, num_kv_heads, block_size):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_gpu_decode_hints_and_workspace(dtype):
-    ctx = [700, 1, 0, 512, 33]
-    check_decode(ctx, 32, 8, 128, 16, dtype, "cuda", max_context_len=700)
-    b, h, d = len(ctx), 32, 128
-    splits = at.decode_num_splits(b, 8, d, dtype, 700, device=torch.device("cuda"))
-    ws = torch.empty(max(1, at.decode_workspace_numel(b, h, d, splits)), dtype=torch.float32, device="cuda")
-    check_decode(ctx, h, 8, d, 16, dtype, "cuda", max_context_len=700, workspace=ws)
+def test_gpu_decode_hints(dtype):
+    check_decode([700, 1, 0, 512, 33], 32, 8, 128, 16, dtype, "cuda", max_context_len=700)
 
 
 @pytest.mark.gpu

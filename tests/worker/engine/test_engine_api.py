@@ -1,5 +1,5 @@
 """The engine's threaded API: start / add_request / get_results / abort / shutdown, request validation,
-stats, usage accounting and token streaming (emit_deltas)."""
+stats and usage accounting."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def llama():
     return load_model("tiny-llama", torch.device("cpu"), torch.float32)
 
 
-def make_engine(llama, mode: str, emit_deltas: bool = False, **config) -> Engine:
+def make_engine(llama, mode: str, **config) -> Engine:
     model, tok = llama
-    return Engine(model, tok, EngineConfig(mode=mode, **{"num_kv_blocks": NUM_BLOCKS, **config}), emit_deltas)
+    return Engine(model, tok, EngineConfig(mode=mode, **{"num_kv_blocks": NUM_BLOCKS, **config}))
 
 
 def small_requests(tok, num: int, max_new_tokens: int = 12, prefix: str = "r") -> list[EngineRequest]:
@@ -78,9 +78,9 @@ def test_threaded_api_matches_generate(llama, mode):
     assert {rid: res.token_ids for rid, res in results.items()} == expected
     assert_all_blocks_free(engine)
     engine.start()
-    with pytest.raises(AssertionError, match="already started"):
+    with pytest.raises(RuntimeError, match="already started"):
         engine.start()
-    with pytest.raises(AssertionError, match="cannot run while the loop thread is started"):
+    with pytest.raises(RuntimeError, match="cannot run while the loop thread is started"):
         engine.generate(reqs[:1])
     engine.shutdown()
 
@@ -88,20 +88,18 @@ def test_threaded_api_matches_generate(llama, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_abort_running_request(llama, mode):
     _, tok = llama
-    engine = make_engine(llama, mode, emit_deltas=True)
+    engine = make_engine(llama, mode)
     long = EngineRequest("long", tok.encode("abort me"), SamplingParams(max_new_tokens=1000, ignore_eos=True))
     others = small_requests(tok, 4)
     engine.start()
     try:
         engine.add_request(long)
+        deadline = time.monotonic() + 30
+        while engine.stats().output_tokens < 5:  # "long", alone, is running: some of its tokens came out
+            assert time.monotonic() < deadline, "no tokens generated"
+            time.sleep(0.001)
         for req in others:
             engine.add_request(req)
-        deadline = time.monotonic() + 30
-        streamed: list[int] = []
-        while len(streamed) < 5:  # "long" is running: some of its tokens came out
-            assert time.monotonic() < deadline, "no tokens streamed"
-            streamed += [t for d in engine.get_deltas() if d.request_id == "long" for t in d.token_ids]
-            time.sleep(0.001)
         engine.abort("long")
         engine.abort("no-such-request")  # ignored
         results = collect(engine, 5)
@@ -244,28 +242,31 @@ def test_usage_queue_time_counts_from_arrival(llama):
     assert 5.0 <= res.usage.queue_seconds <= res.usage.ttft_seconds <= res.usage.latency_seconds < 30
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_deltas_stream_the_same_tokens_as_the_result(llama, mode):
-    _, tok = llama
-    engine = make_engine(llama, mode, emit_deltas=True, max_num_batched_tokens=32)
-    reqs = small_requests(tok, 6, max_new_tokens=20)
-    reqs.append(EngineRequest("stopped", tok.encode("request 0 "), SamplingParams(20, stop_token_ids=(32,))))
-    engine.start()
-    streamed: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    try:
-        for req in reqs:
-            engine.add_request(req)
-        results = collect(engine, len(reqs))
-    finally:
-        engine.shutdown()
-    for delta in engine.get_deltas():
-        streamed[delta.request_id] += delta.token_ids
-    for req in reqs:
-        assert streamed[req.request_id] == results[req.request_id].token_ids, req.request_id
-    assert engine.get_deltas() == []
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+    ],
+)
+def test_bad_sampling_params_raise_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
 
 
-def test_get_deltas_needs_emit_deltas(llama):
-    engine = make_engine(llama, "sync")
-    with pytest.raises(AssertionError, match="emit_deltas=True"):
-        engine.get_deltas()
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mode": "turbo"}, "mode must be one of"),
+        ({"block_size": 12}, "block_size must be a power of two"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+        ({"num_kv_blocks": 1}, "num_kv_blocks must be >= 2"),
+        ({"kv_memory_fraction": 1.5}, r"kv_memory_fraction must be in \(0, 1\]"),
+    ],
+)
+def test_bad_engine_config_raises_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)

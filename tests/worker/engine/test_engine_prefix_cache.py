@@ -57,13 +57,14 @@ def assert_clean(engine: Engine) -> None:
     assert not engine.scheduler.has_unfinished()
 
 
+@pytest.mark.parametrize("decoder", ["hf", "owned"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("name", MODELS)
-def test_greedy_with_caching_equals_generate(tiny_models, name, scenario, mode):
+def test_greedy_with_caching_equals_generate(tiny_models, name, scenario, mode, decoder):
     model, tok = tiny_models(name)
     reqs, ref = references(tiny_models, name)
-    engine = Engine(model, tok, EngineConfig(mode=mode, **SCENARIOS[scenario]))
+    engine = Engine(model, tok, EngineConfig(mode=mode, decoder=decoder, **SCENARIOS[scenario]))
     results = engine.generate(reqs)
     for req, res in zip(reqs, results, strict=True):
         assert res.token_ids == ref[req.request_id], f"{req.request_id} (prompt {len(req.prompt_ids)} tokens)"
@@ -119,7 +120,7 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
     written: set[int] = set()
     violations: list[str] = []
     real_launch, real_wait, real_allocate, real_share = (
-        runner.launch,
+        runner._launch,
         runner.wait,
         blocks.allocate,
         blocks._share,
@@ -127,7 +128,7 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
     num_steps = 0
 
     def launch(meta):
-        return StepHandle(meta, None, None, None, None)
+        return StepHandle(meta, runner.builder.slots[meta.slot].sampled_host, None)
 
     def wait(handle):
         nonlocal num_steps
@@ -140,9 +141,9 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
                     flat = cache.view(-1, *cache.shape[2:])
                     flat[slots] = torch.randn_like(flat[slots])
             raise RuntimeError("step died")
-        out = real_wait(real_launch(meta))
+        handle.cpu_seconds = real_launch(meta).cpu_seconds  # computes now
         written.update(slots)
-        return out
+        return real_wait(handle)
 
     def allocate(seq, num_tokens):
         before = len(seq.block_table)
@@ -157,7 +158,7 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
                 violations.append(f"{seq.request_id}: shares block {block} with slots {unwritten} unwritten")
         real_share(seq, shared)
 
-    runner.launch, runner.wait, blocks.allocate, blocks._share = launch, wait, allocate, share
+    runner._launch, runner.wait, blocks.allocate, blocks._share = launch, wait, allocate, share
     return violations
 
 

@@ -19,6 +19,6 @@ def test_capture_inputs_run_a_padded_decode_bucket(tiny_models):
         _fill_padding_decode(slot, 4)
         prev = runner.builder.slots[1 - slot_index].sampled_dev
         with torch.inference_mode():
-            logits = runner._forward(slot, meta, prev, logits_indices=0)
+            logits = runner._forward_slot(slot, meta, prev, logits_indices=0)
         assert logits.shape == (4, model.config.vocab_size)
         assert torch.isfinite(logits).all()

@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from producer import batches
+from producer import store
 from producer.options import open_redis, redis_url_option
-from producer.submit import SubmitOptions, submit_batch, validate_lines
+from producer.settings import in_process_redis
+from producer.store import SubmitOptions, submit_batch, validate_lines
 from schemas import keys
 from schemas.request import SamplingOverrides
 from worker.fake_engine import FakeEngine
@@ -58,8 +59,9 @@ def run_one(
     worker.work(burst=True, logging_level="WARNING")
     worker_seconds = worker.loop_seconds
 
-    status = batches.get_status(conn, report.batch_id)
-    assert status.num_completed == num_requests, f"only {status.num_completed}/{num_requests} completed"
+    status = store.get_status(conn, report.batch_id)
+    if status.num_completed != num_requests:
+        raise click.ClickException(f"only {status.num_completed}/{num_requests} requests completed")
     _cleanup(conn, report.batch_id, queue)
     return QueueBenchRow(
         chunk_size=chunk_size,
@@ -119,12 +121,7 @@ def _cleanup(conn, batch_id: str, queue: str) -> None:
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Write every number as JSON.")
 def queue_bench(redis_url, fake, num_requests, chunk_sizes, max_new_tokens, max_num_running, json_out):
     """Requests/s one worker process admits and finishes through Redis (FakeEngine: the queue alone)."""
-    if fake:
-        import fakeredis
-
-        conn = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    else:
-        conn = open_redis(redis_url)
+    conn = in_process_redis() if fake else open_redis(redis_url)
     rows = [run_one(conn, num_requests, size, max_new_tokens, max_num_running) for size in chunk_sizes]
 
     cols = list(asdict(rows[0]))

@@ -9,34 +9,20 @@ thread, competing with the engine thread for the GIL) costs the engine.
 from __future__ import annotations
 
 import json
-import random
 import time
 
 import click
 
+from producer import settings
+from worker.bench.common import WORKLOADS, make_workload, workload_lines
+from worker.engine.config import EngineConfig
 
-def _workload_lines(name: str, num_requests: int | None, seed: int = 0) -> list[str]:
-    """JSONL prompt lines whose byte-tokenized lengths follow the workload (BOS + one token per byte)."""
-    from worker.bench import WORKLOADS
-
-    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
-    rng = random.Random(seed)
-    lines = []
-    for i in range(num_requests or n):
-        text = "".join(chr(rng.randrange(32, 127)) for _ in range(rng.randint(p_lo, p_hi) - 1))
-        line = {
-            "custom_id": f"{name}-{i}",
-            "prompt": text,
-            "max_new_tokens": rng.randint(o_lo, o_hi),
-            "ignore_eos": True,
-        }
-        lines.append(json.dumps(line))
-    return lines
+ENGINE_DEFAULTS = EngineConfig()
 
 
 @click.command("e2e")
 @click.option("--model", default="llama3-8b", show_default=True)
-@click.option("--workload", default="W2", show_default=True)
+@click.option("--workload", type=click.Choice(list(WORKLOADS)), default="W2", show_default=True)
 @click.option("--num-requests", type=int, default=None)
 @click.option(
     "--redis-url",
@@ -44,18 +30,17 @@ def _workload_lines(name: str, num_requests: int | None, seed: int = 0) -> list[
     show_default=True,
     help="A database this benchmark may flush.",
 )
-@click.option("--chunk-size", type=int, default=64, show_default=True)
-@click.option("--max-num-seqs", type=int, default=1024, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
+@click.option("--chunk-size", type=int, default=settings.DEFAULT_CHUNK_SIZE, show_default=True)
+@click.option("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs, show_default=True)
+@click.option(
+    "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens, show_default=True
+)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def e2e_bench(
     model, workload, num_requests, redis_url, chunk_size, max_num_seqs, max_num_batched_tokens, json_out
 ):
     """Engine-only vs through-Redis output tok/s on the same requests, in one process."""
-    import redis
-
-    from producer.submit import SubmitOptions, submit_batch, validate_lines
-    from worker.bench import make_workload
+    from producer.store import SubmitOptions, submit_batch, validate_lines
     from worker.engine.api import EngineRequest
     from worker.engine.engine import Engine
     from worker.queue_worker import CbqWorker
@@ -63,7 +48,7 @@ def e2e_bench(
     engine = Engine.from_model(
         model, mode="async", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
-    lines = _workload_lines(workload, num_requests)
+    lines = workload_lines(workload, num_requests)
     parsed = [json.loads(line) for line in lines]
     reqs = [
         EngineRequest(p["custom_id"], engine.tokenizer.encode(p["prompt"]), sampling)
@@ -77,11 +62,12 @@ def e2e_bench(
     engine_seconds = time.perf_counter() - t0
     engine_tokens = sum(len(r.token_ids) for r in results)
 
-    conn = redis.Redis.from_url(redis_url)
+    conn = settings.connect(redis_url)
     conn.flushdb()
     t0 = time.perf_counter()
     validated = validate_lines(lines)
-    assert not validated.errors, validated.errors[:3]
+    if validated.errors:
+        raise click.ClickException(f"the workload has invalid lines: {validated.errors[:3]}")
     report = submit_batch(conn, validated.requests, SubmitOptions(queue="cbq-bench", chunk_size=chunk_size))
     submit_seconds = time.perf_counter() - t0
     engine.reset_stats()
@@ -90,7 +76,10 @@ def e2e_bench(
     worker.work(burst=True, logging_level="WARNING")
     queue_seconds = time.perf_counter() - t0
     queue_tokens = engine.stats().output_tokens
-    assert worker.num_requests_finished == len(lines), (worker.num_requests_finished, len(lines))
+    if worker.num_requests_finished != len(lines):
+        raise click.ClickException(
+            f"the worker finished {worker.num_requests_finished} of {len(lines)} requests"
+        )
 
     engine_tok_s = engine_tokens / engine_seconds
     queue_tok_s = queue_tokens / queue_seconds
@@ -128,7 +117,3 @@ def _sampling(line: dict):
     from worker.engine.api import SamplingParams
 
     return SamplingParams(max_new_tokens=line["max_new_tokens"], ignore_eos=True)
-
-
-if __name__ == "__main__":
-    e2e_bench()

@@ -1,27 +1,22 @@
-"""`cbq bench`: engine benchmarks (sync vs async, vs transformers' own continuous batching).
+"""`cbq bench engine`: a workload through the engine, sync vs async, vs transformers' own continuous batching.
 
-Prints a table and writes JSON with every number. Benchmarks are not tests: run them on purpose, on
-the device you want numbers for, and record the command with the results (see benchmarks/).
+Prints a table and writes JSON with every number, including the memory/compute floor of every step.
 """
 
 from __future__ import annotations
 
 import json
 import platform
-import random
 import time
 from dataclasses import asdict, dataclass, field
 
 import click
 
-from worker.cache_workloads import CACHE_WORKLOADS, make_cache_workload
+from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
+from worker.bench.common import WORKLOADS, make_workload
+from worker.engine.config import DECODERS, EngineConfig
 
-WORKLOADS = {
-    # name: (num_requests, prompt_len range, output_len range)
-    "W1": (32, (256, 256), (1024, 1024)),
-    "W2": (1000, (100, 1024), (100, 1024)),
-    "tiny": (16, (8, 64), (16, 32)),
-}
+ENGINE_DEFAULTS = EngineConfig()
 PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
 
 
@@ -43,20 +38,6 @@ class ModeResult:
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / looked up
     extra: dict = field(default_factory=dict)
-
-
-def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int | None = None):
-    from worker.engine.api import EngineRequest, SamplingParams
-
-    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
-    n = num_requests or n
-    rng = random.Random(seed)
-    reqs = []
-    for i in range(n):
-        prompt = [rng.randrange(vocab_limit) for _ in range(rng.randint(p_lo, p_hi))]
-        params = SamplingParams(max_new_tokens=rng.randint(o_lo, o_hi), ignore_eos=True)
-        reqs.append(EngineRequest(f"{name}-{i}", prompt, params))
-    return reqs
 
 
 def measure_copy_bandwidth(device) -> float:
@@ -103,7 +84,7 @@ def floor_seconds(
 
 
 def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
-    from worker.engine.model_runner import kv_bytes_per_block
+    from worker.engine.kv_cache import kv_bytes_per_block
 
     engine.reset_stats()
     t0 = time.perf_counter()
@@ -111,7 +92,8 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
     wall = time.perf_counter() - t0
     stats = engine.stats()
     errors = [r for r in results if r.error]
-    assert not errors, f"{len(errors)} requests failed, first: {errors[0].error}"
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].error}")
     out_tokens = sum(len(s.token_ids) for r in results for s in r.all_samples)
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
     weight_bytes, num_params = model_bytes(engine.model)
@@ -215,12 +197,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
         click.echo(" | ".join(f"{str(v):>11}" for v in row))
 
 
-@click.group("bench")
-def bench():
-    """Benchmarks: `cbq bench engine` (GPU or CPU), `cbq bench queue` (Redis throughput)."""
-
-
-@bench.command("engine")
+@click.command("engine")
 @click.option("--model", default="llama3-8b", show_default=True, help="Preset name or checkpoint path.")
 @click.option(
     "--workload", type=click.Choice(list(WORKLOADS) + list(CACHE_WORKLOADS)), default="W1", show_default=True
@@ -236,8 +213,10 @@ def bench():
 @click.option("--compare-hf", is_flag=True, help="Also run transformers' generate_batch on the same inputs.")
 @click.option("--hf-output-len", type=int, default=None, help="Cap HF's new tokens (it is slow).")
 @click.option("--hf-num-requests", type=int, default=None, help="Run HF on the first N requests only.")
-@click.option("--max-num-seqs", type=int, default=1024, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
+@click.option("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs, show_default=True)
+@click.option(
+    "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens, show_default=True
+)
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--no-cuda-graphs", is_flag=True)
 @click.option(
@@ -245,8 +224,17 @@ def bench():
     is_flag=True,
     help="Compute every prompt whole; W4 sends its n samples as n requests.",
 )
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
+@click.option(
+    "--decoder",
+    "decoders",
+    type=click.Choice(DECODERS),
+    multiple=True,
+    default=("auto",),
+    show_default=True,
+    help="Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
+)
+@click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
+@click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def engine_bench(
     model,
@@ -261,6 +249,7 @@ def engine_bench(
     num_kv_blocks,
     no_cuda_graphs,
     no_prefix_caching,
+    decoders,
     device,
     dtype,
     json_out,
@@ -268,15 +257,10 @@ def engine_bench(
     """Run a workload through the engine in sync and/or async mode and report throughput vs the floor."""
     import torch
 
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
-    from worker.engine.models import load_model, resolve_dtype
+    from worker.engine.models import load_model, resolve_device, resolve_dtype
 
-    dev = (
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "auto"
-        else torch.device(device)
-    )
+    dev = resolve_device(device)
     t0 = time.perf_counter()
     hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
     load_seconds = time.perf_counter() - t0
@@ -289,7 +273,7 @@ def engine_bench(
     warmup = make_workload("tiny", 256, seed=1)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     results: list[ModeResult] = []
-    for m in modes:
+    for decoder, m in [(d, m) for d in decoders for m in modes]:
         config = EngineConfig(
             mode=m,
             device=str(dev),
@@ -299,17 +283,20 @@ def engine_bench(
             num_kv_blocks=num_kv_blocks,
             use_cuda_graphs=not no_cuda_graphs,
             enable_prefix_caching=not no_prefix_caching,
+            decoder=decoder,
         )
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)
         setup = time.perf_counter() - t1
         engine.generate(warmup)  # compile kernels, touch every path once
-        result = run_engine_mode(engine, reqs, m, bandwidth)
+        label = m if len(decoders) == 1 else f"{m}-{decoder}"
+        result = run_engine_mode(engine, reqs, label, bandwidth)
         result.extra.update(
             setup_seconds=setup,
             num_kv_blocks=engine.runner.num_kv_blocks,
             max_model_len=engine.max_model_len,
             graphs=len(engine.runner.graphs),
+            decoder="owned" if engine.runner.decoder is not None else "hf",
         )
         results.append(result)
         del engine
@@ -324,10 +311,10 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    if "sync" in by_mode and "async" in by_mode:
-        click.echo(
-            f"async/sync output tok/s: {by_mode['async'].output_tok_s / by_mode['sync'].output_tok_s:.3f}"
-        )
+    for suffix in [""] if len(decoders) == 1 else [f"-{d}" for d in decoders]:
+        if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
+            ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
+            click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
     print_table(workload, model, results)
     report = {
         "workload": workload,
@@ -343,6 +330,7 @@ def engine_bench(
             "max_num_batched_tokens": max_num_batched_tokens,
             "cuda_graphs": not no_cuda_graphs,
             "prefix_caching": not no_prefix_caching,
+            "decoders": list(decoders),
         },
         "results": {r.mode: asdict(r) for r in results},
         "hf_error": hf_error,
@@ -351,21 +339,3 @@ def engine_bench(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
         click.echo(f"wrote {json_out}")
-
-
-def _mount_queue_benches() -> None:
-    try:  # the queue benchmarks need redis-py and rq; `bench engine` must run without them
-        from worker.queue_bench import queue_bench
-        from worker.queue_e2e_bench import e2e_bench
-    except ImportError:
-        return
-
-    bench.add_command(queue_bench, "queue")
-    bench.add_command(e2e_bench, "e2e")
-
-
-_mount_queue_benches()
-
-
-if __name__ == "__main__":
-    bench()

@@ -1,4 +1,4 @@
-"""Workloads for prefix caching and parallel samples in `cbq bench engine` (issue 12). Owns nothing.
+"""Workloads for prefix caching and parallel samples in `cbq bench engine` (issue 12); common.py has W1/W2.
 
 W3: many requests behind one long shared prefix (a system prompt or few-shot block).
 W4: prompts asking for n parallel samples each. With prefix caching off, W4 is sent as n separate

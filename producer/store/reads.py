@@ -1,6 +1,6 @@
-"""Reading batches back (status, results, listings) and cancelling them.
+"""Reading batches back: status, results in input order, listings of batches and workers.
 
-Owns the read side and `cancel`. Counts come from the batch counters, plus requests that no one will ever
+Owns the read side of the store. Counts come from the batch counters, plus requests that no one will ever
 finish: those of chunk jobs that rq failed for good (e.g. a worker died and retries ran out). They have no
 result record, so they are derived here at read time from the chunk jobs' rq status.
 """
@@ -8,20 +8,26 @@ result record, so they are derived here at read time from the chunk jobs' rq sta
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import redis
 from pydantic import BaseModel
-from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from producer.result_store import queue_results
 from schemas import keys
 from schemas.keys import BatchField
 from schemas.request import Request
-from schemas.result import FinishReason, ResultLine, to_openai_output
+from schemas.result import (
+    OUTCOME_OF_REASON,
+    OUTCOMES,
+    OUTPUT_FORMATS,
+    FinishReason,
+    Outcome,
+    ResultLine,
+    to_openai_output,
+)
 from schemas.status import BatchStatus, WorkerStats
 
 PAGE_SIZE = 1000
@@ -39,9 +45,6 @@ class BatchNotFinished(RuntimeError):
         super().__init__(f"batch {status.batch_id} has {pending} unfinished requests")
 
 
-CANCEL_ATTEMPTS = 20  # WATCH retries when workers keep dequeuing while cancel looks
-
-
 def read_meta(conn: redis.Redis, batch_id: str) -> dict[str, str]:
     raw = conn.hgetall(keys.batch(batch_id))
     if not raw:
@@ -53,11 +56,11 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     meta = read_meta(conn, batch_id)
     running_counts = [int(v) for v in conn.hvals(keys.batch_running(batch_id))]
     total = int(meta[BatchField.NUM_REQUESTS.value])
-    completed, failed, cancelled = (int(meta.get(f.value, 0)) for f in _OUTCOME_FIELDS)
-    lost = {} if completed + failed + cancelled >= total else find_lost_requests(conn, batch_id)
-    failed += sum(1 for reason, _ in lost.values() if reason == "error")
-    cancelled += sum(1 for reason, _ in lost.values() if reason == "cancelled")
-    unfinished = total - completed - failed - cancelled
+    counts = _recorded_outcomes(meta)
+    lost = {} if counts.total() >= total else find_lost_requests(conn, batch_id)
+    counts.update(OUTCOME_OF_REASON[reason] for reason, _ in lost.values())
+    completed, failed, cancelled = counts["completed"], counts["failed"], counts["cancelled"]
+    unfinished = total - counts.total()
     running = min(max(0, sum(running_counts)), unfinished)
 
     first_started_at = _float_or_none(meta.get(BatchField.FIRST_STARTED_AT.value))
@@ -90,7 +93,6 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     )
 
 
-_OUTCOME_FIELDS = (BatchField.NUM_COMPLETED, BatchField.NUM_FAILED, BatchField.NUM_CANCELLED)
 _LOST_STATUSES = {
     JobStatus.FAILED.value: "error",
     JobStatus.STOPPED.value: "cancelled",
@@ -101,7 +103,7 @@ _LOST_STATUSES = {
 
 def find_lost_requests(conn: redis.Redis, batch_id: str) -> dict[int, tuple[FinishReason, str]]:
     """Unfinished requests whose chunk job will never run again: index -> (finish_reason, message)."""
-    ranges = {k.decode(): _parse_range(v) for k, v in conn.hgetall(keys.batch_jobs(batch_id)).items()}
+    ranges = chunk_ranges(conn, batch_id)
     with conn.pipeline(transaction=False) as pipe:
         for job_id in ranges:
             pipe.hget(Job.key_for(job_id), "status")
@@ -139,13 +141,13 @@ def iter_results(
 
     Raises BatchNotFinished unless every request finished; with partial=True, yields the finished ones only.
     """
-    assert output_format in ("cbq", "openai"), f"unknown output format {output_format!r}"
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"unknown output format {output_format!r}; expected one of {OUTPUT_FORMATS}")
     status = get_status(conn, batch_id)
     if not status.is_done and not partial:
         raise BatchNotFinished(status)
     meta = read_meta(conn, batch_id)
-    num_recorded = sum(int(meta.get(f.value, 0)) for f in _OUTCOME_FIELDS)
-    lost = find_lost_requests(conn, batch_id) if num_recorded < status.num_total else {}
+    lost = find_lost_requests(conn, batch_id) if _recorded_outcomes(meta).total() < status.num_total else {}
     model = meta.get(BatchField.MODEL.value) or "cbq"
     created_at = int(float(meta[BatchField.CREATED_AT.value]))
     for page_start in range(0, status.num_total, PAGE_SIZE):
@@ -173,71 +175,6 @@ def iter_results(
                 yield to_openai_output(result, request, batch_id, model, created_at)
 
 
-@dataclass
-class CancelReport:
-    batch_id: str
-    num_chunks_dequeued: int  # removed from the queue before any worker took them
-    num_requests_cancelled: int  # written as cancelled right away; running ones follow as workers abort them
-
-
-def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
-    """Stop a batch: queued chunks never run, running requests are aborted by their workers.
-
-    1. The cancel flag is set first, so a worker dequeuing a chunk from now on skips it.
-    2. Chunk jobs still in the queue are taken out and their unfinished requests written as cancelled in ONE
-       transaction, under WATCH of the queue: if a worker dequeues in between, the transaction is retried.
-       So a chunk is owned either by a worker or by cancel, and a crash leaves nothing half-cancelled.
-    """
-    meta = read_meta(conn, batch_id)
-    ttl_seconds = int(meta[BatchField.TTL_SECONDS.value])
-    with conn.pipeline(transaction=True) as pipe:
-        pipe.set(keys.batch_cancel(batch_id), "1", ex=ttl_seconds)
-        pipe.hsetnx(keys.batch(batch_id), BatchField.CANCELLED_AT.value, repr(time.time()))
-        pipe.execute()
-
-    ranges = {k.decode(): _parse_range(v) for k, v in conn.hgetall(keys.batch_jobs(batch_id)).items()}
-    queue = Queue(meta[BatchField.QUEUE.value], connection=conn, serializer=JSONSerializer)
-    for _ in range(CANCEL_ATTEMPTS):
-        with conn.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(queue.key)
-                queued = {job_id.decode() for job_id in pipe.lrange(queue.key, 0, -1)}
-                owned = [job_id for job_id in ranges if job_id in queued]
-                if not owned:
-                    return CancelReport(batch_id, 0, 0)
-                results = _cancelled_results(conn, batch_id, [i for j in owned for i in range(*ranges[j])])
-                jobs = [
-                    j
-                    for j in Job.fetch_many(owned, connection=conn, serializer=JSONSerializer)
-                    if j is not None
-                ]
-                pipe.multi()
-                for job_id in owned:
-                    pipe.lrem(queue.key, 1, job_id)
-                for job in jobs:
-                    if not job.is_canceled:
-                        job.cancel(pipeline=pipe)
-                queue_results(pipe, batch_id, ttl_seconds, results)
-                pipe.execute()
-                return CancelReport(batch_id, len(owned), len(results))
-            except redis.WatchError:
-                continue  # a worker took a chunk meanwhile: look again
-    raise RuntimeError(f"could not cancel batch {batch_id}: the queue kept changing; run cancel again")
-
-
-def _cancelled_results(conn: redis.Redis, batch_id: str, indices: list[int]) -> list[ResultLine]:
-    """Cancelled result lines for the requests among `indices` that have no result yet."""
-    done = conn.hmget(keys.batch_results(batch_id), indices)
-    todo = [
-        i for i, raw in zip(indices, done, strict=True) if raw is None
-    ]  # a retried chunk may have finished some
-    requests = conn.hmget(keys.batch_requests(batch_id), todo) if todo else []
-    return [
-        ResultLine(custom_id=_custom_id(raw), index=i, finish_reason="cancelled")
-        for i, raw in zip(todo, requests, strict=True)
-    ]
-
-
 def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:
     """The most recent batches first; forgets batches whose keys expired."""
     out = []
@@ -263,14 +200,19 @@ def list_workers(conn: redis.Redis) -> list[WorkerStats]:
     return out
 
 
-def _parse_range(raw: bytes) -> tuple[int, int]:
-    start, stop = raw.decode().split(":")
-    return int(start), int(stop)
+def chunk_ranges(conn: redis.Redis, batch_id: str) -> dict[str, tuple[int, int]]:
+    """rq job id -> (start, stop) of the requests that chunk job carries."""
+    ranges = {}
+    for job_id, raw in conn.hgetall(keys.batch_jobs(batch_id)).items():
+        start, stop = raw.decode().split(":")
+        ranges[job_id.decode()] = (int(start), int(stop))
+    return ranges
+
+
+def _recorded_outcomes(meta: dict[str, str]) -> Counter[Outcome]:
+    """The batch counters, by outcome (requests of failed chunk jobs are not in them: see find_lost_requests)."""
+    return Counter({outcome: int(meta.get(BatchField.counter_of(outcome).value, 0)) for outcome in OUTCOMES})
 
 
 def _float_or_none(value: str | None) -> float | None:
     return float(value) if value else None
-
-
-def _custom_id(raw_request: bytes | None) -> str | None:
-    return Request.model_validate_json(raw_request).custom_id if raw_request is not None else None

@@ -19,6 +19,7 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
+from producer import settings
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC
 from schemas.errors import FieldIssue, RequestLineError
@@ -66,16 +67,25 @@ def validate_lines(lines: Iterable[str], on_line: Callable[[], None] | None = No
 class SubmitOptions:
     queue: str
     name: str | None = None  # resubmissions with the same name skip custom_ids already submitted
-    chunk_size: int = 64
-    ttl_seconds: int = 7 * 24 * 3600
+    chunk_size: int = settings.DEFAULT_CHUNK_SIZE
+    ttl_seconds: int = settings.DEFAULT_RESULT_TTL_SECONDS
     defaults: SamplingOverrides = field(default_factory=SamplingOverrides)
     return_token_ids: bool = False
-    retries: int = 2
-    job_timeout_seconds: int = -1  # -1: no limit (a chunk's time depends on the load of the engine)
+    retries: int = settings.DEFAULT_RETRIES
+    job_timeout_seconds: int = settings.NO_JOB_TIMEOUT  # or a positive number of seconds
 
     def __post_init__(self):
-        assert self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}"
-        assert self.ttl_seconds >= 1, f"ttl_seconds must be >= 1, got {self.ttl_seconds}"
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.ttl_seconds < 1:
+            raise ValueError(f"ttl_seconds must be >= 1, got {self.ttl_seconds}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.job_timeout_seconds != settings.NO_JOB_TIMEOUT and self.job_timeout_seconds < 1:
+            raise ValueError(
+                f"job_timeout_seconds must be {settings.NO_JOB_TIMEOUT} (no limit) or >= 1, "
+                f"got {self.job_timeout_seconds}"
+            )
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The only code that writes request outcomes: the results hash, the batch counters and the running table.
+"""The only code that writes request outcomes (the results hash, the batch counters, the running table) and
+worker stats (`cbq:worker:{name}:stats`, `cbq:workers`).
 
 Callers queue these writes on a MULTI pipeline of their own, together with whatever else belongs to the same
 state change, so a result and its counters land together or not at all. Each chunk job has one owner at a time
@@ -12,18 +13,15 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 
+import redis
 from redis.client import Pipeline
 
 from schemas import keys
 from schemas.keys import BatchField
-from schemas.result import ResultLine
+from schemas.result import OUTCOME_OF_REASON, ResultLine
+from schemas.status import WorkerStats
 
-_COUNTER_OF_REASON = {
-    "stop": BatchField.NUM_COMPLETED,
-    "length": BatchField.NUM_COMPLETED,
-    "error": BatchField.NUM_FAILED,
-    "cancelled": BatchField.NUM_CANCELLED,
-}
+WORKER_STATS_TTL_SECONDS = 60  # a worker that stops publishing disappears from `cbq stats` after this
 
 
 def queue_admission(pipe: Pipeline, batch_id: str, job_id: str, num_running: int, ttl_seconds: int) -> None:
@@ -56,8 +54,8 @@ def queue_results(
             keys.batch_results(batch_id),
             mapping={r.index: r.model_dump_json(exclude_none=True) for r in results},
         )
-        for field, count in Counter(_COUNTER_OF_REASON[r.finish_reason] for r in results).items():
-            pipe.hincrby(meta_key, field.value, count)
+        for outcome, count in Counter(OUTCOME_OF_REASON[r.finish_reason] for r in results).items():
+            pipe.hincrby(meta_key, BatchField.counter_of(outcome).value, count)
         pipe.hincrby(meta_key, BatchField.PROMPT_TOKENS.value, sum(r.usage.prompt_tokens for r in results))
         pipe.hincrby(
             meta_key, BatchField.COMPLETION_TOKENS.value, sum(r.usage.completion_tokens for r in results)
@@ -75,3 +73,11 @@ def queue_results(
     # Results expire `ttl_seconds` after the batch's last activity, all keys together.
     for key in keys.all_batch_keys(batch_id):
         pipe.expire(key, ttl_seconds)
+
+
+def publish_worker_stats(conn: redis.Redis, stats: WorkerStats) -> None:
+    """Publish one worker's stats for `cbq stats`; they expire unless published again."""
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.set(keys.worker_stats(stats.worker_name), stats.model_dump_json(), ex=WORKER_STATS_TTL_SECONDS)
+        pipe.zadd(keys.WORKERS, {stats.worker_name: stats.updated_at})
+        pipe.execute()

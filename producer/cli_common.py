@@ -1,0 +1,55 @@
+"""Helpers shared by every `cbq` command, producer or worker side: input lines, status text, result files.
+
+Owns how the CLI reads JSONL input, shows a `BatchStatus` and writes result lines. Commands import this
+module, never each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import click
+from pydantic import BaseModel
+
+from schemas.status import BatchStatus
+
+
+def read_lines(file) -> list[str]:
+    """Lines split on newlines only: str.splitlines() would also split inside JSON strings at U+2028 etc."""
+    return [line.rstrip("\n") for line in file]
+
+
+def format_status(st: BatchStatus) -> str:
+    name = f" ({st.name})" if st.name else ""
+    eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
+    return "\n".join(
+        [
+            f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}",
+            f"  total {st.num_total}  queued {st.num_queued}  running {st.num_running}  "
+            f"completed {st.num_completed}  failed {st.num_failed}  cancelled {st.num_cancelled}",
+            f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  gpu {st.gpu_seconds:.2f} s",
+            f"  rate {st.requests_per_second:.1f} req/s  {st.completion_tokens_per_second:.1f} completion tok/s  "
+            f"ETA {eta}",
+        ]
+    )
+
+
+def status_json(st: BatchStatus) -> dict:
+    return {**st.model_dump(), "state": st.state, "is_done": st.is_done}
+
+
+def write_result_lines(output: str, lines: Iterator[BaseModel], output_format: str) -> int:
+    """Write result lines (from `store.iter_results`) as JSONL to `output` (`-`: stdout); returns how many.
+
+    A file is written atomically. The first line is read before the file is opened, so an error raised by
+    `lines` (batch not found, not finished) leaves no file behind. cbq lines leave out empty fields; OpenAI
+    lines keep their nulls, as OpenAI writes them.
+    """
+    first = next(lines, None)
+    num_written = 0
+    with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
+        for line in itertools.chain([first] if first is not None else [], lines):
+            out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
+            num_written += 1
+    return num_written

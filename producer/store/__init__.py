@@ -1,0 +1,52 @@
+"""cbq's Redis store: every read and write of the `cbq:` keys (`schemas.keys`), shared by producer and worker.
+
+- `submit`: validate lines, dedupe, stage requests, commit a batch and its chunk jobs in one transaction
+- `writes`: the only writer of results, batch counters, the running table and worker stats
+- `reads`: status, results in input order, listings of batches and workers
+- `cancel`: the cancel flag, and cancelling the chunk jobs still queued
+
+Imports redis, rq and pydantic, never torch and never `worker`: the worker imports this package, not the reverse.
+"""
+
+from producer.store.cancel import CancelReport, cancel_batch
+from producer.store.reads import (
+    BatchNotFinished,
+    BatchNotFound,
+    find_lost_requests,
+    get_status,
+    iter_results,
+    list_batches,
+    list_workers,
+    read_meta,
+)
+from producer.store.submit import (
+    SubmitConflict,
+    SubmitOptions,
+    SubmitReport,
+    ValidatedFile,
+    submit_batch,
+    validate_lines,
+)
+from producer.store.writes import publish_worker_stats, queue_admission, queue_results
+
+__all__ = [
+    "BatchNotFinished",
+    "BatchNotFound",
+    "CancelReport",
+    "SubmitConflict",
+    "SubmitOptions",
+    "SubmitReport",
+    "ValidatedFile",
+    "cancel_batch",
+    "find_lost_requests",
+    "get_status",
+    "iter_results",
+    "list_batches",
+    "list_workers",
+    "publish_worker_stats",
+    "queue_admission",
+    "queue_results",
+    "read_meta",
+    "submit_batch",
+    "validate_lines",
+]

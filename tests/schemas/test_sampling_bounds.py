@@ -1,0 +1,85 @@
+"""Every numeric sampling value is bounded at validation, and the README lists the fields."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from schemas.errors import RequestLineError
+from schemas.request import Sampling, parse_request_line
+
+
+def error_of(obj, line_no=7) -> str:
+    with pytest.raises(RequestLineError) as info:
+        parse_request_line(json.dumps(obj), line_no)
+    return str(info.value)
+
+
+def openai(body):
+    return {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", **body}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (
+            {"max_new_tokens": 2**20 + 1},
+            "line 7: max_new_tokens: Input should be less than or equal to 1048576",
+        ),
+        ({"temperature": 100.5}, "line 7: temperature: Input should be less than or equal to 100"),
+        ({"top_k": 2**31}, "line 7: top_k: Input should be less than or equal to 1000000"),
+        ({"seed": 2**63}, "line 7: seed: Input should be less than 9223372036854775808"),
+        ({"seed": -1}, "line 7: seed: Input should be greater than or equal to 0"),
+        ({"stop": ["s"] * 17}, "line 7: stop: List should have at most 16 items after validation, not 17"),
+        ({"stop": "s" * 257}, "line 7: stop[0]: String should have at most 256 characters"),
+        ({"stop_token_ids": list(range(257))}, "line 7: stop_token_ids: List should have at most 256 items"),
+        (
+            {"stop_token_ids": [1, 2**31]},
+            "line 7: stop_token_ids[1]: Input should be less than or equal to 2147483647",
+        ),
+    ],
+)
+def test_out_of_bounds_values_name_the_line_and_the_field(fields, expected):
+    assert error_of({"prompt": "x", **fields}).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"max_tokens": 2**20 + 1}, "line 7: body.max_tokens: Input should be less than or equal to 1048576"),
+        (
+            {"max_completion_tokens": 0},
+            "line 7: body.max_completion_tokens: Input should be greater than or equal to 1",
+        ),
+        ({"top_k": 10**7}, "line 7: body.top_k: Input should be less than or equal to 1000000"),
+        (
+            {"stop_token_ids": [-1]},
+            "line 7: body.stop_token_ids[0]: Input should be greater than or equal to 0",
+        ),
+    ],
+)
+def test_openai_body_has_the_same_bounds(body, expected):
+    assert error_of(openai(body)) == expected
+
+
+def test_values_at_the_bounds_are_accepted():
+    at_bounds = {
+        "max_new_tokens": 2**20,
+        "temperature": 100,
+        "top_p": 1.0,
+        "top_k": 1_000_000,
+        "seed": 2**63 - 1,
+        "stop": ["s" * 256] * 16,
+        "stop_token_ids": [2**31 - 1] * 256,
+        "ignore_eos": True,
+    }
+    parsed = parse_request_line(json.dumps({"prompt": "x", **at_bounds}), 1)
+    assert parsed.resolve(0).sampling == Sampling(**at_bounds)
+    assert set(at_bounds) == set(Sampling.model_fields)  # a new field needs its bounds tested here
+
+
+def test_readme_lists_every_sampling_field():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Input lines") : readme.index("### Result lines")]
+    for name in Sampling.model_fields:
+        assert f"| `{name}`" in section, name

@@ -1,0 +1,45 @@
+"""The benchmark workloads: request counts and length ranges, as engine requests or as JSONL prompt lines."""
+
+from __future__ import annotations
+
+import json
+import random
+
+WORKLOADS = {
+    # name: (num_requests, prompt_len range, output_len range)
+    "W1": (32, (256, 256), (1024, 1024)),
+    "W2": (1000, (100, 1024), (100, 1024)),
+    "tiny": (16, (8, 64), (16, 32)),
+}
+
+
+def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int | None = None):
+    """Engine requests with random token ids below `vocab_limit`; every one runs to its length."""
+    from worker.engine.api import EngineRequest, SamplingParams
+
+    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    n = num_requests or n
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab_limit) for _ in range(rng.randint(p_lo, p_hi))]
+        params = SamplingParams(max_new_tokens=rng.randint(o_lo, o_hi), ignore_eos=True)
+        reqs.append(EngineRequest(f"{name}-{i}", prompt, params))
+    return reqs
+
+
+def workload_lines(name: str, num_requests: int | None, seed: int = 0) -> list[str]:
+    """JSONL prompt lines whose byte-tokenized lengths follow the workload (BOS + one token per byte)."""
+    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    rng = random.Random(seed)
+    lines = []
+    for i in range(num_requests or n):
+        text = "".join(chr(rng.randrange(32, 127)) for _ in range(rng.randint(p_lo, p_hi) - 1))
+        line = {
+            "custom_id": f"{name}-{i}",
+            "prompt": text,
+            "max_new_tokens": rng.randint(o_lo, o_hi),
+            "ignore_eos": True,
+        }
+        lines.append(json.dumps(line))
+    return lines

@@ -1,0 +1,50 @@
+"""The paged KV cache's shape and size: owns the head-dim formula, the bytes per block, the number of blocks
+that fit in memory, and the cache allocation (the model runner holds the tensors it returns).
+
+Layout: one tensor [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i's (K, V) are views.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+
+# CUDA: room for activations, logits and graphs beside the KV cache (sized for the largest step budget).
+ACTIVATION_RESERVE_BYTES = 6 << 30
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+def head_dim_of(model_config: Any) -> int:
+    """The attention head size: the config's `head_dim` when it has one (Qwen3, Llama-3), else hidden / heads."""
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+
+
+def kv_bytes_per_block(model_config: Any, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * head_dim_of(model_config)
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def num_blocks_from_memory(
+    model_config: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig
+) -> int:
+    """Blocks that fit the budget: a fraction of free CUDA memory less the activation reserve, or the CPU budget."""
+    per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = int(free_bytes * config.kv_memory_fraction) - ACTIVATION_RESERVE_BYTES
+    else:
+        budget = config.kv_cache_bytes_cpu
+    return max(2, budget // per_block)
+
+
+def allocate_kv_cache(
+    model_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> KVCaches:
+    num_layers = model_config.num_hidden_layers
+    shape = (num_layers, 2, num_blocks, block_size, model_config.num_key_value_heads, head_dim_of(model_config))
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
