@@ -113,7 +113,8 @@ def to_result_line(request: Request, result: EngineResult) -> ResultLine:
         text=result.text,
         token_ids=list(result.token_ids) if request.return_token_ids else None,
         finish_reason=reason,
-        usage=Usage(**dataclasses.asdict(result.usage)),
+        # NOTE: fields the result schema does not carry yet (cached_tokens) stay behind until it does.
+        usage=Usage(**{k: v for k, v in dataclasses.asdict(result.usage).items() if k in Usage.model_fields}),
         error=(result.error or "the engine reported an error") if reason == "error" else None,
     )
 

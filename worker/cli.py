@@ -47,16 +47,24 @@ def build_engine(
 
 
 def engine_tuning_options(f):
-    """--max-num-seqs, --max-num-batched-tokens, --dtype, gathered into one `engine_config` dict argument."""
+    """--max-num-seqs, --max-num-batched-tokens, --dtype, --no-prefix-caching, gathered into one
+    `engine_config` dict argument."""
 
     @functools.wraps(f)
-    def wrapper(*args, max_num_seqs, max_num_batched_tokens, dtype, **kwargs):
+    def wrapper(*args, max_num_seqs, max_num_batched_tokens, dtype, no_prefix_caching, **kwargs):
         given = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "dtype": dtype,
+            "enable_prefix_caching": False if no_prefix_caching else None,
         }
         return f(*args, engine_config={k: v for k, v in given.items() if v is not None}, **kwargs)
+
+    wrapper = click.option(
+        "--no-prefix-caching",
+        is_flag=True,
+        help="Compute every prompt whole instead of reusing the KV blocks of shared prefixes.",
+    )(wrapper)
 
     wrapper = click.option(
         "--dtype",

@@ -81,19 +81,16 @@ class WorkerCollector:
             "cbq_engine_kv_blocks_used", "Paged KV blocks held by requests.", stats.num_kv_blocks_used
         )
         yield gauge("cbq_engine_kv_blocks_total", "Usable paged KV blocks.", stats.num_kv_blocks_total)
-        # NOTE: the prefix cache (issue 12) adds these EngineStats fields; until it lands they are absent.
-        queried = getattr(stats, "prefix_cache_queries", None)
-        if queried is not None:
-            yield counter(
-                "cbq_engine_prefix_cache_queried_tokens",
-                "Prompt tokens looked up in the prefix cache.",
-                queried,
-            )
-            yield counter(
-                "cbq_engine_prefix_cache_hit_tokens",
-                "Prompt tokens found in the prefix cache.",
-                stats.prefix_cache_hits,
-            )
+        yield counter(
+            "cbq_engine_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "cbq_engine_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache.",
+            stats.prefix_cache_hits,
+        )
         depth = GaugeMetricFamily("cbq_queue_depth", "Chunk jobs waiting in the rq queue.", labels=["queue"])
         for queue in worker.queues:
             depth.add_metric([queue.name], queue.count)

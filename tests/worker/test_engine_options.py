@@ -20,6 +20,9 @@ def test_tuning_flags_are_gathered_into_engine_config():
     assert result.exit_code == 0, result.output
     assert seen == {"max_num_seqs": 3, "max_num_batched_tokens": 64}
     assert CliRunner().invoke(cmd, ["--max-num-seqs", "0"]).exit_code != 0
+    seen.clear()
+    assert CliRunner().invoke(cmd, ["--no-prefix-caching"]).exit_code == 0
+    assert seen == {"enable_prefix_caching": False}
 
 
 def test_build_engine_applies_the_overrides():

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import click
 
+from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import WORKLOADS, make_workload
 from worker.engine.config import DECODERS, EngineConfig
 
@@ -35,6 +36,7 @@ class ModeResult:
     floor_ratio: float = 0.0  # floor_seconds / wall_seconds: 1.0 would be at the floor
     floor_tok_s: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / looked up
     extra: dict = field(default_factory=dict)
 
 
@@ -92,7 +94,7 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
     errors = [r for r in results if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].error}")
-    out_tokens = sum(len(r.token_ids) for r in results)
+    out_tokens = sum(len(s.token_ids) for r in results for s in r.all_samples)
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
     weight_bytes, num_params = model_bytes(engine.model)
     kv_per_token = kv_bytes_per_block(engine.model.config, 1, engine.model.dtype)
@@ -113,6 +115,7 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
         floor_ratio=floor / wall if floor else 0.0,
         floor_tok_s=out_tokens / floor if floor else 0.0,
         num_preemptions=stats.num_preemptions,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
     )
 
 
@@ -172,6 +175,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
         "floor tok/s",
         "floor ratio",
         "preempt",
+        "cache hits",
     ]
     click.echo(f"\n{workload} on {model_name}")
     click.echo(" | ".join(f"{c:>11}" for c in cols))
@@ -188,13 +192,16 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
             f"{r.floor_tok_s:,.0f}",
             f"{r.floor_ratio:.2f}",
             r.num_preemptions,
+            f"{r.prefix_cache_hit_rate:.1%}",
         ]
         click.echo(" | ".join(f"{str(v):>11}" for v in row))
 
 
 @click.command("engine")
 @click.option("--model", default="llama3-8b", show_default=True, help="Preset name or checkpoint path.")
-@click.option("--workload", type=click.Choice(list(WORKLOADS)), default="W1", show_default=True)
+@click.option(
+    "--workload", type=click.Choice(list(WORKLOADS) + list(CACHE_WORKLOADS)), default="W1", show_default=True
+)
 @click.option("--num-requests", type=int, default=None, help="Override the workload's request count.")
 @click.option(
     "--mode",
@@ -212,6 +219,11 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 )
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--no-cuda-graphs", is_flag=True)
+@click.option(
+    "--no-prefix-caching",
+    is_flag=True,
+    help="Compute every prompt whole; W4 sends its n samples as n requests.",
+)
 @click.option(
     "--decoder",
     "decoders",
@@ -236,6 +248,7 @@ def engine_bench(
     max_num_batched_tokens,
     num_kv_blocks,
     no_cuda_graphs,
+    no_prefix_caching,
     decoders,
     device,
     dtype,
@@ -252,7 +265,11 @@ def engine_bench(
     hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
     load_seconds = time.perf_counter() - t0
     bandwidth = measure_copy_bandwidth(dev)
-    reqs = make_workload(workload, min(hf_model.config.vocab_size, 32000), num_requests=num_requests)
+    vocab_limit = min(hf_model.config.vocab_size, 32000)
+    if workload in CACHE_WORKLOADS:
+        reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
+    else:
+        reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
     warmup = make_workload("tiny", 256, seed=1)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     results: list[ModeResult] = []
@@ -265,6 +282,7 @@ def engine_bench(
             max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks,
             use_cuda_graphs=not no_cuda_graphs,
+            enable_prefix_caching=not no_prefix_caching,
             decoder=decoder,
         )
         t1 = time.perf_counter()
@@ -311,6 +329,7 @@ def engine_bench(
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "cuda_graphs": not no_cuda_graphs,
+            "prefix_caching": not no_prefix_caching,
             "decoders": list(decoders),
         },
         "results": {r.mode: asdict(r) for r in results},

@@ -67,18 +67,27 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
 
 
+MAX_SAMPLES_PER_REQUEST = 128  # bound on `EngineRequest.n` (OpenAI's own limit)
+
+
 @dataclass
 class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float | None = None  # time.time() when the request entered the system; default: now
+    # Parallel samples of this prompt. They share its KV blocks; sample i draws from a stream derived from
+    # (seed, i) (`sampler.sample_seed`), sample 0 from the seed itself, so n = 1 gives sample 0.
+    n: int = 1
 
 
 @dataclass
 class Usage:
+    """Per request: the prompt counts once however many samples share it; completion tokens of all samples."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache instead of being computed
     gpu_seconds: float = 0.0  # this request's share (by tokens processed) of each step's device time
     queue_seconds: float = 0.0  # arrival -> first scheduled
     ttft_seconds: float = 0.0  # arrival -> first token known on the host
@@ -95,7 +104,22 @@ class TokenLogprob:
 
 
 @dataclass
+class SampleOutput:
+    """One of a request's n parallel samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+
+
+@dataclass
 class EngineResult:
+    """One per request, when all its samples are done. `text`, `token_ids` and a STOP/LENGTH
+    `finish_reason` are sample 0's; ERROR or CANCELLED apply to the whole request. For n > 1, `samples`
+    holds every sample in index order (it is empty for n = 1: use `all_samples`)."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -103,6 +127,11 @@ class EngineResult:
     usage: Usage
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    samples: list[SampleOutput] = field(default_factory=list)
+
+    @property
+    def all_samples(self) -> list[SampleOutput]:
+        return self.samples or [SampleOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
 
 @dataclass
@@ -119,6 +148,12 @@ class EngineStats:
     num_kv_blocks_used: int = 0  # paged KV blocks held by requests when the snapshot was taken
     num_kv_blocks_total: int = 0  # usable blocks (the scratch block excluded)
     mask_seconds: float = 0.0  # host time computing constraint masks, summed over steps
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there (their prefill was skipped)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def output_tok_s(self) -> float:

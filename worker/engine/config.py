@@ -27,6 +27,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
     decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda
     seed: int = 0  # base for requests without a seed
+    # Full KV blocks are kept after their request finishes and shared by any prompt that starts with the
+    # same tokens (block_manager.py). Off: every prompt is computed whole (parallel samples still share).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.

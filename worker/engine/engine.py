@@ -1,8 +1,8 @@
 """The engine: a continuous-batching step loop over the scheduler, batch builder and model runner.
 
 Knows nothing of Redis or pydantic: requests come in as `EngineRequest`, results go out as
-`EngineResult`. Owns the request registry (`_seqs`), the inbox of adds/aborts from other threads,
-the results queue, and the engine-wide accounting.
+`EngineResult`. Owns the request registry (`_requests`: each request's n samples), the inbox of
+adds/aborts from other threads, the results queue, and the engine-wide accounting.
 
 Sync and async are the same loop; async only moves "wait for step N" after "launch step N+1":
 
@@ -30,13 +30,23 @@ from typing import Any
 
 import torch
 
-from .api import EngineRequest, EngineResult, EngineStats, FinishReason, TokenizerProtocol, Usage
+from .api import (
+    MAX_SAMPLES_PER_REQUEST,
+    EngineRequest,
+    EngineResult,
+    EngineStats,
+    FinishReason,
+    SampleOutput,
+    TokenizerProtocol,
+    Usage,
+)
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import num_blocks_from_memory
 from .model_runner import ModelRunner, SampleExtras, StepHandle
 from .models import load_model, resolve_device, resolve_dtype
+from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
 from .stop import check_stop, final_text
@@ -93,15 +103,16 @@ class Engine:
         # A lone sequence must always fit in the cache, or preemption could never make room for it.
         self.max_model_len: int = min(model_len, (num_blocks - 1) * config.block_size)
         self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
         )
-        self._seqs: dict[str, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its samples, in index order
         self._inbox: queue.SimpleQueue[_InboxMessage] = queue.SimpleQueue()
         self._results: queue.Queue[EngineResult | _LoopDied] = queue.Queue()
         self._lock = threading.Lock()
         self._num_unfinished = 0
+        self._num_unfinished_samples = 0
         self._stop = threading.Event()
         self._fatal_error: BaseException | None = None  # set if the loop thread dies
         self._thread: threading.Thread | None = None
@@ -129,6 +140,7 @@ class Engine:
         """Queue a request. A bad one comes back at once as an ERROR result; it never raises."""
         with self._lock:
             self._num_unfinished += 1
+            self._num_unfinished_samples += _num_samples(req)
         error = self._validate(req)
         matcher = None
         if not error and req.sampling.constraint is not None:
@@ -165,7 +177,8 @@ class Engine:
 
     def has_capacity(self) -> bool:
         """More requests are useful while fewer than enough wait to refill every running slot."""
-        return self.num_unfinished() < 2 * self.config.max_num_seqs
+        with self._lock:
+            return self._num_unfinished_samples < 2 * self.config.max_num_seqs
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -183,11 +196,14 @@ class Engine:
             num_kv_blocks_used=self.blocks.num_usable_blocks - self.blocks.num_free_blocks,
             num_kv_blocks_total=self.blocks.num_usable_blocks,
             mask_seconds=s.mask_seconds,
+            prefix_cache_queries=self.blocks.num_cache_queries,
+            prefix_cache_hits=self.blocks.num_cache_hits,
         )
 
     def reset_stats(self) -> None:
         """Start accounting afresh (benchmarks call this after warm-up)."""
         self._stats = EngineStats()
+        self.blocks.reset_cache_counters()
         self.step_log.clear()
         self._loop_start = None
 
@@ -305,6 +321,7 @@ class Engine:
 
     def _process(self, step: _InflightStep) -> None:
         tokens, device_seconds = self.runner.wait(step.handle)
+        self.scheduler.on_step_processed(step.plan)  # its K/V is written: blocks become shareable
         stats = self._stats
         stats.steps += 1
         stats.busy_seconds += device_seconds
@@ -357,9 +374,9 @@ class Engine:
                 if isinstance(message, _Add):
                     self._admit(message.request, message.matcher)
                 elif isinstance(message, _Abort):
-                    seq = self._seqs.get(message.request_id)
-                    if seq is not None and not seq.is_finished:
-                        self._finish(seq, FinishReason.CANCELLED)
+                    samples = self._requests.get(message.request_id)
+                    if samples is not None:
+                        self._finish(samples[0], FinishReason.CANCELLED)  # cancels every sample
                 message = self._inbox.get_nowait()
         except queue.Empty:
             pass
@@ -377,56 +394,115 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})"
+        if not isinstance(req.n, int) or not 1 <= req.n <= MAX_SAMPLES_PER_REQUEST:
+            return f"n must be an integer in [1, {MAX_SAMPLES_PER_REQUEST}], got {req.n!r}"
         return None
 
     def _admit(self, req: EngineRequest, matcher: Any = None) -> None:
-        if req.request_id in self._seqs:
+        if req.request_id in self._requests:
             self._emit_error(req, f"duplicate request id {req.request_id!r} while the first is still running")
             return
         seed = req.sampling.seed
         if seed is None:
             seed = zlib.crc32(req.request_id.encode()) ^ self.config.seed
-        seq = Sequence(
-            req.request_id,
-            list(req.prompt_ids),
-            req.sampling,
-            seed & 0x7FFFFFFF,
-            arrival_time=req.arrival_time or time.time(),
-            matcher=matcher,
-        )
+        arrival_time = req.arrival_time or time.time()
+        constraint = req.sampling.constraint
+        # Each sample walks the grammar on its own: the extra samples get fresh matchers (cached compile).
+        matchers = [matcher] + [
+            self.grammar.matcher_for(constraint) if constraint is not None and matcher is not None else None
+            for _ in range(req.n - 1)
+        ]
+        samples = [
+            Sequence(
+                req.request_id,
+                list(req.prompt_ids),
+                req.sampling,
+                sample_seed(seed & 0x7FFFFFFF, i),
+                sample_index=i,
+                arrival_time=arrival_time,
+                matcher=matchers[i],
+            )
+            for i in range(req.n)
+        ]
         if matcher is not None or req.sampling.logprobs is not None:
-            self._num_with_extras += 1
-        self._seqs[req.request_id] = seq
-        self.scheduler.add(seq)
+            self._num_with_extras += len(samples)
+        self._requests[req.request_id] = samples
+        self.scheduler.add_group(samples)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        self.scheduler.finish(seq)
-        seq.finish_reason = reason
-        seq.finish_time = time.time()
-        del self._seqs[seq.request_id]
-        if seq.matcher is not None or seq.sampling.logprobs is not None:
-            self._num_with_extras -= 1
-        seq.matcher = None
-        text = "" if reason == FinishReason.ERROR else final_text(seq, self.eos_token_ids, self.tokenizer)
-        first_sched = seq.first_scheduled_time or seq.finish_time
-        usage = Usage(
-            prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(seq.output_ids),
-            gpu_seconds=seq.gpu_seconds,
-            queue_seconds=max(0.0, first_sched - seq.arrival_time),
-            ttft_seconds=max(0.0, (seq.first_token_time or seq.finish_time) - seq.arrival_time),
-            latency_seconds=max(0.0, seq.finish_time - seq.arrival_time),
+        """Finish one sample; ERROR and CANCELLED finish all of its request's samples. The request's
+        result goes out when its last sample is done."""
+        if seq.is_finished:
+            return  # e.g. a sample of a request that failed as a whole
+        samples = self._requests[seq.request_id]
+        group_wide = reason in (FinishReason.ERROR, FinishReason.CANCELLED)
+        now = time.time()
+        for sample in samples if group_wide else [seq]:
+            if not sample.is_finished:
+                self.scheduler.finish(sample)
+                sample.finish_reason, sample.finish_time = reason, now
+                if sample.matcher is not None or sample.sampling.logprobs is not None:
+                    self._num_with_extras -= 1
+                sample.matcher = None
+        if all(sample.is_finished for sample in samples):  # always so after a group-wide finish
+            del self._requests[seq.request_id]
+            self._put_result(self._request_result(samples, error), len(samples))
+
+    def _request_result(self, samples: list[Sequence], error: str | None) -> EngineResult:
+        first = samples[0]
+        failed = [s for s in samples if s.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)]
+        reason = failed[0].finish_reason if failed else first.finish_reason
+        assert reason is not None
+        outputs = [
+            SampleOutput(
+                s.sample_index,
+                "" if reason == FinishReason.ERROR else final_text(s, self.eos_token_ids, self.tokenizer),
+                list(s.output_ids),
+                s.finish_reason or reason,
+                list(s.output_logprobs) if s.sampling.logprobs is not None else None,
+            )
+            for s in samples
+        ]
+        finish_time = max(s.finish_time or 0.0 for s in samples)
+        first_scheduled = min(
+            (s.first_scheduled_time for s in samples if s.first_scheduled_time), default=None
         )
-        logprobs = list(seq.output_logprobs) if seq.sampling.logprobs is not None else None
-        self._put_result(
-            EngineResult(seq.request_id, text, list(seq.output_ids), reason, usage, error, logprobs)
+        first_token = min((s.first_token_time for s in samples if s.first_token_time), default=None)
+        usage = Usage(
+            prompt_tokens=len(first.prompt_ids),
+            completion_tokens=sum(len(s.output_ids) for s in samples),
+            cached_tokens=first.num_cached_tokens,
+            gpu_seconds=sum(s.gpu_seconds for s in samples),
+            queue_seconds=max(0.0, (first_scheduled or finish_time) - first.arrival_time),
+            ttft_seconds=max(0.0, (first_token or finish_time) - first.arrival_time),
+            latency_seconds=max(0.0, finish_time - first.arrival_time),
+        )
+        out = outputs[0]
+        return EngineResult(
+            first.request_id,
+            out.text,
+            out.token_ids,
+            reason,
+            usage,
+            error,
+            logprobs=out.logprobs,
+            samples=outputs if len(samples) > 1 else [],
         )
 
     def _emit_error(self, req: EngineRequest, error: str) -> None:
         usage = Usage(prompt_tokens=len(req.prompt_ids))
-        self._put_result(EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error))
+        self._put_result(
+            EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error), _num_samples(req)
+        )
 
-    def _put_result(self, result: EngineResult) -> None:
+    def _put_result(self, result: EngineResult, num_samples: int) -> None:
         with self._lock:
             self._num_unfinished -= 1
+            self._num_unfinished_samples -= num_samples
         self._results.put(result)
+
+
+def _num_samples(req: EngineRequest) -> int:
+    """What `req` counts against capacity; an invalid `n` (rejected at once) counts as 1."""
+    valid = isinstance(req.n, int) and 1 <= req.n <= MAX_SAMPLES_PER_REQUEST
+    return req.n if valid else 1

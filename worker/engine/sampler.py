@@ -13,8 +13,8 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+def _fmix32(x):
+    """murmur3's 32-bit finaliser on ints, or int64 tensors, holding values in [0, 2**32)."""
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _M32  # products wrap in int64; the low 32 bits stay exact
     x = x ^ (x >> 13)
@@ -30,6 +30,14 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     # NOTE: 23 bits, so k + 0.5 is exact in float32 and the largest value is 1 - 2**-24. With 24 bits the top
     # value rounded to exactly 1.0, whose Gumbel noise is +inf: that token won even where top-k/top-p masked it.
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request seeded with `seed` (n > 1): sample 0 keeps the
+    request's seed, the others get well-mixed 31-bit seeds of (seed, index)."""
+    if sample_index == 0:
+        return seed
+    return _fmix32((seed * 0x9E3779B1 + sample_index * 0x85EBCA77) & _M32) & 0x7FFFFFFF
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

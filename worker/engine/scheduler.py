@@ -9,6 +9,13 @@ recomputed later from its known tokens.
 Async mode schedules step N+1 before step N's tokens are known. A sequence's length then includes
 the tokens sampled in flight (`num_inflight_samples`): its next input is a placeholder that the
 device fills from step N's output (the carry-over), and its KV slots are reserved now.
+
+Prefix reuse happens at admission: a sequence starts with the cached blocks that match its known
+tokens (a preempted sequence can find its own), and computes from there; at least one token is always
+computed. Parallel samples (n > 1) are a leader and followers: the followers wait, outside the queues,
+until the leader's prompt is written (`on_step_processed`), then share its full prompt blocks by
+reference and compute only the partial last block (at most one block of tokens) themselves.
+A waiting sequence never holds blocks, so preemption can always make room for the oldest one.
 """
 
 from __future__ import annotations
@@ -26,11 +33,15 @@ class ScheduledChunk:
     start: int  # first position computed this step
     num_tokens: int  # positions start .. start + num_tokens - 1
     samples: bool  # the chunk reaches the sequence's end, so this step samples its next token
+    epoch: int = 0  # `seq.num_preemptions` when scheduled: after a preemption the chunk's blocks are gone
 
 
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Chunks whose processing matters to the block manager: they write a block's last token, or end the
+    # prompt of a leader with followers waiting. Most decodes are neither, so processing skips them.
+    committing_chunks: list[ScheduledChunk] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -56,12 +67,23 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Parallel samples: leader -> followers not yet queued; follower -> leader until it is admitted.
+        self._followers: dict[Sequence, list[Sequence]] = {}
+        self._leader_of: dict[Sequence, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """Parallel samples of one prompt: the first is queued; the others once its prompt is written."""
+        leader, followers = seqs[0], seqs[1:]
+        self.add(leader)
+        if followers:
+            self._followers[leader] = list(followers)
+            self._leader_of.update((f, leader) for f in followers)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._followers)
 
     def is_done_generating(self, seq: Sequence) -> bool:
         """Known to finish by length once its in-flight tokens land: schedule it no further."""
@@ -91,22 +113,48 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_inflight_samples:
                 break  # preempted with a token still in flight: admit once it is known
-            num_new = min(seq.num_tokens, budget)
-            if not self.blocks.can_allocate(seq, num_new):
+            prefix = self._reusable_prefix(seq)
+            start = len(prefix) * self.blocks.block_size
+            num_new = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_allocate(seq, start + num_new, prefix):
                 break
             self.waiting.popleft()
+            self._leader_of.pop(seq, None)
+            self.blocks.share_prefix(seq, prefix)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = start
+            seq.num_computed_tokens = start
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             budget -= self._schedule_chunk(plan, seq, num_new)
         return plan
 
+    def _reusable_prefix(self, seq: Sequence) -> list[int]:
+        """Written blocks `seq` can start from: cached ones, or its leader's prompt blocks if longer."""
+        prefix = self.blocks.match_prefix(seq)
+        leader = self._leader_of.get(seq)
+        if leader is not None and leader.status == SeqStatus.RUNNING:
+            num_blocks = min((seq.num_tokens - 1) // self.blocks.block_size, leader.num_committed_blocks)
+            if num_blocks > len(prefix):
+                prefix = leader.block_table[:num_blocks]
+        return prefix
+
     def _schedule_chunk(self, plan: StepPlan, seq: Sequence, num_new: int) -> int:
-        start = seq.num_computed_tokens
-        self.blocks.allocate(seq, start + num_new)
-        samples = start + num_new == seq.num_tokens
-        plan.chunks.append(ScheduledChunk(seq, start, num_new, samples))
-        seq.num_computed_tokens += num_new
-        if samples:
+        start, end, block_size = (
+            seq.num_computed_tokens,
+            seq.num_computed_tokens + num_new,
+            self.blocks.block_size,
+        )
+        assert start >= seq.num_committed_blocks * block_size, (
+            f"{seq.request_id}: would write a committed (shareable) block"
+        )
+        self.blocks.allocate(seq, end)
+        chunk = ScheduledChunk(seq, start, num_new, end == seq.num_tokens, seq.num_preemptions)
+        plan.chunks.append(chunk)
+        if end // block_size > start // block_size or seq in self._followers:
+            plan.committing_chunks.append(chunk)
+        seq.num_computed_tokens = end
+        if chunk.samples:
             seq.num_inflight_samples += 1
         return num_new
 
@@ -118,6 +166,22 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def on_step_processed(self, plan: StepPlan) -> None:
+        """A launched step has completed and its tokens are known: the K/V it wrote can be shared. Call
+        before its tokens are applied, so a sequence that they finish still registers its blocks."""
+        for chunk in plan.committing_chunks:
+            seq = chunk.seq
+            if seq.status != SeqStatus.RUNNING or seq.num_preemptions != chunk.epoch:
+                continue  # finished or preempted since: the blocks it wrote were released
+            end = chunk.start + chunk.num_tokens
+            self.blocks.commit(seq, end)
+            if end >= seq.num_prompt_tokens and seq in self._followers:
+                self._release_followers(seq)
+
+    def _release_followers(self, leader: Sequence) -> None:
+        # At the front: they belong to a request already running. They keep `_leader_of` until admitted.
+        self.waiting.extendleft(reversed(self._followers.pop(leader)))
 
     def on_token(self, seq: Sequence) -> None:
         """A token sampled for `seq` in a launched step is now known on the host."""
@@ -135,9 +199,16 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and free its blocks."""
+        leader = self._leader_of.pop(seq, None)
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
+        elif leader is not None and seq in self._followers.get(leader, ()):
+            self._followers[leader].remove(seq)  # still waiting for its leader's prompt
+            if not self._followers[leader]:
+                del self._followers[leader]
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
+        if seq in self._followers:
+            self._release_followers(seq)  # they compute the prompt themselves
         seq.status = SeqStatus.FINISHED
         self.blocks.free(seq)

@@ -1,7 +1,7 @@
 """`Sequence`: the one piece of state shared by the engine's owners. Each owner changes only its fields:
 
-- scheduler: `status`, `num_computed_tokens`, `num_inflight_samples`
-- block manager: `block_table`
+- scheduler: `status`, `num_computed_tokens`, `num_inflight_samples`, `num_cached_tokens`
+- block manager: `block_table`, `block_hashes`, `num_committed_blocks`
 - engine (when a step's tokens arrive): `output_ids`, `output_logprobs`, `matcher`, `finish_reason`,
   timestamps, accounting counters
 """
@@ -27,7 +27,11 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    seed: int  # the request's random stream is a function of (seed, position) only
+    seed: int  # the sample's random stream is a function of (seed, position) only
+    sample_index: int = 0  # which of the request's n parallel samples this is
+    # Mixed into the root of the block hash chain: anything besides the token ids that changes the K/V
+    # (an adapter id, say). Empty today.
+    kv_namespace: bytes = b""
     arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling.logprobs is set
@@ -38,6 +42,10 @@ class Sequence:
     # Tokens sampled by launched steps whose values the host does not know yet (async: at most 1-2).
     num_inflight_samples: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Hash chain of the leading full blocks of the known tokens (a memo: content-derived, survives preemption).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks of `block_table` whose K/V is known written (processed steps, cache hits, forks).
+    num_committed_blocks: int = 0
     finish_reason: FinishReason | None = None
     # accounting
     first_scheduled_time: float | None = None
@@ -45,6 +53,7 @@ class Sequence:
     finish_time: float | None = None
     gpu_seconds: float = 0.0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused (cache hit or fork) at first admission
 
     @property
     def num_prompt_tokens(self) -> int:

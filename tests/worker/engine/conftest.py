@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.api import EngineRequest, EngineResult, SamplingParams
 from worker.engine.models import load_model
 
 
@@ -47,3 +47,21 @@ def hf_greedy(model, tokenizer, req: EngineRequest) -> list[int]:
         pad_token_id=tokenizer.pad_token_id,
     )
     return out[0, ids.shape[1] :].tolist()
+
+
+def generate_with_late_arrivals(engine, reqs: list[EngineRequest], num_first: int) -> list[EngineResult]:
+    """Run `reqs` on the engine's loop thread; all but the first `num_first` are added once generation
+    is under way (after the first result)."""
+    engine.start()
+    try:
+        for req in reqs[:num_first]:
+            engine.add_request(req)
+        results = engine.get_results(timeout=60)
+        assert results and engine.num_unfinished() > 0
+        for req in reqs[num_first:]:
+            engine.add_request(req)
+        while engine.num_unfinished() > 0:
+            results += engine.get_results(timeout=60)
+    finally:
+        engine.shutdown()
+    return results

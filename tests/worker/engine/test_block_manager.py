@@ -1,5 +1,6 @@
 """BlockManager: block tables grow by whole blocks, the scratch block is never handed out, and
-`check_integrity` catches leaks, double ownership and blocks both free and owned."""
+`check_integrity` catches leaks, reference counts that disagree with the tables, and blocks both free
+and owned. Prefix caching: see test_prefix_cache.py."""
 
 from __future__ import annotations
 
@@ -107,11 +108,13 @@ def test_check_integrity_detects_a_sequence_missing_from_the_list(two_owners):
         blocks.check_integrity([a])  # b's block is owned by nobody the caller knows about
 
 
-def test_check_integrity_detects_a_doubly_owned_block(two_owners):
+def test_check_integrity_detects_a_block_held_without_a_reference(two_owners):
     blocks, a, b = two_owners
     c = make_seq("c")
-    c.block_table.append(a.block_table[0])
-    with pytest.raises(AssertionError, match=rf"block {a.block_table[0]} owned by a and c"):
+    c.block_table.append(a.block_table[0])  # shared without going through the block manager
+    with pytest.raises(
+        AssertionError, match=rf"block {a.block_table[0]}: ref count 1, held by 2 block tables"
+    ):
         blocks.check_integrity([a, b, c])
 
 
@@ -124,12 +127,18 @@ def test_check_integrity_detects_a_block_both_free_and_owned(two_owners):
         blocks.check_integrity([a, b])
 
 
-def test_check_integrity_detects_a_double_free(two_owners):
+def test_a_double_free_is_caught(two_owners):
     blocks, a, b = two_owners
     kept = list(b.block_table)
     blocks.free(b)
     b.block_table = kept
-    blocks.free(b)
+    with pytest.raises(AssertionError, match=rf"b: block {kept[0]} freed twice"):
+        blocks.free(b)
+
+
+def test_check_integrity_detects_a_duplicate_in_the_free_list(two_owners):
+    blocks, a, b = two_owners
+    blocks._free.append(blocks._free[0])
     with pytest.raises(AssertionError, match="duplicate block in the free list"):
         blocks.check_integrity([a, b])
 

@@ -11,7 +11,7 @@ import pytest
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 
-from .conftest import hf_greedy, make_requests
+from .conftest import generate_with_late_arrivals, hf_greedy, make_requests
 
 NUM_REQUESTS = 32
 DECODERS = ["hf", "owned"]
@@ -71,19 +71,7 @@ def test_requests_arriving_mid_generation(tiny_models, mode, decoder):
     model, tok = tiny_models("tiny-llama")
     reqs, ref = references(tiny_models, "tiny-llama")
     config = EngineConfig(mode=mode, decoder=decoder, max_num_batched_tokens=96, num_kv_blocks=80)
-    engine = Engine(model, tok, config)
-    engine.start()
-    try:
-        for req in reqs[:16]:
-            engine.add_request(req)
-        results = engine.get_results(timeout=60)  # the first result: generation is under way
-        assert results and engine.num_unfinished() > 0
-        for req in reqs[16:]:
-            engine.add_request(req)
-        while engine.num_unfinished() > 0:
-            results += engine.get_results(timeout=60)
-    finally:
-        engine.shutdown()
+    results = generate_with_late_arrivals(Engine(model, tok, config), reqs, 16)
     by_id = {r.request_id: r for r in results}
     assert sorted(by_id) == sorted(r.request_id for r in reqs)
     for req in reqs:

@@ -1,0 +1,33 @@
+"""The W3/W4 bench workloads: W3 shares one prefix; W4 with caching off is the same work as n samples."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.models import load_model
+
+
+def test_w3_requests_share_one_prefix_and_differ_after_it():
+    spec = CACHE_WORKLOADS["W3"]
+    reqs = make_cache_workload("W3", 32000, prefix_caching=True, num_requests=20)
+    prefix = reqs[0].prompt_ids[: spec.prefix_len]
+    assert len(reqs) == 20 and all(r.prompt_ids[: spec.prefix_len] == prefix for r in reqs)
+    lo, hi = spec.unique_len
+    assert all(lo <= len(r.prompt_ids) - spec.prefix_len <= hi for r in reqs)
+    assert all(r.sampling.max_new_tokens == 128 and r.sampling.ignore_eos for r in reqs)
+
+
+def test_w4_without_caching_sends_the_same_samples_as_separate_requests():
+    model, tok = load_model("tiny-llama", torch.device("cpu"), torch.float32)
+    grouped = make_cache_workload("W4-tiny", 256, prefix_caching=True, num_requests=2)
+    separate = make_cache_workload("W4-tiny", 256, prefix_caching=False, num_requests=2)
+    n = CACHE_WORKLOADS["W4-tiny"].n
+    assert [r.n for r in grouped] == [n, n] and len(separate) == 2 * n
+    on = Engine(model, tok, EngineConfig(mode="async", num_kv_blocks=64)).generate(grouped)
+    off = Engine(
+        model, tok, EngineConfig(mode="async", num_kv_blocks=64, enable_prefix_caching=False)
+    ).generate(separate)
+    assert [s.token_ids for r in on for s in r.all_samples] == [r.token_ids for r in off]
