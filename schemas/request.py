@@ -30,7 +30,6 @@ from schemas.errors import FieldIssue, RequestLineError, issues_from_validation_
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
-DEFAULT_MAX_NEW_TOKENS = 16  # same default as the engine's SamplingParams
 
 
 class StrictModel(BaseModel):
@@ -69,6 +68,9 @@ class ChatMessage(StrictModel):
 class Sampling(StrictModel):
     """The one definition of the sampling fields: names, types, bounds, defaults and descriptions.
 
+    None means "not set": the worker's engine fills it from the checkpoint's generation_config.json, else
+    from its built-in default (`SamplingParams.with_defaults`), so the model's own defaults apply.
+
     Everything else is derived from it: `SamplingOverrides` (every field optional, for lines and batch flags),
     the OpenAI body fields (through `OPENAI_RENAMES`), the `cbq submit`/`cbq run` flags
     (`producer.options.sampling_options`) and the engine's `SamplingParams` (`worker.admission`, by field
@@ -76,16 +78,31 @@ class Sampling(StrictModel):
     and to `SamplingParams`.
     """
 
-    max_new_tokens: int = Field(
-        DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT, description="Most tokens to generate."
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_NEW_TOKENS_LIMIT,
+        description="Most tokens to generate (default: the model's generation_config, else the rest of the context).",
     )
-    temperature: float = Field(
-        0.0, ge=0, le=MAX_TEMPERATURE, description="Sampling temperature; 0 is greedy."
+    temperature: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_TEMPERATURE,
+        description="Sampling temperature; 0 is greedy (default: the model's generation_config, else 0).",
     )
-    top_p: float = Field(
-        1.0, gt=0, le=1, description="Keep the most likely tokens up to this total probability; 1 keeps all."
+    top_p: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Keep the most likely tokens up to this total probability; 1 keeps all "
+        "(default: the model's generation_config, else 1).",
     )
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens; 0 keeps all.")
+    top_k: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_K,
+        description="Keep the k most likely tokens; 0 keeps all (default: the model's generation_config, else 0).",
+    )
     seed: Seed | None = Field(None, description="Random seed; without one, the request id seeds the draws.")
     stop: StopStrings = Field([], description="Strings that end the output (the text is cut before them).")
     stop_token_ids: StopTokenIds = Field([], description="Token ids that end the output.")

@@ -181,7 +181,7 @@ class FakeEngine:
         sampling = req.sampling
         room = self.max_model_len - len(req.prompt_ids)
         output_ids: list[int] = []
-        for k in range(min(sampling.max_new_tokens, room)):
+        for k in range(min(sampling.max_new_tokens or room, room)):  # None: the rest of the context
             token = req.prompt_ids[k % len(req.prompt_ids)]
             if token in sampling.stop_token_ids:
                 return output_ids, FinishReason.STOP

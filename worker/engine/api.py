@@ -8,7 +8,7 @@ Plain dataclasses and protocols, no torch, redis or pydantic: the worker convert
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,12 +20,20 @@ class FinishReason(str, Enum):
     CANCELLED = "cancelled"  # aborted by the caller
 
 
+# What a field left as None means when the model's generation_config does not set it either.
+BUILTIN_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
+    """A request's sampling. None means "the model's default": the checkpoint's generation_config value
+    (unless the engine was told to ignore it), else `BUILTIN_SAMPLING_DEFAULTS`, and for max_new_tokens the
+    rest of the context. The engine resolves every None when it admits a request (`with_defaults`)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None  # 0 means greedy
+    top_p: float | None = None
+    top_k: int | None = None  # 0 means no top-k cut
     seed: int | None = None  # None: derived from the request id, so still reproducible
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -33,14 +41,22 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (library callers build these directly): raise, never assert.
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    def with_defaults(self, model_defaults: dict[str, Any], rest_of_context: int) -> SamplingParams:
+        """Every None replaced: by `model_defaults` (generation_config values, by cbq field name), then by
+        `BUILTIN_SAMPLING_DEFAULTS`; max_new_tokens by the model's default, else `rest_of_context`."""
+        fallback = {**BUILTIN_SAMPLING_DEFAULTS, "max_new_tokens": rest_of_context, **model_defaults}
+        return replace(
+            self, **{name: fallback[name] for name in fallback if getattr(self, name, 0) is None}
+        )
 
 
 @dataclass
@@ -111,6 +127,10 @@ class TokenizerProtocol(Protocol):
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text` (one that `decode` drops), or None."""
+        ...
 
 
 @runtime_checkable

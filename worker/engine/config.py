@@ -25,6 +25,9 @@ class EngineConfig:
     fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
     seed: int = 0  # base for requests without a seed
+    # Fields a request leaves unset (temperature, top_p, top_k, max_new_tokens) take the checkpoint's
+    # generation_config.json values, as in `generate()` and vLLM; False: cbq's built-in defaults.
+    generation_config_defaults: bool = True
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.

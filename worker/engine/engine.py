@@ -22,20 +22,28 @@ import queue
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .api import EngineRequest, EngineResult, EngineStats, FinishReason, TokenizerProtocol, Usage
+from .api import (
+    EngineRequest,
+    EngineResult,
+    EngineStats,
+    FinishReason,
+    SamplingParams,
+    TokenizerProtocol,
+    Usage,
+)
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .kv_cache import num_blocks_from_memory
 from .model_runner import ModelRunner, StepHandle
-from .models import load_model, resolve_device, resolve_dtype
+from .models import generation_defaults, load_model, model_eos_token_ids, resolve_device, resolve_dtype
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
-from .stop import check_stop, final_text
+from .stop import check_stop, final_text, special_stop_token_ids
 
 logger = logging.getLogger("cbq.engine")
 
@@ -76,14 +84,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.device: torch.device = next(model.parameters()).device
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        # Every eos source: the tokenizer's, config.json's and generation_config.json's (end-of-turn tokens).
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | model_eos_token_ids(model)
+        # Defaults for what a request leaves unset (SamplingParams fields that are None).
+        self.sampling_defaults = generation_defaults(model) if config.generation_config_defaults else {}
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(
             model.config, model.dtype, self.device, config
         )
         model_len = config.max_model_len or model.config.max_position_embeddings
-        window = getattr(model.config, "sliding_window", None)
-        if window and getattr(model.config, "use_sliding_window", True):
-            model_len = min(model_len, window)  # beyond the window the model would attend differently
         # A lone sequence must always fit in the cache, or preemption could never make room for it.
         self.max_model_len: int = min(model_len, (num_blocks - 1) * config.block_size)
         self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len)
@@ -319,12 +327,25 @@ class Engine:
         seq = Sequence(
             req.request_id,
             list(req.prompt_ids),
-            req.sampling,
+            self._resolve_sampling(req),
             seed & 0x7FFFFFFF,
             arrival_time=req.arrival_time or time.time(),
         )
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
+
+    def _resolve_sampling(self, req: EngineRequest) -> SamplingParams:
+        """The request's sampling with every default filled in, and stop strings that are special tokens
+        (which decode to nothing, so no text could match them) turned into stop token ids."""
+        params = req.sampling.with_defaults(self.sampling_defaults, self.max_model_len - len(req.prompt_ids))
+        special = special_stop_token_ids(params.stop, self.tokenizer)
+        if not special:
+            return params
+        return replace(
+            params,
+            stop=tuple(s for s in params.stop if s not in special),
+            stop_token_ids=params.stop_token_ids + tuple(special.values()),
+        )
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.finish(seq)
