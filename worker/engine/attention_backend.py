@@ -28,6 +28,26 @@ class AttentionMetadata:
     max_context_len: int
     is_decode_only: bool
     backend: AttentionBackend
+    # Per layer: 0 (full causal attention) or the sliding window W (`sliding_windows_of`); () when no
+    # layer slides. Host ints, so a captured graph keeps them.
+    sliding_windows: tuple[int, ...] = ()
+
+    def sliding_window(self, layer_idx: int) -> int:
+        return self.sliding_windows[layer_idx] if self.sliding_windows else 0
+
+
+def sliding_windows_of(config) -> tuple[int, ...]:
+    """Each layer's sliding window from a transformers config (0: full attention), or () if none slides.
+
+    Mistral slides in every layer; Qwen2/Qwen3 name the sliding layers in `layer_types`."""
+    window = getattr(config, "sliding_window", None) or 0
+    if not window:
+        return ()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return (window,) * config.num_hidden_layers
+    windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    return windows if any(windows) else ()
 
 
 class AttentionBackend:
@@ -38,9 +58,17 @@ class AttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int) -> torch.Tensor:
+        """Attention of this step's rows for layer `layer_idx` (which picks its sliding window)."""
         return paged_attention_ref(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            scale,
+            sliding_window=meta.sliding_window(layer_idx),
         )
 
 
@@ -57,7 +85,8 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._k.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int) -> torch.Tensor:
+        window = meta.sliding_window(layer_idx)
         if meta.is_decode_only:
             return self._k.paged_decode_attention(
                 q,
@@ -67,6 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.context_lens,
                 scale,
                 max_context_len=meta.max_context_len,
+                sliding_window=window,
             )
         return self._k.paged_prefill_attention(
             q,
@@ -77,6 +107,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.context_lens,
             scale,
             max_query_len=meta.max_query_len,
+            sliding_window=window,
         )
 
 
@@ -90,13 +121,18 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    layer_idx = module.layer_idx
+    # NOTE: transformers passes the layer's window (None for full attention); the metadata must agree.
+    assert (kwargs.get("sliding_window") or 0) == meta.sliding_window(layer_idx), (
+        f"layer {layer_idx}: model window {kwargs.get('sliding_window')}, cbq {meta.sliding_window(layer_idx)}"
+    )
+    k_cache, v_cache = meta.kv_caches[layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D], strided: the kernels take any strides but the last
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = meta.backend.attend(q, k_cache, v_cache, meta, scale)
+    out = meta.backend.attend(q, k_cache, v_cache, meta, scale, layer_idx)
     return out[None], None  # [1, T, H, D], no attention weights
 
 
