@@ -118,6 +118,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # A plain forward / `model.generate` on a model an Engine has adopted: behave like sdpa.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        window = kwargs.get("sliding_window") or 0
+        if window and attention_mask is None:
+            # NOTE: transformers builds no mask for an attention it does not know, and sdpa's is_causal has no
+            # window: mask it here (unpadded input; the keys end at the last query, even in a window cache).
+            attention_mask = _sliding_window_mask(query.shape[2], key.shape[2], window, query.device)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -134,6 +139,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = meta.backend.attend(q, k_cache, v_cache, meta, scale, layer_idx)
     return out[None], None  # [1, T, H, D], no attention weights
+
+
+def _sliding_window_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Tensor:
+    """[1, 1, Q, K] bool, True where query i (the last Q of K positions) sees key j: causal, in the window."""
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    return ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
 
 
 def register_paged_attention() -> None:
