@@ -16,6 +16,7 @@ from producer.cli_common import format_status, read_lines, status_json, write_re
 from producer.lazy_group import PluginGroup
 from producer.options import (
     echo_json,
+    errors_option,
     format_option,
     json_option,
     open_redis,
@@ -246,19 +247,22 @@ def wait(batch_id, redis_url, interval, timeout, as_json):
     help="Output file (default: stdout). Written atomically.",
 )
 @format_option
+@errors_option
 @click.option("--partial", is_flag=True, help="Write the finished requests of an unfinished batch.")
-def results(batch_id, redis_url, output, output_format, partial):
+def results(batch_id, redis_url, output, output_format, errors, partial):
     """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included."""
     conn = open_redis(redis_url)
     try:
         lines = store.iter_results(conn, batch_id, output_format=output_format, partial=partial)
-        num_written = write_result_lines(output, lines, output_format)
+        num_written, num_errors = write_result_lines(output, lines, output_format, errors)
     except store.BatchNotFound as exc:
         raise click.ClickException(str(exc)) from None
     except store.BatchNotFinished as exc:
         raise click.ClickException(f"{exc}; wait with `cbq wait {batch_id}` or pass --partial") from None
     if output != "-":
         click.echo(f"wrote {num_written} results to {output}", err=True)
+    if errors is not None and errors != "-":
+        click.echo(f"wrote {num_errors} failed requests to {errors}", err=True)
 
 
 # --- cancel --------------------------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ def to_result_line(request: Request, result: EngineResult) -> ResultLine:
         finish_reason=reason,
         usage=Usage(**dataclasses.asdict(result.usage)),
         error=(result.error or "the engine reported an error") if reason == "error" else None,
+        error_code=result.error_code.value if result.error_code and reason == "error" else None,
     )
 
 

@@ -13,7 +13,14 @@ import click
 
 from producer import store
 from producer.cli_common import format_status, read_lines, write_result_lines
-from producer.options import format_option, open_redis, queue_option, redis_url_option, sampling_options
+from producer.options import (
+    errors_option,
+    format_option,
+    open_redis,
+    queue_option,
+    redis_url_option,
+    sampling_options,
+)
 from producer.settings import DEFAULT_CHUNK_SIZE, in_process_redis
 from producer.store import SubmitOptions, submit_batch, validate_lines
 from worker.engine.config import MODES, EngineConfig
@@ -136,6 +143,7 @@ def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, bu
 )
 @queue_option
 @format_option
+@errors_option
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
@@ -157,6 +165,7 @@ def run(
     redis_url,
     queue,
     output_format,
+    errors,
     chunk_size,
     return_token_ids,
     log_level,
@@ -196,7 +205,7 @@ def run(
     cbq_worker.work(burst=True, logging_level=log_level)
 
     lines = store.iter_results(conn, report.batch_id, output_format=output_format, partial=True)
-    write_result_lines(output, lines, output_format)
+    write_result_lines(output, lines, output_format, errors)
     status = store.get_status(conn, report.batch_id)
     click.echo(format_status(status), err=True)
     if not status.is_done:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.api import EngineRequest, EngineResult, EngineStats, FinishReason, Usage
+from worker.engine.api import EngineRequest, EngineResult, EngineStats, ErrorCode, FinishReason, Usage
 from worker.engine.tokenizer import ByteTokenizer
 
 FAKE_GPU_SECONDS_PER_TOKEN = 1e-5  # a made-up device cost, so accounting code sees non-zero numbers
@@ -202,6 +202,7 @@ class FakeEngine:
             finish_reason=FinishReason.ERROR,
             usage=Usage(prompt_tokens=n),
             error=message,
+            error_code=ErrorCode.INVALID_PROMPT if n == 0 else ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         )
 
 

@@ -20,6 +20,13 @@ class FinishReason(str, Enum):
     CANCELLED = "cancelled"  # aborted by the caller
 
 
+class ErrorCode(str, Enum):
+    """Why a request was refused before it ran: an invalid request, not a failure (OpenAI answers 400)."""
+
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt leaves no room in the context
+    INVALID_PROMPT = "invalid_prompt"  # empty, or token ids outside the vocabulary
+
+
 # What a field left as None means when the model's generation_config does not set it either.
 BUILTIN_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
@@ -85,6 +92,7 @@ class EngineResult:
     finish_reason: FinishReason
     usage: Usage
     error: str | None = None
+    error_code: ErrorCode | None = None  # set for requests refused before they ran
 
 
 @dataclass

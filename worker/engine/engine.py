@@ -31,6 +31,7 @@ from .api import (
     EngineRequest,
     EngineResult,
     EngineStats,
+    ErrorCode,
     FinishReason,
     SamplingParams,
     TokenizerProtocol,
@@ -126,9 +127,9 @@ class Engine:
         """Queue a request. A bad one comes back at once as an ERROR result; it never raises."""
         with self._lock:
             self._num_unfinished += 1
-        error = self._validate(req)
-        if error:
-            self._emit_error(req, error)
+        refusal = self._validate(req)
+        if refusal:
+            self._emit_error(req, *refusal)
             return
         self._inbox.put(_Add(req))
 
@@ -303,18 +304,19 @@ class Engine:
             pass
 
     # -- request lifecycle ------------------------------------------------------------------------
-    def _validate(self, req: EngineRequest) -> str | None:
+    def _validate(self, req: EngineRequest) -> tuple[str, ErrorCode] | None:
         n = len(req.prompt_ids)
         if n == 0:
-            return "empty prompt: at least one token is needed"
+            return "empty prompt: at least one token is needed", ErrorCode.INVALID_PROMPT
         if n >= self.max_model_len:
-            return (
+            message = (
                 f"prompt has {n} tokens; the context is {self.max_model_len} tokens and at least one "
                 "must be left for generation"
             )
+            return message, ErrorCode.CONTEXT_LENGTH_EXCEEDED
         vocab = self.model.config.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            return f"prompt token ids must be in [0, {vocab})"
+            return f"prompt token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
         return None
 
     def _admit(self, req: EngineRequest) -> None:
@@ -364,9 +366,9 @@ class Engine:
         )
         self._put_result(EngineResult(seq.request_id, text, list(seq.output_ids), reason, usage, error))
 
-    def _emit_error(self, req: EngineRequest, error: str) -> None:
+    def _emit_error(self, req: EngineRequest, error: str, code: ErrorCode | None = None) -> None:
         usage = Usage(prompt_tokens=len(req.prompt_ids))
-        self._put_result(EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error))
+        self._put_result(EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error, code))
 
     def _put_result(self, result: EngineResult) -> None:
         with self._lock:
