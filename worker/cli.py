@@ -40,25 +40,38 @@ def build_engine(
 
         return FakeEngine()
     from worker.engine.engine import Engine  # imports torch: only here
+    from worker.engine.models import ModelLoadError
 
     overrides = {"mode": mode, **(engine_config or {})}
     if device:
         overrides["device"] = device
-    return Engine.from_model(model, **overrides)
+    try:
+        return Engine.from_model(model, **overrides)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def engine_tuning_options(f):
-    """--max-num-seqs, --max-num-batched-tokens, --dtype, gathered into one `engine_config` dict argument."""
+    """--max-num-seqs, --max-num-batched-tokens, --dtype, --no-generation-config-defaults, gathered into one
+    `engine_config` dict argument."""
 
     @functools.wraps(f)
-    def wrapper(*args, max_num_seqs, max_num_batched_tokens, dtype, **kwargs):
+    def wrapper(*args, max_num_seqs, max_num_batched_tokens, dtype, generation_config_defaults, **kwargs):
         given = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "dtype": dtype,
+            "generation_config_defaults": generation_config_defaults,
         }
         return f(*args, engine_config={k: v for k, v in given.items() if v is not None}, **kwargs)
 
+    wrapper = click.option(
+        "--generation-config-defaults/--no-generation-config-defaults",
+        default=None,
+        help="Sampling fields a request leaves unset (temperature, top_p, top_k, max tokens) take the "
+        "checkpoint's generation_config.json values (default), or cbq's built-in ones (greedy, the rest of "
+        "the context). Its eos tokens apply either way.",
+    )(wrapper)
     wrapper = click.option(
         "--dtype",
         type=click.Choice(["auto", "bfloat16", "float16", "float32"]),

@@ -113,9 +113,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+class ModelLoadError(ValueError):
+    """The model cannot be loaded; the message is one line that says why (the CLI prints it as is)."""
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
+
+    Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
+    architecture, or files that cannot be read (a corrupt shard).
+    """
+    from transformers import AutoModelForCausalLM
 
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
@@ -124,17 +132,43 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = ByteTokenizer()
     else:
-        _check_model_type(AutoConfig.from_pretrained(name_or_path).model_type)  # before reading any weights
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
-        tokenizer = _load_tokenizer(name_or_path, model_eos_token_ids(model))
+        _check_model_type(_load_config(name_or_path).model_type)  # before reading any weights
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+            tokenizer = _load_tokenizer(name_or_path, model_eos_token_ids(model))
+        except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
+            raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
     _check_model_type(model.config.model_type)
     model.eval().requires_grad_(False)
     return model, tokenizer
 
 
+def _load_config(name_or_path: str):
+    from transformers import AutoConfig
+
+    if os.path.isdir(name_or_path) and not os.path.exists(os.path.join(name_or_path, "config.json")):
+        raise ModelLoadError(f"{name_or_path} is not a checkpoint folder: it has no config.json")
+    parent = os.path.dirname(name_or_path)
+    is_path = name_or_path.startswith((".", "/", "~")) or (parent != "" and os.path.isdir(parent))
+    if is_path and not os.path.exists(name_or_path):
+        raise ModelLoadError(f"no such checkpoint folder: {name_or_path}")
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except Exception as exc:  # not on the hub, no network, an unknown model_type, bad JSON
+        presets = ", ".join(PRESETS)
+        raise ModelLoadError(
+            f"cannot load {name_or_path!r} (not a preset: {presets}): {_one_line(exc)}"
+        ) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def _check_model_type(model_type: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise ModelLoadError(
             f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
 
