@@ -8,7 +8,7 @@ Plain dataclasses and protocols, no torch, redis or pydantic: the worker convert
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
@@ -57,13 +57,22 @@ class SamplingParams:
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
-    def with_defaults(self, model_defaults: dict[str, Any], rest_of_context: int) -> SamplingParams:
+    def with_defaults(self, model_defaults: dict[str, Any], rest_of_context: int) -> ResolvedSampling:
         """Every None replaced: by `model_defaults` (generation_config values, by cbq field name), then by
         `BUILTIN_SAMPLING_DEFAULTS`; max_new_tokens by the model's default, else `rest_of_context`."""
         fallback = {**BUILTIN_SAMPLING_DEFAULTS, "max_new_tokens": rest_of_context, **model_defaults}
-        return replace(
-            self, **{name: fallback[name] for name in fallback if getattr(self, name, 0) is None}
-        )
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ResolvedSampling(**{name: fallback[name] if v is None else v for name, v in given.items()})
+
+
+@dataclass(frozen=True)
+class ResolvedSampling(SamplingParams):
+    """A request's sampling as the engine runs it (`SamplingParams.with_defaults`): no field is None."""
+
+    max_new_tokens: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 @dataclass

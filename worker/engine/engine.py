@@ -33,7 +33,7 @@ from .api import (
     EngineStats,
     ErrorCode,
     FinishReason,
-    SamplingParams,
+    ResolvedSampling,
     TokenizerProtocol,
     Usage,
 )
@@ -336,7 +336,7 @@ class Engine:
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
-    def _resolve_sampling(self, req: EngineRequest) -> SamplingParams:
+    def _resolve_sampling(self, req: EngineRequest) -> ResolvedSampling:
         """The request's sampling with every default filled in, and stop strings that are special tokens
         (which decode to nothing, so no text could match them) turned into stop token ids."""
         params = req.sampling.with_defaults(self.sampling_defaults, self.max_model_len - len(req.prompt_ids))

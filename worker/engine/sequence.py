@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .api import FinishReason, SamplingParams
+from .api import FinishReason, ResolvedSampling
 
 
 class SeqStatus(enum.Enum):
@@ -24,7 +24,7 @@ class SeqStatus(enum.Enum):
 class Sequence:
     request_id: str
     prompt_ids: list[int]
-    sampling: SamplingParams
+    sampling: ResolvedSampling  # every default filled in at admission
     seed: int  # the request's random stream is a function of (seed, position) only
     arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
