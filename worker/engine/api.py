@@ -61,8 +61,9 @@ class SamplingParams:
         """Every None replaced: by `model_defaults` (generation_config values, by cbq field name), then by
         `BUILTIN_SAMPLING_DEFAULTS`; max_new_tokens by the model's default, else `rest_of_context`."""
         fallback = {**BUILTIN_SAMPLING_DEFAULTS, "max_new_tokens": rest_of_context, **model_defaults}
-        given = {f.name: getattr(self, f.name) for f in fields(self)}
-        return ResolvedSampling(**{name: fallback[name] if v is None else v for name, v in given.items()})
+        resolved: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        resolved.update({name: value for name, value in fallback.items() if resolved[name] is None})
+        return ResolvedSampling(**resolved)
 
 
 @dataclass(frozen=True)
