@@ -13,6 +13,6 @@ COPY schemas schemas
 COPY producer producer
 COPY worker worker
 COPY examples examples
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".[server]"
 ENTRYPOINT ["cbq"]
 CMD ["--help"]

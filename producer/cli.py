@@ -1,20 +1,23 @@
 """`cbq`: the command line. The root group and the producer-side commands (nothing here imports torch).
 
-Other commands (`worker`, `run`, `bench`) plug in through the `cbq.commands` entry points in pyproject.toml and
+Every command reads and writes batches through `producer.client`, like user code does. Other commands
+(`worker`, `run`, `bench`) plug in through the `cbq.commands` entry points in pyproject.toml and
 are imported only when used; this module names none of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-import time
 
 import click
 
-from producer import settings, store
+from producer import settings
 from producer.cli_common import format_status, read_lines, status_json, write_result_lines
+from producer.client import BatchNotFinished, BatchNotFound, Client, NothingToSubmit, SubmitConflict
 from producer.lazy_group import PluginGroup
 from producer.options import (
+    chunk_size_option,
     echo_json,
     errors_option,
     format_option,
@@ -25,14 +28,17 @@ from producer.options import (
     sampling_options,
     ttl_option,
 )
-from producer.store import SubmitConflict, SubmitOptions, submit_batch, validate_lines
 from schemas.request import SamplingOverrides
-from schemas.status import BatchStatus
 
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
 
 
-@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
+# `serve` is the producer's own (in producer/server, with the optional `server` extra), imported only when used.
+@click.group(
+    cls=PluginGroup,
+    lazy_commands={"serve": "producer.server.cli:serve"},
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(package_name="cbq")
 def main():
     """cbq: bulk LLM generation. Producers submit JSONL files to a Redis queue; GPU workers drain it into a
@@ -52,13 +58,7 @@ def main():
 @click.option(
     "--name", help="Batch name; resubmitting under the same name skips custom_ids already submitted."
 )
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=settings.DEFAULT_CHUNK_SIZE,
-    show_default=True,
-    help="Requests per rq job.",
-)
+@chunk_size_option
 @ttl_option
 @click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the invalid ones.")
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
@@ -102,8 +102,9 @@ def submit(
         raise click.BadParameter(
             "must be -1 (no limit) or a positive number of seconds", param_hint="--job-timeout"
         )
+    client = _client(redis_url, queue)
     lines = read_lines(file)
-    validated = _validate_with_progress(lines)
+    validated = _validate_with_progress(client, lines)
     for error in validated.errors:
         click.echo(str(error), err=True)
     if validated.errors and not skip_invalid:
@@ -115,64 +116,66 @@ def submit(
     if not validated.requests:
         raise click.ClickException("no requests in the input")
 
-    conn = open_redis(redis_url)
-    options = SubmitOptions(
-        queue=queue,
-        name=name,
-        chunk_size=chunk_size,
-        ttl_seconds=ttl_seconds,
-        defaults=defaults,
-        return_token_ids=return_token_ids,
-        retries=retries,
-        job_timeout_seconds=job_timeout,
-    )
+    batch = None
     try:
-        report = _submit_with_progress(conn, validated.requests, options)
+        with _progress_bar(len(validated.requests), "storing") as on_progress:
+            batch = client.submit(
+                validated,
+                name=name,
+                chunk_size=chunk_size,
+                ttl_seconds=ttl_seconds,
+                skip_invalid=skip_invalid,
+                return_token_ids=return_token_ids,
+                retries=retries,
+                job_timeout_seconds=job_timeout,
+                on_progress=on_progress,
+                **defaults.given(),
+            )
+        skipped = batch.submission.skipped_custom_ids
     except SubmitConflict as exc:
         raise click.ClickException(str(exc)) from None
+    except NothingToSubmit as exc:
+        skipped = exc.skipped_custom_ids
 
-    if report.skipped_custom_ids:
-        shown = ", ".join(report.skipped_custom_ids[:10]) + (
-            " ..." if len(report.skipped_custom_ids) > 10 else ""
-        )
-        click.echo(
-            f"skipped {len(report.skipped_custom_ids)} already submitted under --name {name}: {shown}",
-            err=True,
-        )
-    if report.batch_id is None:
+    if skipped:
+        shown = ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else "")
+        click.echo(f"skipped {len(skipped)} already submitted under --name {name}: {shown}", err=True)
+    if batch is None:
         click.echo("nothing to submit: every request was already submitted under this name", err=True)
     elif not as_json:
         click.echo(
-            f"submitted {report.num_requests} requests in {report.num_chunks} chunks to queue {queue}",
+            f"submitted {batch.submission.num_requests} requests in {batch.submission.num_chunks} chunks "
+            f"to queue {queue}",
             err=True,
         )
-        click.echo(report.batch_id)
+        click.echo(batch.id)
     if as_json:
         echo_json(
             {
-                "batch_id": report.batch_id,
+                "batch_id": batch.id if batch else None,
                 "queue": queue,
-                "num_requests": report.num_requests,
-                "num_chunks": report.num_chunks,
+                "num_requests": batch.submission.num_requests if batch else 0,
+                "num_chunks": batch.submission.num_chunks if batch else 0,
                 "num_invalid": len(validated.errors),
-                "skipped_custom_ids": report.skipped_custom_ids,
+                "skipped_custom_ids": skipped,
                 "errors": [_error_json(e) for e in validated.errors],
             }
         )
 
 
-def _validate_with_progress(lines: list[str]):
-    if len(lines) < PROGRESS_MIN_LINES:
-        return validate_lines(lines)
-    with click.progressbar(length=len(lines), label="validating", file=sys.stderr) as bar:
-        return validate_lines(lines, on_line=lambda: bar.update(1))
+def _validate_with_progress(client: Client, lines: list[str]):
+    with _progress_bar(len(lines), "validating") as on_progress:
+        return client.validate(lines, on_line=None if on_progress is None else lambda: on_progress(1))
 
 
-def _submit_with_progress(conn, requests, options):
-    if len(requests) < PROGRESS_MIN_LINES:
-        return submit_batch(conn, requests, options)
-    with click.progressbar(length=len(requests), label="storing", file=sys.stderr) as bar:
-        return submit_batch(conn, requests, options, on_progress=bar.update)
+@contextlib.contextmanager
+def _progress_bar(length: int, label: str):
+    """Yields `update(n)` for a bar on stderr, or None for inputs small enough to need none."""
+    if length < PROGRESS_MIN_LINES:
+        yield None
+        return
+    with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
+        yield bar.update
 
 
 def _error_json(error) -> dict:
@@ -188,7 +191,8 @@ def _error_json(error) -> dict:
 @json_option
 def status(batch_id, redis_url, as_json):
     """Counts, token totals, rates and ETA of a batch."""
-    st = _get_status(open_redis(redis_url), batch_id)
+    with _batch_errors(batch_id):
+        st = _client(redis_url).batch(batch_id).status()
     if as_json:
         echo_json(status_json(st))
     else:
@@ -211,20 +215,8 @@ def wait(batch_id, redis_url, interval, timeout, as_json):
     Exit status: 0 when every request completed, 2 when the batch finished with failed or cancelled
     requests, 1 on error or --timeout.
     """
-    conn = open_redis(redis_url)
-    st = _get_status(conn, batch_id)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    with click.progressbar(length=st.num_total, label=f"batch {batch_id}", file=sys.stderr) as bar:
-        shown = 0
-        while True:
-            bar.update(st.num_finished - shown)
-            shown = st.num_finished
-            if st.is_done:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise click.ClickException(f"timed out: {st.num_total - st.num_finished} requests unfinished")
-            time.sleep(interval)
-            st = _get_status(conn, batch_id)
+    with _batch_errors(batch_id):
+        st = _client(redis_url).batch(batch_id).wait(progress=True, interval=interval, timeout=timeout)
     if as_json:
         echo_json(status_json(st))
     else:
@@ -251,14 +243,9 @@ def wait(batch_id, redis_url, interval, timeout, as_json):
 @click.option("--partial", is_flag=True, help="Write the finished requests of an unfinished batch.")
 def results(batch_id, redis_url, output, output_format, errors, partial):
     """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included."""
-    conn = open_redis(redis_url)
-    try:
-        lines = store.iter_results(conn, batch_id, output_format=output_format, partial=partial)
+    with _batch_errors(batch_id):
+        lines = _client(redis_url).batch(batch_id).results(format=output_format, partial=partial)
         num_written, num_errors = write_result_lines(output, lines, output_format, errors)
-    except store.BatchNotFound as exc:
-        raise click.ClickException(str(exc)) from None
-    except store.BatchNotFinished as exc:
-        raise click.ClickException(f"{exc}; wait with `cbq wait {batch_id}` or pass --partial") from None
     if output != "-":
         click.echo(f"wrote {num_written} results to {output}", err=True)
     if errors is not None and errors != "-":
@@ -274,11 +261,8 @@ def results(batch_id, redis_url, output, output_format, errors, partial):
 @json_option
 def cancel(batch_id, redis_url, as_json):
     """Cancel BATCH_ID: queued requests never run, running ones are aborted by their workers."""
-    conn = open_redis(redis_url)
-    try:
-        report = store.cancel_batch(conn, batch_id)
-    except store.BatchNotFound as exc:
-        raise click.ClickException(str(exc)) from None
+    with _batch_errors(batch_id):
+        report = _client(redis_url).batch(batch_id).cancel()
     if as_json:
         echo_json(
             {
@@ -305,9 +289,9 @@ def cancel(batch_id, redis_url, as_json):
 @json_option
 def stats(redis_url, limit, as_json):
     """Per-worker throughput and GPU use, and per-batch token and GPU-time accounting."""
-    conn = open_redis(redis_url)
-    workers = store.list_workers(conn)
-    recent = store.list_batches(conn, limit)
+    client = _client(redis_url)
+    workers = client.workers()
+    recent = client.batches(limit)
     if as_json:
         echo_json({"workers": [w.model_dump() for w in workers], "batches": [status_json(b) for b in recent]})
         return
@@ -335,10 +319,20 @@ def stats(redis_url, limit, as_json):
 # --- helpers -------------------------------------------------------------------------------------------------
 
 
-def _get_status(conn, batch_id: str) -> BatchStatus:
+def _client(redis_url: str, queue: str | None = None) -> Client:
+    return Client(connection=open_redis(redis_url), queue=queue)
+
+
+@contextlib.contextmanager
+def _batch_errors(batch_id: str):
+    """The client's errors about a batch, as click errors (exit status 1)."""
     try:
-        return store.get_status(conn, batch_id)
-    except store.BatchNotFound as exc:
+        yield
+    except BatchNotFound as exc:
+        raise click.ClickException(str(exc)) from None
+    except BatchNotFinished as exc:
+        raise click.ClickException(f"{exc}; wait with `cbq wait {batch_id}` or pass --partial") from None
+    except TimeoutError as exc:
         raise click.ClickException(str(exc)) from None
 
 

@@ -51,6 +51,16 @@ def format_option(f: Callable) -> Callable:
     )(f)
 
 
+def chunk_size_option(f: Callable) -> Callable:
+    return click.option(
+        "--chunk-size",
+        type=click.IntRange(min=1),
+        default=settings.DEFAULT_CHUNK_SIZE,
+        show_default=True,
+        help="Requests per rq job.",
+    )(f)
+
+
 def errors_option(f: Callable) -> Callable:
     return click.option(
         "--errors",

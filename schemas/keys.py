@@ -16,6 +16,12 @@ Global:
     cbq:workers               zset   worker name -> last stats publish time
     cbq:worker:{name}:stats   string WorkerStats JSON, expires when the worker stops publishing
 
+OpenAI-compatible server (`cbq serve`; expire with the batch's result TTL):
+
+    cbq:api:batch:{id}        hash   the OpenAI batch object's own fields (see producer.server.records)
+    cbq:api:batch:{id}:final  string lock held by the server process writing the batch's output files
+    cbq:api:batches           zset   OpenAI batch id -> created_at, for `GET /v1/batches`
+
 The rq side keeps rq's own `rq:` keys (queues, jobs, registries); cbq never writes them directly.
 """
 
@@ -98,6 +104,17 @@ def name_index(name: str) -> str:
 
 def worker_stats(worker_name: str) -> str:
     return f"{PREFIX}worker:{worker_name}:stats"
+
+
+API_BATCHES = f"{PREFIX}api:batches"
+
+
+def api_batch(api_batch_id: str) -> str:
+    return f"{PREFIX}api:batch:{api_batch_id}"
+
+
+def api_batch_finalize_lock(api_batch_id: str) -> str:
+    return f"{PREFIX}api:batch:{api_batch_id}:final"
 
 
 def chunk_job_id(batch_id: str, chunk_index: int) -> str:

@@ -11,9 +11,10 @@ import sys
 
 import click
 
-from producer import store
 from producer.cli_common import format_status, read_lines, write_result_lines
+from producer.client import Client
 from producer.options import (
+    chunk_size_option,
     errors_option,
     format_option,
     open_redis,
@@ -21,8 +22,7 @@ from producer.options import (
     redis_url_option,
     sampling_options,
 )
-from producer.settings import DEFAULT_CHUNK_SIZE, in_process_redis
-from producer.store import SubmitOptions, submit_batch, validate_lines
+from producer.settings import in_process_redis
 from worker.engine.config import MODES, EngineConfig
 from worker.queue_worker import CbqWorker
 
@@ -129,7 +129,15 @@ def engine_options(f):
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
 @click.option("--name", help="Worker name (default: a random one).")
 @click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
-def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level):
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (all interfaces, path /metrics).",
+)
+def worker(
+    model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level, metrics_port
+):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
 
     Many chunk jobs are in flight at once. SIGINT/SIGTERM stops admitting and drains what is in flight;
@@ -140,6 +148,10 @@ def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, bu
     cbq_worker = CbqWorker(
         [queue], engine, connection=conn, model_name="fake" if fake_engine else model, mode=mode, name=name
     )
+    if metrics_port is not None:
+        from worker.metrics import serve_metrics
+
+        serve_metrics(cbq_worker, metrics_port)
     cbq_worker.work(burst=burst, logging_level=log_level)
 
 
@@ -157,13 +169,7 @@ def worker(model, mode, device, fake_engine, engine_config, redis_url, queue, bu
 @queue_option
 @format_option
 @errors_option
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=DEFAULT_CHUNK_SIZE,
-    show_default=True,
-    help="Requests per rq job.",
-)
+@chunk_size_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
 @sampling_options
@@ -189,7 +195,8 @@ def run(
     Producer and worker share one process and, unless --redis-url is given, an in-process Redis (fakeredis):
     the whole pipeline with one command and nothing to set up.
     """
-    validated = validate_lines(read_lines(file))
+    client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
+    validated = client.validate(read_lines(file))
     for error in validated.errors:
         click.echo(str(error), err=True)
     if validated.errors:
@@ -197,29 +204,26 @@ def run(
     if not validated.requests:
         raise click.ClickException("no requests in the input")
 
-    conn = open_redis(redis_url) if redis_url else in_process_redis()
     click.echo(f"loading {'the fake engine' if fake_engine else model}", err=True)
     engine = build_engine(
         model, mode, device, fake_engine, engine_config
     )  # first, so queue times do not include loading
-    options = SubmitOptions(
-        queue=queue, chunk_size=chunk_size, defaults=defaults, return_token_ids=return_token_ids, retries=0
+    batch = client.submit(
+        validated, chunk_size=chunk_size, return_token_ids=return_token_ids, retries=0, **defaults.given()
     )
-    report = submit_batch(conn, validated.requests, options)
-    click.echo(f"batch {report.batch_id}: {report.num_requests} requests", err=True)
+    click.echo(f"batch {batch.id}: {batch.submission.num_requests} requests", err=True)
     cbq_worker = CbqWorker(
         [queue],
         engine,
-        connection=conn,
+        connection=client.connection,
         model_name="fake" if fake_engine else model,
         mode=mode,
         name=f"cbq-run-{os.getpid()}",
     )
     cbq_worker.work(burst=True, logging_level=log_level)
 
-    lines = store.iter_results(conn, report.batch_id, output_format=output_format, partial=True)
-    write_result_lines(output, lines, output_format, errors)
-    status = store.get_status(conn, report.batch_id)
+    write_result_lines(output, batch.results(format=output_format, partial=True), output_format, errors)
+    status = batch.status()
     click.echo(format_status(status), err=True)
     if not status.is_done:
         raise click.ClickException("the worker stopped before the batch finished; partial results written")

@@ -15,10 +15,14 @@ from schemas.request import Sampling, overrides_model, parse_request_line
 from worker.admission import to_engine_request, to_sampling_params
 from worker.engine.api import SamplingParams
 
+# Engine fields that no line carries yet: issue 13's engine core landed first; wiring response_format and
+# logprobs into the one definition removes them from here.
+NOT_ON_LINES_YET = {"logprobs", "constraint"}
+
 
 def test_engine_sampling_params_and_the_schema_name_the_same_fields_with_the_same_defaults():
     engine_fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
-    assert set(engine_fields) == set(Sampling.model_fields)
+    assert set(engine_fields) - NOT_ON_LINES_YET == set(Sampling.model_fields)
     assert to_sampling_params(Sampling()) == SamplingParams()
 
 
@@ -41,7 +45,7 @@ def test_every_field_on_a_line_reaches_the_engine():
     assert set(values) == set(Sampling.model_fields)
     request = parse_request_line(json.dumps({"prompt": "hi", **values}), 1).resolve(0)
     engine_request = to_engine_request(request, _Tokenizer(), "b", 0.0)
-    params = dataclasses.asdict(engine_request.sampling)
+    params = {k: v for k, v in dataclasses.asdict(engine_request.sampling).items() if k not in NOT_ON_LINES_YET}
     assert params == {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import click
 
 from worker.bench.common import WORKLOADS, make_workload
-from worker.engine.config import EngineConfig
+from worker.engine.config import DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
 PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
@@ -212,6 +212,15 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 )
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--no-cuda-graphs", is_flag=True)
+@click.option(
+    "--decoder",
+    "decoders",
+    type=click.Choice(DECODERS),
+    multiple=True,
+    default=("auto",),
+    show_default=True,
+    help="Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
+)
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
@@ -227,6 +236,7 @@ def engine_bench(
     max_num_batched_tokens,
     num_kv_blocks,
     no_cuda_graphs,
+    decoders,
     device,
     dtype,
     json_out,
@@ -246,7 +256,7 @@ def engine_bench(
     warmup = make_workload("tiny", 256, seed=1)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     results: list[ModeResult] = []
-    for m in modes:
+    for decoder, m in [(d, m) for d in decoders for m in modes]:
         config = EngineConfig(
             mode=m,
             device=str(dev),
@@ -255,17 +265,20 @@ def engine_bench(
             max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks,
             use_cuda_graphs=not no_cuda_graphs,
+            decoder=decoder,
         )
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)
         setup = time.perf_counter() - t1
         engine.generate(warmup)  # compile kernels, touch every path once
-        result = run_engine_mode(engine, reqs, m, bandwidth)
+        label = m if len(decoders) == 1 else f"{m}-{decoder}"
+        result = run_engine_mode(engine, reqs, label, bandwidth)
         result.extra.update(
             setup_seconds=setup,
             num_kv_blocks=engine.runner.num_kv_blocks,
             max_model_len=engine.max_model_len,
             graphs=len(engine.runner.graphs),
+            decoder="owned" if engine.runner.decoder is not None else "hf",
         )
         results.append(result)
         del engine
@@ -280,10 +293,10 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    if "sync" in by_mode and "async" in by_mode:
-        click.echo(
-            f"async/sync output tok/s: {by_mode['async'].output_tok_s / by_mode['sync'].output_tok_s:.3f}"
-        )
+    for suffix in [""] if len(decoders) == 1 else [f"-{d}" for d in decoders]:
+        if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
+            ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
+            click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
     print_table(workload, model, results)
     report = {
         "workload": workload,
@@ -298,6 +311,7 @@ def engine_bench(
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "cuda_graphs": not no_cuda_graphs,
+            "decoders": list(decoders),
         },
         "results": {r.mode: asdict(r) for r in results},
         "hf_error": hf_error,

@@ -29,6 +29,22 @@ class ErrorCode(str, Enum):
 
 # What a field left as None means when the model's generation_config does not set it either.
 BUILTIN_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's bound)
+
+
+class ConstraintKind(str, Enum):
+    JSON_SCHEMA = "json_schema"  # spec: the schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; spec unused
+    REGEX = "regex"  # spec: the pattern (Rust `regex` syntax), matched against the whole output
+    CHOICE = "choice"  # spec: a JSON list of strings; the output is exactly one of them
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. JSON is compact: no whitespace between tokens (see grammar.py)."""
+
+    kind: ConstraintKind
+    spec: str = ""
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Per output token: the chosen token's log-probability and this many top alternatives (0..20), from
+    # the model's raw distribution (logits before the constraint mask, temperature, top-k and top-p).
+    logprobs: int | None = None  # None: no logprobs
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (library callers build these directly): raise, never assert.
@@ -56,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
 
     def with_defaults(self, model_defaults: dict[str, Any], rest_of_context: int) -> ResolvedSampling:
         """Every None replaced: by `model_defaults` (generation_config values, by cbq field name), then by
@@ -94,6 +116,15 @@ class Usage:
     latency_seconds: float = 0.0  # arrival -> finished
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the model's raw distribution, and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class EngineResult:
     request_id: str
@@ -103,6 +134,7 @@ class EngineResult:
     usage: Usage
     error: str | None = None
     error_code: ErrorCode | None = None  # set for requests refused before they ran
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass
@@ -116,6 +148,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_kv_blocks_used: int = 0  # paged KV blocks held by requests when the snapshot was taken
+    num_kv_blocks_total: int = 0  # usable blocks (the scratch block excluded)
+    mask_seconds: float = 0.0  # host time computing constraint masks, summed over steps
 
     @property
     def output_tok_s(self) -> float:

@@ -28,6 +28,7 @@ class AttentionMetadata:
     max_context_len: int
     is_decode_only: bool
     backend: AttentionBackend
+    num_decode_seqs: int = 0  # leading sequences with one query row (host int; see BatchMeta)
     # Per layer: 0 (full causal attention) or the sliding window W (`sliding_windows_of`); () when no
     # layer slides. Host ints, so a captured graph keeps them.
     sliding_windows: tuple[int, ...] = ()
@@ -87,7 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int) -> torch.Tensor:
         window = meta.sliding_window(layer_idx)
-        if meta.is_decode_only:
+        num_seqs = meta.context_lens.shape[0]
+        if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
             return self._k.paged_decode_attention(
                 q,
                 k_cache,
@@ -98,14 +100,31 @@ class TritonAttentionBackend(AttentionBackend):
                 max_context_len=meta.max_context_len,
                 sliding_window=window,
             )
+        # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
+        # a varlen query tile each they would waste most of it; the rest through the varlen kernel.
+        num_decode = meta.num_decode_seqs
+        out = torch.empty_like(q) if num_decode else None
+        if out is not None:
+            self._k.paged_decode_attention(
+                q[:num_decode],
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens[:num_decode],
+                scale,
+                out=out[:num_decode],
+                max_context_len=meta.max_context_len,
+                sliding_window=window,
+            )
         return self._k.paged_prefill_attention(
             q,
             k_cache,
             v_cache,
-            meta.block_tables,
-            meta.cu_seqlens_q,
-            meta.context_lens,
+            meta.block_tables[num_decode:],
+            meta.cu_seqlens_q[num_decode:],
+            meta.context_lens[num_decode:],
             scale,
+            out=out,
             max_query_len=meta.max_query_len,
             sliding_window=window,
         )

@@ -48,6 +48,9 @@ class BatchMeta:
     any_random: bool
     any_top_k_top_p: bool
     has_carry: bool
+    # Leading sequences with one query row each (in a mixed step, the decodes the scheduler puts first):
+    # attention runs them through the split-K decode kernel and only the rest through the varlen kernel.
+    num_decode_seqs: int = 0
 
 
 class IOSlot:
@@ -186,4 +189,10 @@ class BatchBuilder:
             any_random=bool((temps > 0).any()),
             any_top_k_top_p=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             has_carry=bool(prev_rows),
+            num_decode_seqs=_num_leading_single_rows(q_lens),
         )
+
+
+def _num_leading_single_rows(q_lens: np.ndarray) -> int:
+    multi = np.flatnonzero(q_lens != 1)
+    return int(multi[0]) if len(multi) else len(q_lens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("sync", "async")
+DECODERS = ("auto", "owned", "hf")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
+    decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda
     seed: int = 0  # base for requests without a seed
     # Fields a request leaves unset (temperature, top_p, top_k, max_new_tokens) take the checkpoint's
     # generation_config.json values, as in `generate()` and vLLM; False: cbq's built-in defaults.
@@ -39,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0 < self.kv_memory_fraction <= 1:

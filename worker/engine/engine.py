@@ -12,6 +12,9 @@ Sync and async are the same loop; async only moves "wait for step N" after "laun
 In async mode step N+1 is planned before step N's tokens are known: a decode's input is a
 placeholder that the device fills from step N's output (carry-over), and a sequence that step N
 finishes was already scheduled in N+1; its extra token is discarded when N+1 is processed.
+
+A step with constrained requests samples only after the previous step was processed, since its token
+masks depend on those tokens (grammar.py): launch N+1's forward, process N, then sample N+1.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from .api import (
 )
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import num_blocks_from_memory
-from .model_runner import ModelRunner, StepHandle
+from .model_runner import ModelRunner, SampleExtras, StepHandle
 from .models import generation_defaults, load_model, model_eos_token_ids, resolve_device, resolve_dtype
-from .scheduler import Scheduler, StepPlan
+from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
 from .stop import check_stop, final_text, special_stop_token_ids
 
@@ -53,6 +57,7 @@ logger = logging.getLogger("cbq.engine")
 @dataclass(frozen=True)
 class _Add:
     request: EngineRequest
+    matcher: Any = None  # its constraint's grammar matcher, compiled in the caller's thread
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class _LoopDied:
 class _InflightStep:
     plan: StepPlan
     handle: StepHandle
+    mask_seqs: list[Sequence] | None = None  # constrained rows' sequences, when sampling waits for masks
 
 
 class Engine:
@@ -112,6 +118,11 @@ class Engine:
         # Per step (num_tokens, num_seqs, context tokens read, device seconds): for floors and profiles.
         self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=1 << 16)
         self._loop_start: float | None = None
+        self.grammar = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)
+        self._token_masks = TokenMasks(
+            model.config.vocab_size, config.max_num_seqs, self.device.type == "cuda"
+        )
+        self._num_with_extras = 0  # unfinished sequences with a constraint or logprobs (loop thread only)
         self.runner.capture_graphs()
 
     @classmethod
@@ -128,10 +139,16 @@ class Engine:
         with self._lock:
             self._num_unfinished += 1
         refusal = self._validate(req)
+        matcher = None
+        if not refusal and req.sampling.constraint is not None:
+            try:  # compiled here, in the caller's thread, so the step loop never waits for it
+                matcher = self.grammar.matcher_for(req.sampling.constraint)
+            except GrammarError as exc:
+                refusal = str(exc), None
         if refusal:
             self._emit_error(req, *refusal)
             return
-        self._inbox.put(_Add(req))
+        self._inbox.put(_Add(req, matcher))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -172,6 +189,9 @@ class Engine:
             self.scheduler.num_preemptions,
             len(self.scheduler.running),
             len(self.scheduler.waiting),
+            num_kv_blocks_used=self.blocks.num_usable_blocks - self.blocks.num_free_blocks,
+            num_kv_blocks_total=self.blocks.num_usable_blocks,
+            mask_seconds=s.mask_seconds,
         )
 
     def reset_stats(self) -> None:
@@ -221,6 +241,9 @@ class Engine:
                 # 2. Wait for the previous step's tokens and apply them.
                 if inflight is not None:
                     self._process(inflight)
+                # 2b. Constrained rows: their masks needed those tokens; now the step can sample.
+                if launched is not None and launched.mask_seqs is not None:
+                    self._launch_masked_sampling(launched)
                 inflight = launched
                 # 3. Sync mode: no overlap, wait for this step right away.
                 if not self.config.is_async and inflight is not None:
@@ -257,10 +280,37 @@ class Engine:
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = now
+        extras, mask_seqs = self._sample_extras(plan) if self._num_with_extras else (None, None)
         schedule_seconds = time.perf_counter() - t0
-        handle = self.runner.launch(plan)  # the runner carries over tokens the step in flight still samples
+        # The runner carries over tokens the step in flight still samples.
+        handle = self.runner.launch(plan, extras)
         self._stats.cpu_prep_seconds += schedule_seconds + handle.build_seconds
-        return _InflightStep(plan, handle)
+        return _InflightStep(plan, handle, mask_seqs)
+
+    def _sample_extras(self, plan: StepPlan) -> tuple[SampleExtras | None, list[Sequence] | None]:
+        """Which sample rows want logprobs or a token mask (only called while some request does)."""
+        extras = SampleExtras()
+        mask_seqs = []
+        for row, chunk in enumerate(plan.sampling_chunks()):
+            params = chunk.seq.sampling
+            if params.logprobs is not None:
+                extras.logprob_rows.append(row)
+                extras.num_top_logprobs = max(extras.num_top_logprobs, params.logprobs)
+            if params.constraint is not None:
+                extras.mask_rows.append(row)
+                mask_seqs.append(chunk.seq)
+        if not extras.logprob_rows and not mask_seqs:
+            return None, None
+        return extras, (mask_seqs or None)
+
+    def _launch_masked_sampling(self, step: _InflightStep) -> None:
+        assert step.mask_seqs is not None
+        t0 = time.perf_counter()
+        # A sequence finished meanwhile has no matcher: its row allows everything and its token is dropped.
+        matchers = [None if seq.is_finished else seq.matcher for seq in step.mask_seqs]
+        bitmask = self._token_masks.fill(step.handle.meta.slot, matchers)
+        self._stats.mask_seconds += time.perf_counter() - t0
+        self.runner.launch_sampling(step.handle, bitmask)
 
     def _process(self, step: _InflightStep) -> None:
         tokens, device_seconds = self.runner.wait(step.handle)
@@ -276,7 +326,10 @@ class Engine:
             is_decode = chunk.num_tokens == 1 and chunk.start >= len(chunk.seq.prompt_ids)
             if not is_decode:
                 stats.prompt_tokens += chunk.num_tokens
-        for row, chunk in enumerate(step.plan.sampling_chunks()):
+        sampling_chunks = step.plan.sampling_chunks()
+        if step.handle.logprobs is not None:
+            self._append_logprobs(step.handle, sampling_chunks, tokens)
+        for row, chunk in enumerate(sampling_chunks):
             seq = chunk.seq
             self.scheduler.on_token(seq)
             if seq.is_finished:
@@ -285,16 +338,33 @@ class Engine:
             stats.output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.matcher is not None and not seq.matcher.consume_token(tokens[row]):
+                self._finish(seq, FinishReason.ERROR, error=f"constraint: {seq.matcher.get_error()}")
+                continue
             reason = check_stop(seq, self.eos_token_ids, self.max_model_len, self.tokenizer)
+            if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+                reason = FinishReason.STOP  # the grammar is complete and allows nothing more
             if reason is not None:
                 self._finish(seq, reason)
+
+    def _append_logprobs(
+        self, handle: StepHandle, sampling_chunks: list[ScheduledChunk], tokens: list[int]
+    ) -> None:
+        assert handle.extras is not None and handle.logprobs is not None
+        rows = handle.extras.logprob_rows
+        seqs = [sampling_chunks[row].seq for row in rows]
+        num_top = [s.sampling.logprobs or 0 for s in seqs]
+        records = handle.logprobs.to_records([tokens[row] for row in rows], num_top)
+        for seq, record in zip(seqs, records, strict=True):
+            if not seq.is_finished:  # a finished sequence's extra token is dropped, and so is its logprob
+                seq.output_logprobs.append(record)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
             message = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             while True:
                 if isinstance(message, _Add):
-                    self._admit(message.request)
+                    self._admit(message.request, message.matcher)
                 elif isinstance(message, _Abort):
                     seq = self._seqs.get(message.request_id)
                     if seq is not None and not seq.is_finished:
@@ -304,7 +374,7 @@ class Engine:
             pass
 
     # -- request lifecycle ------------------------------------------------------------------------
-    def _validate(self, req: EngineRequest) -> tuple[str, ErrorCode] | None:
+    def _validate(self, req: EngineRequest) -> tuple[str, ErrorCode | None] | None:
         n = len(req.prompt_ids)
         if n == 0:
             return "empty prompt: at least one token is needed", ErrorCode.INVALID_PROMPT
@@ -319,7 +389,7 @@ class Engine:
             return f"prompt token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
         return None
 
-    def _admit(self, req: EngineRequest) -> None:
+    def _admit(self, req: EngineRequest, matcher: Any = None) -> None:
         if req.request_id in self._seqs:
             self._emit_error(req, f"duplicate request id {req.request_id!r} while the first is still running")
             return
@@ -332,7 +402,10 @@ class Engine:
             self._resolve_sampling(req),
             seed & 0x7FFFFFFF,
             arrival_time=req.arrival_time or time.time(),
+            matcher=matcher,
         )
+        if matcher is not None or req.sampling.logprobs is not None:
+            self._num_with_extras += 1
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
@@ -354,6 +427,9 @@ class Engine:
         seq.finish_reason = reason
         seq.finish_time = time.time()
         del self._seqs[seq.request_id]
+        if seq.matcher is not None or seq.sampling.logprobs is not None:
+            self._num_with_extras -= 1
+        seq.matcher = None
         text = "" if reason == FinishReason.ERROR else final_text(seq, self.eos_token_ids, self.tokenizer)
         first_sched = seq.first_scheduled_time or seq.finish_time
         usage = Usage(
@@ -364,11 +440,14 @@ class Engine:
             ttft_seconds=max(0.0, (seq.first_token_time or seq.finish_time) - seq.arrival_time),
             latency_seconds=max(0.0, seq.finish_time - seq.arrival_time),
         )
-        self._put_result(EngineResult(seq.request_id, text, list(seq.output_ids), reason, usage, error))
+        logprobs = list(seq.output_logprobs) if seq.sampling.logprobs is not None else None
+        self._put_result(
+            EngineResult(seq.request_id, text, list(seq.output_ids), reason, usage, error, logprobs=logprobs)
+        )
 
     def _emit_error(self, req: EngineRequest, error: str, code: ErrorCode | None = None) -> None:
         usage = Usage(prompt_tokens=len(req.prompt_ids))
-        self._put_result(EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error, code))
+        self._put_result(EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error, error_code=code))
 
     def _put_result(self, result: EngineResult) -> None:
         with self._lock:

@@ -7,19 +7,23 @@ while an earlier one is still in flight (async mode) takes the in-flight tokens 
 the device (carry-over). On CUDA a step is:
   H2D stream:     wait until the slot's previous compute finished; copy the slot's host buffers up
   compute stream: wait for H2D; carry-over gather; forward (graph replay for decode); sample
-  D2H stream:     wait for compute; copy sampled ids down; record `d2h_done`
+  D2H stream:     wait for compute; copy sampled ids (and any logprobs) down; record `d2h_done`
 The default stream is never used in the loop. On CPU the streams and events are no-ops and the same
 code runs synchronously.
+
+A step with constrained rows (`SampleExtras.mask_rows`) stops after the forward: the engine calls
+`launch_sampling(handle, bitmask)` once the masks are known (grammar.py explains the ordering).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from . import logprobs
 from .attention_backend import (
     ATTN_IMPLEMENTATION,
     AttentionBackend,
@@ -30,7 +34,9 @@ from .attention_backend import (
 )
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
+from .decoder import build_decoder
 from .fused_ops import install_fused_rmsnorm, install_fused_rotary
+from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache
 from .sampler import sample
 from .scheduler import StepPlan
@@ -44,6 +50,15 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 def graph_buckets_for(config: EngineConfig) -> tuple[int, ...]:
     """The buckets a decode step can fill: at most `max_num_seqs` rows and `max_num_batched_tokens` tokens."""
     return tuple(b for b in GRAPH_BUCKETS if b <= min(config.max_num_seqs, config.max_num_batched_tokens))
+
+
+@dataclass
+class SampleExtras:
+    """A step's sampling work beyond plain sampling, for the sample rows that ask for it."""
+
+    logprob_rows: list[int] = field(default_factory=list)
+    num_top_logprobs: int = 0  # the most any of those rows asked for
+    mask_rows: list[int] = field(default_factory=list)  # constrained rows: sampling waits for their bitmask
 
 
 @dataclass
@@ -64,6 +79,11 @@ class StepHandle:
     events: _StepEvents | None  # CUDA; None on CPU, where the step ran synchronously
     build_seconds: float = 0.0  # host time spent writing the batch into its IO slot
     cpu_seconds: float = 0.0  # CPU path: the step's compute time, measured synchronously
+    extras: SampleExtras | None = None
+    logits: torch.Tensor | None = None  # between the forward and its sampling (held for `launch_sampling`)
+    is_sampled: bool = False  # the sampling and its D2H copy are queued
+    is_greedy_in_graph: bool = False  # a decode graph replayed, writing the argmax ids into the slot
+    logprobs: logprobs.StepLogprobs | None = None  # readable after `wait`
 
 
 class ModelRunner:
@@ -92,6 +112,10 @@ class ModelRunner:
         if self.is_cuda and config.fused_kernels:
             install_fused_rmsnorm(model)
             install_fused_rotary(model)
+        # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
+        self.decoder = build_decoder(
+            model, config.decoder, device, max_model_len, self.is_cuda and config.fused_kernels
+        )
 
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(
@@ -121,18 +145,20 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.vocab_size = model.config.vocab_size
+        self._logprob_buffers: list[logprobs.LogprobBuffers | None] = [None, None]  # made on first use
 
     @property
     def _use_graphs(self) -> bool:
         return self.is_cuda and self.config.use_cuda_graphs
 
     # -- one step ---------------------------------------------------------------------------------
-    def launch(self, plan: StepPlan) -> StepHandle:
-        """Build `plan` into the next IO slot and queue it on the device; returns without waiting."""
+    def launch(self, plan: StepPlan, extras: SampleExtras | None = None) -> StepHandle:
+        """Build `plan` into the next IO slot and queue it on the device; returns without waiting. With
+        constrained rows only the forward is queued: `launch_sampling` queues the rest."""
         t0 = time.perf_counter()
         meta = self.builder.build(plan, self._next_slot, self._inflight_rows)
         build_seconds = time.perf_counter() - t0
-        handle = self._launch(meta)
+        handle = self._launch(meta, extras)
         handle.build_seconds = build_seconds
         self._next_slot ^= 1
         self._inflight_rows = {c.seq: row for row, c in enumerate(plan.sampling_chunks())}
@@ -141,6 +167,7 @@ class ModelRunner:
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float]:
         """Block until the step's tokens are on the host. Returns (token ids, device seconds of the step)."""
+        assert handle.is_sampled, "a step with constrained rows needs launch_sampling before wait"
         if handle.events is not None:
             handle.events.d2h_done.synchronize()
             seconds = handle.events.start.elapsed_time(handle.events.end) / 1000.0
@@ -155,36 +182,65 @@ class ModelRunner:
         self._inflight_rows = {}
         self._latest = None
 
-    def _launch(self, meta: BatchMeta) -> StepHandle:
+    def _launch(self, meta: BatchMeta, extras: SampleExtras | None) -> StepHandle:
         slot = self.builder.slots[meta.slot]
         # Slots alternate on every launch, so the previous step's sampled ids live in the other slot.
         prev_sampled = self.builder.slots[1 - meta.slot].sampled_dev
+        defer_sampling = extras is not None and bool(extras.mask_rows)
         if not self.is_cuda:
             t0 = time.perf_counter()
             self._copy_inputs(slot, meta)
-            self._compute(slot, meta, prev_sampled)
-            slot.sampled_host[: meta.num_sample_rows].copy_(slot.sampled_dev[: meta.num_sample_rows])
-            return StepHandle(meta, slot.sampled_host, None, cpu_seconds=time.perf_counter() - t0)
-        h2d_done, start, end, compute_done, d2h_done = (
-            torch.cuda.Event(enable_timing=i in (1, 2)) for i in range(5)
-        )
-        with torch.cuda.stream(self.h2d_stream):
-            self.h2d_stream.wait_event(self.slot_compute_done[meta.slot])
-            self._copy_inputs(slot, meta)
-            h2d_done.record()
-        with torch.cuda.stream(self.compute_stream):
-            self.compute_stream.wait_event(h2d_done)
-            start.record()
-            self._compute(slot, meta, prev_sampled)
-            end.record()
-            compute_done.record()
-            self.slot_compute_done[meta.slot] = compute_done
-        with torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(compute_done)
-            rows = meta.num_sample_rows
-            slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows], non_blocking=True)
-            d2h_done.record()
-        return StepHandle(meta, slot.sampled_host, _StepEvents(d2h_done, start, end))
+            logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled)
+            handle = StepHandle(meta, slot.sampled_host, None, cpu_seconds=time.perf_counter() - t0)
+        else:
+            h2d_done = torch.cuda.Event()
+            events = _StepEvents(
+                torch.cuda.Event(), *(torch.cuda.Event(enable_timing=True) for _ in range(2))
+            )
+            with torch.cuda.stream(self.h2d_stream):
+                self.h2d_stream.wait_event(self.slot_compute_done[meta.slot])
+                self._copy_inputs(slot, meta)
+                h2d_done.record()
+            with torch.cuda.stream(self.compute_stream):
+                self.compute_stream.wait_event(h2d_done)
+                events.start.record()
+                logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled)
+                if defer_sampling:  # guards the slot's inputs even if the sampling is never launched
+                    self.slot_compute_done[meta.slot] = torch.cuda.Event()
+                    self.slot_compute_done[meta.slot].record()
+            handle = StepHandle(meta, slot.sampled_host, events)
+        handle.extras, handle.logits, handle.is_greedy_in_graph = extras, logits, is_greedy_in_graph
+        if not defer_sampling:
+            self.launch_sampling(handle)
+        return handle
+
+    def launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
+        """Queue the sampling of a launched step and its D2H copy. `bitmask`: host rows [len(mask_rows),
+        ceil(V / 32)] int32 for `extras.mask_rows`, pinned on CUDA and unchanged until the step is waited for."""
+        meta = handle.meta
+        slot = self.builder.slots[meta.slot]
+        rows = meta.num_sample_rows
+        if handle.events is None:
+            t0 = time.perf_counter()
+            lp_results = self._sample(slot, handle, bitmask)
+            slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows])
+            if lp_results is not None:
+                handle.logprobs = logprobs.copy_to_host(self._logprob_buffer(meta.slot), lp_results, False)
+            handle.cpu_seconds += time.perf_counter() - t0
+        else:
+            compute_done = torch.cuda.Event()
+            with torch.cuda.stream(self.compute_stream):
+                lp_results = self._sample(slot, handle, bitmask)
+                handle.events.end.record()
+                compute_done.record()
+                self.slot_compute_done[meta.slot] = compute_done
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(compute_done)
+                slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows], non_blocking=True)
+                if lp_results is not None:
+                    handle.logprobs = logprobs.copy_to_host(self._logprob_buffer(meta.slot), lp_results, True)
+                handle.events.d2h_done.record()
+        handle.logits, handle.is_sampled = None, True
 
     def _copy_inputs(self, slot: IOSlot, meta: BatchMeta) -> None:
         nb = self.is_cuda
@@ -192,15 +248,37 @@ class ModelRunner:
         slot.float_dev.copy_(slot.float_host, non_blocking=nb)
         slot.tables_dev[: meta.num_seqs].copy_(slot.tables_host[: meta.num_seqs], non_blocking=nb)
 
-    def _compute(self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor) -> None:
-        d = slot.dev
-        rows = meta.num_sample_rows
+    def _forward_logits(
+        self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor
+    ) -> tuple[torch.Tensor, bool]:
+        """The step's logits, and whether a decode graph already wrote their greedy ids into the slot."""
         key = (meta.slot, meta.num_seqs)
         if meta.is_decode_only and key in self.graphs:
-            self.graphs[key].replay()
-            logits = self.graph_logits[key]
-        else:
-            logits = self._forward_slot(slot, meta, prev_sampled, logits_indices=d["logits_indices"][:rows])
+            self.graphs[key].replay()  # also writes the logits' argmax into slot.sampled_dev
+            return self.graph_logits[key], True
+        indices = slot.dev["logits_indices"][: meta.num_sample_rows]
+        return self._forward_slot(slot, meta, prev_sampled, logits_indices=indices), False
+
+    def _sample(
+        self, slot: IOSlot, handle: StepHandle, bitmask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Sample into `slot.sampled_dev`; returns the logprob results on the device, if any rows asked."""
+        d = slot.dev
+        meta, extras, logits = handle.meta, handle.extras, handle.logits
+        assert logits is not None, "sampling a step twice"
+        rows = meta.num_sample_rows
+        wants_logprobs = extras is not None and bool(extras.logprob_rows)
+        if handle.is_greedy_in_graph and not meta.any_random and bitmask is None and not wants_logprobs:
+            return None  # the decode graph's argmax already is this step's sample
+        lp_rows = None
+        if extras is not None and extras.logprob_rows:  # raw logits: before the mask rewrites them
+            lp_rows = logprobs.prepare(logits, self._to_device(extras.logprob_rows), extras.num_top_logprobs)
+        if bitmask is not None:
+            assert extras is not None and len(extras.mask_rows) == bitmask.shape[0], (
+                "one bitmask row per mask row"
+            )
+            mask_dev = bitmask.to(self.device, non_blocking=True)
+            apply_token_bitmask(logits, self._to_device(extras.mask_rows), mask_dev)
         tokens = sample(
             logits,
             d["temperature"][:rows],
@@ -212,6 +290,20 @@ class ModelRunner:
             meta.any_top_k_top_p,
         )
         slot.sampled_dev[:rows].copy_(tokens)
+        return None if lp_rows is None else logprobs.finish(lp_rows, tokens)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        # NOTE: pinned through the caching host allocator, which keeps the block until the copy is done.
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.is_cuda)
+        return host.to(self.device, non_blocking=True)
+
+    def _logprob_buffer(self, slot_index: int) -> logprobs.LogprobBuffers:
+        buffers = self._logprob_buffers[slot_index]
+        if buffers is None:
+            buffers = self._logprob_buffers[slot_index] = logprobs.LogprobBuffers(
+                self.config.max_num_seqs, self.is_cuda
+            )
+        return buffers
 
     def _forward_slot(
         self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor, logits_indices: torch.Tensor | int
@@ -235,6 +327,7 @@ class ModelRunner:
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
             sliding_windows=self.sliding_windows,
+            num_decode_seqs=meta.num_decode_seqs,
         )
         return self._forward(input_ids, d["positions"][:num_tokens], attn, logits_indices)
 
@@ -247,6 +340,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model: token ids [T] at positions [T], with this step's attention metadata. Returns the logits of
         the rows `logits_indices` picks ([R, vocab]; 0 keeps them all)."""
+        if self.decoder is not None:
+            return self.decoder(
+                input_ids, positions, attn, logits_indices if torch.is_tensor(logits_indices) else None
+            )
         out = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
@@ -274,6 +371,7 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                     logits = self._forward_slot(slot, meta, prev_sampled, logits_indices=0)
+                    slot.sampled_dev[:bucket].copy_(logits.argmax(dim=-1))  # greedy inside the graph
                 self.graphs[(slot_index, bucket)] = graph
                 self.graph_logits[(slot_index, bucket)] = logits
         torch.cuda.synchronize(self.device)

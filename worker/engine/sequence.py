@@ -2,7 +2,8 @@
 
 - scheduler: `status`, `num_computed_tokens`, `num_inflight_samples`
 - block manager: `block_table`
-- engine (when a step's tokens arrive): `output_ids`, `finish_reason`, timestamps, accounting counters
+- engine (when a step's tokens arrive): `output_ids`, `output_logprobs`, `matcher`, `finish_reason`,
+  timestamps, accounting counters
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from .api import FinishReason, ResolvedSampling
+from .api import FinishReason, ResolvedSampling, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -28,6 +30,8 @@ class Sequence:
     seed: int  # the request's random stream is a function of (seed, position) only
     arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling.logprobs is set
+    matcher: Any = None  # grammar matcher (grammar.py) when sampling.constraint is set
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V are in the cache or will be written by steps already launched.
     num_computed_tokens: int = 0

@@ -56,6 +56,11 @@ class HFTokenizer:
             {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
         )
 
+    @property
+    def backend(self) -> Any:
+        """The wrapped `transformers` tokenizer (grammar.py builds llguidance's vocabulary from it)."""
+        return self._tok
+
     @classmethod
     def from_pretrained(cls, name_or_path: str, extra_eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
         from transformers import AutoTokenizer

@@ -1,5 +1,6 @@
 """The engine's greedy output equals `model.generate` token for token (fp32, CPU), in sync and async mode,
-with chunked prefill, forced preemption and requests arriving mid-generation."""
+with chunked prefill, forced preemption and requests arriving mid-generation, through transformers'
+forward ("hf") and through cbq's owned decoder ("owned")."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from worker.engine.engine import Engine
 from .conftest import hf_greedy, make_requests
 
 NUM_REQUESTS = 32
+DECODERS = ["hf", "owned"]
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2"]
 SCENARIOS = {
     "default": dict(),
@@ -40,14 +42,16 @@ def assert_diverse(ref: dict[str, list[int]]) -> None:
     assert long_outputs and all(len(set(ids)) >= 3 for ids in long_outputs), "a reference repeats one token"
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("name", MODELS)
-def test_greedy_equals_generate(tiny_models, name, scenario, mode):
+def test_greedy_equals_generate(tiny_models, name, scenario, mode, decoder):
     model, tok = tiny_models(name)
     reqs, ref = references(tiny_models, name)
     assert_diverse(ref)
-    engine = Engine(model, tok, EngineConfig(mode=mode, **SCENARIOS[scenario]))
+    engine = Engine(model, tok, EngineConfig(mode=mode, decoder=decoder, **SCENARIOS[scenario]))
+    assert (engine.runner.decoder is not None) == (decoder == "owned")
     results = engine.generate(reqs)
     for req, res in zip(reqs, results, strict=True):
         assert res.token_ids == ref[req.request_id], f"{req.request_id} (prompt {len(req.prompt_ids)} tokens)"
@@ -60,12 +64,14 @@ def test_greedy_equals_generate(tiny_models, name, scenario, mode):
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_requests_arriving_mid_generation(tiny_models, mode):
+def test_requests_arriving_mid_generation(tiny_models, mode, decoder):
     """Half the requests are added while the loop thread is generating for the other half."""
     model, tok = tiny_models("tiny-llama")
     reqs, ref = references(tiny_models, "tiny-llama")
-    engine = Engine(model, tok, EngineConfig(mode=mode, max_num_batched_tokens=96, num_kv_blocks=80))
+    config = EngineConfig(mode=mode, decoder=decoder, max_num_batched_tokens=96, num_kv_blocks=80)
+    engine = Engine(model, tok, config)
     engine.start()
     try:
         for req in reqs[:16]:

@@ -1,0 +1,103 @@
+"""Per-kernel device time per engine step, under torch.profiler, for the benchmarks README.
+
+    python3 benchmarks/profile_step.py --workload w1 --decoder owned [--decoder hf] [--out FILE]
+
+w1: 32 requests, prompt 256, 256 new tokens, 32 seqs / 2048 tokens per step (decode steps, graphs).
+w2: 400 W2 requests with outputs capped at 120 tokens, 1024 seqs / 8192 tokens (prefill-heavy mixed steps).
+Random-weight Llama-3-8B shape in bf16, async mode. Needs only torch, transformers and triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from worker.bench import make_workload  # noqa: E402
+from worker.engine.api import EngineRequest, SamplingParams  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.engine import Engine  # noqa: E402
+from worker.engine.models import load_model  # noqa: E402
+
+WORKLOADS = {
+    "w1": dict(max_num_seqs=32, max_num_batched_tokens=2048),
+    "w2": dict(max_num_seqs=1024, max_num_batched_tokens=8192),
+}
+
+
+def requests_for(workload: str) -> list[EngineRequest]:
+    if workload == "w1":
+        return [
+            EngineRequest(
+                f"p{i}", [(7 * i + j) % 32000 for j in range(256)], SamplingParams(256, ignore_eos=True)
+            )
+            for i in range(32)
+        ]
+    reqs = make_workload("W2", 32000, num_requests=400)
+    return [
+        EngineRequest(
+            r.request_id, r.prompt_ids, SamplingParams(min(r.sampling.max_new_tokens, 120), ignore_eos=True)
+        )
+        for r in reqs
+    ]
+
+
+def kernel_table(prof, num_steps: int, top: int) -> list[str]:
+    per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_name[evt.name]
+            entry[0] += evt.time_range.elapsed_us() / 1000.0
+            entry[1] += 1
+    total = sum(ms for ms, _ in per_name.values())
+    lines = [f"total device time {total:.1f} ms; per step {total / num_steps:.3f} ms"]
+    for name, (ms, calls) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(
+            f"{ms:9.1f} ms {100 * ms / total:5.1f}% calls {calls:7d} per-step {ms / num_steps:7.3f} ms  {name[:110]}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="w1")
+    parser.add_argument("--decoder", action="append", choices=["owned", "hf"])
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model, tok = load_model(args.model, torch.device("cuda"), torch.bfloat16)
+    out_lines = []
+    for decoder in args.decoder or ["owned"]:
+        config = EngineConfig(mode="async", decoder=decoder, **WORKLOADS[args.workload])
+        engine = Engine(model, tok, config)
+        engine.generate(make_workload("tiny", 256, seed=1))
+        reqs = requests_for(args.workload)
+        engine.reset_stats()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            engine.generate(reqs)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        stats = engine.stats()
+        out_lines.append(
+            f"{args.workload} decoder={decoder} wall {wall:.2f}s steps {stats.steps} "
+            f"output_tokens {stats.output_tokens} busy {stats.busy_seconds:.2f}s"
+        )
+        out_lines += kernel_table(prof, max(stats.steps, 1), args.top)
+        del engine
+        torch.cuda.empty_cache()
+    text = "\n".join(out_lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The Python client for pipelines: submit a batch, follow it, read its results in input order, cancel it.
+
+Owns nothing in Redis: it is the one entry point that `cbq submit/status/wait/results/cancel`, the HTTP server
+(`producer.server`) and user code share, over `producer.store`.
+
+    from producer.client import Client
+
+    client = Client("redis://127.0.0.1:6379/0")
+    batch = client.submit([{"prompt": "Hello"}, {"prompt": "Bye"}], max_new_tokens=32)
+    batch.wait(progress=True)
+    for line in batch.results():
+        print(line.custom_id, line.text)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+from pydantic import BaseModel, ValidationError
+
+from producer import settings, store
+from producer.store import (
+    BatchNotFinished,
+    BatchNotFound,
+    CancelReport,
+    SubmitConflict,
+    SubmitOptions,
+    ValidatedFile,
+    submit_batch,
+    validate_lines,
+)
+from schemas.errors import RequestLineError
+from schemas.request import SamplingOverrides
+from schemas.status import BatchStatus, WorkerStats
+
+__all__ = [
+    "Batch",
+    "BatchNotFinished",
+    "BatchNotFound",
+    "Client",
+    "InvalidInput",
+    "NothingToSubmit",
+    "Submission",
+    "SubmitConflict",
+]
+
+# A path to a JSONL file, or the lines themselves: dicts (one request each) or JSON strings.
+Source = str | os.PathLike | Iterable[dict | str]
+OutputFormat = Literal["cbq", "openai"]
+
+
+class InvalidInput(ValueError):
+    """Some lines are invalid, so nothing was enqueued. `errors` names every bad line and field."""
+
+    def __init__(self, errors: list[RequestLineError]):
+        self.errors = errors
+        super().__init__(
+            f"{len(errors)} invalid line(s); nothing was enqueued:\n" + "\n".join(map(str, errors))
+        )
+
+
+class NothingToSubmit(RuntimeError):
+    """Every request was already submitted under this batch name (or the input has no requests)."""
+
+    def __init__(self, message: str, skipped_custom_ids: list[str] | None = None):
+        self.skipped_custom_ids = skipped_custom_ids or []
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What `Client.submit` did."""
+
+    num_requests: int
+    num_chunks: int
+    skipped_custom_ids: list[str] = field(default_factory=list)  # already submitted under the same name
+    invalid: list[RequestLineError] = field(default_factory=list)  # skipped bad lines (skip_invalid=True)
+
+
+class Client:
+    """A connection to cbq's Redis and a default queue."""
+
+    def __init__(
+        self, redis_url: str | None = None, *, connection: redis.Redis | None = None, queue: str | None = None
+    ):
+        self.connection = (
+            connection
+            if connection is not None
+            else settings.connect(redis_url or settings.default_redis_url())
+        )
+        self.queue = queue or os.environ.get(settings.QUEUE_ENV, settings.DEFAULT_QUEUE)
+
+    def validate(self, source: Source, on_line: Callable[[], None] | None = None) -> ValidatedFile:
+        """Parse every line of `source` (nothing is enqueued). Files are read line by line."""
+        return validate_lines(_iter_lines(source), on_line=on_line)
+
+    def submit(
+        self,
+        source: Source | ValidatedFile,
+        *,
+        name: str | None = None,
+        chunk_size: int = settings.DEFAULT_CHUNK_SIZE,
+        ttl_seconds: int = settings.DEFAULT_RESULT_TTL_SECONDS,
+        skip_invalid: bool = False,
+        return_token_ids: bool = False,
+        retries: int = settings.DEFAULT_RETRIES,
+        job_timeout_seconds: int = settings.NO_JOB_TIMEOUT,
+        queue: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
+        **defaults,
+    ) -> Batch:
+        """Validate `source` and enqueue it as one batch, atomically. Returns its handle.
+
+        `defaults` are batch-level sampling fields (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
+        `stop`, `ignore_eos`, ...); values on a line win. Raises `InvalidInput` when a line is invalid (unless
+        `skip_invalid`), `NothingToSubmit` when no request is left to enqueue, `ValueError` for a bad default.
+        """
+        validated = source if isinstance(source, ValidatedFile) else self.validate(source)
+        if validated.errors and not skip_invalid:
+            raise InvalidInput(validated.errors)
+        if not validated.requests:
+            raise NothingToSubmit("no requests in the input")
+        try:
+            sampling = SamplingOverrides(**defaults)
+        except ValidationError as exc:
+            raise ValueError(f"invalid batch default: {exc}") from None
+        options = SubmitOptions(
+            queue=queue or self.queue,
+            name=name,
+            chunk_size=chunk_size,
+            ttl_seconds=ttl_seconds,
+            defaults=sampling,
+            return_token_ids=return_token_ids,
+            retries=retries,
+            job_timeout_seconds=job_timeout_seconds,
+        )
+        report = submit_batch(self.connection, validated.requests, options, on_progress=on_progress)
+        if report.batch_id is None:
+            raise NothingToSubmit(
+                f"every request was already submitted under the name {name!r}", report.skipped_custom_ids
+            )
+        submission = Submission(
+            report.num_requests, report.num_chunks, report.skipped_custom_ids, list(validated.errors)
+        )
+        return Batch(self, report.batch_id, submission)
+
+    def batch(self, batch_id: str) -> Batch:
+        """The handle of an existing batch (nothing is read until you ask)."""
+        return Batch(self, batch_id)
+
+    def batches(self, limit: int = 20) -> list[BatchStatus]:
+        """The most recent batches first."""
+        return store.list_batches(self.connection, limit)
+
+    def workers(self) -> list[WorkerStats]:
+        """Workers that published stats in the last minute."""
+        return store.list_workers(self.connection)
+
+
+class Batch:
+    """One batch: `status()`, `wait()`, `results()`, `cancel()`. Cheap to create; holds no state but its id."""
+
+    def __init__(self, client: Client, batch_id: str, submission: Submission | None = None):
+        self.client = client
+        self.id = batch_id
+        self.submission = submission  # set when this handle came from `Client.submit`
+
+    def __repr__(self) -> str:
+        return f"Batch({self.id!r})"
+
+    def status(self) -> BatchStatus:
+        """Counts, tokens, GPU seconds, rates and ETA. Raises BatchNotFound."""
+        return store.get_status(self.client.connection, self.id)
+
+    def wait(
+        self,
+        progress: bool | Callable[[BatchStatus], None] = False,
+        interval: float = 1.0,
+        timeout: float | None = None,
+    ) -> BatchStatus:
+        """Poll until every request has finished; returns the final status.
+
+        progress=True draws a bar on stderr; a callable gets every status read. Raises TimeoutError after
+        `timeout` seconds (the batch keeps running).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with _progress_reporter(progress, self.id, self.status()) as report:
+            while True:
+                st = self.status()
+                report(st)
+                if st.is_done:
+                    return st
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"timed out: {st.num_total - st.num_finished} requests unfinished")
+                time.sleep(interval)
+
+    def results(self, format: OutputFormat = "cbq", partial: bool = False) -> Iterator[BaseModel]:
+        """Results in input order: `ResultLine`s, or `OpenAIBatchOutputLine`s for format="openai".
+
+        Raises BatchNotFinished right away (not on the first `next()`) unless the batch is done or `partial`.
+        """
+        if not partial:
+            st = self.status()
+            if not st.is_done:
+                raise BatchNotFinished(st)
+        return store.iter_results(self.client.connection, self.id, output_format=format, partial=partial)
+
+    def cancel(self) -> CancelReport:
+        """Queued requests never run; running ones stop at their worker's next check (about 0.5 s)."""
+        return store.cancel_batch(self.client.connection, self.id)
+
+
+def _iter_lines(source: Source) -> Iterator[str]:
+    if isinstance(source, str | os.PathLike):
+        with open(source, encoding="utf-8", newline="\n") as f:
+            # Split on newlines only: str.splitlines() would also split inside JSON strings at U+2028 etc.
+            for line in f:
+                yield line.rstrip("\n")
+        return
+    for item in source:
+        yield item if isinstance(item, str) else json.dumps(item)
+
+
+class _progress_reporter:
+    """Context manager giving a `report(status)` function: a click bar, a user callback, or nothing."""
+
+    def __init__(self, progress, batch_id: str, first: BatchStatus):
+        self._progress, self._batch_id, self._first = progress, batch_id, first
+        self._bar: Any = None  # click's progress bar, when progress is True
+        self._shown = 0
+
+    def __enter__(self) -> Callable[[BatchStatus], None]:
+        if self._progress is True:
+            import click
+
+            self._bar = click.progressbar(
+                length=self._first.num_total, label=f"batch {self._batch_id}", file=sys.stderr
+            )
+            self._bar.__enter__()
+        return self._report
+
+    def _report(self, st: BatchStatus) -> None:
+        if self._bar is not None:
+            self._bar.update(st.num_finished - self._shown)
+            self._shown = st.num_finished
+        elif callable(self._progress):
+            self._progress(st)
+
+    def __exit__(self, *exc_info) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc_info)

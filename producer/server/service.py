@@ -1,0 +1,191 @@
+"""The server's batch lifecycle: validate and submit an input file, watch the batch, write its output files.
+
+Owns the transitions of `records.py`'s status diagram. Everything goes through `producer.client`, like the CLI.
+Slow work (validating a 200 MB file, writing output files) runs on a small thread pool, never in a request:
+- `create` records the batch as validating and queues `_validate_and_submit`, which streams the input file from
+  disk line by line, and either submits it (in_progress) or records OpenAI-shaped errors (failed).
+- `view` reads the cbq status; once every request has finished it queues `_finalize` (at most one per batch
+  across server processes, through a Redis lock), which streams the results into an output file and an error
+  file; when the window has run out it cancels what is left first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from producer.client import BatchNotFound, Client
+from producer.server.files import FileStore
+from producer.server.records import MAX_REPORTED_ERRORS, BatchRecord, BatchRecords, batch_object
+from schemas import keys
+from schemas.errors import RequestLineError
+from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
+from schemas.result import OpenAIBatchOutputLine
+from schemas.status import BatchStatus
+
+log = logging.getLogger("cbq.server")
+
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
+FINALIZE_LOCK_SECONDS = 600  # a finalizing process that died releases the batch after this
+_WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})(s|m|h|d)$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_completion_window(window: str) -> int | None:
+    """Seconds of a window such as "24h" (OpenAI's only value) or "30m"; None if malformed."""
+    match = _WINDOW_RE.match(window)
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)] if match else None
+
+
+class BatchService:
+    def __init__(
+        self, client: Client, files: FileStore, ttl_seconds: int, chunk_size: int, max_threads: int = 2
+    ):
+        self.client = client
+        self.files = files
+        self.records = BatchRecords(client.connection, ttl_seconds)
+        self.ttl_seconds = ttl_seconds
+        self.chunk_size = chunk_size
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbq-server")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- create ------------------------------------------------------------------------------------------------
+
+    def create(self, **fields) -> dict:
+        record = self.records.create(**fields)
+        self._pool.submit(self._logged, self._validate_and_submit, record.id)
+        return batch_object(record, None)
+
+    def _validate_and_submit(self, api_batch_id: str) -> None:
+        record = self.records.get(api_batch_id)
+        validated = self.client.validate(self.files.iter_lines(record.input_file_id))
+        errors = [_error_entry(e) for e in validated.errors]
+        for parsed in validated.requests:
+            if parsed.url is not None and parsed.url != record.endpoint:
+                message = f"the line's url {parsed.url} differs from the batch's endpoint {record.endpoint}"
+                errors.append(_entry("mismatched_endpoint", message, "url", parsed.line_no))
+        if not errors and not validated.requests:
+            errors.append(_entry("empty_file", "the input file has no requests", None, None))
+        now = int(time.time())
+        if errors:
+            errors.sort(key=lambda e: e["line"] or 0)
+            self.records.update(api_batch_id, errors=errors[:MAX_REPORTED_ERRORS], failed_at=now)
+            return
+        if self.records.get(api_batch_id).cancelling_at:  # cancelled while validating: submit nothing
+            self.records.update(api_batch_id, cancelled_at=now)
+            return
+        batch = self.client.submit(validated, chunk_size=self.chunk_size, ttl_seconds=self.ttl_seconds)
+        self.records.update(api_batch_id, cbq_batch_id=batch.id, in_progress_at=now)
+        if self.records.get(api_batch_id).cancelling_at:  # cancelled while it was being submitted
+            batch.cancel()
+
+    # --- read --------------------------------------------------------------------------------------------------
+
+    def view(self, api_batch_id: str) -> dict:
+        """The batch object; moves the batch on when its requests are done or its window has run out."""
+        record = self.records.get(api_batch_id)
+        status = self._cbq_status(record)
+        if status is not None and not record.is_terminal:
+            if not status.is_done and time.time() >= record.expires_at and not record.expire_requested_at:
+                self.records.update(api_batch_id, only_if_unset=True, expire_requested_at=int(time.time()))
+                self.client.batch(status.batch_id).cancel()
+            elif status.is_done and self._take_finalize_lock(api_batch_id):
+                self.records.update(api_batch_id, only_if_unset=True, finalizing_at=int(time.time()))
+                self._pool.submit(self._logged, self._finalize, api_batch_id)
+            record = self.records.get(api_batch_id)
+        return batch_object(record, status)
+
+    def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        ids, has_more = self.records.list_ids(after, limit)
+        out = []
+        for api_batch_id in ids:
+            try:
+                out.append(self.view(api_batch_id))
+            except LookupError:
+                self.records.forget(api_batch_id)
+        return out, has_more
+
+    def _cbq_status(self, record: BatchRecord) -> BatchStatus | None:
+        if record.cbq_batch_id is None:
+            return None
+        try:
+            return self.client.batch(record.cbq_batch_id).status()
+        except BatchNotFound:  # its results expired before the record did
+            return None
+
+    # --- cancel ------------------------------------------------------------------------------------------------
+
+    def cancel(self, api_batch_id: str) -> dict:
+        record = self.records.get(api_batch_id)
+        if not record.is_terminal and not record.finalizing_at:  # finalizing: every request has finished
+            self.records.update(api_batch_id, only_if_unset=True, cancelling_at=int(time.time()))
+            if record.cbq_batch_id is not None:
+                self.client.batch(record.cbq_batch_id).cancel()
+        return self.view(api_batch_id)
+
+    # --- finalize ----------------------------------------------------------------------------------------------
+
+    def _take_finalize_lock(self, api_batch_id: str) -> bool:
+        lock = keys.api_batch_finalize_lock(api_batch_id)
+        return bool(self.client.connection.set(lock, "1", nx=True, ex=FINALIZE_LOCK_SECONDS))
+
+    def _finalize(self, api_batch_id: str) -> None:
+        """Write the output file (successful requests) and the error file (the others), then the final status."""
+        record = self.records.get(api_batch_id)
+        assert record.cbq_batch_id is not None, f"{api_batch_id} is finalized before it was submitted"
+        ttl = record.output_expires_seconds
+        with (
+            self.files.writer(f"{api_batch_id}_output.jsonl", "batch_output", ttl) as output,
+            self.files.writer(f"{api_batch_id}_error.jsonl", "batch_output", ttl) as errors,
+        ):
+            num_output = num_errors = 0
+            for line in self.client.batch(record.cbq_batch_id).results(format="openai"):
+                assert isinstance(line, OpenAIBatchOutputLine), type(line)
+                failed = line.is_failure
+                (errors if failed else output).write(line.model_dump_json().encode() + b"\n")
+                num_output += not failed
+                num_errors += failed
+        now = int(time.time())
+        outcome = "completed_at"
+        if record.cancelling_at:
+            outcome = "cancelled_at"
+        elif record.expire_requested_at:
+            outcome = "expired_at"
+        changes: dict = {outcome: now}
+        for writer, num_lines, field in (
+            (output, num_output, "output_file_id"),
+            (errors, num_errors, "error_file_id"),
+        ):
+            assert writer.record is not None, "a writer that exited cleanly has stored its file"
+            if num_lines:
+                changes[field] = writer.record.id
+            else:
+                self.files.delete(writer.record.id)
+        self.records.update(api_batch_id, **changes)
+
+    @staticmethod
+    def _logged(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("%s%s failed", fn.__name__, args)
+
+
+def _error_entry(error: RequestLineError) -> dict:
+    issue = error.issues[0]
+    if issue.message.startswith("invalid JSON"):
+        code = "invalid_json_line"
+    elif issue.message.startswith("duplicate custom_id"):
+        code = "duplicate_custom_id"
+    else:
+        code = "invalid_request"
+    message = "; ".join(str(i) for i in error.issues)
+    return _entry(code, message, issue.field or None, error.line_no)
+
+
+def _entry(code: str, message: str, param: str | None, line: int | None) -> dict:
+    return {"code": code, "message": message, "param": param, "line": line}

@@ -1,0 +1,154 @@
+"""The owned decoder's Triton kernels compute their torch references (which are transformers'
+functions). Checked on CPU through Triton's interpreter, in a subprocess since TRITON_INTERPRET must be
+set before triton is imported; the GPU check is in test_decoder_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine import fused_kernels
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+CHECK = r"""
+from tests.worker.engine.test_fused_kernels import check_kernels
+
+check_kernels("cpu")
+print("fused kernels match")
+"""
+
+
+def check_kernels(device: str) -> None:
+    """Each Triton kernel against its torch twin, fp32 and bf16, on `device` (CUDA or the interpreter)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+            _check_add_rmsnorm_and_silu_mul(dtype, tol)
+            # head_dim 24: a non-power-of-two half
+            for head_dim, with_norm in ((32, False), (32, True), (24, True)):
+                _check_qkv_rope_write(dtype, tol, head_dim, with_norm)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def _check_add_rmsnorm_and_silu_mul(dtype, tol):
+    from worker.engine import fused_kernels as fk
+
+    x, res, w = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype), torch.randn(96).to(dtype)
+    want_normed, want_res = fk.add_rmsnorm_ref(x, res, w, 1e-5)
+    got_normed, got_res = fk.add_rmsnorm(x, res.clone(), w, 1e-5)
+    assert _rel(got_res, want_res) < tol / 2, dtype  # one rounding (the interpreter rounds bf16 its way)
+    assert _rel(got_normed, want_normed) < tol, (dtype, _rel(got_normed, want_normed))
+    got_normed, got_res = fk.add_rmsnorm(x, None, w, 1e-5)
+    assert got_res is x and _rel(got_normed, fk.rmsnorm_ref(x, w, 1e-5)) < tol
+    gate_up = torch.randn(3, 2 * 200).to(dtype)
+    assert _rel(fk.silu_mul(gate_up), fk.silu_mul_ref(gate_up)) < tol, dtype
+
+
+def _check_qkv_rope_write(dtype, tol, head_dim, with_norm):
+    """4 q heads, 2 kv heads, 5 tokens, one of them a padding row (slot -1)."""
+    from worker.engine import fused_kernels as fk
+    from worker.engine.attention import write_kv_ref
+
+    num_heads, num_kv, block_size, num_blocks, num_tokens = 4, 2, 4, 6, 5
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv) * head_dim).to(dtype)
+    positions = torch.tensor([0, 3, 7, 2, 9], dtype=torch.int32)
+    angles = torch.rand(16, head_dim // 2).repeat(1, 2) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_norm = torch.randn(head_dim).to(dtype) if with_norm else None
+    k_norm = torch.randn(head_dim).to(dtype) if with_norm else None
+    slots = torch.tensor([1, 6, 13, -1, 22], dtype=torch.int32)
+    k_ref, v_ref, k_got, v_got = (
+        torch.zeros(num_blocks, block_size, num_kv, head_dim, dtype=dtype) for _ in range(4)
+    )
+    args = (qkv, positions, cos, sin, q_norm, k_norm, 1e-6, num_heads, num_kv)
+    want_q = fk.qkv_rope_write_ref(*args, lambda k, v: write_kv_ref(k, v, k_ref, v_ref, slots))
+    got_q = fk.qkv_rope_write(*args, k_got, v_got, slots)
+    what = (dtype, head_dim, with_norm)
+    # transformers rounds after each rotary product, the kernel once: allow two roundings' worth
+    assert got_q.shape == want_q.shape and _rel(got_q, want_q) < 2 * tol, (what, _rel(got_q, want_q))
+    assert _rel(k_got, k_ref) < 2 * tol, (what, _rel(k_got, k_ref))
+    assert torch.equal(v_got, v_ref), what  # v is copied, not computed
+
+
+DECODER_CHECK = r"""
+from tests.worker.engine.test_fused_kernels import check_decoder
+
+check_decoder("cpu")
+print("decoder matches")
+"""
+
+
+def check_decoder(device: str) -> None:
+    """The whole owned forward with the Triton element-wise kernels equals its torch twin."""
+    from worker.engine.attention_backend import AttentionBackend, AttentionMetadata
+    from worker.engine.decoder import OwnedDecoder
+    from worker.engine.model_runner import allocate_kv_cache
+    from worker.engine.models import load_model
+
+    dev = torch.device(device)
+    for name in ("tiny-qwen3", "tiny-qwen2"):
+        model, _ = load_model(name, dev, torch.float32)
+        outs = []
+        for use_triton in (False, True):
+            decoder = OwnedDecoder(model, 64, use_triton=use_triton)
+            assert decoder.use_triton == use_triton
+            caches = allocate_kv_cache(model.config, 8, 16, torch.float32, dev)
+            i32 = dict(dtype=torch.int32, device=dev)
+            meta = AttentionMetadata(
+                kv_caches=caches,
+                slot_mapping=torch.tensor([16, 17, 18, 19, 32, 33, 34], **i32),
+                block_tables=torch.tensor([[1], [2]], **i32),
+                cu_seqlens_q=torch.tensor([0, 4, 7], **i32),
+                context_lens=torch.tensor([4, 3], **i32),
+                max_query_len=4,
+                max_context_len=4,
+                is_decode_only=False,
+                backend=AttentionBackend(),
+            )
+            ids = torch.tensor([1, 5, 9, 77, 4, 8, 2], **i32)
+            positions = torch.tensor([0, 1, 2, 3, 0, 1, 2], **i32)
+            with torch.inference_mode():
+                outs.append(decoder(ids, positions, meta, torch.tensor([3, 6], device=dev)))
+        err = (outs[0] - outs[1]).abs().max().item()
+        assert outs[0].shape == (2, model.config.vocab_size) and err < 1e-4, (name, err)
+
+
+def _interpret(code: str, marker: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert marker in proc.stdout
+
+
+needs_triton = pytest.mark.skipif(not fused_kernels.HAVE_TRITON, reason="triton is not installed")
+
+
+@needs_triton
+def test_fused_kernels_match_references_in_the_interpreter():
+    _interpret(CHECK, "fused kernels match")
+
+
+@needs_triton
+def test_owned_decoder_with_triton_kernels_matches_torch_path_in_the_interpreter():
+    _interpret(DECODER_CHECK, "decoder matches")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and fused_kernels.HAVE_TRITON), reason="needs CUDA, triton"
+)
+def test_gpu_fused_kernels_and_decoder():
+    check_kernels("cuda")
+    check_decoder("cuda")

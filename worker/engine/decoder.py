@@ -1,0 +1,132 @@
+"""The owned decoder: cbq's own forward for Llama, Mistral, Qwen2 and Qwen3 over the paged KV cache.
+
+Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
+rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
+checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
+
+Per layer (CUDA, 8 launches + attention):
+    add_rmsnorm -> QKV GEMM -> qkv_rope_write (q/k norm, rotary, KV write) -> attention -> O GEMM
+    -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
+against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
+norms and the KV write). On CPU the same structure runs through the torch references in
+`fused_kernels.py`, which compute transformers' functions exactly; fp32 greedy output equals
+`model.generate` token for token (tests/worker/engine/test_engine_exact.py).
+
+Rotary uses the model's own `inv_freq` and `attention_scaling` (default, llama3, yarn, linear, ...
+rope types stay exact). Rope types that change their frequencies with the sequence length at run
+time ("dynamic", "longrope") are not supported here: `unsupported_reason` says so and "auto" keeps
+transformers' forward for them.
+
+The forward reads no device value on the host and branches only on shapes and host flags, so it is
+CUDA-graph capturable. Logits are computed only for the rows asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import fused_kernels as fk
+from .attention_backend import AttentionMetadata
+from .config import DECODERS
+from .fused_weights import LayerWeights, layer_weights
+from .models import SUPPORTED_MODEL_TYPES
+
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the owned decoder cannot run `model` (None: it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type in DYNAMIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} changes its frequencies at run time"
+    return None
+
+
+class OwnedDecoder:
+    def __init__(self, model, max_model_len: int, use_triton: bool):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the owned decoder does not support this model: {reason}")
+        config = model.config
+        inner = model.model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        first_attn = inner.layers[0].self_attn
+        self.head_dim = first_attn.head_dim
+        self.scale = first_attn.scaling
+        self.eps = config.rms_norm_eps
+        self.embed_weight = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.get_output_embeddings().weight  # the embedding itself when tied
+        self.layers: list[LayerWeights] = [layer_weights(layer) for layer in inner.layers]
+        num_positions = max(max_model_len, config.max_position_embeddings)
+        self.cos_table, self.sin_table = rotary_tables(inner.rotary_emb, num_positions, self.embed_weight)
+        self.use_triton = use_triton and fk.HAVE_TRITON
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [R, V] for the rows `logits_indices` (None: all T)."""
+        add_rmsnorm = fk.add_rmsnorm if self.use_triton else fk.add_rmsnorm_ref
+        silu_mul = fk.silu_mul if self.use_triton else fk.silu_mul_ref
+        hidden = F.embedding(input_ids, self.embed_weight)
+        residual = None
+        for layer_idx, w in enumerate(self.layers):
+            k_cache, v_cache = attn.kv_caches[layer_idx]
+            normed, residual = add_rmsnorm(hidden, residual, w.input_norm, self.eps)
+            qkv = F.linear(normed, w.qkv_weight, w.qkv_bias)
+            q = self._qkv_rope_write(qkv, positions, w, k_cache, v_cache, attn)
+            out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx)
+            hidden = F.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
+            normed, residual = add_rmsnorm(hidden, residual, w.post_norm, self.eps)
+            gate_up = F.linear(normed, w.gate_up_weight, w.gate_up_bias)
+            hidden = F.linear(silu_mul(gate_up), w.down_weight, w.down_bias)
+        if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
+            assert residual is not None, "a model has at least one layer"
+            hidden, residual = hidden[logits_indices], residual[logits_indices]
+        normed, _ = add_rmsnorm(hidden, residual, self.final_norm, self.eps)
+        return F.linear(normed, self.lm_head)
+
+    def _qkv_rope_write(self, qkv, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata):
+        args = (qkv, positions, self.cos_table, self.sin_table, w.q_norm, w.k_norm, self.eps)
+        if self.use_triton:
+            return fk.qkv_rope_write(
+                *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping
+            )
+
+        def write_kv(k, v):
+            attn.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+
+        return fk.qkv_rope_write_ref(*args, self.num_heads, self.num_kv_heads, write_kv)
+
+
+def rotary_tables(rotary_emb, num_positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [num_positions, D] in the model dtype, computed as transformers' rotary forward does
+    (fp32 position x inv_freq, cat, cos/sin, times attention_scaling, cast), so lookups are bit-equal."""
+    inv_freq = rotary_emb.inv_freq.to(device=like.device, dtype=torch.float32)
+    positions = torch.arange(num_positions, device=like.device)
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scaling = rotary_emb.attention_scaling
+    return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
+
+
+def build_decoder(model, choice: str, device: torch.device, max_model_len: int, use_triton: bool):
+    """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'."""
+    assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
+    if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
+        return None
+    decoder = OwnedDecoder(model, max_model_len, use_triton)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # return the un-fused weights' blocks, so KV sizing sees them free
+    return decoder

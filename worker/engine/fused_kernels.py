@@ -1,0 +1,290 @@
+"""Fused element-wise kernels of the owned decoder (`decoder.py`). Owns nothing.
+
+Each op has a Triton kernel (CUDA) and a plain-torch twin (`*_ref`, CPU and tests) computing the same
+function as transformers' Llama/Qwen layer, with the same roundings to the model dtype where transformers
+rounds:
+  add_rmsnorm      residual += x (rounded to the dtype), then RMSNorm of the new residual; one launch
+                   returns both, and writes the residual in place
+  silu_mul         silu(gate) * up over a fused [T, 2 * I] gate/up GEMM output
+  qkv_rope_write   from one fused [T, (H + 2 * KVH) * D] QKV GEMM output: Qwen3's per-head q/k RMSNorm,
+                   rotary on q and k (cos/sin tables indexed by position), q out as [T, H, D], and k/v
+                   scattered into the paged cache at `slot_mapping` (-1 = skip): one launch per layer
+                   instead of norm, rotary and KV-write kernels
+All launches depend only on shapes, so they are CUDA-graph capturable. The module imports without
+triton (`HAVE_TRITON`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs
+    HAVE_TRITON = False
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+# -- torch references (CPU path) ------------------------------------------------------------------------
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: fp32 statistics, round to x's dtype, then multiply by the weight."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed
+
+
+def add_rmsnorm_ref(x, residual, weight, eps):
+    """Returns (rmsnorm(x + residual), x + residual); residual None means the sum is x itself."""
+    residual = x if residual is None else residual + x
+    return rmsnorm_ref(residual, weight, eps), residual
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def qkv_rope_write_ref(
+    qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, num_heads, num_kv_heads, write_kv
+) -> torch.Tensor:
+    """Split, (q/k norm), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
+    num_tokens = qkv.shape[0]
+    head_dim = cos_table.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rmsnorm_ref(q, q_norm, eps), rmsnorm_ref(k, k_norm, eps)
+    cos = cos_table[positions][:, None, :]
+    sin = sin_table[positions][:, None, :]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    write_kv(k, v)
+    return q
+
+
+# -- Triton kernels ---------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64) * n_cols
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (x + r).to(res_ptr.dtype.element_ty)  # transformers adds in the model dtype
+            tl.store(res_ptr + row + cols, x, mask=mask)
+            x = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        g = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # silu rounds, then mul
+        tl.store(out_ptr + t * inter + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qkv_rope_write_kernel(
+        qkv_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_qkv,
+        stride_cos,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        eps,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        HEADS_PER_PROG: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        HAS_QK_NORM: tl.constexpr,
+    ):
+        # One program: token t, HEADS_PER_PROG consecutive heads of the [q heads | k heads | v heads] row.
+        t = tl.program_id(0).to(tl.int64)
+        hh = tl.program_id(1) * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
+        i = tl.arange(0, BLOCK_HALF)
+        is_q = hh < NUM_HEADS
+        is_k = (hh >= NUM_HEADS) & (hh < NUM_HEADS + NUM_KV_HEADS)
+        is_v = (hh >= NUM_HEADS + NUM_KV_HEADS) & (hh < NUM_HEADS + 2 * NUM_KV_HEADS)
+        m = (is_q | is_k | is_v)[:, None] & (i < HALF)[None, :]
+        src = qkv_ptr + t * stride_qkv + hh[:, None] * HEAD_DIM + i[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        dtype = q_out_ptr.dtype.element_ty
+        if HAS_QK_NORM:  # Qwen3: RMSNorm over each q and k head (not v), rounded like transformers
+            inv_rms = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)
+            wm = (i < HALF)[None, :]
+            w1 = tl.where(
+                is_q[:, None],
+                tl.load(qw_ptr + i[None, :], mask=wm, other=0.0),
+                tl.load(kw_ptr + i[None, :], mask=wm, other=0.0),
+            ).to(tl.float32)
+            w2 = tl.where(
+                is_q[:, None],
+                tl.load(qw_ptr + HALF + i[None, :], mask=wm, other=0.0),
+                tl.load(kw_ptr + HALF + i[None, :], mask=wm, other=0.0),
+            ).to(tl.float32)
+            n1 = (w1 * (x1 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            n2 = (w2 * (x2 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x1 = tl.where(is_v[:, None], x1, n1)
+            x2 = tl.where(is_v[:, None], x2, n2)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cs = pos * stride_cos + i[None, :]
+        c1 = tl.load(cos_ptr + cs, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs + HALF, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs + HALF, mask=m, other=0.0).to(tl.float32)
+        rope = (is_q | is_k)[:, None]
+        y1 = tl.where(rope, x1 * c1 - x2 * s1, x1)  # rotate_half(x) = cat(-x2, x1)
+        y2 = tl.where(rope, x2 * c2 + x1 * s2, x2)
+        q_dst = q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + hh[:, None] * HEAD_DIM + i[None, :]
+        qm = m & is_q[:, None]
+        tl.store(q_dst, y1.to(dtype), mask=qm)
+        tl.store(q_dst + HALF, y2.to(dtype), mask=qm)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            kh = (hh - NUM_HEADS)[:, None]
+            k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + i[None, :]
+            km = m & is_k[:, None]
+            tl.store(k_dst, y1.to(k_cache_ptr.dtype.element_ty), mask=km)
+            tl.store(k_dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=km)
+            vh = (hh - NUM_HEADS - NUM_KV_HEADS)[:, None]
+            v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh * stride_vch + i[None, :]
+            vm = m & is_v[:, None]
+            tl.store(v_dst, y1.to(v_cache_ptr.dtype.element_ty), mask=vm)
+            tl.store(v_dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=vm)
+
+
+def add_rmsnorm(x, residual, weight, eps):
+    """Triton twin of `add_rmsnorm_ref`: x [T, N] contiguous; `residual` (if given) is updated in place."""
+    assert x.is_contiguous() and (residual is None or residual.shape == x.shape and residual.is_contiguous())
+    out = torch.empty_like(x)
+    num_rows, num_cols = x.shape
+    if num_rows:
+        block = _next_pow2(num_cols)
+        _add_rmsnorm_kernel[(num_rows,)](
+            x,
+            x if residual is None else residual,
+            weight,
+            out,
+            num_cols,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=4 if block <= 2048 else 8,
+        )
+    return out, (x if residual is None else residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    assert gate_up.is_contiguous()
+    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        block = min(1024, _next_pow2(inter))
+        _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            gate_up, out, inter, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+def qkv_rope_write(
+    qkv,
+    positions,
+    cos_table,
+    sin_table,
+    q_norm,
+    k_norm,
+    eps,
+    num_heads,
+    num_kv_heads,
+    k_cache,
+    v_cache,
+    slot_mapping,
+) -> torch.Tensor:
+    """Triton twin of `qkv_rope_write_ref` writing straight into the paged caches; returns q [T, H, D]."""
+    num_tokens = qkv.shape[0]
+    head_dim = cos_table.shape[-1]
+    block_size = k_cache.shape[1]
+    assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and cos_table.stride(-1) == 1
+    assert cos_table.stride() == sin_table.stride() and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    block_half = _next_pow2(head_dim // 2)
+    heads_per_prog = max(1, min(_next_pow2(num_heads + 2 * num_kv_heads), 1024 // block_half))
+    num_progs = triton.cdiv(num_heads + 2 * num_kv_heads, heads_per_prog)
+    has_norm = q_norm is not None
+    _qkv_rope_write_kernel[(num_tokens, num_progs)](
+        qkv,
+        positions,
+        cos_table,
+        sin_table,
+        q_norm if has_norm else cos_table,
+        k_norm if has_norm else cos_table,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        qkv.stride(0),
+        cos_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        eps,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        BLOCK_HALF=block_half,
+        HEADS_PER_PROG=heads_per_prog,
+        BLOCK_SIZE=block_size,
+        HAS_QK_NORM=has_norm,
+        num_warps=4 if heads_per_prog * block_half >= 512 else 2,
+    )
+    return q
