@@ -19,6 +19,7 @@ from producer.lazy_group import PluginGroup
 from producer.options import (
     chunk_size_option,
     echo_json,
+    errors_option,
     format_option,
     json_option,
     open_redis,
@@ -238,14 +239,17 @@ def wait(batch_id, redis_url, interval, timeout, as_json):
     help="Output file (default: stdout). Written atomically.",
 )
 @format_option
+@errors_option
 @click.option("--partial", is_flag=True, help="Write the finished requests of an unfinished batch.")
-def results(batch_id, redis_url, output, output_format, partial):
+def results(batch_id, redis_url, output, output_format, errors, partial):
     """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included."""
     with _batch_errors(batch_id):
         lines = _client(redis_url).batch(batch_id).results(format=output_format, partial=partial)
-        num_written = write_result_lines(output, lines, output_format)
+        num_written, num_errors = write_result_lines(output, lines, output_format, errors)
     if output != "-":
         click.echo(f"wrote {num_written} results to {output}", err=True)
+    if errors is not None and errors != "-":
+        click.echo(f"wrote {num_errors} failed requests to {errors}", err=True)
 
 
 # --- cancel --------------------------------------------------------------------------------------------------

@@ -6,12 +6,13 @@ module, never each other.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 
 import click
-from pydantic import BaseModel
 
+from schemas.result import OpenAIBatchOutputLine, ResultLine
 from schemas.status import BatchStatus
 
 
@@ -39,17 +40,26 @@ def status_json(st: BatchStatus) -> dict:
     return {**st.model_dump(), "state": st.state, "is_done": st.is_done}
 
 
-def write_result_lines(output: str, lines: Iterator[BaseModel], output_format: str) -> int:
-    """Write result lines (from `store.iter_results`) as JSONL to `output` (`-`: stdout); returns how many.
+def write_result_lines(
+    output: str, lines: Iterator[ResultLine | OpenAIBatchOutputLine], output_format: str, errors: str | None = None
+) -> tuple[int, int]:
+    """Write result lines (from `store.iter_results`) as JSONL to `output` (`-`: stdout). With `errors`, failed
+    and cancelled requests (`is_failure`) go to that file instead, as OpenAI's batch error file. Returns how
+    many lines went to `output` and to `errors`.
 
-    A file is written atomically. The first line is read before the file is opened, so an error raised by
+    Files are written atomically. The first line is read before a file is opened, so an error raised by
     `lines` (batch not found, not finished) leaves no file behind. cbq lines leave out empty fields; OpenAI
     lines keep their nulls, as OpenAI writes them.
     """
     first = next(lines, None)
-    num_written = 0
-    with click.open_file(output, "w", encoding="utf-8", atomic=output != "-") as out:
+    counts = {False: 0, True: 0}
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=output != "-"))
+        error_out = out
+        if errors is not None:
+            error_out = stack.enter_context(click.open_file(errors, "w", encoding="utf-8", atomic=errors != "-"))
         for line in itertools.chain([first] if first is not None else [], lines):
-            out.write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
-            num_written += 1
-    return num_written
+            to_errors = errors is not None and line.is_failure
+            (error_out if to_errors else out).write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
+            counts[to_errors] += 1
+    return counts[False], counts[True]

@@ -61,6 +61,16 @@ def chunk_size_option(f: Callable) -> Callable:
     )(f)
 
 
+def errors_option(f: Callable) -> Callable:
+    return click.option(
+        "--errors",
+        type=click.Path(dir_okay=False, allow_dash=True),
+        default=None,
+        help="Write failed and cancelled requests to this file instead (OpenAI's error file: with --format "
+        "openai, errors and non-200 responses). Without it, every request goes to the output.",
+    )(f)
+
+
 def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(f)
 

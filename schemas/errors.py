@@ -57,7 +57,7 @@ def issues_from_validation_error(
         loc = prefix + tuple(error["loc"])
         message = error["msg"]
         if error["type"] == "extra_forbidden" and len(error["loc"]) == 1:
-            allowed = ", ".join(model.model_fields)
+            allowed = ", ".join(name for name, info in model.model_fields.items() if not info.exclude)
             message = f"unknown or unsupported field (allowed: {allowed})"
         elif error["type"] == "extra_forbidden":
             message = "unknown or unsupported field"

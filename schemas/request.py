@@ -22,7 +22,9 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     create_model,
+    field_validator,
     model_validator,
 )
 
@@ -30,7 +32,6 @@ from schemas.errors import FieldIssue, RequestLineError, issues_from_validation_
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
-DEFAULT_MAX_NEW_TOKENS = 16  # same default as the engine's SamplingParams
 
 
 class StrictModel(BaseModel):
@@ -62,12 +63,45 @@ Seed = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class ChatMessage(StrictModel):
+    """One chat message. OpenAI's forms are accepted and normalized: the `developer` role is `system`, and
+    content given as a list of text parts is their texts joined by newlines (image, audio and file parts are
+    rejected: cbq generates text from text)."""
+
     role: Literal["system", "user", "assistant"]
     content: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_forms(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("role") == "developer":
+            data["role"] = "system"
+        if isinstance(data.get("content"), list):
+            data["content"] = _text_of_parts(data["content"])
+        return data
+
+
+def _text_of_parts(parts: list[Any]) -> Any:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            if kind in ("image_url", "input_image", "input_audio", "file"):
+                raise ValueError(f"content parts of type {kind!r} are not supported: cbq takes text only")
+            raise ValueError('content parts must be {"type": "text", "text": "..."}')
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise ValueError('a text part is {"type": "text", "text": "..."}')
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 class Sampling(StrictModel):
     """The one definition of the sampling fields: names, types, bounds, defaults and descriptions.
+
+    None means "not set": the worker's engine fills it from the checkpoint's generation_config.json, else
+    from its built-in default (`SamplingParams.with_defaults`), so the model's own defaults apply.
 
     Everything else is derived from it: `SamplingOverrides` (every field optional, for lines and batch flags),
     the OpenAI body fields (through `OPENAI_RENAMES`), the `cbq submit`/`cbq run` flags
@@ -76,16 +110,31 @@ class Sampling(StrictModel):
     and to `SamplingParams`.
     """
 
-    max_new_tokens: int = Field(
-        DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT, description="Most tokens to generate."
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_NEW_TOKENS_LIMIT,
+        description="Most tokens to generate (default: the model's generation_config, else the rest of the context).",
     )
-    temperature: float = Field(
-        0.0, ge=0, le=MAX_TEMPERATURE, description="Sampling temperature; 0 is greedy."
+    temperature: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_TEMPERATURE,
+        description="Sampling temperature; 0 is greedy (default: the model's generation_config, else 0).",
     )
-    top_p: float = Field(
-        1.0, gt=0, le=1, description="Keep the most likely tokens up to this total probability; 1 keeps all."
+    top_p: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Keep the most likely tokens up to this total probability; 1 keeps all "
+        "(default: the model's generation_config, else 1).",
     )
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens; 0 keeps all.")
+    top_k: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_K,
+        description="Keep the k most likely tokens; 0 keeps all (default: the model's generation_config, else 0).",
+    )
     seed: Seed | None = Field(None, description="Random seed; without one, the request id seeds the draws.")
     stop: StopStrings = Field([], description="Strings that end the output (the text is cut before them).")
     stop_token_ids: StopTokenIds = Field([], description="Token ids that end the output.")
@@ -147,10 +196,69 @@ class ChatLine(SamplingOverrides):
 OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
 
+class _TextResponseFormat(StrictModel):
+    type: Literal["text"]
+
+
+# OpenAI body fields that cbq accepts only at the value that changes nothing, and why it cannot do more.
+_NO_OP_VALUES: dict[str, tuple[Any, str]] = {
+    "n": (1, "one completion per request"),
+    "stream": (False, "batch results are not streamed"),
+    "logprobs": (False, "logprobs are not returned yet"),
+    "presence_penalty": (0, "penalties are not applied"),
+    "frequency_penalty": (0, "penalties are not applied"),
+}
+# Fields that ask for what cbq cannot do yet: rejected with the reason, not as unknown.
+_UNSUPPORTED_FIELDS = {
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "audio": "audio output",
+    "modalities": "output modalities other than text",
+}
+
+
 class _OpenAIBodyBase(StrictModel):
+    """The body fields every OpenAI endpoint shares. Fields that do nothing at their accepted value are taken
+    so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`, `store`,
+    `service_tier` and `parallel_tool_calls` are accepted and ignored."""
+
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
-    n: Literal[1] | None = None  # one completion per request
-    stream: Literal[False] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    logprobs: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: _TextResponseFormat | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # Declared only to be refused with the reason (see `_UNSUPPORTED_FIELDS`); excluded from the fields
+    # an error message lists as allowed.
+    tools: Any = Field(None, exclude=True)
+    tool_choice: Any = Field(None, exclude=True)
+    functions: Any = Field(None, exclude=True)
+    function_call: Any = Field(None, exclude=True)
+    audio: Any = Field(None, exclude=True)
+    modalities: Any = Field(None, exclude=True)
+
+    @field_validator(*_UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return value
+        raise ValueError(f"cbq does not support {_UNSUPPORTED_FIELDS[info.field_name or '']} yet")
+
+    @field_validator(*_NO_OP_VALUES)
+    @classmethod
+    def _no_op_value(cls, value: Any, info: ValidationInfo) -> Any:
+        accepted, why = _NO_OP_VALUES[info.field_name or ""]
+        if value is not None and value != accepted:
+            raise ValueError(f"only {json.dumps(accepted)} is accepted ({why})")
+        return value
 
     @model_validator(mode="after")
     def _one_name_per_field(self):

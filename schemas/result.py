@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.request import CHAT_COMPLETIONS_URL, Request
 
 FinishReason = Literal["stop", "length", "error", "cancelled"]
+# Why a request was refused before it ran (the engine's `ErrorCode` values): an invalid request, which the
+# OpenAI output reports as an HTTP 400 response, as OpenAI does.
+ErrorCode = Literal["context_length_exceeded", "invalid_prompt"]
 Outcome = Literal["completed", "failed", "cancelled"]  # what a batch counts: `num_{outcome}` fields
 OUTPUT_FORMATS = ("cbq", "openai")  # `cbq results --format`: ResultLine, or OpenAI Batch output lines
 
@@ -46,12 +49,20 @@ class ResultLine(_Model):
     finish_reason: FinishReason
     usage: Usage = Usage()
     error: str | None = None  # set exactly when finish_reason is "error"
+    error_code: ErrorCode | None = None  # only for errors: the request was invalid (not a failure)
 
     @model_validator(mode="after")
     def _error_iff_failed(self):
         if (self.finish_reason == "error") != (self.error is not None):
             raise ValueError("error is set exactly when finish_reason is 'error'")
+        if self.error_code is not None and self.error is None:
+            raise ValueError("error_code is set only with an error")
         return self
+
+    @property
+    def is_failure(self) -> bool:
+        """Failed or cancelled: what `--errors FILE` receives."""
+        return self.finish_reason in ("error", "cancelled")
 
 
 # --- OpenAI Batch output -------------------------------------------------------------------------------------
@@ -80,6 +91,11 @@ class OpenAIBatchOutputLine(_Model):
     response: OpenAIResponse | None = None
     error: OpenAIError | None = None
 
+    @property
+    def is_failure(self) -> bool:
+        """An error, or a response other than 200: what OpenAI puts in a batch's error file."""
+        return self.error is not None or self.response is None or self.response.status_code != 200
+
 
 def to_openai_output(
     result: ResultLine, request: Request, batch_id: str, model: str, created_at: int
@@ -89,6 +105,10 @@ def to_openai_output(
     request_id = f"{batch_id}-{result.index}"
     custom_id = result.custom_id or f"request-{result.index}"
     line_id = f"batch_req_{request_id}"
+    if result.error_code is not None:  # an invalid request: OpenAI answers it with a 400 and an error object
+        error = {"message": result.error, "type": "invalid_request_error", "param": None, "code": result.error_code}
+        response = OpenAIResponse(status_code=400, request_id=request_id, body={"error": error})
+        return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
     if result.finish_reason in ("error", "cancelled"):
         code = "generation_error" if result.finish_reason == "error" else "cancelled"
         message = result.error or "the request was cancelled before it finished"

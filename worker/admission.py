@@ -116,6 +116,7 @@ def to_result_line(request: Request, result: EngineResult) -> ResultLine:
         # NOTE: fields the result schema does not carry yet (cached_tokens) stay behind until it does.
         usage=Usage(**{k: v for k, v in dataclasses.asdict(result.usage).items() if k in Usage.model_fields}),
         error=(result.error or "the engine reported an error") if reason == "error" else None,
+        error_code=result.error_code.value if result.error_code and reason == "error" else None,
     )
 
 

@@ -15,6 +15,7 @@ from producer.cli_common import format_status, read_lines, write_result_lines
 from producer.client import Client
 from producer.options import (
     chunk_size_option,
+    errors_option,
     format_option,
     open_redis,
     queue_option,
@@ -39,24 +40,31 @@ def build_engine(
 
         return FakeEngine()
     from worker.engine.engine import Engine  # imports torch: only here
+    from worker.engine.models import ModelLoadError
 
     overrides = {"mode": mode, **(engine_config or {})}
     if device:
         overrides["device"] = device
-    return Engine.from_model(model, **overrides)
+    try:
+        return Engine.from_model(model, **overrides)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def engine_tuning_options(f):
-    """--max-num-seqs, --max-num-batched-tokens, --dtype, --no-prefix-caching, gathered into one
-    `engine_config` dict argument."""
+    """--max-num-seqs, --max-num-batched-tokens, --dtype, --no-prefix-caching, --no-generation-config-defaults,
+    gathered into one `engine_config` dict argument."""
 
     @functools.wraps(f)
-    def wrapper(*args, max_num_seqs, max_num_batched_tokens, dtype, no_prefix_caching, **kwargs):
+    def wrapper(
+        *args, max_num_seqs, max_num_batched_tokens, dtype, no_prefix_caching, generation_config_defaults, **kwargs
+    ):
         given = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "dtype": dtype,
             "enable_prefix_caching": False if no_prefix_caching else None,
+            "generation_config_defaults": generation_config_defaults,
         }
         return f(*args, engine_config={k: v for k, v in given.items() if v is not None}, **kwargs)
 
@@ -66,6 +74,13 @@ def engine_tuning_options(f):
         help="Compute every prompt whole instead of reusing the KV blocks of shared prefixes.",
     )(wrapper)
 
+    wrapper = click.option(
+        "--generation-config-defaults/--no-generation-config-defaults",
+        default=None,
+        help="Sampling fields a request leaves unset (temperature, top_p, top_k, max tokens) take the "
+        "checkpoint's generation_config.json values (default), or cbq's built-in ones (greedy, the rest of "
+        "the context). Its eos tokens apply either way.",
+    )(wrapper)
     wrapper = click.option(
         "--dtype",
         type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
@@ -162,6 +177,7 @@ def worker(
 )
 @queue_option
 @format_option
+@errors_option
 @chunk_size_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
@@ -177,6 +193,7 @@ def run(
     redis_url,
     queue,
     output_format,
+    errors,
     chunk_size,
     return_token_ids,
     log_level,
@@ -214,7 +231,7 @@ def run(
     )
     cbq_worker.work(burst=True, logging_level=log_level)
 
-    write_result_lines(output, batch.results(format=output_format, partial=True), output_format)
+    write_result_lines(output, batch.results(format=output_format, partial=True), output_format, errors)
     status = batch.status()
     click.echo(format_status(status), err=True)
     if not status.is_done:

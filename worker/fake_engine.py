@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.api import EngineRequest, EngineResult, EngineStats, FinishReason, Usage
+from worker.engine.api import EngineRequest, EngineResult, EngineStats, ErrorCode, FinishReason, Usage
 from worker.engine.tokenizer import ByteTokenizer
 
 FAKE_GPU_SECONDS_PER_TOKEN = 1e-5  # a made-up device cost, so accounting code sees non-zero numbers
@@ -181,7 +181,7 @@ class FakeEngine:
         sampling = req.sampling
         room = self.max_model_len - len(req.prompt_ids)
         output_ids: list[int] = []
-        for k in range(min(sampling.max_new_tokens, room)):
+        for k in range(min(sampling.max_new_tokens or room, room)):  # None: the rest of the context
             token = req.prompt_ids[k % len(req.prompt_ids)]
             if token in sampling.stop_token_ids:
                 return output_ids, FinishReason.STOP
@@ -202,6 +202,7 @@ class FakeEngine:
             finish_reason=FinishReason.ERROR,
             usage=Usage(prompt_tokens=n),
             error=message,
+            error_code=ErrorCode.INVALID_PROMPT if n == 0 else ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         )
 
 

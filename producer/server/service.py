@@ -145,9 +145,7 @@ class BatchService:
             num_output = num_errors = 0
             for line in self.client.batch(record.cbq_batch_id).results(format="openai"):
                 assert isinstance(line, OpenAIBatchOutputLine), type(line)
-                failed = line.error is not None or (
-                    line.response is not None and line.response.status_code >= 400
-                )
+                failed = line.is_failure
                 (errors if failed else output).write(line.model_dump_json().encode() + b"\n")
                 num_output += not failed
                 num_errors += failed

@@ -97,7 +97,7 @@ _LOST_STATUSES = {
     JobStatus.FAILED.value: "error",
     JobStatus.STOPPED.value: "cancelled",
     JobStatus.CANCELED.value: "cancelled",
-    None: "error",  # the job hash is gone: it expired before anyone ran it
+    None: "error",  # the job hash is gone: deleted (`rq empty`, the failed registry) or expired
 }
 
 
@@ -116,14 +116,14 @@ def find_lost_requests(conn: redis.Redis, batch_id: str) -> dict[int, tuple[Fini
         done = conn.hmget(keys.batch_results(batch_id), indices)
         missing = [i for i, raw in zip(indices, done, strict=True) if raw is None]
         if missing:
-            message = _job_failure_message(conn, job_id, status)
+            message = _job_failure_message(conn, batch_id, job_id, status)
             lost.update({i: (_LOST_STATUSES[status], message) for i in missing})
     return lost
 
 
-def _job_failure_message(conn: redis.Redis, job_id: str, status: str | None) -> str:
+def _job_failure_message(conn: redis.Redis, batch_id: str, job_id: str, status: str | None) -> str:
     if status is None:
-        return f"chunk job {job_id} expired before a worker ran it"
+        return _gone_job_message(conn, batch_id, job_id)
     reason = status
     try:
         latest = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
@@ -132,6 +132,21 @@ def _job_failure_message(conn: redis.Redis, job_id: str, status: str | None) -> 
     except Exception:  # the message is best effort; the count is what matters
         pass
     return f"chunk job {job_id} {status}: {reason}"
+
+
+def _gone_job_message(conn: redis.Redis, batch_id: str, job_id: str) -> str:
+    """Why a chunk job's hash is gone. It was created with the batch's TTL, so before that TTL has passed
+    since the batch was created, it cannot have expired: someone deleted it."""
+    created_at, ttl_seconds = conn.hmget(
+        keys.batch(batch_id), [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value]
+    )
+    if created_at is not None and ttl_seconds is not None:
+        if time.time() - float(created_at) < int(ttl_seconds):
+            return (
+                f"chunk job {job_id} was deleted from Redis before a worker finished it (e.g. by `rq empty` "
+                "or from rq's failed job registry); its unfinished requests will not run"
+            )
+    return f"chunk job {job_id} expired (its TTL ran out) before a worker ran it"
 
 
 def iter_results(

@@ -150,3 +150,29 @@ def test_iter_results_rejects_an_unknown_format_with_a_value_error(conn):
     report = submit_batch(conn, validate_lines(lines_of({"prompt": "a"})).requests, SubmitOptions(queue="q"))
     with pytest.raises(ValueError, match="unknown output format"):
         next(store.iter_results(conn, report.batch_id, output_format="csv", partial=True))
+
+
+def delete_queued_jobs(conn) -> None:
+    """What `rq empty` does (Queue.empty runs a Lua script, which fakeredis lacks)."""
+    queue = Queue("q", connection=conn, serializer=JSONSerializer)
+    for job_id in queue.job_ids:
+        Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
+
+
+def test_a_chunk_job_deleted_from_redis_is_reported_as_deleted_not_expired(conn):
+    """`rq empty` (and removing a job from rq's failed registry) deletes the job hash; the batch still lives."""
+    report = submit(conn, [{"prompt": f"p{i}"} for i in range(3)], chunk_size=2)
+    delete_queued_jobs(conn)
+    status = store.get_status(conn, report.batch_id)
+    assert (status.num_failed, status.num_queued) == (3, 0)
+    errors = {line.error for line in store.iter_results(conn, report.batch_id)}
+    assert len(errors) == 2 and all("was deleted from Redis before a worker finished it" in e for e in errors)
+    assert not any("expired" in e for e in errors)
+
+
+def test_a_chunk_job_older_than_its_ttl_is_reported_as_expired(conn):
+    report = submit(conn, [{"prompt": "p"}], ttl_seconds=60)
+    delete_queued_jobs(conn)
+    conn.hset(keys.batch(report.batch_id), keys.BatchField.CREATED_AT.value, 0.0)  # created long ago
+    [line] = store.iter_results(conn, report.batch_id)
+    assert line.error.endswith("expired (its TTL ran out) before a worker ran it")

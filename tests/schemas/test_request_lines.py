@@ -178,11 +178,35 @@ def openai_line(body, url="/v1/completions", **envelope):
             openai_line({"prompt": "x", "temperature": -1}),
             "line 7: body.temperature: Input should be greater than or equal to 0",
         ),
-        (openai_line({"prompt": "x", "n": 2}), "line 7: body.n: Input should be 1"),
-        (openai_line({"prompt": "x", "stream": True}), "line 7: body.stream: Input should be False"),
+        (openai_line({"prompt": "x", "n": 2}), "line 7: body.n: only 1 is accepted (one completion per"),
+        (openai_line({"prompt": "x", "stream": True}), "line 7: body.stream: only false is accepted"),
         (
             openai_line({"prompt": "x", "frequency_penalty": 0.5}),
-            "line 7: body.frequency_penalty: unknown or unsupported field (allowed: model,",
+            "line 7: body.frequency_penalty: only 0 is accepted (penalties are not applied)",
+        ),
+        (openai_line({"prompt": "x", "logprobs": True}), "line 7: body.logprobs: only false is accepted"),
+        (
+            openai_line({"prompt": "x", "response_format": {"type": "json_object"}}),
+            "line 7: body.response_format.type: Input should be 'text'",
+        ),
+        (
+            openai_line({"messages": [{"role": "user", "content": "x"}], "tools": []}, "/v1/chat/completions"),
+            "line 7: body.tools: cbq does not support tool calling yet",
+        ),
+        (
+            openai_line({"prompt": "x", "audio": {"voice": "alloy"}}),
+            "line 7: body.audio: cbq does not support audio output yet",
+        ),
+        (
+            openai_line(
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                "/v1/chat/completions",
+            ),
+            "line 7: body.messages[0]: content parts of type 'image_url' are not supported: cbq takes text only",
+        ),
+        (
+            openai_line({"prompt": "x", "best_of": 2}),
+            "line 7: body.best_of: unknown or unsupported field (allowed: model, n, stream,",
         ),
         (openai_line({"prompt": ["a", "b"]}), "line 7: body.prompt: Input should be a valid string"),
         (

@@ -8,7 +8,7 @@ Plain dataclasses and protocols, no torch, redis or pydantic: the worker convert
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,6 +20,15 @@ class FinishReason(str, Enum):
     CANCELLED = "cancelled"  # aborted by the caller
 
 
+class ErrorCode(str, Enum):
+    """Why a request was refused before it ran: an invalid request, not a failure (OpenAI answers 400)."""
+
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt leaves no room in the context
+    INVALID_PROMPT = "invalid_prompt"  # empty, or token ids outside the vocabulary
+
+
+# What a field left as None means when the model's generation_config does not set it either.
+BUILTIN_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's bound)
 
 
@@ -40,10 +49,14 @@ class Constraint:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
+    """A request's sampling. None means "the model's default": the checkpoint's generation_config value
+    (unless the engine was told to ignore it), else `BUILTIN_SAMPLING_DEFAULTS`, and for max_new_tokens the
+    rest of the context. The engine resolves every None when it admits a request (`with_defaults`)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None  # 0 means greedy
+    top_p: float | None = None
+    top_k: int | None = None  # 0 means no top-k cut
     seed: int | None = None  # None: derived from the request id, so still reproducible
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -55,16 +68,34 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (library callers build these directly): raise, never assert.
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+
+    def with_defaults(self, model_defaults: dict[str, Any], rest_of_context: int) -> ResolvedSampling:
+        """Every None replaced: by `model_defaults` (generation_config values, by cbq field name), then by
+        `BUILTIN_SAMPLING_DEFAULTS`; max_new_tokens by the model's default, else `rest_of_context`."""
+        fallback = {**BUILTIN_SAMPLING_DEFAULTS, "max_new_tokens": rest_of_context, **model_defaults}
+        resolved: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        resolved.update({name: value for name, value in fallback.items() if resolved[name] is None})
+        return ResolvedSampling(**resolved)
+
+
+@dataclass(frozen=True)
+class ResolvedSampling(SamplingParams):
+    """A request's sampling as the engine runs it (`SamplingParams.with_defaults`): no field is None."""
+
+    max_new_tokens: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 MAX_SAMPLES_PER_REQUEST = 128  # bound on `EngineRequest.n` (OpenAI's own limit)
@@ -126,6 +157,7 @@ class EngineResult:
     finish_reason: FinishReason
     usage: Usage
     error: str | None = None
+    error_code: ErrorCode | None = None  # set for requests refused before they ran
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     samples: list[SampleOutput] = field(default_factory=list)
 
@@ -183,6 +215,10 @@ class TokenizerProtocol(Protocol):
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text` (one that `decode` drops), or None."""
+        ...
 
 
 @runtime_checkable

@@ -14,6 +14,8 @@ Conventions (all index tensors int32 unless stated):
   context_lens[B]: tokens of sequence b in the cache *including* this step's; query row j of b sits at
     position context_lens[b] - q_len_b + j and sees keys at positions <= its own (causal).
   block_tables[B, max_blocks]: block ids of each sequence, in order.
+  sliding_window: 0, or W: a row at position p then sees only keys at positions > p - W (the last W,
+    itself included), as transformers' sliding-window mask does (Mistral, Qwen2/3 sliding layers).
 A step's new K/V are written before attention runs, so attention only ever reads the cache.
 """
 
@@ -44,8 +46,10 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of T ragged query rows over the paged cache. Returns [T, num_heads, head_dim]."""
+    """Causal attention of T ragged query rows over the paged cache (within `sliding_window` keys when it is
+    not 0). Returns [T, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -68,7 +72,10 @@ def paged_attention_ref(
         scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [H, q_len, L]
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         k_pos = torch.arange(ctx_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden[None], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1)
     return out

@@ -29,6 +29,26 @@ class AttentionMetadata:
     is_decode_only: bool
     backend: AttentionBackend
     num_decode_seqs: int = 0  # leading sequences with one query row (host int; see BatchMeta)
+    # Per layer: 0 (full causal attention) or the sliding window W (`sliding_windows_of`); () when no
+    # layer slides. Host ints, so a captured graph keeps them.
+    sliding_windows: tuple[int, ...] = ()
+
+    def sliding_window(self, layer_idx: int) -> int:
+        return self.sliding_windows[layer_idx] if self.sliding_windows else 0
+
+
+def sliding_windows_of(config) -> tuple[int, ...]:
+    """Each layer's sliding window from a transformers config (0: full attention), or () if none slides.
+
+    Mistral slides in every layer; Qwen2/Qwen3 name the sliding layers in `layer_types`."""
+    window = getattr(config, "sliding_window", None) or 0
+    if not window:
+        return ()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return (window,) * config.num_hidden_layers
+    windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    return windows if any(windows) else ()
 
 
 class AttentionBackend:
@@ -39,9 +59,17 @@ class AttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int) -> torch.Tensor:
+        """Attention of this step's rows for layer `layer_idx` (which picks its sliding window)."""
         return paged_attention_ref(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            scale,
+            sliding_window=meta.sliding_window(layer_idx),
         )
 
 
@@ -58,7 +86,8 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._k.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int) -> torch.Tensor:
+        window = meta.sliding_window(layer_idx)
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
             return self._k.paged_decode_attention(
@@ -69,6 +98,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.context_lens,
                 scale,
                 max_context_len=meta.max_context_len,
+                sliding_window=window,
             )
         # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
         # a varlen query tile each they would waste most of it; the rest through the varlen kernel.
@@ -84,6 +114,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out=out[:num_decode],
                 max_context_len=meta.max_context_len,
+                sliding_window=window,
             )
         return self._k.paged_prefill_attention(
             q,
@@ -95,6 +126,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             out=out,
             max_query_len=meta.max_query_len,
+            sliding_window=window,
         )
 
 
@@ -105,17 +137,34 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # A plain forward / `model.generate` on a model an Engine has adopted: behave like sdpa.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        window = kwargs.get("sliding_window") or 0
+        if window and attention_mask is None:
+            # NOTE: transformers builds no mask for an attention it does not know, and sdpa's is_causal has no
+            # window: mask it here (unpadded input; the keys end at the last query, even in a window cache).
+            attention_mask = _sliding_window_mask(query.shape[2], key.shape[2], window, query.device)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    layer_idx = module.layer_idx
+    # NOTE: transformers passes the layer's window (None for full attention); the metadata must agree.
+    assert (kwargs.get("sliding_window") or 0) == meta.sliding_window(layer_idx), (
+        f"layer {layer_idx}: model window {kwargs.get('sliding_window')}, cbq {meta.sliding_window(layer_idx)}"
+    )
+    k_cache, v_cache = meta.kv_caches[layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D], strided: the kernels take any strides but the last
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = meta.backend.attend(q, k_cache, v_cache, meta, scale)
+    out = meta.backend.attend(q, k_cache, v_cache, meta, scale, layer_idx)
     return out[None], None  # [1, T, H, D], no attention weights
+
+
+def _sliding_window_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Tensor:
+    """[1, 1, Q, K] bool, True where query i (the last Q of K positions) sees key j: causal, in the window."""
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    return ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
 
 
 def register_paged_attention() -> None:

@@ -4,6 +4,7 @@
   slot_mapping[T]: flat slot (block * block_size + offset); padding rows point into scratch block 0
   context_lens[B]: tokens in the cache *including* this step's
   block_tables[B, max_blocks]: block ids of each sequence, in order
+  sliding_window: 0, or W: the row at position p sees only keys at positions > p - W
 
 Three public entry points:
   write_kv                 scatter this step's K/V rows into the cache (one launch for K and V)
@@ -229,18 +230,22 @@ if HAVE_TRITON:
         stride_vb,
         stride_vs,
         scale_log2,
+        window,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         MASK_TAIL: tl.constexpr,
         CAUSAL: tl.constexpr,
+        SLIDING: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         """One online-softmax step of the rows `q` over the KV positions `pos` of a paged sequence.
 
         MASK_TAIL: positions at or past `kv_end` are not read and score -inf. CAUSAL: position p is visible to
-        row r only if p <= q_pos[r] (this also hides the tail, since kv_end - 1 is the largest q_pos), and a
-        row that sees nothing yet keeps a finite running max. Returns the updated (m_i, l_i, acc).
+        row r only if p <= q_pos[r] (this also hides the tail when kv_end - 1 is the largest q_pos), and a
+        row that sees nothing yet keeps a finite running max. SLIDING (with CAUSAL): p must also be
+        > q_pos[r] - window, and the tail is hidden explicitly (kv_end may then sit below q_pos).
+        Returns the updated (m_i, l_i, acc).
         """
         valid = pos < kv_end
         if MASK_TAIL:
@@ -252,7 +257,10 @@ if HAVE_TRITON:
         k = _load_rows(k_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if CAUSAL:
-            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            keep = pos[None, :] <= q_pos[:, None]
+            if SLIDING:
+                keep = keep & (pos[None, :] > q_pos[:, None] - window) & valid[None, :]
+            s = tl.where(keep, s, float("-inf"))
         elif MASK_TAIL:
             s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -277,6 +285,7 @@ if HAVE_TRITON:
         part_o_ptr,
         part_lse_ptr,
         scale_log2,
+        window,
         num_heads,
         stride_qb,
         stride_qh,
@@ -303,10 +312,12 @@ if HAVE_TRITON:
         split = tl.program_id(2)
 
         ctx = tl.load(context_lens_ptr + b)
-        # Split this sequence's *actual* context evenly (in whole tiles) over the NUM_SPLITS programs;
-        # trailing splits of short sequences get an empty range and report lse = -inf.
-        tiles_per_split = tl.cdiv(tl.cdiv(ctx, TILE_N), NUM_SPLITS)
-        start = split * tiles_per_split * TILE_N
+        # The query (position ctx - 1) sees keys [lo, ctx): all of them, or the last `window`.
+        lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+        # Split that range evenly (in whole tiles) over the NUM_SPLITS programs; trailing splits of short
+        # sequences get an empty range and report lse = -inf.
+        tiles_per_split = tl.cdiv(tl.cdiv(ctx - lo, TILE_N), NUM_SPLITS)
+        start = lo + split * tiles_per_split * TILE_N
         end = tl.minimum(start + tiles_per_split * TILE_N, ctx)
 
         g = tl.arange(0, GROUP_PAD)
@@ -332,8 +343,8 @@ if HAVE_TRITON:
         for n0 in range(start, end, TILE_N):
             m_i, l_i, acc = _attend_kv_tile(
                 q, m_i, l_i, acc, n0 + offs_n, end, end, bt_row, k_base, v_base, d, d_mask,
-                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, False, DOT_PREC,  # MASK_TAIL, CAUSAL
+                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, False, False, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
             )  # fmt: skip
 
         has = l_i > 0.0
@@ -399,6 +410,7 @@ if HAVE_TRITON:
         context_lens_ptr,
         out_ptr,
         scale_log2,
+        window,
         num_seqs,
         num_tokens,
         stride_qt,
@@ -419,6 +431,7 @@ if HAVE_TRITON:
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        SLIDING: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
@@ -475,7 +488,12 @@ if HAVE_TRITON:
         first_pos = ctx - q_len + tile_q0
         last_local = tl.minimum(tile_q0 + Q_PER_TILE, q_len) - 1
         kv_end = tl.maximum(ctx - q_len + last_local + 1, 0)  # keys past this are masked for every row
-        full_end = tl.maximum(((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)  # keys below are seen by all rows
+        # Every row sees the keys in [full_lo, full_end): above the window of the last row, at or below
+        # the first row. The unmasked phase covers whole tiles of that range from full_lo.
+        full_lo = 0
+        if SLIDING:
+            full_lo = tl.minimum(tl.maximum(kv_end - window, 0), kv_end)
+        full_end = full_lo + (tl.maximum(first_pos + 1 - full_lo, 0) // BLOCK_N) * BLOCK_N
         full_end = tl.minimum(full_end, kv_end)
 
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
@@ -483,19 +501,28 @@ if HAVE_TRITON:
         v_base = v_cache_ptr + kvh * stride_vh
         offs_n = tl.arange(0, BLOCK_N)
 
-        # Phase 1: KV tiles entirely at or below every row's causal limit; no score masking.
-        for n0 in range(0, full_end, BLOCK_N):
+        # Phase 0 (sliding window): keys below full_lo, seen by some rows only; the first row's window
+        # starts at first_pos - window + 1.
+        if SLIDING:
+            for n0 in range(tl.maximum(first_pos - window + 1, 0), full_lo, BLOCK_N):
+                m_i, l_i, acc = _attend_kv_tile(
+                    q, m_i, l_i, acc, n0 + offs_n, full_lo, q_pos, bt_row, k_base, v_base, d, d_mask,
+                    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+                    HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, True, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
+                )  # fmt: skip
+        # Phase 1: KV tiles every row sees; no score masking.
+        for n0 in range(full_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_kv_tile(
                 q, m_i, l_i, acc, n0 + offs_n, full_end, q_pos, bt_row, k_base, v_base, d, d_mask,
-                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, False, False, DOT_PREC,  # MASK_TAIL, CAUSAL
+                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, False, False, False, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
             )  # fmt: skip
-        # Phase 2: tiles crossing the causal diagonal; mask key > row position.
+        # Phase 2: tiles crossing the causal diagonal; mask key > row position (and keys out of a window).
         for n0 in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_kv_tile(
                 q, m_i, l_i, acc, n0 + offs_n, kv_end, q_pos, bt_row, k_base, v_base, d, d_mask,
-                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, DOT_PREC,  # MASK_TAIL, CAUSAL
+                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, SLIDING, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
             )  # fmt: skip
 
         has = l_i > 0.0
@@ -594,8 +621,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
     max_context_len: int | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """One query row per sequence: q [B, H, D] at position context_lens[b] - 1. Returns [B, H, D].
+    """One query row per sequence: q [B, H, D] at position context_lens[b] - 1 (seeing the last
+    `sliding_window` keys when that is not 0). Returns [B, H, D].
 
     Sequences with context_lens 0 get zeros. `max_context_len` (host int, optional) only caps the number of
     splits (default bound: block_tables.shape[1] * block_size); results are correct even if a sequence is
@@ -622,6 +651,8 @@ def paged_decode_attention(
     bound = block_tables.shape[1] * block_size
     if max_context_len is not None:
         bound = min(bound, max_context_len)
+    if sliding_window:
+        bound = min(bound, sliding_window)  # no query reads more keys than its window
     num_splits = decode_num_splits(
         num_seqs, num_kv_heads, head_dim, q.dtype, bound, max_num_splits=max_num_splits, device=q.device
     )
@@ -646,6 +677,7 @@ def paged_decode_attention(
         part_o,
         part_lse,
         float(scale) * LOG2E,
+        sliding_window,
         num_heads,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
         NUM_SPLITS=num_splits,
@@ -686,8 +718,10 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Ragged causal attention of q [T, H, D] over the paged cache. Returns [T, H, D].
+    """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
+    `sliding_window` keys when that is not 0). Returns [T, H, D].
 
     B = len(context_lens). Row j of sequence b sits at position context_lens[b] - q_len_b + j. Rows past
     cu_seqlens_q[B] and sequences with context_lens 0 get zeros. `max_query_len` (host int, optional) must be
@@ -730,6 +764,7 @@ def paged_prefill_attention(
         context_lens,
         out,
         float(scale) * LOG2E,
+        sliding_window,
         num_seqs,
         num_tokens,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
@@ -740,6 +775,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size,
+        SLIDING=sliding_window > 0,
         DOT_PREC=_dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -30,6 +30,9 @@ class EngineConfig:
     # Full KV blocks are kept after their request finishes and shared by any prompt that starts with the
     # same tokens (block_manager.py). Off: every prompt is computed whole (parallel samples still share).
     enable_prefix_caching: bool = True
+    # Fields a request leaves unset (temperature, top_p, top_k, max_new_tokens) take the checkpoint's
+    # generation_config.json values, as in `generate()` and vLLM; False: cbq's built-in defaults.
+    generation_config_defaults: bool = True
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.

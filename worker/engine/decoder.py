@@ -86,7 +86,7 @@ class OwnedDecoder:
             normed, residual = add_rmsnorm(hidden, residual, w.input_norm, self.eps)
             qkv = F.linear(normed, w.qkv_weight, w.qkv_bias)
             q = self._qkv_rope_write(qkv, positions, w, k_cache, v_cache, attn)
-            out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale)
+            out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx)
             hidden = F.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
             normed, residual = add_rmsnorm(hidden, residual, w.post_norm, self.eps)
             gate_up = F.linear(normed, w.gate_up_weight, w.gate_up_bias)

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,9 @@ from .api import (
     EngineRequest,
     EngineResult,
     EngineStats,
+    ErrorCode,
     FinishReason,
+    ResolvedSampling,
     SampleOutput,
     TokenizerProtocol,
     Usage,
@@ -45,11 +47,11 @@ from .config import EngineConfig
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import num_blocks_from_memory
 from .model_runner import ModelRunner, SampleExtras, StepHandle
-from .models import load_model, resolve_device, resolve_dtype
+from .models import generation_defaults, load_model, model_eos_token_ids, resolve_device, resolve_dtype
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
-from .stop import check_stop, final_text
+from .stop import check_stop, final_text, special_stop_token_ids
 
 logger = logging.getLogger("cbq.engine")
 
@@ -92,14 +94,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.device: torch.device = next(model.parameters()).device
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        # Every eos source: the tokenizer's, config.json's and generation_config.json's (end-of-turn tokens).
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | model_eos_token_ids(model)
+        # Defaults for what a request leaves unset (SamplingParams fields that are None).
+        self.sampling_defaults = generation_defaults(model) if config.generation_config_defaults else {}
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(
             model.config, model.dtype, self.device, config
         )
         model_len = config.max_model_len or model.config.max_position_embeddings
-        window = getattr(model.config, "sliding_window", None)
-        if window and getattr(model.config, "use_sliding_window", True):
-            model_len = min(model_len, window)  # beyond the window the model would attend differently
         # A lone sequence must always fit in the cache, or preemption could never make room for it.
         self.max_model_len: int = min(model_len, (num_blocks - 1) * config.block_size)
         self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len)
@@ -141,15 +143,15 @@ class Engine:
         with self._lock:
             self._num_unfinished += 1
             self._num_unfinished_samples += _num_samples(req)
-        error = self._validate(req)
+        refusal = self._validate(req)
         matcher = None
-        if not error and req.sampling.constraint is not None:
+        if not refusal and req.sampling.constraint is not None:
             try:  # compiled here, in the caller's thread, so the step loop never waits for it
                 matcher = self.grammar.matcher_for(req.sampling.constraint)
             except GrammarError as exc:
-                error = str(exc)
-        if error:
-            self._emit_error(req, error)
+                refusal = str(exc), None
+        if refusal:
+            self._emit_error(req, *refusal)
             return
         self._inbox.put(_Add(req, matcher))
 
@@ -382,20 +384,21 @@ class Engine:
             pass
 
     # -- request lifecycle ------------------------------------------------------------------------
-    def _validate(self, req: EngineRequest) -> str | None:
+    def _validate(self, req: EngineRequest) -> tuple[str, ErrorCode | None] | None:
         n = len(req.prompt_ids)
         if n == 0:
-            return "empty prompt: at least one token is needed"
+            return "empty prompt: at least one token is needed", ErrorCode.INVALID_PROMPT
         if n >= self.max_model_len:
-            return (
+            message = (
                 f"prompt has {n} tokens; the context is {self.max_model_len} tokens and at least one "
                 "must be left for generation"
             )
+            return message, ErrorCode.CONTEXT_LENGTH_EXCEEDED
         vocab = self.model.config.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            return f"prompt token ids must be in [0, {vocab})"
+            return f"prompt token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
         if not isinstance(req.n, int) or not 1 <= req.n <= MAX_SAMPLES_PER_REQUEST:
-            return f"n must be an integer in [1, {MAX_SAMPLES_PER_REQUEST}], got {req.n!r}"
+            return f"n must be an integer in [1, {MAX_SAMPLES_PER_REQUEST}], got {req.n!r}", ErrorCode.INVALID_PROMPT
         return None
 
     def _admit(self, req: EngineRequest, matcher: Any = None) -> None:
@@ -412,11 +415,12 @@ class Engine:
             self.grammar.matcher_for(constraint) if constraint is not None and matcher is not None else None
             for _ in range(req.n - 1)
         ]
+        sampling = self._resolve_sampling(req)
         samples = [
             Sequence(
                 req.request_id,
                 list(req.prompt_ids),
-                req.sampling,
+                sampling,
                 sample_seed(seed & 0x7FFFFFFF, i),
                 sample_index=i,
                 arrival_time=arrival_time,
@@ -428,6 +432,19 @@ class Engine:
             self._num_with_extras += len(samples)
         self._requests[req.request_id] = samples
         self.scheduler.add_group(samples)
+
+    def _resolve_sampling(self, req: EngineRequest) -> ResolvedSampling:
+        """The request's sampling with every default filled in, and stop strings that are special tokens
+        (which decode to nothing, so no text could match them) turned into stop token ids."""
+        params = req.sampling.with_defaults(self.sampling_defaults, self.max_model_len - len(req.prompt_ids))
+        special = special_stop_token_ids(params.stop, self.tokenizer)
+        if not special:
+            return params
+        return replace(
+            params,
+            stop=tuple(s for s in params.stop if s not in special),
+            stop_token_ids=params.stop_token_ids + tuple(special.values()),
+        )
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Finish one sample; ERROR and CANCELLED finish all of its request's samples. The request's
@@ -489,10 +506,11 @@ class Engine:
             samples=outputs if len(samples) > 1 else [],
         )
 
-    def _emit_error(self, req: EngineRequest, error: str) -> None:
+    def _emit_error(self, req: EngineRequest, error: str, code: ErrorCode | None = None) -> None:
         usage = Usage(prompt_tokens=len(req.prompt_ids))
         self._put_result(
-            EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error), _num_samples(req)
+            EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error, error_code=code),
+            _num_samples(req),
         )
 
     def _put_result(self, result: EngineResult, num_samples: int) -> None:

@@ -30,6 +30,7 @@ from .attention_backend import (
     AttentionMetadata,
     TritonAttentionBackend,
     register_paged_attention,
+    sliding_windows_of,
 )
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
@@ -107,6 +108,7 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.is_cuda else "torch"
         self.attn_backend = TritonAttentionBackend() if backend == "triton" else AttentionBackend()
+        self.sliding_windows = sliding_windows_of(model.config)
         if self.is_cuda and config.fused_kernels:
             install_fused_rmsnorm(model)
             install_fused_rotary(model)
@@ -324,6 +326,7 @@ class ModelRunner:
             max_context_len=meta.max_context_len,
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
+            sliding_windows=self.sliding_windows,
             num_decode_seqs=meta.num_decode_seqs,
         )
         return self._forward(input_ids, d["positions"][:num_tokens], attn, logits_indices)

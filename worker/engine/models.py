@@ -113,9 +113,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+class ModelLoadError(ValueError):
+    """The model cannot be loaded; the message is one line that says why (the CLI prints it as is)."""
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
+
+    Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
+    architecture, or files that cannot be read (a corrupt shard).
+    """
+    from transformers import AutoModelForCausalLM
 
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
@@ -124,30 +132,85 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = ByteTokenizer()
     else:
-        _check_model_type(AutoConfig.from_pretrained(name_or_path).model_type)  # before reading any weights
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
-        tokenizer = _load_tokenizer(name_or_path, model.config)
+        _check_model_type(_load_config(name_or_path).model_type)  # before reading any weights
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+            tokenizer = _load_tokenizer(name_or_path, model_eos_token_ids(model))
+        except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
+            raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
     _check_model_type(model.config.model_type)
     model.eval().requires_grad_(False)
     return model, tokenizer
 
 
+def _load_config(name_or_path: str):
+    from transformers import AutoConfig
+
+    if os.path.isdir(name_or_path) and not os.path.exists(os.path.join(name_or_path, "config.json")):
+        raise ModelLoadError(f"{name_or_path} is not a checkpoint folder: it has no config.json")
+    parent = os.path.dirname(name_or_path)
+    is_path = name_or_path.startswith((".", "/", "~")) or (parent != "" and os.path.isdir(parent))
+    if is_path and not os.path.exists(name_or_path):
+        raise ModelLoadError(f"no such checkpoint folder: {name_or_path}")
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except Exception as exc:  # not on the hub, no network, an unknown model_type, bad JSON
+        presets = ", ".join(PRESETS)
+        raise ModelLoadError(
+            f"cannot load {name_or_path!r} (not a preset: {presets}): {_one_line(exc)}"
+        ) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def _check_model_type(model_type: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise ModelLoadError(
             f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
 
 
-def _load_tokenizer(name_or_path: str, config):
-    eos = config.eos_token_id
-    extra = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+def model_eos_token_ids(model) -> frozenset[int]:
+    """Every end-of-sequence id the checkpoint names: config.json's and generation_config.json's (an int or a
+    list each). Instruct releases (Llama 3, Qwen3) list their end-of-turn token only in generation_config."""
+    generation_config = getattr(model, "generation_config", None)
+    sources = (model.config.eos_token_id, getattr(generation_config, "eos_token_id", None))
+    return frozenset(i for eos in sources for i in _as_list(eos))
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+# Sampling fields a checkpoint's generation_config.json may set, as cbq names them (vLLM reads the same ones).
+GENERATION_CONFIG_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k")
+
+
+def generation_defaults(model) -> dict[str, int | float]:
+    """The defaults the checkpoint's generation_config.json sets for `GENERATION_CONFIG_FIELDS` (only the
+    values written there). With `do_sample: false` the file asks for greedy decoding, as in `generate()`,
+    so its temperature, top_p and top_k are left out."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None:
+        return {}
+    given = generation_config.to_diff_dict()  # only what differs from GenerationConfig's defaults
+    if given.get("do_sample") is False:
+        given = {k: v for k, v in given.items() if k == "max_new_tokens"}
+    return {name: given[name] for name in GENERATION_CONFIG_FIELDS if given.get(name) is not None}
+
+
+def _load_tokenizer(name_or_path: str, extra: frozenset[int]):
     is_local = os.path.isdir(name_or_path)
     has_files = is_local and any(
         os.path.exists(os.path.join(name_or_path, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     if has_files or not is_local:
-        return HFTokenizer.from_pretrained(name_or_path, extra_eos_ids=extra)
+        return HFTokenizer.from_pretrained(name_or_path, extra_eos_ids=tuple(sorted(extra)))
     # A checkpoint saved without a tokenizer (e.g. a preset saved with save_pretrained): bytes.
     return ByteTokenizer()

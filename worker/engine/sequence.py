@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import FinishReason, SamplingParams, TokenLogprob
+from .api import FinishReason, ResolvedSampling, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -26,7 +26,7 @@ class SeqStatus(enum.Enum):
 class Sequence:
     request_id: str
     prompt_ids: list[int]
-    sampling: SamplingParams
+    sampling: ResolvedSampling  # every default filled in at admission
     seed: int  # the sample's random stream is a function of (seed, position) only
     sample_index: int = 0  # which of the request's n parallel samples this is
     # Mixed into the root of the block hash chain: anything besides the token ids that changes the K/V

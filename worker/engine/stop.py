@@ -44,6 +44,13 @@ def _tail_has_stop_string(seq: Sequence, tokenizer) -> bool:
     return any(s in tail for s in stop)
 
 
+def special_stop_token_ids(stop: tuple[str, ...], tokenizer) -> dict[str, int]:
+    """The stop strings that spell one special token (e.g. "<|eot_id|>"), with its id. Decoding drops special
+    tokens, so such a string can never appear in the text: it must stop on the token instead."""
+    found = {s: tokenizer.special_token_id(s) for s in stop}
+    return {s: i for s, i in found.items() if i is not None}
+
+
 def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
     """Decoded output without a final stop token, cut before the first stop string."""
     ids = seq.output_ids

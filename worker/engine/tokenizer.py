@@ -1,6 +1,6 @@
 """Tokenizers: a file-free byte tokenizer for presets and the fake engine, and a thin wrapper over Hugging Face
 tokenizers. Both satisfy `api.TokenizerProtocol`: `encode(text)`, `encode_chat(messages)`, `decode(ids)`,
-`eos_token_ids`, `vocab_size`. Imports no torch, so the fake engine can use the byte tokenizer.
+`special_token_id(text)`, `eos_token_ids`, `vocab_size`. Imports no torch, so the fake engine can use the byte tokenizer.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class ByteTokenizer:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
 
+    def special_token_id(self, text: str) -> int | None:
+        return None  # BOS, EOS and PAD have no text
+
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
 
@@ -47,6 +50,11 @@ class HFTokenizer:
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.eos_token_ids = frozenset(eos | set(extra_eos_ids))
         self.vocab_size = len(tokenizer)
+        # The tokens `decode` drops (skip_special_tokens), by their text.
+        self._special_ids = dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True))
+        self._special_ids.update(
+            {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        )
 
     @property
     def backend(self) -> Any:
@@ -71,6 +79,9 @@ class HFTokenizer:
         # No template: a plain transcript, so chat lines still work with base models.
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
+
+    def special_token_id(self, text: str) -> int | None:
+        return self._special_ids.get(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -81,12 +81,12 @@ def make_case(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, d
     )
 
 
-def _reference(*args):
+def _reference(*args, sliding_window=0):
     """paged_attention_ref with full-precision fp32 matmuls, whatever another test set globally (TF32)."""
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        return paged_attention_ref(*args)
+        return paged_attention_ref(*args, sliding_window=sliding_window)
     finally:
         torch.set_float32_matmul_precision(prev)
 
@@ -110,6 +110,7 @@ def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
         c["cu_seqlens_q"],
         c["context_lens"],
         c["scale"],
+        sliding_window=kw.get("sliding_window", 0),
     )
     out = torch.full_like(c["q"], float("nan"))
     res = at.paged_decode_attention(
@@ -132,7 +133,14 @@ def check_prefill(
     if pad_rows:  # rows past cu_seqlens_q[-1] (padding of a graph bucket): must come back as zeros
         q = torch.cat([q, torch.randn(pad_rows, num_heads, head_dim).to(dtype).to(device)])
     ref = _reference(
-        q, c["k_cache"], c["v_cache"], c["block_tables"], c["cu_seqlens_q"], c["context_lens"], c["scale"]
+        q,
+        c["k_cache"],
+        c["v_cache"],
+        c["block_tables"],
+        c["cu_seqlens_q"],
+        c["context_lens"],
+        c["scale"],
+        sliding_window=kw.get("sliding_window", 0),
     )
     out = torch.full_like(q, float("nan"))
     res = at.paged_prefill_attention(
@@ -194,6 +202,52 @@ def _prefill_mix(block_size, long):
     ctx = [37, long, 2 * block_size, 5, 1, long // 2 + 3, 0]
     ql = [37, 67, 2 * block_size, 1, 1, 1, 0]
     return ctx, ql
+
+
+def check_sliding_window(num_heads, num_kv_heads, head_dim, block_size, dtype, device, windows) -> list[float]:
+    """Decode and prefill with windows narrower than a tile, about a block, and wider than every context."""
+    errs = []
+    ctx, ql = _prefill_mix(block_size, long=90)
+    for window in windows:
+        for max_num_splits in (1, 4):
+            errs.append(
+                check_decode(
+                    _decode_ctx(block_size, long=150), num_heads, num_kv_heads, head_dim, block_size, dtype,
+                    device, sliding_window=window, max_num_splits=max_num_splits,
+                )
+            )  # fmt: skip
+        errs.append(
+            check_prefill(
+                ctx, ql, num_heads, num_kv_heads, head_dim, block_size, dtype, device, pad_rows=2,
+                sliding_window=window, max_query_len=max(ql),
+            )
+        )  # fmt: skip
+        # one long first chunk: several query tiles, each with its own window edge
+        errs.append(
+            check_prefill(
+                [130], [130], num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                sliding_window=window, max_query_len=130,
+            )
+        )  # fmt: skip
+    return errs
+
+
+def test_reference_sliding_window_sees_only_the_last_window_keys():
+    """The reference's window against a dense softmax written out here (key p visible to row r iff r - W < p <= r)."""
+    window, ctx = 5, 13
+    c = make_case([ctx], [ctx], 2, 1, 8, 4, torch.float32, "cpu", seed=3)
+    out = _reference(
+        c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["cu_seqlens_q"], c["context_lens"], c["scale"],
+        sliding_window=window,
+    )  # fmt: skip
+    blocks = c["block_tables"][0, : -(-ctx // 4)].long()
+    keys = c["k_cache"][blocks].reshape(-1, 1, 8)[:ctx, 0]
+    values = c["v_cache"][blocks].reshape(-1, 1, 8)[:ctx, 0]
+    for r in range(ctx):
+        for h in range(2):
+            lo = max(0, r - window + 1)
+            probs = torch.softmax(keys[lo : r + 1] @ c["q"][r, h] * c["scale"], dim=0)
+            torch.testing.assert_close(out[r, h], probs @ values[lo : r + 1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,6 +338,14 @@ def test_gpu_odd_shapes(dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (64, 128), (16, 8)])
+def test_gpu_sliding_window(dtype, head_dim, block_size):
+    check_sliding_window(16, 4, head_dim, block_size, dtype, "cuda", windows=(1, 5, 17, 64, 100, 4096))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(8, 128, 16), (1, 16, 8), (2, 64, 128)])
 def test_gpu_write_kv(dtype, num_kv_heads, head_dim, block_size):
     check_write_kv(37, num_kv_heads, head_dim, block_size, dtype, "cuda")
@@ -340,6 +402,9 @@ def _interpreter_checks() -> None:
     # a block size above the KV tile, and a decode-only batch through the prefill kernel
     errs.append(check_decode([1, 128, 129, 300], 4, 2, 16, 128, torch.float32, "cpu", max_num_splits=4))
     errs.append(check_prefill([3, 128, 200], [1, 1, 1], 4, 2, 16, 128, torch.float32, "cpu", max_query_len=1))
+    # sliding windows: narrower than a KV tile, about a block, wider than every context
+    errs += check_sliding_window(4, 2, 16, 8, torch.float32, "cpu", windows=(1, 5, 17, 40, 1000))
+    errs += check_sliding_window(6, 2, 24, 16, torch.bfloat16, "cpu", windows=(7, 33))
     print(f"interpreter checks passed: {len(errs)} attention checks, max relative error {max(errs):.3g}")
 
 

@@ -24,7 +24,8 @@ def make_builder(graph_buckets: tuple[int, ...] = (), max_num_seqs: int = 16) ->
 
 
 def make_seq(request_id, prompt_ids, output_ids=(), block_table=(), seed=0, **sampling) -> Sequence:
-    seq = Sequence(request_id, list(prompt_ids), SamplingParams(**sampling), seed=seed)
+    params = SamplingParams(**sampling).with_defaults({}, rest_of_context=16)  # as the engine admits it
+    seq = Sequence(request_id, list(prompt_ids), params, seed=seed)
     seq.output_ids = list(output_ids)
     seq.block_table = list(block_table)
     return seq

@@ -1,0 +1,139 @@
+"""Real batch files on a real-shaped checkpoint, through `cbq run` and `cbq results`: an OpenAI Batch file
+using every accepted body field runs unedited; its output parses with the `openai` package's own types;
+failed requests go to `--errors`, a prompt longer than the context as an HTTP 400 with an error object;
+a checkpoint that cannot be loaded ends the command with one clear line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from openai.types.shared import ErrorObject
+
+from producer.cli import main
+from schemas.request import ChatCompletionBody, CompletionBody
+from tests.fixtures.checkpoints import build_checkpoint
+
+OPENAI_BATCH = Path(__file__).resolve().parents[1] / "fixtures" / "openai_batch.jsonl"
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("llama3"), "llama3", eot_row_from=114)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_the_fixture_uses_every_accepted_body_field():
+    used = {key for line in read_jsonl(OPENAI_BATCH) for key in line["body"]}
+    accepted = {
+        name
+        for body in (CompletionBody, ChatCompletionBody)
+        for name, info in body.model_fields.items()
+        if not info.exclude  # the refused ones (tools, audio, ...)
+    }
+    assert accepted - used == set(), "add the new field to tests/fixtures/openai_batch.jsonl"
+    roles = {m["role"] for line in read_jsonl(OPENAI_BATCH) for m in line["body"].get("messages", [])}
+    assert roles == {"developer", "system", "user", "assistant"}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_openai_batch_file_runs_unedited_and_parses_with_openai_types(llama3, tmp_path, mode):
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    args = ["run", str(OPENAI_BATCH), "-o", str(out), "--errors", str(errors), "--format", "openai"]
+    result = CliRunner().invoke(main, [*args, "--model", str(llama3.path), "--mode", mode])
+    assert result.exit_code == 2, result.output  # one request failed: the prompt is too long
+    inputs = {line["custom_id"]: line for line in read_jsonl(OPENAI_BATCH)}
+
+    lines = read_jsonl(out)
+    assert [line["custom_id"] for line in lines] == [c for c in inputs if c != "completion-prompt-too-long"]
+    for line in lines:
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        url = inputs[line["custom_id"]]["url"]
+        parsed = (ChatCompletion if url == "/v1/chat/completions" else Completion).model_validate(body)
+        [choice] = parsed.choices
+        assert choice.finish_reason in ("stop", "length")
+        assert parsed.model == "llama-3-instruct-like"
+        assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
+        text = choice.message.content if isinstance(parsed, ChatCompletion) else choice.text
+        assert "<|eot_id|>" not in text
+        request = inputs[line["custom_id"]]["body"]
+        limit = request.get("max_tokens") or request.get("max_completion_tokens")
+        if limit:
+            assert parsed.usage.completion_tokens <= limit
+        else:  # no limit: the end of the turn, or the rest of the 512-token context
+            assert choice.finish_reason == "stop" or parsed.usage.prompt_tokens + parsed.usage.completion_tokens == 512
+
+    [error_line] = read_jsonl(errors)
+    assert error_line["custom_id"] == "completion-prompt-too-long" and error_line["error"] is None
+    assert error_line["response"]["status_code"] == 400
+    error = ErrorObject.model_validate(error_line["response"]["body"]["error"])
+    assert (error.type, error.code) == ("invalid_request_error", "context_length_exceeded")
+    assert "the context is 512 tokens" in error.message
+
+
+def test_results_errors_file_takes_failed_requests(cbq, burst_worker, write_jsonl, tmp_path):
+    too_long = "x" * 5000  # the fake engine's context is 4,096 bytes
+    path = write_jsonl([{"prompt": "hello", "custom_id": "ok"}, {"prompt": too_long, "custom_id": "long"}])
+    batch_id = json.loads(cbq("submit", path, "--json").stdout.splitlines()[-1])["batch_id"]
+    burst_worker()
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    result = cbq("results", batch_id, "-o", out, "--errors", errors, "--format", "openai")
+    assert result.exit_code == 0, result.output
+    assert [line["custom_id"] for line in read_jsonl(out)] == ["ok"]
+    [failed] = read_jsonl(errors)
+    assert failed["response"]["status_code"] == 400
+    assert failed["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert "wrote 1 failed requests to" in result.stderr
+
+    cbq("results", batch_id, "-o", out, "--errors", errors)  # cbq lines: the same split
+    assert [line["custom_id"] for line in read_jsonl(out)] == ["ok"]
+    assert read_jsonl(errors)[0]["error_code"] == "context_length_exceeded"
+    cbq("results", batch_id, "-o", out)  # without --errors: everything in one file, as before
+    assert [line["custom_id"] for line in read_jsonl(out)] == ["ok", "long"]
+
+
+def _corrupt_shard(checkpoint_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "corrupt"
+    target.mkdir()
+    for f in checkpoint_dir.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    shard = sorted(target.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    return target
+
+
+@pytest.mark.parametrize("case", ["missing", "not_a_checkpoint", "unsupported", "corrupt_shard"])
+def test_a_model_that_cannot_load_ends_with_one_clear_line(llama3, tmp_path, case):
+    if case == "missing":
+        model, expected = tmp_path / "nope", f"no such checkpoint folder: {tmp_path / 'nope'}"
+    elif case == "not_a_checkpoint":
+        model, expected = tmp_path, f"{tmp_path} is not a checkpoint folder: it has no config.json"
+    elif case == "unsupported":
+        model = tmp_path / "gpt2"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        expected = "model type 'gpt2' is not supported; cbq runs llama, mistral, qwen2, qwen3"
+    else:
+        model = _corrupt_shard(llama3.path, tmp_path)
+        expected = f"cannot load the checkpoint {model}: "
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(main, ["run", str(prompts), "-o", str(tmp_path / "o"), "--model", str(model)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error_lines) == 1 and error_lines[0].startswith(f"Error: {expected}"), result.stderr
+
+
+def test_the_worker_command_reports_a_missing_model_in_one_line(cbq, tmp_path):
+    result = CliRunner().invoke(main, ["worker", "--burst", "--model", str(tmp_path / "nope")])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == f"Error: no such checkpoint folder: {tmp_path / 'nope'}"
