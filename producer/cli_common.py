@@ -23,6 +23,8 @@ def read_lines(file) -> list[str]:
 def format_status(st: BatchStatus) -> str:
     name = f" ({st.name})" if st.name else ""
     eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
+    if st.num_stalled:
+        eta += f" ({st.num_stalled} requests wait for a dead worker's chunks to be re-enqueued)"
     return "\n".join(
         [
             f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}",
