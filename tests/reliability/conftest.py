@@ -133,7 +133,8 @@ class WorkerProcess:
             self.log.close()
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
 
