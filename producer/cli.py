@@ -14,7 +14,14 @@ import click
 
 from producer import settings
 from producer.cli_common import format_status, read_lines, status_json, write_result_lines
-from producer.client import BatchNotFinished, BatchNotFound, Client, NothingToSubmit, SubmitConflict
+from producer.client import (
+    BatchNotFinished,
+    BatchNotFound,
+    Client,
+    NothingToSubmit,
+    SubmitConflict,
+    SubmitInterrupted,
+)
 from producer.lazy_group import PluginGroup
 from producer.options import (
     chunk_size_option,
@@ -30,6 +37,7 @@ from producer.options import (
 from schemas.request import SamplingOverrides
 
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
 # `serve` is the producer's own (in producer/server, with the optional `server` extra), imported only when used.
@@ -50,8 +58,21 @@ def main():
 # --- submit --------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _exit_130_on_interrupt():
+    """Ctrl-C: say what was (not) enqueued and exit 130, instead of click's "Aborted!" and exit 1."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo("interrupted; nothing was enqueued", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except SubmitInterrupted as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_INTERRUPTED)
+
+
 @main.command()
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.File("rb"))
 @redis_url_option
 @queue_option
 @click.option(
@@ -77,6 +98,7 @@ def main():
 )
 @sampling_options
 @json_option
+@_exit_130_on_interrupt()
 def submit(
     file,
     redis_url,

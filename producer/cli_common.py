@@ -15,9 +15,10 @@ from pydantic import BaseModel
 from schemas.status import BatchStatus
 
 
-def read_lines(file) -> list[str]:
-    """Lines split on newlines only: str.splitlines() would also split inside JSON strings at U+2028 etc."""
-    return [line.rstrip("\n") for line in file]
+def read_lines(file) -> list[bytes]:
+    """The lines of a binary file, split on b"\\n" only (str.splitlines() would also split inside JSON strings at
+    U+2028 etc.). They stay bytes: each is decoded when it is validated, so a bad UTF-8 byte fails its line."""
+    return [line.rstrip(b"\n") for line in file]
 
 
 def format_status(st: BatchStatus) -> str:

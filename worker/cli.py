@@ -218,7 +218,7 @@ def worker(
 
 
 @click.command()
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.File("rb"))
 @click.option(
     "-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True), help="Results file."
 )
