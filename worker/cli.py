@@ -165,6 +165,13 @@ def recovery_options(f):
     help="Serve Prometheus metrics on this port (all interfaces, path /metrics).",
 )
 @recovery_options
+@click.option(
+    "--health-file",
+    envvar="CBQ_HEALTH_FILE",
+    type=click.Path(dir_okay=False),
+    help="Touch this file every few seconds while the worker loop turns (for container healthchecks). "
+    "Env: CBQ_HEALTH_FILE.",
+)
 @click.option("--fake-latency", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def worker(
     model,
@@ -182,6 +189,7 @@ def worker(
     stale_after,
     maintenance_interval,
     redis_outage_limit,
+    health_file,
     fake_latency,
 ):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
@@ -206,6 +214,7 @@ def worker(
         stale_after_seconds=stale_after,
         maintenance_interval_seconds=maintenance_interval,
         redis_outage_limit_seconds=redis_outage_limit,
+        health_file=health_file,
     )
     if metrics_port is not None:
         from worker.metrics import serve_metrics

@@ -25,6 +25,7 @@ Failure handling (issue 10):
 
 from __future__ import annotations
 
+import os
 import queue as thread_queue
 import signal
 import threading
@@ -129,6 +130,7 @@ class CbqWorker(BaseWorker):
         stale_after_seconds: int = DEFAULT_STALE_AFTER_SECONDS,
         maintenance_interval_seconds: float = DEFAULT_MAINTENANCE_INTERVAL_SECONDS,
         redis_outage_limit_seconds: float = DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
+        health_file: str | None = None,
         **kwargs: Any,
     ):
         kwargs.setdefault("job_monitoring_interval", heartbeat_interval_seconds)
@@ -148,6 +150,7 @@ class CbqWorker(BaseWorker):
         )
         self.stale_after_seconds = int(stale_after_seconds)
         self.redis_outage_limit_seconds = redis_outage_limit_seconds
+        self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
         self.engine = engine
         self.model_name = model_name
         self.mode = mode
@@ -255,6 +258,7 @@ class CbqWorker(BaseWorker):
         )
         while True:
             wake_at = time.monotonic() + delay
+            self._touch_health_file()  # alive, and doing what it should
             while time.monotonic() < wake_at:
                 self._collect_engine_results(
                     min(RESULT_POLL_SECONDS * 10, max(0.0, wake_at - time.monotonic()))
@@ -690,6 +694,7 @@ class CbqWorker(BaseWorker):
             self._heartbeat_all()
         if self._due("stats", self.stats_interval_seconds):
             self._publish_stats()
+            self._touch_health_file()
 
     def clean_registries(self) -> None:
         """rq's cleanup of each queue's registries (it re-enqueues or fails the chunks of dead workers), made
@@ -732,6 +737,11 @@ class CbqWorker(BaseWorker):
             self.heartbeat()
         for owner in self._jobs.values():
             self.maintain_heartbeats(owner.job, owner.execution)
+
+    def _touch_health_file(self) -> None:
+        if self.health_file is not None:
+            with open(self.health_file, "a"):
+                os.utime(self.health_file)
 
     def _publish_stats(self, state: str | None = None) -> None:
         if state is None:
