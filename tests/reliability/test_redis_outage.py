@@ -10,7 +10,7 @@ import time
 from producer import store
 from tests.reliability.conftest import FAST_RECOVERY_FLAGS, assert_exactly_once, submit_prompts, wait_until
 
-N = 200
+N = 120
 SLOW_FAKE = ("--fake-engine", "--fake-latency", "1", "--max-num-seqs", "40", *FAST_RECOVERY_FLAGS)
 
 
