@@ -18,9 +18,18 @@ from producer import store
 from producer.cli import main
 from tests.reliability.harness import REPO_ROOT, RedisServer, WorkerProcess, wait_until
 
-__all__ = ["FAST_RECOVERY_FLAGS", "REPO_ROOT", "assert_exactly_once", "submit_prompts", "wait_until"]
+__all__ = [
+    "FAST_RECOVERY_FLAGS",
+    "SLOW_FAKE",
+    "REPO_ROOT",
+    "assert_exactly_once",
+    "submit_prompts",
+    "wait_until",
+]
 # Short enough that a dead worker's chunks come back within seconds, long enough for a loaded 2-core box.
 FAST_RECOVERY_FLAGS = ("--heartbeat-interval", "1", "--stale-after", "4", "--maintenance-interval", "1")
+# 40 requests at a time, 1 s each.
+SLOW_FAKE = ("--fake-engine", "--fake-latency", "1", "--max-num-seqs", "40", *FAST_RECOVERY_FLAGS)
 
 
 @pytest.fixture

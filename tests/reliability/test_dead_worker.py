@@ -7,11 +7,15 @@ import signal
 import time
 
 from producer import store
-from tests.reliability.conftest import FAST_RECOVERY_FLAGS, assert_exactly_once, submit_prompts, wait_until
+from tests.reliability.conftest import (
+    FAST_RECOVERY_FLAGS,
+    SLOW_FAKE,
+    assert_exactly_once,
+    submit_prompts,
+    wait_until,
+)
 
 N = 120
-# 40 requests at a time, 1 s each: the batch takes about 3 s on one live worker.
-SLOW_FAKE = ("--fake-engine", "--fake-latency", "1", "--max-num-seqs", "40", *FAST_RECOVERY_FLAGS)
 
 
 def test_killed_worker_chunks_run_again_on_a_worker_started_at_once(

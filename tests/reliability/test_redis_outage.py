@@ -8,10 +8,15 @@ import signal
 import time
 
 from producer import store
-from tests.reliability.conftest import FAST_RECOVERY_FLAGS, assert_exactly_once, submit_prompts, wait_until
+from tests.reliability.conftest import (
+    FAST_RECOVERY_FLAGS,
+    SLOW_FAKE,
+    assert_exactly_once,
+    submit_prompts,
+    wait_until,
+)
 
 N = 120
-SLOW_FAKE = ("--fake-engine", "--fake-latency", "1", "--max-num-seqs", "40", *FAST_RECOVERY_FLAGS)
 
 
 def test_worker_survives_a_redis_restart_and_writes_everything_once(

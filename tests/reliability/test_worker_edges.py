@@ -15,6 +15,7 @@ from rq.serializers import JSONSerializer
 from producer import store
 from schemas import keys
 from tests.reliability.conftest import FAST_RECOVERY_FLAGS, assert_exactly_once, submit_prompts, wait_until
+from tests.worker.conftest import run_burst_worker
 from worker.engine.api import EngineStats
 from worker.fake_engine import FakeEngine
 from worker.queue_worker import CbqWorker
@@ -44,17 +45,6 @@ class SlotEngine(FakeEngine):
             return EngineStats(num_running=min(self.num_slots, len(self._pending)))
 
 
-def run_worker(conn, engine, **kwargs) -> CbqWorker:
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    worker = CbqWorker(["cbq"], engine, connection=conn, model_name="fake", **kwargs)
-    try:
-        worker.work(burst=True, logging_level="WARNING")
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    return worker
-
-
 def test_a_job_timeout_counts_from_the_chunks_turn_not_its_admission(redis_server, cbq, tmp_path):
     """4 chunks of 5 are admitted at once into an engine that runs 5 requests at a time, 1 s each: the last
     chunk starts after 3 s. With --job-timeout 2 none of them runs long; the old clock failed chunks 3 and 4."""
@@ -62,7 +52,7 @@ def test_a_job_timeout_counts_from_the_chunks_turn_not_its_admission(redis_serve
     batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "5", "--job-timeout", "2", "--retries", "0")
     engine = SlotEngine(num_slots=5, latency_seconds=1.0)
     engine.max_num_running = 20  # all four chunks admitted up front
-    worker = run_worker(conn, engine)
+    worker = run_burst_worker(conn, engine)
     assert worker.num_jobs_admitted == 4
     assert_exactly_once(conn, batch_id, 20)
 
@@ -70,7 +60,7 @@ def test_a_job_timeout_counts_from_the_chunks_turn_not_its_admission(redis_serve
 def test_a_job_timeout_still_aborts_a_chunk_that_runs_too_long(redis_server, cbq, tmp_path):
     conn = redis_server.connect()
     batch_id = submit_prompts(cbq, tmp_path, 5, "--chunk-size", "5", "--job-timeout", "1", "--retries", "0")
-    run_worker(conn, SlotEngine(num_slots=5, latency_seconds=30))
+    run_burst_worker(conn, SlotEngine(num_slots=5, latency_seconds=30))
     status = store.get_status(conn, batch_id)
     assert (status.num_failed, status.state) == (5, "done")
     assert "chunk ran longer than 1 s" in next(store.iter_results(conn, batch_id)).error
