@@ -160,6 +160,8 @@ class CbqWorker(BaseWorker):
         self._outcomes: list[_Outcome] = []  # settled requests not yet written to Redis
         self._num_in_doubt = 0  # the first n outcomes went out in a write whose reply was lost
         self._dropped_request_ids: set[str] = set()  # aborted here after their chunk was taken over
+        # (job, queue, execution or None) dequeued when Redis failed mid-admission; admitted again after it
+        self._interrupted_admissions: list[tuple[Job, Queue, Execution | None]] = []
         self._idle_since = time.monotonic()
         self._stop_execution_ids: thread_queue.SimpleQueue[str] = thread_queue.SimpleQueue()
         self._started_at = time.time()
@@ -283,6 +285,7 @@ class CbqWorker(BaseWorker):
         )
         # Heartbeats first: the executions may look abandoned by now, and this worker's own cleanup runs next.
         self._heartbeat_all()
+        self._resume_interrupted_admissions()
 
     def _can_admit(self, max_jobs: int | None) -> bool:
         if self._stop_requested or self._is_suspended:
@@ -346,9 +349,18 @@ class CbqWorker(BaseWorker):
             func_name, kwargs = job.func_name, job.kwargs  # the payload is decoded here, lazily
         except Exception as exc:
             # rq's failure handling decodes the payload again, so an undecodable job must not reach it.
-            quarantine_job(self.connection, queue, job.id, f"{type(exc).__name__}: {exc}")
+            self._redis_step(
+                job,
+                queue,
+                None,
+                quarantine_job,
+                self.connection,
+                queue,
+                job.id,
+                f"{type(exc).__name__}: {exc}",
+            )
             return
-        execution = self.prepare_execution(job)
+        execution = self._redis_step(job, queue, None, self.prepare_execution, job)
         try:
             self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
             try:
@@ -370,8 +382,7 @@ class CbqWorker(BaseWorker):
             else:
                 self._adopt(owner, job, queue, execution, work)
         except REDIS_ERRORS:
-            # Half admitted: the execution expires unheartbeaten and rq's cleanup retries the chunk.
-            self.executions.pop(execution.id, None)
+            self._interrupted_admissions.append((job, queue, execution))
             raise
         self._outcomes.extend(_Outcome(owner, r, from_engine=False) for r in work.finished_now)
         for request, engine_request in work.to_run:
@@ -390,6 +401,29 @@ class CbqWorker(BaseWorker):
         with self.connection.pipeline(transaction=True) as pipe:
             queue_admission(pipe, payload.batch_id, job.id, len(owner.pending), work.ttl_seconds)
             pipe.execute()
+
+    def _redis_step(self, job: Job, queue: Queue, execution: Execution | None, step, *args):
+        """`step(*args)`; if Redis fails meanwhile, `job` (dequeued, so no one else will take it) is admitted
+        again once Redis is back (`_resume_interrupted_admissions`)."""
+        try:
+            return step(*args)
+        except REDIS_ERRORS:
+            self._interrupted_admissions.append((job, queue, execution))
+            raise
+
+    def _resume_interrupted_admissions(self) -> None:
+        """Admit again the jobs dequeued just before Redis failed. Otherwise they would wait in rq's intermediate
+        list, or behind an execution nobody heartbeats, until a cleanup a minute later."""
+        interrupted, self._interrupted_admissions = self._interrupted_admissions, []
+        for job, queue, execution in interrupted:
+            self.num_jobs_admitted -= 1
+            if execution is not None and job.id not in self._jobs:
+                self.executions.pop(execution.id, None)
+                with self.connection.pipeline(transaction=True) as pipe:
+                    execution.delete(job=job, pipeline=pipe)
+                    pipe.execute()
+            self.log.info("Worker %s: admitting job %s again after the outage", self.name, job.id)
+            self._admit(job, queue)
 
     def _adopt(
         self, owner: InFlightJob, job: Job, queue: Queue, execution: Execution, work: ChunkWork

@@ -55,3 +55,32 @@ def test_an_outage_past_the_limit_stops_the_worker_and_the_next_one_finishes(
     successor = start_worker("--fake-engine", "--burst", *FAST_RECOVERY_FLAGS)
     assert successor.wait(30) == 0, successor.output()
     assert_exactly_once(conn, batch_id, 60)
+
+
+def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_cleanup(
+    redis_server, cbq, tmp_path, monkeypatch
+):
+    """Redis dies between the dequeue and the read of the chunk: the worker holds the only reference to the job,
+    so it admits it again once Redis is back, instead of leaving it to a cleanup a minute later."""
+    import threading
+
+    import worker.queue_worker as queue_worker
+    from tests.worker.conftest import run_burst_worker
+    from worker.fake_engine import FakeEngine
+
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
+    real_load_chunk, calls = queue_worker.load_chunk, []
+
+    def redis_dies_mid_admission(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            redis_server.kill()
+            threading.Timer(2.0, redis_server.start).start()
+        return real_load_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(queue_worker, "load_chunk", redis_dies_mid_admission)
+    started = time.monotonic()
+    run_burst_worker(conn, FakeEngine(latency_seconds=0.5))  # default recovery settings: stale after 40 s
+    assert time.monotonic() - started < 15
+    assert_exactly_once(conn, batch_id, 20)
