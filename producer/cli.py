@@ -8,7 +8,9 @@ are imported only when used; this module names none of them.
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 
 import click
 
@@ -138,8 +140,15 @@ def submit(
         raise click.ClickException("no requests in the input")
 
     batch = None
+    interrupt = _DeferredInterrupt()
     try:
-        with _progress_bar(len(validated.requests), "storing") as on_progress:
+        with interrupt.installed(), _progress_bar(len(validated.requests), "storing") as update_bar:
+
+            def on_progress(n: int) -> None:
+                if update_bar is not None:
+                    update_bar(n)
+                interrupt.check()
+
             batch = client.submit(
                 validated,
                 name=name,
@@ -152,6 +161,8 @@ def submit(
                 on_progress=on_progress,
                 **defaults.given(),
             )
+        if interrupt.hit:  # during the commit, which went through
+            raise SubmitInterrupted(batch.id)
         skipped = batch.submission.skipped_custom_ids
     except SubmitConflict as exc:
         raise click.ClickException(str(exc)) from None
@@ -197,6 +208,33 @@ def _progress_bar(length: int, label: str):
         return
     with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
         yield bar.update
+
+
+class _DeferredInterrupt:
+    """While a batch is stored, Ctrl-C takes effect between staging slices, where `submit_batch` can remove
+    what it staged. Raised at any point, it could arrive wrapped: inside pydantic's serializer it becomes a
+    serialization error, and the user would see a traceback."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers belong to the main thread; elsewhere Ctrl-C is not ours to handle
+            return
+        previous = signal.signal(signal.SIGINT, self._note)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _note(self, signum, frame) -> None:
+        self.hit = True
+
+    def check(self) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
 
 
 def _error_json(error) -> dict:

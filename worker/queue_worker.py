@@ -251,13 +251,30 @@ class CbqWorker(BaseWorker):
         Raises RedisUnavailable past `redis_outage_limit_seconds`.
         """
         started = time.monotonic()
-        delay, longest = OUTAGE_BACKOFF_SECONDS
         self.log.warning(
             "Worker %s: Redis unreachable (%s); %d requests in flight keep running, results are buffered",
             self.name,
             exc,
             len(self._owner_of),
         )
+        while True:
+            self._wait_for_redis(started, exc)
+            self.log.warning(
+                "Worker %s: Redis is back after %.1f s; writing %d buffered results",
+                self.name,
+                time.monotonic() - started,
+                len(self._outcomes),
+            )
+            try:
+                # Heartbeats first: the executions may look abandoned by now, and this worker's cleanup is next.
+                self._heartbeat_all()
+                self._resume_interrupted_admissions()
+                return
+            except REDIS_ERRORS:  # gone again (or still loading its data)
+                continue
+
+    def _wait_for_redis(self, started: float, exc: Exception) -> None:
+        delay, longest = OUTAGE_BACKOFF_SECONDS
         while True:
             wake_at = time.monotonic() + delay
             self._touch_health_file()  # alive, and doing what it should
@@ -267,7 +284,7 @@ class CbqWorker(BaseWorker):
                 )
             try:
                 self.connection.ping()
-                break
+                return
             except REDIS_ERRORS:
                 pass
             down_for = time.monotonic() - started
@@ -277,15 +294,6 @@ class CbqWorker(BaseWorker):
                     f"{len(self._outcomes)} finished results could not be written and will be redone"
                 ) from exc
             delay = min(2 * delay, longest)
-        self.log.warning(
-            "Worker %s: Redis is back after %.1f s; writing %d buffered results",
-            self.name,
-            time.monotonic() - started,
-            len(self._outcomes),
-        )
-        # Heartbeats first: the executions may look abandoned by now, and this worker's own cleanup runs next.
-        self._heartbeat_all()
-        self._resume_interrupted_admissions()
 
     def _can_admit(self, max_jobs: int | None) -> bool:
         if self._stop_requested or self._is_suspended:
