@@ -123,3 +123,32 @@ def test_the_batches_index_forgets_expired_batches(redis_server, cbq, tmp_path):
     wait_until(lambda: not conn.exists(keys.batch(short_lived)), timeout=5)
     kept = submit_prompts(cbq, tmp_path, 3)
     assert conn.zrange(keys.BATCHES, 0, -1) == [kept.encode()]
+
+
+def test_a_chunk_re_enqueued_from_under_its_worker_is_dropped_there_and_run_once_elsewhere(
+    redis_server, cbq, tmp_path
+):
+    """What rq's cleanup does to a worker whose heartbeats were late (say, after a long Redis outage, if another
+    worker cleaned up first): the worker finds, before it writes, that it no longer owns the chunk."""
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 10, "--chunk-size", "10")
+    queue = Queue("cbq", connection=conn, serializer=JSONSerializer)
+    job_id = keys.chunk_job_id(batch_id, 0)
+    late = CbqWorker(["cbq"], FakeEngine(latency_seconds=1.0), connection=conn, model_name="late")
+    thread = threading.Thread(
+        target=late.work, kwargs={"burst": True, "logging_level": "WARNING", "max_jobs": 1}
+    )
+    thread.start()
+    wait_until(lambda: store.get_status(conn, batch_id).num_running == 10)
+    # rq's cleanup of an abandoned chunk: its execution leaves the registry, the job is queued again.
+    conn.delete(queue.started_job_registry.key)
+    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    job.set_status(JobStatus.QUEUED)
+    queue.push_job_id(job_id)
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert late.num_requests_finished == 0, "the late worker wrote results of a chunk it no longer owned"
+    other = FakeEngine()
+    run_burst_worker(conn, other)
+    assert other.num_added == 10
+    assert_exactly_once(conn, batch_id, 10)
