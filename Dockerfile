@@ -1,5 +1,6 @@
-# cbq worker/producer image. The default base is CPU-only; for GPUs build with a CUDA PyTorch base:
-#   docker build --build-arg BASE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime -t cbq .
+# cbq worker/producer image. The default base is CPU-only; docker-compose.yml builds the worker on a CUDA
+# PyTorch base instead:
+#   docker build --build-arg BASE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime -t cbq:cuda .
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 WORKDIR /app
@@ -14,5 +15,13 @@ COPY producer producer
 COPY worker worker
 COPY examples examples
 RUN pip install --no-cache-dir ".[server]"
+# Run as a user, not root. The Hugging Face cache, /models and the server's /data/files are volumes in
+# docker-compose.yml; creating the directories here gives a named volume mounted on them this user's ownership.
+ARG UID=1000
+RUN useradd --create-home --uid "${UID}" cbq \
+    && mkdir -p /home/cbq/.cache/huggingface /models /data/files \
+    && chown -R cbq /home/cbq/.cache /models /data
+USER cbq
+ENV HF_HOME=/home/cbq/.cache/huggingface
 ENTRYPOINT ["cbq"]
 CMD ["--help"]

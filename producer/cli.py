@@ -8,13 +8,22 @@ are imported only when used; this module names none of them.
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 
 import click
 
 from producer import settings
 from producer.cli_common import format_status, read_lines, status_json, write_result_lines
-from producer.client import BatchNotFinished, BatchNotFound, Client, NothingToSubmit, SubmitConflict
+from producer.client import (
+    BatchNotFinished,
+    BatchNotFound,
+    Client,
+    NothingToSubmit,
+    SubmitConflict,
+    SubmitInterrupted,
+)
 from producer.lazy_group import PluginGroup
 from producer.options import (
     chunk_size_option,
@@ -31,6 +40,7 @@ from producer.options import (
 from schemas.request import SamplingOverrides
 
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
 # `serve` is the producer's own (in producer/server, with the optional `server` extra), imported only when used.
@@ -51,8 +61,21 @@ def main():
 # --- submit --------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _exit_130_on_interrupt():
+    """Ctrl-C: say what was (not) enqueued and exit 130, instead of click's "Aborted!" and exit 1."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo("interrupted; nothing was enqueued", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except SubmitInterrupted as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_INTERRUPTED)
+
+
 @main.command()
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.File("rb"))
 @redis_url_option
 @queue_option
 @click.option(
@@ -78,6 +101,7 @@ def main():
 )
 @sampling_options
 @json_option
+@_exit_130_on_interrupt()
 def submit(
     file,
     redis_url,
@@ -117,8 +141,15 @@ def submit(
         raise click.ClickException("no requests in the input")
 
     batch = None
+    interrupt = _DeferredInterrupt()
     try:
-        with _progress_bar(len(validated.requests), "storing") as on_progress:
+        with interrupt.installed(), _progress_bar(len(validated.requests), "storing") as update_bar:
+
+            def on_progress(n: int) -> None:
+                if update_bar is not None:
+                    update_bar(n)
+                interrupt.check()
+
             batch = client.submit(
                 validated,
                 name=name,
@@ -131,6 +162,8 @@ def submit(
                 on_progress=on_progress,
                 **defaults.given(),
             )
+        if interrupt.hit:  # during the commit, which went through
+            raise SubmitInterrupted(batch.id)
         skipped = batch.submission.skipped_custom_ids
     except SubmitConflict as exc:
         raise click.ClickException(str(exc)) from None
@@ -176,6 +209,33 @@ def _progress_bar(length: int, label: str):
         return
     with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
         yield bar.update
+
+
+class _DeferredInterrupt:
+    """While a batch is stored, Ctrl-C takes effect between staging slices, where `submit_batch` can remove
+    what it staged. Raised at any point, it could arrive wrapped: inside pydantic's serializer it becomes a
+    serialization error, and the user would see a traceback."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers belong to the main thread; elsewhere Ctrl-C is not ours to handle
+            return
+        previous = signal.signal(signal.SIGINT, self._note)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _note(self, signum, frame) -> None:
+        self.hit = True
+
+    def check(self) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
 
 
 def _error_json(error) -> dict:

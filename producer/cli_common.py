@@ -16,14 +16,17 @@ from schemas.result import OpenAIBatchOutputLine, ResultLine
 from schemas.status import BatchStatus
 
 
-def read_lines(file) -> list[str]:
-    """Lines split on newlines only: str.splitlines() would also split inside JSON strings at U+2028 etc."""
-    return [line.rstrip("\n") for line in file]
+def read_lines(file) -> list[bytes]:
+    """The lines of a binary file, split on b"\\n" only (str.splitlines() would also split inside JSON strings at
+    U+2028 etc.). They stay bytes: each is decoded when it is validated, so a bad UTF-8 byte fails its line."""
+    return [line.rstrip(b"\n") for line in file]
 
 
 def format_status(st: BatchStatus) -> str:
     name = f" ({st.name})" if st.name else ""
     eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
+    if st.num_stalled:
+        eta += f" ({st.num_stalled} requests wait for a dead worker's chunks to be re-enqueued)"
     return "\n".join(
         [
             f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}",

@@ -31,6 +31,7 @@ from producer.store import (
     BatchNotFound,
     CancelReport,
     SubmitConflict,
+    SubmitInterrupted,
     SubmitOptions,
     ValidatedFile,
     submit_batch,
@@ -49,10 +50,11 @@ __all__ = [
     "NothingToSubmit",
     "Submission",
     "SubmitConflict",
+    "SubmitInterrupted",
 ]
 
-# A path to a JSONL file, or the lines themselves: dicts (one request each) or JSON strings.
-Source = str | os.PathLike | Iterable[dict | str]
+# A path to a JSONL file, or the lines themselves: dicts (one request each) or JSON strings (or bytes).
+Source = str | os.PathLike | Iterable[dict | str | bytes]
 OutputFormat = Literal["cbq", "openai"]
 
 
@@ -217,15 +219,16 @@ class Batch:
         return store.cancel_batch(self.client.connection, self.id)
 
 
-def _iter_lines(source: Source) -> Iterator[str]:
+def _iter_lines(source: Source) -> Iterator[str | bytes]:
     if isinstance(source, str | os.PathLike):
-        with open(source, encoding="utf-8", newline="\n") as f:
+        with open(source, "rb") as f:
             # Split on newlines only: str.splitlines() would also split inside JSON strings at U+2028 etc.
+            # Lines stay bytes: each is decoded when validated, so a bad UTF-8 byte fails its own line.
             for line in f:
-                yield line.rstrip("\n")
+                yield line.rstrip(b"\n")
         return
     for item in source:
-        yield item if isinstance(item, str) else json.dumps(item)
+        yield item if isinstance(item, str | bytes) else json.dumps(item)
 
 
 class _progress_reporter:

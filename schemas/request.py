@@ -14,6 +14,7 @@ Blank lines are skipped: `parse_request_line` returns None for them, so editors'
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, cast
 
 from pydantic import (
@@ -28,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from schemas.errors import FieldIssue, RequestLineError, issues_from_validation_error
+from schemas.errors import FieldIssue, RequestLineError, format_loc, issues_from_validation_error
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -378,16 +379,12 @@ _SHAPE_HINT = (
 _OPENAI_KEYS = {"method", "url", "body"}
 
 
-def parse_request_line(text: str, line_no: int) -> ParsedRequest | None:
-    """Validate one JSONL line. Returns None for a blank line; raises RequestLineError naming line and field."""
-    if not text.strip():
+def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
+    """Validate one JSONL line (bytes are decoded as UTF-8 here, so a bad byte is an error of its line).
+    Returns None for a blank line; raises RequestLineError naming line and field."""
+    obj = _load_json_line(text, line_no)
+    if obj is _BLANK:
         return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RequestLineError(
-            line_no, [FieldIssue("", f"invalid JSON: {exc.msg} at column {exc.colno}")]
-        ) from None
     if not isinstance(obj, dict):
         raise RequestLineError(
             line_no, [FieldIssue("", f"a line must be a JSON object, got {type(obj).__name__}")]
@@ -416,6 +413,69 @@ def parse_request_line(text: str, line_no: int) -> ParsedRequest | None:
             overrides=_overrides_of(line),
         )
     raise RequestLineError(line_no, [FieldIssue("", _SHAPE_HINT)])
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate (pairs combine)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+_BLANK = object()
+
+
+def _load_json_line(text: str | bytes, line_no: int) -> Any:
+    """The line's JSON value (`_BLANK` for a blank line). Every way the text can fail is a RequestLineError:
+    bad UTF-8, bad JSON, a number too long to convert, nesting too deep, a lone surrogate (`"\\ud800"` parses,
+    but no UTF-8 text can hold it, so the request could never be stored)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestLineError(
+                line_no, [FieldIssue("", f"invalid UTF-8 at byte {exc.start + 1}")]
+            ) from None
+    if not text.strip():
+        return _BLANK
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        message = f"invalid JSON: {exc.msg} at column {exc.colno}"
+    except ValueError:  # int("...") past sys.get_int_max_str_digits()
+        message = "invalid JSON: a number has too many digits"
+    except RecursionError:
+        message = "invalid JSON: nested too deeply"
+    else:
+        if _SURROGATE_ESCAPE.search(text):
+            field = _lone_surrogate_field(obj, ())
+            if field is not None:
+                raise RequestLineError(
+                    line_no,
+                    [
+                        FieldIssue(
+                            field, "contains a lone UTF-16 surrogate (\\ud800-\\udfff), not valid Unicode"
+                        )
+                    ],
+                )
+        return obj
+    raise RequestLineError(line_no, [FieldIssue("", message)])
+
+
+def _lone_surrogate_field(value: Any, loc: tuple[str | int, ...]) -> str | None:
+    """The dotted path of the first string (or key) in `value` holding a surrogate, else None."""
+    if isinstance(value, str):
+        return format_loc(loc) if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _SURROGATE.search(key):
+                return format_loc(loc) or "(a key)"
+            found = _lone_surrogate_field(item, (*loc, key))
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_field(item, (*loc, i))
+            if found is not None:
+                return found
+    return None
 
 
 def _overrides_of(line: SamplingOverrides) -> SamplingOverrides:

@@ -24,6 +24,9 @@ class BatchStatus(_Model):
     num_total: int = Field(ge=0)
     num_queued: int = Field(ge=0)
     num_running: int = Field(ge=0)
+    # Part of num_queued: requests of chunks whose worker stopped heartbeating. rq's cleanup re-enqueues them;
+    # until then there is no ETA.
+    num_stalled: int = Field(default=0, ge=0)
     num_completed: int = Field(ge=0)
     num_failed: int = Field(ge=0)  # includes requests of chunk jobs that rq failed for good
     num_cancelled: int = Field(ge=0)

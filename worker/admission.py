@@ -37,22 +37,35 @@ class ChunkWork:
     num_skipped: int = 0  # already had a result (a retried chunk)
 
 
-def load_chunk(conn: redis.Redis, payload: ChunkPayload, tokenizer: TokenizerProtocol) -> ChunkWork:
-    indices = list(payload.indices)
+def load_chunk(
+    conn: redis.Redis, payload: ChunkPayload, tokenizer: TokenizerProtocol, job_id: str | None = None
+) -> ChunkWork:
+    """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
+    inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
+    payload fails its job before anything is read or allocated for its range."""
     meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
     with conn.pipeline(transaction=False) as pipe:
         pipe.hmget(keys.batch(payload.batch_id), meta_fields)
-        pipe.exists(keys.batch_cancel(payload.batch_id))
-        pipe.hmget(keys.batch_requests(payload.batch_id), indices)
-        pipe.hmget(keys.batch_results(payload.batch_id), indices)
-        (created_at, ttl_seconds, num_requests), is_cancelled, raw_requests, raw_results = pipe.execute()
+        pipe.hget(keys.batch_jobs(payload.batch_id), job_id or "")
+        (created_at, ttl_seconds, num_requests), recorded_range = pipe.execute()
     if created_at is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
     if payload.stop > int(num_requests):
         raise ValueError(
             f"chunk [{payload.start}, {payload.stop}) is past the batch's {int(num_requests)} requests"
         )
+    if job_id is not None and recorded_range != f"{payload.start}:{payload.stop}".encode():
+        recorded = recorded_range.decode() if recorded_range else "none"
+        raise ValueError(
+            f"job {job_id} carries [{payload.start}, {payload.stop}), but the batch recorded {recorded} for it"
+        )
 
+    indices = list(payload.indices)
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.exists(keys.batch_cancel(payload.batch_id))
+        pipe.hmget(keys.batch_requests(payload.batch_id), indices)
+        pipe.hmget(keys.batch_results(payload.batch_id), indices)
+        is_cancelled, raw_requests, raw_results = pipe.execute()
     work = ChunkWork(payload, float(created_at), int(ttl_seconds), bool(is_cancelled))
     for index, raw_request, raw_result in zip(indices, raw_requests, raw_results, strict=True):
         if raw_result is not None:
@@ -100,7 +113,9 @@ def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: 
     )
 
 
-def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
+def to_sampling_params(
+    sampling: Sampling, params_type: type[SamplingParams] = SamplingParams
+) -> SamplingParams:
     """The engine's SamplingParams, field by field under the same names (lists become tuples)."""
     return params_type(**{name: tuple(v) if isinstance(v, list) else v for name, v in sampling})
 

@@ -10,3 +10,8 @@ def run_chunk(batch_id: str, start: int, stop: int) -> None:
         f"chunk {batch_id}[{start}:{stop}] must be run by `cbq worker`, not by a plain `rq worker`; "
         "requeue it with `rq requeue --all` once a cbq worker listens on this queue"
     )
+
+
+def undecodable_job() -> None:
+    """Recorded by the placeholder of a job no worker could decode (`worker.job_quarantine`); never runs."""
+    raise RuntimeError("this job's data could not be decoded; see its failure message")

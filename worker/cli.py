@@ -23,8 +23,9 @@ from producer.options import (
     sampling_options,
 )
 from producer.settings import in_process_redis
+from worker import queue_worker
 from worker.engine.config import MODES, EngineConfig
-from worker.queue_worker import CbqWorker
+from worker.queue_worker import CbqWorker, RedisUnavailable
 
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
@@ -32,13 +33,21 @@ ENGINE_DEFAULTS = EngineConfig()  # help texts show these; options left unset ke
 
 
 def build_engine(
-    model: str, mode: str, device: str | None, fake_engine: bool, engine_config: dict | None = None
+    model: str,
+    mode: str,
+    device: str | None,
+    fake_engine: bool,
+    engine_config: dict | None = None,
+    fake_latency: float = 0.0,
 ):
     """The real engine for `model` (a preset name, local path or hub name), or the instant FakeEngine."""
     if fake_engine:
         from worker.fake_engine import FakeEngine
 
-        return FakeEngine()
+        return FakeEngine(
+            latency_seconds=fake_latency,
+            max_num_running=(engine_config or {}).get("max_num_seqs", FakeEngine().max_num_running),
+        )
     from worker.engine.engine import Engine  # imports torch: only here
     from worker.engine.models import ModelLoadError
 
@@ -131,6 +140,40 @@ def engine_options(f):
     return f
 
 
+def recovery_options(f):
+    """How fast a dead worker's chunks come back, and how long a Redis outage is ridden out."""
+    f = click.option(
+        "--redis-outage-limit",
+        type=click.FloatRange(min=1),
+        default=queue_worker.DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
+        show_default=True,
+        help="Seconds without Redis before the worker gives up (exit 1); until then it keeps generating and "
+        "writes the buffered results once Redis is back.",
+    )(f)
+    f = click.option(
+        "--maintenance-interval",
+        type=click.FloatRange(min=0.5),
+        default=queue_worker.DEFAULT_MAINTENANCE_INTERVAL_SECONDS,
+        show_default=True,
+        help="Seconds between rq registry cleanups (they re-enqueue the chunks of dead workers).",
+    )(f)
+    f = click.option(
+        "--stale-after",
+        type=click.IntRange(min=2),
+        default=queue_worker.DEFAULT_STALE_AFTER_SECONDS,
+        show_default=True,
+        help="Seconds without a heartbeat after which a chunk counts as abandoned (at least 2 heartbeats).",
+    )(f)
+    f = click.option(
+        "--heartbeat-interval",
+        type=click.IntRange(min=1),
+        default=queue_worker.DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
+        show_default=True,
+        help="Seconds between heartbeats of the chunks in flight.",
+    )(f)
+    return f
+
+
 @click.command()
 @engine_options
 @redis_url_option
@@ -144,28 +187,70 @@ def engine_options(f):
     default=None,
     help="Serve Prometheus metrics on this port (all interfaces, path /metrics).",
 )
+@recovery_options
+@click.option(
+    "--health-file",
+    envvar="CBQ_HEALTH_FILE",
+    type=click.Path(dir_okay=False),
+    help="Touch this file every few seconds while the worker loop turns (for container healthchecks). "
+    "Env: CBQ_HEALTH_FILE.",
+)
+@click.option("--fake-latency", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def worker(
-    model, mode, device, fake_engine, engine_config, redis_url, queue, burst, name, log_level, metrics_port
+    model,
+    mode,
+    device,
+    fake_engine,
+    engine_config,
+    redis_url,
+    queue,
+    burst,
+    name,
+    log_level,
+    metrics_port,
+    heartbeat_interval,
+    stale_after,
+    maintenance_interval,
+    redis_outage_limit,
+    health_file,
+    fake_latency,
 ):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
 
     Many chunk jobs are in flight at once. SIGINT/SIGTERM stops admitting and drains what is in flight;
-    a second signal stops at once (unfinished chunks are retried by rq, finished requests are not redone).
+    a second signal stops at once and exits 1 (unfinished chunks are retried by rq, finished requests are not
+    redone). A worker that dies without either has its chunks re-enqueued by the other workers' cleanup within
+    about --stale-after + --maintenance-interval seconds.
     """
+    if stale_after < 2 * heartbeat_interval:
+        raise click.BadParameter("must be at least twice --heartbeat-interval", param_hint="--stale-after")
     conn = open_redis(redis_url)
-    engine = build_engine(model, mode, device, fake_engine, engine_config)
+    engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
     cbq_worker = CbqWorker(
-        [queue], engine, connection=conn, model_name="fake" if fake_engine else model, mode=mode, name=name
+        [queue],
+        engine,
+        connection=conn,
+        model_name="fake" if fake_engine else model,
+        mode=mode,
+        name=name,
+        heartbeat_interval_seconds=heartbeat_interval,
+        stale_after_seconds=stale_after,
+        maintenance_interval_seconds=maintenance_interval,
+        redis_outage_limit_seconds=redis_outage_limit,
+        health_file=health_file,
     )
     if metrics_port is not None:
         from worker.metrics import serve_metrics
 
         serve_metrics(cbq_worker, metrics_port)
-    cbq_worker.work(burst=burst, logging_level=log_level)
+    try:
+        cbq_worker.work(burst=burst, logging_level=log_level)
+    except RedisUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.command()
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.File("rb"))
 @click.option(
     "-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True), help="Results file."
 )

@@ -8,10 +8,24 @@ rq's stock workers run one job at a time; here `work()` is replaced, and each jo
 `prepare_execution` + `prepare_job_execution` on admit, `maintain_heartbeats` while in flight,
 `handle_job_success` (so `job.return_value()` is the chunk's summary) or `handle_job_failure` (FailedJobRegistry,
 retries) when its last request is back, and `run_maintenance_tasks` periodically.
+
+Failure handling (issue 10):
+- A chunk's rq execution expires `stale_after_seconds` after its last heartbeat, and every worker runs rq's
+  registry cleanup every `maintenance_interval_seconds`, so a SIGKILLed worker's chunks run again within about
+  the sum of the two (the defaults: under a minute).
+- A Redis outage is ridden out: the engine keeps generating, finished results wait in memory (at most what was
+  admitted), Redis is retried with backoff, and the buffered results are written once it answers. A write whose
+  reply was lost is checked before it is repeated, so nothing is written twice; before each write the worker
+  checks that it still owns the chunks (nobody re-enqueued them meanwhile). Past `redis_outage_limit_seconds`
+  the worker gives up and exits non-zero; rq's cleanup then retries its chunks.
+- A job that cannot be decoded goes to the FailedJobRegistry with the reason (`worker.job_quarantine`).
+- The same chunk dequeued again while it runs here (re-enqueued by a person or by cleanup) is adopted: its
+  requests keep running once, under the new execution.
 """
 
 from __future__ import annotations
 
+import os
 import queue as thread_queue
 import signal
 import threading
@@ -25,26 +39,47 @@ from typing import Any
 import redis
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.utils import now as rq_now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
+from rq.worker_registration import clean_worker_registry
 
 from producer.store import publish_worker_stats, queue_admission, queue_results
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.request import Request
 from schemas.result import OUTCOME_OF_REASON, ResultLine
-from worker.admission import load_chunk, to_result_line
+from worker.admission import ChunkWork, load_chunk, to_result_line
 from worker.engine.api import EngineProtocol, EngineResult, FinishReason
+from worker.job_quarantine import quarantine_job, quarantine_undecodable
 from worker.stats_publisher import build_worker_stats
 
 RESULT_POLL_SECONDS = 0.02  # longest wait for engine results while work is in flight
 CANCEL_POLL_SECONDS = 0.5
 SUSPENSION_POLL_SECONDS = 1.0
 IDLE_DEQUEUE_TIMEOUT_SECONDS = 1  # blocking dequeue when idle (rq wants whole seconds)
+
+# Recovery from a dead worker: a chunk is abandoned STALE_AFTER seconds after its last heartbeat, and cleanup
+# runs every MAINTENANCE_INTERVAL seconds on every worker (one at a time, under rq's per-queue lock).
+DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 10
+DEFAULT_STALE_AFTER_SECONDS = 40
+DEFAULT_MAINTENANCE_INTERVAL_SECONDS = 15
+# rq's cleaning lock lasts 899 s: a worker killed while cleaning must not block cleanup that long.
+MAINTENANCE_LOCK_SECONDS = 60
+DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS = 300
+WORKER_TTL_SECONDS = 60  # rq derives the client's socket timeout from it (minus 5 s): a hung Redis is noticed
+OUTAGE_BACKOFF_SECONDS = (0.25, 5.0)  # first and longest wait between reconnection attempts
+FLUSH_ATTEMPTS = 5  # WATCH retries of one flush
+COLD_STOP_EXIT_CODE = 1
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis did not answer for longer than the worker's outage limit."""
 
 
 @dataclass
@@ -55,6 +90,7 @@ class InFlightJob:
     payload: ChunkPayload
     ttl_seconds: int
     admitted_at: float  # time.monotonic()
+    started_at: float | None = None  # time.monotonic() when its first request could be scheduled (timeouts)
     pending: dict[str, Request] = field(default_factory=dict)  # engine request id -> request
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     abort_reason: str | None = None  # "cancelled" | "stopped" | "timeout"
@@ -90,9 +126,21 @@ class CbqWorker(BaseWorker):
         mode: str | None = None,
         name: str | None = None,
         stats_interval_seconds: float = 2.0,
+        heartbeat_interval_seconds: int = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
+        stale_after_seconds: int = DEFAULT_STALE_AFTER_SECONDS,
+        maintenance_interval_seconds: float = DEFAULT_MAINTENANCE_INTERVAL_SECONDS,
+        redis_outage_limit_seconds: float = DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
+        health_file: str | None = None,
         **kwargs: Any,
     ):
-        kwargs.setdefault("job_monitoring_interval", 10)
+        kwargs.setdefault("job_monitoring_interval", heartbeat_interval_seconds)
+        kwargs.setdefault("maintenance_interval", maintenance_interval_seconds)
+        kwargs.setdefault("worker_ttl", WORKER_TTL_SECONDS)
+        if stale_after_seconds < 2 * kwargs["job_monitoring_interval"]:
+            raise ValueError(
+                f"stale_after_seconds ({stale_after_seconds}) must be at least twice the heartbeat interval "
+                f"({kwargs['job_monitoring_interval']}), or live chunks would be taken for abandoned ones"
+            )
         super().__init__(
             queues,
             name=name or f"cbq-{uuid.uuid4().hex[:12]}",
@@ -100,6 +148,9 @@ class CbqWorker(BaseWorker):
             serializer=JSONSerializer,
             **kwargs,
         )
+        self.stale_after_seconds = int(stale_after_seconds)
+        self.redis_outage_limit_seconds = redis_outage_limit_seconds
+        self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
         self.engine = engine
         self.model_name = model_name
         self.mode = mode
@@ -107,6 +158,11 @@ class CbqWorker(BaseWorker):
         self._jobs: dict[str, InFlightJob] = {}  # rq job id -> chunk in flight
         self._owner_of: dict[str, InFlightJob] = {}  # engine request id -> its chunk
         self._outcomes: list[_Outcome] = []  # settled requests not yet written to Redis
+        self._num_in_doubt = 0  # the first n outcomes went out in a write whose reply was lost
+        self._dropped_request_ids: set[str] = set()  # aborted here after their chunk was taken over
+        # (job, queue, execution or None) dequeued when Redis failed mid-admission; admitted again after it
+        self._interrupted_admissions: list[tuple[Job, Queue, Execution | None]] = []
+        self._idle_since = time.monotonic()
         self._stop_execution_ids: thread_queue.SimpleQueue[str] = thread_queue.SimpleQueue()
         self._started_at = time.time()
         self._is_suspended = False
@@ -138,41 +194,17 @@ class CbqWorker(BaseWorker):
         self._dequeue_strategy = dequeue_strategy
         self._install_signal_handlers()
         self.engine.start()
-        idle_since = time.monotonic()
+        self._idle_since = time.monotonic()
         try:
             while True:
-                # 1. rq housekeeping: registries, abandoned jobs, `rq suspend`
-                self._run_periodic_tasks()
-                # 2. admit chunk jobs while the engine can use more requests
-                queue_is_empty = self._admit_jobs(max_jobs)
-                # 3. collect finished requests, write them, finish chunks whose last request is back
-                waiting_is_useful = queue_is_empty or not self._can_admit(max_jobs)
-                self._collect_engine_results(RESULT_POLL_SECONDS if self._jobs and waiting_is_useful else 0)
-                self._flush_outcomes()
-                if self._jobs:
-                    idle_since = time.monotonic()
-                    continue
-                # 4. nothing in flight: exit, or wait for the next job
-                if self._stop_requested:
-                    self.log.info("Worker %s: drained, stopping on request", self.name)
-                    break
-                if burst and self._is_suspended:
-                    self.log.info("Worker %s: suspended in burst mode, quitting", self.name)
-                    break
-                if burst and queue_is_empty:
-                    self.log.info(
-                        "Worker %s: queues empty and nothing in flight, quitting (burst)", self.name
-                    )
-                    break
-                if max_jobs is not None and self.num_jobs_admitted >= max_jobs:
-                    break
-                if max_idle_time is not None and time.monotonic() - idle_since > max_idle_time:
-                    self.log.info("Worker %s: idle for %d seconds, quitting", self.name, max_idle_time)
-                    break
-                self._wait_for_job()
+                try:
+                    if self._turn(burst, max_jobs, max_idle_time):
+                        break
+                except REDIS_ERRORS as exc:
+                    self._ride_out_outage(exc)
         except BaseException:
-            # A crash (engine thread died, Redis gone, cold shutdown): hand the chunks back to rq right away,
-            # rather than leaving them for the abandoned-job cleanup; retries skip what was written.
+            # A crash (engine thread died, Redis gone too long, cold shutdown): hand the chunks back to rq right
+            # away, rather than leaving them for the abandoned-job cleanup; retries skip what was written.
             self._fail_all_in_flight(traceback.format_exc())
             raise
         finally:
@@ -180,6 +212,88 @@ class CbqWorker(BaseWorker):
             self._publish_stats(state="stopped")
             self.teardown()
         return self.num_jobs_admitted > 0
+
+    def _turn(self, burst: bool, max_jobs: int | None, max_idle_time: int | None) -> bool:
+        """One turn of the loop; returns True when the worker should stop."""
+        # 1. rq housekeeping: registries, abandoned jobs, `rq suspend`
+        self._run_periodic_tasks()
+        # 2. admit chunk jobs while the engine can use more requests
+        queue_is_empty = self._admit_jobs(max_jobs)
+        # 3. collect finished requests, write them, finish chunks whose last request is back
+        waiting_is_useful = queue_is_empty or not self._can_admit(max_jobs)
+        self._collect_engine_results(RESULT_POLL_SECONDS if self._jobs and waiting_is_useful else 0)
+        self._flush_outcomes()
+        if self._jobs:
+            self._idle_since = time.monotonic()
+            return False
+        # 4. nothing in flight: exit, or wait for the next job
+        if self._stop_requested:
+            self.log.info("Worker %s: drained, stopping on request", self.name)
+            return True
+        if burst and self._is_suspended:
+            self.log.info("Worker %s: suspended in burst mode, quitting", self.name)
+            return True
+        if burst and queue_is_empty:
+            self.log.info("Worker %s: queues empty and nothing in flight, quitting (burst)", self.name)
+            return True
+        if max_jobs is not None and self.num_jobs_admitted >= max_jobs:
+            return True
+        if max_idle_time is not None and time.monotonic() - self._idle_since > max_idle_time:
+            self.log.info("Worker %s: idle for %d seconds, quitting", self.name, max_idle_time)
+            return True
+        self._wait_for_job()
+        return False
+
+    def _ride_out_outage(self, exc: Exception) -> None:
+        """Keep the engine drained while Redis is unreachable; return once it answers again.
+
+        Finished results stay in `_outcomes` (bounded by what was admitted: nothing is admitted meanwhile).
+        Raises RedisUnavailable past `redis_outage_limit_seconds`.
+        """
+        started = time.monotonic()
+        self.log.warning(
+            "Worker %s: Redis unreachable (%s); %d requests in flight keep running, results are buffered",
+            self.name,
+            exc,
+            len(self._owner_of),
+        )
+        while True:
+            self._wait_for_redis(started, exc)
+            self.log.warning(
+                "Worker %s: Redis is back after %.1f s; writing %d buffered results",
+                self.name,
+                time.monotonic() - started,
+                len(self._outcomes),
+            )
+            try:
+                # Heartbeats first: the executions may look abandoned by now, and this worker's cleanup is next.
+                self._heartbeat_all()
+                self._resume_interrupted_admissions()
+                return
+            except REDIS_ERRORS:  # gone again (or still loading its data)
+                continue
+
+    def _wait_for_redis(self, started: float, exc: Exception) -> None:
+        delay, longest = OUTAGE_BACKOFF_SECONDS
+        while True:
+            wake_at = time.monotonic() + delay
+            self._touch_health_file()  # alive, and doing what it should
+            while time.monotonic() < wake_at:
+                self._collect_engine_results(
+                    min(RESULT_POLL_SECONDS * 10, max(0.0, wake_at - time.monotonic()))
+                )
+            try:
+                self.connection.ping()
+                return
+            except REDIS_ERRORS:
+                pass
+            down_for = time.monotonic() - started
+            if down_for > self.redis_outage_limit_seconds:
+                raise RedisUnavailable(
+                    f"Redis did not answer for {down_for:.0f} s (limit {self.redis_outage_limit_seconds:g} s); "
+                    f"{len(self._outcomes)} finished results could not be written and will be redone"
+                ) from exc
+            delay = min(2 * delay, longest)
 
     def _can_admit(self, max_jobs: int | None) -> bool:
         if self._stop_requested or self._is_suspended:
@@ -211,41 +325,73 @@ class CbqWorker(BaseWorker):
             self._admit(*result)
 
     def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
-        result = self.queue_class.dequeue_any(
-            self._ordered_queues,
-            timeout,
-            connection=self.connection,
-            job_class=self.job_class,
-            serializer=self.serializer,
-            death_penalty_class=self.death_penalty_class,
-        )
-        if result is not None:
-            self.reorder_queues(reference_queue=result[1])
-        return result
+        """rq's dequeue; a job that cannot even be loaded is quarantined (and the next one taken)."""
+        while True:
+            try:
+                result = self.queue_class.dequeue_any(
+                    self._ordered_queues,
+                    timeout,
+                    connection=self.connection,
+                    job_class=self.job_class,
+                    serializer=self.serializer,
+                    death_penalty_class=self.death_penalty_class,
+                )
+            except (*REDIS_ERRORS, DequeueTimeout):
+                raise
+            except Exception as exc:
+                job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
+                if job_id is None or queue is None:
+                    raise
+                quarantine_job(self.connection, queue, job_id, f"{type(exc).__name__}: {exc}")
+                continue
+            if result is not None:
+                self.reorder_queues(reference_queue=result[1])
+            return result
 
     # --- admission ---------------------------------------------------------------------------------------------
 
     def _admit(self, job: Job, queue: Queue) -> None:
         """Start an rq execution for `job` and hand its requests to the engine. A bad job fails alone."""
         self.num_jobs_admitted += 1
-        execution = self.prepare_execution(job)
-        self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
         try:
-            if job.func_name != CHUNK_FUNC:
-                raise ValueError(f"not a cbq chunk job: it calls {job.func_name!r}, expected {CHUNK_FUNC!r}")
-            payload = ChunkPayload.model_validate(job.kwargs)
-            work = load_chunk(self.connection, payload, self.engine.tokenizer)
-        except Exception:
-            self.log.exception("Worker %s: job %s cannot be run", self.name, job.id)
-            self._finish_job_failed(job, queue, execution, traceback.format_exc())
+            func_name, kwargs = job.func_name, job.kwargs  # the payload is decoded here, lazily
+        except Exception as exc:
+            # rq's failure handling decodes the payload again, so an undecodable job must not reach it.
+            self._redis_step(
+                job,
+                queue,
+                None,
+                quarantine_job,
+                self.connection,
+                queue,
+                job.id,
+                f"{type(exc).__name__}: {exc}",
+            )
             return
-
-        owner = InFlightJob(job, queue, execution, payload, work.ttl_seconds, time.monotonic())
-        owner.counts["num_skipped"] = work.num_skipped
-        self._jobs[job.id] = owner
-        with self.connection.pipeline(transaction=True) as pipe:
-            queue_admission(pipe, payload.batch_id, job.id, len(work.to_run), work.ttl_seconds)
-            pipe.execute()
+        execution = self._redis_step(job, queue, None, self.prepare_execution, job)
+        try:
+            self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+            try:
+                if func_name != CHUNK_FUNC:
+                    raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
+                payload = ChunkPayload.model_validate(kwargs)
+                work = load_chunk(self.connection, payload, self.engine.tokenizer, job_id=job.id)
+            except REDIS_ERRORS:
+                raise
+            except Exception:
+                self.log.exception("Worker %s: job %s cannot be run", self.name, job.id)
+                self._finish_job_failed(job, queue, execution, traceback.format_exc())
+                return
+            owner = self._jobs.get(job.id)
+            if owner is None:
+                owner = InFlightJob(job, queue, execution, payload, work.ttl_seconds, time.monotonic())
+                owner.counts["num_skipped"] = work.num_skipped
+                self._jobs[job.id] = owner
+            else:
+                self._adopt(owner, job, queue, execution, work)
+        except REDIS_ERRORS:
+            self._interrupted_admissions.append((job, queue, execution))
+            raise
         self._outcomes.extend(_Outcome(owner, r, from_engine=False) for r in work.finished_now)
         for request, engine_request in work.to_run:
             try:
@@ -255,10 +401,54 @@ class CbqWorker(BaseWorker):
                 error = ResultLine(
                     custom_id=request.custom_id, index=request.index, finish_reason="error", error=repr(exc)
                 )
-                self._outcomes.append(_Outcome(owner, error, from_engine=True))
+                self._outcomes.append(_Outcome(owner, error, from_engine=False))
                 continue
             owner.pending[engine_request.request_id] = request
             self._owner_of[engine_request.request_id] = owner
+        # Last: if Redis fails here, the requests are in the engine already and their results get written.
+        with self.connection.pipeline(transaction=True) as pipe:
+            queue_admission(pipe, payload.batch_id, job.id, len(owner.pending), work.ttl_seconds)
+            pipe.execute()
+
+    def _redis_step(self, job: Job, queue: Queue, execution: Execution | None, step, *args):
+        """`step(*args)`; if Redis fails meanwhile, `job` (dequeued, so no one else will take it) is admitted
+        again once Redis is back (`_resume_interrupted_admissions`)."""
+        try:
+            return step(*args)
+        except REDIS_ERRORS:
+            self._interrupted_admissions.append((job, queue, execution))
+            raise
+
+    def _resume_interrupted_admissions(self) -> None:
+        """Admit again the jobs dequeued just before Redis failed. Otherwise they would wait in rq's intermediate
+        list, or behind an execution nobody heartbeats, until a cleanup a minute later."""
+        interrupted, self._interrupted_admissions = self._interrupted_admissions, []
+        for job, queue, execution in interrupted:
+            self.num_jobs_admitted -= 1
+            if execution is not None and job.id not in self._jobs:
+                self.executions.pop(execution.id, None)
+                with self.connection.pipeline(transaction=True) as pipe:
+                    execution.delete(job=job, pipeline=pipe)
+                    pipe.execute()
+            self.log.info("Worker %s: admitting job %s again after the outage", self.name, job.id)
+            self._admit(job, queue)
+
+    def _adopt(
+        self, owner: InFlightJob, job: Job, queue: Queue, execution: Execution, work: ChunkWork
+    ) -> None:
+        """`job` is already in flight here (it was re-enqueued while it ran, and came back to this worker): it
+        continues under the new execution, and only the requests this worker does not hold yet are added."""
+        self.log.warning("Worker %s: job %s is already running here; it continues once", self.name, job.id)
+        stale = owner.execution
+        owner.job, owner.queue, owner.execution = job, queue, execution
+        with self.connection.pipeline(transaction=True) as pipe:
+            stale.delete(job=job, pipeline=pipe)
+            pipe.execute()
+        self.executions.pop(stale.id, None)
+        held = {request.index for request in owner.pending.values()}
+        held.update(o.result.index for o in self._outcomes if o.owner is owner and o.result is not None)
+        work.to_run = [(r, e) for r, e in work.to_run if r.index not in held]
+        work.finished_now = [r for r in work.finished_now if r.index not in held]
 
     # --- results -----------------------------------------------------------------------------------------------
 
@@ -266,9 +456,12 @@ class CbqWorker(BaseWorker):
         for result in self.engine.get_results(timeout=timeout):
             owner = self._owner_of.pop(result.request_id, None)
             if owner is None:
-                self.log.warning(
-                    "Worker %s: result for unknown request %s ignored", self.name, result.request_id
-                )
+                if result.request_id in self._dropped_request_ids:
+                    self._dropped_request_ids.discard(result.request_id)
+                else:
+                    self.log.warning(
+                        "Worker %s: result for unknown request %s ignored", self.name, result.request_id
+                    )
                 continue
             request = owner.pending.pop(result.request_id)
             self._outcomes.append(_Outcome(owner, self._record_for(owner, request, result), from_engine=True))
@@ -287,19 +480,37 @@ class CbqWorker(BaseWorker):
 
     def _flush_outcomes(self) -> None:
         """Write settled requests (one MULTI for all of them), then finish chunks with nothing left in flight."""
+        for _ in range(FLUSH_ATTEMPTS):
+            try:
+                self._try_flush()
+                return
+            except redis.WatchError:  # someone touched one of these chunk jobs meanwhile: look again
+                continue
+        self.log.warning(
+            "Worker %s: results not written after %d attempts; next turn", self.name, FLUSH_ATTEMPTS
+        )
+
+    def _try_flush(self) -> None:
+        if self._num_in_doubt:
+            self._drop_outcomes_already_written()
         # A chunk is done once nothing of it is in the engine (all its outcomes are in this flush).
         done_jobs = [owner for owner in self._jobs.values() if not owner.pending]
         if not self._outcomes and not done_jobs:
             return
-        outcomes, self._outcomes = self._outcomes, []
-        by_batch: dict[str, list[_Outcome]] = defaultdict(list)
-        for outcome in outcomes:
-            by_batch[outcome.owner.payload.batch_id].append(outcome)
-            if outcome.result is not None:
-                outcome.owner.counts[f"num_{OUTCOME_OF_REASON[outcome.result.finish_reason]}"] += 1
-        for owner in done_jobs:
-            by_batch.setdefault(owner.payload.batch_id, [])
+        involved = {o.owner.job.id: o.owner for o in self._outcomes} | {o.job.id: o for o in done_jobs}
         with self.connection.pipeline(transaction=True) as pipe:
+            # WATCH the chunk jobs: whoever re-enqueues one of them changes its hash, and this write aborts.
+            pipe.watch(*[owner.job.key for owner in involved.values()])
+            for owner in self._taken_over(list(involved.values())):
+                self._disown(owner)
+            done_jobs = [owner for owner in done_jobs if owner.job.id in self._jobs]
+            outcomes = list(self._outcomes)
+            by_batch: dict[str, list[_Outcome]] = defaultdict(list)
+            for outcome in outcomes:
+                by_batch[outcome.owner.payload.batch_id].append(outcome)
+            for owner in done_jobs:
+                by_batch.setdefault(owner.payload.batch_id, [])
+            pipe.multi()
             for batch_id, group in by_batch.items():
                 done_here = [owner for owner in done_jobs if owner.payload.batch_id == batch_id]
                 queue_results(
@@ -311,27 +522,95 @@ class CbqWorker(BaseWorker):
                     finished_job_ids=[owner.job.id for owner in done_here],
                     model=self.model_name,
                 )
-            pipe.execute()
-        self.num_requests_finished += sum(1 for o in outcomes if o.result is not None)
+            # If the reply to EXEC is lost (Redis died), the write may or may not have happened: the next
+            # attempt first looks whether it did (`_drop_outcomes_already_written`).
+            self._num_in_doubt = len(outcomes)
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                self._num_in_doubt = 0
+                raise
+        self._num_in_doubt = 0
+        del self._outcomes[: len(outcomes)]
+        self._count_written(outcomes)
         for owner in done_jobs:
             self._finish_job(owner)
+
+    def _count_written(self, outcomes: list[_Outcome]) -> None:
+        for outcome in outcomes:
+            if outcome.result is not None:
+                outcome.owner.counts[f"num_{OUTCOME_OF_REASON[outcome.result.finish_reason]}"] += 1
+                self.num_requests_finished += 1
+
+    def _drop_outcomes_already_written(self) -> None:
+        """The first `_num_in_doubt` outcomes went out in one MULTI whose reply never came. MULTI is all or
+        nothing, so one of their results tells whether it happened; if it did, they are not written again."""
+        in_doubt = self._outcomes[: self._num_in_doubt]
+        probe = next((o for o in in_doubt if o.result is not None), None)
+        applied = probe is None or bool(
+            self.connection.hexists(keys.batch_results(probe.owner.payload.batch_id), probe.result.index)
+        )
+        if applied:
+            self.log.warning(
+                "Worker %s: the write before the outage went through; not repeating it", self.name
+            )
+            del self._outcomes[: self._num_in_doubt]
+            self._count_written(in_doubt)
+        self._num_in_doubt = 0
+
+    def _taken_over(self, owners: list[InFlightJob]) -> list[InFlightJob]:
+        """The chunks among `owners` that this worker no longer owns: their job left the STARTED state or their
+        execution left the StartedJobRegistry (rq's cleanup took them for abandoned, or someone requeued them)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for owner in owners:
+                pipe.hget(owner.job.key, "status")
+                pipe.zscore(owner.queue.started_job_registry.key, owner.execution.composite_key)
+            replies = pipe.execute()
+        started = JobStatus.STARTED.value.encode()
+        return [
+            owner
+            for owner, status, score in zip(owners, replies[0::2], replies[1::2], strict=True)
+            if status != started or score is None
+        ]
+
+    def _disown(self, owner: InFlightJob) -> None:
+        """Forget a chunk someone else owns now: abort what it has in the engine and drop what it has not
+        written. Its new owner runs those requests (and skips the ones already written)."""
+        self.log.warning(
+            "Worker %s: job %s was re-enqueued while it ran here; dropping its %d unwritten requests",
+            self.name,
+            owner.job.id,
+            len(owner.pending) + sum(1 for o in self._outcomes if o.owner is owner),
+        )
+        del self._jobs[owner.job.id]
+        self.executions.pop(owner.execution.id, None)
+        for request_id in owner.pending:
+            self._owner_of.pop(request_id, None)
+            self._dropped_request_ids.add(request_id)
+            self.engine.abort(request_id)
+        owner.pending.clear()
+        self._outcomes = [o for o in self._outcomes if o.owner is not owner]
 
     # --- finishing jobs through rq's handlers ------------------------------------------------------------------
 
     def _finish_job(self, owner: InFlightJob) -> None:
-        del self._jobs[owner.job.id]
-        self.num_jobs_finished += 1
         job, queue, execution = owner.job, owner.queue, owner.execution
         if owner.failure is not None:
             self._finish_job_failed(
                 job, queue, execution, owner.failure, stopped=owner.abort_reason == "stopped"
             )
-            return
-        self.handle_execution_ended(job, queue, job.success_callback_timeout)
-        job._result = owner.summary()  # NOTE: rq's handle_job_success stores job._result as the return value
-        self.handle_job_success(
-            job=job, queue=queue, started_job_registry=queue.started_job_registry, execution=execution
-        )
+        else:
+            self.handle_execution_ended(job, queue, job.success_callback_timeout)
+            job._result = (
+                owner.summary()
+            )  # NOTE: rq's handle_job_success stores job._result as the return value
+            self.handle_job_success(
+                job=job, queue=queue, started_job_registry=queue.started_job_registry, execution=execution
+            )
+        # Only now: if Redis failed above, the chunk is finished again next turn (or, if rq's write went
+        # through, found no longer STARTED and dropped).
+        del self._jobs[job.id]
+        self.num_jobs_finished += 1
 
     def _finish_job_failed(
         self, job: Job, queue: Queue, execution: Execution, exc_string: str, stopped: bool = False
@@ -348,6 +627,11 @@ class CbqWorker(BaseWorker):
         )
 
     def _fail_all_in_flight(self, exc_string: str) -> None:
+        try:
+            self._collect_engine_results(0)
+            self._flush_outcomes()  # what finished is kept; only the rest is redone
+        except Exception:
+            self.log.warning("Worker %s: could not write %d finished results", self.name, len(self._outcomes))
         for owner in list(self._jobs.values()):
             for request_id in owner.pending:
                 self._owner_of.pop(request_id, None)
@@ -400,9 +684,21 @@ class CbqWorker(BaseWorker):
                     self._abort(owner, "stopped", failure="stopped by an rq stop-job command")
 
     def _check_timeouts(self) -> None:
-        for owner in list(self._jobs.values()):
+        """A chunk's --job-timeout clock starts when its first request can be scheduled, not when it is
+        admitted: chunks are admitted ahead of the engine (up to twice what it runs) and wait their turn.
+        The engine schedules in admission order, so a chunk's turn has come once fewer requests admitted
+        before it are unfinished than the engine is running."""
+        now = time.monotonic()
+        num_running = self.engine.stats().num_running
+        num_ahead = 0
+        for owner in list(self._jobs.values()):  # in admission order
+            if owner.started_at is None and num_ahead < max(1, num_running):
+                owner.started_at = now
+            num_ahead += len(owner.pending)
             timeout = owner.job.timeout
-            if timeout is not None and timeout > 0 and time.monotonic() - owner.admitted_at > timeout:
+            if owner.started_at is None or timeout is None or timeout <= 0:
+                continue
+            if now - owner.started_at > timeout:
                 self._abort(
                     owner, "timeout", failure=f"JobTimeoutException: chunk ran longer than {timeout} s"
                 )
@@ -440,12 +736,54 @@ class CbqWorker(BaseWorker):
             self._heartbeat_all()
         if self._due("stats", self.stats_interval_seconds):
             self._publish_stats()
+            self._touch_health_file()
+
+    def clean_registries(self) -> None:
+        """rq's cleanup of each queue's registries (it re-enqueues or fails the chunks of dead workers), made
+        safe to run every few seconds: undecodable jobs are quarantined first, a failure is logged instead of
+        killing the worker, and the per-queue lock is always released (rq's would block cleanup for 15 min)."""
+        for queue in self.queues:
+            if not self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=MAINTENANCE_LOCK_SECONDS):
+                continue
+            try:
+                quarantine_undecodable(self.connection, queue)
+                clean_registries(queue, self._exc_handlers)
+                clean_worker_registry(queue)
+                queue.intermediate_queue.cleanup(self, queue)
+            except REDIS_ERRORS:
+                raise
+            except Exception:
+                self.log.exception(
+                    "Worker %s: cleaning the registries of queue %s failed", self.name, queue.name
+                )
+            finally:
+                try:
+                    queue.release_maintenance_lock()
+                except REDIS_ERRORS:
+                    pass  # it expires
+        self.last_cleaned_at = rq_now()
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """How long an execution lives without a heartbeat: past it, rq's cleanup takes the chunk for abandoned.
+        (rq's own is the heartbeat interval + 60 s, and shorter near a job timeout, which cbq counts itself.)"""
+        return self.stale_after_seconds
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        except REDIS_ERRORS as exc:  # Redis gone: rq's worker entry expires on its own
+            self.log.warning("Worker %s: could not unregister (%s)", self.name, exc)
 
     def _heartbeat_all(self) -> None:
         if not self._jobs:
             self.heartbeat()
         for owner in self._jobs.values():
             self.maintain_heartbeats(owner.job, owner.execution)
+
+    def _touch_health_file(self) -> None:
+        if self.health_file is not None:
+            with open(self.health_file, "a"):
+                os.utime(self.health_file)
 
     def _publish_stats(self, state: str | None = None) -> None:
         if state is None:
@@ -494,3 +832,10 @@ class CbqWorker(BaseWorker):
         self.log.info(
             "Worker %s: warm shutdown requested, draining %d jobs in flight", self.name, len(self._jobs)
         )
+
+    def request_force_stop(self, signum, frame) -> None:
+        """Second SIGINT/SIGTERM: stop now, handing the chunks back (see `work`), and exit non-zero."""
+        try:
+            super().request_force_stop(signum, frame)
+        except SystemExit:
+            raise SystemExit(COLD_STOP_EXIT_CODE) from None

@@ -21,6 +21,7 @@ from producer.store.reads import (
 )
 from producer.store.submit import (
     SubmitConflict,
+    SubmitInterrupted,
     SubmitOptions,
     SubmitReport,
     ValidatedFile,
@@ -34,6 +35,7 @@ __all__ = [
     "BatchNotFound",
     "CancelReport",
     "SubmitConflict",
+    "SubmitInterrupted",
     "SubmitOptions",
     "SubmitReport",
     "ValidatedFile",

@@ -1,8 +1,13 @@
 """Reading batches back: status, results in input order, listings of batches and workers.
 
 Owns the read side of the store. Counts come from the batch counters, plus requests that no one will ever
-finish: those of chunk jobs that rq failed for good (e.g. a worker died and retries ran out). They have no
-result record, so they are derived here at read time from the chunk jobs' rq status.
+finish: those of chunk jobs that rq failed for good (e.g. a worker died and retries ran out), and, in a
+cancelled batch, those whose chunk is on no live worker. They have no result record, so they are derived here
+at read time from the chunk jobs' rq status.
+
+A chunk is on a live worker while its execution in rq's StartedJobRegistry has not expired (workers renew it
+with heartbeats). Requests of a chunk whose worker stopped heartbeating are "stalled": they wait for rq's
+cleanup to re-enqueue them, and no ETA is given meanwhile.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from collections.abc import Iterator
 import redis
 from pydantic import BaseModel
 from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.utils import parse_composite_key
 
 from schemas import keys
 from schemas.keys import BatchField
@@ -54,14 +62,15 @@ def read_meta(conn: redis.Redis, batch_id: str) -> dict[str, str]:
 
 def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     meta = read_meta(conn, batch_id)
-    running_counts = [int(v) for v in conn.hvals(keys.batch_running(batch_id))]
     total = int(meta[BatchField.NUM_REQUESTS.value])
     counts = _recorded_outcomes(meta)
-    lost = {} if counts.total() >= total else find_lost_requests(conn, batch_id)
+    lost = {} if counts.total() >= total else find_lost_requests(conn, batch_id, meta)
     counts.update(OUTCOME_OF_REASON[reason] for reason, _ in lost.values())
     completed, failed, cancelled = counts["completed"], counts["failed"], counts["cancelled"]
     unfinished = total - counts.total()
-    running = min(max(0, sum(running_counts)), unfinished)
+    running, stalled = _running_requests(conn, batch_id, meta[BatchField.QUEUE.value])
+    running = min(running, unfinished)
+    stalled = min(stalled, unfinished - running)
 
     first_started_at = _float_or_none(meta.get(BatchField.FIRST_STARTED_AT.value))
     last_finished_at = _float_or_none(meta.get(BatchField.LAST_FINISHED_AT.value))
@@ -70,6 +79,12 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     elapsed_seconds = (end - first_started_at) if first_started_at and end else 0.0
     completion_tokens = int(meta.get(BatchField.COMPLETION_TOKENS.value, 0))
     rate = num_finished / elapsed_seconds if elapsed_seconds > 0 else 0.0
+    if unfinished == 0:
+        eta_seconds: float | None = 0.0
+    elif rate > 0 and not stalled:
+        eta_seconds = unfinished / rate
+    else:
+        eta_seconds = None  # no rate yet, or some requests wait for a dead worker's chunks to come back
     return BatchStatus(
         batch_id=batch_id,
         name=meta.get(BatchField.NAME.value),
@@ -81,6 +96,7 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         num_total=total,
         num_queued=unfinished - running,
         num_running=running,
+        num_stalled=stalled,
         num_completed=completed,
         num_failed=failed,
         num_cancelled=cancelled,
@@ -89,8 +105,46 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         gpu_seconds=float(meta.get(BatchField.GPU_SECONDS.value, 0.0)),
         requests_per_second=rate,
         completion_tokens_per_second=completion_tokens / elapsed_seconds if elapsed_seconds > 0 else 0.0,
-        eta_seconds=0.0 if unfinished == 0 else (unfinished / rate if rate > 0 else None),
+        eta_seconds=eta_seconds,
     )
+
+
+def _running_requests(conn: redis.Redis, batch_id: str, queue: str) -> tuple[int, int]:
+    """(requests inside a live worker's engine, requests of chunks whose worker stopped heartbeating).
+
+    Entries of chunks that ended without their worker removing them (rq's cleanup failed them for good) are
+    removed here; entries of chunks re-enqueued and not yet taken again count as neither (they are queued).
+    """
+    table = {job_id.decode(): int(n) for job_id, n in conn.hgetall(keys.batch_running(batch_id)).items()}
+    if not table:
+        return 0, 0
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id in table:
+            pipe.hget(Job.key_for(job_id), "status")
+        statuses = pipe.execute()
+    live = _live_job_ids(conn, queue)
+    running = stalled = 0
+    ended = []
+    started, waiting = JobStatus.STARTED.value, {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value}
+    for (job_id, num), raw_status in zip(table.items(), statuses, strict=True):
+        status = raw_status.decode() if raw_status is not None else None
+        if status == started:
+            if job_id in live:
+                running += max(0, num)
+            else:
+                stalled += max(0, num)
+        elif status not in waiting:
+            ended.append(job_id)
+    if ended:
+        conn.hdel(keys.batch_running(batch_id), *ended)
+    return running, stalled
+
+
+def _live_job_ids(conn: redis.Redis, queue: str) -> set[str]:
+    """Jobs of `queue` with an unexpired execution in rq's StartedJobRegistry (a worker heartbeats them)."""
+    registry_key = StartedJobRegistry(queue, connection=conn).key
+    entries = conn.zrangebyscore(registry_key, time.time(), "+inf")
+    return {parse_composite_key(entry.decode())[0] for entry in entries}
 
 
 _LOST_STATUSES = {
@@ -101,24 +155,46 @@ _LOST_STATUSES = {
 }
 
 
-def find_lost_requests(conn: redis.Redis, batch_id: str) -> dict[int, tuple[FinishReason, str]]:
-    """Unfinished requests whose chunk job will never run again: index -> (finish_reason, message)."""
+def find_lost_requests(
+    conn: redis.Redis, batch_id: str, meta: dict[str, str] | None = None
+) -> dict[int, tuple[FinishReason, str]]:
+    """Unfinished requests that no worker will finish: index -> (finish_reason, message). Those of chunk jobs
+    rq ended for good, and, once the batch is cancelled, those of chunks on no live worker (a worker that
+    takes such a chunk again writes them as cancelled)."""
+    meta = meta if meta is not None else read_meta(conn, batch_id)
+    is_cancelled = BatchField.CANCELLED_AT.value in meta
     ranges = chunk_ranges(conn, batch_id)
     with conn.pipeline(transaction=False) as pipe:
         for job_id in ranges:
             pipe.hget(Job.key_for(job_id), "status")
         statuses = [s.decode() if s is not None else None for s in pipe.execute()]
+    queue = meta[BatchField.QUEUE.value]
+    live = _live_job_ids(conn, queue) if is_cancelled else set()
     lost: dict[int, tuple[FinishReason, str]] = {}
     for (job_id, (start, stop)), status in zip(ranges.items(), statuses, strict=True):
-        if status not in _LOST_STATUSES:
+        if status in _LOST_STATUSES:
+            reason = _LOST_STATUSES[status]
+        elif is_cancelled and _is_idle_chunk(conn, queue, job_id, status, live):
+            reason = "cancelled"
+        else:
             continue
         indices = list(range(start, stop))
         done = conn.hmget(keys.batch_results(batch_id), indices)
         missing = [i for i, raw in zip(indices, done, strict=True) if raw is None]
         if missing:
-            message = _job_failure_message(conn, batch_id, job_id, status)
-            lost.update({i: (_LOST_STATUSES[status], message) for i in missing})
+            message = _job_failure_message(conn, batch_id, job_id, status) if reason == "error" else "batch cancelled"
+            lost.update({i: (reason, message) for i in missing})
     return lost
+
+
+def _is_idle_chunk(conn: redis.Redis, queue: str, job_id: str, status: str | None, live: set[str]) -> bool:
+    """The chunk is on no worker: started by one that stopped heartbeating, or back in the queue. (A chunk a
+    worker has just popped, before it registers it, is neither: that worker writes it.)"""
+    if status == JobStatus.STARTED.value:
+        return job_id not in live
+    if status == JobStatus.QUEUED.value:
+        return conn.lpos(Queue(queue, connection=conn).key, job_id) is not None
+    return False
 
 
 def _job_failure_message(conn: redis.Redis, batch_id: str, job_id: str, status: str | None) -> str:
@@ -162,7 +238,11 @@ def iter_results(
     if not status.is_done and not partial:
         raise BatchNotFinished(status)
     meta = read_meta(conn, batch_id)
-    lost = find_lost_requests(conn, batch_id) if _recorded_outcomes(meta).total() < status.num_total else {}
+    lost = (
+        find_lost_requests(conn, batch_id, meta)
+        if _recorded_outcomes(meta).total() < status.num_total
+        else {}
+    )
     model = meta.get(BatchField.MODEL.value) or "cbq"
     created_at = int(float(meta[BatchField.CREATED_AT.value]))
     for page_start in range(0, status.num_total, PAGE_SIZE):

@@ -27,6 +27,10 @@ from schemas.keys import BatchField
 from schemas.request import ParsedRequest, Request, SamplingOverrides, parse_request_line
 
 STAGING_SLICE = 2000  # requests per staging pipeline: bounded client memory, few round trips
+# Staged requests expire after this unless the commit comes (it sets the batch's TTL on every key), so even
+# a submit killed with SIGKILL leaves nothing for long.
+STAGING_TTL_SECONDS = 3600
+FORGET_EXPIRED_LIMIT = 100  # oldest `cbq:batches` entries each submit checks for expiry
 
 
 @dataclass
@@ -36,7 +40,7 @@ class ValidatedFile:
     num_blank_lines: int = 0
 
 
-def validate_lines(lines: Iterable[str], on_line: Callable[[], None] | None = None) -> ValidatedFile:
+def validate_lines(lines: Iterable[str | bytes], on_line: Callable[[], None] | None = None) -> ValidatedFile:
     """Parse every line (1-based line numbers) and flag duplicate custom_ids, naming both lines."""
     out = ValidatedFile()
     first_line_of: dict[str, int] = {}
@@ -100,6 +104,19 @@ class SubmitConflict(RuntimeError):
     """Another submit with the same --name committed in between; running the same command again is safe."""
 
 
+class SubmitInterrupted(Exception):
+    """Ctrl-C during a submit. Nothing was enqueued, unless the interrupt hit after the commit: then
+    `batch_id` is the batch, complete."""
+
+    def __init__(self, batch_id: str | None):
+        self.batch_id = batch_id
+        super().__init__(
+            "interrupted; nothing was enqueued"
+            if batch_id is None
+            else f"interrupted after the batch was enqueued: {batch_id}"
+        )
+
+
 def submit_batch(
     conn: redis.Redis,
     parsed: list[ParsedRequest],
@@ -114,9 +131,43 @@ def submit_batch(
 
     batch_id = uuid.uuid4().hex[:16]
     requests = [p.resolve(i, options.defaults, options.return_token_ids) for i, p in enumerate(remaining)]
-    _stage_requests(conn, batch_id, requests, options.ttl_seconds, on_progress)
-    num_chunks = _commit(conn, batch_id, requests, options)
+    try:
+        _stage_requests(conn, batch_id, requests, min(options.ttl_seconds, STAGING_TTL_SECONDS), on_progress)
+        num_chunks = _commit(conn, batch_id, requests, options)
+    except BaseException as exc:  # Ctrl-C included: leave nothing behind
+        committed = _discard_staged(conn, batch_id)
+        if isinstance(exc, KeyboardInterrupt):
+            raise SubmitInterrupted(batch_id if committed else None) from None
+        raise
+    forget_expired_batches(conn)
     return SubmitReport(batch_id, len(requests), num_chunks, sorted(skipped))
+
+
+def forget_expired_batches(conn: redis.Redis, limit: int = FORGET_EXPIRED_LIMIT) -> int:
+    """Drop the oldest entries of the `cbq:batches` index whose batch expired (at most `limit`, so each submit
+    does a bounded amount of work and the index stays about as long as the number of live batches)."""
+    oldest = [raw.decode() for raw in conn.zrange(keys.BATCHES, 0, limit - 1)]
+    if not oldest:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for batch_id in oldest:
+            pipe.exists(keys.batch(batch_id))
+        expired = [b for b, exists in zip(oldest, pipe.execute(), strict=True) if not exists]
+    if expired:
+        conn.zrem(keys.BATCHES, *expired)
+    return len(expired)
+
+
+def _discard_staged(conn: redis.Redis, batch_id: str) -> bool:
+    """After a failed or interrupted submit: delete the staged requests, unless the commit went through (its
+    reply may be what was lost). Returns whether it did. If this fails too, the staging TTL cleans up."""
+    try:
+        if conn.exists(keys.batch(batch_id)):
+            return True
+        conn.delete(keys.batch_requests(batch_id))
+    except (redis.RedisError, KeyboardInterrupt):
+        pass
+    return False
 
 
 def _already_submitted(conn: redis.Redis, name: str | None, parsed: list[ParsedRequest]) -> set[str]:

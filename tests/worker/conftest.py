@@ -26,19 +26,24 @@ def cbq(conn, monkeypatch):
     return invoke
 
 
+def run_burst_worker(conn, engine=None, queue="cbq", **kwargs) -> CbqWorker:
+    """Run a CbqWorker in burst mode in this thread; restores the signal handlers rq installs."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    worker = CbqWorker([queue], engine or FakeEngine(), connection=conn, model_name="fake", **kwargs)
+    try:
+        worker.work(burst=True, logging_level="WARNING")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return worker
+
+
 @pytest.fixture
 def burst_worker(conn):
-    """Run a CbqWorker in burst mode in this thread; restores the signal handlers rq installs."""
+    """run_burst_worker on the test's Redis."""
 
     def run(engine=None, queue="cbq", **kwargs) -> CbqWorker:
-        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        worker = CbqWorker([queue], engine or FakeEngine(), connection=conn, model_name="fake", **kwargs)
-        try:
-            worker.work(burst=True, logging_level="WARNING")
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        return worker
+        return run_burst_worker(conn, engine, queue, **kwargs)
 
     return run
 

@@ -46,7 +46,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import num_blocks_from_memory
-from .model_runner import ModelRunner, SampleExtras, StepHandle
+from .model_runner import ModelRunner, SampleExtras, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, model_eos_token_ids, resolve_device, resolve_dtype
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
@@ -291,8 +291,12 @@ class Engine:
                 chunk.seq.first_scheduled_time = now
         extras, mask_seqs = self._sample_extras(plan) if self._num_with_extras else (None, None)
         schedule_seconds = time.perf_counter() - t0
-        # The runner carries over tokens the step in flight still samples.
-        handle = self.runner.launch(plan, extras)
+        try:
+            # The runner carries over tokens the step in flight still samples.
+            handle = self.runner.launch(plan, extras)
+        except StepBuildError as exc:
+            self._fail_unpreparable(plan, exc)
+            return None
         self._stats.cpu_prep_seconds += schedule_seconds + handle.build_seconds
         return _InflightStep(plan, handle, mask_seqs)
 
@@ -320,6 +324,20 @@ class Engine:
         bitmask = self._token_masks.fill(step.handle.meta.slot, matchers)
         self._stats.mask_seconds += time.perf_counter() - t0
         self.runner.launch_sampling(step.handle, bitmask)
+
+    def _fail_unpreparable(self, plan: StepPlan, error: StepBuildError) -> None:
+        """A step could not be built: fail only the requests that cannot be built even alone (a value their
+        step buffers cannot hold, say); the others are scheduled again next turn. If none is to blame alone,
+        the step fails as a whole."""
+        bad = self.runner.unbuildable(plan)
+        if not bad:
+            raise error
+        self.scheduler.unschedule(plan)
+        for seq, exc in bad:
+            logger.warning("request %s cannot be prepared: %r", seq.request_id, exc)
+            self._finish(
+                seq, FinishReason.ERROR, error=f"request cannot be prepared: {type(exc).__name__}: {exc}"
+            )
 
     def _process(self, step: _InflightStep) -> None:
         tokens, device_seconds = self.runner.wait(step.handle)

@@ -86,6 +86,10 @@ class StepHandle:
     logprobs: logprobs.StepLogprobs | None = None  # readable after `wait`
 
 
+class StepBuildError(RuntimeError):
+    """A step could not be written into its IO slot; nothing of it reached the device."""
+
+
 class ModelRunner:
     """Executes steps: builds each plan into the next IO slot (the two slots alternate on every launch), carries
     over tokens still being sampled by the step in flight, and runs the forward and sampling on the device."""
@@ -156,7 +160,10 @@ class ModelRunner:
         """Build `plan` into the next IO slot and queue it on the device; returns without waiting. With
         constrained rows only the forward is queued: `launch_sampling` queues the rest."""
         t0 = time.perf_counter()
-        meta = self.builder.build(plan, self._next_slot, self._inflight_rows)
+        try:
+            meta = self.builder.build(plan, self._next_slot, self._inflight_rows)
+        except Exception as exc:
+            raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
         build_seconds = time.perf_counter() - t0
         handle = self._launch(meta, extras)
         handle.build_seconds = build_seconds
@@ -164,6 +171,17 @@ class ModelRunner:
         self._inflight_rows = {c.seq: row for row, c in enumerate(plan.sampling_chunks())}
         self._latest = handle
         return handle
+
+    def unbuildable(self, plan: StepPlan) -> list[tuple[Sequence, Exception]]:
+        """After a StepBuildError: the sequences of `plan` whose chunk cannot be built even alone, with why.
+        Each is built into the next slot, which no launched step uses; nothing is launched."""
+        bad = []
+        for chunk in plan.chunks:
+            try:
+                self.builder.build(StepPlan([chunk]), self._next_slot, self._inflight_rows)
+            except Exception as exc:
+                bad.append((chunk.seq, exc))
+        return bad
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float]:
         """Block until the step's tokens are on the host. Returns (token ids, device seconds of the step)."""

@@ -188,6 +188,14 @@ class Scheduler:
         assert seq.num_inflight_samples > 0, f"{seq.request_id}: token arrived with none in flight"
         seq.num_inflight_samples -= 1
 
+    def unschedule(self, plan: StepPlan) -> None:
+        """`plan` was never launched: its sequences are as before it was scheduled (blocks allocated for it stay
+        with their sequence and serve the next schedule). Sequences it admitted stay running."""
+        for chunk in plan.chunks:
+            chunk.seq.num_computed_tokens -= chunk.num_tokens
+            if chunk.samples:
+                chunk.seq.num_inflight_samples -= 1
+
     def on_step_failed(self) -> list[Sequence]:
         """A launched step failed, so its tokens never arrive. Returns the sequences it may have touched (every
         running one, and waiting ones with a token in flight), with nothing left in flight; the caller

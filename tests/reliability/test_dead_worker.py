@@ -1,0 +1,95 @@
+"""A worker killed with SIGKILL mid-batch: its chunks run again within seconds on another worker (issue 10,
+item 1), exactly once, and `cbq status` gives no ETA while they wait for the stale-chunk cleanup."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from producer import store
+from tests.reliability.conftest import (
+    FAST_RECOVERY_FLAGS,
+    SLOW_FAKE,
+    assert_exactly_once,
+    submit_prompts,
+    wait_until,
+)
+
+N = 120
+
+
+def test_killed_worker_chunks_run_again_on_a_worker_started_at_once(
+    redis_server, start_worker, cbq, tmp_path
+):
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, N, "--chunk-size", "10")
+    first = start_worker(*SLOW_FAKE)
+    wait_until(lambda: store.get_status(conn, batch_id).num_completed >= 40 and _running(conn, batch_id) > 0)
+    first.kill(signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert first.wait() == -signal.SIGKILL
+    # The new worker cleans up every 3 s, so the status can be seen between the stale mark (4 s) and cleanup.
+    second = start_worker(*SLOW_FAKE, "--maintenance-interval", "3")
+
+    # Once the dead worker's chunks are stale and until they are re-enqueued: no ETA, and the status says why.
+    wait_until(lambda: store.get_status(conn, batch_id).num_stalled > 0, timeout=10)
+    status = store.get_status(conn, batch_id)
+    assert status.eta_seconds is None or status.num_stalled == 0, status
+    assert (
+        "wait for a dead worker" in cbq("status", batch_id).stdout
+        or not store.get_status(conn, batch_id).num_stalled
+    )
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=30)
+    recovered_in = time.monotonic() - killed_at
+    assert recovered_in < 15, f"took {recovered_in:.1f} s"  # stale after 4 s + cleanup every 1 s + 2 rounds
+    assert_exactly_once(conn, batch_id, N)
+    second.kill(signal.SIGTERM)
+    assert second.wait() == 0
+
+
+def test_a_worker_started_after_the_stale_mark_picks_the_chunks_up_at_start(
+    redis_server, start_worker, cbq, tmp_path
+):
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 40, "--chunk-size", "10")
+    first = start_worker(*SLOW_FAKE)
+    wait_until(lambda: _running(conn, batch_id) == 40)
+    first.kill(signal.SIGKILL)
+    first.wait()
+    time.sleep(5)  # past --stale-after 4: nobody was there to clean up
+    started = time.monotonic()
+    second = start_worker(*SLOW_FAKE, "--burst")
+    assert second.wait(30) == 0
+    assert time.monotonic() - started < 10
+    assert_exactly_once(conn, batch_id, 40)
+
+
+def test_cancel_while_the_worker_is_dead_is_final_at_once(redis_server, start_worker, cbq, tmp_path):
+    """Issue 10, item 9: no "cancelling" until some cleanup runs: nobody will write those requests."""
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
+    first = start_worker("--fake-engine", "--fake-latency", "60", *FAST_RECOVERY_FLAGS)
+    wait_until(lambda: _running(conn, batch_id) == 20)
+    first.kill(signal.SIGKILL)
+    first.wait()
+    assert cbq("cancel", batch_id).exit_code == 0
+    assert store.get_status(conn, batch_id).state == "cancelling"  # the worker might still be alive
+    # Once its chunks are stale (4 s), with no worker around to clean up:
+    wait_until(lambda: store.get_status(conn, batch_id).state == "cancelled", timeout=10)
+    assert store.get_status(conn, batch_id).num_cancelled == 20
+    # A worker that cleans up later writes them as cancelled: the counts do not move.
+    second = start_worker("--fake-engine", "--burst", *FAST_RECOVERY_FLAGS)
+    assert second.wait(30) == 0
+    lines = list(store.iter_results(conn, batch_id))
+    assert [line.finish_reason for line in lines] == ["cancelled"] * 20
+    status = store.get_status(conn, batch_id)
+    assert (status.state, status.num_cancelled, status.num_running, status.num_stalled) == (
+        "cancelled",
+        20,
+        0,
+        0,
+    )
+
+
+def _running(conn, batch_id: str) -> int:
+    return store.get_status(conn, batch_id).num_running

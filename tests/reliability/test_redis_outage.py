@@ -1,0 +1,86 @@
+"""Redis killed with SIGKILL (AOF on) under a running worker (issue 10, item 2): the worker keeps generating,
+buffers what finishes, reconnects, writes it once, and carries on. Past --redis-outage-limit it exits 1 and the
+next worker finishes the batch. Either way every request has exactly one result."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from producer import store
+from tests.reliability.conftest import (
+    FAST_RECOVERY_FLAGS,
+    SLOW_FAKE,
+    assert_exactly_once,
+    submit_prompts,
+    wait_until,
+)
+
+N = 120
+
+
+def test_worker_survives_a_redis_restart_and_writes_everything_once(
+    redis_server, start_worker, cbq, tmp_path
+):
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, N, "--chunk-size", "10")
+    worker = start_worker(*SLOW_FAKE, "--redis-outage-limit", "30")
+    wait_until(lambda: store.get_status(conn, batch_id).num_completed >= 40)
+    redis_server.kill()
+    time.sleep(3)  # the requests in flight finish meanwhile: their results wait in the worker
+    assert worker.proc.poll() is None, worker.output()
+    redis_server.start()
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=30)
+    assert worker.proc.poll() is None, worker.output()
+    assert "Redis is back" in worker.output()
+    assert_exactly_once(conn, batch_id, N)
+    worker.kill(signal.SIGTERM)
+    assert worker.wait() == 0
+
+
+def test_an_outage_past_the_limit_stops_the_worker_and_the_next_one_finishes(
+    redis_server, start_worker, cbq, tmp_path
+):
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 60, "--chunk-size", "10")
+    worker = start_worker(
+        "--fake-engine", "--fake-latency", "30", *FAST_RECOVERY_FLAGS, "--redis-outage-limit", "2"
+    )
+    wait_until(lambda: store.get_status(conn, batch_id).num_running == 60)
+    redis_server.kill()
+    assert worker.wait(20) == 1
+    assert "Redis did not answer" in worker.output()
+    redis_server.start()
+    wait_until(lambda: store.get_status(conn, batch_id).num_stalled == 60, timeout=10)
+    successor = start_worker("--fake-engine", "--burst", *FAST_RECOVERY_FLAGS)
+    assert successor.wait(30) == 0, successor.output()
+    assert_exactly_once(conn, batch_id, 60)
+
+
+def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_cleanup(
+    redis_server, cbq, tmp_path, monkeypatch
+):
+    """Redis dies between the dequeue and the read of the chunk: the worker holds the only reference to the job,
+    so it admits it again once Redis is back, instead of leaving it to a cleanup a minute later."""
+    import threading
+
+    import worker.queue_worker as queue_worker
+    from tests.worker.conftest import run_burst_worker
+    from worker.fake_engine import FakeEngine
+
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
+    real_load_chunk, calls = queue_worker.load_chunk, []
+
+    def redis_dies_mid_admission(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            redis_server.kill()
+            threading.Timer(2.0, redis_server.start).start()
+        return real_load_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(queue_worker, "load_chunk", redis_dies_mid_admission)
+    started = time.monotonic()
+    run_burst_worker(conn, FakeEngine(latency_seconds=0.5))  # default recovery settings: stale after 40 s
+    assert time.monotonic() - started < 15
+    assert_exactly_once(conn, batch_id, 20)
