@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [w1] [w1hf] [w2] [w2hf] [queue]
+#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue]
 # (no argument: all but enginetests, which `tests` includes). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
 # Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
@@ -26,13 +26,25 @@ if has enginetests; then
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -25
 fi
 if has tests; then
-    timeout 420 python3 -m pytest -q -m gpu tests/worker/engine -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/worker/engine -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if has kernels; then
     timeout 120 python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -20
 fi
 if has w1; then
     bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 --json-out "$OUT/w1.json" 2>&1 | tail -12
+fi
+if has w1nocache; then  # the prefix cache's cost on a workload with nothing to share (issue 12: <= 2%)
+    bench 150 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 --no-prefix-caching \
+        --json-out "$OUT/w1_nocache.json" 2>&1 | tail -6
+fi
+if has w3; then  # 1,000 requests behind one 2,000-token prefix: prefix caching on vs off
+    bench 120 --model llama3-8b --workload W3 --mode async --json-out "$OUT/w3_on.json" 2>&1 | tail -6
+    bench 200 --model llama3-8b --workload W3 --mode async --no-prefix-caching --json-out "$OUT/w3_off.json" 2>&1 | tail -6
+fi
+if has w4; then  # 256 prompts x n = 8 samples vs the same 2,048 requests sent separately, caching off
+    bench 150 --model llama3-8b --workload W4 --mode async --json-out "$OUT/w4_on.json" 2>&1 | tail -6
+    bench 200 --model llama3-8b --workload W4 --mode async --no-prefix-caching --json-out "$OUT/w4_off.json" 2>&1 | tail -6
 fi
 if has w1hf; then
     bench 400 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 --compare-hf --hf-output-len 128 \
