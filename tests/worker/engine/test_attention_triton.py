@@ -91,6 +91,11 @@ def _reference(*args, sliding_window=0):
         torch.set_float32_matmul_precision(prev)
 
 
+def _reference_of_case(c: dict, q: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    cache_and_layout = (c[k] for k in ("k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens"))
+    return _reference(q, *cache_and_layout, c["scale"], sliding_window=sliding_window)
+
+
 def _assert_close(out, ref, dtype, what):
     assert not torch.isnan(out).any(), f"{what}: NaN in output (element not written, or poisoned cache read)"
     err = _rel_err(out, ref)
@@ -102,16 +107,7 @@ def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
     c = make_case(
         ctx_lens, [1] * len(ctx_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed
     )
-    ref = _reference(
-        c["q"],
-        c["k_cache"],
-        c["v_cache"],
-        c["block_tables"],
-        c["cu_seqlens_q"],
-        c["context_lens"],
-        c["scale"],
-        sliding_window=kw.get("sliding_window", 0),
-    )
+    ref = _reference_of_case(c, c["q"], kw.get("sliding_window", 0))
     out = torch.full_like(c["q"], float("nan"))
     res = at.paged_decode_attention(
         c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["context_lens"], c["scale"], out=out, **kw
@@ -132,16 +128,7 @@ def check_prefill(
     q = c["q"]
     if pad_rows:  # rows past cu_seqlens_q[-1] (padding of a graph bucket): must come back as zeros
         q = torch.cat([q, torch.randn(pad_rows, num_heads, head_dim).to(dtype).to(device)])
-    ref = _reference(
-        q,
-        c["k_cache"],
-        c["v_cache"],
-        c["block_tables"],
-        c["cu_seqlens_q"],
-        c["context_lens"],
-        c["scale"],
-        sliding_window=kw.get("sliding_window", 0),
-    )
+    ref = _reference_of_case(c, q, kw.get("sliding_window", 0))
     out = torch.full_like(q, float("nan"))
     res = at.paged_prefill_attention(
         q,

@@ -37,9 +37,6 @@ def check_mixed(device: str, dtype: torch.dtype, num_decode: int) -> None:
     q_lens = [1, 1, 1, 1, 1, 37, 30, 16]
     c = make_case(ctx, q_lens, 8, 2, 32, 16, dtype, device, seed=num_decode)
     ctx_t = c["context_lens"]
-    ref = _reference(
-        *(c[k] for k in ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q")), ctx_t, c["scale"]
-    )
     meta = AttentionMetadata(
         kv_caches=[],
         slot_mapping=torch.empty(0),
@@ -51,9 +48,17 @@ def check_mixed(device: str, dtype: torch.dtype, num_decode: int) -> None:
         is_decode_only=False,
         backend=TritonAttentionBackend(),
         num_decode_seqs=num_decode,
+        sliding_windows=(0, 12),  # layer 1 slides: both kernels of the split must apply its window
     )
-    out = meta.backend.attend(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"])
-    _assert_close(out, ref, dtype, f"mixed step with {num_decode} leading decode rows")
+    for layer_idx, window in enumerate(meta.sliding_windows):
+        ref = _reference(
+            *(c[k] for k in ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q")),
+            ctx_t,
+            c["scale"],
+            sliding_window=window,
+        )
+        out = meta.backend.attend(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"], layer_idx)
+        _assert_close(out, ref, dtype, f"mixed step with {num_decode} leading decode rows, window {window}")
 
 
 @pytest.mark.skipif(not at.HAVE_TRITON, reason="triton is not installed")
