@@ -1,6 +1,7 @@
 """Merge the JSON files that `benchmarks/run_gpu.sh` writes into `benchmarks/results.json`.
 
-python3 benchmarks/collect_results.py DIR   # DIR holds w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json
+python3 benchmarks/collect_results.py DIR   # DIR holds w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json,
+                                           # w1_nocache.json, w3_on.json, w3_off.json, w4_on.json, w4_off.json
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ COMMANDS = {
     "--max-num-batched-tokens 8192",
     "W2_hf": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode none --compare-hf "
     "--hf-num-requests 200 --hf-output-len 256",
+    "W1_nocache": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048 --no-prefix-caching",
+    "W3": "python3 -m worker.bench engine --model llama3-8b --workload W3 --mode async [--no-prefix-caching]",
+    "W4": "python3 -m worker.bench engine --model llama3-8b --workload W4 --mode async [--no-prefix-caching]",
     "W2_queue": "python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",
 }
@@ -70,6 +75,15 @@ def main(src: Path) -> dict:
             entry["cbq_async_over_hf"] = entry["async"]["output_tok_s"] / hf["output_tok_s"]
         entry["config"] = main_run["config"]
         out[name] = entry
+    w1_nocache = load("w1_nocache.json")
+    if w1_nocache and "W1" in out:
+        out["W1"]["async_prefix_caching_off"] = {k: w1_nocache["results"]["async"][k] for k in FIELDS}
+    for name in ("W3", "W4"):  # prefix caching on vs off (W4 off: its n samples sent as separate requests)
+        on, off = load(f"{name.lower()}_on.json"), load(f"{name.lower()}_off.json")
+        if on and off:
+            runs = {"cache_on": on["results"]["async"], "cache_off": off["results"]["async"]}
+            out[name] = {k: {f: r[f] for f in (*FIELDS, "prefix_cache_hit_rate")} for k, r in runs.items()}
+            out[name]["on_over_off"] = runs["cache_on"]["output_tok_s"] / runs["cache_off"]["output_tok_s"]
     if queue:
         out["W2_through_redis"] = {
             "engine_only_tok_s": queue["engine_only"]["output_tok_s"],
@@ -86,7 +100,7 @@ if __name__ == "__main__":
         sys.exit(f"no w1.json or w2.json in {src}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
-        json.dumps({k: v for k, v in result.items() if k in ("W1", "W2", "W2_through_redis")}, indent=1)[
+        json.dumps({k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis")}, indent=1)[
             :3000
         ]
     )
