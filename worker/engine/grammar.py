@@ -135,7 +135,7 @@ class _ByteVocab:
     def __init__(self, tok: ByteTokenizer, vocab_size: int):
         self.eos_token_id = tok.eos_token_id
         self.bos_token_id = tok.bos_token_id
-        self.tokens = [bytes([i]) for i in range(tok.NUM_BYTES)] + [b"<s>", b"</s>", b"<pad>"]
+        self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
         self.tokens += [b""] * (vocab_size - len(self.tokens))
         self.special_token_ids = [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id]
 
