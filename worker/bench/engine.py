@@ -249,6 +249,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "--variant",
     "variants",
     multiple=True,
+    callback=lambda _ctx, _param, values: [parse_variant(v) for v in values],  # checked before the model loads
     help="Request variant(s) to run, each in every mode: plain, json, logprobsK or json+logprobsK "
     "(repeat to compare in one process; results are then named MODE-VARIANT). Default: the one "
     "--constrain-json and --top-logprobs give.",
@@ -295,7 +296,7 @@ def engine_bench(
         reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
     warmup = make_workload("tiny", 256, seed=1)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
-    parsed = [parse_variant(v) for v in variants] or [(constrain_json, top_logprobs)]
+    parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
     runs = [(d, m, v) for d in decoders for v in parsed for m in modes]
     for decoder, m, (is_json, num_top) in runs:
