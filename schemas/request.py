@@ -390,11 +390,9 @@ class _OpenAIBodyBase(StrictModel):
 
     def overrides(self) -> SamplingOverrides:
         given = {name: getattr(self, name) for name in _OPENAI_SAMPLING_NAMES}
-        return SamplingOverrides(
-            **{_OPENAI_SAMPLING_NAMES[name]: value for name, value in given.items() if value is not None},
-            logprobs=self.num_logprobs(),
-            constraint=self.output_constraint(),
-        )
+        fields = {_OPENAI_SAMPLING_NAMES[name]: value for name, value in given.items() if value is not None}
+        fields |= {"logprobs": self.num_logprobs(), "constraint": self.output_constraint()}
+        return SamplingOverrides(**fields)
 
     def num_logprobs(self) -> int | None:
         """Top alternatives per token, or None for no logprobs (each endpoint spells it its own way)."""
@@ -622,7 +620,7 @@ def _lone_surrogate_field(value: Any, loc: tuple[str | int, ...]) -> str | None:
 
 def _overrides_of(line: _NativeLine) -> SamplingOverrides:
     given = {name: getattr(line, name) for name in SamplingOverrides.model_fields if name not in _SPELLED_BY_LINES}
-    return SamplingOverrides(**given, constraint=line.output_constraint())
+    return SamplingOverrides(**given | {"constraint": line.output_constraint()})
 
 
 def _parse_openai_line(obj: dict[str, Any], line_no: int) -> ParsedRequest:
