@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import annotated_types
 import click
 import redis
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from producer import settings
@@ -81,8 +81,9 @@ def sampling_options(f: Callable, *, overrides: type[SamplingOverrides] = Sampli
     The flags are derived from `overrides` (by default from `schemas.request.Sampling`): `--top-k` for `top_k`,
     the field's description as help, numeric bounds as click ranges, a repeatable flag for a list field and a
     `--x/--no-x` pair for a bool. pydantic then checks every bound again and gives the error of the flag.
+    A structured field (an output constraint) has no flag: lines set it.
     """
-    names = list(overrides.model_fields)
+    names = [name for name, info in overrides.model_fields.items() if not _is_structured(info)]
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
@@ -98,6 +99,11 @@ def sampling_options(f: Callable, *, overrides: type[SamplingOverrides] = Sampli
     for name in reversed(names):
         wrapper = _sampling_option(name, overrides.model_fields[name])(wrapper)
     return wrapper
+
+
+def _is_structured(info: FieldInfo) -> bool:
+    annotation, _ = _unwrap(info.annotation, info.metadata)
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _flag(name: str) -> str:

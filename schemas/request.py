@@ -6,6 +6,10 @@ Owns the input contract of `cbq submit`:
 - OpenAI Batch `{"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
   "body": {"prompt" | "messages", "max_tokens", "temperature", ...}}`
 
+An output constraint is spelled `json_schema`, `regex` or `choice` on simple and chat lines, and
+`response_format` in OpenAI bodies; logprobs are `logprobs: k` on simple and chat lines and in completions
+bodies, `logprobs: true` + `top_logprobs: k` in chat bodies. A constraint that does not compile fails its line.
+
 `parse_request_line` turns one JSONL line into a `ParsedRequest` (sampling fields only where the line gave
 them); `ParsedRequest.resolve` applies batch defaults and gives the `Request` that is stored and run.
 Blank lines are skipped: `parse_request_line` returns None for them, so editors' trailing newlines are harmless.
@@ -29,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.constraint import compile_error
 from schemas.errors import FieldIssue, RequestLineError, format_loc, issues_from_validation_error
 
 COMPLETIONS_URL = "/v1/completions"
@@ -53,6 +58,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1  # fits the engine's int32 token buffers
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat bound; the engine's MAX_LOGPROBS)
+MAX_CHOICES = 1024  # strings in a `choice` list
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 StopStrings = Annotated[
@@ -98,6 +105,26 @@ def _text_of_parts(parts: list[Any]) -> Any:
     return "\n".join(texts)
 
 
+class OutputConstraint(StrictModel):
+    """What the output must match: the engine's `Constraint`. `spec` is the schema as JSON text (`json_schema`),
+    the pattern (`regex`) or a JSON list of strings (`choice`); `json_object` has none (`schemas.constraint`)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice"]
+    spec: str = ""
+
+    @classmethod
+    def checked(cls, kind: str, spec: str = "") -> OutputConstraint:
+        """The constraint, if llguidance compiles it (no tokenizer needed); else ValueError with the reason."""
+        error = compile_error(kind, spec)
+        if error:
+            raise ValueError(f"does not compile: {error}")
+        return cls(kind=kind, spec=spec)  # type: ignore[arg-type]
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 class Sampling(StrictModel):
     """The one definition of the sampling fields: names, types, bounds, defaults and descriptions.
 
@@ -140,6 +167,15 @@ class Sampling(StrictModel):
     stop: StopStrings = Field([], description="Strings that end the output (the text is cut before them).")
     stop_token_ids: StopTokenIds = Field([], description="Token ids that end the output.")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each output token's log-probability and this many most likely alternatives.",
+    )
+    constraint: OutputConstraint | None = Field(
+        None, description="What the output must match (lines give json_schema, regex or choice)."
+    )
 
 
 class _Overrides(StrictModel):
@@ -183,12 +219,64 @@ else:
 CustomId = Annotated[str, Field(min_length=1, max_length=512)]
 
 
-class PromptLine(SamplingOverrides):
+# Sampling fields that lines spell their own way, not by their name: a constraint is `json_schema`, `regex`
+# or `choice` on a cbq line and `response_format` in an OpenAI body; logprobs differ by OpenAI endpoint.
+_SPELLED_BY_LINES = ("constraint",)
+_SPELLED_BY_BODIES = ("constraint", "logprobs")
+Choice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class _NativeConstraint(_Overrides):
+    """cbq's own constraint fields on simple and chat lines; at most one per line."""
+
+    json_schema: dict[str, Any] | None = Field(None, description="A JSON schema the output must follow.")
+    regex: str | None = Field(None, min_length=1, description="A regex the whole output must match.")
+    choice: Choice | None = Field(None, description="The output is exactly one of these strings.")
+
+    @model_validator(mode="after")
+    def _at_most_one_constraint(self):
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one constraint per line, not {' and '.join(given)}")
+        return self
+
+    @field_validator("json_schema", "regex", "choice")
+    @classmethod
+    def _compiles(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            _native_constraint(info.field_name or "", value)
+        return value
+
+    def output_constraint(self) -> OutputConstraint | None:
+        for name in ("json_schema", "regex", "choice"):
+            if getattr(self, name) is not None:
+                return _native_constraint(name, getattr(self, name))
+        return None
+
+
+def _native_constraint(name: str, value: Any) -> OutputConstraint:
+    return OutputConstraint.checked(name, value if isinstance(value, str) else _json_text(value))
+
+
+if TYPE_CHECKING:
+
+    class _NativeLine(_NativeConstraint, SamplingOverrides): ...
+
+else:
+    _NativeLine = create_model(
+        "_NativeLine",
+        __base__=_NativeConstraint,
+        __module__=__name__,
+        **_all_optional(Sampling, {n: n for n in Sampling.model_fields if n not in _SPELLED_BY_LINES}),
+    )
+
+
+class PromptLine(_NativeLine):
     custom_id: CustomId | None = None
     prompt: str
 
 
-class ChatLine(SamplingOverrides):
+class ChatLine(_NativeLine):
     custom_id: CustomId | None = None
     messages: list[ChatMessage] = Field(min_length=1)
 
@@ -197,15 +285,10 @@ class ChatLine(SamplingOverrides):
 OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
 
-class _TextResponseFormat(StrictModel):
-    type: Literal["text"]
-
-
 # OpenAI body fields that cbq accepts only at the value that changes nothing, and why it cannot do more.
 _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
     "n": (1, "one completion per request"),
     "stream": (False, "batch results are not streamed"),
-    "logprobs": (False, "logprobs are not returned yet"),
     "presence_penalty": (0, "penalties are not applied"),
     "frequency_penalty": (0, "penalties are not applied"),
 }
@@ -220,6 +303,39 @@ _UNSUPPORTED_FIELDS = {
 }
 
 
+class _JsonSchemaSpec(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI requires it; unused
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON value
+    strict: bool | None = None  # cbq always enforces the schema
+
+    @field_validator("schema_")
+    @classmethod
+    def _compiles(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        OutputConstraint.checked("json_schema", _json_text(value or {}))
+        return value
+
+
+class _ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with its spec."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _spec_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
+
+    def output_constraint(self) -> OutputConstraint | None:
+        if self.type == "json_object":
+            return OutputConstraint(kind="json_object")
+        if self.json_schema is not None:
+            return OutputConstraint(kind="json_schema", spec=_json_text(self.json_schema.schema_ or {}))
+        return None
+
+
 class _OpenAIBodyBase(StrictModel):
     """The body fields every OpenAI endpoint shares. Fields that do nothing at their accepted value are taken
     so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`, `store`,
@@ -228,10 +344,9 @@ class _OpenAIBodyBase(StrictModel):
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     n: int | None = None
     stream: bool | None = None
-    logprobs: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    response_format: _TextResponseFormat | None = None
+    response_format: _ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -275,14 +390,21 @@ class _OpenAIBodyBase(StrictModel):
 
     def overrides(self) -> SamplingOverrides:
         given = {name: getattr(self, name) for name in _OPENAI_SAMPLING_NAMES}
-        return SamplingOverrides(
-            **{_OPENAI_SAMPLING_NAMES[name]: value for name, value in given.items() if value is not None}
-        )
+        fields = {_OPENAI_SAMPLING_NAMES[name]: value for name, value in given.items() if value is not None}
+        fields |= {"logprobs": self.num_logprobs(), "constraint": self.output_constraint()}
+        return SamplingOverrides(**fields)
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, or None for no logprobs (each endpoint spells it its own way)."""
+        return None
+
+    def output_constraint(self) -> OutputConstraint | None:
+        return self.response_format.output_constraint() if self.response_format else None
 
 
-# Every sampling field a body accepts -> the cbq field it sets.
+# Every sampling field a body accepts under its name or a rename -> the cbq field it sets.
 _OPENAI_SAMPLING_NAMES = OPENAI_RENAMES | {
-    n: n for n in Sampling.model_fields if n not in OPENAI_RENAMES.values()
+    n: n for n in Sampling.model_fields if n not in OPENAI_RENAMES.values() and n not in _SPELLED_BY_BODIES
 }
 
 if TYPE_CHECKING:
@@ -298,12 +420,30 @@ else:
     )
 
 
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
 class CompletionBody(_OpenAIBody):
     prompt: str
+    logprobs: NumLogprobs | None = None  # top alternatives per token (OpenAI allows 5; cbq up to 20)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionBody(_OpenAIBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class OpenAIBatchLine(StrictModel):
@@ -478,8 +618,9 @@ def _lone_surrogate_field(value: Any, loc: tuple[str | int, ...]) -> str | None:
     return None
 
 
-def _overrides_of(line: SamplingOverrides) -> SamplingOverrides:
-    return SamplingOverrides(**{name: getattr(line, name) for name in SamplingOverrides.model_fields})
+def _overrides_of(line: _NativeLine) -> SamplingOverrides:
+    given = {name: getattr(line, name) for name in SamplingOverrides.model_fields if name not in _SPELLED_BY_LINES}
+    return SamplingOverrides(**given | {"constraint": line.output_constraint()})
 
 
 def _parse_openai_line(obj: dict[str, Any], line_no: int) -> ParsedRequest:

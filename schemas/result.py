@@ -5,6 +5,7 @@ Owns the output contract. The worker stores one `ResultLine` JSON per request in
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -41,6 +42,21 @@ class Usage(_Model):
     latency_seconds: float = 0.0  # submitted -> finished
 
 
+class TopLogprob(_Model):
+    """One token and its log-probability under the model's raw distribution."""
+
+    token: str  # the token's text (its bytes decoded as UTF-8, a partial character as U+FFFD)
+    logprob: float
+    bytes: list[int]  # the token's exact UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    """An output token, its log-probability and the most likely alternatives at its position: cbq's shape,
+    which is also the shape of one item of OpenAI chat's `choices[].logprobs.content`."""
+
+    top_logprobs: list[TopLogprob]  # most likely first; as many as the request asked for
+
+
 class ResultLine(_Model):
     custom_id: str | None = None
     index: int = Field(ge=0)  # position in the batch (input order)
@@ -50,6 +66,7 @@ class ResultLine(_Model):
     usage: Usage = Usage()
     error: str | None = None  # set exactly when finish_reason is "error"
     error_code: ErrorCode | None = None  # only for errors: the request was invalid (not a failure)
+    logprobs: list[TokenLogprob] | None = None  # when asked: one per token of the text (not a final EOS)
 
     @model_validator(mode="after")
     def _error_iff_failed(self):
@@ -127,12 +144,38 @@ def to_openai_output(
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
+            "logprobs": _chat_logprobs(result.logprobs),
             "finish_reason": result.finish_reason,
         }
         body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "choices": [choice], **common}
     else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        logprobs = _completion_logprobs(result.logprobs)
+        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": [choice], **common}
     response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
     return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """Chat's `choices[].logprobs`: cbq's records are already its `content` items."""
+    if logprobs is None:
+        return None
+    return {"content": [lp.model_dump() for lp in logprobs], "refusal": None}
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """Completions' `choices[].logprobs`: parallel lists; `text_offset` counts characters of the output text
+    before each token (from 0: the prompt is not echoed)."""
+    if logprobs is None:
+        return None
+    offsets, num_chars = [], 0
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
+    for lp in logprobs:
+        offsets.append(num_chars)
+        num_chars += len(decoder.decode(bytes(lp.bytes)))
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{top.token: top.logprob for top in lp.top_logprobs} for lp in logprobs],
+        "text_offset": offsets,
+    }

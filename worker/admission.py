@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from pydantic import ValidationError
@@ -17,9 +18,16 @@ from pydantic import ValidationError
 from schemas import keys
 from schemas.chunk import ChunkPayload
 from schemas.keys import BatchField
-from schemas.request import Request, Sampling
-from schemas.result import ResultLine, Usage
-from worker.engine.api import EngineRequest, EngineResult, SamplingParams, TokenizerProtocol
+from schemas.request import OutputConstraint, Request, Sampling
+from schemas.result import ResultLine, TokenLogprob, TopLogprob, Usage
+from worker.engine.api import (
+    Constraint,
+    ConstraintKind,
+    EngineRequest,
+    EngineResult,
+    SamplingParams,
+    TokenizerProtocol,
+)
 
 
 class BatchGone(LookupError):
@@ -113,14 +121,21 @@ def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: 
     )
 
 
-def to_sampling_params(
-    sampling: Sampling, params_type: type[SamplingParams] = SamplingParams
-) -> SamplingParams:
-    """The engine's SamplingParams, field by field under the same names (lists become tuples)."""
-    return params_type(**{name: tuple(v) if isinstance(v, list) else v for name, v in sampling})
+def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams, field by field under the same names (lists become tuples, the output
+    constraint the engine's `Constraint`)."""
+    return params_type(**{name: _engine_value(v) for name, v in sampling})
 
 
-def to_result_line(request: Request, result: EngineResult) -> ResultLine:
+def _engine_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, OutputConstraint):
+        return Constraint(ConstraintKind(value.kind), value.spec)
+    return value
+
+
+def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerProtocol) -> ResultLine:
     reason = result.finish_reason.value
     return ResultLine(
         custom_id=request.custom_id,
@@ -132,7 +147,29 @@ def to_result_line(request: Request, result: EngineResult) -> ResultLine:
         usage=Usage(**{k: v for k, v in dataclasses.asdict(result.usage).items() if k in Usage.model_fields}),
         error=(result.error or "the engine reported an error") if reason == "error" else None,
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
+        logprobs=_logprob_lines(result, tokenizer) if reason != "error" else None,
     )
+
+
+# JSON has no -inf: a token the model gives no probability at all reports OpenAI's floor instead.
+_MIN_LOGPROB = -9999.0
+
+
+def _logprob_lines(result: EngineResult, tokenizer: TokenizerProtocol) -> list[TokenLogprob] | None:
+    """The result line's logprobs (the engine gives one per token of the text), with each token's text and
+    bytes from the tokenizer."""
+    if result.logprobs is None:
+        return None
+
+    def top(token_id: int, logprob: float) -> dict[str, Any]:
+        raw = tokenizer.token_bytes(token_id)
+        text = raw.decode("utf-8", errors="replace")
+        return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(raw)}
+
+    return [
+        TokenLogprob(**top(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**top(*t)) for t in lp.top])
+        for lp in result.logprobs
+    ]
 
 
 def _error(index: int, custom_id: str | None, message: str) -> ResultLine:

@@ -466,12 +466,11 @@ class CbqWorker(BaseWorker):
             request = owner.pending.pop(result.request_id)
             self._outcomes.append(_Outcome(owner, self._record_for(owner, request, result), from_engine=True))
 
-    @staticmethod
-    def _record_for(owner: InFlightJob, request: Request, result: EngineResult) -> ResultLine | None:
+    def _record_for(self, owner: InFlightJob, request: Request, result: EngineResult) -> ResultLine | None:
         if owner.abort_reason == "timeout" and result.finish_reason == FinishReason.CANCELLED:
             return None  # not finished: the retried chunk runs it again
         try:
-            return to_result_line(request, result)
+            return to_result_line(request, result, self.engine.tokenizer)
         except Exception as exc:  # an engine result we cannot record fails that request, not the worker
             message = f"invalid engine result: {exc!r}"
             return ResultLine(

@@ -184,10 +184,15 @@ def openai_line(body, url="/v1/completions", **envelope):
             openai_line({"prompt": "x", "frequency_penalty": 0.5}),
             "line 7: body.frequency_penalty: only 0 is accepted (penalties are not applied)",
         ),
-        (openai_line({"prompt": "x", "logprobs": True}), "line 7: body.logprobs: only false is accepted"),
+        # completions take logprobs as a count of alternatives, chat as true + top_logprobs
+        (openai_line({"prompt": "x", "logprobs": True}), "line 7: body.logprobs: Input should be a valid integer"),
         (
-            openai_line({"prompt": "x", "response_format": {"type": "json_object"}}),
-            "line 7: body.response_format.type: Input should be 'text'",
+            openai_line({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "/v1/chat/completions"),
+            "line 7: body: top_logprobs needs logprobs: true",
+        ),
+        (
+            openai_line({"prompt": "x", "response_format": {"type": "yaml"}}),
+            "line 7: body.response_format.type: Input should be 'text', 'json_object' or 'json_schema'",
         ),
         (
             openai_line({"messages": [{"role": "user", "content": "x"}], "tools": []}, "/v1/chat/completions"),

@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 
 from schemas.errors import RequestLineError
-from schemas.request import Sampling, parse_request_line
+from schemas.request import OutputConstraint, Sampling, parse_request_line
+
+# A line spells its output constraint as one of these fields (an OpenAI body as `response_format`).
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice")
 
 
 def error_of(obj, line_no=7) -> str:
@@ -37,6 +40,10 @@ def openai(body):
             {"stop_token_ids": [1, 2**31]},
             "line 7: stop_token_ids[1]: Input should be less than or equal to 2147483647",
         ),
+        ({"logprobs": 21}, "line 7: logprobs: Input should be less than or equal to 20"),
+        ({"choice": ["c"] * 1025}, "line 7: choice: List should have at most 1024 items after validation"),
+        ({"choice": ["a", ""]}, "line 7: choice[1]: String should have at least 1 character"),
+        ({"regex": ""}, "line 7: regex: String should have at least 1 character"),
     ],
 )
 def test_out_of_bounds_values_name_the_line_and_the_field(fields, expected):
@@ -56,6 +63,7 @@ def test_out_of_bounds_values_name_the_line_and_the_field(fields, expected):
             {"stop_token_ids": [-1]},
             "line 7: body.stop_token_ids[0]: Input should be greater than or equal to 0",
         ),
+        ({"logprobs": 21}, "line 7: body.logprobs: Input should be less than or equal to 20"),
     ],
 )
 def test_openai_body_has_the_same_bounds(body, expected):
@@ -72,14 +80,18 @@ def test_values_at_the_bounds_are_accepted():
         "stop": ["s" * 256] * 16,
         "stop_token_ids": [2**31 - 1] * 256,
         "ignore_eos": True,
+        "logprobs": 20,
     }
-    parsed = parse_request_line(json.dumps({"prompt": "x", **at_bounds}), 1)
-    assert parsed.resolve(0).sampling == Sampling(**at_bounds)
-    assert set(at_bounds) == set(Sampling.model_fields)  # a new field needs its bounds tested here
+    choices = [f"c{i}" for i in range(1024)]
+    parsed = parse_request_line(json.dumps({"prompt": "x", **at_bounds, "choice": choices}), 1)
+    constraint = OutputConstraint(kind="choice", spec=json.dumps(choices, separators=(",", ":")))
+    assert parsed.resolve(0).sampling == Sampling(**at_bounds, constraint=constraint)
+    # a new field needs its bounds tested here
+    assert set(at_bounds) | {"constraint"} == set(Sampling.model_fields)
 
 
 def test_readme_lists_every_sampling_field():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme[readme.index("### Input lines") : readme.index("### Result lines")]
-    for name in Sampling.model_fields:
+    for name in [n for n in Sampling.model_fields if n != "constraint"] + list(CONSTRAINT_FIELDS):
         assert f"| `{name}`" in section, name

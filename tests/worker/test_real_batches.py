@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 from click.testing import CliRunner
 from openai.types import Completion
@@ -65,6 +66,14 @@ def test_an_openai_batch_file_runs_unedited_and_parses_with_openai_types(llama3,
         text = choice.message.content if isinstance(parsed, ChatCompletion) else choice.text
         assert "<|eot_id|>" not in text
         request = inputs[line["custom_id"]]["body"]
+        if request.get("logprobs"):  # real tokenizer pieces: the tokens' bytes spell the text
+            records = choice.logprobs.content if isinstance(parsed, ChatCompletion) else choice.logprobs.tokens
+            assert records and all(len(r.top_logprobs) == 2 for r in records if hasattr(r, "top_logprobs"))
+            if isinstance(parsed, ChatCompletion):
+                assert b"".join(bytes(r.bytes) for r in records).decode() == text
+        if "json_schema" in request.get("response_format", {}):
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(text), request["response_format"]["json_schema"]["schema"])
         limit = request.get("max_tokens") or request.get("max_completion_tokens")
         if limit:
             assert parsed.usage.completion_tokens <= limit

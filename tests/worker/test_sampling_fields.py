@@ -13,17 +13,14 @@ from pydantic import Field
 from producer.options import sampling_options
 from schemas.request import Sampling, overrides_model, parse_request_line
 from worker.admission import to_engine_request, to_sampling_params
-from worker.engine.api import SamplingParams
-
-# Engine fields that no line carries yet: issue 13's engine core landed first; wiring response_format and
-# logprobs into the one definition removes them from here.
-NOT_ON_LINES_YET = {"logprobs", "constraint"}
+from worker.engine.api import MAX_LOGPROBS, Constraint, ConstraintKind, SamplingParams
 
 
 def test_engine_sampling_params_and_the_schema_name_the_same_fields_with_the_same_defaults():
     engine_fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
-    assert set(engine_fields) - NOT_ON_LINES_YET == set(Sampling.model_fields)
+    assert set(engine_fields) == set(Sampling.model_fields)
     assert to_sampling_params(Sampling()) == SamplingParams()
+    assert Sampling.model_fields["logprobs"].metadata[-1].le == MAX_LOGPROBS
 
 
 class _Tokenizer:
@@ -41,12 +38,16 @@ def test_every_field_on_a_line_reaches_the_engine():
         "stop": ["x", "yz"],
         "stop_token_ids": [3, 5],
         "ignore_eos": True,
+        "logprobs": 3,
     }
-    assert set(values) == set(Sampling.model_fields)
-    request = parse_request_line(json.dumps({"prompt": "hi", **values}), 1).resolve(0)
+    spelled = {"constraint": ("regex", "[a-z]+")}  # a line spells its constraint as json_schema, regex or choice
+    assert set(values) | set(spelled) == set(Sampling.model_fields)
+    line = {"prompt": "hi", **values, "regex": "[a-z]+"}
+    request = parse_request_line(json.dumps(line), 1).resolve(0)
     engine_request = to_engine_request(request, _Tokenizer(), "b", 0.0)
-    params = {k: v for k, v in dataclasses.asdict(engine_request.sampling).items() if k not in NOT_ON_LINES_YET}
-    assert params == {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
+    expected = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
+    expected["constraint"] = Constraint(ConstraintKind.REGEX, "[a-z]+")
+    assert dataclasses.asdict(engine_request.sampling) == dataclasses.asdict(SamplingParams(**expected))
 
 
 # A field added to the one definition, and to the engine's dataclass: nothing else changes.

@@ -80,3 +80,28 @@ def test_worker_help_and_bench_queue_command(tmp_path):
     assert [row["chunk_size"] for row in record["rows"]] == [1, 64]
     assert all(row["worker_requests_per_second"] > 0 for row in record["rows"])
     assert "worker_requests_per_second" in result.output
+
+
+
+def test_bench_engine_variants():
+    """`--variant`: parsed before the model loads; the JSON variant keeps every request running to its length."""
+    from worker.bench.common import make_workload, with_variant
+    from worker.bench.engine import engine_bench, parse_variant, variant_name
+    from worker.engine.engine import Engine
+
+    assert [parse_variant(v) for v in ("plain", "json", "logprobs5", "json+logprobs0")] == [
+        (False, None),
+        (True, None),
+        (False, 5),
+        (True, 0),
+    ]
+    assert variant_name(True, 5) == "json+logprobs5" and variant_name(False, None) == "plain"
+    bad = CliRunner().invoke(engine_bench, ["--variant", "xml"])  # before loading the default llama3-8b
+    assert bad.exit_code == 2 and "expected plain, json, logprobsK or json+logprobsK" in bad.output
+
+    reqs = with_variant(make_workload("tiny", 256, num_requests=2), constrain_json=True, top_logprobs=2)
+    engine = Engine.from_model("tiny-llama", device="cpu", mode="sync")
+    results = engine.generate(reqs)
+    assert [len(r.token_ids) for r in results] == [r.sampling.max_new_tokens for r in reqs]
+    assert all(r.text.startswith('{"id":') and len(r.logprobs[0].top) == 2 for r in results)
+    assert engine.stats().mask_seconds > 0

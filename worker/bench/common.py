@@ -28,6 +28,44 @@ def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int 
     return reqs
 
 
+def bench_json_schema(max_output_len: int) -> dict:
+    """The small schema of `cbq bench engine --constrain-json`: a few typed fields, then a string long enough
+    that every request still runs to its max_new_tokens, so constrained and plain runs make the same tokens
+    (a token holds at most a few characters of it)."""
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999999},
+            "label": {"enum": ["positive", "negative", "neutral"]},
+            "done": {"type": "boolean"},
+            "text": {"type": "string", "minLength": 8 * max_output_len},
+        },
+        "required": ["id", "label", "done", "text"],
+        "additionalProperties": False,
+    }
+
+
+def with_variant(reqs, constrain_json: bool, top_logprobs: int | None):
+    """The same requests, each constrained to `bench_json_schema` and/or asking for top logprobs."""
+    import dataclasses
+
+    from worker.engine.api import Constraint, ConstraintKind
+
+    if not constrain_json and top_logprobs is None:
+        return reqs
+    longest = max(r.sampling.max_new_tokens or 1024 for r in reqs)
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(bench_json_schema(longest)))
+    return [
+        dataclasses.replace(
+            r,
+            sampling=dataclasses.replace(
+                r.sampling, constraint=constraint if constrain_json else None, logprobs=top_logprobs
+            ),
+        )
+        for r in reqs
+    ]
+
+
 def workload_lines(name: str, num_requests: int | None, seed: int = 0) -> list[str]:
     """JSONL prompt lines whose byte-tokenized lengths follow the workload (BOS + one token per byte)."""
     n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]

@@ -1,6 +1,8 @@
 """`cbq bench engine`: a workload through the engine, sync vs async, vs transformers' own continuous batching.
 
 Prints a table and writes JSON with every number, including the memory/compute floor of every step.
+Variants run the same requests constrained to a small JSON schema and/or asking for top logprobs
+(`--variant plain --variant json --variant logprobs5`), each in every mode, in one process.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
-from worker.bench.common import WORKLOADS, make_workload
+from worker.bench.common import WORKLOADS, make_workload, with_variant
 from worker.engine.config import DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -31,6 +33,7 @@ class ModeResult:
     step_ms: float = 0.0  # wall time per step
     gpu_ms: float = 0.0  # device time per step (CUDA events on the compute stream)
     cpu_prep_ms: float = 0.0  # scheduling + batch building per step
+    mask_ms: float = 0.0  # host time computing constraint masks per step (overlaps the forward in async)
     gpu_busy: float = 0.0  # device time / wall time
     floor_seconds: float = 0.0  # sum over steps of max(bytes / bandwidth, flops / peak)
     floor_ratio: float = 0.0  # floor_seconds / wall_seconds: 1.0 would be at the floor
@@ -110,6 +113,7 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
         step_ms=1000 * wall / steps,
         gpu_ms=1000 * stats.busy_seconds / steps,
         cpu_prep_ms=1000 * stats.cpu_prep_seconds / steps,
+        mask_ms=1000 * stats.mask_seconds / steps,
         gpu_busy=min(1.0, stats.busy_seconds / wall),
         floor_seconds=floor,
         floor_ratio=floor / wall if floor else 0.0,
@@ -171,6 +175,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
         "step ms",
         "gpu ms",
         "prep ms",
+        "mask ms",
         "busy",
         "floor tok/s",
         "floor ratio",
@@ -188,6 +193,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
             f"{r.step_ms:.2f}",
             f"{r.gpu_ms:.2f}",
             f"{r.cpu_prep_ms:.3f}",
+            f"{r.mask_ms:.3f}",
             f"{r.gpu_busy:.1%}",
             f"{r.floor_tok_s:,.0f}",
             f"{r.floor_ratio:.2f}",
@@ -233,6 +239,21 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     show_default=True,
     help="Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
 )
+@click.option(
+    "--constrain-json", is_flag=True, help="Constrain every request to a small JSON schema (bench_json_schema)."
+)
+@click.option(
+    "--top-logprobs", type=click.IntRange(0, 20), default=None, help="Every request asks for K top logprobs."
+)
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    callback=lambda _ctx, _param, values: [parse_variant(v) for v in values],  # checked before the model loads
+    help="Request variant(s) to run, each in every mode: plain, json, logprobsK or json+logprobsK "
+    "(repeat to compare in one process; results are then named MODE-VARIANT). Default: the one "
+    "--constrain-json and --top-logprobs give.",
+)
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
@@ -250,6 +271,9 @@ def engine_bench(
     no_cuda_graphs,
     no_prefix_caching,
     decoders,
+    constrain_json,
+    top_logprobs,
+    variants,
     device,
     dtype,
     json_out,
@@ -272,8 +296,10 @@ def engine_bench(
         reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
     warmup = make_workload("tiny", 256, seed=1)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
+    parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
-    for decoder, m in [(d, m) for d in decoders for m in modes]:
+    runs = [(d, m, v) for d in decoders for v in parsed for m in modes]
+    for decoder, m, (is_json, num_top) in runs:
         config = EngineConfig(
             mode=m,
             device=str(dev),
@@ -288,10 +314,16 @@ def engine_bench(
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)
         setup = time.perf_counter() - t1
-        engine.generate(warmup)  # compile kernels, touch every path once
-        label = m if len(decoders) == 1 else f"{m}-{decoder}"
-        result = run_engine_mode(engine, reqs, label, bandwidth)
+        # Compile kernels, touch every path once (and build the grammar's tokenizer for a constrained run).
+        engine.generate(with_variant(warmup, is_json, num_top))
+        label = "-".join(
+            [m]
+            + ([decoder] if len(decoders) > 1 else [])
+            + ([variant_name(is_json, num_top)] if len(parsed) > 1 else [])
+        )
+        result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
         result.extra.update(
+            variant=variant_name(is_json, num_top),
             setup_seconds=setup,
             num_kv_blocks=engine.runner.num_kv_blocks,
             max_model_len=engine.max_model_len,
@@ -315,6 +347,11 @@ def engine_bench(
         if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
             ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
             click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
+    plain = [r for r in results if r.extra.get("variant") == "plain"]
+    for r in results:
+        base = next((p for p in plain if r.mode.replace(r.extra["variant"], "plain") == p.mode), None)
+        if base is not None and r is not base:
+            click.echo(f"{r.mode} / {base.mode} output tok/s: {r.output_tok_s / base.output_tok_s:.3f}")
     print_table(workload, model, results)
     report = {
         "workload": workload,
@@ -331,6 +368,7 @@ def engine_bench(
             "cuda_graphs": not no_cuda_graphs,
             "prefix_caching": not no_prefix_caching,
             "decoders": list(decoders),
+            "variants": [variant_name(*v) for v in parsed],
         },
         "results": {r.mode: asdict(r) for r in results},
         "hf_error": hf_error,
@@ -339,3 +377,25 @@ def engine_bench(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
         click.echo(f"wrote {json_out}")
+
+
+def parse_variant(text: str) -> tuple[bool, int | None]:
+    """'plain', 'json', 'logprobs5', 'json+logprobs5' -> (constrain_json, top_logprobs)."""
+    constrain, num_top = False, None
+    for part in text.split("+"):
+        if part == "json":
+            constrain = True
+        elif part.startswith("logprobs") and part[len("logprobs") :].isdigit():
+            num_top = int(part[len("logprobs") :])
+            if num_top > 20:
+                raise click.BadParameter(f"at most 20 top logprobs, got {num_top}", param_hint="--variant")
+        elif part != "plain":
+            raise click.BadParameter(
+                f"{text!r}: expected plain, json, logprobsK or json+logprobsK", param_hint="--variant"
+            )
+    return constrain, num_top
+
+
+def variant_name(constrain_json: bool, top_logprobs: int | None) -> str:
+    parts = (["json"] if constrain_json else []) + ([f"logprobs{top_logprobs}"] if top_logprobs is not None else [])
+    return "+".join(parts) or "plain"

@@ -142,7 +142,9 @@ class SampleOutput:
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    # When the request asked: one per token of the text, i.e. per token id but a final stop token (EOS or a
+    # stop token id), which has none.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -158,7 +160,7 @@ class EngineResult:
     usage: Usage
     error: str | None = None
     error_code: ErrorCode | None = None  # set for requests refused before they ran
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    logprobs: list[TokenLogprob] | None = None  # sample 0's (see `SampleOutput.logprobs`)
     samples: list[SampleOutput] = field(default_factory=list)
 
     @property
@@ -218,6 +220,10 @@ class TokenizerProtocol(Protocol):
 
     def special_token_id(self, text: str) -> int | None:
         """The id of the special token spelled `text` (one that `decode` drops), or None."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes, for logprobs (a special token: its name)."""
         ...
 
 

@@ -51,7 +51,7 @@ from .models import generation_defaults, load_model, model_eos_token_ids, resolv
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
-from .stop import check_stop, final_text, special_stop_token_ids
+from .stop import check_stop, final_text, num_text_tokens, special_stop_token_ids
 
 logger = logging.getLogger("cbq.engine")
 
@@ -494,7 +494,9 @@ class Engine:
                 "" if reason == FinishReason.ERROR else final_text(s, self.eos_token_ids, self.tokenizer),
                 list(s.output_ids),
                 s.finish_reason or reason,
-                list(s.output_logprobs) if s.sampling.logprobs is not None else None,
+                s.output_logprobs[: num_text_tokens(s.output_ids, s.sampling, self.eos_token_ids)]
+                if s.sampling.logprobs is not None
+                else None,
             )
             for s in samples
         ]

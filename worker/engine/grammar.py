@@ -25,7 +25,8 @@ sampling.
 
 JSON is compact: llguidance's `whitespace_flexible` is off, so no whitespace may appear between JSON
 tokens (inside strings it may). A weak or random model cannot loop on spaces until its token limit. A
-schema's `x-guidance` options may turn it back on.
+schema's `x-guidance` options may turn it back on. The grammar text of each constraint kind comes from
+`schemas.constraint`, which the producer also uses to check a line's constraint at submit time.
 
 A constraint that llguidance cannot compile raises `GrammarError` from `matcher_for`. The engine turns
 that into that request's error result, in the caller's thread, before the request reaches the loop.
@@ -34,17 +35,17 @@ that into that request's error result, in the caller's thread, before the reques
 from __future__ import annotations
 
 import collections
-import json
 import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-from .api import Constraint, ConstraintKind
+from schemas.constraint import grammar_text
+
+from .api import Constraint
 from .tokenizer import ByteTokenizer, HFTokenizer
 
-_JSON_OPTIONS = {"whitespace_flexible": False}  # compact: "," and ":" with nothing around them
 _CACHE_SIZE = 256  # compiled constraints kept; a request gets a copy (deep_copy takes ~1 µs)
 
 
@@ -105,27 +106,10 @@ class GrammarCompiler:
 
 
 def _grammar_text(llguidance: Any, constraint: Constraint) -> str:
-    kind, spec = constraint.kind, constraint.spec
     try:
-        if kind == ConstraintKind.JSON_SCHEMA:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)
-        if kind == ConstraintKind.JSON_OBJECT:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-        if kind == ConstraintKind.REGEX:
-            return llguidance.LLMatcher.grammar_from_regex(spec)
-        if kind == ConstraintKind.CHOICE:
-            choices = json.loads(spec)
-            if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
-                raise GrammarError("a choice constraint needs a JSON list of non-empty strings")
-            # Lark string literals take JSON escapes.
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in choices)
-            )
-    except ValueError as exc:  # json.JSONDecodeError included; GrammarError passes through unchanged
-        if isinstance(exc, GrammarError):
-            raise
-        raise GrammarError(f"{kind.value} constraint is not valid: {exc}") from exc
-    raise GrammarError(f"unknown constraint kind {kind!r}")
+        return grammar_text(llguidance, constraint.kind.value, constraint.spec)
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise GrammarError(f"{constraint.kind.value} constraint is not valid: {exc}") from exc
 
 
 def _build_llg_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
@@ -151,7 +135,7 @@ class _ByteVocab:
     def __init__(self, tok: ByteTokenizer, vocab_size: int):
         self.eos_token_id = tok.eos_token_id
         self.bos_token_id = tok.bos_token_id
-        self.tokens = [bytes([i]) for i in range(tok.NUM_BYTES)] + [b"<s>", b"</s>", b"<pad>"]
+        self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
         self.tokens += [b""] * (vocab_size - len(self.tokens))
         self.special_token_ids = [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id]
 

@@ -8,7 +8,7 @@ occurrence.
 
 from __future__ import annotations
 
-from .api import FinishReason
+from .api import FinishReason, SamplingParams
 from .sequence import Sequence
 
 _WINDOW_SLACK_TOKENS = 4
@@ -51,13 +51,17 @@ def special_stop_token_ids(stop: tuple[str, ...], tokenizer) -> dict[str, int]:
     return {s: i for s, i in found.items() if i is not None}
 
 
+def num_text_tokens(ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int]) -> int:
+    """How many output ids make the text: all but a final stop token (EOS or one of `stop_token_ids`)."""
+    if ids and ((ids[-1] in eos_token_ids and not params.ignore_eos) or ids[-1] in params.stop_token_ids):
+        return len(ids) - 1
+    return len(ids)
+
+
 def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
     """Decoded output without a final stop token, cut before the first stop string."""
-    ids = seq.output_ids
     params = seq.sampling
-    if ids and ((ids[-1] in eos_token_ids and not params.ignore_eos) or ids[-1] in params.stop_token_ids):
-        ids = ids[:-1]
-    text = tokenizer.decode(ids)
+    text = tokenizer.decode(seq.output_ids[: num_text_tokens(seq.output_ids, params, eos_token_ids)])
     if params.stop:
         cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
         if cuts:

@@ -1,6 +1,6 @@
 """Tokenizers: a file-free byte tokenizer for presets and the fake engine, and a thin wrapper over Hugging Face
 tokenizers. Both satisfy `api.TokenizerProtocol`: `encode(text)`, `encode_chat(messages)`, `decode(ids)`,
-`special_token_id(text)`, `eos_token_ids`, `vocab_size`. Imports no torch, so the fake engine can use the byte tokenizer.
+`special_token_id(text)`, `token_bytes(id)`, `eos_token_ids`, `vocab_size`. Imports no torch, so the fake engine can use the byte tokenizer.
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte's id is that byte; a special token is its name (as in logprobs); other ids are empty."""
+        if 0 <= token_id < self.NUM_BYTES:
+            return bytes([token_id])
+        specials = {self.bos_token_id: b"<s>", self.eos_token_id: b"</s>", self.pad_token_id: b"<pad>"}
+        return specials.get(token_id, b"")
+
 
 class HFTokenizer:
     """Wraps a `transformers` tokenizer loaded from a local path or hub name."""
@@ -55,6 +62,7 @@ class HFTokenizer:
         self._special_ids.update(
             {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
         )
+        self._llg_tokenizer: Any = None  # llguidance's view of the vocabulary, built at the first token_bytes
 
     @property
     def backend(self) -> Any:
@@ -85,3 +93,14 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's exact bytes (byte-level BPE pieces and sentencepiece byte tokens undone); a special
+        token is its name. llguidance already reads every vocabulary format this way: it is a core dependency."""
+        if self._llg_tokenizer is None:
+            import llguidance.hf
+
+            self._llg_tokenizer = llguidance.hf.from_tokenizer(self._tok)
+        if not 0 <= token_id < self._llg_tokenizer.vocab_size:
+            return b""
+        return self._llg_tokenizer.decode_bytes([token_id])
