@@ -49,9 +49,13 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(tmp_path):
     seeded = {"prompt": "the same prompt", "n": 2, "temperature": 1.0, "seed": 1234, "custom_id": "s"}
     others = [{"prompt": f"other {i}", "n": 2, "temperature": 0.8} for i in range(3)]
     [alone] = run(tmp_path, [seeded], "--ignore-eos", name="alone")
-    batch = run(tmp_path, [*others[:2], seeded, others[2]], "--ignore-eos", "--max-num-batched-tokens", "8", name="b")
-    [in_batch] = [line for line in batch if line.get("custom_id") == "s"]
+    single = {**seeded, "n": 1, "custom_id": "one"}
+    batch = run(
+        tmp_path, [*others[:2], seeded, others[2], single], "--ignore-eos", "--max-num-batched-tokens", "8", name="b"
+    )
+    in_batch, one = (next(line for line in batch if line.get("custom_id") == c) for c in ("s", "one"))
     assert [s["text"] for s in alone["samples"]] == [s["text"] for s in in_batch["samples"]]
+    assert one["text"] == alone["samples"][0]["text"]  # sample 0 is the request's n = 1 output
 
 
 @pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
