@@ -60,6 +60,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1  # fits the engine's int32 token buffers
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat bound; the engine's MAX_LOGPROBS)
 MAX_CHOICES = 1024  # strings in a `choice` list
+MAX_SAMPLES = 128  # `n`: parallel samples per request (OpenAI's bound; the engine's MAX_SAMPLES_PER_REQUEST)
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 StopStrings = Annotated[
@@ -68,6 +69,9 @@ StopStrings = Annotated[
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
+# Not a sampling field: the engine takes it on the request (`EngineRequest.n`), and batch flags do not set it.
+NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
+_N_DESCRIPTION = "Independent samples of this prompt (they share its prefill); sample i of a seeded request draws from (seed, i)."
 
 
 class ChatMessage(StrictModel):
@@ -260,13 +264,15 @@ def _native_constraint(name: str, value: Any) -> OutputConstraint:
 
 if TYPE_CHECKING:
 
-    class _NativeLine(_NativeConstraint, SamplingOverrides): ...
+    class _NativeLine(_NativeConstraint, SamplingOverrides):
+        n: int
 
 else:
     _NativeLine = create_model(
         "_NativeLine",
         __base__=_NativeConstraint,
         __module__=__name__,
+        n=(NumSamples, Field(1, description=_N_DESCRIPTION)),
         **_all_optional(Sampling, {n: n for n in Sampling.model_fields if n not in _SPELLED_BY_LINES}),
     )
 
@@ -287,7 +293,6 @@ OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_
 
 # OpenAI body fields that cbq accepts only at the value that changes nothing, and why it cannot do more.
 _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
-    "n": (1, "one completion per request"),
     "stream": (False, "batch results are not streamed"),
     "presence_penalty": (0, "penalties are not applied"),
     "frequency_penalty": (0, "penalties are not applied"),
@@ -342,7 +347,7 @@ class _OpenAIBodyBase(StrictModel):
     `service_tier` and `parallel_tool_calls` are accepted and ignored."""
 
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
-    n: int | None = None
+    n: NumSamples | None = Field(None, description=_N_DESCRIPTION)  # None: 1
     stream: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -468,6 +473,7 @@ class Request(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling: Sampling = Sampling()
+    n: NumSamples = 1
     return_token_ids: bool = False
 
     @model_validator(mode="after")
@@ -492,6 +498,7 @@ class ParsedRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     overrides: SamplingOverrides = SamplingOverrides()
+    n: NumSamples = 1
 
     def resolve(
         self, index: int, defaults: SamplingOverrides | None = None, return_token_ids: bool = False
@@ -508,6 +515,7 @@ class ParsedRequest(StrictModel):
             prompt=self.prompt,
             messages=self.messages,
             sampling=Sampling(**merged),
+            n=self.n,
             return_token_ids=return_token_ids,
         )
 
@@ -542,6 +550,7 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
             shape="chat",
             messages=line.messages,
             overrides=_overrides_of(line),
+            n=line.n,
         )
     if "prompt" in obj:
         line = _validate(PromptLine, obj, line_no)
@@ -551,6 +560,7 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
             shape="prompt",
             prompt=line.prompt,
             overrides=_overrides_of(line),
+            n=line.n,
         )
     raise RequestLineError(line_no, [FieldIssue("", _SHAPE_HINT)])
 
@@ -636,6 +646,7 @@ def _parse_openai_line(obj: dict[str, Any], line_no: int) -> ParsedRequest:
         prompt=getattr(body, "prompt", None),
         messages=getattr(body, "messages", None),
         overrides=body.overrides(),
+        n=body.n or 1,
     )
 
 

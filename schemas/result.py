@@ -36,6 +36,8 @@ class _Model(BaseModel):
 class Usage(_Model):
     prompt_tokens: int = Field(0, ge=0)
     completion_tokens: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)  # prompt tokens whose KV came from the prefix cache (OpenAI's
+    # `usage.prompt_tokens_details.cached_tokens`, kept flat here like the other counts)
     gpu_seconds: float = Field(0.0, ge=0)  # this request's share of the device time of the steps it was in
     queue_seconds: float = 0.0  # submitted -> first scheduled by the engine
     ttft_seconds: float = 0.0  # submitted -> first token known
@@ -57,6 +59,16 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]  # most likely first; as many as the request asked for
 
 
+class Sample(_Model):
+    """One of a request's n samples (`ResultLine.samples`, only when n > 1)."""
+
+    index: int = Field(ge=0)
+    text: str
+    token_ids: list[int] | None = None  # only when submitted with --token-ids
+    finish_reason: Literal["stop", "length"]
+    logprobs: list[TokenLogprob] | None = None  # when asked
+
+
 class ResultLine(_Model):
     custom_id: str | None = None
     index: int = Field(ge=0)  # position in the batch (input order)
@@ -67,6 +79,9 @@ class ResultLine(_Model):
     error: str | None = None  # set exactly when finish_reason is "error"
     error_code: ErrorCode | None = None  # only for errors: the request was invalid (not a failure)
     logprobs: list[TokenLogprob] | None = None  # when asked: one per token of the text (not a final EOS)
+    # Only for a request with n > 1 that did not fail: every sample in index order. `text`, `token_ids`,
+    # `finish_reason` and `logprobs` above are sample 0's, so n = 1 readers keep working.
+    samples: list[Sample] | None = None
 
     @model_validator(mode="after")
     def _error_iff_failed(self):
@@ -81,14 +96,30 @@ class ResultLine(_Model):
         """Failed or cancelled: what `--errors FILE` receives."""
         return self.finish_reason in ("error", "cancelled")
 
+    @property
+    def all_samples(self) -> list[Sample]:
+        """Every sample, sample 0 alone for n = 1 (only for a request that finished, stop or length)."""
+        if self.samples:
+            return self.samples
+        assert self.finish_reason in ("stop", "length"), "a failed request has no samples"
+        return [Sample(index=0, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
+                       logprobs=self.logprobs)]
+
 
 # --- OpenAI Batch output -------------------------------------------------------------------------------------
 
 
+class OpenAIPromptTokensDetails(_Model):
+    cached_tokens: int
+
+
 class OpenAIUsage(_Model):
+    """The prompt counts once however many choices share it; completion tokens are summed over choices."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: OpenAIPromptTokensDetails
 
 
 class OpenAIResponse(_Model):
@@ -137,21 +168,33 @@ def to_openai_output(
         prompt_tokens=result.usage.prompt_tokens,
         completion_tokens=result.usage.completion_tokens,
         total_tokens=result.usage.prompt_tokens + result.usage.completion_tokens,
+        prompt_tokens_details=OpenAIPromptTokensDetails(cached_tokens=result.usage.cached_tokens),
     ).model_dump()
     is_chat = request.is_chat or request.url == CHAT_COMPLETIONS_URL
     common = {"created": created_at, "model": request.model or model, "usage": usage}
+    choices: list[dict[str, Any]]
     if is_chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": _chat_logprobs(result.logprobs),
-            "finish_reason": result.finish_reason,
-        }
-        body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "choices": [choice], **common}
+        choices = [
+            {
+                "index": sample.index,
+                "message": {"role": "assistant", "content": sample.text},
+                "logprobs": _chat_logprobs(sample.logprobs),
+                "finish_reason": sample.finish_reason,
+            }
+            for sample in result.all_samples
+        ]
+        body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "choices": choices, **common}
     else:
-        logprobs = _completion_logprobs(result.logprobs)
-        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": [choice], **common}
+        choices = [
+            {
+                "index": sample.index,
+                "text": sample.text,
+                "logprobs": _completion_logprobs(sample.logprobs),
+                "finish_reason": sample.finish_reason,
+            }
+            for sample in result.all_samples
+        ]
+        body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": choices, **common}
     response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
     return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
 

@@ -82,3 +82,4 @@ class WorkerStats(_Model):
     busy_fraction: float = 0.0  # device busy time / wall time of the engine loop
     cpu_prep_ms_per_step: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens looked up

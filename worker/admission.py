@@ -19,7 +19,7 @@ from schemas import keys
 from schemas.chunk import ChunkPayload
 from schemas.keys import BatchField
 from schemas.request import OutputConstraint, Request, Sampling
-from schemas.result import ResultLine, TokenLogprob, TopLogprob, Usage
+from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
 from worker.engine.api import (
     Constraint,
     ConstraintKind,
@@ -28,6 +28,7 @@ from worker.engine.api import (
     SamplingParams,
     TokenizerProtocol,
 )
+from worker.engine.api import TokenLogprob as EngineTokenLogprob
 
 
 class BatchGone(LookupError):
@@ -117,6 +118,7 @@ def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: 
         request_id=keys.engine_request_id(batch_id, request.index),
         prompt_ids=list(prompt_ids),
         sampling=to_sampling_params(request.sampling),
+        n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
     )
 
@@ -137,17 +139,29 @@ def _engine_value(value: Any) -> Any:
 
 def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerProtocol) -> ResultLine:
     reason = result.finish_reason.value
+    samples = None
+    if request.n > 1 and reason in ("stop", "length"):
+        samples = [
+            Sample(
+                index=sample.index,
+                text=sample.text,
+                token_ids=list(sample.token_ids) if request.return_token_ids else None,
+                finish_reason=sample.finish_reason.value,  # type: ignore[arg-type]  # stop or length
+                logprobs=_logprob_lines(sample.logprobs, tokenizer),
+            )
+            for sample in result.all_samples
+        ]
     return ResultLine(
         custom_id=request.custom_id,
         index=request.index,
         text=result.text,
         token_ids=list(result.token_ids) if request.return_token_ids else None,
         finish_reason=reason,
-        # NOTE: fields the result schema does not carry yet (cached_tokens) stay behind until it does.
         usage=Usage(**{k: v for k, v in dataclasses.asdict(result.usage).items() if k in Usage.model_fields}),
         error=(result.error or "the engine reported an error") if reason == "error" else None,
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
-        logprobs=_logprob_lines(result, tokenizer) if reason != "error" else None,
+        logprobs=_logprob_lines(result.logprobs, tokenizer) if reason != "error" else None,
+        samples=samples,
     )
 
 
@@ -155,10 +169,12 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
 _MIN_LOGPROB = -9999.0
 
 
-def _logprob_lines(result: EngineResult, tokenizer: TokenizerProtocol) -> list[TokenLogprob] | None:
-    """The result line's logprobs (the engine gives one per token of the text), with each token's text and
+def _logprob_lines(
+    logprobs: list[EngineTokenLogprob] | None, tokenizer: TokenizerProtocol
+) -> list[TokenLogprob] | None:
+    """A result line's logprobs (the engine gives one per token of the text), with each token's text and
     bytes from the tokenizer."""
-    if result.logprobs is None:
+    if logprobs is None:
         return None
 
     def top(token_id: int, logprob: float) -> dict[str, Any]:
@@ -168,7 +184,7 @@ def _logprob_lines(result: EngineResult, tokenizer: TokenizerProtocol) -> list[T
 
     return [
         TokenLogprob(**top(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**top(*t)) for t in lp.top])
-        for lp in result.logprobs
+        for lp in logprobs
     ]
 
 

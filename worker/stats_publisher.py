@@ -48,4 +48,5 @@ def build_worker_stats(
         busy_fraction=engine_stats.busy_fraction,
         cpu_prep_ms_per_step=engine_stats.cpu_prep_ms_per_step,
         num_preemptions=engine_stats.num_preemptions,
+        prefix_cache_hit_rate=engine_stats.prefix_cache_hit_rate,
     )

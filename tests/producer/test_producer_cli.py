@@ -51,7 +51,7 @@ def test_invalid_file_enqueues_nothing_and_reports_every_bad_line(cbq, conn, tmp
             {"prompt": "ok"},
             {"prompt": "x", "temperature": -1},
             "not json",
-            {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 3}},
+            {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 300}},
             {"prompt": "dup", "custom_id": "d"},
             {"prompt": "dup", "custom_id": "d"},
         ],
@@ -60,7 +60,7 @@ def test_invalid_file_enqueues_nothing_and_reports_every_bad_line(cbq, conn, tmp
     assert result.exit_code == 1
     assert "line 2: temperature: Input should be greater than or equal to 0" in result.stderr
     assert "line 3: invalid JSON" in result.stderr
-    assert "line 4: body.n: only 1 is accepted (one completion per request)" in result.stderr
+    assert "line 4: body.n: Input should be less than or equal to 128" in result.stderr
     assert "line 6: custom_id: duplicate custom_id 'd' (first on line 5)" in result.stderr
     assert "4 invalid line(s); nothing was enqueued" in result.stderr
     assert queue_count(conn) == 0 and not conn.keys("cbq:*")

@@ -93,6 +93,17 @@ def test_openai_chat_line_with_max_completion_tokens_and_top_k():
     assert p.overrides.given() == {"max_new_tokens": 4, "top_k": 5}
 
 
+def test_n_is_taken_from_every_line_shape_and_stored():
+    chat = [{"role": "user", "content": "q"}]
+    assert parse({"prompt": "p"}).resolve(0).n == 1
+    assert parse({"prompt": "p", "n": 3}).resolve(0).n == 3
+    assert parse({"messages": chat, "n": 128}).resolve(0).n == 128
+    for url, body in [("/v1/completions", {"prompt": "p"}), ("/v1/chat/completions", {"messages": chat})]:
+        line = {"custom_id": "c", "method": "POST", "url": url, "body": {**body, "n": 4}}
+        stored = parse(line).resolve(0)
+        assert stored.n == 4 and Request.model_validate_json(stored.model_dump_json()).n == 4
+
+
 def test_blank_lines_are_skipped():
     assert parse_request_line("", 1) is None
     assert parse_request_line("   \t", 2) is None
@@ -131,6 +142,8 @@ def test_stored_request_round_trips_through_json():
         ({"prompt": "x", "top_k": -2}, "line 7: top_k: Input should be greater than or equal to 0"),
         ({"prompt": "x", "temperature": "0.5"}, "line 7: temperature: Input should be a valid number"),
         ({"prompt": "x", "ignore_eos": 1}, "line 7: ignore_eos: Input should be a valid boolean"),
+        ({"prompt": "x", "n": 0}, "line 7: n: Input should be greater than or equal to 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 129}, "line 7: n: Input should be less than or equal to 128"),
         ({"prompt": "x", "stop": [1]}, "line 7: stop[0]: Input should be a valid string"),
         (
             {"prompt": "x", "stop_token_ids": [-1]},
@@ -178,7 +191,8 @@ def openai_line(body, url="/v1/completions", **envelope):
             openai_line({"prompt": "x", "temperature": -1}),
             "line 7: body.temperature: Input should be greater than or equal to 0",
         ),
-        (openai_line({"prompt": "x", "n": 2}), "line 7: body.n: only 1 is accepted (one completion per"),
+        (openai_line({"prompt": "x", "n": 129}), "line 7: body.n: Input should be less than or equal to 128"),
+        (openai_line({"prompt": "x", "n": 0}), "line 7: body.n: Input should be greater than or equal to 1"),
         (openai_line({"prompt": "x", "stream": True}), "line 7: body.stream: only false is accepted"),
         (
             openai_line({"prompt": "x", "frequency_penalty": 0.5}),

@@ -4,7 +4,7 @@ from pydantic import ValidationError
 from schemas import keys
 from schemas.chunk import ChunkPayload
 from schemas.request import Request
-from schemas.result import OpenAIBatchOutputLine, ResultLine, Usage, to_openai_output
+from schemas.result import OpenAIBatchOutputLine, ResultLine, Sample, Usage, to_openai_output
 from schemas.status import BatchStatus, WorkerStats
 
 
@@ -41,7 +41,12 @@ def test_openai_output_for_a_completion():
     body = out.response.body
     assert body["object"] == "text_completion" and body["model"] == "m" and body["created"] == 100
     assert body["choices"] == [{"index": 0, "text": "out", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     OpenAIBatchOutputLine.model_validate_json(out.model_dump_json())
 
 
@@ -51,6 +56,27 @@ def test_openai_output_for_chat_uses_the_worker_model_and_a_generated_custom_id(
     assert out.custom_id == "request-3"
     assert out.response.body["object"] == "chat.completion" and out.response.body["model"] == "worker-model"
     assert out.response.body["choices"][0]["message"] == {"role": "assistant", "content": "out"}
+
+
+@pytest.mark.parametrize("shape", ["chat", "completion"])
+def test_openai_output_for_n_samples_has_one_choice_each_and_the_prompt_counted_once(shape):
+    if shape == "chat":
+        req = Request(index=3, line_no=4, shape="chat", messages=[{"role": "user", "content": "q"}], n=2)
+    else:
+        req = Request(index=3, line_no=4, shape="prompt", prompt="p", n=2)
+    samples = [Sample(index=0, text="a", finish_reason="stop"), Sample(index=1, text="bb", finish_reason="length")]
+    usage = Usage(prompt_tokens=4, completion_tokens=5, cached_tokens=3)
+    body = to_openai_output(result(text="a", finish_reason="stop", samples=samples, usage=usage), req, "b", "m", 1)
+    body = body.response.body
+    texts = [c["message"]["content"] if shape == "chat" else c["text"] for c in body["choices"]]
+    assert texts == ["a", "bb"] and [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 5,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
 
 def test_openai_output_for_failures_has_an_error_and_no_response():
@@ -103,6 +129,7 @@ def test_worker_stats_round_trip():
         state="idle",
     )
     assert WorkerStats.model_validate_json(ws.model_dump_json()) == ws
+    assert ws.prefix_cache_hit_rate == 0.0
 
 
 def test_keys_share_one_prefix_and_ids_round_trip():
