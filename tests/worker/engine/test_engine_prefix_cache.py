@@ -4,6 +4,7 @@ preemption and requests arriving while others run; blocks are shared only once w
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -127,8 +128,10 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
     )
     num_steps = 0
 
-    def launch(meta):
-        return StepHandle(meta, runner.builder.slots[meta.slot].sampled_host, None)
+    def launch(meta, extras=None):
+        return StepHandle(
+            meta, runner.builder.slots[meta.slot].sampled_host, None, extras=extras, is_sampled=True
+        )
 
     def wait(handle):
         nonlocal num_steps
@@ -141,7 +144,9 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
                     flat = cache.view(-1, *cache.shape[2:])
                     flat[slots] = torch.randn_like(flat[slots])
             raise RuntimeError("step died")
-        handle.cpu_seconds = real_launch(meta).cpu_seconds  # computes now
+        computed = real_launch(meta, handle.extras)  # computes now
+        for field in dataclasses.fields(computed):
+            setattr(handle, field.name, getattr(computed, field.name))
         written.update(slots)
         return real_wait(handle)
 
