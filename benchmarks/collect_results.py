@@ -100,7 +100,7 @@ if __name__ == "__main__":
         sys.exit(f"no w1.json or w2.json in {src}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
-        json.dumps({k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis")}, indent=1)[
-            :3000
-        ]
+        json.dumps(
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis")}, indent=1
+        )[:3000]
     )

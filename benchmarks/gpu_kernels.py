@@ -224,23 +224,26 @@ def reference_comparison() -> None:
 
 
 def sweep_decode() -> None:
-    """Decode tile / pipeline / warp / split variants at B=32 ctx=1024 (patches the private config)."""
+    """Decode tile / pipeline / warp / split variants at W1's (B=32, ctx 768) and W2's (B=1000, ctx 600)
+    decode shapes, timed from CUDA graphs as the engine runs them (patches the private config)."""
     orig = at._decode_config
     try:
-        for tile_n in (32, 64, 128):
-            for stages in (2, 3, 4):
-                for warps in (4, 8):
-                    at._decode_config = lambda hd, dt, t=tile_n, s=stages, w=warps: (t, w, s)
-                    print(f"  tile_n={tile_n} stages={stages} warps={warps}: ", end="")
-                    try:
-                        decode_case(32, 1024, graph=False)
-                    except Exception as e:  # out of shared memory etc.
-                        print(f"failed: {type(e).__name__}: {str(e)[:100]}")
+        for batch, ctx in ((32, 768), (1000, 600)):
+            for tile_n in (32, 64, 128):
+                for stages in (2, 3, 4):
+                    for warps in (4, 8):
+                        at._decode_config = lambda hd, dt, t=tile_n, s=stages, w=warps: (t, w, s)
+                        print(f"  tile_n={tile_n} stages={stages} warps={warps}: ", end="")
+                        try:
+                            decode_case(batch, ctx, graph=True)
+                        except Exception as e:  # out of shared memory etc.
+                            print(f"failed: {type(e).__name__}: {str(e)[:100]}")
+            at._decode_config = orig
+            for max_splits in (1, 2, 4, 8, 16):
+                print(f"  max_num_splits={max_splits}: ", end="")
+                decode_case(batch, ctx, graph=True, max_num_splits=max_splits)
     finally:
         at._decode_config = orig
-    for max_splits in (1, 2, 4, 8, 16):
-        print(f"  max_num_splits={max_splits}: ", end="")
-        decode_case(32, 1024, graph=False, max_num_splits=max_splits)
 
 
 def main() -> None:

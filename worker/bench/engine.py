@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
-from worker.bench.common import WORKLOADS, make_workload, with_variant
+from worker.bench.common import WORKLOADS, make_workload, warmup_requests, with_variant
 from worker.engine.config import DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -240,7 +240,9 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     help="Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
 )
 @click.option(
-    "--constrain-json", is_flag=True, help="Constrain every request to a small JSON schema (bench_json_schema)."
+    "--constrain-json",
+    is_flag=True,
+    help="Constrain every request to a small JSON schema (bench_json_schema).",
 )
 @click.option(
     "--top-logprobs", type=click.IntRange(0, 20), default=None, help="Every request asks for K top logprobs."
@@ -249,7 +251,9 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "--variant",
     "variants",
     multiple=True,
-    callback=lambda _ctx, _param, values: [parse_variant(v) for v in values],  # checked before the model loads
+    callback=lambda _ctx, _param, values: [
+        parse_variant(v) for v in values
+    ],  # checked before the model loads
     help="Request variant(s) to run, each in every mode: plain, json, logprobsK or json+logprobsK "
     "(repeat to compare in one process; results are then named MODE-VARIANT). Default: the one "
     "--constrain-json and --top-logprobs give.",
@@ -294,7 +298,7 @@ def engine_bench(
         reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
     else:
         reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
-    warmup = make_workload("tiny", 256, seed=1)
+    warmup = warmup_requests(reqs, vocab_limit)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
@@ -314,7 +318,7 @@ def engine_bench(
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)
         setup = time.perf_counter() - t1
-        # Compile kernels, touch every path once (and build the grammar's tokenizer for a constrained run).
+        # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained run).
         engine.generate(with_variant(warmup, is_json, num_top))
         label = "-".join(
             [m]
@@ -397,5 +401,7 @@ def parse_variant(text: str) -> tuple[bool, int | None]:
 
 
 def variant_name(constrain_json: bool, top_logprobs: int | None) -> str:
-    parts = (["json"] if constrain_json else []) + ([f"logprobs{top_logprobs}"] if top_logprobs is not None else [])
+    parts = (["json"] if constrain_json else []) + (
+        [f"logprobs{top_logprobs}"] if top_logprobs is not None else []
+    )
     return "+".join(parts) or "plain"

@@ -100,7 +100,10 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(TILE_N tokens per KV tile, num_warps, num_stages)."""
     row_bytes = _block_d(head_dim) * (4 if dtype == torch.float32 else 2)
     if row_bytes <= 256:  # bf16/fp16 with D <= 128, fp32 with D <= 64
-        return 64, 4, 3
+        # 2 stages: best of tile 32-128 x stages 2-4 x warps 4/8 at both W1's (B=32, ctx 768: 33.3 us vs
+        # 34.0 for 3 stages) and W2's (B=1000, ctx 600: 571 us, 99% of HBM) decode shapes on the H200
+        # (`benchmarks/gpu_kernels.py --sweep`, benchmarks/README.md).
+        return 64, 4, 2
     if row_bytes <= 512:
         return 32, 4, 3
     return 16, 4, 2
@@ -134,14 +137,15 @@ def decode_num_splits(
 ) -> int:
     """How many context splits the decode kernel uses; host-side ints only (graph-safe).
 
-    Aim for about 4 programs per SM, rounded up to a power of two; never more splits than KV tiles in
+    Aim for about 2 programs per SM, rounded up to a power of two (at W1's B=32 x 8 KV heads: 2 splits,
+    31.4 us on the H200 vs 33.9 for 4 and 34.4 for 1); never more splits than KV tiles in
     `max_context_len` (an upper bound: the kernel splits each sequence's *actual* context evenly over
     the splits, so a generous bound costs only a few idle programs).
     """
     tile_n = _decode_config(head_dim, dtype)[0]
     sms = _device_sm_count(device) if device is not None else _sm_count(None)
     programs = max(1, num_seqs * num_kv_heads)
-    want = _next_pow2(_cdiv(4 * sms, programs))
+    want = _next_pow2(_cdiv(2 * sms, programs))
     max_tiles = max(1, _cdiv(max(1, max_context_len), tile_n))
     return max(1, min(want, max_num_splits, max_tiles))
 
@@ -551,7 +555,11 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
 
 
 def _attention_strides(
-    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
 ) -> tuple[int, ...]:
     """The stride arguments of the decode and prefill kernels, in their order (the last dims are contiguous)."""
     return (
