@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from worker.bench import make_workload  # noqa: E402
+from worker.bench.common import make_workload, warmup_requests  # noqa: E402
 from worker.engine.api import EngineRequest, SamplingParams  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import Engine  # noqa: E402
@@ -77,8 +77,8 @@ def main() -> None:
     for decoder in args.decoder or ["owned"]:
         config = EngineConfig(mode="async", decoder=decoder, **WORKLOADS[args.workload])
         engine = Engine(model, tok, config)
-        engine.generate(make_workload("tiny", 256, seed=1))
         reqs = requests_for(args.workload)
+        engine.generate(warmup_requests(reqs, 32000))
         engine.reset_stats()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()

@@ -100,10 +100,10 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(TILE_N tokens per KV tile, num_warps, num_stages)."""
     row_bytes = _block_d(head_dim) * (4 if dtype == torch.float32 else 2)
     if row_bytes <= 256:  # bf16/fp16 with D <= 128, fp32 with D <= 64
-        # 2 stages: best of tile 32-128 x stages 2-4 x warps 4/8 at both W1's (B=32, ctx 768: 33.3 us vs
-        # 34.0 for 3 stages) and W2's (B=1000, ctx 600: 571 us, 99% of HBM) decode shapes on the H200
-        # (`benchmarks/gpu_kernels.py --sweep`, benchmarks/README.md).
-        return 64, 4, 2
+        # Within 2% of the best of tile 32-128 x stages 2-4 x warps 4/8 at W1's (B=32, ctx 768) and W2's
+        # (B=1000, ctx 600: 578 us, 97% of HBM) decode shapes on the H200; 2 stages gained ~1% there but
+        # lost 7% at B=256, ctx 512 (`benchmarks/gpu_kernels.py --sweep`, benchmarks/README.md).
+        return 64, 4, 3
     if row_bytes <= 512:
         return 32, 4, 3
     return 16, 4, 2
