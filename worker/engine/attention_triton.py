@@ -561,11 +561,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
 
 
 def _attention_strides(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
 ) -> tuple[int, ...]:
     """The stride arguments of the decode and prefill kernels, in their order (the last dims are contiguous)."""
     return (

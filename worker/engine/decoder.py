@@ -4,7 +4,7 @@ Owns the fused layer weights (views into the HF model's parameters, see `fused_w
 rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
 checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
 
-Per layer (CUDA, 8 launches + attention; decode-sized GEMMs through `skinny_gemm` where it beats cuBLAS):
+Per layer (CUDA, 8 launches + attention):
     add_rmsnorm -> QKV GEMM -> qkv_rope_write (q/k norm, rotary, KV write) -> attention -> O GEMM
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from . import fused_kernels as fk
-from . import skinny_gemm
 from .attention_backend import AttentionMetadata
 from .config import DECODERS
 from .fused_weights import LayerWeights, layer_weights
@@ -80,25 +79,23 @@ class OwnedDecoder:
         """input_ids, positions [T] -> logits [R, V] for the rows `logits_indices` (None: all T)."""
         add_rmsnorm = fk.add_rmsnorm if self.use_triton else fk.add_rmsnorm_ref
         silu_mul = fk.silu_mul if self.use_triton else fk.silu_mul_ref
-        # Decode-sized GEMMs (few rows) through the skinny kernel where it beats cuBLAS (skinny_gemm.py).
-        linear = skinny_gemm.linear if self.use_triton else F.linear
         hidden = F.embedding(input_ids, self.embed_weight)
         residual = None
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
             normed, residual = add_rmsnorm(hidden, residual, w.input_norm, self.eps)
-            qkv = linear(normed, w.qkv_weight, w.qkv_bias)
+            qkv = F.linear(normed, w.qkv_weight, w.qkv_bias)
             q = self._qkv_rope_write(qkv, positions, w, k_cache, v_cache, attn)
             out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx)
-            hidden = linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
+            hidden = F.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
             normed, residual = add_rmsnorm(hidden, residual, w.post_norm, self.eps)
-            gate_up = linear(normed, w.gate_up_weight, w.gate_up_bias)
-            hidden = linear(silu_mul(gate_up), w.down_weight, w.down_bias)
+            gate_up = F.linear(normed, w.gate_up_weight, w.gate_up_bias)
+            hidden = F.linear(silu_mul(gate_up), w.down_weight, w.down_bias)
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         normed, _ = add_rmsnorm(hidden, residual, self.final_norm, self.eps)
-        return linear(normed, self.lm_head)
+        return F.linear(normed, self.lm_head)
 
     def _qkv_rope_write(self, qkv, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata):
         args = (qkv, positions, self.cos_table, self.sin_table, w.q_norm, w.k_norm, self.eps)
