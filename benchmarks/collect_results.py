@@ -1,7 +1,9 @@
 """Merge the JSON files that `benchmarks/run_gpu.sh` writes into `benchmarks/results.json`.
 
-python3 benchmarks/collect_results.py DIR   # DIR holds w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json,
-                                           # w1_nocache.json, w3_on.json, w3_off.json, w4_on.json, w4_off.json
+python3 benchmarks/collect_results.py DIR [DIR ...]
+    # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
+    # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, notes.json; a file in a later DIR replaces
+    # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ COMMANDS = {
     "W4": "python3 -m worker.bench engine --model llama3-8b --workload W4 --mode async [--no-prefix-caching]",
     "W2_queue": "python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",
+    "W2_constrained": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192 --variant plain --variant json --variant logprobs5",
 }
 
 
-def main(src: Path) -> dict:
+def main(srcs: list[Path]) -> dict:
     def load(name):
-        path = src / name
-        return json.loads(path.read_text()) if path.exists() else None
+        found = [src / name for src in srcs if (src / name).exists()]
+        return json.loads(found[-1].read_text()) if found else None
 
     w1, w1_hf, w2, w2_hf, queue = (
         load(n) for n in ("w1.json", "w1_hf.json", "w2.json", "w2_hf.json", "w2_queue.json")
@@ -55,7 +59,7 @@ def main(src: Path) -> dict:
     out = {
         "device": first["device"],
         "torch": first["torch"],
-        "date": first["date"],
+        "date": max(r["date"] for r in (w1, w2) if r),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
         "commands": COMMANDS,
         "note": "Whole-workload runs of cbq's engine (random-weight Llama-3-8B shape, bf16, EOS ignored). "
@@ -74,6 +78,7 @@ def main(src: Path) -> dict:
             entry["hf"].update(gpu_busy=None, floor_ratio=None, step_ms=None, cpu_prep_ms=None, **hf["extra"])
             entry["cbq_async_over_hf"] = entry["async"]["output_tok_s"] / hf["output_tok_s"]
         entry["config"] = main_run["config"]
+        entry["date"] = main_run["date"]
         out[name] = entry
     w1_nocache = load("w1_nocache.json")
     if w1_nocache and "W1" in out:
@@ -84,6 +89,20 @@ def main(src: Path) -> dict:
             runs = {"cache_on": on["results"]["async"], "cache_off": off["results"]["async"]}
             out[name] = {k: {f: r[f] for f in (*FIELDS, "prefix_cache_hit_rate")} for k, r in runs.items()}
             out[name]["on_over_off"] = runs["cache_on"]["output_tok_s"] / runs["cache_off"]["output_tok_s"]
+            out[name]["date"] = on["date"]
+    grammar = load("w2_grammar.json")  # issue 13: every request JSON-constrained / asking top_logprobs 5
+    if grammar:
+        runs = {r["extra"]["variant"]: r for r in grammar["results"].values()}
+        entry = {v: {f: r[f] for f in (*FIELDS, "mask_ms")} for v, r in runs.items()}
+        plain = runs["plain"]["output_tok_s"]
+        entry.update({f"{v}_over_plain": r["output_tok_s"] / plain for v, r in runs.items() if v != "plain"})
+        entry["date"] = grammar["date"]
+        out["W2_constrained"] = entry
+    for src in srcs:  # notes.json: {entry: "what to know when reading it"}, from the folder of that run
+        notes = src / "notes.json"
+        for name, note in (json.loads(notes.read_text()) if notes.exists() else {}).items():
+            if name in out:
+                out[name]["note"] = note
     if queue:
         out["W2_through_redis"] = {
             "engine_only_tok_s": queue["engine_only"]["output_tok_s"],
@@ -94,13 +113,13 @@ def main(src: Path) -> dict:
 
 
 if __name__ == "__main__":
-    src = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/h200")
-    result = main(src)
+    srcs = [Path(a) for a in sys.argv[1:]] or [Path("benchmarks/h200")]
+    result = main(srcs)
     if not result:
-        sys.exit(f"no w1.json or w2.json in {src}: nothing to collect")
+        sys.exit(f"no w1.json or w2.json in {', '.join(map(str, srcs))}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis")}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained")}, indent=1
         )[:3000]
     )
