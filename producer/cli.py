@@ -15,7 +15,7 @@ import threading
 import click
 
 from producer import settings
-from producer.cli_common import format_status, read_lines, status_json, write_result_lines
+from producer.cli_common import format_status, reopenable_lines, status_json, write_result_lines
 from producer.client import (
     BatchNotFinished,
     BatchNotFound,
@@ -40,6 +40,7 @@ from producer.options import (
 from schemas.request import SamplingOverrides
 
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
+PROGRESS_MIN_BYTES = 1 << 20  # the validation bar counts bytes
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
@@ -127,8 +128,8 @@ def submit(
             "must be -1 (no limit) or a positive number of seconds", param_hint="--job-timeout"
         )
     client = _client(redis_url, queue)
-    lines = read_lines(file)
-    validated = _validate_with_progress(client, lines)
+    reopen, size = click.get_current_context().with_resource(reopenable_lines(file))
+    validated = _validate_with_progress(client, reopen, size)
     for error in validated.errors:
         click.echo(str(error), err=True)
     if validated.errors and not skip_invalid:
@@ -196,15 +197,16 @@ def submit(
         )
 
 
-def _validate_with_progress(client: Client, lines: list[str]):
-    with _progress_bar(len(lines), "validating") as on_progress:
-        return client.validate(lines, on_line=None if on_progress is None else lambda: on_progress(1))
+def _validate_with_progress(client: Client, reopen, size: int):
+    with _progress_bar(size, "validating", PROGRESS_MIN_BYTES) as on_progress:
+        on_line = None if on_progress is None else lambda line: on_progress(len(line) + 1)
+        return client.validate(reopen, on_line=on_line)
 
 
 @contextlib.contextmanager
-def _progress_bar(length: int, label: str):
+def _progress_bar(length: int, label: str, min_length: int = PROGRESS_MIN_LINES):
     """Yields `update(n)` for a bar on stderr, or None for inputs small enough to need none."""
-    if length < PROGRESS_MIN_LINES:
+    if length < min_length:
         yield None
         return
     with click.progressbar(length=length, label=label, file=sys.stderr) as bar:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 
 import click
 
@@ -16,10 +19,25 @@ from schemas.result import OpenAIBatchOutputLine, ResultLine
 from schemas.status import BatchStatus
 
 
-def read_lines(file) -> list[bytes]:
-    """The lines of a binary file, split on b"\\n" only (str.splitlines() would also split inside JSON strings at
-    U+2028 etc.). They stay bytes: each is decoded when it is validated, so a bad UTF-8 byte fails its line."""
-    return [line.rstrip(b"\n") for line in file]
+@contextlib.contextmanager
+def reopenable_lines(file) -> Iterator[tuple[Callable[[], Iterator[bytes]], int]]:
+    """(reopen, size in bytes) for a binary file: each `reopen()` reads its lines from the start, split on
+    b"\\n" only (str.splitlines() would also split inside JSON strings at U+2028 etc.). Lines stay bytes: each
+    is decoded when it is validated, so a bad UTF-8 byte fails its own line. Validation reads the file once
+    and submission again, so no command holds a whole batch file in memory; stdin or a pipe is first copied
+    to a temporary file on disk."""
+    with contextlib.ExitStack() as stack:
+        if not file.seekable():
+            spool = stack.enter_context(tempfile.TemporaryFile())
+            shutil.copyfileobj(file, spool, 1 << 20)
+            file = spool
+
+        def reopen() -> Iterator[bytes]:
+            file.seek(0)
+            for line in file:
+                yield line.rstrip(b"\n")
+
+        yield reopen, file.seek(0, os.SEEK_END)
 
 
 def format_status(st: BatchStatus) -> str:

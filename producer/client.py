@@ -55,6 +55,8 @@ __all__ = [
 
 # A path to a JSONL file, or the lines themselves: dicts (one request each) or JSON strings (or bytes).
 Source = str | os.PathLike | Iterable[dict | str | bytes]
+# Opens a source's lines anew at each call (validation reads them once, submission again).
+Reopen = Callable[[], Iterable[str | bytes]]
 OutputFormat = Literal["cbq", "openai"]
 
 
@@ -99,13 +101,22 @@ class Client:
         )
         self.queue = queue or os.environ.get(settings.QUEUE_ENV, settings.DEFAULT_QUEUE)
 
-    def validate(self, source: Source, on_line: Callable[[], None] | None = None) -> ValidatedFile:
-        """Parse every line of `source` (nothing is enqueued). Files are read line by line."""
+    def validate(
+        self, source: Source | Reopen, on_line: Callable[[str | bytes], None] | None = None
+    ) -> ValidatedFile:
+        """Parse every line of `source` (nothing is enqueued). Files are read line by line and not kept:
+        submitting reads them again, so a file of any size needs memory only for its custom_ids. A callable
+        source opens its lines anew on each call (the same lines each time)."""
+        if callable(source):
+            return validate_lines(source(), on_line=on_line, reread=source)
+        if isinstance(source, str | os.PathLike):
+            path = source
+            return validate_lines(_iter_lines(path), on_line=on_line, reread=lambda: _iter_lines(path))
         return validate_lines(_iter_lines(source), on_line=on_line)
 
     def submit(
         self,
-        source: Source | ValidatedFile,
+        source: Source | Reopen | ValidatedFile,
         *,
         name: str | None = None,
         chunk_size: int = settings.DEFAULT_CHUNK_SIZE,

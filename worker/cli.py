@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from producer.cli_common import format_status, read_lines, write_result_lines
+from producer.cli_common import format_status, reopenable_lines, write_result_lines
 from producer.client import Client
 from producer.options import (
     chunk_size_option,
@@ -290,7 +290,8 @@ def run(
     the whole pipeline with one command and nothing to set up.
     """
     client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
-    validated = client.validate(read_lines(file))
+    reopen, _ = click.get_current_context().with_resource(reopenable_lines(file))
+    validated = client.validate(reopen)
     for error in validated.errors:
         click.echo(str(error), err=True)
     if validated.errors:

@@ -62,7 +62,7 @@ class BatchService:
 
     def _validate_and_submit(self, api_batch_id: str) -> None:
         record = self.records.get(api_batch_id)
-        validated = self.client.validate(self.files.iter_lines(record.input_file_id))
+        validated = self.client.validate(lambda: self.files.iter_lines(record.input_file_id))
         errors = [_error_entry(e) for e in validated.errors]
         for parsed in validated.requests:
             if parsed.url is not None and parsed.url != record.endpoint:

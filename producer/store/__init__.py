@@ -20,11 +20,13 @@ from producer.store.reads import (
     read_meta,
 )
 from producer.store.submit import (
+    SourceChanged,
     SubmitConflict,
     SubmitInterrupted,
     SubmitOptions,
     SubmitReport,
     ValidatedFile,
+    ValidRequests,
     submit_batch,
     validate_lines,
 )
@@ -34,10 +36,12 @@ __all__ = [
     "BatchNotFinished",
     "BatchNotFound",
     "CancelReport",
+    "SourceChanged",
     "SubmitConflict",
     "SubmitInterrupted",
     "SubmitOptions",
     "SubmitReport",
+    "ValidRequests",
     "ValidatedFile",
     "cancel_batch",
     "find_lost_requests",

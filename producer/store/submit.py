@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import redis
@@ -33,27 +33,95 @@ STAGING_TTL_SECONDS = 3600
 FORGET_EXPIRED_LIMIT = 100  # oldest `cbq:batches` entries each submit checks for expiry
 
 
+class ValidRequests:
+    """The valid requests of a validated source, in line order: `len()` and iteration.
+
+    A source that can be read again (a file: `reread` opens it anew) keeps only each request's custom_id,
+    and iterating parses its valid lines again. So a 200 MB OpenAI batch file is never held as a million
+    objects: submitting it needs memory for its custom_ids, not for its requests. Other sources (lines
+    handed over in memory) keep the parsed requests.
+    """
+
+    def __init__(
+        self,
+        custom_ids: list[str | None],
+        kept: list[ParsedRequest] | None = None,
+        reread: Callable[[], Iterable[str | bytes]] | None = None,
+        skip_lines: frozenset[int] = frozenset(),
+    ):
+        assert (kept is None) != (reread is None), "either the requests or a way to read them again"
+        assert kept is None or len(kept) == len(custom_ids)
+        self.custom_ids = custom_ids  # one per request (None: the line has none)
+        self._kept = kept
+        self._reread = reread
+        self._skip_lines = skip_lines  # invalid lines and duplicate custom_ids
+
+    def __len__(self) -> int:
+        return len(self.custom_ids)
+
+    def __iter__(self) -> Iterator[ParsedRequest]:
+        if self._kept is not None:
+            yield from self._kept
+            return
+        assert self._reread is not None
+        count = 0
+        for line_no, text in enumerate(self._reread(), start=1):
+            if line_no in self._skip_lines:
+                continue
+            try:
+                parsed = parse_request_line(text, line_no)
+            except RequestLineError as exc:
+                raise SourceChanged(f"the input changed after it was validated ({exc})") from None
+            if parsed is None:
+                continue
+            if count >= len(self.custom_ids) or parsed.custom_id != self.custom_ids[count]:
+                raise SourceChanged(f"the input changed after it was validated (line {line_no})")
+            count += 1
+            yield parsed
+        if count != len(self.custom_ids):
+            raise SourceChanged(f"the input changed after it was validated ({count} of {len(self)} requests left)")
+
+    def __getitem__(self, i: int) -> ParsedRequest:
+        if self._kept is None:
+            raise TypeError("requests read again from their file have no random access; iterate them")
+        return self._kept[i]
+
+
+class SourceChanged(RuntimeError):
+    """A file changed between its validation and its submission (nothing was enqueued)."""
+
+
 @dataclass
 class ValidatedFile:
-    requests: list[ParsedRequest] = field(default_factory=list)
+    requests: ValidRequests
     errors: list[RequestLineError] = field(default_factory=list)
     num_blank_lines: int = 0
 
 
-def validate_lines(lines: Iterable[str | bytes], on_line: Callable[[], None] | None = None) -> ValidatedFile:
-    """Parse every line (1-based line numbers) and flag duplicate custom_ids, naming both lines."""
-    out = ValidatedFile()
+def validate_lines(
+    lines: Iterable[str | bytes],
+    on_line: Callable[[str | bytes], None] | None = None,
+    reread: Callable[[], Iterable[str | bytes]] | None = None,
+) -> ValidatedFile:
+    """Parse every line (1-based line numbers) and flag duplicate custom_ids, naming both lines.
+
+    With `reread` (opens the same lines again), the parsed requests are not kept: `requests` parses them
+    again when iterated. `on_line` sees each raw line (progress by bytes or by lines)."""
+    errors: list[RequestLineError] = []
+    kept: list[ParsedRequest] | None = [] if reread is None else None
+    custom_ids: list[str | None] = []
+    num_blank = 0
     first_line_of: dict[str, int] = {}
     for line_no, text in enumerate(lines, start=1):
         if on_line is not None:
-            on_line()
+            on_line(text)
         try:
             parsed = parse_request_line(text, line_no)
         except RequestLineError as exc:
-            out.errors.append(exc)
+            errors.append(exc)
             continue
         if parsed is None:
-            out.num_blank_lines += 1
+            num_blank += 1
             continue
         if parsed.custom_id is not None:
             first = first_line_of.setdefault(parsed.custom_id, line_no)
@@ -61,10 +129,14 @@ def validate_lines(lines: Iterable[str | bytes], on_line: Callable[[], None] | N
                 issue = FieldIssue(
                     "custom_id", f"duplicate custom_id {parsed.custom_id!r} (first on line {first})"
                 )
-                out.errors.append(RequestLineError(line_no, [issue]))
+                errors.append(RequestLineError(line_no, [issue]))
                 continue
-        out.requests.append(parsed)
-    return out
+        custom_ids.append(parsed.custom_id)
+        if kept is not None:
+            kept.append(parsed)
+    skip = frozenset(e.line_no for e in errors if e.line_no is not None)
+    requests = ValidRequests(custom_ids, kept=kept, reread=reread, skip_lines=skip)
+    return ValidatedFile(requests, errors, num_blank)
 
 
 @dataclass(frozen=True)
@@ -119,28 +191,37 @@ class SubmitInterrupted(Exception):
 
 def submit_batch(
     conn: redis.Redis,
-    parsed: list[ParsedRequest],
+    parsed: ValidRequests | list[ParsedRequest],
     options: SubmitOptions,
     on_progress: Callable[[int], None] | None = None,
 ) -> SubmitReport:
-    """Store and enqueue `parsed` as one batch. The caller validated the lines (see `validate_lines`)."""
-    skipped = _already_submitted(conn, options.name, parsed)
-    remaining = [p for p in parsed if p.custom_id is None or p.custom_id not in skipped]
-    if not remaining:
+    """Store and enqueue `parsed` as one batch. The caller validated the lines (see `validate_lines`).
+
+    The requests stream through: each staging slice is resolved, written and dropped, so memory holds
+    one slice (plus the custom_ids), however large the batch."""
+    if isinstance(parsed, list):
+        parsed = ValidRequests([p.custom_id for p in parsed], kept=parsed)
+    skipped = _already_submitted(conn, options.name, parsed.custom_ids)
+    num_requests = sum(1 for cid in parsed.custom_ids if cid is None or cid not in skipped)
+    if num_requests == 0:
         return SubmitReport(None, 0, 0, sorted(skipped))
 
     batch_id = uuid.uuid4().hex[:16]
-    requests = [p.resolve(i, options.defaults, options.return_token_ids) for i, p in enumerate(remaining)]
+    remaining = (p for p in parsed if p.custom_id is None or p.custom_id not in skipped)
+    requests = (p.resolve(i, options.defaults, options.return_token_ids) for i, p in enumerate(remaining))
+    custom_ids = {cid: batch_id for cid in parsed.custom_ids if cid is not None and cid not in skipped}
     try:
-        _stage_requests(conn, batch_id, requests, min(options.ttl_seconds, STAGING_TTL_SECONDS), on_progress)
-        num_chunks = _commit(conn, batch_id, requests, options)
+        ttl = min(options.ttl_seconds, STAGING_TTL_SECONDS)
+        staged = _stage_requests(conn, batch_id, requests, ttl, on_progress)
+        assert staged == num_requests, f"staged {staged} requests, expected {num_requests}"
+        num_chunks = _commit(conn, batch_id, num_requests, custom_ids, options)
     except BaseException as exc:  # Ctrl-C included: leave nothing behind
         committed = _discard_staged(conn, batch_id)
         if isinstance(exc, KeyboardInterrupt):
             raise SubmitInterrupted(batch_id if committed else None) from None
         raise
     forget_expired_batches(conn)
-    return SubmitReport(batch_id, len(requests), num_chunks, sorted(skipped))
+    return SubmitReport(batch_id, num_requests, num_chunks, sorted(skipped))
 
 
 def forget_expired_batches(conn: redis.Redis, limit: int = FORGET_EXPIRED_LIMIT) -> int:
@@ -170,32 +251,46 @@ def _discard_staged(conn: redis.Redis, batch_id: str) -> bool:
     return False
 
 
-def _already_submitted(conn: redis.Redis, name: str | None, parsed: list[ParsedRequest]) -> set[str]:
-    custom_ids = [p.custom_id for p in parsed if p.custom_id is not None]
-    if name is None or not custom_ids:
+def _already_submitted(conn: redis.Redis, name: str | None, custom_ids: list[str | None]) -> set[str]:
+    given = [cid for cid in custom_ids if cid is not None]
+    if name is None or not given:
         return set()
-    found = conn.hmget(keys.name_index(name), custom_ids)
-    return {cid for cid, batch_id in zip(custom_ids, found, strict=True) if batch_id is not None}
+    found: list = []
+    for start in range(0, len(given), STAGING_SLICE):  # bounded replies for a million ids
+        found += conn.hmget(keys.name_index(name), given[start : start + STAGING_SLICE])
+    return {cid for cid, batch_id in zip(given, found, strict=True) if batch_id is not None}
 
 
-def _stage_requests(conn, batch_id, requests: list[Request], ttl_seconds: int, on_progress) -> None:
+def _stage_requests(conn, batch_id, requests: Iterable[Request], ttl_seconds: int, on_progress) -> int:
     key = keys.batch_requests(batch_id)
-    for start in range(0, len(requests), STAGING_SLICE):
-        piece = requests[start : start + STAGING_SLICE]
+    staged = 0
+    for piece in _slices(requests, STAGING_SLICE):
         with conn.pipeline(transaction=False) as pipe:
             pipe.hset(key, mapping={r.index: r.model_dump_json(exclude_defaults=True) for r in piece})
             pipe.expire(key, ttl_seconds)
             pipe.execute()
+        staged += len(piece)
         if on_progress is not None:
             on_progress(len(piece))
+    return staged
 
 
-def _commit(conn: redis.Redis, batch_id: str, requests: list[Request], options: SubmitOptions) -> int:
+def _slices(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
+    piece: list[Request] = []
+    for item in items:
+        piece.append(item)
+        if len(piece) == size:
+            yield piece
+            piece = []
+    if piece:
+        yield piece
+
+
+def _commit(
+    conn: redis.Redis, batch_id: str, num_requests: int, custom_ids: dict[str, str], options: SubmitOptions
+) -> int:
     queue = Queue(options.queue, connection=conn, serializer=JSONSerializer)
-    ranges = [
-        (s, min(s + options.chunk_size, len(requests))) for s in range(0, len(requests), options.chunk_size)
-    ]
-    custom_ids = {r.custom_id: batch_id for r in requests if r.custom_id is not None}
+    ranges = [(s, min(s + options.chunk_size, num_requests)) for s in range(0, num_requests, options.chunk_size)]
     name_key = keys.name_index(options.name) if options.name else None
     ttl = options.ttl_seconds
 
@@ -213,7 +308,7 @@ def _commit(conn: redis.Redis, batch_id: str, requests: list[Request], options: 
                     f"{len(clash)} custom_ids were just submitted under --name {options.name!r}"
                 )
             pipe.multi()
-        pipe.hset(keys.batch(batch_id), mapping=_batch_fields(batch_id, requests, len(ranges), options))
+        pipe.hset(keys.batch(batch_id), mapping=_batch_fields(batch_id, num_requests, len(ranges), options))
         job_ids = [keys.chunk_job_id(batch_id, k) for k in range(len(ranges))]
         pipe.hset(
             keys.batch_jobs(batch_id),
@@ -249,11 +344,11 @@ def _commit(conn: redis.Redis, batch_id: str, requests: list[Request], options: 
     return len(ranges)
 
 
-def _batch_fields(batch_id: str, requests: list[Request], num_chunks: int, options: SubmitOptions) -> dict:
+def _batch_fields(batch_id: str, num_requests: int, num_chunks: int, options: SubmitOptions) -> dict:
     fields = {
         BatchField.QUEUE.value: options.queue,
         BatchField.CREATED_AT.value: repr(time.time()),
-        BatchField.NUM_REQUESTS.value: len(requests),
+        BatchField.NUM_REQUESTS.value: num_requests,
         BatchField.NUM_CHUNKS.value: num_chunks,
         BatchField.TTL_SECONDS.value: options.ttl_seconds,
         BatchField.NUM_COMPLETED.value: 0,

@@ -158,7 +158,8 @@ def test_stats_lists_batches(cbq, tmp_path):
 
 
 def test_large_files_show_progress(cbq, fake_redis, tmp_path):
-    path = write_jsonl(tmp_path, [{"prompt": f"p{i}"} for i in range(6000)])
+    # validation's bar counts bytes (from 1 MiB), storing's counts requests (from 5,000)
+    path = write_jsonl(tmp_path, [{"prompt": f"p{i} " + "x" * 200} for i in range(6000)])
     result = cbq("submit", path, "--json")
     assert json.loads(result.stdout.strip().splitlines()[-1])["num_requests"] == 6000
     assert "validating" in result.stderr and "storing" in result.stderr
