@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
-# (no argument: all but enginetests, which `tests` includes, and w2grammar: W2 async plain vs every request
+#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [sweeps] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
+# (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
 # Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
@@ -31,6 +31,10 @@ if has tests; then
 fi
 if has kernels; then
     timeout 120 python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -20
+fi
+if has sweeps; then  # launch-configuration sweeps: decode attention, and the decode-shaped GEMMs (about 2 minutes)
+    timeout 150 python3 benchmarks/gpu_kernels.py --sweep 2>&1 | tee "$OUT/decode_attention_sweep.log" | tail -12
+    timeout 150 python3 benchmarks/skinny_gemm.py --m 32 --m 64 --sweep 2>&1 | tee "$OUT/skinny_gemm_sweep.log" | grep -v "^    "
 fi
 if has w1; then
     bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 --json-out "$OUT/w1.json" 2>&1 | tail -12
