@@ -21,6 +21,7 @@ from producer.client import (
     BatchNotFound,
     Client,
     NothingToSubmit,
+    SourceChanged,
     SubmitConflict,
     SubmitInterrupted,
 )
@@ -166,7 +167,7 @@ def submit(
         if interrupt.hit:  # during the commit, which went through
             raise SubmitInterrupted(batch.id)
         skipped = batch.submission.skipped_custom_ids
-    except SubmitConflict as exc:
+    except (SubmitConflict, SourceChanged) as exc:
         raise click.ClickException(str(exc)) from None
     except NothingToSubmit as exc:
         skipped = exc.skipped_custom_ids

@@ -12,7 +12,7 @@ import sys
 import click
 
 from producer.cli_common import format_status, reopenable_lines, write_result_lines
-from producer.client import Client
+from producer.client import Client, SourceChanged
 from producer.options import (
     chunk_size_option,
     errors_option,
@@ -303,9 +303,12 @@ def run(
     engine = build_engine(
         model, mode, device, fake_engine, engine_config
     )  # first, so queue times do not include loading
-    batch = client.submit(
-        validated, chunk_size=chunk_size, return_token_ids=return_token_ids, retries=0, **defaults.given()
-    )
+    try:
+        batch = client.submit(
+            validated, chunk_size=chunk_size, return_token_ids=return_token_ids, retries=0, **defaults.given()
+        )
+    except SourceChanged as exc:  # FILE was edited while the model loaded
+        raise click.ClickException(str(exc)) from None
     click.echo(f"batch {batch.id}: {batch.submission.num_requests} requests", err=True)
     cbq_worker = CbqWorker(
         [queue],

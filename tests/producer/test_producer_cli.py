@@ -208,3 +208,23 @@ def test_redis_urls_with_password_and_tls_are_accepted():
 def test_bench_is_mounted_lazily():
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0
+
+
+def test_a_file_edited_during_submit_is_one_clear_error_and_enqueues_nothing(cbq, conn, tmp_path, monkeypatch):
+    # The file is read twice (validated, then stored); an edit in between must not enqueue a mix of both.
+    import producer.cli as cli_module
+
+    path = write_jsonl(tmp_path, [{"prompt": f"p{i}", "custom_id": f"c{i}"} for i in range(20)])
+    validate = cli_module._validate_with_progress
+
+    def validate_then_edit(client, reopen, size):
+        validated = validate(client, reopen, size)
+        write_jsonl(tmp_path, [{"prompt": f"p{i}", "custom_id": f"other{i}"} for i in range(20)])
+        return validated
+
+    monkeypatch.setattr(cli_module, "_validate_with_progress", validate_then_edit)
+    result = cbq("submit", path)
+    assert result.exit_code == 1
+    assert "the input changed after it was validated (line 1)" in result.stderr
+    assert "Traceback" not in result.output
+    assert queue_count(conn) == 0 and not list(conn.scan_iter("cbq:batch:*"))
