@@ -31,3 +31,30 @@ def test_w4_without_caching_sends_the_same_samples_as_separate_requests():
         model, tok, EngineConfig(mode="async", num_kv_blocks=64, enable_prefix_caching=False)
     ).generate(separate)
     assert [s.token_ids for r in on for s in r.all_samples] == [r.token_ids for r in off]
+
+
+def test_the_bench_warm_up_has_the_workload_shape_and_shares_no_prefix_with_it():
+    from worker.bench.common import warmup_requests
+
+    for reqs in (
+        make_cache_workload("W3", 32000, prefix_caching=True, num_requests=40),
+        make_cache_workload("W4-tiny", 256, prefix_caching=True, num_requests=3),
+    ):
+        warm = warmup_requests(reqs, 32000)
+        assert [len(w.prompt_ids) for w in warm] == [len(r.prompt_ids) for r in reqs]
+        assert [w.n for w in warm] == [r.n for r in reqs]
+        assert all(w.prompt_ids[0] != r.prompt_ids[0] for w, r in zip(warm, reqs, strict=True))
+        assert {w.request_id for w in warm}.isdisjoint(r.request_id for r in reqs)
+        caps = [w.sampling.max_new_tokens for w in warm]
+        assert all(4 <= c <= 32 for c in caps) and len(set(caps)) > 1  # the batch shrinks step by step
+    # caching on: a warm-up then the measured run finds none of the warm-up's blocks
+    model, tok = load_model("tiny-llama", torch.device("cpu"), torch.float32)
+    reqs = make_cache_workload("W4-tiny", 256, prefix_caching=True, num_requests=2)
+    engine = Engine(model, tok, EngineConfig(mode="async", num_kv_blocks=128))
+    engine.generate(warmup_requests(reqs, 256))
+    engine.reset_stats()
+    cold = Engine(model, tok, EngineConfig(mode="async", num_kv_blocks=128))
+    assert [s.token_ids for r in engine.generate(reqs) for s in r.all_samples] == [
+        s.token_ids for r in cold.generate(reqs) for s in r.all_samples
+    ]
+    assert engine.stats().prefix_cache_hit_rate == cold.stats().prefix_cache_hit_rate
