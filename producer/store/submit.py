@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class ValidRequests:
         kept: list[ParsedRequest] | None = None,
         reread: Callable[[], Iterable[str | bytes]] | None = None,
         skip_lines: frozenset[int] = frozenset(),
+        checksum: int = 0,
     ):
         assert (kept is None) != (reread is None), "either the requests or a way to read them again"
         assert kept is None or len(kept) == len(custom_ids)
@@ -55,6 +57,7 @@ class ValidRequests:
         self._kept = kept
         self._reread = reread
         self._skip_lines = skip_lines  # invalid lines and duplicate custom_ids
+        self._checksum = checksum  # of every line read at validation (`_line_crc`), to notice any edit
 
     def __len__(self) -> int:
         return len(self.custom_ids)
@@ -64,8 +67,9 @@ class ValidRequests:
             yield from self._kept
             return
         assert self._reread is not None
-        count = 0
+        count = crc = 0
         for line_no, text in enumerate(self._reread(), start=1):
+            crc = _line_crc(text, crc)
             if line_no in self._skip_lines:
                 continue
             try:
@@ -80,11 +84,17 @@ class ValidRequests:
             yield parsed
         if count != len(self.custom_ids):
             raise SourceChanged(f"the input changed after it was validated ({count} of {len(self)} requests left)")
+        if crc != self._checksum:  # the same requests by custom_id, but some text changed
+            raise SourceChanged("the input changed after it was validated (its content differs)")
 
     def __getitem__(self, i: int) -> ParsedRequest:
         if self._kept is None:
             raise TypeError("requests read again from their file have no random access; iterate them")
         return self._kept[i]
+
+
+def _line_crc(text: str | bytes, crc: int) -> int:
+    return zlib.crc32(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"), crc)
 
 
 class SourceChanged(RuntimeError):
@@ -110,11 +120,13 @@ def validate_lines(
     errors: list[RequestLineError] = []
     kept: list[ParsedRequest] | None = [] if reread is None else None
     custom_ids: list[str | None] = []
-    num_blank = 0
+    num_blank = crc = 0
     first_line_of: dict[str, int] = {}
     for line_no, text in enumerate(lines, start=1):
         if on_line is not None:
             on_line(text)
+        if reread is not None:
+            crc = _line_crc(text, crc)
         try:
             parsed = parse_request_line(text, line_no)
         except RequestLineError as exc:
@@ -135,7 +147,7 @@ def validate_lines(
         if kept is not None:
             kept.append(parsed)
     skip = frozenset(e.line_no for e in errors if e.line_no is not None)
-    requests = ValidRequests(custom_ids, kept=kept, reread=reread, skip_lines=skip)
+    requests = ValidRequests(custom_ids, kept=kept, reread=reread, skip_lines=skip, checksum=crc)
     return ValidatedFile(requests, errors, num_blank)
 
 

@@ -212,8 +212,11 @@ def test_a_file_changed_after_validation_enqueues_nothing(conn, tmp_path):
     path.write_text("".join(openai_chat_line(i) + "\n" for i in range(50)))
     client = Client(connection=conn, queue="q")
     validated = client.validate(path)
-    path.write_text("".join(openai_chat_line(i) + "\n" for i in range(40)))  # truncated in between
-    with pytest.raises(SourceChanged, match="changed after it was validated"):
-        client.submit(validated, chunk_size=8)
-    assert Queue("q", connection=conn, serializer=JSONSerializer).count == 0
-    assert not list(conn.scan_iter("cbq:batch:*"))  # the staged requests were removed too
+    for edit in ("truncated", "one prompt changed"):
+        lines = [openai_chat_line(i) for i in range(40 if edit == "truncated" else 50)]
+        lines[-1] = lines[-1].replace("question", "Question")
+        path.write_text("".join(line + "\n" for line in lines))
+        with pytest.raises(SourceChanged, match="changed after it was validated"):
+            client.submit(validated, chunk_size=8)
+        assert Queue("q", connection=conn, serializer=JSONSerializer).count == 0, edit
+        assert not list(conn.scan_iter("cbq:batch:*")), edit  # the staged requests were removed too
