@@ -305,6 +305,10 @@ _UNSUPPORTED_FIELDS = {
     "function_call": "function calling",
     "audio": "audio output",
     "modalities": "output modalities other than text",
+    # Its keys are token ids of OpenAI's tokenizer, which name other tokens in another model's vocabulary.
+    "logit_bias": "logit_bias (its token ids belong to OpenAI's tokenizer, not to the model that runs here)",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
 }
 
 
@@ -365,6 +369,9 @@ class _OpenAIBodyBase(StrictModel):
     function_call: Any = Field(None, exclude=True)
     audio: Any = Field(None, exclude=True)
     modalities: Any = Field(None, exclude=True)
+    logit_bias: Any = Field(None, exclude=True)
+    prediction: Any = Field(None, exclude=True)
+    web_search_options: Any = Field(None, exclude=True)
 
     @field_validator(*_UNSUPPORTED_FIELDS)
     @classmethod
