@@ -24,12 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.05) -> float:
-    """Poll until `predicate()` is true; returns the seconds it took. Fails the test on timeout."""
+def wait_until(
+    predicate: Callable[[], bool],
+    timeout: float = 20.0,
+    interval: float = 0.05,
+    context: Callable[[], str] | None = None,
+) -> float:
+    """Poll until `predicate()` is true; returns the seconds it took. Fails the test on timeout, with what
+    `context()` returns (a worker's log, say) in the message."""
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
+            detail = f"\n{context()}" if context is not None else ""
+            raise AssertionError(f"condition not met within {timeout} s{detail}")
         time.sleep(interval)
     return time.monotonic() - start
 

@@ -30,7 +30,7 @@ def test_worker_survives_a_redis_restart_and_writes_everything_once(
     time.sleep(3)  # the requests in flight finish meanwhile: their results wait in the worker
     assert worker.proc.poll() is None, worker.output()
     redis_server.start()
-    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=30)
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=30, context=worker.output)
     assert worker.proc.poll() is None, worker.output()
     assert "Redis is back" in worker.output()
     assert_exactly_once(conn, batch_id, N)
