@@ -56,6 +56,7 @@ from schemas.result import OUTCOME_OF_REASON, ResultLine
 from worker.admission import ChunkWork, load_chunk, to_result_line
 from worker.engine.api import EngineProtocol, EngineResult, FinishReason
 from worker.job_quarantine import quarantine_job, quarantine_undecodable
+from worker.lost_dequeues import requeue_lost_dequeues
 from worker.stats_publisher import build_worker_stats
 
 RESULT_POLL_SECONDS = 0.02  # longest wait for engine results while work is in flight
@@ -67,6 +68,7 @@ IDLE_DEQUEUE_TIMEOUT_SECONDS = 1  # blocking dequeue when idle (rq wants whole s
 # runs every MAINTENANCE_INTERVAL seconds on every worker (one at a time, under rq's per-queue lock).
 DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 10
 DEFAULT_STALE_AFTER_SECONDS = 40
+LOST_DEQUEUE_MAX_SECONDS = 50  # requeue a lost dequeue before rq's intermediate cleanup (60 s) fails it
 DEFAULT_MAINTENANCE_INTERVAL_SECONDS = 15
 # rq's cleaning lock lasts 899 s: a worker killed while cleaning must not block cleanup that long.
 MAINTENANCE_LOCK_SECONDS = 60
@@ -748,6 +750,10 @@ class CbqWorker(BaseWorker):
                 quarantine_undecodable(self.connection, queue)
                 clean_registries(queue, self._exc_handlers)
                 clean_worker_registry(queue)
+                # Before rq's intermediate cleanup, which would fail such a job after a minute (a retry lost).
+                requeue_lost_dequeues(
+                    self.connection, queue, min(self.stale_after_seconds, LOST_DEQUEUE_MAX_SECONDS)
+                )
                 queue.intermediate_queue.cleanup(self, queue)
             except REDIS_ERRORS:
                 raise
