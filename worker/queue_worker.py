@@ -18,6 +18,8 @@ Failure handling (issue 10):
   reply was lost is checked before it is repeated, so nothing is written twice; before each write the worker
   checks that it still owns the chunks (nobody re-enqueued them meanwhile). Past `redis_outage_limit_seconds`
   the worker gives up and exits non-zero; rq's cleanup then retries its chunks.
+- A dequeue that Redis executed but never answered (it died in between) leaves a QUEUED job in rq's intermediate
+  list that no worker holds; maintenance puts it back at the head of its queue (`worker.lost_dequeues`).
 - A job that cannot be decoded goes to the FailedJobRegistry with the reason (`worker.job_quarantine`).
 - The same chunk dequeued again while it runs here (re-enqueued by a person or by cleanup) is adopted: its
   requests keep running once, under the new execution.
