@@ -16,46 +16,36 @@ both push it back.
 from __future__ import annotations
 
 import logging
-import time
 
 import redis
 from rq import Queue
 from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
 
 log = logging.getLogger(__name__)
-
-
-def _first_seen_key(queue: Queue, job_id: str) -> str:
-    return f"{queue.intermediate_queue_key}:cbq_first_seen:{job_id}"
+QUEUED = JobStatus.QUEUED.value.encode()
 
 
 def requeue_lost_dequeues(conn: redis.Redis, queue: Queue, stuck_after: float) -> list[str]:
-    """Put back at the head of `queue` the jobs lost between dequeue and reply. Returns their ids."""
+    """Put back at the head of `queue` the jobs lost between dequeue and reply. Returns their ids.
+
+    The clock is rq's own first-sighting mark (`IntermediateQueue.set_first_seen`), which rq's cleanup
+    reads too; it is cleared on the move, so a later loss of the same job starts a fresh grace period."""
+    intermediate = queue.intermediate_queue
     requeued = []
-    for raw in conn.lrange(queue.intermediate_queue_key, 0, -1):
-        job_id = raw.decode()
-        if job_id in queue.started_job_registry or _status(conn, job_id) != JobStatus.QUEUED:
+    for job_id in intermediate.get_job_ids():
+        if job_id in queue.started_job_registry or conn.hget(Job.key_for(job_id), "status") != QUEUED:
             continue
-        seen_key = _first_seen_key(queue, job_id)
-        # The first sighting starts the clock; the key outlives any sensible `stuck_after`.
-        if conn.set(seen_key, repr(time.time()), nx=True, ex=max(60, int(4 * stuck_after))):
+        if intermediate.set_first_seen(job_id):  # the first sighting starts the clock
             continue
-        first_seen = float(conn.get(seen_key) or time.time())
-        if time.time() - first_seen < stuck_after:
+        first_seen = intermediate.get_first_seen(job_id)
+        if first_seen is not None and (rq_now() - first_seen).total_seconds() < stuck_after:
             continue
         if _move_back(conn, queue, job_id):
-            conn.delete(seen_key)
+            conn.delete(intermediate.get_first_seen_key(job_id))
             requeued.append(job_id)
             log.warning("job %s was lost between its dequeue and the reply (Redis failed); requeued", job_id)
     return requeued
-
-
-def _status(conn: redis.Redis, job_id: str) -> JobStatus | None:
-    try:
-        return Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status(refresh=False)
-    except Exception:  # gone, or undecodable: the quarantine and rq's cleanup deal with those
-        return None
 
 
 def _move_back(conn: redis.Redis, queue: Queue, job_id: str) -> bool:

@@ -87,11 +87,6 @@ class ValidRequests:
         if crc != self._checksum:  # the same requests by custom_id, but some text changed
             raise SourceChanged("the input changed after it was validated (its content differs)")
 
-    def __getitem__(self, i: int) -> ParsedRequest:
-        if self._kept is None:
-            raise TypeError("requests read again from their file have no random access; iterate them")
-        return self._kept[i]
-
 
 def _line_crc(text: str | bytes, crc: int) -> int:
     return zlib.crc32(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"), crc)
@@ -203,7 +198,7 @@ class SubmitInterrupted(Exception):
 
 def submit_batch(
     conn: redis.Redis,
-    parsed: ValidRequests | list[ParsedRequest],
+    parsed: ValidRequests,
     options: SubmitOptions,
     on_progress: Callable[[int], None] | None = None,
 ) -> SubmitReport:
@@ -211,17 +206,16 @@ def submit_batch(
 
     The requests stream through: each staging slice is resolved, written and dropped, so memory holds
     one slice (plus the custom_ids), however large the batch."""
-    if isinstance(parsed, list):
-        parsed = ValidRequests([p.custom_id for p in parsed], kept=parsed)
     skipped = _already_submitted(conn, options.name, parsed.custom_ids)
-    num_requests = sum(1 for cid in parsed.custom_ids if cid is None or cid not in skipped)
+    remaining_ids = [cid for cid in parsed.custom_ids if cid is None or cid not in skipped]
+    num_requests = len(remaining_ids)
     if num_requests == 0:
         return SubmitReport(None, 0, 0, sorted(skipped))
 
     batch_id = uuid.uuid4().hex[:16]
     remaining = (p for p in parsed if p.custom_id is None or p.custom_id not in skipped)
     requests = (p.resolve(i, options.defaults, options.return_token_ids) for i, p in enumerate(remaining))
-    custom_ids = {cid: batch_id for cid in parsed.custom_ids if cid is not None and cid not in skipped}
+    custom_ids = {cid: batch_id for cid in remaining_ids if cid is not None}
     try:
         ttl = min(options.ttl_seconds, STAGING_TTL_SECONDS)
         staged = _stage_requests(conn, batch_id, requests, ttl, on_progress)

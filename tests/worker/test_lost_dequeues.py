@@ -11,7 +11,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from producer import store
-from worker.lost_dequeues import _first_seen_key, requeue_lost_dequeues
+from worker.lost_dequeues import requeue_lost_dequeues
 
 
 def submit(cbq, write_jsonl, n: int) -> str:
@@ -59,7 +59,7 @@ def test_a_worker_runs_the_lost_chunk_and_the_batch_completes_without_a_retry(co
     job_id = lose_one_dequeue(conn, queue)
     # An earlier maintenance round saw it a minute ago; this worker's first round puts it back.
     requeue_lost_dequeues(conn, queue, stuck_after=60)
-    conn.set(_first_seen_key(queue, job_id), repr(time.time() - 60))
+    conn.set(queue.intermediate_queue.get_first_seen_key(job_id), time.time() - 60)
     burst_worker(stale_after_seconds=2, job_monitoring_interval=1)
     status = store.get_status(conn, batch_id)
     assert status.is_done and status.num_completed == 12 and status.num_failed == 0

@@ -240,9 +240,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     help="Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
 )
 @click.option(
-    "--constrain-json",
-    is_flag=True,
-    help="Constrain every request to a small JSON schema (bench_json_schema).",
+    "--constrain-json", is_flag=True, help="Constrain every request to a small JSON schema (bench_json_schema)."
 )
 @click.option(
     "--top-logprobs", type=click.IntRange(0, 20), default=None, help="Every request asks for K top logprobs."
@@ -251,9 +249,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "--variant",
     "variants",
     multiple=True,
-    callback=lambda _ctx, _param, values: [
-        parse_variant(v) for v in values
-    ],  # checked before the model loads
+    callback=lambda _ctx, _param, values: [parse_variant(v) for v in values],  # checked before the model loads
     help="Request variant(s) to run, each in every mode: plain, json, logprobsK or json+logprobsK "
     "(repeat to compare in one process; results are then named MODE-VARIANT). Default: the one "
     "--constrain-json and --top-logprobs give.",
@@ -401,7 +397,5 @@ def parse_variant(text: str) -> tuple[bool, int | None]:
 
 
 def variant_name(constrain_json: bool, top_logprobs: int | None) -> str:
-    parts = (["json"] if constrain_json else []) + (
-        [f"logprobs{top_logprobs}"] if top_logprobs is not None else []
-    )
+    parts = (["json"] if constrain_json else []) + ([f"logprobs{top_logprobs}"] if top_logprobs is not None else [])
     return "+".join(parts) or "plain"
