@@ -27,7 +27,8 @@ FIELDS = (
     "num_preemptions",
 )
 COMMANDS = {
-    "W1": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048",
+    "W1": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 "
+    "--decode-gemm cublas --decode-gemm triton",
     "W1_hf": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 "
     "--compare-hf --hf-output-len 128",
     "W2": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 "
@@ -70,6 +71,13 @@ def main(srcs: list[Path]) -> dict:
         if not main_run:
             continue
         entry = {mode: {k: r[k] for k in FIELDS} for mode, r in main_run["results"].items()}
+        gemms = main_run["config"].get("decode_gemms", [])
+        if len(gemms) > 1 and "triton" in gemms:  # an A/B of the small-step path: the default is triton's
+            ab = {g: {m: entry.pop(f"{m}-{g}") for m in ("sync", "async") if f"{m}-{g}" in entry} for g in gemms}
+            entry.update(ab.pop("triton"))
+            entry["decode_gemm_ab"] = ab
+            if "async" in entry and "async" in ab.get("cublas", {}):
+                entry["triton_over_cublas_async"] = entry["async"]["output_tok_s"] / ab["cublas"]["async"]["output_tok_s"]
         if "sync" in entry and "async" in entry:
             entry["async_over_sync"] = entry["async"]["output_tok_s"] / entry["sync"]["output_tok_s"]
         if hf_run and "hf" in hf_run["results"]:

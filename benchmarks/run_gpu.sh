@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [sweeps] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
+#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
@@ -36,8 +36,13 @@ if has sweeps; then  # launch-configuration sweeps: decode attention, and the de
     timeout 150 python3 benchmarks/gpu_kernels.py --sweep 2>&1 | tee "$OUT/decode_attention_sweep.log" | tail -12
     timeout 150 python3 benchmarks/skinny_gemm.py --m 32 --m 64 --sweep 2>&1 | tee "$OUT/skinny_gemm_sweep.log" | grep -v "^    "
 fi
-if has w1; then
-    bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 --json-out "$OUT/w1.json" 2>&1 | tail -12
+if has chain; then  # the decoder layer's GEMM chain at M = 32: cuBLAS vs decode_gemm.py's Triton GEMMs, with and without PDL
+    timeout 150 python3 benchmarks/skinny_gemm.py --chain --m 32 2>&1 | tee "$OUT/gemm_chain.log"
+fi
+if has w1; then  # with the small-step path (decode_gemm triton, the default) and without it, both modes, one process.
+    # The first run of a process is slower in sync mode (seen on the H200, cause unknown): cuBLAS goes first and absorbs it.
+    bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --decode-gemm cublas --decode-gemm triton --json-out "$OUT/w1.json" 2>&1 | tail -12
 fi
 if has w1nocache; then  # the prefix cache's cost on a workload with nothing to share (issue 12: <= 2%)
     bench 150 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 --no-prefix-caching \

@@ -1,6 +1,12 @@
 """Decode-shaped weight GEMMs on the H200: cuBLAS (as the owned decoder calls it) vs alternatives.
 
     python3 benchmarks/skinny_gemm.py [--m 32 --m 64] [--sweep]
+    python3 benchmarks/skinny_gemm.py --chain [--m 32]
+
+--chain times the decoder layer's GEMM chain as the owned decoder runs it (add_rmsnorm, QKV, O (on the normed input),
+add_rmsnorm, gate/up, SiLU·mul, down; attention left out) over 32 layers from one CUDA graph, three ways:
+cuBLAS with the Triton element-wise kernels (decode_gemm "cublas"), decode_gemm.py's Triton GEMMs without
+programmatic dependent launch, and with it at several L2-prefetch sizes (decode_gemm "triton").
 
 For each Llama-3-8B projection (QKV, O, gate/up, down, lm_head) and token count M, times y = x @ W^T
 replayed from a CUDA graph over 32 distinct weights (one per layer, so L2 never holds the next one),
@@ -19,10 +25,14 @@ by +0.4% (5,398 vs 5,374 output tok/s, same call), within noise, so the decoder 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:
     import triton
@@ -207,7 +217,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
             print(f"    {name} M={m} {cfg}: failed {type(e).__name__}: {str(e)[:80]}")
             continue
         if sweep:
-            print(f"    {name} M={m} {cfg}: {us:7.1f} us {n * k * 2 / us / 1e6:6.0f} GB/s", flush=True)
+            print(f"    {name} M={m} {cfg}: {us:7.1f} us {n * k * 2 / us / 1e6:5.2f} TB/s", flush=True)
         if best is None or us < best[0]:
             best = (us, cfg)
     if best is not None:
@@ -216,17 +226,66 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
     return results
 
 
+def chain_bench(m: int) -> None:
+    """Microseconds per decoder layer of the GEMM chain (see the module docstring), one graph of 32 layers."""
+    from worker.engine import decode_gemm as dg
+    from worker.engine import fused_kernels as fk
+
+    hidden, dt = 4096, torch.bfloat16
+    names = ("qkv", "o", "gate_up", "down")
+    layers = [
+        {name: torch.randn(*SHAPES[name], device="cuda", dtype=dt) * 0.02 for name in names} for _ in range(LAYERS)
+    ]
+    norm_w = torch.ones(hidden, device="cuda", dtype=dt)
+    x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
+
+    def run(triton_names: tuple[str, ...], pdl: bool, prefetch: int) -> None:
+        def linear(x, w, name):
+            if name not in triton_names:
+                return F.linear(x, w)
+            config = dg.config_for(*w.shape) or (32, 256, 4, 4)  # down (cuBLAS in the decoder): the sweep's best
+            return dg.decode_linear(x, w, pdl=pdl, prefetch_bytes_per_row=prefetch, config=config)
+
+        hidden_x, residual = x0, x0.clone()
+        for w in layers:
+            normed, residual = fk.add_rmsnorm(hidden_x, residual, norm_w, 1e-5, pdl=pdl)
+            linear(normed, w["qkv"], "qkv")  # attention, left out, would read its output
+            hidden_x = linear(normed, w["o"], "o")
+            normed, residual = fk.add_rmsnorm(hidden_x, residual, norm_w, 1e-5, pdl=pdl)
+            gate_up = linear(normed, w["gate_up"], "gate_up")
+            hidden_x = linear(fk.silu_mul(gate_up, pdl=pdl), w["down"], "down")
+
+    weight_bytes = sum(SHAPES[name][0] * SHAPES[name][1] * 2 for name in names)
+    variants = [
+        ("cublas", (), False, 0),
+        ("cublas, pdl element-wise", (), True, 0),
+        ("triton", names, False, 0),
+        ("triton+pdl", names, True, 0),
+        ("triton+pdl prefetch 1024", names, True, 1024),
+        ("triton+pdl, down cublas", names[:3], True, 0),
+        ("triton+pdl qkv/o only", names[:2], True, 0),
+    ]
+    for label, triton_names, pdl, prefetch in variants:
+        us = graph_time_us(lambda t=triton_names, p=pdl, f=prefetch: run(t, p, f), LAYERS)
+        print(f"M={m:3d} {label:26s} {us:7.1f} us/layer  {weight_bytes / us / 1e6:5.2f} TB/s of weights", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--m", type=int, action="append", help="token counts (default 32 and 64)")
     parser.add_argument("--sweep", action="store_true", help="time every Triton configuration")
+    parser.add_argument("--chain", action="store_true", help="time the decoder layer's GEMM chain instead")
     args = parser.parse_args()
+    if args.chain:
+        for m in args.m or [32]:
+            chain_bench(m)
+        return
     ms = args.m or [32, 64]
     torch.manual_seed(0)
     t0 = time.time()
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; us per GEMM (weight GB/s)")
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; us per GEMM (weight TB/s)")
     for m in ms:
         for name, (n, k) in SHAPES.items():
             r = bench_shape(name, n, k, m, args.sweep)

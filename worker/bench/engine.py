@@ -16,7 +16,7 @@ import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import WORKLOADS, make_workload, warmup_requests, with_variant
-from worker.engine.config import DECODERS, EngineConfig
+from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
 PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
@@ -240,6 +240,16 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     help="Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
 )
 @click.option(
+    "--decode-gemm",
+    "decode_gemms",
+    type=click.Choice(DECODE_GEMMS),
+    multiple=True,
+    default=("auto",),
+    show_default=True,
+    help="Small-step GEMM path(s) of the owned decoder (EngineConfig.decode_gemm; repeat to compare in "
+    "one process; results are then named MODE-...-GEMM).",
+)
+@click.option(
     "--constrain-json", is_flag=True, help="Constrain every request to a small JSON schema (bench_json_schema)."
 )
 @click.option(
@@ -271,6 +281,7 @@ def engine_bench(
     no_cuda_graphs,
     no_prefix_caching,
     decoders,
+    decode_gemms,
     constrain_json,
     top_logprobs,
     variants,
@@ -298,8 +309,8 @@ def engine_bench(
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
-    runs = [(d, m, v) for d in decoders for v in parsed for m in modes]
-    for decoder, m, (is_json, num_top) in runs:
+    runs = [(d, g, m, v) for d in decoders for g in decode_gemms for v in parsed for m in modes]
+    for decoder, gemm, m, (is_json, num_top) in runs:
         config = EngineConfig(
             mode=m,
             device=str(dev),
@@ -310,6 +321,7 @@ def engine_bench(
             use_cuda_graphs=not no_cuda_graphs,
             enable_prefix_caching=not no_prefix_caching,
             decoder=decoder,
+            decode_gemm=gemm,
         )
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)
@@ -319,6 +331,7 @@ def engine_bench(
         label = "-".join(
             [m]
             + ([decoder] if len(decoders) > 1 else [])
+            + ([gemm] if len(decode_gemms) > 1 else [])
             + ([variant_name(is_json, num_top)] if len(parsed) > 1 else [])
         )
         result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
@@ -329,6 +342,9 @@ def engine_bench(
             max_model_len=engine.max_model_len,
             graphs=len(engine.runner.graphs),
             decoder="owned" if engine.runner.decoder is not None else "hf",
+            small_step_gemm="triton"
+            if getattr(engine.runner.decoder, "small_step_ops", None) is not None
+            else "cublas",
         )
         results.append(result)
         del engine
@@ -343,12 +359,21 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    for suffix in [""] if len(decoders) == 1 else [f"-{d}" for d in decoders]:
+    setups = [
+        "".join(
+            ([f"-{d}"] if len(decoders) > 1 else []) + ([f"-{g}"] if len(decode_gemms) > 1 else [])
+        )
+        for d in decoders
+        for g in decode_gemms
+    ]
+    for suffix in setups:
         if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
             ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
             click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
     plain = [r for r in results if r.extra.get("variant") == "plain"]
     for r in results:
+        if "variant" not in r.extra:  # transformers' run
+            continue
         base = next((p for p in plain if r.mode.replace(r.extra["variant"], "plain") == p.mode), None)
         if base is not None and r is not base:
             click.echo(f"{r.mode} / {base.mode} output tok/s: {r.output_tok_s / base.output_tok_s:.3f}")
@@ -368,6 +393,7 @@ def engine_bench(
             "cuda_graphs": not no_cuda_graphs,
             "prefix_caching": not no_prefix_caching,
             "decoders": list(decoders),
+            "decode_gemms": list(decode_gemms),
             "variants": [variant_name(*v) for v in parsed],
         },
         "results": {r.mode: asdict(r) for r in results},

@@ -59,8 +59,11 @@ class AttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int) -> torch.Tensor:
-        """Attention of this step's rows for layer `layer_idx` (which picks its sliding window)."""
+    def attend(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int, pdl: bool = False
+    ) -> torch.Tensor:
+        """Attention of this step's rows for layer `layer_idx` (which picks its sliding window). `pdl`: the
+        decode kernels launch with programmatic dependent launch (pdl.py; ignored here)."""
         return paged_attention_ref(
             q,
             k_cache,
@@ -86,7 +89,9 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._k.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int) -> torch.Tensor:
+    def attend(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int, pdl: bool = False
+    ) -> torch.Tensor:
         window = meta.sliding_window(layer_idx)
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
@@ -99,6 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_context_len=meta.max_context_len,
                 sliding_window=window,
+                pdl=pdl,
             )
         # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
         # a varlen query tile each they would waste most of it; the rest through the varlen kernel.

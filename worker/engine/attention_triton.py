@@ -35,6 +35,8 @@ try:  # CI is CPU-only and has no triton; the engine only calls this module on C
     import triton
     import triton.language as tl
 
+    from .pdl import pdl_wait_and_release
+
     HAVE_TRITON = True
 except Exception:  # ImportError, or a broken install
     triton = None
@@ -316,7 +318,9 @@ if HAVE_TRITON:
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait_and_release(USE_PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -389,7 +393,9 @@ if HAVE_TRITON:
         BLOCK_S: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait_and_release(USE_PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
@@ -632,6 +638,7 @@ def paged_decode_attention(
     max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
     max_context_len: int | None = None,
     sliding_window: int = 0,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One query row per sequence: q [B, H, D] at position context_lens[b] - 1 (seeing the last
     `sliding_window` keys when that is not 0). Returns [B, H, D].
@@ -698,8 +705,10 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         DOT_PREC=_dot_precision(q.dtype),
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -713,7 +722,9 @@ def paged_decode_attention(
             BLOCK_S=_next_pow2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
+            USE_PDL=pdl,
             num_warps=4 if block_d * _next_pow2(num_splits) >= 2048 else 2,
+            launch_pdl=pdl,
         )
     return out
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 MODES = ("sync", "async")
 DECODERS = ("auto", "owned", "hf")
+DECODE_GEMMS = ("auto", "triton", "cublas")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class EngineConfig:
     fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
     decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda
+    # The owned decoder's steps of at most 32 tokens: "triton" runs their weight GEMMs as Triton kernels
+    # with SiLU·mul fused and every kernel of the layer chained by programmatic dependent launch
+    # (decode_gemm.py; sm90+, bf16/fp16); "cublas" keeps cuBLAS; "auto": triton where it can run.
+    decode_gemm: str = "auto"
     seed: int = 0  # base for requests without a seed
     # Full KV blocks are kept after their request finishes and shared by any prompt that starts with the
     # same tokens (block_manager.py). Off: every prompt is computed whole (parallel samples still share).
@@ -46,6 +51,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
+        if self.decode_gemm not in DECODE_GEMMS:
+            raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0 < self.kv_memory_fraction <= 1:

@@ -17,18 +17,27 @@ rope types stay exact). Rope types that change their frequencies with the sequen
 time ("dynamic", "longrope") are not supported here: `unsupported_reason` says so and "auto" keeps
 transformers' forward for them.
 
+Steps of at most `decode_gemm.MAX_TOKENS` tokens (small decode batches, W1) take the small-step path
+on sm90+: Triton weight GEMMs (decode_gemm.py) and every launch chained by programmatic dependent launch
+(pdl.py), so each kernel is already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
+
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
 CUDA-graph capturable. Logits are computed only for the rows asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
+from . import decode_gemm
 from . import fused_kernels as fk
 from .attention_backend import AttentionMetadata
-from .config import DECODERS
+from .config import DECODE_GEMMS, DECODERS
 from .fused_weights import LayerWeights, layer_weights
 from .models import SUPPORTED_MODEL_TYPES
 
@@ -48,8 +57,35 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class LayerOps:
+    """The kernels one forward runs: which GEMM, which element-wise twins, launched with PDL or not."""
+
+    add_rmsnorm: Callable
+    silu_mul: Callable
+    linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
+    pdl: bool = False
+
+
+def layer_ops(use_triton: bool, small_step: bool, pdl: bool = True) -> LayerOps:
+    """The torch twins (CPU), the Triton element-wise kernels with cuBLAS, or the small-step path
+    (decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests)."""
+    if small_step:
+        return LayerOps(
+            add_rmsnorm=partial(fk.add_rmsnorm, pdl=pdl),
+            silu_mul=partial(fk.silu_mul, pdl=pdl),
+            linear=partial(decode_gemm.decode_linear, pdl=pdl),
+            pdl=pdl,
+        )
+    return LayerOps(
+        add_rmsnorm=fk.add_rmsnorm if use_triton else fk.add_rmsnorm_ref,
+        silu_mul=fk.silu_mul if use_triton else fk.silu_mul_ref,
+        linear=F.linear,
+    )
+
+
 class OwnedDecoder:
-    def __init__(self, model, max_model_len: int, use_triton: bool):
+    def __init__(self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
@@ -68,6 +104,9 @@ class OwnedDecoder:
         num_positions = max(max_model_len, config.max_position_embeddings)
         self.cos_table, self.sin_table = rotary_tables(inner.rotary_emb, num_positions, self.embed_weight)
         self.use_triton = use_triton and fk.HAVE_TRITON
+        self.ops = layer_ops(self.use_triton, small_step=False)
+        # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too).
+        self.small_step_ops = layer_ops(True, small_step=True) if small_step_gemm and self.use_triton else None
 
     def __call__(
         self,
@@ -77,31 +116,34 @@ class OwnedDecoder:
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> logits [R, V] for the rows `logits_indices` (None: all T)."""
-        add_rmsnorm = fk.add_rmsnorm if self.use_triton else fk.add_rmsnorm_ref
-        silu_mul = fk.silu_mul if self.use_triton else fk.silu_mul_ref
+        ops = self.ops
+        if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
+            ops = self.small_step_ops
         hidden = F.embedding(input_ids, self.embed_weight)
         residual = None
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
-            normed, residual = add_rmsnorm(hidden, residual, w.input_norm, self.eps)
-            qkv = F.linear(normed, w.qkv_weight, w.qkv_bias)
-            q = self._qkv_rope_write(qkv, positions, w, k_cache, v_cache, attn)
-            out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx)
-            hidden = F.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
-            normed, residual = add_rmsnorm(hidden, residual, w.post_norm, self.eps)
-            gate_up = F.linear(normed, w.gate_up_weight, w.gate_up_bias)
-            hidden = F.linear(silu_mul(gate_up), w.down_weight, w.down_bias)
+            normed, residual = ops.add_rmsnorm(hidden, residual, w.input_norm, self.eps)
+            qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
+            q = self._qkv_rope_write(qkv, positions, w, k_cache, v_cache, attn, ops.pdl)
+            out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx, pdl=ops.pdl)
+            hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
+            normed, residual = ops.add_rmsnorm(hidden, residual, w.post_norm, self.eps)
+            gate_up = ops.linear(normed, w.gate_up_weight, w.gate_up_bias)
+            hidden = ops.linear(ops.silu_mul(gate_up), w.down_weight, w.down_bias)
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        normed, _ = add_rmsnorm(hidden, residual, self.final_norm, self.eps)
-        return F.linear(normed, self.lm_head)
+        normed, _ = ops.add_rmsnorm(hidden, residual, self.final_norm, self.eps)
+        return ops.linear(normed, self.lm_head, None)
 
-    def _qkv_rope_write(self, qkv, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata):
+    def _qkv_rope_write(
+        self, qkv, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata, pdl: bool
+    ):
         args = (qkv, positions, self.cos_table, self.sin_table, w.q_norm, w.k_norm, self.eps)
         if self.use_triton:
             return fk.qkv_rope_write(
-                *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping
+                *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=pdl
             )
 
         def write_kv(k, v):
@@ -121,12 +163,21 @@ def rotary_tables(rotary_emb, num_positions: int, like: torch.Tensor) -> tuple[t
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 
-def build_decoder(model, choice: str, device: torch.device, max_model_len: int, use_triton: bool):
-    """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'."""
+def build_decoder(
+    model, choice: str, device: torch.device, max_model_len: int, use_triton: bool, gemm: str = "cublas"
+):
+    """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
+    `gemm` is EngineConfig.decode_gemm: whether small steps take decode_gemm.py's path."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
+    assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
         return None
-    decoder = OwnedDecoder(model, max_model_len, use_triton)
+    small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype)
+    if gemm == "triton" and not small_step_gemm:
+        raise ValueError(
+            "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights, and fused kernels on"
+        )
+    decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the un-fused weights' blocks, so KV sizing sees them free
     return decoder

@@ -22,6 +22,8 @@ try:
     import triton
     import triton.language as tl
 
+    from .pdl import pdl_wait_and_release
+
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs
     HAVE_TRITON = False
@@ -83,8 +85,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rmsnorm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait_and_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64) * n_cols
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -100,7 +111,8 @@ if HAVE_TRITON:
         tl.store(out_ptr + row + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl_wait_and_release(USE_PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -138,7 +150,9 @@ if HAVE_TRITON:
         HEADS_PER_PROG: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         HAS_QK_NORM: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait_and_release(USE_PDL)
         # One program: token t, HEADS_PER_PROG consecutive heads of the [q heads | k heads | v heads] row.
         t = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1) * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
@@ -196,8 +210,9 @@ if HAVE_TRITON:
         tl.store(v_dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=vm)
 
 
-def add_rmsnorm(x, residual, weight, eps):
-    """Triton twin of `add_rmsnorm_ref`: x [T, N] contiguous; `residual` (if given) is updated in place."""
+def add_rmsnorm(x, residual, weight, eps, pdl: bool = False):
+    """Triton twin of `add_rmsnorm_ref`: x [T, N] contiguous; `residual` (if given) is updated in place.
+    `pdl`: launch with programmatic dependent launch (pdl.py)."""
     assert x.is_contiguous() and (residual is None or residual.shape == x.shape and residual.is_contiguous())
     out = torch.empty_like(x)
     num_rows, num_cols = x.shape
@@ -212,19 +227,21 @@ def add_rmsnorm(x, residual, weight, eps):
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            USE_PDL=pdl,
             num_warps=4 if block <= 2048 else 8,
+            launch_pdl=pdl,
         )
     return out, (x if residual is None else residual)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     assert gate_up.is_contiguous()
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = min(1024, _next_pow2(inter))
         _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up, out, inter, BLOCK=block, num_warps=4
+            gate_up, out, inter, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl
         )
     return out
 
@@ -242,6 +259,7 @@ def qkv_rope_write(
     k_cache,
     v_cache,
     slot_mapping,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton twin of `qkv_rope_write_ref` writing straight into the paged caches; returns q [T, H, D]."""
     num_tokens = qkv.shape[0]
@@ -284,6 +302,8 @@ def qkv_rope_write(
         HEADS_PER_PROG=heads_per_prog,
         BLOCK_SIZE=block_size,
         HAS_QK_NORM=has_norm,
+        USE_PDL=pdl,
         num_warps=4 if heads_per_prog * block_half >= 512 else 2,
+        launch_pdl=pdl,
     )
     return q

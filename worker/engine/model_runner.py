@@ -118,7 +118,12 @@ class ModelRunner:
             install_fused_rotary(model)
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
-            model, config.decoder, device, max_model_len, self.is_cuda and config.fused_kernels
+            model,
+            config.decoder,
+            device,
+            max_model_len,
+            self.is_cuda and config.fused_kernels,
+            config.decode_gemm,
         )
 
         self.num_kv_blocks = num_kv_blocks

@@ -33,6 +33,9 @@ def check_kernels(device: str) -> None:
             # head_dim 24: a non-power-of-two half
             for head_dim, with_norm in ((32, False), (32, True), (24, True)):
                 _check_qkv_rope_write(dtype, tol, head_dim, with_norm)
+        # the interpreter gets bf16 dots wrong (fp16 is the same code path); CUDA checks bf16
+        for dtype in (torch.float32, torch.float16 if device == "cpu" else torch.bfloat16):
+            _check_decode_gemm(dtype, 1e-6 if dtype == torch.float32 else 1e-2, pdl=device != "cpu")
 
 
 def _rel(a, b):
@@ -51,6 +54,28 @@ def _check_add_rmsnorm_and_silu_mul(dtype, tol):
     assert got_res is x and _rel(got_normed, fk.rmsnorm_ref(x, w, 1e-5)) < tol
     gate_up = torch.randn(3, 2 * 200).to(dtype)
     assert _rel(fk.silu_mul(gate_up), fk.silu_mul_ref(gate_up)) < tol, dtype
+
+
+def _check_decode_gemm(dtype, tol, pdl):
+    """decode_linear (every config family, bias, 1-32 rows) against torch in fp32 on the same rounded
+    inputs; a shape that does not tile falls back to cuBLAS."""
+    from worker.engine import decode_gemm as dg
+
+    f = torch.nn.functional
+    for config in (dg.NARROW_CONFIG, dg.WIDE_CONFIG):
+        block_n, block_k = config[:2]
+        n, k = 2 * block_n, 2 * block_k
+        w = (torch.randn(n, k) / k**0.5).to(dtype)
+        bias = torch.randn(n).to(dtype)
+        for m in (1, 7, 32):
+            x = torch.randn(m, k).to(dtype)
+            got = dg.decode_linear(x, w, bias, pdl=pdl, config=config)
+            want = f.linear(x.float(), w.float(), bias.float())
+            assert got.dtype == dtype and _rel(got, want) < tol, (dtype, config, m, _rel(got, want))
+    x, w = torch.randn(3, 100).to(dtype), torch.randn(70, 100).to(dtype)
+    assert dg.config_for(70, 100) is None and torch.equal(dg.decode_linear(x, w), f.linear(x, w))
+    assert dg.config_for(4096, 14336) is None, "the down projection keeps cuBLAS"
+
 
 
 def _check_qkv_rope_write(dtype, tol, head_dim, with_norm):
@@ -88,9 +113,10 @@ print("decoder matches")
 
 
 def check_decoder(device: str) -> None:
-    """The whole owned forward with the Triton element-wise kernels equals its torch twin."""
+    """The whole owned forward with the Triton element-wise kernels, and with the small-step path (Triton
+    GEMMs; PDL on CUDA), equals its torch twin."""
     from worker.engine.attention_backend import AttentionBackend, AttentionMetadata
-    from worker.engine.decoder import OwnedDecoder
+    from worker.engine.decoder import OwnedDecoder, layer_ops
     from worker.engine.model_runner import allocate_kv_cache
     from worker.engine.models import load_model
 
@@ -98,9 +124,11 @@ def check_decoder(device: str) -> None:
     for name in ("tiny-qwen3", "tiny-qwen2"):
         model, _ = load_model(name, dev, torch.float32)
         outs = []
-        for use_triton in (False, True):
+        for use_triton, small_step in ((False, False), (True, False), (True, True)):
             decoder = OwnedDecoder(model, 64, use_triton=use_triton)
             assert decoder.use_triton == use_triton
+            if small_step:  # all 7 rows fit a small step; the interpreter cannot run PDL's intrinsics
+                decoder.small_step_ops = layer_ops(True, small_step=True, pdl=device != "cpu")
             caches = allocate_kv_cache(model.config, 8, 16, torch.float32, dev)
             i32 = dict(dtype=torch.int32, device=dev)
             meta = AttentionMetadata(
@@ -118,8 +146,10 @@ def check_decoder(device: str) -> None:
             positions = torch.tensor([0, 1, 2, 3, 0, 1, 2], **i32)
             with torch.inference_mode():
                 outs.append(decoder(ids, positions, meta, torch.tensor([3, 6], device=dev)))
-        err = (outs[0] - outs[1]).abs().max().item()
-        assert outs[0].shape == (2, model.config.vocab_size) and err < 1e-4, (name, err)
+        assert outs[0].shape == (2, model.config.vocab_size), name
+        for variant, out in zip(("triton element-wise", "small-step path"), outs[1:], strict=True):
+            err = (outs[0] - out).abs().max().item()
+            assert err < 1e-4, (name, variant, err)
 
 
 def _interpret(code: str, marker: str) -> None:

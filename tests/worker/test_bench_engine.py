@@ -1,0 +1,28 @@
+"""`python -m worker.bench engine` end to end on CPU with a tiny model: A/B runs and the HF comparison row."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from worker.bench import engine as bench_engine
+
+
+def test_engine_bench_reports_an_ab_of_decode_gemms_and_the_hf_row(tmp_path, monkeypatch):
+    # transformers' generate_batch needs CUDA; its result row (no request variant) is what broke the report
+    def fake_hf(model, reqs, cap):
+        return bench_engine.ModeResult(mode="hf", output_tokens=8, wall_seconds=1.0, output_tok_s=8.0, total_tok_s=9.0)
+
+    monkeypatch.setattr(bench_engine, "run_hf", fake_hf)
+    out = tmp_path / "bench.json"
+    args = ["--model", "tiny-llama", "--workload", "tiny", "--num-requests", "4", "--device", "cpu"]
+    args += ["--mode", "async", "--decode-gemm", "auto", "--decode-gemm", "cublas", "--compare-hf"]
+    result = CliRunner().invoke(bench_engine.engine_bench, [*args, "--json-out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"async-auto", "async-cublas", "hf"}
+    assert report["config"]["decode_gemms"] == ["auto", "cublas"]
+    # on CPU the small-step Triton path cannot run, so "auto" is cuBLAS too
+    assert {r["extra"]["small_step_gemm"] for k, r in report["results"].items() if k != "hf"} == {"cublas"}
+    assert report["results"]["async-auto"]["output_tokens"] == report["results"]["async-cublas"]["output_tokens"] > 0

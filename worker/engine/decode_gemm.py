@@ -1,0 +1,179 @@
+"""Weight GEMMs of small decode steps (at most 32 tokens) as Triton kernels, launched with programmatic
+dependent launch. Owns nothing.
+
+Why: a W1 decode step (32 sequences, Llama-3-8B) is ~4 ms of weight GEMMs against 3.5 ms of weight bytes at
+the copy bandwidth, plus ~10 small kernels per layer. Inside a CUDA graph each kernel still starts cold: its
+first weight tiles arrive a few microseconds after the kernel before it has drained, and the GEMMs with few
+output tiles (QKV, O) reach only 2.7-3.2 TB/s (benchmarks/README.md, "Skinny GEMMs"). cuBLAS alone cannot
+overlap that, since it does not take part in programmatic dependent launch (PDL, sm90+):
+  - every kernel of the owned decoder's layer is launched with PDL, calls `griddepcontrol.wait` before it
+    touches anything an earlier kernel wrote, and `griddepcontrol.launch_dependents` right after, so the
+    next kernel's programs are placed on the SMs while this one's last wave runs;
+  - a GEMM program, once placed, asks L2 for the first `PREFETCH_BYTES_PER_ROW` of its weight rows *before*
+    it waits: weights are never written by a step, so reading them early is safe, and the weight stream has
+    started by the time the activations are ready;
+  - SiLU·mul is computed in the down projection's input load (`silu_mul_input`), one kernel fewer per layer.
+
+Each program owns BLOCK_N whole weight rows over all of K (no split-K, so no reduce kernel and no atomics)
+and computes W_tile @ x^T, the weight rows being the MMA's long side. A row's result depends only on its own
+input row and K's fixed tile order, not on how many rows the step has: batch-invariant, like the decode
+attention. The PDL chain's rule: every kernel launched with `launch_pdl` must execute `gdc_wait` in every
+program (even one with nothing to do), otherwise a later kernel could overtake an earlier one.
+
+Only for bf16/fp16 on CUDA with shapes that tile exactly (`config_for`); anything else takes cuBLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .pdl import pdl_usable
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .pdl import pdl_wait_and_release
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs
+    HAVE_TRITON = False
+
+MAX_TOKENS = 32  # steps with more rows keep cuBLAS (at M = 64 cuBLAS won on O, gate/up and down)
+# How much of each weight row a GEMM program prefetches into L2 before it waits for its input.
+PREFETCH_BYTES_PER_ROW = 1024
+L2_LINE_BYTES = 128
+
+# (BLOCK_N weight rows per program, BLOCK_K, num_warps, num_stages): the best or within 2% of the best
+# at M = 32 per Llama-3-8B projection, from `benchmarks/skinny_gemm.py --sweep` on the H200.
+Config = tuple[int, int, int, int]
+NARROW_CONFIG: Config = (64, 64, 4, 8)  # QKV, O: N <= 8192
+WIDE_CONFIG: Config = (64, 128, 4, 4)  # gate/up, lm_head: N > 8192
+# Deeper products (the down projection, K = 14336) keep cuBLAS: in the layer chain on the H200 the Triton
+# down GEMM under PDL cost 14 us per layer more than cuBLAS (141.1 vs 127.1 us per layer,
+# `benchmarks/skinny_gemm.py --chain`), and it was 2 us slower alone.
+MAX_K = 8192
+
+
+def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
+    """The launch configuration for a [*, k] x [n, k]^T product, or None for cuBLAS (too deep, or the
+    shape does not tile)."""
+    config = WIDE_CONFIG if n > 8192 else NARROW_CONFIG
+    if k > MAX_K or n % config[0] or k % config[1]:
+        return None
+    if dtype == torch.float32:  # tests only: fp32 tiles take twice the shared memory per stage
+        config = (*config[:3], 2)
+    return config
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the decoder can run its small-step GEMMs here (CUDA sm90+, bf16/fp16)."""
+    return dtype in (torch.bfloat16, torch.float16) and pdl_usable(device)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _l2_prefetch(ptrs):
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def _decode_gemm_kernel(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        K_TILES: tl.constexpr,  # K // BLOCK_K: a fixed trip count per weight shape
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr,  # L2 lines per weight row to prefetch before waiting (0: none)
+        LINE_ELEMS: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        if USE_PDL and PREFETCH_LINES > 0:  # weights: no kernel of the step writes them
+            _l2_prefetch(w_rows + tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS)
+        pdl_wait_and_release(USE_PDL)
+
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_mask = rm < M
+        w_ptrs = w_rows + rk[None, :]
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for _ in range(K_TILES):
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
+    config: Config | None = None,
+    prefetch_bytes_per_row: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) for M <= MAX_TOKENS. Falls back to cuBLAS when `config_for`
+    gives no configuration for the shape and dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+    assert m <= MAX_TOKENS, f"decode_linear takes at most {MAX_TOKENS} rows, got {m}"
+    config = config or config_for(n, k, x.dtype)
+    if config is None or not HAVE_TRITON:
+        return F.linear(x, weight, bias)
+    block_n, block_k, num_warps, num_stages = config
+    assert n % block_n == 0 and k % block_k == 0, f"N={n} K={k} do not tile by {block_n}/{block_k}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    line_elems = L2_LINE_BYTES // weight.element_size()
+    if prefetch_bytes_per_row is None:
+        prefetch_bytes_per_row = PREFETCH_BYTES_PER_ROW
+    prefetch_lines = min(prefetch_bytes_per_row, k * weight.element_size()) // L2_LINE_BYTES
+    block_m = max(16, 1 << (m - 1).bit_length())
+    _decode_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        m,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        K_TILES=k // block_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PREFETCH_LINES=1 << (prefetch_lines.bit_length() - 1) if prefetch_lines else 0,
+        LINE_ELEMS=line_elems,
+        USE_PDL=pdl,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+    )
+    return out
