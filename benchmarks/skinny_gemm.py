@@ -6,7 +6,7 @@
 --chain times the decoder layer's GEMM chain as the owned decoder runs it (add_rmsnorm, QKV, O (on the normed input),
 add_rmsnorm, gate/up, SiLU·mul, down; attention left out) over 32 layers from one CUDA graph, three ways:
 cuBLAS with the Triton element-wise kernels (decode_gemm "cublas"), decode_gemm.py's Triton GEMMs without
-programmatic dependent launch, and with it at several L2-prefetch sizes (decode_gemm "triton").
+programmatic dependent launch, and with it (decode_gemm "triton": down stays cuBLAS).
 
 For each Llama-3-8B projection (QKV, O, gate/up, down, lm_head) and token count M, times y = x @ W^T
 replayed from a CUDA graph over 32 distinct weights (one per layer, so L2 never holds the next one),
@@ -239,12 +239,12 @@ def chain_bench(m: int) -> None:
     norm_w = torch.ones(hidden, device="cuda", dtype=dt)
     x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
 
-    def run(triton_names: tuple[str, ...], pdl: bool, prefetch: int) -> None:
+    def run(triton_names: tuple[str, ...], pdl: bool) -> None:
         def linear(x, w, name):
             if name not in triton_names:
                 return F.linear(x, w)
             config = dg.config_for(*w.shape) or (32, 256, 4, 4)  # down (cuBLAS in the decoder): the sweep's best
-            return dg.decode_linear(x, w, pdl=pdl, prefetch_bytes_per_row=prefetch, config=config)
+            return dg.decode_linear(x, w, pdl=pdl, config=config)
 
         hidden_x, residual = x0, x0.clone()
         for w in layers:
@@ -257,16 +257,15 @@ def chain_bench(m: int) -> None:
 
     weight_bytes = sum(SHAPES[name][0] * SHAPES[name][1] * 2 for name in names)
     variants = [
-        ("cublas", (), False, 0),
-        ("cublas, pdl element-wise", (), True, 0),
-        ("triton", names, False, 0),
-        ("triton+pdl", names, True, 0),
-        ("triton+pdl prefetch 1024", names, True, 1024),
-        ("triton+pdl, down cublas", names[:3], True, 0),
-        ("triton+pdl qkv/o only", names[:2], True, 0),
+        ("cublas", (), False),
+        ("cublas, pdl element-wise", (), True),
+        ("triton", names, False),
+        ("triton+pdl", names, True),
+        ("triton+pdl, down cublas", names[:3], True),
+        ("triton+pdl qkv/o only", names[:2], True),
     ]
-    for label, triton_names, pdl, prefetch in variants:
-        us = graph_time_us(lambda t=triton_names, p=pdl, f=prefetch: run(t, p, f), LAYERS)
+    for label, triton_names, pdl in variants:
+        us = graph_time_us(lambda t=triton_names, p=pdl: run(t, p), LAYERS)
         print(f"M={m:3d} {label:26s} {us:7.1f} us/layer  {weight_bytes / us / 1e6:5.2f} TB/s of weights", flush=True)
 
 

@@ -47,11 +47,15 @@ def test_the_bench_warm_up_has_the_workload_shape_and_shares_no_prefix_with_it()
         assert {w.request_id for w in warm}.isdisjoint(r.request_id for r in reqs)
         caps = [w.sampling.max_new_tokens for w in warm]
         assert all(4 <= c <= 32 for c in caps) and len(set(caps)) > 1  # the batch shrinks step by step
+        whole = warmup_requests(reqs, 32000, full_length=True)  # the bench's first-run warm-up
+        assert [w.sampling for w in whole] == [r.sampling for r in reqs]
+        assert [w.prompt_ids for w in whole] == [w.prompt_ids for w in warm]
     # caching on: a warm-up then the measured run finds none of the warm-up's blocks
     model, tok = load_model("tiny-llama", torch.device("cpu"), torch.float32)
     reqs = make_cache_workload("W4-tiny", 256, prefix_caching=True, num_requests=2)
     engine = Engine(model, tok, EngineConfig(mode="async", num_kv_blocks=128))
     engine.generate(warmup_requests(reqs, 256))
+    engine.generate(warmup_requests(reqs, 256, full_length=True))
     engine.reset_stats()
     cold = Engine(model, tok, EngineConfig(mode="async", num_kv_blocks=128))
     assert [s.token_ids for r in engine.generate(reqs) for s in r.all_samples] == [

@@ -28,18 +28,21 @@ def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int 
     return reqs
 
 
-def warmup_requests(reqs, vocab_limit: int):
+def warmup_requests(reqs, vocab_limit: int, full_length: bool = False):
     """A warm-up shaped like `reqs`: the same prompt lengths (and samples per prompt) with every token id
     shifted, so nothing it caches is a prefix of the measured run, and outputs capped at 4-32 tokens, spread
     so the running batch shrinks through every size. Running it first compiles every kernel variant the
     measured run launches (Triton specialises on batch-dependent constants), so the first run measured in a
-    process pays no JIT time (seen on the H200: W2 at 47.8 ms per step when first, 43.2 after a warm run)."""
+    process pays no JIT time (seen on the H200: W2 at 47.8 ms per step when first, 43.2 after a warm run).
+    `full_length`: outputs as long as the measured run's (the whole workload, on other token ids)."""
     import dataclasses
 
     out = []
     for i, r in enumerate(reqs):
         cap = 4 + i % 29
-        sampling = dataclasses.replace(r.sampling, max_new_tokens=min(r.sampling.max_new_tokens or cap, cap))
+        sampling = r.sampling
+        if not full_length:
+            sampling = dataclasses.replace(r.sampling, max_new_tokens=min(r.sampling.max_new_tokens or cap, cap))
         prompt = [(t + 1) % vocab_limit for t in r.prompt_ids]
         out.append(
             dataclasses.replace(r, request_id=f"warmup-{r.request_id}", prompt_ids=prompt, sampling=sampling)

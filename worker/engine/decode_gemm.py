@@ -41,9 +41,6 @@ except ImportError:  # CPU-only installs
     HAVE_TRITON = False
 
 MAX_TOKENS = 32  # steps with more rows keep cuBLAS (at M = 64 cuBLAS won on O, gate/up and down)
-# How much of each weight row a GEMM program prefetches into L2 before it waits for its input.
-PREFETCH_BYTES_PER_ROW = 1024
-L2_LINE_BYTES = 128
 
 # (BLOCK_N weight rows per program, BLOCK_K, num_warps, num_stages): the best or within 2% of the best
 # at M = 32 per Llama-3-8B projection, from `benchmarks/skinny_gemm.py --sweep` on the H200.
@@ -75,12 +72,6 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _l2_prefetch(ptrs):
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-    @triton.jit
     def _decode_gemm_kernel(
         x_ptr,
         w_ptr,
@@ -95,22 +86,15 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PREFETCH_LINES: tl.constexpr,  # L2 lines per weight row to prefetch before waiting (0: none)
-        LINE_ELEMS: tl.constexpr,
         USE_PDL: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-        if USE_PDL and PREFETCH_LINES > 0:  # weights: no kernel of the step writes them
-            _l2_prefetch(w_rows + tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS)
         pdl_wait_and_release(USE_PDL)
-
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
-        w_ptrs = w_rows + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for _ in range(K_TILES):
@@ -132,7 +116,6 @@ def decode_linear(
     *,
     pdl: bool = False,
     config: Config | None = None,
-    prefetch_bytes_per_row: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) for M <= MAX_TOKENS. Falls back to cuBLAS when `config_for`
     gives no configuration for the shape and dtype."""
@@ -149,10 +132,6 @@ def decode_linear(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    line_elems = L2_LINE_BYTES // weight.element_size()
-    if prefetch_bytes_per_row is None:
-        prefetch_bytes_per_row = PREFETCH_BYTES_PER_ROW
-    prefetch_lines = min(prefetch_bytes_per_row, k * weight.element_size()) // L2_LINE_BYTES
     block_m = max(16, 1 << (m - 1).bit_length())
     _decode_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
@@ -168,8 +147,6 @@ def decode_linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PREFETCH_LINES=1 << (prefetch_lines.bit_length() - 1) if prefetch_lines else 0,
-        LINE_ELEMS=line_elems,
         USE_PDL=pdl,
         DOT_PREC="ieee" if x.dtype == torch.float32 else None,
         num_warps=num_warps,
