@@ -13,13 +13,12 @@ replayed from a CUDA graph over 32 distinct weights (one per layer, so L2 never 
 and reports microseconds per GEMM and the weight bytes per second (the floor is the copy bandwidth):
   cublas      F.linear(x, W) with W [N, K] (what the decoder runs)
   cublas-kn   x @ W' with W' = W^T made contiguous [K, N] (another cuBLAS layout and kernel family)
-  triton      the kernel below: each program owns BLOCK_N whole weight rows over all of K (no split-K
-              reduce), computing W_tile @ x^T so the weight rows are the MMA's long side (best of
-              CONFIGS with --sweep, else DEFAULT_CONFIG)
+  triton      the owned decoder's small-step kernel (worker/engine/decode_gemm.py): each program owns
+              BLOCK_N whole weight rows over all of K (no split-K reduce), computing W_tile @ x^T so the
+              weight rows are the MMA's long side (best of CONFIGS with --sweep, else decode_gemm's choice)
 
-Result on the H200 (benchmarks/README.md, "Skinny GEMMs"): at M = 32 the Triton kernel beats cuBLAS on
-O (12.6 vs 14.2 us) and slightly on QKV, gate/up and lm_head, loses on down; in the engine it moved W1
-by +0.4% (5,398 vs 5,374 output tok/s, same call), within noise, so the decoder keeps cuBLAS.
+Results on the H200: benchmarks/README.md, "Skinny GEMMs" and "Small decode steps". Alone, the Triton
+kernel ties cuBLAS; what made it pay in the engine is programmatic dependent launch, which cuBLAS lacks.
 """
 
 from __future__ import annotations
@@ -33,14 +32,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs
-    HAVE_TRITON = False
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). CONFIGS is the sweep of benchmarks/skinny_gemm.py --sweep.
 Config = tuple[int, int, int, int]
@@ -58,106 +49,22 @@ CONFIGS: list[Config] = [
     (64, 64, 4, 8),
     (32, 128, 8, 6),
 ]
-# Best or within 2% of best for every Llama-3-8B projection with K = 4096 at M = 32 on the H200
-# (benchmarks/README.md, "Skinny GEMMs"): QKV 15.6 us vs cuBLAS 16.3, O 12.6 vs 14.2 (cuBLAS adds a
-# split-K reduce), gate/up 59.6 vs 61.7, lm_head 246.9 vs 256.7. The down projection (K = 14336) runs
-# slower here than cuBLAS (37.2 vs 33.4 us), hence the K limit.
-DEFAULT_CONFIG: Config = (64, 64, 4, 8)
-MAX_M = 32
-MAX_K = 8192
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
-    """The launch configuration for an [m, k] x [n, k]^T product, or None to use cuBLAS."""
-    if not HAVE_TRITON or dtype not in (torch.bfloat16, torch.float16) or not 0 < m <= MAX_M or k > MAX_K:
-        return None
-    block_n, block_k = DEFAULT_CONFIG[:2]
-    if n % block_n or k % block_k:
-        return None
-    return DEFAULT_CONFIG
+    """The decoder's configuration for an [m, k] x [n, k]^T product, or None where it uses cuBLAS."""
+    from worker.engine import decode_gemm
+
+    return decode_gemm.config_for(n, k, dtype) if m <= decode_gemm.MAX_TOKENS else None
 
 
-def _block_m(m: int) -> int:
-    return max(16, 1 << (m - 1).bit_length())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T with the decoder's Triton kernel (decode_gemm.py, without PDL)."""
+    from worker.engine import decode_gemm
 
-
-if HAVE_TRITON:
-
-    @triton.jit
-    def _skinny_kernel(
-        x_ptr,
-        w_ptr,
-        bias_ptr,
-        out_ptr,
-        M,
-        stride_xm,
-        stride_wn,
-        stride_om,
-        K_TILES: tl.constexpr,  # per weight shape: a handful of compilations, fixed trip count
-        HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        m_mask = rm < M
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for _ in range(K_TILES):  # K % BLOCK_K == 0 and N % BLOCK_N == 0 (pick_config checks)
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            acc = tl.dot(w, x, acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
-
-
-def skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    config: Config | None = None,
-) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) with the Triton kernel; `config` defaults to pick_config's."""
-    m, k = x.shape
-    n = weight.shape[0]
-    config = config or pick_config(m, n, k, x.dtype)
-    assert config is not None, f"no skinny-GEMM configuration for M={m} N={n} K={k} {x.dtype}"
-    block_n, block_k, num_warps, num_stages = config
-    assert n % block_n == 0 and k % block_k == 0, f"N={n} K={k} not divisible by {block_n}/{block_k}"
-    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
-    if out is None:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_m = _block_m(min(m, 64))
-    grid = (n // block_n, triton.cdiv(m, block_m))
-    _skinny_kernel[grid](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        m,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        K_TILES=k // block_k,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return out
-
+    config = config or pick_config(x.shape[0], *weight.shape, x.dtype)
+    assert config is not None, f"no skinny-GEMM configuration for M={x.shape[0]} {tuple(weight.shape)} {x.dtype}"
+    return decode_gemm.decode_linear(x, weight, config=config)
 
 
 SHAPES = {  # name: (N, K) of W [N, K], Llama-3-8B
@@ -195,7 +102,6 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
     layers = 4 if name == "lm_head" else LAYERS
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x, weights[0])
     results: dict[str, float] = {}
 
@@ -207,11 +113,11 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
     best = None
     for cfg in configs:
         try:
-            got = skinny_linear(x, weights[0], out=out, config=cfg)
+            got = skinny_linear(x, weights[0], config=cfg)
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 1e-2, f"rel err {err}"
             us = graph_time_us(
-                lambda cfg=cfg: [skinny_linear(x, w, out=out, config=cfg) for w in weights], layers
+                lambda cfg=cfg: [skinny_linear(x, w, config=cfg) for w in weights], layers
             )
         except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported, not fatal
             print(f"    {name} M={m} {cfg}: failed {type(e).__name__}: {str(e)[:80]}")

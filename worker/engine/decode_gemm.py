@@ -1,26 +1,21 @@
-"""Weight GEMMs of small decode steps (at most 32 tokens) as Triton kernels, launched with programmatic
-dependent launch. Owns nothing.
+"""Weight GEMMs of small decode steps (at most 32 tokens) as Triton kernels that take part in programmatic
+dependent launch (pdl.py). Owns nothing.
 
 Why: a W1 decode step (32 sequences, Llama-3-8B) is ~4 ms of weight GEMMs against 3.5 ms of weight bytes at
-the copy bandwidth, plus ~10 small kernels per layer. Inside a CUDA graph each kernel still starts cold: its
-first weight tiles arrive a few microseconds after the kernel before it has drained, and the GEMMs with few
-output tiles (QKV, O) reach only 2.7-3.2 TB/s (benchmarks/README.md, "Skinny GEMMs"). cuBLAS alone cannot
-overlap that, since it does not take part in programmatic dependent launch (PDL, sm90+):
-  - every kernel of the owned decoder's layer is launched with PDL, calls `griddepcontrol.wait` before it
-    touches anything an earlier kernel wrote, and `griddepcontrol.launch_dependents` right after, so the
-    next kernel's programs are placed on the SMs while this one's last wave runs;
-  - a GEMM program, once placed, asks L2 for the first `PREFETCH_BYTES_PER_ROW` of its weight rows *before*
-    it waits: weights are never written by a step, so reading them early is safe, and the weight stream has
-    started by the time the activations are ready;
-  - SiLU·mul is computed in the down projection's input load (`silu_mul_input`), one kernel fewer per layer.
+the copy bandwidth, plus ~10 small kernels per layer, and inside a CUDA graph every kernel still starts cold
+after the one before it has drained. cuBLAS cannot take part in PDL; these kernels can, so on the small-step
+path every kernel of the owned decoder's layer is already placed on the SMs, waiting, when its predecessor
+finishes (measured on the H200: benchmarks/README.md, "Small decode steps").
 
 Each program owns BLOCK_N whole weight rows over all of K (no split-K, so no reduce kernel and no atomics)
 and computes W_tile @ x^T, the weight rows being the MMA's long side. A row's result depends only on its own
-input row and K's fixed tile order, not on how many rows the step has: batch-invariant, like the decode
-attention. The PDL chain's rule: every kernel launched with `launch_pdl` must execute `gdc_wait` in every
-program (even one with nothing to do), otherwise a later kernel could overtake an earlier one.
+input row and K's fixed tile order, not on how many rows the step has.
 
-Only for bf16/fp16 on CUDA with shapes that tile exactly (`config_for`); anything else takes cuBLAS.
+What was measured and left out: prefetching each program's first weight bytes into L2 before the PDL wait
+(no gain: W1 5,721 vs 5,699 tok/s), SiLU·mul fused into the down projection's input load (the loads then
+stopped pipelining: 204 vs 36 us per GEMM), and the down projection itself (kept on cuBLAS, see MAX_K).
+
+Only bf16/fp16 on CUDA sm90+ with shapes that tile (`config_for`) in the decoder; anything else is cuBLAS.
 """
 
 from __future__ import annotations
@@ -117,12 +112,11 @@ def decode_linear(
     pdl: bool = False,
     config: Config | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) for M <= MAX_TOKENS. Falls back to cuBLAS when `config_for`
-    gives no configuration for the shape and dtype."""
+    """x [M, K] @ weight [N, K]^T (+ bias); the decoder calls it for M <= MAX_TOKENS (any M computes, in
+    row blocks of up to 64). Falls back to cuBLAS when there is no `config` and `config_for` gives none."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
-    assert m <= MAX_TOKENS, f"decode_linear takes at most {MAX_TOKENS} rows, got {m}"
     config = config or config_for(n, k, x.dtype)
     if config is None or not HAVE_TRITON:
         return F.linear(x, weight, bias)
@@ -132,7 +126,7 @@ def decode_linear(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    block_m = max(16, 1 << (m - 1).bit_length())
+    block_m = max(16, 1 << (min(m, 64) - 1).bit_length())
     _decode_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,
