@@ -54,6 +54,10 @@ def test_decoder_choice(tiny_models):
     assert build_decoder(model, "auto", cpu, 64, False) is None  # CPU keeps transformers' forward
     assert isinstance(build_decoder(model, "owned", cpu, 64, False), OwnedDecoder)
     assert unsupported_reason(model) is None
+    # the small-step path (Triton GEMMs chained by PDL) needs CUDA sm90+: "auto" falls back, "triton" says why
+    assert build_decoder(model, "owned", cpu, 64, True, gemm="auto").small_step_ops is None
+    with pytest.raises(ValueError, match="decode_gemm 'triton' needs CUDA sm90"):
+        build_decoder(model, "owned", cpu, 64, True, gemm="triton")
 
 
 def test_unsupported_models_are_refused_by_owned_and_skipped_by_auto():

@@ -265,6 +265,7 @@ def test_bad_sampling_params_raise_value_errors(kwargs, message):
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
         ({"num_kv_blocks": 1}, "num_kv_blocks must be >= 2"),
         ({"kv_memory_fraction": 1.5}, r"kv_memory_fraction must be in \(0, 1\]"),
+        ({"decode_gemm": "cutlass"}, "decode_gemm must be one of"),
     ],
 )
 def test_bad_engine_config_raises_value_errors(kwargs, message):
