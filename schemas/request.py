@@ -53,6 +53,7 @@ def _one_string_is_a_list(value: Any) -> Any:
 # float32 step buffers and scans stop strings every step, so one absurd value must fail its line, not a step.
 MAX_NEW_TOKENS_LIMIT = 2**20
 MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range is [-2, 2]
 MAX_TOP_K = 1_000_000  # larger than any vocabulary: a top_k at or above the vocab size keeps every token
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -177,6 +178,20 @@ class Sampling(StrictModel):
         le=MAX_LOGPROBS,
         description="Return each output token's log-probability and this many most likely alternatives.",
     )
+    presence_penalty: float | None = Field(
+        None,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted from the logit of every token the output already contains, as OpenAI's "
+        "(default 0).",
+    )
+    frequency_penalty: float | None = Field(
+        None,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted from a token's logit once per time the output already contains it, as "
+        "OpenAI's (default 0).",
+    )
     constraint: OutputConstraint | None = Field(
         None, description="What the output must match (lines give json_schema, regex or choice)."
     )
@@ -294,8 +309,6 @@ OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_
 # OpenAI body fields that cbq accepts only at the value that changes nothing, and why it cannot do more.
 _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
     "stream": (False, "batch results are not streamed"),
-    "presence_penalty": (0, "penalties are not applied"),
-    "frequency_penalty": (0, "penalties are not applied"),
 }
 # Fields that ask for what cbq cannot do yet: rejected with the reason, not as unknown.
 _UNSUPPORTED_FIELDS = {
@@ -353,8 +366,6 @@ class _OpenAIBodyBase(StrictModel):
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     n: NumSamples | None = Field(None, description=_N_DESCRIPTION)  # None: 1
     stream: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     response_format: _ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -195,8 +195,8 @@ def openai_line(body, url="/v1/completions", **envelope):
         (openai_line({"prompt": "x", "n": 0}), "line 7: body.n: Input should be greater than or equal to 1"),
         (openai_line({"prompt": "x", "stream": True}), "line 7: body.stream: only false is accepted"),
         (
-            openai_line({"prompt": "x", "frequency_penalty": 0.5}),
-            "line 7: body.frequency_penalty: only 0 is accepted (penalties are not applied)",
+            openai_line({"prompt": "x", "frequency_penalty": 2.5}),
+            "line 7: body.frequency_penalty: Input should be less than or equal to 2",
         ),
         # completions take logprobs as a count of alternatives, chat as true + top_logprobs
         (openai_line({"prompt": "x", "logprobs": True}), "line 7: body.logprobs: Input should be a valid integer"),

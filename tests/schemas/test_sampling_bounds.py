@@ -81,6 +81,8 @@ def test_values_at_the_bounds_are_accepted():
         "stop_token_ids": [2**31 - 1] * 256,
         "ignore_eos": True,
         "logprobs": 20,
+        "presence_penalty": -2.0,
+        "frequency_penalty": 2.0,
     }
     choices = [f"c{i}" for i in range(1024)]
     parsed = parse_request_line(json.dumps({"prompt": "x", **at_bounds, "choice": choices}), 1)

@@ -13,7 +13,7 @@ from pydantic import Field
 from producer.options import sampling_options
 from schemas.request import Sampling, overrides_model, parse_request_line
 from worker.admission import to_engine_request, to_sampling_params
-from worker.engine.api import MAX_LOGPROBS, Constraint, ConstraintKind, SamplingParams
+from worker.engine.api import MAX_LOGPROBS, MAX_PENALTY, Constraint, ConstraintKind, SamplingParams
 
 
 def test_engine_sampling_params_and_the_schema_name_the_same_fields_with_the_same_defaults():
@@ -21,6 +21,9 @@ def test_engine_sampling_params_and_the_schema_name_the_same_fields_with_the_sam
     assert set(engine_fields) == set(Sampling.model_fields)
     assert to_sampling_params(Sampling()) == SamplingParams()
     assert Sampling.model_fields["logprobs"].metadata[-1].le == MAX_LOGPROBS
+    for name in ("presence_penalty", "frequency_penalty"):
+        bounds = Sampling.model_fields[name].metadata
+        assert (bounds[0].ge, bounds[-1].le) == (-MAX_PENALTY, MAX_PENALTY), name
 
 
 class _Tokenizer:
@@ -39,6 +42,8 @@ def test_every_field_on_a_line_reaches_the_engine():
         "stop_token_ids": [3, 5],
         "ignore_eos": True,
         "logprobs": 3,
+        "presence_penalty": -0.5,
+        "frequency_penalty": 1.25,
     }
     spelled = {"constraint": ("regex", "[a-z]+")}  # a line spells its constraint as json_schema, regex or choice
     assert set(values) | set(spelled) == set(Sampling.model_fields)

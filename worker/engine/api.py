@@ -28,7 +28,14 @@ class ErrorCode(str, Enum):
 
 
 # What a field left as None means when the model's generation_config does not set it either.
-BUILTIN_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+BUILTIN_SAMPLING_DEFAULTS = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's bound)
 
 
@@ -64,6 +71,10 @@ class SamplingParams:
     # Per output token: the chosen token's log-probability and this many top alternatives (0..20), from
     # the model's raw distribution (logits before the constraint mask, temperature, top-k and top-p).
     logprobs: int | None = None  # None: no logprobs
+    # OpenAI's penalties, over the tokens this sample has generated (not the prompt): a token's logit loses
+    # presence_penalty once it has appeared, and frequency_penalty per appearance (sampler.apply_penalties).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
@@ -78,6 +89,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
 
     def with_defaults(self, model_defaults: dict[str, Any], rest_of_context: int) -> ResolvedSampling:
         """Every None replaced: by `model_defaults` (generation_config values, by cbq field name), then by
@@ -96,6 +111,12 @@ class ResolvedSampling(SamplingParams):
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 MAX_SAMPLES_PER_REQUEST = 128  # bound on `EngineRequest.n` (OpenAI's own limit)

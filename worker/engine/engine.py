@@ -46,7 +46,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import num_blocks_from_memory
-from .model_runner import ModelRunner, SampleExtras, StepBuildError, StepHandle
+from .model_runner import ModelRunner, PenaltyRow, SampleExtras, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, model_eos_token_ids, resolve_device, resolve_dtype
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
@@ -301,7 +301,7 @@ class Engine:
         return _InflightStep(plan, handle, mask_seqs)
 
     def _sample_extras(self, plan: StepPlan) -> tuple[SampleExtras | None, list[Sequence] | None]:
-        """Which sample rows want logprobs or a token mask (only called while some request does)."""
+        """Which sample rows want logprobs, a token mask or penalties (only called while some request does)."""
         extras = SampleExtras()
         mask_seqs = []
         for row, chunk in enumerate(plan.sampling_chunks()):
@@ -312,7 +312,9 @@ class Engine:
             if params.constraint is not None:
                 extras.mask_rows.append(row)
                 mask_seqs.append(chunk.seq)
-        if not extras.logprob_rows and not mask_seqs:
+            if params.has_penalties:
+                extras.penalty_rows.append(_penalty_row(row, chunk.seq))
+        if not extras.logprob_rows and not mask_seqs and not extras.penalty_rows:
             return None, None
         return extras, (mask_seqs or None)
 
@@ -446,7 +448,7 @@ class Engine:
             )
             for i in range(req.n)
         ]
-        if matcher is not None or req.sampling.logprobs is not None:
+        if _needs_extras(sampling, matcher):
             self._num_with_extras += len(samples)
         self._requests[req.request_id] = samples
         self.scheduler.add_group(samples)
@@ -476,7 +478,7 @@ class Engine:
             if not sample.is_finished:
                 self.scheduler.finish(sample)
                 sample.finish_reason, sample.finish_time = reason, now
-                if sample.matcher is not None or sample.sampling.logprobs is not None:
+                if _needs_extras(sample.sampling, sample.matcher):
                     self._num_with_extras -= 1
                 sample.matcher = None
         if all(sample.is_finished for sample in samples):  # always so after a group-wide finish
@@ -544,3 +546,21 @@ def _num_samples(req: EngineRequest) -> int:
     """What `req` counts against capacity; an invalid `n` (rejected at once) counts as 1."""
     valid = isinstance(req.n, int) and 1 <= req.n <= MAX_SAMPLES_PER_REQUEST
     return req.n if valid else 1
+
+
+def _needs_extras(sampling: ResolvedSampling, matcher) -> bool:
+    """Whether a sample's steps need sampling beyond plain (SampleExtras): logprobs, a grammar, penalties."""
+    return matcher is not None or sampling.logprobs is not None or sampling.has_penalties
+
+
+def _penalty_row(row: int, seq: Sequence) -> PenaltyRow:
+    """What the device needs to penalise `seq`'s sample row in the step being built (its scheduling already
+    counted this step's sample in `num_inflight_samples`)."""
+    generated_before = seq.num_generated - 1
+    # The row's input token is the newest of them (possibly still in flight); the rest are known here.
+    history = seq.output_ids[: max(generated_before - 1, 0)]
+    assert len(history) == max(generated_before - 1, 0), (
+        f"{seq.request_id}: {generated_before} generated tokens but only {len(seq.output_ids)} known"
+    )
+    params = seq.sampling
+    return PenaltyRow(row, params.presence_penalty, params.frequency_penalty, history, generated_before >= 1)

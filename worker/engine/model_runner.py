@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import logprobs
@@ -38,7 +39,7 @@ from .decoder import build_decoder
 from .fused_ops import install_fused_rmsnorm, install_fused_rotary
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache
-from .sampler import sample
+from .sampler import apply_penalties, sample
 from .scheduler import StepPlan
 from .sequence import Sequence
 
@@ -59,6 +60,21 @@ class SampleExtras:
     logprob_rows: list[int] = field(default_factory=list)
     num_top_logprobs: int = 0  # the most any of those rows asked for
     mask_rows: list[int] = field(default_factory=list)  # constrained rows: sampling waits for their bitmask
+    penalty_rows: list[PenaltyRow] = field(default_factory=list)
+
+
+@dataclass
+class PenaltyRow:
+    """A sample row with presence/frequency penalties, and what its sample generated before this step.
+
+    The newest generated token is the row's own input token, which in async mode may still be in flight
+    (not on the host yet): the host sends the ones before it and the device adds the input token."""
+
+    row: int
+    presence: float
+    frequency: float
+    history: list[int]  # generated ids before the input token
+    input_is_generated: bool  # False when the input token is the prompt's last (nothing generated yet)
 
 
 @dataclass
@@ -291,11 +307,15 @@ class ModelRunner:
         assert logits is not None, "sampling a step twice"
         rows = meta.num_sample_rows
         wants_logprobs = extras is not None and bool(extras.logprob_rows)
-        if handle.is_greedy_in_graph and not meta.any_random and bitmask is None and not wants_logprobs:
+        penalties = extras.penalty_rows if extras is not None else []
+        plain = not meta.any_random and bitmask is None and not wants_logprobs and not penalties
+        if handle.is_greedy_in_graph and plain:
             return None  # the decode graph's argmax already is this step's sample
         lp_rows = None
         if extras is not None and extras.logprob_rows:  # raw logits: before the mask rewrites them
             lp_rows = logprobs.prepare(logits, self._to_device(extras.logprob_rows), extras.num_top_logprobs)
+        if penalties:
+            self._apply_penalties(slot, penalties, logits)
         if bitmask is not None:
             assert extras is not None and len(extras.mask_rows) == bitmask.shape[0], (
                 "one bitmask row per mask row"
@@ -314,6 +334,30 @@ class ModelRunner:
         )
         slot.sampled_dev[:rows].copy_(tokens)
         return None if lp_rows is None else logprobs.finish(lp_rows, tokens)
+
+    def _apply_penalties(self, slot: IOSlot, penalties: list[PenaltyRow], logits: torch.Tensor) -> None:
+        """Penalise `logits` in place. Each row's history is completed on the device with its input token
+        (the step's gathered ids at the row's logits index), so a token still in flight counts too."""
+        d = slot.dev
+        rows = self._to_device([p.row for p in penalties])
+        # NOTE: host time grows with the penalised rows' output lengths (1,000 rows of 500 tokens: ~7 ms a
+        # step, hidden behind the GPU in async mode); numpy fills the padded rows ~5x faster than lists.
+        padded = np.full((len(penalties), max(len(p.history) for p in penalties)), -1, dtype=np.int64)
+        for i, p in enumerate(penalties):
+            padded[i, : len(p.history)] = p.history
+        history = torch.from_numpy(padded)
+        if self.is_cuda:
+            history = history.pin_memory()
+        history = history.to(self.device, non_blocking=True)
+        generated = self._to_device([int(p.input_is_generated) for p in penalties]).bool()
+        input_ids = d["input_ids"][d["logits_indices"][rows].long()].long()
+        history = torch.cat([history, torch.where(generated, input_ids, -1)[:, None]], dim=1)
+        weights = self._to_device_float([[p.presence, p.frequency] for p in penalties])
+        apply_penalties(logits, rows, history, weights[:, 0], weights[:, 1])
+
+    def _to_device_float(self, values: list[list[float]]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.float32, pin_memory=self.is_cuda)
+        return host.to(self.device, non_blocking=True)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         # NOTE: pinned through the caching host allocator, which keeps the block until the copy is done.

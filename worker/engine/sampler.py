@@ -40,6 +40,22 @@ def sample_seed(seed: int, sample_index: int) -> int:
     return _fmix32((seed * 0x9E3779B1 + sample_index * 0x85EBCA77) & _M32) & 0x7FFFFFFF
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    history: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> None:
+    """OpenAI's presence and frequency penalties, in place on `logits[rows]`: with c the number of times a
+    token appears in the row's `history` [P, L] (generated ids, -1 = padding), its logit loses
+    frequency * c + presence * (c > 0). Computed in fp32, then rounded to the logits' dtype."""
+    counts = torch.zeros((rows.shape[0], logits.shape[-1]), dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, history.clamp(min=0), (history >= 0).float())
+    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).float()
+    logits[rows] = (logits[rows].float() - penalty).to(logits.dtype)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits outside each row's top-k (0 = off) and top-p nucleus with -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
