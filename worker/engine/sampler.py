@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p, with a per-request seed. Owns no state.
+"""Sampler: greedy, temperature, top-k, top-p, OpenAI penalties, with a per-request seed. Owns no state.
 
 Random draws come from a counter-based hash of (seed, position, vocab id), turned into Gumbel noise:
 argmax(logits / T + Gumbel) samples exactly from softmax(logits / T). So a request's tokens depend

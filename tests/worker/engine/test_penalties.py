@@ -111,3 +111,20 @@ def test_apply_penalties_counts_generated_tokens_once_per_appearance():
     assert logits[0].tolist() == [0, 0, -2.5, 0, 0, -1.5]
     assert logits[1].tolist() == [0] * 6
     assert logits[2].tolist() == [-0.25, -0.75, 0, 0, 0, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_penalties_on_gpu_through_decode_graphs(mode):
+    """fp32 on CUDA: decode steps replay graphs whose in-graph argmax must not be used for penalised rows."""
+    from worker.engine.models import load_model
+
+    model, tok = load_model("small-llama", torch.device("cuda"), torch.float32)
+    reqs = penalised_requests(tok, 12)
+    refs = {r.request_id: hf_penalised(model, r) for r in reqs}
+    engine = Engine(model, tok, EngineConfig(device="cuda", mode=mode, dtype="float32"))
+    got = {r.request_id: r.token_ids for r in engine.generate(reqs)}
+    agree = sum(a == b for rid in refs for a, b in zip(got[rid], refs[rid], strict=True))
+    assert agree / sum(len(v) for v in refs.values()) >= 0.99
+    assert engine.runner.graphs
