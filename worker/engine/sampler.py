@@ -52,7 +52,9 @@ def apply_penalties(
     frequency * c + presence * (c > 0). Computed in fp32, then rounded to the logits' dtype."""
     counts = torch.zeros((rows.shape[0], logits.shape[-1]), dtype=torch.float32, device=logits.device)
     counts.scatter_add_(1, history.clamp(min=0), (history >= 0).float())
-    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).float()
+    seen = counts > 0
+    # In place, so a step of many penalised rows holds one [P, V] fp32 buffer: (c * f + p) where c > 0, else 0.
+    penalty = counts.mul_(frequency[:, None]).add_(presence[:, None]).mul_(seen)
     logits[rows] = (logits[rows].float() - penalty).to(logits.dtype)
 
 
