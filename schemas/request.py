@@ -22,10 +22,14 @@ import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, cast
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     ValidationError,
     ValidationInfo,
     create_model,
@@ -292,6 +296,32 @@ else:
     )
 
 
+# apply_chat_template's own parameters, and names its templates read from it: not template variables.
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    }
+)  # fmt: skip
+TemplateName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+TemplateValue = StrictBool | StrictInt | StrictFloat | Annotated[str, Field(max_length=256)] | None
+
+
+def _no_reserved_names(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(set(value or ()) & _RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be set here (the chat template's own inputs)")
+    return value
+
+
+# Extra variables for the model's chat template, as vLLM's `chat_template_kwargs`: Qwen3's
+# {"enable_thinking": false} turns its thinking off. Without a template they change nothing.
+ChatTemplateKwargs = Annotated[
+    dict[TemplateName, TemplateValue], Field(max_length=16), AfterValidator(_no_reserved_names)
+]
+
+
 class PromptLine(_NativeLine):
     custom_id: CustomId | None = None
     prompt: str
@@ -300,6 +330,7 @@ class PromptLine(_NativeLine):
 class ChatLine(_NativeLine):
     custom_id: CustomId | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 # OpenAI body field -> the cbq sampling field it sets; every other sampling field keeps its name.
@@ -456,6 +487,7 @@ class CompletionBody(_OpenAIBody):
 
 class ChatCompletionBody(_OpenAIBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, not OpenAI's
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
 
@@ -490,6 +522,7 @@ class Request(StrictModel):
     model: str | None = None  # OpenAI Batch lines only: body.model, echoed in the output
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     sampling: Sampling = Sampling()
     n: NumSamples = 1
     return_token_ids: bool = False
@@ -515,6 +548,7 @@ class ParsedRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     overrides: SamplingOverrides = SamplingOverrides()
     n: NumSamples = 1
 
@@ -532,6 +566,7 @@ class ParsedRequest(StrictModel):
             model=self.model,
             prompt=self.prompt,
             messages=self.messages,
+            chat_template_kwargs=self.chat_template_kwargs,
             sampling=Sampling(**merged),
             n=self.n,
             return_token_ids=return_token_ids,
@@ -567,6 +602,7 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
             custom_id=line.custom_id,
             shape="chat",
             messages=line.messages,
+            chat_template_kwargs=line.chat_template_kwargs,
             overrides=_overrides_of(line),
             n=line.n,
         )
@@ -663,6 +699,7 @@ def _parse_openai_line(obj: dict[str, Any], line_no: int) -> ParsedRequest:
         model=body.model,
         prompt=getattr(body, "prompt", None),
         messages=getattr(body, "messages", None),
+        chat_template_kwargs=getattr(body, "chat_template_kwargs", None),
         overrides=body.overrides(),
         n=body.n or 1,
     )

@@ -123,6 +123,36 @@ def test_stored_request_round_trips_through_json():
     assert again == r and again.is_chat
 
 
+def test_chat_template_kwargs_on_chat_lines_and_bodies_are_stored_with_the_request():
+    kwargs = {"enable_thinking": False, "reasoning": "low", "depth": 2, "temperature_hint": 0.5, "x": None}
+    chat = {"messages": [{"role": "user", "content": "u"}], "chat_template_kwargs": kwargs}
+    for obj in (chat, openai_line(chat, "/v1/chat/completions")):
+        r = parse(obj).resolve(0)
+        assert r.chat_template_kwargs == kwargs
+        again = Request.model_validate_json(r.model_dump_json(exclude_defaults=True))
+        assert again == r and again.chat_template_kwargs["enable_thinking"] is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"tokenize": True}, "tokenize cannot be set here (the chat template's own inputs)"),
+        ({"1abc": True}, "chat_template_kwargs.1abc.[key]: String should match pattern"),
+        ({"tools": {"a": 1}}, "chat_template_kwargs.tools.bool: Input should be a valid boolean"),
+        ({f"k{i}": 1 for i in range(17)}, "chat_template_kwargs: Dictionary should have at most 16 items"),
+    ],
+)
+def test_bad_chat_template_kwargs_name_line_and_field(kwargs, expected):
+    message = error_of({"messages": [{"role": "user", "content": "u"}], "chat_template_kwargs": kwargs})
+    assert message.startswith("line 7: ") and expected in message, message
+
+
+def test_completion_lines_take_no_chat_template_kwargs():
+    assert "unknown or unsupported field" in error_of({"prompt": "x", "chat_template_kwargs": {"a": 1}})
+    body = {"prompt": "x", "chat_template_kwargs": {"a": 1}}
+    assert "body.chat_template_kwargs: unknown or unsupported field" in error_of(openai_line(body))
+
+
 # --- invalid lines: every error names the line and the field -------------------------------------------------
 
 

@@ -88,6 +88,37 @@ def test_an_openai_batch_file_runs_unedited_and_parses_with_openai_types(llama3,
     assert "the context is 512 tokens" in error.message
 
 
+def test_chat_template_kwargs_reach_the_template_of_a_qwen3_checkpoint(tmp_path):
+    """vLLM's `chat_template_kwargs`: Qwen3's {"enable_thinking": false} opens the answer with an empty think
+    block, as its template renders it; the same chat without it does not; a bad name fails its line."""
+    from transformers import AutoTokenizer
+
+    qwen3 = build_checkpoint(tmp_path / "qwen3", "qwen3")
+    messages = [{"role": "user", "content": "say something about the water"}]
+    body = {"model": "qwen3-like", "messages": messages, "max_tokens": 3}
+    lines = [
+        {"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": body | extra}
+        for c, extra in (("thinking", {}), ("no-thinking", {"chat_template_kwargs": {"enable_thinking": False}}))
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--format", "openai", "--model", str(qwen3.path)])
+    assert result.exit_code == 0, result.output
+    usage = {line["custom_id"]: line["response"]["body"]["usage"] for line in read_jsonl(out)}
+    tok = AutoTokenizer.from_pretrained(qwen3.path)
+    for custom_id, kwargs in (("thinking", {}), ("no-thinking", {"enable_thinking": False})):
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        assert usage[custom_id]["prompt_tokens"] == len(tok(rendered, add_special_tokens=False)["input_ids"])
+    assert usage["no-thinking"]["prompt_tokens"] > usage["thinking"]["prompt_tokens"]
+
+    bad = dict(lines[1], body=body | {"chat_template_kwargs": {"messages": 1}})
+    path.write_text(json.dumps(bad) + "\n")
+    result = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--model", str(qwen3.path)])
+    assert result.exit_code == 1
+    assert "line 1: body.chat_template_kwargs: messages cannot be set here" in result.output
+
+
 def test_results_errors_file_takes_failed_requests(cbq, burst_worker, write_jsonl, tmp_path):
     too_long = "x" * 5000  # the fake engine's context is 4,096 bytes
     path = write_jsonl([{"prompt": "hello", "custom_id": "ok"}, {"prompt": too_long, "custom_id": "long"}])
