@@ -340,6 +340,7 @@ OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_
 # OpenAI body fields that cbq accepts only at the value that changes nothing, and why it cannot do more.
 _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
     "stream": (False, "batch results are not streamed"),
+    "stream_options": (None, "batch results are not streamed"),
 }
 # Fields that ask for what cbq cannot do yet: rejected with the reason, not as unknown.
 _UNSUPPORTED_FIELDS = {
@@ -353,6 +354,9 @@ _UNSUPPORTED_FIELDS = {
     "logit_bias": "logit_bias (its token ids belong to OpenAI's tokenizer, not to the model that runs here)",
     "prediction": "predicted outputs",
     "web_search_options": "web search",
+    "reasoning_effort": "reasoning_effort (an open model's thinking is a switch in its chat template: give "
+    'chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3)',
+    "verbosity": "verbosity (an OpenAI model setting)",
 }
 
 
@@ -392,7 +396,8 @@ class _ResponseFormat(StrictModel):
 class _OpenAIBodyBase(StrictModel):
     """The body fields every OpenAI endpoint shares. Fields that do nothing at their accepted value are taken
     so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`, `store`,
-    `service_tier` and `parallel_tool_calls` are accepted and ignored."""
+    `service_tier`, `parallel_tool_calls`, `prompt_cache_key`, `prompt_cache_retention` and
+    `safety_identifier` are accepted and ignored."""
 
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     n: NumSamples | None = Field(None, description=_N_DESCRIPTION)  # None: 1
@@ -403,6 +408,11 @@ class _OpenAIBodyBase(StrictModel):
     store: bool | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
+    # Identifiers and cache hints: they change no output (cbq caches shared prefixes by itself).
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    stream_options: Any = None
     # Declared only to be refused with the reason (see `_UNSUPPORTED_FIELDS`); excluded from the fields
     # an error message lists as allowed.
     tools: Any = Field(None, exclude=True)
@@ -414,6 +424,8 @@ class _OpenAIBodyBase(StrictModel):
     logit_bias: Any = Field(None, exclude=True)
     prediction: Any = Field(None, exclude=True)
     web_search_options: Any = Field(None, exclude=True)
+    reasoning_effort: Any = Field(None, exclude=True)
+    verbosity: Any = Field(None, exclude=True)
 
     @field_validator(*_UNSUPPORTED_FIELDS)
     @classmethod

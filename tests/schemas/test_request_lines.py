@@ -243,6 +243,15 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body.tools: cbq does not support tool calling yet",
         ),
         (
+            openai_line({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}, "/v1/chat/completions"),
+            "line 7: body.reasoning_effort: cbq does not support reasoning_effort (an open model's thinking is a switch "
+            'in its chat template: give chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3) yet',
+        ),
+        (
+            openai_line({"prompt": "x", "stream_options": {"include_usage": True}}),
+            "line 7: body.stream_options: only null is accepted (batch results are not streamed)",
+        ),
+        (
             openai_line({"prompt": "x", "audio": {"voice": "alloy"}}),
             "line 7: body.audio: cbq does not support audio output yet",
         ),
