@@ -27,6 +27,7 @@ from producer.client import (
 )
 from producer.lazy_group import PluginGroup
 from producer.options import (
+    chat_template_kwargs_option,
     chunk_size_option,
     echo_json,
     errors_option,
@@ -102,6 +103,7 @@ def _exit_130_on_interrupt():
     help="Seconds a chunk may stay in a worker before it is aborted and retried; -1: no limit.",
 )
 @sampling_options
+@chat_template_kwargs_option
 @json_option
 @_exit_130_on_interrupt()
 def submit(
@@ -116,6 +118,7 @@ def submit(
     retries,
     job_timeout,
     defaults: SamplingOverrides,
+    chat_template_kwargs,
     as_json,
 ):
     """Validate FILE (JSONL; `-` for stdin) and enqueue it as one batch; prints the batch id.
@@ -162,6 +165,7 @@ def submit(
                 retries=retries,
                 job_timeout_seconds=job_timeout,
                 on_progress=on_progress,
+                chat_template_kwargs=chat_template_kwargs,
                 **defaults.given(),
             )
         if interrupt.hit:  # during the commit, which went through

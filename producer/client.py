@@ -129,12 +129,15 @@ class Client:
         job_timeout_seconds: int = settings.NO_JOB_TIMEOUT,
         queue: str | None = None,
         on_progress: Callable[[int], None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **defaults,
     ) -> Batch:
         """Validate `source` and enqueue it as one batch, atomically. Returns its handle.
 
         `defaults` are batch-level sampling fields (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-        `stop`, `ignore_eos`, ...); values on a line win. Raises `InvalidInput` when a line is invalid (unless
+        `stop`, `ignore_eos`, ...); values on a line win. `chat_template_kwargs`: the chat template's extra
+        variables for every chat line (`{"enable_thinking": False}` for Qwen3); a line's own win, name by name.
+        Raises `InvalidInput` when a line is invalid (unless
         `skip_invalid`), `NothingToSubmit` when no request is left to enqueue, `ValueError` for a bad default.
         """
         validated = source if isinstance(source, ValidatedFile) else self.validate(source)
@@ -152,6 +155,7 @@ class Client:
             chunk_size=chunk_size,
             ttl_seconds=ttl_seconds,
             defaults=sampling,
+            chat_template_kwargs=chat_template_kwargs,
             return_token_ids=return_token_ids,
             retries=retries,
             job_timeout_seconds=job_timeout_seconds,

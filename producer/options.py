@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from producer import settings
-from schemas.request import SamplingOverrides
+from schemas.request import SamplingOverrides, chat_template_kwargs_adapter
 from schemas.result import OUTPUT_FORMATS
 
 
@@ -181,3 +181,27 @@ def open_redis(url: str) -> redis.Redis:
 
 def echo_json(obj) -> None:
     click.echo(json.dumps(obj, sort_keys=False))
+
+
+def _parse_chat_template_kwargs(_ctx, _param, value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+        return chat_template_kwargs_adapter.validate_python(parsed)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc.msg}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise click.BadParameter(f"{where + ': ' if where else ''}{first['msg']}") from None
+
+
+chat_template_kwargs_option = click.option(
+    "--chat-template-kwargs",
+    "chat_template_kwargs",
+    callback=_parse_chat_template_kwargs,
+    metavar="JSON",
+    help='Extra chat-template variables for every chat line, e.g. \'{"enable_thinking": false}\' (Qwen3); '
+    "a line's own chat_template_kwargs win, name by name.",
+)

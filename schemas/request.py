@@ -30,6 +30,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     create_model,
@@ -320,6 +321,7 @@ def _no_reserved_names(value: dict[str, Any] | None) -> dict[str, Any] | None:
 ChatTemplateKwargs = Annotated[
     dict[TemplateName, TemplateValue], Field(max_length=16), AfterValidator(_no_reserved_names)
 ]
+chat_template_kwargs_adapter: TypeAdapter[dict[str, Any]] = TypeAdapter(ChatTemplateKwargs)
 
 
 class PromptLine(_NativeLine):
@@ -565,10 +567,18 @@ class ParsedRequest(StrictModel):
     n: NumSamples = 1
 
     def resolve(
-        self, index: int, defaults: SamplingOverrides | None = None, return_token_ids: bool = False
+        self,
+        index: int,
+        defaults: SamplingOverrides | None = None,
+        return_token_ids: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Request:
-        """The stored request: line values win over batch defaults, which win over the built-in ones."""
+        """The stored request: line values win over batch defaults, which win over the built-in ones.
+        `chat_template_kwargs` are the batch's template variables, for chats; the line's win, name by name."""
         merged = (defaults.given() if defaults else {}) | self.overrides.given()
+        template_kwargs = None
+        if self.messages is not None and (chat_template_kwargs or self.chat_template_kwargs):
+            template_kwargs = (chat_template_kwargs or {}) | (self.chat_template_kwargs or {})
         return Request(
             index=index,
             line_no=self.line_no,
@@ -578,7 +588,7 @@ class ParsedRequest(StrictModel):
             model=self.model,
             prompt=self.prompt,
             messages=self.messages,
-            chat_template_kwargs=self.chat_template_kwargs,
+            chat_template_kwargs=template_kwargs,
             sampling=Sampling(**merged),
             n=self.n,
             return_token_ids=return_token_ids,

@@ -14,6 +14,7 @@ import click
 from producer.cli_common import format_status, reopenable_lines, write_result_lines
 from producer.client import Client, SourceChanged
 from producer.options import (
+    chat_template_kwargs_option,
     chunk_size_option,
     errors_option,
     format_option,
@@ -267,6 +268,7 @@ def worker(
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
 @sampling_options
+@chat_template_kwargs_option
 def run(
     file,
     output,
@@ -283,6 +285,7 @@ def run(
     return_token_ids,
     log_level,
     defaults,
+    chat_template_kwargs,
 ):
     """Submit FILE, run it with an in-process worker, and write the results to OUTPUT, in input order.
 
@@ -305,7 +308,12 @@ def run(
     )  # first, so queue times do not include loading
     try:
         batch = client.submit(
-            validated, chunk_size=chunk_size, return_token_ids=return_token_ids, retries=0, **defaults.given()
+            validated,
+            chunk_size=chunk_size,
+            return_token_ids=return_token_ids,
+            retries=0,
+            chat_template_kwargs=chat_template_kwargs,
+            **defaults.given(),
         )
     except SourceChanged as exc:  # FILE was edited while the model loaded
         raise click.ClickException(str(exc)) from None

@@ -15,8 +15,10 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
+from pydantic import ValidationError
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
@@ -25,7 +27,13 @@ from schemas import keys
 from schemas.chunk import CHUNK_FUNC
 from schemas.errors import FieldIssue, RequestLineError
 from schemas.keys import BatchField
-from schemas.request import ParsedRequest, Request, SamplingOverrides, parse_request_line
+from schemas.request import (
+    ParsedRequest,
+    Request,
+    SamplingOverrides,
+    chat_template_kwargs_adapter,
+    parse_request_line,
+)
 
 STAGING_SLICE = 2000  # requests per staging pipeline: bounded client memory, few round trips
 # Staged requests expire after this unless the commit comes (it sets the batch's TTL on every key), so even
@@ -153,6 +161,8 @@ class SubmitOptions:
     chunk_size: int = settings.DEFAULT_CHUNK_SIZE
     ttl_seconds: int = settings.DEFAULT_RESULT_TTL_SECONDS
     defaults: SamplingOverrides = field(default_factory=SamplingOverrides)
+    # The chat template's extra variables for every chat of the batch (a line's own win, name by name).
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False
     retries: int = settings.DEFAULT_RETRIES
     job_timeout_seconds: int = settings.NO_JOB_TIMEOUT  # or a positive number of seconds
@@ -169,6 +179,11 @@ class SubmitOptions:
                 f"job_timeout_seconds must be {settings.NO_JOB_TIMEOUT} (no limit) or >= 1, "
                 f"got {self.job_timeout_seconds}"
             )
+        if self.chat_template_kwargs is not None:  # the same bounds as on a line
+            try:
+                chat_template_kwargs_adapter.validate_python(self.chat_template_kwargs)
+            except ValidationError as exc:
+                raise ValueError(f"chat_template_kwargs: {exc.errors()[0]['msg']}") from None
 
 
 @dataclass
@@ -214,7 +229,10 @@ def submit_batch(
 
     batch_id = uuid.uuid4().hex[:16]
     remaining = (p for p in parsed if p.custom_id is None or p.custom_id not in skipped)
-    requests = (p.resolve(i, options.defaults, options.return_token_ids) for i, p in enumerate(remaining))
+    requests = (
+        p.resolve(i, options.defaults, options.return_token_ids, options.chat_template_kwargs)
+        for i, p in enumerate(remaining)
+    )
     custom_ids = {cid: batch_id for cid in remaining_ids if cid is not None}
     try:
         ttl = min(options.ttl_seconds, STAGING_TTL_SECONDS)

@@ -220,3 +220,11 @@ def test_a_file_changed_after_validation_enqueues_nothing(conn, tmp_path):
             client.submit(validated, chunk_size=8)
         assert Queue("q", connection=conn, serializer=JSONSerializer).count == 0, edit
         assert not list(conn.scan_iter("cbq:batch:*")), edit  # the staged requests were removed too
+
+
+def test_submit_options_bound_the_batchs_chat_template_kwargs_as_a_line_does():
+    from producer.store.submit import SubmitOptions
+
+    assert SubmitOptions(queue="q", chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs
+    with pytest.raises(ValueError, match="chat_template_kwargs: .*tokenize cannot be set here"):
+        SubmitOptions(queue="q", chat_template_kwargs={"tokenize": True})

@@ -147,6 +147,14 @@ def test_bad_chat_template_kwargs_name_line_and_field(kwargs, expected):
     assert message.startswith("line 7: ") and expected in message, message
 
 
+def test_a_batchs_chat_template_kwargs_reach_its_chats_and_a_lines_own_win():
+    chat = parse({"messages": [{"role": "user", "content": "u"}], "chat_template_kwargs": {"a": 1, "b": 2}})
+    batch = {"b": 0, "c": True}
+    assert chat.resolve(0, chat_template_kwargs=batch).chat_template_kwargs == {"a": 1, "b": 2, "c": True}
+    assert parse({"prompt": "x"}).resolve(0, chat_template_kwargs=batch).chat_template_kwargs is None
+    assert parse({"messages": [{"role": "user", "content": "u"}]}).resolve(0).chat_template_kwargs is None
+
+
 def test_completion_lines_take_no_chat_template_kwargs():
     assert "unknown or unsupported field" in error_of({"prompt": "x", "chat_template_kwargs": {"a": 1}})
     body = {"prompt": "x", "chat_template_kwargs": {"a": 1}}

@@ -112,6 +112,19 @@ def test_chat_template_kwargs_reach_the_template_of_a_qwen3_checkpoint(tmp_path)
         assert usage[custom_id]["prompt_tokens"] == len(tok(rendered, add_special_tokens=False)["input_ids"])
     assert usage["no-thinking"]["prompt_tokens"] > usage["thinking"]["prompt_tokens"]
 
+    # the batch's variables (`--chat-template-kwargs`) reach every chat; a line's own win, name by name
+    lines[1]["body"]["chat_template_kwargs"] = {"enable_thinking": True}
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["run", str(path), "-o", str(out), "--format", "openai", "--model", str(qwen3.path)]
+    result = CliRunner().invoke(main, [*args, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert result.exit_code == 0, result.output
+    flipped = {line["custom_id"]: line["response"]["body"]["usage"] for line in read_jsonl(out)}
+    assert flipped["thinking"]["prompt_tokens"] == usage["no-thinking"]["prompt_tokens"]
+    assert flipped["no-thinking"]["prompt_tokens"] == usage["thinking"]["prompt_tokens"]
+    for value, message in (("{", "not JSON"), ('{"tokenize": true}', "tokenize cannot be set here")):
+        result = CliRunner().invoke(main, [*args, "--chat-template-kwargs", value])
+        assert result.exit_code == 2 and "--chat-template-kwargs" in result.output and message in result.output
+
     bad = dict(lines[1], body=body | {"chat_template_kwargs": {"messages": 1}})
     path.write_text(json.dumps(bad) + "\n")
     result = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--model", str(qwen3.path)])
