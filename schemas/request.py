@@ -40,6 +40,7 @@ from pydantic import (
 
 from schemas.constraint import compile_error
 from schemas.errors import FieldIssue, RequestLineError, format_loc, issues_from_validation_error
+from schemas.tools import MAX_TOOLS, ForcedToolCall, Tool, ToolChoice, forced_call
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -346,8 +347,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
 }
 # Fields that ask for what cbq cannot do yet: rejected with the reason, not as unknown.
 _UNSUPPORTED_FIELDS = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
     "functions": "function calling",
     "function_call": "function calling",
     "audio": "audio output",
@@ -417,8 +416,6 @@ class _OpenAIBodyBase(StrictModel):
     stream_options: Any = None
     # Declared only to be refused with the reason (see `_UNSUPPORTED_FIELDS`); excluded from the fields
     # an error message lists as allowed.
-    tools: Any = Field(None, exclude=True)
-    tool_choice: Any = Field(None, exclude=True)
     functions: Any = Field(None, exclude=True)
     function_call: Any = Field(None, exclude=True)
     audio: Any = Field(None, exclude=True)
@@ -502,6 +499,24 @@ class CompletionBody(_OpenAIBody):
 class ChatCompletionBody(_OpenAIBody):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, not OpenAI's
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # see schemas/tools.py
+    tool_choice: ToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _tool_call_is_forced_or_none(self):
+        call = forced_call(self.tools, self.tool_choice)
+        if call is not None and self.response_format and self.response_format.output_constraint():
+            raise ValueError("give response_format or a forced tool call, not both")
+        return self
+
+    def tool_call(self) -> ForcedToolCall | None:
+        return forced_call(self.tools, self.tool_choice)
+
+    def output_constraint(self) -> OutputConstraint | None:
+        call = self.tool_call()
+        if call is not None:  # the arguments follow the function's parameters
+            return OutputConstraint(kind="json_schema", spec=_json_text(call.function.arguments_schema()))
+        return super().output_constraint()
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
 
@@ -537,6 +552,8 @@ class Request(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
+    tool_call: ForcedToolCall | None = None  # the call the body forces: the output is its arguments
     sampling: Sampling = Sampling()
     n: NumSamples = 1
     return_token_ids: bool = False
@@ -563,6 +580,8 @@ class ParsedRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_call: ForcedToolCall | None = None
     overrides: SamplingOverrides = SamplingOverrides()
     n: NumSamples = 1
 
@@ -589,6 +608,8 @@ class ParsedRequest(StrictModel):
             prompt=self.prompt,
             messages=self.messages,
             chat_template_kwargs=template_kwargs,
+            tools=self.tools,
+            tool_call=self.tool_call,
             sampling=Sampling(**merged),
             n=self.n,
             return_token_ids=return_token_ids,
@@ -722,6 +743,8 @@ def _parse_openai_line(obj: dict[str, Any], line_no: int) -> ParsedRequest:
         prompt=getattr(body, "prompt", None),
         messages=getattr(body, "messages", None),
         chat_template_kwargs=getattr(body, "chat_template_kwargs", None),
+        tools=[t.model_dump(exclude_none=True) for t in body.tools] if getattr(body, "tools", None) else None,
+        tool_call=body.tool_call() if isinstance(body, ChatCompletionBody) else None,
         overrides=body.overrides(),
         n=body.n or 1,
     )

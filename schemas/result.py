@@ -177,9 +177,9 @@ def to_openai_output(
         choices = [
             {
                 "index": sample.index,
-                "message": {"role": "assistant", "content": sample.text},
+                "message": _chat_message(sample, request, request_id),
                 "logprobs": _chat_logprobs(sample.logprobs),
-                "finish_reason": sample.finish_reason,
+                "finish_reason": _chat_finish_reason(sample, request),
             }
             for sample in result.all_samples
         ]
@@ -197,6 +197,26 @@ def to_openai_output(
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": choices, **common}
     response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
     return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
+
+
+def _chat_message(sample: Sample, request: Request, request_id: str) -> dict[str, Any]:
+    """The assistant's message: its text, or for a forced tool call (schemas/tools.py) the call, whose
+    arguments are the text."""
+    if request.tool_call is None:
+        return {"role": "assistant", "content": sample.text}
+    call = {
+        "id": f"call_{request_id}_{sample.index}",
+        "type": "function",
+        "function": {"name": request.tool_call.function.name, "arguments": sample.text},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def _chat_finish_reason(sample: Sample, request: Request) -> str:
+    """As OpenAI: a call forced by name ends with "stop", one forced by "required" with "tool_calls"."""
+    if request.tool_call is None or sample.finish_reason != "stop" or request.tool_call.named:
+        return sample.finish_reason
+    return "tool_calls"
 
 
 def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:

@@ -218,6 +218,16 @@ def test_invalid_json_and_non_objects():
     )
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "g"}},
+]
+
+
+def NAMED(name):  # noqa: N802 - reads as the constant it builds
+    return {"type": "function", "function": {"name": name}}
+
+
 def openai_line(body, url="/v1/completions", **envelope):
     return {"custom_id": "c", "method": "POST", "url": url, "body": body, **envelope}
 
@@ -247,9 +257,58 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body.response_format.type: Input should be 'text', 'json_object' or 'json_schema'",
         ),
         (
-            openai_line({"messages": [{"role": "user", "content": "x"}], "tools": []}, "/v1/chat/completions"),
-            "line 7: body.tools: cbq does not support tool calling yet",
+            openai_line({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}, "/v1/chat/completions"),
+            'line 7: body: cbq calls a tool only when tool_choice names it (or is "required" with one tool): '
+            "letting the model choose needs its own tool-call format",
         ),
+        (
+            openai_line(
+                {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "required"},
+                "/v1/chat/completions",
+            ),
+            'line 7: body: tool_choice "required" with several tools lets the model choose: name one',
+        ),
+        (
+            openai_line({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none"}, "/v1/chat/completions"),
+            "line 7: body: tool_choice needs tools",
+        ),
+        (
+            openai_line(
+                {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": NAMED("h"), },
+                "/v1/chat/completions",
+            ),
+            "line 7: body: tool_choice names 'h', which is not in tools",
+        ),
+        (
+            openai_line(
+                {
+                    "messages": [{"role": "user", "content": "x"}],
+                    "tools": TOOLS,
+                    "tool_choice": NAMED("f"),
+                    "response_format": {"type": "json_object"},
+                },
+                "/v1/chat/completions",
+            ),
+            "line 7: body: give response_format or a forced tool call, not both",
+        ),
+        (
+            openai_line(
+                {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a b"}}]},
+                "/v1/chat/completions",
+            ),
+            "line 7: body.tools[0].function.name: String should match pattern",
+        ),
+        (
+            openai_line(
+                {
+                    "messages": [{"role": "user", "content": "x"}],
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+                },
+                "/v1/chat/completions",
+            ),
+            "line 7: body.tools[0].function.parameters: does not compile: Invalid type: objekt",
+        ),
+        (openai_line({"prompt": "x", "tools": TOOLS}), "line 7: body.tools: unknown or unsupported field"),
         (
             openai_line({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}, "/v1/chat/completions"),
             "line 7: body.reasoning_effort: cbq does not support reasoning_effort (an open model's thinking is a switch "

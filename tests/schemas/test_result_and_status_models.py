@@ -1,3 +1,5 @@
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -164,3 +166,26 @@ def test_every_finish_reason_counts_as_one_batch_outcome():
         BatchField.NUM_FAILED,
         BatchField.NUM_CANCELLED,
     ]
+
+
+@pytest.mark.parametrize("choice, finish", [({"type": "function", "function": {"name": "f"}}, "stop"), ("required", "tool_calls")])
+def test_a_forced_tool_call_answers_with_tool_calls_as_openai_does(choice, finish):
+    from openai.types.chat import ChatCompletion
+
+    from schemas.request import parse_request_line
+
+    body = {
+        "messages": [{"role": "user", "content": "q"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": choice,
+    }
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    req = parse_request_line(json.dumps(line), 4).resolve(3)
+    assert req.tools == body["tools"] and req.tool_call.function.name == "f"
+    for finish_reason, want in (("stop", finish), ("length", "length")):
+        out = to_openai_output(result(text='{"a": 1}', finish_reason=finish_reason), req, "b1", "m", 1)
+        parsed = ChatCompletion.model_validate(out.response.body)
+        [choice_out] = parsed.choices
+        assert choice_out.finish_reason == want and choice_out.message.content is None
+        [call] = choice_out.message.tool_calls
+        assert (call.id, call.type, call.function.name, call.function.arguments) == ("call_b1-3_0", "function", "f", '{"a": 1}')

@@ -63,9 +63,15 @@ def test_an_openai_batch_file_runs_unedited_and_parses_with_openai_types(llama3,
         assert choice.finish_reason in ("stop", "length")
         assert parsed.model == "llama-3-instruct-like"
         assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
+        request = inputs[line["custom_id"]]["body"]
+        if "tool_choice" in request:  # a forced call: its arguments follow the function's parameters
+            [call] = choice.message.tool_calls
+            assert choice.message.content is None and choice.finish_reason == "stop"  # named, as OpenAI
+            assert call.function.name == request["tool_choice"]["function"]["name"] == "record_water"
+            jsonschema.validate(json.loads(call.function.arguments), request["tools"][0]["function"]["parameters"])
+            continue
         text = choice.message.content if isinstance(parsed, ChatCompletion) else choice.text
         assert "<|eot_id|>" not in text
-        request = inputs[line["custom_id"]]["body"]
         if request.get("logprobs"):  # real tokenizer pieces: the tokens' bytes spell the text
             records = choice.logprobs.content if isinstance(parsed, ChatCompletion) else choice.logprobs.tokens
             assert records and all(len(r.top_logprobs) == 2 for r in records if hasattr(r, "top_logprobs"))

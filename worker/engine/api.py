@@ -236,7 +236,10 @@ class TokenizerProtocol(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...

@@ -31,10 +31,13 @@ class ByteTokenizer:
         return [self.bos_token_id, *ids] if self.add_bos else ids
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         # A fixed, documented template: "<|role|>\ncontent\n" per message, then the assistant's turn. It has
-        # no variables, so `template_kwargs` change nothing (as for a checkpoint without a chat template).
+        # no variables, so `template_kwargs` and `tools` change nothing (as for a checkpoint without a template).
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
 
@@ -82,13 +85,17 @@ class HFTokenizer:
         return list(self._tok.encode(text))
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The chat template's rendering, with `template_kwargs` as extra template variables (Qwen3's
-        `enable_thinking`); without a template, a plain transcript that ignores them."""
+        `enable_thinking`) and `tools` as the template's tool definitions; without a template, a plain
+        transcript that ignores both."""
         if getattr(self._tok, "chat_template", None):
             ids = self._tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
             )
             if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
                 ids = ids["input_ids"]

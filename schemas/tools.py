@@ -1,0 +1,89 @@
+"""Forced tool calls in OpenAI chat bodies: `tools` with a `tool_choice` that leaves the model no choice.
+
+Extraction pipelines written for OpenAI often force one function call (`tool_choice: {"type": "function",
+"function": {"name": ...}}`, or `"required"` with a single tool) to get arguments that follow a schema. cbq
+runs that as a JSON-schema constraint on the function's `parameters`, shows the tools to the chat template
+(as transformers' `apply_chat_template(tools=...)`), and answers with OpenAI's `tool_calls` message.
+A call the model would choose freely (`"auto"`, or `"required"` among several tools) needs each model's own
+tool-call format and parser: refused with that reason. `"none"` shows the tools and generates text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from schemas.constraint import compile_error
+
+MAX_TOOLS = 128  # OpenAI's bound
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any JSON object
+    strict: bool | None = None  # cbq always enforces the parameters' schema
+
+    @field_validator("parameters")
+    @classmethod
+    def _compiles(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        error = compile_error("json_schema", json.dumps(value or {}))
+        if error:
+            raise ValueError(f"does not compile: {error}")
+        return value
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object"}
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ForcedToolCall(_Strict):
+    """The stored request's call: which function, and how OpenAI reports it (`finish_reason` "stop" for a
+    named choice, "tool_calls" for "required")."""
+
+    function: FunctionSpec
+    named: bool
+
+
+def forced_call(tools: list[Tool] | None, choice: ToolChoice | None) -> ForcedToolCall | None:
+    """The call `tool_choice` forces, None when none is made ("none"); ValueError for what cbq cannot run."""
+    if choice is not None and not tools:
+        raise ValueError("tool_choice needs tools")
+    if not tools or choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise ValueError(
+            'cbq calls a tool only when tool_choice names it (or is "required" with one tool): letting the '
+            "model choose needs its own tool-call format"
+        )
+    if choice == "required":
+        if len(tools) > 1:
+            raise ValueError('tool_choice "required" with several tools lets the model choose: name one')
+        return ForcedToolCall(function=tools[0].function, named=False)
+    assert isinstance(choice, NamedToolChoice)
+    by_name = {tool.function.name: tool.function for tool in tools}
+    if choice.function.name not in by_name:
+        raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+    return ForcedToolCall(function=by_name[choice.function.name], named=True)
