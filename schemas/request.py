@@ -59,6 +59,7 @@ def _one_string_is_a_list(value: Any) -> Any:
 # float32 step buffers and scans stop strings every step, so one absurd value must fail its line, not a step.
 MAX_NEW_TOKENS_LIMIT = 2**20
 MAX_TEMPERATURE = 100.0
+MAX_TOOL_CALLS = 128  # per assistant message in an input transcript
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range is [-2, 2]
 MAX_TOP_K = 1_000_000  # larger than any vocabulary: a top_k at or above the vocab size keeps every token
 MAX_STOP_STRINGS = 16
@@ -81,13 +82,52 @@ NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
 _N_DESCRIPTION = "Independent samples of this prompt (they share its prefill); sample i of a seeded request draws from (seed, i)."
 
 
+class _CalledFunction(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class _PastToolCall(StrictModel):
+    """A call an earlier assistant turn made (agent transcripts replayed in a batch)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: _CalledFunction
+
+
 class ChatMessage(StrictModel):
     """One chat message. OpenAI's forms are accepted and normalized: the `developer` role is `system`, and
     content given as a list of text parts is their texts joined by newlines (image, audio and file parts are
-    rejected: cbq generates text from text)."""
+    rejected: cbq generates text from text). Transcripts of tool use are taken too: an assistant turn with
+    `tool_calls` (its content may be null) and `tool` turns answering them by `tool_call_id`."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[_PastToolCall] | None = Field(None, min_length=1, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message has a tool_call_id, and only a tool message")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content is required (it may be null only beside tool_calls)")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (transformers' convention): no unset fields, and tool-call
+        arguments as objects where they are JSON objects."""
+        message = self.model_dump(exclude_none=True)
+        for call in message.get("tool_calls", []):
+            try:
+                arguments = json.loads(call["function"]["arguments"])
+            except ValueError:
+                continue
+            if isinstance(arguments, dict):
+                call["function"]["arguments"] = arguments
+        return message
 
     @model_validator(mode="before")
     @classmethod

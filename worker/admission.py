@@ -111,7 +111,7 @@ def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Toke
 
 def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: str, arrival_time: float) -> EngineRequest:
     if request.is_chat:
-        messages = [m.model_dump() for m in request.messages]
+        messages = [m.for_template() for m in request.messages]
         prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools)
     else:
         prompt_ids = tokenizer.encode(request.prompt)

@@ -155,6 +155,36 @@ def test_a_batchs_chat_template_kwargs_reach_its_chats_and_a_lines_own_win():
     assert parse({"messages": [{"role": "user", "content": "u"}]}).resolve(0).chat_template_kwargs is None
 
 
+def test_tool_use_transcripts_are_taken_and_given_to_templates_with_object_arguments():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    parsed = parse(openai_line({"messages": messages}, "/v1/chat/completions")).resolve(0)
+    templated = [m.for_template() for m in parsed.messages]
+    assert templated[1] == {"role": "assistant", "tool_calls": [dict(call, function={"name": "f", "arguments": {"x": 1}})]}
+    assert templated[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    assert Request.model_validate_json(parsed.model_dump_json()) == parsed
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ({"role": "user", "content": "u", "tool_calls": []}, "tool_calls: List should have at least 1 item"),
+        (
+            {"role": "user", "content": "u", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            "messages[0]: only an assistant message has tool_calls",
+        ),
+        ({"role": "tool", "content": "42"}, "messages[0]: a tool message has a tool_call_id, and only a tool message"),
+        ({"role": "assistant", "content": None}, "messages[0]: content is required (it may be null only beside tool_calls)"),
+    ],
+)
+def test_bad_tool_use_messages_name_the_message(message, expected):
+    assert expected in error_of({"messages": [message]})
+
+
 def test_completion_lines_take_no_chat_template_kwargs():
     assert "unknown or unsupported field" in error_of({"prompt": "x", "chat_template_kwargs": {"a": 1}})
     body = {"prompt": "x", "chat_template_kwargs": {"a": 1}}
@@ -192,9 +222,9 @@ def test_completion_lines_take_no_chat_template_kwargs():
         ({"messages": []}, "line 7: messages: List should have at least 1 item after validation, not 0"),
         (
             {"messages": [{"role": "bot", "content": "x"}]},
-            "line 7: messages[0].role: Input should be 'system', 'user' or 'assistant'",
+            "line 7: messages[0].role: Input should be 'system', 'user', 'assistant' or 'tool'",
         ),
-        ({"messages": [{"role": "user"}]}, "line 7: messages[0].content: Field required"),
+        ({"messages": [{"role": "user"}]}, "line 7: messages[0]: content is required (it may be null only beside tool_calls)"),
         ({"prompt": "x", "messages": []}, "line 7: give either prompt or messages, not both"),
         ({"text": "x"}, 'line 7: expected {"prompt": ...}, {"messages": [...]}, or an OpenAI Batch line'),
     ],

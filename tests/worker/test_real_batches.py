@@ -138,6 +138,33 @@ def test_chat_template_kwargs_reach_the_template_of_a_qwen3_checkpoint(tmp_path)
     assert "line 1: body.chat_template_kwargs: messages cannot be set here" in result.output
 
 
+def test_a_tool_use_transcript_renders_through_the_qwen3_template(tmp_path):
+    """An agent transcript replayed in a batch: an assistant turn with tool_calls (content null) and the tool's
+    answer. The template gets the calls' arguments as objects (transformers' convention) and renders them."""
+    from transformers import AutoTokenizer
+
+    qwen3 = build_checkpoint(tmp_path / "qwen3", "qwen3")
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "how is the water in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "the water is long"},
+    ]
+    line = {"custom_id": "t", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": messages, "max_tokens": 2}}
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    result = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--format", "openai", "--model", str(qwen3.path)])
+    assert result.exit_code == 0, result.output
+    [answer] = read_jsonl(out)
+    tok = AutoTokenizer.from_pretrained(qwen3.path)
+    templated = [messages[0], {"role": "assistant", "tool_calls": [dict(call, function={"name": "lookup", "arguments": {"city": "Oslo"}})]}, messages[2]]
+    rendered = tok.apply_chat_template(templated, add_generation_prompt=True, tokenize=False)
+    assert '<tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call>' in rendered
+    assert "<tool_response>\nthe water is long\n</tool_response>" in rendered
+    expected = len(tok(rendered, add_special_tokens=False)["input_ids"])
+    assert answer["response"]["body"]["usage"]["prompt_tokens"] == expected
+
+
 def test_results_errors_file_takes_failed_requests(cbq, burst_worker, write_jsonl, tmp_path):
     too_long = "x" * 5000  # the fake engine's context is 4,096 bytes
     path = write_jsonl([{"prompt": "hello", "custom_id": "ok"}, {"prompt": too_long, "custom_id": "long"}])

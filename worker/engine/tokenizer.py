@@ -5,6 +5,7 @@ tokenizers. Both satisfy `api.TokenizerProtocol`: `encode(text)`, `encode_chat(m
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ class ByteTokenizer:
     ) -> list[int]:
         # A fixed, documented template: "<|role|>\ncontent\n" per message, then the assistant's turn. It has
         # no variables, so `template_kwargs` and `tools` change nothing (as for a checkpoint without a template).
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        text = "".join(f"<|{m['role']}|>\n{transcript_text(m)}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
 
     def special_token_id(self, text: str) -> int | None:
@@ -101,7 +102,7 @@ class HFTokenizer:
                 ids = ids["input_ids"]
             return list(ids)
         # No template: a plain transcript, so chat lines still work with base models.
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        text = "".join(f"{m['role']}: {transcript_text(m)}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
     def special_token_id(self, text: str) -> int | None:
@@ -120,3 +121,10 @@ class HFTokenizer:
         if not 0 <= token_id < self._llg_tokenizer.vocab_size:
             return b""
         return self._llg_tokenizer.decode_bytes([token_id])
+
+
+def transcript_text(message: dict[str, Any]) -> str:
+    """A message's text where no chat template renders it: its content, else the calls it made, as JSON."""
+    if message.get("content") is not None:
+        return message["content"]
+    return json.dumps([call["function"] for call in message.get("tool_calls", [])], ensure_ascii=False)

@@ -128,3 +128,9 @@ def test_byte_tokenizer_chat_template():
         "<|system|>\nBe brief.\n<|user|>\nHéllo?\n<|assistant|>\nHi.\n<|user|>\nBye\n<|assistant|>\n"
     )
     assert tok.encode_chat([]) == tok.encode("<|assistant|>\n")
+    # a tool-use transcript (as ChatMessage.for_template gives it): calls as JSON where there is no content
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    transcript = [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    assert tok.decode(tok.encode_chat(transcript)) == (
+        '<|assistant|>\n[{"name": "f", "arguments": {"x": 1}}]\n<|tool|>\n2\n<|assistant|>\n'
+    )
