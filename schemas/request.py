@@ -9,6 +9,7 @@ Owns the input contract of `cbq submit`:
 An output constraint is spelled `json_schema`, `regex` or `choice` on simple and chat lines, and
 `response_format` in OpenAI bodies; logprobs are `logprobs: k` on simple and chat lines and in completions
 bodies, `logprobs: true` + `top_logprobs: k` in chat bodies. A constraint that does not compile fails its line.
+A chat body that forces a tool call runs as a constraint on the function's arguments (schemas/tools.py).
 
 `parse_request_line` turns one JSONL line into a `ParsedRequest` (sampling fields only where the line gave
 them); `ParsedRequest.resolve` applies batch defaults and gives the `Request` that is stored and run.
@@ -541,6 +542,8 @@ class ChatCompletionBody(_OpenAIBody):
     chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, not OpenAI's
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # see schemas/tools.py
     tool_choice: ToolChoice | None = None
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = None
 
     @model_validator(mode="after")
     def _tool_call_is_forced_or_none(self):
@@ -557,8 +560,6 @@ class ChatCompletionBody(_OpenAIBody):
         if call is not None:  # the arguments follow the function's parameters
             return OutputConstraint(kind="json_schema", spec=_json_text(call.function.arguments_schema()))
         return super().output_constraint()
-    logprobs: bool | None = None
-    top_logprobs: NumLogprobs | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
