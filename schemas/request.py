@@ -104,8 +104,13 @@ class ChatMessage(StrictModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
+    name: str | None = Field(None, min_length=1, max_length=64)  # a participant's name, given to the template
     tool_calls: list[_PastToolCall] | None = Field(None, min_length=1, max_length=MAX_TOOL_CALLS)
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)
+    # What an OpenAI response message carries besides its content, so a conversation that appends the
+    # previous response's message as it came runs: accepted when empty, and not given to the template.
+    refusal: None = Field(None, exclude=True)
+    annotations: list[Any] | None = Field(None, max_length=0, exclude=True)
 
     @model_validator(mode="after")
     def _fields_of_the_role(self):

@@ -169,6 +169,14 @@ def test_tool_use_transcripts_are_taken_and_given_to_templates_with_object_argum
     assert Request.model_validate_json(parsed.model_dump_json()) == parsed
 
 
+def test_a_message_copied_from_an_openai_response_and_participant_names_are_taken():
+    reply = {"role": "assistant", "content": "hi", "refusal": None, "annotations": []}
+    named = {"role": "user", "name": "alice", "content": "u"}
+    parsed = parse(openai_line({"messages": [named, reply]}, "/v1/chat/completions")).resolve(0)
+    assert [m.for_template() for m in parsed.messages] == [named, {"role": "assistant", "content": "hi"}]
+    assert "messages[0].refusal: Input should be None" in error_of({"messages": [dict(reply, refusal="no")]})
+
+
 @pytest.mark.parametrize(
     "message, expected",
     [
