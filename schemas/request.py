@@ -405,6 +405,13 @@ _UNSUPPORTED_FIELDS = {
     'chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3)',
     "verbosity": "verbosity (an OpenAI model setting)",
 }
+# Values of those fields that ask for nothing (generated files often spell their defaults out). Not
+# `web_search_options: {}`: that turns web search on.
+_UNSUPPORTED_NO_OPS: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "functions": ([],),
+    "modalities": (["text"],),
+}
 
 
 class _JsonSchemaSpec(StrictModel):
@@ -475,7 +482,7 @@ class _OpenAIBodyBase(StrictModel):
     @field_validator(*_UNSUPPORTED_FIELDS)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is None:
+        if value is None or value in _UNSUPPORTED_NO_OPS.get(info.field_name or "", ()):
             return value
         raise ValueError(f"cbq does not support {_UNSUPPORTED_FIELDS[info.field_name or '']} yet")
 

@@ -169,6 +169,13 @@ def test_tool_use_transcripts_are_taken_and_given_to_templates_with_object_argum
     assert Request.model_validate_json(parsed.model_dump_json()) == parsed
 
 
+def test_unsupported_fields_at_their_empty_or_default_values_ask_for_nothing():
+    body = {"prompt": "x", "logit_bias": {}, "functions": [], "modalities": ["text"], "web_search_options": None}
+    assert parse(openai_line(body)).prompt == "x"
+    assert "cbq does not support output modalities" in error_of(openai_line({"prompt": "x", "modalities": ["audio"]}))
+    assert "cbq does not support web search" in error_of(openai_line({"prompt": "x", "web_search_options": {}}))
+
+
 def test_a_message_copied_from_an_openai_response_and_participant_names_are_taken():
     reply = {"role": "assistant", "content": "hi", "refusal": None, "annotations": []}
     named = {"role": "user", "name": "alice", "content": "u"}
