@@ -41,7 +41,7 @@ from pydantic import (
 
 from schemas.constraint import compile_error
 from schemas.errors import FieldIssue, RequestLineError, format_loc, issues_from_validation_error
-from schemas.tools import MAX_TOOLS, ForcedToolCall, Tool, ToolChoice, forced_call
+from schemas.tools import MAX_TOOLS, ForcedToolCall, Tool, ToolChoice, forced_call, function_named
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -569,8 +569,9 @@ class ChatCompletionBody(_OpenAIBody):
 
     def output_constraint(self) -> OutputConstraint | None:
         call = self.tool_call()
-        if call is not None:  # the arguments follow the function's parameters
-            return OutputConstraint(kind="json_schema", spec=_json_text(call.function.arguments_schema()))
+        if call is not None and self.tools:  # the arguments follow the function's parameters
+            schema = function_named(self.tools, call.name).arguments_schema()
+            return OutputConstraint(kind="json_schema", spec=_json_text(schema))
         return super().output_constraint()
 
     @model_validator(mode="after")

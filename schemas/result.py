@@ -207,7 +207,7 @@ def _chat_message(sample: Sample, request: Request, request_id: str) -> dict[str
     call = {
         "id": f"call_{request_id}_{sample.index}",
         "type": "function",
-        "function": {"name": request.tool_call.function.name, "arguments": sample.text},
+        "function": {"name": request.tool_call.name, "arguments": sample.text},
     }
     return {"role": "assistant", "content": None, "tool_calls": [call]}
 

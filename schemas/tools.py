@@ -60,10 +60,10 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ForcedToolCall(_Strict):
-    """The stored request's call: which function, and how OpenAI reports it (`finish_reason` "stop" for a
-    named choice, "tool_calls" for "required")."""
+    """The stored request's call: which function (its arguments schema is already the request's constraint),
+    and how OpenAI reports it (`finish_reason` "stop" for a named choice, "tool_calls" for "required")."""
 
-    function: FunctionSpec
+    name: str
     named: bool
 
 
@@ -81,9 +81,12 @@ def forced_call(tools: list[Tool] | None, choice: ToolChoice | None) -> ForcedTo
     if choice == "required":
         if len(tools) > 1:
             raise ValueError('tool_choice "required" with several tools lets the model choose: name one')
-        return ForcedToolCall(function=tools[0].function, named=False)
+        return ForcedToolCall(name=tools[0].function.name, named=False)
     assert isinstance(choice, NamedToolChoice)
-    by_name = {tool.function.name: tool.function for tool in tools}
-    if choice.function.name not in by_name:
+    if all(tool.function.name != choice.function.name for tool in tools):
         raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
-    return ForcedToolCall(function=by_name[choice.function.name], named=True)
+    return ForcedToolCall(name=choice.function.name, named=True)
+
+
+def function_named(tools: list[Tool], name: str) -> FunctionSpec:
+    return next(tool.function for tool in tools if tool.function.name == name)

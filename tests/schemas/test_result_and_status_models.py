@@ -181,7 +181,7 @@ def test_a_forced_tool_call_answers_with_tool_calls_as_openai_does(choice, finis
     }
     line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
     req = parse_request_line(json.dumps(line), 4).resolve(3)
-    assert req.tools == body["tools"] and req.tool_call.function.name == "f"
+    assert req.tools == body["tools"] and req.tool_call.name == "f"
     for finish_reason, want in (("stop", finish), ("length", "length")):
         out = to_openai_output(result(text='{"a": 1}', finish_reason=finish_reason), req, "b1", "m", 1)
         parsed = ChatCompletion.model_validate(out.response.body)
