@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from producer import settings
-from schemas.request import SamplingOverrides, chat_template_kwargs_adapter
+from schemas.request import SamplingOverrides, checked_chat_template_kwargs
 from schemas.result import OUTPUT_FORMATS
 
 
@@ -187,14 +187,11 @@ def _parse_chat_template_kwargs(_ctx, _param, value: str | None) -> dict | None:
     if value is None:
         return None
     try:
-        parsed = json.loads(value)
-        return chat_template_kwargs_adapter.validate_python(parsed)
+        return checked_chat_template_kwargs(json.loads(value))
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc.msg}") from None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise click.BadParameter(f"{where + ': ' if where else ''}{first['msg']}") from None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 chat_template_kwargs_option = click.option(

@@ -368,7 +368,17 @@ def _no_reserved_names(value: dict[str, Any] | None) -> dict[str, Any] | None:
 ChatTemplateKwargs = Annotated[
     dict[TemplateName, TemplateValue], Field(max_length=16), AfterValidator(_no_reserved_names)
 ]
-chat_template_kwargs_adapter: TypeAdapter[dict[str, Any]] = TypeAdapter(ChatTemplateKwargs)
+_chat_template_kwargs_adapter: TypeAdapter[dict[str, Any]] = TypeAdapter(ChatTemplateKwargs)
+
+
+def checked_chat_template_kwargs(value: Any) -> dict[str, Any]:
+    """`value` as a batch's chat_template_kwargs, under a line's bounds; ValueError naming the first problem."""
+    try:
+        return _chat_template_kwargs_adapter.validate_python(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{where + ': ' if where else ''}{first['msg']}") from None
 
 
 class PromptLine(_NativeLine):

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from pydantic import ValidationError
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
@@ -31,7 +30,7 @@ from schemas.request import (
     ParsedRequest,
     Request,
     SamplingOverrides,
-    chat_template_kwargs_adapter,
+    checked_chat_template_kwargs,
     parse_request_line,
 )
 
@@ -181,9 +180,9 @@ class SubmitOptions:
             )
         if self.chat_template_kwargs is not None:  # the same bounds as on a line
             try:
-                chat_template_kwargs_adapter.validate_python(self.chat_template_kwargs)
-            except ValidationError as exc:
-                raise ValueError(f"chat_template_kwargs: {exc.errors()[0]['msg']}") from None
+                checked_chat_template_kwargs(self.chat_template_kwargs)
+            except ValueError as exc:
+                raise ValueError(f"chat_template_kwargs: {exc}") from None
 
 
 @dataclass
