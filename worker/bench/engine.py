@@ -310,6 +310,13 @@ def engine_bench(
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
     runs = [(d, g, m, v) for d in decoders for g in decode_gemms for v in parsed for m in modes]
+
+    def setup_suffix(decoder: str, gemm: str) -> str:
+        """What names a run's engine setup in its label, where more than one was asked for."""
+        return "".join(
+            f"-{value}" for value, many in ((decoder, len(decoders) > 1), (gemm, len(decode_gemms) > 1)) if many
+        )
+
     for decoder, gemm, m, (is_json, num_top) in runs:
         config = EngineConfig(
             mode=m,
@@ -334,12 +341,7 @@ def engine_bench(
             # warm-up above, so the first engine also runs the whole workload once, unmeasured, on shifted
             # token ids (the real ones would leave their prompts in the prefix cache for the measured run).
             engine.generate(with_variant(warmup_requests(reqs, vocab_limit, full_length=True), is_json, num_top))
-        label = "-".join(
-            [m]
-            + ([decoder] if len(decoders) > 1 else [])
-            + ([gemm] if len(decode_gemms) > 1 else [])
-            + ([variant_name(is_json, num_top)] if len(parsed) > 1 else [])
-        )
+        label = m + setup_suffix(decoder, gemm) + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
         result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
         result.extra.update(
             variant=variant_name(is_json, num_top),
@@ -365,14 +367,7 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    setups = [
-        "".join(
-            ([f"-{d}"] if len(decoders) > 1 else []) + ([f"-{g}"] if len(decode_gemms) > 1 else [])
-        )
-        for d in decoders
-        for g in decode_gemms
-    ]
-    for suffix in setups:
+    for suffix in (setup_suffix(d, g) for d in decoders for g in decode_gemms):
         if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
             ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
             click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
