@@ -84,4 +84,3 @@ def write_result_lines(
             (error_out if to_errors else out).write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
             counts[to_errors] += 1
     return counts[False], counts[True]
-

@@ -352,16 +352,12 @@ class ModelRunner:
         generated = self._to_device([int(p.input_is_generated) for p in penalties]).bool()
         input_ids = d["input_ids"][d["logits_indices"][rows].long()].long()
         history = torch.cat([history, torch.where(generated, input_ids, -1)[:, None]], dim=1)
-        weights = self._to_device_float([[p.presence, p.frequency] for p in penalties])
+        weights = self._to_device([[p.presence, p.frequency] for p in penalties], torch.float32)
         apply_penalties(logits, rows, history, weights[:, 0], weights[:, 1])
 
-    def _to_device_float(self, values: list[list[float]]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.float32, pin_memory=self.is_cuda)
-        return host.to(self.device, non_blocking=True)
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
+    def _to_device(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         # NOTE: pinned through the caching host allocator, which keeps the block until the copy is done.
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.is_cuda)
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.is_cuda)
         return host.to(self.device, non_blocking=True)
 
     def _logprob_buffer(self, slot_index: int) -> logprobs.LogprobBuffers:
