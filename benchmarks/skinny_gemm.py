@@ -6,7 +6,8 @@
 --chain times the decoder layer's GEMM chain as the owned decoder runs it (add_rmsnorm, QKV, O (on the normed input),
 add_rmsnorm, gate/up, SiLU·mul, down; attention left out) over 32 layers from one CUDA graph, three ways:
 cuBLAS with the Triton element-wise kernels (decode_gemm "cublas"), decode_gemm.py's Triton GEMMs without
-programmatic dependent launch, and with it (decode_gemm "triton": down stays cuBLAS).
+programmatic dependent launch, and with it (down on cuBLAS), and with SiLU·mul in the gate/up GEMM's epilogue
+(`gated`: decode_gemm "triton" as the decoder runs it) in a few tile shapes.
 
 For each Llama-3-8B projection (QKV, O, gate/up, down, lm_head) and token count M, times y = x @ W^T
 replayed from a CUDA graph over 32 distinct weights (one per layer, so L2 never holds the next one),
@@ -145,12 +146,17 @@ def chain_bench(m: int) -> None:
     norm_w = torch.ones(hidden, device="cuda", dtype=dt)
     x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
 
-    def run(triton_names: tuple[str, ...], pdl: bool) -> None:
+    def run(triton_names: tuple[str, ...], pdl: bool, gated: dg.Config | None = None) -> None:
         def linear(x, w, name):
             if name not in triton_names:
                 return F.linear(x, w)
             config = dg.config_for(*w.shape) or (32, 256, 4, 4)  # down (cuBLAS in the decoder): the sweep's best
             return dg.decode_linear(x, w, pdl=pdl, config=config)
+
+        def gate_up_silu(x, w):
+            if gated is None:
+                return fk.silu_mul(linear(x, w, "gate_up"), pdl=pdl)
+            return dg.decode_gate_up_silu(x, w, pdl=pdl, config=gated)
 
         hidden_x, residual = x0, x0.clone()
         for w in layers:
@@ -158,21 +164,23 @@ def chain_bench(m: int) -> None:
             linear(normed, w["qkv"], "qkv")  # attention, left out, would read its output
             hidden_x = linear(normed, w["o"], "o")
             normed, residual = fk.add_rmsnorm(hidden_x, residual, norm_w, 1e-5, pdl=pdl)
-            gate_up = linear(normed, w["gate_up"], "gate_up")
-            hidden_x = linear(fk.silu_mul(gate_up, pdl=pdl), w["down"], "down")
+            hidden_x = linear(gate_up_silu(normed, w["gate_up"]), w["down"], "down")
 
     weight_bytes = sum(SHAPES[name][0] * SHAPES[name][1] * 2 for name in names)
-    variants = [
-        ("cublas", (), False),
-        ("cublas, pdl element-wise", (), True),
-        ("triton", names, False),
-        ("triton+pdl", names, True),
-        ("triton+pdl, down cublas", names[:3], True),
-        ("triton+pdl qkv/o only", names[:2], True),
+    variants: list[tuple[str, tuple[str, ...], bool, dg.Config | None]] = [
+        ("cublas", (), False, None),
+        ("cublas, pdl element-wise", (), True, None),
+        ("triton", names, False, None),
+        ("triton+pdl", names, True, None),
+        ("triton+pdl, down cublas", names[:3], True, None),
+        ("triton+pdl qkv/o only", names[:2], True, None),
     ]
-    for label, triton_names, pdl in variants:
-        us = graph_time_us(lambda t=triton_names, p=pdl: run(t, p), LAYERS)
-        print(f"M={m:3d} {label:26s} {us:7.1f} us/layer  {weight_bytes / us / 1e6:5.2f} TB/s of weights", flush=True)
+    # SiLU·mul in the gate/up GEMM's epilogue (dg.decode_gate_up_silu), down on cuBLAS as in the decoder
+    for gated in (dg.GATED_CONFIG, (32, 128, 4, 4), (64, 64, 4, 8)):
+        variants.append((f"triton+pdl, gated {gated}", names[:3], True, gated))
+    for label, triton_names, pdl, gated in variants:
+        us = graph_time_us(lambda t=triton_names, p=pdl, g=gated: run(t, p, g), LAYERS)
+        print(f"M={m:3d} {label:40s} {us:7.1f} us/layer  {weight_bytes / us / 1e6:5.2f} TB/s of weights", flush=True)
 
 
 def main() -> None:

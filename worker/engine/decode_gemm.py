@@ -11,6 +11,11 @@ Each program owns BLOCK_N whole weight rows over all of K (no split-K, so no red
 and computes W_tile @ x^T, the weight rows being the MMA's long side. A row's result depends only on its own
 input row and K's fixed tile order, not on how many rows the step has.
 
+`decode_gate_up_silu` runs the gate/up projection with SiLU·mul in its epilogue: a program owns BLOCK_N gate
+rows and the BLOCK_N up rows that pair with them (the fused [gate; up] weight, no new layout), so the [M, 2I]
+gate/up output and the silu_mul kernel that read it are gone. It rounds as the unfused pair does (each
+product to the model dtype, SiLU rounded, then the multiply), so the two agree bit for bit.
+
 What was measured and left out: prefetching each program's first weight bytes into L2 before the PDL wait
 (no gain: W1 5,721 vs 5,699 tok/s), SiLU·mul fused into the down projection's input load (the loads then
 stopped pipelining: 204 vs 36 us per GEMM), and the down projection itself (kept on cuBLAS, see MAX_K).
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fused_kernels as fk
 from .pdl import pdl_usable
 
 try:
@@ -46,6 +52,10 @@ WIDE_CONFIG: Config = (64, 128, 4, 4)  # gate/up, lm_head: N > 8192
 # down GEMM under PDL cost 14 us per layer more than cuBLAS (141.1 vs 127.1 us per layer,
 # `benchmarks/skinny_gemm.py --chain`), and it was 2 us slower alone.
 MAX_K = 8192
+# decode_gate_up_silu: BLOCK_N gate rows and as many up rows per program. In the layer chain on the H200
+# (`benchmarks/skinny_gemm.py --chain`): 125.3 us per layer against 127.4 for the two launches; 32 rows per half
+# (as many weight rows per program as WIDE_CONFIG) was 151.6, other tiles 133-143.
+GATED_CONFIG: Config = (64, 128, 4, 4)
 
 
 def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
@@ -55,6 +65,16 @@ def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | 
     if k > MAX_K or n % config[0] or k % config[1]:
         return None
     if dtype == torch.float32:  # tests only: fp32 tiles take twice the shared memory per stage
+        config = (*config[:3], 2)
+    return config
+
+
+def gated_config_for(inter: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
+    """The launch configuration of `decode_gate_up_silu` for intermediate size `inter`, or None (unfused)."""
+    config = GATED_CONFIG
+    if k > MAX_K or inter % config[0] or k % config[1]:
+        return None
+    if dtype == torch.float32:
         config = (*config[:3], 2)
     return config
 
@@ -73,11 +93,13 @@ if HAVE_TRITON:
         bias_ptr,
         out_ptr,
         M,
+        up_rows,  # GATED: the up rows start this many rows after the gate rows (I)
         stride_xm,
         stride_wn,
         stride_om,
         K_TILES: tl.constexpr,  # K // BLOCK_K: a fixed trip count per weight shape
         HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,  # out = silu(x @ gate^T) * (x @ up^T)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -91,15 +113,27 @@ if HAVE_TRITON:
         m_mask = rm < M
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
+        up_ptrs = w_ptr + (rn[:, None] + up_rows).to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for _ in range(K_TILES):
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            if GATED:
+                acc_up = tl.dot(tl.load(up_ptrs), x, acc_up, input_precision=DOT_PREC)
+                up_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+            if GATED:
+                acc_up += tl.load(bias_ptr + up_rows + rn).to(tl.float32)[:, None]
+        if GATED:  # rounded as the unfused GEMM + silu_mul kernel round
+            dtype = out_ptr.dtype.element_ty
+            gate = acc.to(dtype).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            acc = silu * acc_up.to(dtype).to(tl.float32)
         out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
 
@@ -114,12 +148,34 @@ def decode_linear(
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias); the decoder calls it for M <= MAX_TOKENS (any M computes, in
     row blocks of up to 64). Falls back to cuBLAS when there is no `config` and `config_for` gives none."""
-    m, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
-    config = config or config_for(n, k, x.dtype)
+    config = config or config_for(n, x.shape[1], x.dtype)
     if config is None or not HAVE_TRITON:
         return F.linear(x, weight, bias)
+    return _launch(x, weight, bias, n, config, gated=False, pdl=pdl)
+
+
+def decode_gate_up_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) [M, I] for the fused weight [gate; up] ([2I, K], bias [2I]) in one
+    kernel. Without a `config` (or one from `gated_config_for`) it is decode_linear, then silu_mul."""
+    inter = weight.shape[0] // 2
+    config = config or gated_config_for(inter, x.shape[1], x.dtype)
+    if config is None or not HAVE_TRITON:
+        return fk.silu_mul(decode_linear(x, weight, bias, pdl=pdl), pdl=pdl)
+    return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl)
+
+
+def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool) -> torch.Tensor:
+    """out [M, n]: the first n rows of `weight` (gated: paired with the n rows after them)."""
+    m, k = x.shape
+    assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
     block_n, block_k, num_warps, num_stages = config
     assert n % block_n == 0 and k % block_k == 0, f"N={n} K={k} do not tile by {block_n}/{block_k}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
@@ -133,11 +189,13 @@ def decode_linear(
         bias if bias is not None else weight,
         out,
         m,
+        n,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
         K_TILES=k // block_k,
         HAS_BIAS=bias is not None,
+        GATED=gated,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

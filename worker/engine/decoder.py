@@ -18,8 +18,9 @@ time ("dynamic", "longrope") are not supported here: `unsupported_reason` says s
 transformers' forward for them.
 
 Steps of at most `decode_gemm.MAX_TOKENS` tokens (small decode batches, W1) take the small-step path
-on sm90+: Triton weight GEMMs (decode_gemm.py) and every launch chained by programmatic dependent launch
-(pdl.py), so each kernel is already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
+on sm90+: Triton weight GEMMs (decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, and every launch
+chained by programmatic dependent launch (pdl.py), so each kernel is already on the SMs when the one before
+it finishes. Larger steps keep cuBLAS.
 
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
 CUDA-graph capturable. Logits are computed only for the rows asked for.
@@ -62,9 +63,18 @@ class LayerOps:
     """The kernels one forward runs: which GEMM, which element-wise twins, launched with PDL or not."""
 
     add_rmsnorm: Callable
-    silu_mul: Callable
     linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
+    gate_up_silu: Callable  # (x, fused [gate; up] weight, bias) -> silu(x @ gate^T) * (x @ up^T)
     pdl: bool = False
+
+
+def gate_up_then_silu(linear: Callable, silu_mul: Callable) -> Callable:
+    """The gate/up GEMM and SiLU·mul as two launches (the large-step and CPU paths)."""
+
+    def gate_up_silu(x, weight, bias):
+        return silu_mul(linear(x, weight, bias))
+
+    return gate_up_silu
 
 
 def layer_ops(use_triton: bool, small_step: bool, pdl: bool = True) -> LayerOps:
@@ -73,14 +83,14 @@ def layer_ops(use_triton: bool, small_step: bool, pdl: bool = True) -> LayerOps:
     if small_step:
         return LayerOps(
             add_rmsnorm=partial(fk.add_rmsnorm, pdl=pdl),
-            silu_mul=partial(fk.silu_mul, pdl=pdl),
             linear=partial(decode_gemm.decode_linear, pdl=pdl),
+            gate_up_silu=partial(decode_gemm.decode_gate_up_silu, pdl=pdl),
             pdl=pdl,
         )
     return LayerOps(
         add_rmsnorm=fk.add_rmsnorm if use_triton else fk.add_rmsnorm_ref,
-        silu_mul=fk.silu_mul if use_triton else fk.silu_mul_ref,
         linear=F.linear,
+        gate_up_silu=gate_up_then_silu(F.linear, fk.silu_mul if use_triton else fk.silu_mul_ref),
     )
 
 
@@ -129,8 +139,8 @@ class OwnedDecoder:
             out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx, pdl=ops.pdl)
             hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
             normed, residual = ops.add_rmsnorm(hidden, residual, w.post_norm, self.eps)
-            gate_up = ops.linear(normed, w.gate_up_weight, w.gate_up_bias)
-            hidden = ops.linear(ops.silu_mul(gate_up), w.down_weight, w.down_bias)
+            activated = ops.gate_up_silu(normed, w.gate_up_weight, w.gate_up_bias)
+            hidden = ops.linear(activated, w.down_weight, w.down_bias)
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]

@@ -72,10 +72,35 @@ def _check_decode_gemm(dtype, tol, pdl):
             got = dg.decode_linear(x, w, bias, pdl=pdl, config=config)
             want = f.linear(x.float(), w.float(), bias.float())
             assert got.dtype == dtype and _rel(got, want) < tol, (dtype, config, m, _rel(got, want))
+    _check_gate_up_silu(dtype, tol, pdl)
     x, w = torch.randn(3, 100).to(dtype), torch.randn(70, 100).to(dtype)
     assert dg.config_for(70, 100) is None and torch.equal(dg.decode_linear(x, w), f.linear(x, w))
     assert dg.config_for(4096, 14336) is None, "the down projection keeps cuBLAS"
 
+
+
+def _check_gate_up_silu(dtype, tol, pdl):
+    """decode_gate_up_silu equals decode_linear then silu_mul bit for bit (same tiles: each product is
+    rounded, then SiLU, then the multiply, as the two kernels do), and silu(gate) * up in fp32 within `tol`;
+    an intermediate size that does not tile takes the two launches."""
+    from worker.engine import decode_gemm as dg
+    from worker.engine import fused_kernels as fk
+
+    f = torch.nn.functional
+    config = dg.GATED_CONFIG
+    inter, k = 2 * config[0], 2 * config[1]
+    w = (torch.randn(2 * inter, k) / k**0.5).to(dtype)
+    for bias in (None, torch.randn(2 * inter).to(dtype)):
+        for m in (1, 5, 32):
+            x = torch.randn(m, k).to(dtype)
+            got = dg.decode_gate_up_silu(x, w, bias, pdl=pdl)
+            two_launches = fk.silu_mul(dg.decode_linear(x, w, bias, pdl=pdl, config=config), pdl=pdl)
+            assert got.shape == (m, inter) and torch.equal(got, two_launches), (dtype, m, bias is None)
+            gate, up = f.linear(x.float(), w.float(), None if bias is None else bias.float()).chunk(2, dim=-1)
+            assert _rel(got, f.silu(gate) * up) < 2 * tol, (dtype, m, _rel(got, f.silu(gate) * up))
+    x, w = torch.randn(3, 100).to(dtype), torch.randn(2 * 70, 100).to(dtype)
+    assert dg.gated_config_for(70, 100) is None
+    assert torch.equal(dg.decode_gate_up_silu(x, w), fk.silu_mul(f.linear(x, w)))
 
 
 def _check_qkv_rope_write(dtype, tol, head_dim, with_norm):
