@@ -28,9 +28,8 @@ FIELDS = (
 )
 COMMANDS = {
     "W1": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 "
-    "--decode-gemm cublas --decode-gemm triton",
-    "W1_hf": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 "
-    "--compare-hf --hf-output-len 128",
+    "--decode-gemm cublas --decode-gemm triton --compare-hf --hf-output-len 128",
+    "W1_hf": "the W1 command's --compare-hf (earlier runs: a separate --mode async run with --compare-hf --hf-output-len 128)",
     "W2": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",
     "W2_hf": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode none --compare-hf "
@@ -70,7 +69,9 @@ def main(srcs: list[Path]) -> dict:
     for name, main_run, hf_run in (("W1", w1, w1_hf), ("W2", w2, w2_hf)):
         if not main_run:
             continue
-        entry = {mode: {k: r[k] for k in FIELDS} for mode, r in main_run["results"].items()}
+        if hf_run is None and "hf" in main_run["results"]:  # --compare-hf in the main run itself
+            hf_run = main_run
+        entry = {mode: {k: r[k] for k in FIELDS} for mode, r in main_run["results"].items() if mode != "hf"}
         gemms = main_run["config"].get("decode_gemms", [])
         if len(gemms) > 1 and "triton" in gemms:  # an A/B of the small-step path: the default is triton's
             ab = {g: {m: entry.pop(f"{m}-{g}") for m in ("sync", "async") if f"{m}-{g}" in entry} for g in gemms}
@@ -85,7 +86,7 @@ def main(srcs: list[Path]) -> dict:
             entry["hf"] = {k: hf[k] for k in ("output_tok_s", "total_tok_s", "output_tokens", "wall_seconds")}
             entry["hf"].update(gpu_busy=None, floor_ratio=None, step_ms=None, cpu_prep_ms=None, **hf["extra"])
             # against cbq's async run from the same process as transformers' (compare within one run)
-            cbq = hf_run["results"].get("async", main_run["results"].get("async"))
+            cbq = hf_run["results"].get("async") or hf_run["results"].get("async-triton") or entry["async"]
             entry["cbq_async_over_hf"] = cbq["output_tok_s"] / hf["output_tok_s"]
         entry["config"] = main_run["config"]
         entry["date"] = main_run["date"]

@@ -39,10 +39,11 @@ fi
 if has chain; then  # the decoder layer's GEMM chain at M = 32: cuBLAS vs decode_gemm.py's Triton GEMMs, with and without PDL
     timeout 150 python3 benchmarks/skinny_gemm.py --chain --m 32 2>&1 | tee "$OUT/gemm_chain.log"
 fi
-if has w1; then  # with the small-step path (decode_gemm triton, the default) and without it, both modes, one process.
+if has w1; then  # with the small-step path (decode_gemm triton, the default) and without it, both modes, and
+    # transformers' generate_batch (128 new tokens per request), one process.
     # The first run of a process is slower in sync mode (seen on the H200, cause unknown): cuBLAS goes first and absorbs it.
     bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
-        --decode-gemm cublas --decode-gemm triton --json-out "$OUT/w1.json" 2>&1 | tail -12
+        --decode-gemm cublas --decode-gemm triton --compare-hf --hf-output-len 128 --json-out "$OUT/w1.json" 2>&1 | tail -14
 fi
 if has w1nocache; then  # the prefix cache's cost on a workload with nothing to share (issue 12: <= 2%)
     bench 150 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 --no-prefix-caching \
