@@ -32,8 +32,8 @@ COMMANDS = {
     "W1_hf": "the W1 command's --compare-hf (earlier runs: a separate --mode async run with --compare-hf --hf-output-len 128)",
     "W2": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",
-    "W2_hf": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode none --compare-hf "
-    "--hf-num-requests 200 --hf-output-len 256",
+    "W2_hf": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192 --compare-hf --hf-num-requests 200 --hf-output-len 256",
     "W1_nocache": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
     "--max-num-batched-tokens 2048 --no-prefix-caching",
     "W3": "python3 -m worker.bench engine --model llama3-8b --workload W3 --mode async [--no-prefix-caching]",
@@ -69,7 +69,7 @@ def main(srcs: list[Path]) -> dict:
     for name, main_run, hf_run in (("W1", w1, w1_hf), ("W2", w2, w2_hf)):
         if not main_run:
             continue
-        if hf_run is None and "hf" in main_run["results"]:  # --compare-hf in the main run itself
+        if "hf" in main_run["results"]:  # --compare-hf in the main run itself: same process, preferred
             hf_run = main_run
         entry = {mode: {k: r[k] for k in FIELDS} for mode, r in main_run["results"].items() if mode != "hf"}
         gemms = main_run["config"].get("decode_gemms", [])

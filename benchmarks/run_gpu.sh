@@ -74,8 +74,9 @@ if has queue; then
         --json-out "$OUT/w2_queue.json" 2>&1 | tail -12
 fi
 if has w2hf; then
-    bench 300 --model llama3-8b --workload W2 --mode none --compare-hf --hf-num-requests 200 --hf-output-len 256 \
-        --json-out "$OUT/w2_hf.json" 2>&1 | tail -6
+    # cbq async on the whole workload and transformers on its first 200 requests (256 new tokens), one process
+    bench 420 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --compare-hf --hf-num-requests 200 --hf-output-len 256 --json-out "$OUT/w2_hf.json" 2>&1 | tail -6
 fi
 python3 benchmarks/collect_results.py "$OUT" >/dev/null && cp benchmarks/results.json "$OUT/results.json"
 ls -la "$OUT"
