@@ -4,7 +4,7 @@ Owns the fused layer weights (views into the HF model's parameters, see `fused_w
 rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
 checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
 
-Per layer (CUDA, 8 launches + attention):
+Per layer (CUDA, 8 launches + attention; 7 on the small-step path, where SiLU·mul is in the gate/up GEMM):
     add_rmsnorm -> QKV GEMM -> qkv_rope_write (q/k norm, rotary, KV write) -> attention -> O GEMM
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
