@@ -336,10 +336,12 @@ def engine_bench(
         # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained run).
         engine.generate(with_variant(warmup, is_json, num_top))
         if not results and dev.type == "cuda":
-            # NOTE: on the H200 a process's first measured run was ~19% slower on the device (W1 async 4,628 vs
-            # 5,699-5,721 tok/s for the same code later in the process, benchmarks/README.md) even after the
-            # warm-up above, so the first engine also runs the whole workload once, unmeasured, on shifted
-            # token ids (the real ones would leave their prompts in the prefix cache for the measured run).
+            # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The cause
+            # was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts, 1.4 s,
+            # which the step's device events count); the prefill kernel no longer specialises on those
+            # (attention_triton.py). The first engine still runs the whole workload once, unmeasured, on
+            # shifted token ids (the real ones would stay in the prefix cache), so that any other variant the
+            # workload needs (e.g. a decode split count only its mixed steps reach) is compiled before timing.
             engine.generate(with_variant(warmup_requests(reqs, vocab_limit, full_length=True), is_json, num_top))
         label = m + setup_suffix(decoder, gemm) + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
         result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)

@@ -88,3 +88,45 @@ def test_batch_meta_counts_leading_single_row_chunks():
 def test_gpu_mixed_step_split(dtype):
     for num_decode in (0, 3, 5):
         check_mixed("cuda", dtype, num_decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and at.HAVE_TRITON), reason="needs CUDA and triton")
+def test_gpu_prefill_kernel_compiles_once_for_any_split_and_counts():
+    """A mixed step slices its metadata after the decode rows, and its sequence and token counts vary: none of
+    that may make Triton compile a new prefill variant mid-run (it stalled a measured W1 step 1.4 s)."""
+    import triton
+
+    compiles: list[str] = []
+
+    def count(*_args, **kwargs):
+        compiles.append(str(kwargs.get("repr", ""))[:40])
+        return None
+
+    torch.manual_seed(0)
+    block, kvh, heads, dim = 16, 2, 4, 64
+    k_cache = torch.randn(64, block, kvh, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(1, 61, dtype=torch.int32, device="cuda").view(12, 5)
+    ctx = torch.tensor([70, 9, 33, 17, 64, 5, 40, 21, 2, 77, 50, 30], dtype=torch.int32, device="cuda")
+    q_lens = [1, 1, 1, 1, 1, 9, 17, 21, 2, 16, 32, 3]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(int(cu[-1]), heads, dim, device="cuda", dtype=torch.bfloat16)
+    previous, triton.knobs.runtime.jit_cache_hook = triton.knobs.runtime.jit_cache_hook, count
+    try:
+        for num_decode in (0, 1, 2, 3, 4, 5):  # every alignment of the sliced rows, odd and even counts
+            for num_seqs in (len(q_lens) - num_decode, 3):
+                at.paged_prefill_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    tables[num_decode:][:num_seqs],
+                    cu[num_decode:][: num_seqs + 1],
+                    ctx[num_decode:][:num_seqs],
+                    dim**-0.5,
+                    max_query_len=32,
+                )
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert len([c for c in compiles if c.startswith("_prefill_kernel")]) <= 1, compiles
