@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from worker.bench import engine as bench_engine
@@ -26,3 +27,28 @@ def test_engine_bench_reports_an_ab_of_decode_gemms_and_the_hf_row(tmp_path, mon
     # on CPU the small-step Triton path cannot run, so "auto" is cuBLAS too
     assert {r["extra"]["small_step_gemm"] for k, r in report["results"].items() if k != "hf"} == {"cublas"}
     assert report["results"]["async-auto"]["output_tokens"] == report["results"]["async-cublas"]["output_tokens"] > 0
+    for key in ("async-auto", "async-cublas"):  # no Triton kernel runs on CPU; every run names its slowest steps
+        extra = report["results"][key]["extra"]
+        assert extra["triton_compiles"] == []
+        steps = extra["slowest_steps"]
+        assert 1 <= len(steps) <= 3 and steps[0]["device_ms"] >= steps[-1]["device_ms"] and steps[0]["tokens"] > 0
+
+
+def test_triton_compiles_records_what_the_hook_reports_and_restores_it():
+    """The bench's compile counter rides Triton's jit_cache_hook: it records the kernel name of each call,
+    passes the call on to a hook that was already set, and puts that hook back."""
+    knobs = pytest.importorskip("triton").knobs
+    from worker.bench.common import triton_compiles
+
+    seen, original = [], knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *a, **kw: seen.append(kw["repr"])
+    try:
+        with triton_compiles() as names:
+            knobs.runtime.jit_cache_hook(repr="_prefill_kernel[num_warps=8](q_ptr: *bf16)", key=1)
+            knobs.runtime.jit_cache_hook(repr="_decode_split_kernel[num_warps=4]()", key=2)
+        assert names == ["_prefill_kernel", "_decode_split_kernel"]
+        assert len(seen) == 2
+        knobs.runtime.jit_cache_hook(repr="_after[]", key=3)
+        assert names == ["_prefill_kernel", "_decode_split_kernel"] and len(seen) == 3
+    finally:
+        knobs.runtime.jit_cache_hook = original

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -103,3 +104,30 @@ def workload_lines(name: str, num_requests: int | None, seed: int = 0) -> list[s
         }
         lines.append(json.dumps(line))
     return lines
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """Names of the Triton kernels compiled while the block runs (a list, filled as they happen).
+
+    A compile inside a measured run stalls its step for up to seconds, and the step's device events count the
+    stall (the H200's "first run is slow" effect, benchmarks/README.md): the bench reports them so a number
+    that includes one says so. Uses Triton's `jit_cache_hook` (called before each compile of a variant this
+    process has not built yet); without Triton, or with a Triton that lacks the hook, the list stays empty."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # CPU-only installs, or a Triton without knobs
+        yield names
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def record(*args, **kwargs):
+        names.append(str(kwargs.get("repr", "?")).split("[", 1)[0])
+        return previous(*args, **kwargs) if previous is not None else None
+
+    knobs.runtime.jit_cache_hook = record
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_cache_hook = previous

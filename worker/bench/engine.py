@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
-from worker.bench.common import WORKLOADS, make_workload, warmup_requests, with_variant
+from worker.bench.common import WORKLOADS, make_workload, triton_compiles, warmup_requests, with_variant
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -90,9 +90,16 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
     from worker.engine.kv_cache import kv_bytes_per_block
 
     engine.reset_stats()
-    t0 = time.perf_counter()
-    results = engine.generate(reqs)
-    wall = time.perf_counter() - t0
+    with triton_compiles() as compiled:
+        t0 = time.perf_counter()
+        results = engine.generate(reqs)
+        wall = time.perf_counter() - t0
+    if compiled:
+        click.echo(
+            f"warning: {len(compiled)} Triton compile(s) during the measured {mode} run "
+            f"({', '.join(sorted(set(compiled)))}): its wall and device times include them",
+            err=True,
+        )
     stats = engine.stats()
     errors = [r for r in results if r.error]
     if errors:
@@ -120,7 +127,17 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
         floor_tok_s=out_tokens / floor if floor else 0.0,
         num_preemptions=stats.num_preemptions,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        extra={"triton_compiles": compiled, "slowest_steps": slowest_steps(engine.step_log)},
     )
+
+
+def slowest_steps(step_log, count: int = 3) -> list[dict]:
+    """The steps with the most device time (a stall inside one shows here first)."""
+    top = sorted(step_log, key=lambda step: -step[3])[:count]
+    return [
+        {"tokens": tokens, "seqs": seqs, "context_tokens": context, "device_ms": 1000 * device}
+        for tokens, seqs, context, device in top
+    ]
 
 
 def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
