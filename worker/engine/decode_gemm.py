@@ -53,29 +53,27 @@ WIDE_CONFIG: Config = (64, 128, 4, 4)  # gate/up, lm_head: N > 8192
 # `benchmarks/skinny_gemm.py --chain`), and it was 2 us slower alone.
 MAX_K = 8192
 # decode_gate_up_silu: BLOCK_N gate rows and as many up rows per program. In the layer chain on the H200
-# (`benchmarks/skinny_gemm.py --chain`): 125.3 us per layer against 127.4 for the two launches; 32 rows per half
-# (as many weight rows per program as WIDE_CONFIG) was 151.6, other tiles 133-143.
+# (`benchmarks/skinny_gemm.py --chain`): 125.3 us per layer against 127.4 for the two launches (122.9 against
+# 125.6 in a second call); 32 rows per half (as many weight rows per program as WIDE_CONFIG) was 149-152.
 GATED_CONFIG: Config = (64, 128, 4, 4)
 
 
 def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
     """The launch configuration for a [*, k] x [n, k]^T product, or None for cuBLAS (too deep, or the
     shape does not tile)."""
-    config = WIDE_CONFIG if n > 8192 else NARROW_CONFIG
-    if k > MAX_K or n % config[0] or k % config[1]:
-        return None
-    if dtype == torch.float32:  # tests only: fp32 tiles take twice the shared memory per stage
-        config = (*config[:3], 2)
-    return config
+    return _fitted(WIDE_CONFIG if n > 8192 else NARROW_CONFIG, n, k, dtype)
 
 
 def gated_config_for(inter: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
     """The launch configuration of `decode_gate_up_silu` for intermediate size `inter`, or None (unfused)."""
-    config = GATED_CONFIG
-    if k > MAX_K or inter % config[0] or k % config[1]:
+    return _fitted(GATED_CONFIG, inter, k, dtype)
+
+
+def _fitted(config: Config, n: int, k: int, dtype: torch.dtype) -> Config | None:
+    if k > MAX_K or n % config[0] or k % config[1]:
         return None
-    if dtype == torch.float32:
-        config = (*config[:3], 2)
+    if dtype == torch.float32:  # tests only: fp32 tiles take twice the shared memory per stage
+        return (*config[:3], 2)
     return config
 
 
