@@ -28,6 +28,7 @@ The module imports without triton (CPU CI): `HAVE_TRITON` says whether the kerne
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -170,6 +171,12 @@ def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_spl
 # --------------------------------------------------------------------------------------------------------
 
 if HAVE_TRITON:
+
+    def _jit_unspecialized(ints: list[str], pointers: list[str]):
+        """triton.jit compiling one variant whatever the values of `ints` and the alignment of `pointers`."""
+        if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+            return triton.jit(do_not_specialize=ints, do_not_specialize_on_alignment=pointers)
+        return triton.jit(do_not_specialize=[*ints, *pointers])  # Triton 3.1 (torch 2.5) has no alignment switch
 
     @triton.jit
     def _write_kv_kernel(
@@ -421,9 +428,8 @@ if HAVE_TRITON:
     # mixed step's decode split slices off) would make a new variant the first time a step's counts or split
     # fall in a new class: a 1.4 s compile inside a measured W1 step on the H200. They are scalar loads and
     # bounds, so specialising on them buys nothing.
-    @triton.jit(
-        do_not_specialize=["num_seqs", "num_tokens"],
-        do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"],
+    @_jit_unspecialized(
+        ints=["num_seqs", "num_tokens"], pointers=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"]
     )
     def _prefill_kernel(
         q_ptr,
