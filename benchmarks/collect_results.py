@@ -18,6 +18,7 @@ FIELDS = (
     "gpu_busy",
     "floor_ratio",
     "floor_tok_s",
+    "serial_floor_ratio",
     "step_ms",
     "gpu_ms",
     "cpu_prep_ms",
@@ -71,7 +72,7 @@ def main(srcs: list[Path]) -> dict:
             continue
         if "hf" in main_run["results"]:  # --compare-hf in the main run itself: same process, preferred
             hf_run = main_run
-        entry = {mode: {k: r[k] for k in FIELDS} for mode, r in main_run["results"].items() if mode != "hf"}
+        entry = {mode: {k: r.get(k) for k in FIELDS} for mode, r in main_run["results"].items() if mode != "hf"}
         gemms = main_run["config"].get("decode_gemms", [])
         if len(gemms) > 1 and "triton" in gemms:  # an A/B of the small-step path: the default is triton's
             ab = {g: {m: entry.pop(f"{m}-{g}") for m in ("sync", "async") if f"{m}-{g}" in entry} for g in gemms}
@@ -93,18 +94,18 @@ def main(srcs: list[Path]) -> dict:
         out[name] = entry
     w1_nocache = load("w1_nocache.json")
     if w1_nocache and "W1" in out:
-        out["W1"]["async_prefix_caching_off"] = {k: w1_nocache["results"]["async"][k] for k in FIELDS}
+        out["W1"]["async_prefix_caching_off"] = {k: w1_nocache["results"]["async"].get(k) for k in FIELDS}
     for name in ("W3", "W4"):  # prefix caching on vs off (W4 off: its n samples sent as separate requests)
         on, off = load(f"{name.lower()}_on.json"), load(f"{name.lower()}_off.json")
         if on and off:
             runs = {"cache_on": on["results"]["async"], "cache_off": off["results"]["async"]}
-            out[name] = {k: {f: r[f] for f in (*FIELDS, "prefix_cache_hit_rate")} for k, r in runs.items()}
+            out[name] = {k: {f: r.get(f) for f in (*FIELDS, "prefix_cache_hit_rate")} for k, r in runs.items()}
             out[name]["on_over_off"] = runs["cache_on"]["output_tok_s"] / runs["cache_off"]["output_tok_s"]
             out[name]["date"] = on["date"]
     grammar = load("w2_grammar.json")  # issue 13: every request JSON-constrained / asking top_logprobs 5
     if grammar:
         runs = {r["extra"]["variant"]: r for r in grammar["results"].values()}
-        entry = {v: {f: r[f] for f in (*FIELDS, "mask_ms")} for v, r in runs.items()}
+        entry = {v: {f: r.get(f) for f in (*FIELDS, "mask_ms")} for v, r in runs.items()}
         plain = runs["plain"]["output_tok_s"]
         entry.update({f"{v}_over_plain": r["output_tok_s"] / plain for v, r in runs.items() if v != "plain"})
         entry["date"] = grammar["date"]

@@ -52,3 +52,22 @@ def test_triton_compiles_records_what_the_hook_reports_and_restores_it():
         assert names == ["_prefill_kernel", "_decode_split_kernel"] and len(seen) == 3
     finally:
         knobs.runtime.jit_cache_hook = original
+
+
+def test_the_serial_floor_adds_kv_reads_to_the_gemms_where_the_default_floor_hides_them():
+    peak = bench_engine.PEAK_BF16_FLOPS
+    weight_bytes, params, kv_per_token, bandwidth = 16e9, 8e9, 131072, 4e12
+    compute_bound = (4096, 500, 400_000, 0.0)  # 4,096 tokens: 83 ms of FLOPs, 4 + 13 ms of bytes
+    memory_bound = (32, 32, 24_576, 0.0)  # a W1-like decode step: all bytes
+    gemm_s = 2 * params * 4096 / peak
+    kv_s = 400_000 * kv_per_token / bandwidth
+
+    def floor(steps, serial):
+        return bench_engine.floor_seconds(steps, weight_bytes, params, kv_per_token, bandwidth, serial=serial)
+
+    assert floor([compute_bound], serial=False) == pytest.approx(gemm_s)
+    assert floor([compute_bound], serial=True) == pytest.approx(gemm_s + kv_s)
+    # where the weights dominate, both floors are the bytes read
+    decode = (weight_bytes + 24_576 * kv_per_token) / bandwidth
+    assert floor([memory_bound], serial=False) == pytest.approx(decode) == floor([memory_bound], serial=True)
+    assert bench_engine.floor_seconds([compute_bound], weight_bytes, params, kv_per_token, 0.0, serial=True) == 0.0
