@@ -48,7 +48,7 @@ class Probe:
         cfg = model.config
         shape = (num_blocks, BLOCK, cfg.num_key_value_heads, self.dec.head_dim)
         self.kv = [
-            (torch.randn(shape, device=self.dev, dtype=torch.bfloat16) * 0.1,) * 2
+            tuple(torch.randn(shape, device=self.dev, dtype=torch.bfloat16) * 0.1 for _kv in range(2))
             for _ in range(cfg.num_hidden_layers)
         ]
         perm = (torch.randperm(num_blocks - 1) + 1).tolist()  # block 0 is the scratch block
@@ -103,7 +103,8 @@ class Probe:
             yield
             hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
             normed, residual = ops.add_rmsnorm(hidden, residual, w.post_norm, dec.eps)
-            hidden = ops.linear(ops.gate_up_silu(normed, w.gate_up_weight, w.gate_up_bias), w.down_weight, None)
+            activated = ops.gate_up_silu(normed, w.gate_up_weight, w.gate_up_bias)
+            hidden = ops.linear(activated, w.down_weight, w.down_bias)
         normed, _ = ops.add_rmsnorm(hidden[rows], residual[rows], dec.final_norm, dec.eps)
         ops.linear(normed, dec.lm_head, None)
 
