@@ -20,6 +20,12 @@ What was measured and left out: prefetching each program's first weight bytes in
 (no gain: W1 5,721 vs 5,699 tok/s), SiLU·mul fused into the down projection's input load (the loads then
 stopped pipelining: 204 vs 36 us per GEMM), and the down projection itself (kept on cuBLAS, see MAX_K).
 
+`decode_qkv_rope_write` is the QKV projection with rotary and the KV-cache write in its epilogue (families
+without q/k norms: Llama, Mistral, Qwen2; Qwen3's norms need a whole head, which a program does not hold). A
+program owns 32 rotary pairs of one head, i.e. weight rows j and j + D/2 for 32 consecutive j, so the pairs meet
+in its registers; it writes rotated q, and k and v straight into the paged cache. The [M, (H + 2 KVH) D] QKV
+output and the qkv_rope_write kernel that read it are gone; the result equals the two launches bit for bit.
+
 Only bf16/fp16 on CUDA sm90+ with shapes that tile (`config_for`) in the decoder; anything else is cuBLAS.
 """
 
@@ -56,6 +62,9 @@ MAX_K = 8192
 # (`benchmarks/skinny_gemm.py --chain`): 125.3 us per layer against 127.4 for the two launches (122.9 against
 # 125.6 in a second call); 32 rows per half (as many weight rows per program as WIDE_CONFIG) was 149-152.
 GATED_CONFIG: Config = (64, 128, 4, 4)
+# decode_qkv_rope_write: 64 weight rows (32 rotary pairs) per program, as the plain QKV GEMM's NARROW_CONFIG.
+ROPE_CONFIG: Config = NARROW_CONFIG
+ROPE_PAIRS = 32
 
 
 def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
@@ -67,6 +76,14 @@ def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | 
 def gated_config_for(inter: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
     """The launch configuration of `decode_gate_up_silu` for intermediate size `inter`, or None (unfused)."""
     return _fitted(GATED_CONFIG, inter, k, dtype)
+
+
+def rope_config_for(num_heads: int, num_kv_heads: int, head_dim: int, k: int, dtype: torch.dtype) -> Config | None:
+    """The launch configuration of `decode_qkv_rope_write`, or None (two launches): each head's half must hold
+    whole groups of ROPE_PAIRS pairs."""
+    if head_dim % (2 * ROPE_PAIRS) or ROPE_CONFIG[0] != 2 * ROPE_PAIRS:
+        return None
+    return _fitted(ROPE_CONFIG, (num_heads + 2 * num_kv_heads) * head_dim, k, dtype)
 
 
 def _fitted(config: Config, n: int, k: int, dtype: torch.dtype) -> Config | None:
@@ -135,6 +152,94 @@ if HAVE_TRITON:
         out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
 
+    @triton.jit
+    def _qkv_rope_gemm_kernel(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        M,
+        stride_xm,
+        stride_wn,
+        stride_cos,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAIRS: tl.constexpr,  # rotary pairs per program: 2 * PAIRS weight rows
+        BLOCK_SIZE: tl.constexpr,  # KV-cache block size
+        K_TILES: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        pdl_wait_and_release(USE_PDL)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        GROUPS: tl.constexpr = HALF // PAIRS  # programs per head
+        head = tl.program_id(0) // GROUPS  # of the [q heads | k heads | v heads] row
+        j = (tl.program_id(0) % GROUPS) * PAIRS + tl.arange(0, PAIRS)  # first-half columns of this program's pairs
+        # tile row r < PAIRS is column j[r] of the head, row PAIRS + r its partner j[r] + HALF
+        r = tl.arange(0, 2 * PAIRS)
+        col = head * HEAD_DIM + (tl.program_id(0) % GROUPS) * PAIRS + (r % PAIRS) + (r // PAIRS) * HALF
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_mask = rm < M
+        w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
+        acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
+        for _ in range(K_TILES):
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(tl.load(w_ptrs), x, acc, input_precision=DOT_PREC)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + col).to(tl.float32)[:, None]
+        dtype = q_ptr.dtype.element_ty
+        acc = acc.to(dtype).to(tl.float32)  # rounded as the QKV GEMM's output is
+        x1, x2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, BLOCK_M]), (1, 2, 0)))  # [PAIRS, BLOCK_M] each
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k: rotary as qkv_rope_write computes it
+            pos = tl.load(pos_ptr + rm, mask=m_mask, other=0).to(tl.int64)
+            cs = pos[None, :] * stride_cos + j[:, None]
+            c1 = tl.load(cos_ptr + cs).to(tl.float32)
+            c2 = tl.load(cos_ptr + cs + HALF).to(tl.float32)
+            s1 = tl.load(sin_ptr + cs).to(tl.float32)
+            s2 = tl.load(sin_ptr + cs + HALF).to(tl.float32)
+            y1 = x1 * c1 - x2 * s1  # rotate_half(x) = cat(-x2, x1)
+            y2 = x2 * c2 + x1 * s2
+        else:
+            y1 = x1
+            y2 = x2
+        mask = m_mask[None, :]
+        if head < NUM_HEADS:
+            q_dst = q_ptr + rm[None, :].to(tl.int64) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + j[:, None]
+            tl.store(q_dst, y1.to(dtype), mask=mask)
+            tl.store(q_dst + HALF, y2.to(dtype), mask=mask)
+        else:  # padding rows' slots point into scratch block 0, as qkv_rope_write's do
+            slot = tl.load(slot_ptr + rm, mask=m_mask, other=0).to(tl.int64)
+            blk = (slot // BLOCK_SIZE)[None, :]
+            off = (slot % BLOCK_SIZE)[None, :]
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                kv_head = head - NUM_HEADS
+                dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kv_head * stride_kch + j[:, None]
+            else:
+                kv_head = head - NUM_HEADS - NUM_KV_HEADS
+                dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kv_head * stride_vch + j[:, None]
+            tl.store(dst, y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+
 
 def decode_linear(
     x: torch.Tensor,
@@ -168,6 +273,77 @@ def decode_gate_up_silu(
     if config is None or not HAVE_TRITON:
         return fk.silu_mul(decode_linear(x, weight, bias, pdl=pdl), pdl=pdl)
     return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl)
+
+
+def decode_qkv_rope_write(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """q [M, H, D] of x @ qkv^T (+ bias) with rotary at `positions`; k (rotated) and v written into the paged
+    caches at `slot_mapping`. For models without q/k norms. A shape `rope_config_for` refuses takes the two
+    launches (decode_linear, then fused_kernels.qkv_rope_write), which compute the same bits."""
+    m, k = x.shape
+    head_dim = cos_table.shape[-1]
+    config = rope_config_for(num_heads, num_kv_heads, head_dim, k, x.dtype)
+    if config is None or not HAVE_TRITON:
+        qkv = decode_linear(x, weight, bias, pdl=pdl)
+        return fk.qkv_rope_write(
+            qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
+            k_cache, v_cache, slot_mapping, pdl=pdl,
+        )  # fmt: skip
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    assert weight.shape == (n, k) and x.stride(1) == 1 and weight.stride(1) == 1
+    assert cos_table.stride(-1) == 1 and cos_table.stride() == sin_table.stride()
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.dtype == v_cache.dtype
+    q = torch.empty(m, num_heads, head_dim, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return q
+    block_n, block_k, num_warps, num_stages = config
+    block_m = max(16, 1 << (min(m, 64) - 1).bit_length())
+    _qkv_rope_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        positions,
+        cos_table,
+        sin_table,
+        slot_mapping,
+        q,
+        k_cache,
+        v_cache,
+        m,
+        x.stride(0),
+        weight.stride(0),
+        cos_table.stride(0),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAIRS=ROPE_PAIRS,
+        BLOCK_SIZE=k_cache.shape[1],
+        K_TILES=k // block_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        USE_PDL=pdl,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+    )
+    return q
 
 
 def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool) -> torch.Tensor:

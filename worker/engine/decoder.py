@@ -4,7 +4,8 @@ Owns the fused layer weights (views into the HF model's parameters, see `fused_w
 rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
 checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
 
-Per layer (CUDA, 8 launches + attention; 7 on the small-step path, where SiLU·mul is in the gate/up GEMM):
+Per layer (CUDA, 8 launches + attention; 6 on the small-step path, where SiLU·mul is in the gate/up GEMM's
+epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's q/k norms, which need a whole head)):
     add_rmsnorm -> QKV GEMM -> qkv_rope_write (q/k norm, rotary, KV write) -> attention -> O GEMM
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
@@ -18,9 +19,9 @@ time ("dynamic", "longrope") are not supported here: `unsupported_reason` says s
 transformers' forward for them.
 
 Steps of at most `decode_gemm.MAX_TOKENS` tokens (small decode batches, W1) take the small-step path
-on sm90+: Triton weight GEMMs (decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, and every launch
-chained by programmatic dependent launch (pdl.py), so each kernel is already on the SMs when the one before
-it finishes. Larger steps keep cuBLAS.
+on sm90+: Triton weight GEMMs (decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, rotary and the KV
+write in the QKV GEMM's, and every launch chained by programmatic dependent launch (pdl.py), so each kernel is
+already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
 
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
 CUDA-graph capturable. Logits are computed only for the rows asked for.
@@ -66,6 +67,8 @@ class LayerOps:
     linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
     gate_up_silu: Callable  # (x, fused [gate; up] weight, bias) -> silu(x @ gate^T) * (x @ up^T)
     pdl: bool = False
+    # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
+    qkv_rope_epilogue: bool = False
 
 
 def gate_up_then_silu(linear: Callable, silu_mul: Callable) -> Callable:
@@ -86,6 +89,7 @@ def layer_ops(use_triton: bool, small_step: bool, pdl: bool = True) -> LayerOps:
             linear=partial(decode_gemm.decode_linear, pdl=pdl),
             gate_up_silu=partial(decode_gemm.decode_gate_up_silu, pdl=pdl),
             pdl=pdl,
+            qkv_rope_epilogue=True,
         )
     return LayerOps(
         add_rmsnorm=fk.add_rmsnorm if use_triton else fk.add_rmsnorm_ref,
@@ -134,8 +138,7 @@ class OwnedDecoder:
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
             normed, residual = ops.add_rmsnorm(hidden, residual, w.input_norm, self.eps)
-            qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
-            q = self._qkv_rope_write(qkv, positions, w, k_cache, v_cache, attn, ops.pdl)
+            q = self._qkv_rope_write(normed, positions, w, k_cache, v_cache, attn, ops)
             out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx, pdl=ops.pdl)
             hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
             normed, residual = ops.add_rmsnorm(hidden, residual, w.post_norm, self.eps)
@@ -147,13 +150,18 @@ class OwnedDecoder:
         normed, _ = ops.add_rmsnorm(hidden, residual, self.final_norm, self.eps)
         return ops.linear(normed, self.lm_head, None)
 
-    def _qkv_rope_write(
-        self, qkv, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata, pdl: bool
-    ):
+    def _qkv_rope_write(self, normed, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata, ops):
+        """The QKV projection, q/k norms, rotary and the KV write; returns q [T, H, D]."""
+        if ops.qkv_rope_epilogue and w.q_norm is None:
+            return decode_gemm.decode_qkv_rope_write(
+                normed, w.qkv_weight, w.qkv_bias, positions, self.cos_table, self.sin_table,
+                self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
+            )  # fmt: skip
+        qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
         args = (qkv, positions, self.cos_table, self.sin_table, w.q_norm, w.k_norm, self.eps)
         if self.use_triton:
             return fk.qkv_rope_write(
-                *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=pdl
+                *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl
             )
 
         def write_kv(k, v):

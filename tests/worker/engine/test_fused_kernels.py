@@ -73,10 +73,44 @@ def _check_decode_gemm(dtype, tol, pdl):
             want = f.linear(x.float(), w.float(), bias.float())
             assert got.dtype == dtype and _rel(got, want) < tol, (dtype, config, m, _rel(got, want))
     _check_gate_up_silu(dtype, tol, pdl)
+    for head_dim in (64, 128, 24):  # 24: no whole group of rotary pairs, the two launches
+        _check_qkv_rope_gemm(dtype, head_dim, pdl)
     x, w = torch.randn(3, 100).to(dtype), torch.randn(70, 100).to(dtype)
     assert dg.config_for(70, 100) is None and torch.equal(dg.decode_linear(x, w), f.linear(x, w))
     assert dg.config_for(4096, 14336) is None, "the down projection keeps cuBLAS"
 
+
+def _check_qkv_rope_gemm(dtype, head_dim, pdl):
+    """decode_qkv_rope_write (QKV GEMM with rotary and the KV write in its epilogue) gives q, the K cache and
+    the V cache bit for bit as decode_linear then qkv_rope_write do; padding rows write scratch block 0."""
+    from worker.engine import decode_gemm as dg
+    from worker.engine import fused_kernels as fk
+
+    num_heads, num_kv, block_size, num_blocks, k = 4, 2, 4, 12, 2 * dg.ROPE_CONFIG[1]
+    n = (num_heads + 2 * num_kv) * head_dim
+    assert (dg.rope_config_for(num_heads, num_kv, head_dim, k, dtype) is None) == (head_dim % 64 != 0)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    angles = torch.rand(40, head_dim // 2).repeat(1, 2) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    for bias in (None, torch.randn(n).to(dtype)):
+        for m in (1, 5, 32):
+            x = torch.randn(m, k).to(dtype)
+            positions = torch.randint(0, 40, (m,), dtype=torch.int32)
+            slots = torch.randperm(num_blocks * block_size - block_size)[:m].to(torch.int32) + block_size
+            if m > 1:
+                slots[-1] = 0  # a padding row
+            caches = [torch.zeros(num_blocks, block_size, num_kv, head_dim, dtype=dtype) for _ in range(4)]
+            got_q = dg.decode_qkv_rope_write(
+                x, w, bias, positions, cos, sin, num_heads, num_kv, caches[0], caches[1], slots, pdl=pdl
+            )
+            qkv = dg.decode_linear(x, w, bias, pdl=pdl, config=dg.ROPE_CONFIG)
+            want_q = fk.qkv_rope_write(
+                qkv, positions, cos, sin, None, None, 0.0, num_heads, num_kv, caches[2], caches[3], slots, pdl=pdl
+            )
+            what = (dtype, head_dim, m, bias is None)
+            assert got_q.shape == (m, num_heads, head_dim) and torch.equal(got_q, want_q), what
+            assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), what
+            assert caches[0][1:].abs().sum() > 0 and caches[1][1:].abs().sum() > 0, what  # it wrote something
 
 
 def _check_gate_up_silu(dtype, tol, pdl):
@@ -146,8 +180,9 @@ def check_decoder(device: str) -> None:
     from worker.engine.models import load_model
 
     dev = torch.device(device)
-    for name in ("tiny-qwen3", "tiny-qwen2"):
-        model, _ = load_model(name, dev, torch.float32)
+    for name in ("tiny-qwen3", "tiny-qwen2", "llama, head_dim 64"):
+        # head_dim 64: the QKV GEMM's rotary epilogue runs (the tiny presets' 16 takes the two launches)
+        model = _llama_head_dim_64(dev) if name.startswith("llama") else load_model(name, dev, torch.float32)[0]
         outs = []
         for use_triton, small_step in ((False, False), (True, False), (True, True)):
             decoder = OwnedDecoder(model, 64, use_triton=use_triton)
@@ -175,6 +210,17 @@ def check_decoder(device: str) -> None:
         for variant, out in zip(("triton element-wise", "small-step path"), outs[1:], strict=True):
             err = (outs[0] - out).abs().max().item()
             assert err < 1e-4, (name, variant, err)
+
+
+def _llama_head_dim_64(dev):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=256, initializer_range=0.25,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).to(dev).eval()
 
 
 def _interpret(code: str, marker: str) -> None:
