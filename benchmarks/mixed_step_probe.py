@@ -96,8 +96,7 @@ class Probe:
         for idx, w in enumerate(dec.layers):
             k_cache, v_cache = attn.kv_caches[idx]
             normed, residual = ops.add_rmsnorm(hidden, residual, w.input_norm, dec.eps)
-            qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
-            q = dec._qkv_rope_write(qkv, positions, w, k_cache, v_cache, attn, False)
+            q = dec._qkv_rope_write(normed, positions, w, k_cache, v_cache, attn, ops)  # QKV GEMM, rotary, KV write
             yield
             out = attn.backend.attend(q, k_cache, v_cache, attn, dec.scale, idx)
             yield
