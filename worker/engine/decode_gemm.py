@@ -86,6 +86,16 @@ def rope_config_for(num_heads: int, num_kv_heads: int, head_dim: int, k: int, dt
     return _fitted(ROPE_CONFIG, (num_heads + 2 * num_kv_heads) * head_dim, k, dtype)
 
 
+def _block_m(m: int) -> int:
+    """Rows of x per program: M rounded up to a power of two, at least 16 (the MMA's minimum), at most 64."""
+    return max(16, 1 << (min(m, 64) - 1).bit_length())
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """fp32 dots in full precision (the tests' fp32 runs); bf16/fp16 take the default."""
+    return "ieee" if dtype == torch.float32 else None
+
+
 def _fitted(config: Config, n: int, k: int, dtype: torch.dtype) -> Config | None:
     if k > MAX_K or n % config[0] or k % config[1]:
         return None
@@ -190,10 +200,11 @@ if HAVE_TRITON:
         HALF: tl.constexpr = HEAD_DIM // 2
         GROUPS: tl.constexpr = HALF // PAIRS  # programs per head
         head = tl.program_id(0) // GROUPS  # of the [q heads | k heads | v heads] row
-        j = (tl.program_id(0) % GROUPS) * PAIRS + tl.arange(0, PAIRS)  # first-half columns of this program's pairs
+        first = (tl.program_id(0) % GROUPS) * PAIRS
+        j = first + tl.arange(0, PAIRS)  # first-half columns of this program's pairs
         # tile row r < PAIRS is column j[r] of the head, row PAIRS + r its partner j[r] + HALF
         r = tl.arange(0, 2 * PAIRS)
-        col = head * HEAD_DIM + (tl.program_id(0) % GROUPS) * PAIRS + (r % PAIRS) + (r // PAIRS) * HALF
+        col = head * HEAD_DIM + first + (r % PAIRS) + (r // PAIRS) * HALF
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -310,7 +321,7 @@ def decode_qkv_rope_write(
     if m == 0:
         return q
     block_n, block_k, num_warps, num_stages = config
-    block_m = max(16, 1 << (min(m, 64) - 1).bit_length())
+    block_m = _block_m(m)
     _qkv_rope_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,
@@ -338,7 +349,7 @@ def decode_qkv_rope_write(
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         USE_PDL=pdl,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else None,
+        DOT_PREC=_dot_precision(x.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -356,7 +367,7 @@ def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool) -> 
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    block_m = max(16, 1 << (min(m, 64) - 1).bit_length())
+    block_m = _block_m(m)
     _decode_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,
@@ -374,7 +385,7 @@ def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool) -> 
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         USE_PDL=pdl,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else None,
+        DOT_PREC=_dot_precision(x.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
