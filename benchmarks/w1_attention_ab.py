@@ -13,7 +13,7 @@ with attention's KV reads (or the whole attention) taken out, not a usable engin
   splits-2        at most 2 context splits (faster at W1's shape, but the split count then changes with the
                   batch size where sync and async steps differ: see attention_triton.decode_num_splits)
   reduce-2-warps  the split-K reduce with the rule before 2026-11-30 (2 warps, 4 from 2,048 values)
-H200 results: benchmarks/README.md, "Where W1's attention time goes".
+H200 results: benchmarks/README.md, "Where W1's attention time goes" (log: h200/2026-11-30f/w1_attention_ab.log).
 """
 
 from __future__ import annotations
