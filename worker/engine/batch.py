@@ -83,6 +83,33 @@ class IOSlot:
             self.dev[name] = self.float_dev[i * max_num_seqs : (i + 1) * max_num_seqs]
         self.host["block_tables"] = self.tables_host.numpy()
         self.dev["block_tables"] = self.tables_dev
+        # What each row of the host block table holds: (the block-table list it was copied from, entries copied).
+        # A list object only ever grows by appends while its sequence runs (the block manager replaces it when
+        # it frees or shares blocks), so a row whose list is the same object needs only its new entries.
+        self._table_rows: list[tuple[list[int], int] | None] = [None] * max_num_seqs
+
+    def write_block_tables(self, tables: list[list[int]], num_rows: int) -> None:
+        """Rows [0, len(tables)) get these block tables; rows up to `num_rows` (graph padding) the scratch block.
+
+        Copying every running sequence's whole table each step cost about 1 ms per 1,000 sequences of ~70
+        blocks on a 2-core development box (list-to-array conversion); a decode step adds a block to ~1 in 16."""
+        host = self.host["block_tables"]
+        rows = self._table_rows
+        try:
+            for b, table in enumerate(tables):
+                cached = rows[b]
+                n = len(table)
+                if cached is not None and cached[0] is table and cached[1] <= n:
+                    if cached[1] < n:
+                        host[b, cached[1] : n] = table[cached[1] :]
+                else:
+                    host[b, :n] = table
+                rows[b] = (table, n)
+        except BaseException:
+            rows[:] = [None] * len(rows)  # a row may be half-written: forget them all
+            raise
+        host[len(tables) : num_rows, 0] = NULL_BLOCK
+        rows[len(tables) : num_rows] = [None] * max(0, num_rows - len(tables))
 
 
 class BatchBuilder:
@@ -152,10 +179,8 @@ class BatchBuilder:
         )
         h["positions"][:num_real_tokens] = positions
         h["positions"][num_real_tokens:num_tokens] = 0
+        slot.write_block_tables([c.seq.block_table for c in chunks], num_seqs)
         tables = h["block_tables"]
-        for b, c in enumerate(chunks):
-            tables[b, : len(c.seq.block_table)] = c.seq.block_table
-        tables[num_real:num_seqs, 0] = NULL_BLOCK
         bs = self.block_size
         h["slot_mapping"][:num_real_tokens] = tables[seq_of_token, positions // bs] * bs + positions % bs
         h["slot_mapping"][num_real_tokens:num_tokens] = NULL_BLOCK * bs  # padding writes the scratch block

@@ -1,6 +1,9 @@
 """KV block manager: owns every block's reference count, the free list and the prefix cache, and, on
 each `Sequence`, `block_table`, `block_hashes` and `num_committed_blocks`.
 
+A sequence's `block_table` list is only ever appended to; freeing or sharing blocks gives it a new list. The
+batch builder relies on this to copy only a table's new entries into the step buffers (`batch.IOSlot`).
+
 Block 0 is reserved as a scratch block: padding rows of a CUDA-graph bucket write their K/V there,
 so kernels never need a "skip" branch on the decode path. It is never handed out.
 

@@ -227,3 +227,51 @@ def test_fields_of_a_slot_do_not_overlap_and_device_views_match_host_offsets(mix
     slot.tables_dev.copy_(slot.tables_host)
     for name in names:
         np.testing.assert_array_equal(slot.dev[name].numpy(), slot.host[name], err_msg=name)
+
+
+def test_block_table_rows_follow_appends_replacements_and_row_changes():
+    """A slot copies only the new entries of a row whose block-table list it copied before; a list the block
+    manager replaced (preemption frees it, re-admission builds a new one, perhaps as long), a sequence that
+    moved to another row and graph-padding rows are written whole."""
+    builder = make_builder(graph_buckets=(4,))
+    a = make_seq("a", [1, 2, 3], [4], block_table=[7])
+    b = make_seq("b", [5, 6, 7], [8], block_table=[9])
+
+    def build(*seqs):
+        chunks = [ScheduledChunk(s, len(s.prompt_ids) + len(s.output_ids) - 1, 1, True) for s in seqs]
+        builder.build(StepPlan(chunks), 0, prev_rows={})
+        return builder.slots[0].host["block_tables"]
+
+    tables = build(a, b)
+    assert tables[0, :1].tolist() == [7] and tables[1, :1].tolist() == [9]
+    assert tables[2, 0] == 0 and tables[3, 0] == 0  # padding rows: the scratch block
+    a.block_table.append(11)  # a decode crossed a block boundary: the same list, one entry longer
+    a.output_ids += [5, 6, 7, 8]
+    tables = build(a, b)
+    assert tables[0, :2].tolist() == [7, 11] and tables[1, :1].tolist() == [9]
+    a.block_table = [12, 13]  # preempted and re-admitted on other blocks: a new list of the same length
+    tables = build(a, b)
+    assert tables[0, :2].tolist() == [12, 13]
+    tables = build(b, a)  # a finished sequence before them: rows shift
+    assert tables[0, :1].tolist() == [9] and tables[1, :2].tolist() == [12, 13]
+    tables[2, 0] = 99  # scribble a padding row; the next build writes the scratch block again
+    c = make_seq("c", [1], [2], block_table=[14])
+    tables = build(b, a, c)
+    assert tables[2, :1].tolist() == [14] and tables[3, 0] == 0
+    tables = build(b, a)
+    assert tables[2, 0] == 0, "a row that became padding is not left with c's block"
+    tables = build(b, a, c)
+    assert tables[2, :1].tolist() == [14], "c's row is rewritten after padding overwrote it"
+
+
+def test_a_failed_block_table_write_forgets_the_slots_rows():
+    builder = make_builder()
+    a = make_seq("a", [1, 2, 3], [4], block_table=[7])
+    bad = make_seq("bad", [1, 2, 3], [4], block_table=[2**40])  # does not fit the int32 table
+    plan = StepPlan([ScheduledChunk(a, 3, 1, True), ScheduledChunk(bad, 3, 1, True)])
+    with pytest.raises(OverflowError):
+        builder.build(plan, 0, prev_rows={})
+    slot = builder.slots[0]
+    slot.host["block_tables"][0, 0] = 99  # what a half-written row might hold
+    builder.build(StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
+    assert slot.host["block_tables"][0, 0] == 7, "row 0 was rewritten, not trusted from before the failure"

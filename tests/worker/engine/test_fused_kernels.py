@@ -17,11 +17,36 @@ from worker.engine import fused_kernels
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 CHECK = r"""
-from tests.worker.engine.test_fused_kernels import check_kernels
+from tests.worker.engine.test_fused_kernels import check_kernels, order_independent_interpreter_dots
 
+order_independent_interpreter_dots()
 check_kernels("cpu")
 print("fused kernels match")
 """
+
+
+def order_independent_interpreter_dots() -> None:
+    """Make the interpreter's tl.dot sum each tile in float64, then round as before (this process only).
+
+    The interpreter runs tl.dot as numpy's sgemm, whose summation order for an element can depend on where its
+    row sits in the tile: on an AMD EPYC with numpy 2.4 the QKV+rotary program (weight rows j..j+31 and
+    j+64..j+95) and the plain GEMM (rows j..j+63) then rounded the same row's fp32 products apart in the last
+    bit. Summed in float64, a tile's products round to the same fp32 wherever the row sits, so the bit-for-bit
+    checks below test the kernels' logic, not the host's BLAS. (On the GPU each MMA sums every row alike; the
+    GPU check keeps exact equality in bf16.)"""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    original = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *rest):
+        wide = (np.float16, np.float32)
+        if a.data.dtype not in wide or b.data.dtype not in wide or d.data.dtype != np.float32:
+            return original(self, a, b, d, *rest)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return interp.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interp.InterpreterBuilder.create_dot = create_dot
 
 
 def check_kernels(device: str) -> None:
