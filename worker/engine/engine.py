@@ -348,14 +348,16 @@ class Engine:
         stats.steps += 1
         stats.busy_seconds += device_seconds
         num_step_tokens = step.plan.num_tokens
-        context_tokens = sum(c.start + c.num_tokens for c in step.plan.chunks)
+        seconds_per_token = device_seconds / num_step_tokens
+        context_tokens = 0
+        for chunk in step.plan.chunks:  # one pass: this loop runs for every sequence of every step
+            seq, num_tokens = chunk.seq, chunk.num_tokens
+            seq.gpu_seconds += seconds_per_token * num_tokens
+            context_tokens += chunk.start + num_tokens
+            if num_tokens != 1 or chunk.start < len(seq.prompt_ids):  # not a decode
+                stats.prompt_tokens += num_tokens
         self.step_log.append((num_step_tokens, len(step.plan.chunks), context_tokens, device_seconds))
         now = time.time()
-        for chunk in step.plan.chunks:
-            chunk.seq.gpu_seconds += device_seconds * chunk.num_tokens / num_step_tokens
-            is_decode = chunk.num_tokens == 1 and chunk.start >= len(chunk.seq.prompt_ids)
-            if not is_decode:
-                stats.prompt_tokens += chunk.num_tokens
         sampling_chunks = step.plan.sampling_chunks()
         if step.handle.logprobs is not None:
             self._append_logprobs(step.handle, sampling_chunks, tokens)

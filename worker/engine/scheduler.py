@@ -87,27 +87,36 @@ class Scheduler:
 
     def is_done_generating(self, seq: Sequence) -> bool:
         """Known to finish by length once its in-flight tokens land: schedule it no further."""
-        return seq.num_generated >= seq.sampling.max_new_tokens or seq.num_tokens >= self.max_model_len
+        return self._is_done_generating(seq, seq.num_tokens)
+
+    def _is_done_generating(self, seq: Sequence, num_tokens: int) -> bool:
+        return num_tokens >= self.max_model_len or seq.num_generated >= seq.sampling.max_new_tokens
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
+        # NOTE: this loop runs once per running sequence per step (1,000 in W2), so it reads each sequence's
+        # length once and skips the block manager while the sequence's table already covers the chunk.
+        block_size = self.blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            if self.is_done_generating(seq):
+            num_tokens = seq.num_tokens
+            if self._is_done_generating(seq, num_tokens):
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status != SeqStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
-            budget -= self._schedule_chunk(plan, seq, num_new)
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            end = seq.num_computed_tokens + num_new
+            if end > len(seq.block_table) * block_size:  # needs a new block
+                while not self.blocks.can_allocate(seq, end):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status != SeqStatus.RUNNING:
+                    break  # it preempted itself: everything after it is gone too
+            budget -= self._schedule_chunk(plan, seq, num_new, num_tokens)
         # 2. New (or preempted) prompts in arrival order.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -126,7 +135,7 @@ class Scheduler:
             seq.num_computed_tokens = start
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            budget -= self._schedule_chunk(plan, seq, num_new)
+            budget -= self._schedule_chunk(plan, seq, num_new, seq.num_tokens)
         return plan
 
     def _reusable_prefix(self, seq: Sequence) -> list[int]:
@@ -139,7 +148,8 @@ class Scheduler:
                 prefix = leader.block_table[:num_blocks]
         return prefix
 
-    def _schedule_chunk(self, plan: StepPlan, seq: Sequence, num_new: int) -> int:
+    def _schedule_chunk(self, plan: StepPlan, seq: Sequence, num_new: int, num_tokens: int) -> int:
+        """Schedule positions [computed, computed + num_new) of `seq` (`num_tokens` long); blocks checked."""
         start, end, block_size = (
             seq.num_computed_tokens,
             seq.num_computed_tokens + num_new,
@@ -148,8 +158,9 @@ class Scheduler:
         assert start >= seq.num_committed_blocks * block_size, (
             f"{seq.request_id}: would write a committed (shareable) block"
         )
-        self.blocks.allocate(seq, end)
-        chunk = ScheduledChunk(seq, start, num_new, end == seq.num_tokens, seq.num_preemptions)
+        if end > len(seq.block_table) * block_size:
+            self.blocks.allocate(seq, end)
+        chunk = ScheduledChunk(seq, start, num_new, end == num_tokens, seq.num_preemptions)
         plan.chunks.append(chunk)
         if end // block_size > start // block_size or seq in self._followers:
             plan.committing_chunks.append(chunk)

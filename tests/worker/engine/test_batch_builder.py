@@ -267,11 +267,40 @@ def test_block_table_rows_follow_appends_replacements_and_row_changes():
 def test_a_failed_block_table_write_forgets_the_slots_rows():
     builder = make_builder()
     a = make_seq("a", [1, 2, 3], [4], block_table=[7])
+    c = make_seq("c", [1, 2, 3], [4], block_table=[8])
     bad = make_seq("bad", [1, 2, 3], [4], block_table=[2**40])  # does not fit the int32 table
-    plan = StepPlan([ScheduledChunk(a, 3, 1, True), ScheduledChunk(bad, 3, 1, True)])
-    with pytest.raises(OverflowError):
-        builder.build(plan, 0, prev_rows={})
-    slot = builder.slots[0]
-    slot.host["block_tables"][0, 0] = 99  # what a half-written row might hold
     builder.build(StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
-    assert slot.host["block_tables"][0, 0] == 7, "row 0 was rewritten, not trusted from before the failure"
+    # c's table goes into row 0, then bad's fails in row 1: the slot must not still believe row 0 holds a's
+    with pytest.raises(OverflowError):
+        builder.build(StepPlan([ScheduledChunk(c, 3, 1, True), ScheduledChunk(bad, 3, 1, True)]), 0, prev_rows={})
+    builder.build(StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
+    assert builder.slots[0].host["block_tables"][0, 0] == 7, "row 0 was rewritten, not trusted from before"
+
+
+def test_block_table_rows_match_a_full_rewrite_over_random_steps():
+    """Against writing every row whole: random batches (sequences join, finish, reorder), tables that grow or are
+    replaced, graph padding, and a failed write now and then."""
+    import random
+
+    from worker.engine.batch import IOSlot
+
+    rng = random.Random(0)
+    slot = IOSlot(max_num_tokens=64, max_num_seqs=12, max_blocks_per_seq=40, device=CPU)
+    host = slot.host["block_tables"]
+    pool = [[rng.randrange(1, 1000) for _ in range(rng.randrange(1, 8))] for _ in range(20)]
+    for step in range(400):
+        for i in rng.sample(range(len(pool)), 5):
+            if rng.random() < 0.2:
+                pool[i] = [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 8))]  # freed, then re-admitted
+            elif len(pool[i]) < 40:
+                pool[i].append(rng.randrange(1, 1000))  # a new block
+        tables = rng.sample(pool, rng.randrange(0, 11))
+        num_rows = len(tables) + rng.randrange(0, 2)
+        if step % 37 == 5 and tables:
+            with pytest.raises(OverflowError):
+                slot.write_block_tables([*tables, [2**40]], num_rows + 1)
+            host[: len(tables) + 1] = -7  # whatever a half-done write left
+        slot.write_block_tables(tables, num_rows)
+        for b, table in enumerate(tables):
+            assert host[b, : len(table)].tolist() == table, (step, b)
+        assert (host[len(tables) : num_rows, 0] == 0).all(), step
