@@ -108,7 +108,7 @@ class Scheduler:
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
             end = seq.num_computed_tokens + num_new
-            if end > len(seq.block_table) * block_size:  # needs a new block
+            if end > len(seq.block_table) * block_size:  # needs a new block (else can_allocate is True)
                 while not self.blocks.can_allocate(seq, end):
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -158,7 +158,7 @@ class Scheduler:
         assert start >= seq.num_committed_blocks * block_size, (
             f"{seq.request_id}: would write a committed (shareable) block"
         )
-        if end > len(seq.block_table) * block_size:
+        if end > len(seq.block_table) * block_size:  # else allocate has nothing to do
             self.blocks.allocate(seq, end)
         chunk = ScheduledChunk(seq, start, num_new, end == num_tokens, seq.num_preemptions)
         plan.chunks.append(chunk)
