@@ -212,10 +212,11 @@ class BatchBuilder:
         temps = np.fromiter((p.temperature for p in params), dtype=np.float32, count=len(params))
         h["temperature"][: len(params)] = temps
         h["temperature"][len(params) : num_rows] = 0.0
-        h["top_p"][: len(params)] = [p.top_p for p in params]
-        h["top_k"][: len(params)] = [p.top_k for p in params]
+        top_p, top_k = h["top_p"][: len(params)], h["top_k"][: len(params)]
+        top_p[:] = [p.top_p for p in params]
+        top_k[:] = [p.top_k for p in params]
         h["seeds"][: len(params)] = [c.seq.seed for c in sample_chunks]
-        h["sample_positions"][: len(params)] = [c.start + c.num_tokens for c in sample_chunks]
+        h["sample_positions"][: len(params)] = context_lens[samples]  # the sampled token's position
         return BatchMeta(
             slot=slot_index,
             num_tokens=num_tokens,
@@ -226,7 +227,7 @@ class BatchBuilder:
             max_context_len=int(context_lens.max()) if num_real else 0,
             is_decode_only=is_decode_only,
             any_random=bool((temps > 0).any()),
-            any_top_k_top_p=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            any_top_k_top_p=bool(((temps > 0) & ((top_k > 0) | (top_p < 1.0))).any()),
             has_carry=bool(prev_rows),
             num_decode_seqs=_num_leading_single_rows(q_lens),
         )
