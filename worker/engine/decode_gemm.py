@@ -41,6 +41,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .fused_kernels import rotate_halves
     from .pdl import pdl_wait_and_release
 
     HAVE_TRITON = True
@@ -223,13 +224,7 @@ if HAVE_TRITON:
         x1, x2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, BLOCK_M]), (1, 2, 0)))  # [PAIRS, BLOCK_M] each
         if head < NUM_HEADS + NUM_KV_HEADS:  # q and k: rotary as qkv_rope_write computes it
             pos = tl.load(pos_ptr + rm, mask=m_mask, other=0).to(tl.int64)
-            cs = pos[None, :] * stride_cos + j[:, None]
-            c1 = tl.load(cos_ptr + cs).to(tl.float32)
-            c2 = tl.load(cos_ptr + cs + HALF).to(tl.float32)
-            s1 = tl.load(sin_ptr + cs).to(tl.float32)
-            s2 = tl.load(sin_ptr + cs + HALF).to(tl.float32)
-            y1 = x1 * c1 - x2 * s1  # rotate_half(x) = cat(-x2, x1)
-            y2 = x2 * c2 + x1 * s2
+            y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, pos[None, :] * stride_cos + j[:, None], m_mask[None, :], HALF)
         else:
             y1 = x1
             y2 = x2

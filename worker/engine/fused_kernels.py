@@ -122,6 +122,18 @@ if HAVE_TRITON:
         tl.store(out_ptr + t * inter + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def rotate_halves(x1, x2, cos_ptr, sin_ptr, offsets, mask, HALF: tl.constexpr):
+        """Rotary of a head's two halves (x1: columns [0, HALF), x2: [HALF, 2 HALF), fp32) with the cos/sin
+        table entries at `offsets` (position row + column of the first half), as transformers'
+        `apply_rotary_pos_emb` computes x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1). Shared by
+        `_qkv_rope_write_kernel` and decode_gemm's QKV epilogue, which must round alike."""
+        c1 = tl.load(cos_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+    @triton.jit
     def _qkv_rope_write_kernel(
         qkv_ptr,
         pos_ptr,
@@ -183,14 +195,10 @@ if HAVE_TRITON:
             x1 = tl.where(is_v[:, None], x1, n1)
             x2 = tl.where(is_v[:, None], x2, n2)
         pos = tl.load(pos_ptr + t).to(tl.int64)
-        cs = pos * stride_cos + i[None, :]
-        c1 = tl.load(cos_ptr + cs, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + cs + HALF, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + cs, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs + HALF, mask=m, other=0.0).to(tl.float32)
+        r1, r2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, pos * stride_cos + i[None, :], m, HALF)
         rope = (is_q | is_k)[:, None]
-        y1 = tl.where(rope, x1 * c1 - x2 * s1, x1)  # rotate_half(x) = cat(-x2, x1)
-        y2 = tl.where(rope, x2 * c2 + x1 * s2, x2)
+        y1 = tl.where(rope, r1, x1)
+        y2 = tl.where(rope, r2, x2)
         q_dst = q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + hh[:, None] * HEAD_DIM + i[None, :]
         qm = m & is_q[:, None]
         tl.store(q_dst, y1.to(dtype), mask=qm)
