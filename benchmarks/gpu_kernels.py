@@ -230,7 +230,7 @@ def sweep_decode() -> None:
     try:
         for batch, ctx in ((32, 768), (1000, 600)):
             for tile_n in (32, 64, 128):
-                for stages in (2, 3, 4):
+                for stages in (2, 3, 4, 5):
                     for warps in (4, 8):
                         at._decode_config = lambda hd, dt, t=tile_n, s=stages, w=warps: (t, w, s)
                         print(f"  tile_n={tile_n} stages={stages} warps={warps}: ", end="")

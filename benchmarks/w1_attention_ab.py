@@ -13,6 +13,9 @@ with attention's KV reads (or the whole attention) taken out, not a usable engin
   splits-2        at most 2 context splits (faster at W1's shape, but the split count then changes with the
                   batch size where sync and async steps differ: see attention_triton.decode_num_splits)
   reduce-2-warps  the split-K reduce with the rule before 2026-11-30 (2 warps, 4 from 2,048 values)
+  stages-5        the split kernel with 5 pipeline stages instead of 3 (K/V tile t+1 loads while tile t computes)
+  1-split-stages-5  the same with one split: no reduce kernel, batch-invariant, 28.6 against 33.5 us alone
+H200 results for the last two: benchmarks/README.md, "Pipelined attention loops" (h200/2026-11-30g).
 H200 results: benchmarks/README.md, "Where W1's attention time goes" (log: h200/2026-11-30f/w1_attention_ab.log).
 """
 
@@ -32,6 +35,7 @@ from worker.engine import attention_triton as at  # noqa: E402
 
 LANDED = at.paged_decode_attention
 LANDED_REDUCE_WARPS = at._reduce_warps
+LANDED_DECODE_CONFIG = at._decode_config
 
 
 def _clamped(max_num_splits: int | None = None):
@@ -56,6 +60,10 @@ VARIANTS = {
     "stub-1-split": dict(attend=_clamped(max_num_splits=1)),
     "splits-2": dict(attend=functools.partial(LANDED, max_num_splits=2)),
     "reduce-2-warps": dict(attend=LANDED, reduce_warps=lambda elements: 4 if elements >= 2048 else 2),
+    "stages-5": dict(attend=LANDED, decode_config=lambda head_dim, dtype: (64, 4, 5)),
+    "1-split-stages-5": dict(
+        attend=functools.partial(LANDED, max_num_splits=1), decode_config=lambda head_dim, dtype: (64, 4, 5)
+    ),
 }
 
 
@@ -88,6 +96,7 @@ def main() -> None:
             variant = VARIANTS[name]
             at.paged_decode_attention = variant["attend"]
             at._reduce_warps = variant.get("reduce_warps", LANDED_REDUCE_WARPS)
+            at._decode_config = variant.get("decode_config", LANDED_DECODE_CONFIG)
             try:
                 config = EngineConfig(mode="async", device="cuda", dtype="bfloat16", max_num_seqs=32,
                                       max_num_batched_tokens=2048)  # fmt: skip
@@ -107,6 +116,7 @@ def main() -> None:
             finally:
                 at.paged_decode_attention = LANDED
                 at._reduce_warps = LANDED_REDUCE_WARPS
+                at._decode_config = LANDED_DECODE_CONFIG
 
 
 if __name__ == "__main__":

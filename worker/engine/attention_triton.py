@@ -122,7 +122,27 @@ def _reduce_warps(elements: int) -> int:
     return max(1, min(4, elements // 1024))
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+# Shared memory the pipelined prefill tile (bf16/fp16, D <= 128, 5 stages) takes: 132,096 bytes compiled for sm_90.
+PIPELINED_PREFILL_SMEM = 132_096
+
+
+@functools.cache
+def _max_shared_memory(device_index: int) -> int:
+    """Bytes of shared memory one program may use on this device (0 without CUDA: the interpreter)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def _device_shared_memory(device: torch.device | None) -> int:
+    if device is None or device.type != "cuda":
+        return 0
+    return _max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _prefill_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device | None = None
+) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for full-size query tiles."""
     # Checked by compiling for sm_90 (ptxas -v): no register spills except fp32 D=128 (~90 B, FMA dots).
     bd = _block_d(head_dim)
@@ -135,7 +155,15 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
     if bd <= 64:
         return 128, 64, 8, 3
     if bd <= 128:
-        return 128, 64, 8, 3  # wgmma, ~185 regs, ~96 KiB smem
+        # wgmma, ~185 regs. Each K/V tile's addresses come from a page-table load, and Triton's pipeliner spends
+        # a stage on that load: with 3 stages it issues tile t+1's K/V only after computing tile t and waits for
+        # all of it (`cp.async.wait_group 0`, PTX for sm_90), so nothing overlaps. 5 stages keep one tile in
+        # flight during the compute: on the H200, 9 prompts of 100-1,024 tokens 162 -> 156 us, W2 41.7 -> 41.5 ms
+        # per step, outputs bit-equal (benchmarks/README.md, "Pipelined attention loops"). 129 KiB of shared
+        # memory: GPUs with less (sm_86/89: 99 KiB) keep 3 stages (96 KiB).
+        if _device_shared_memory(device) >= PIPELINED_PREFILL_SMEM:
+            return 128, 64, 8, 5
+        return 128, 64, 8, 3
     return 64, 32, 8, 2
 
 
@@ -790,7 +818,7 @@ def paged_prefill_attention(
         return out
 
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype)
+    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype, q.device)
     max_q = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
     # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
     block_m = min(block_m, max(16, _next_pow2(max_q * group)))

@@ -258,6 +258,18 @@ def test_module_imports_and_split_heuristic():
     assert at.decode_workspace_numel(4, 32, 128, 8) == 4 * 32 * 8 * 129
 
 
+def test_prefill_pipelines_deeper_only_where_shared_memory_allows(monkeypatch):
+    """5 stages (one K/V tile in flight during the compute) on GPUs with the shared memory for it; 3 elsewhere."""
+    bf16, cuda = torch.bfloat16, torch.device("cuda", 0)
+    monkeypatch.setattr(at, "_max_shared_memory", lambda index: 227 * 1024)  # H100/H200
+    assert at._prefill_config(128, bf16, cuda) == (128, 64, 8, 5)
+    assert at._prefill_config(128, torch.float32, cuda)[3] == 2  # fp32 tiles are unchanged
+    monkeypatch.setattr(at, "_max_shared_memory", lambda index: 99 * 1024)  # sm_86/89
+    assert at._prefill_config(128, bf16, cuda) == (128, 64, 8, 3)
+    assert at._prefill_config(128, bf16, torch.device("cpu")) == (128, 64, 8, 3)  # the interpreter
+    assert at._prefill_config(128, bf16) == (128, 64, 8, 3)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU tests
 # ------------------------------------------------------------------------------------------------
