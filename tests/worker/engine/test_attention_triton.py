@@ -344,6 +344,19 @@ def test_gpu_sliding_window(dtype, head_dim, block_size):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_prefill_config_reads_the_devices_shared_memory():
+    """The driver's figure is what the 5-stage rule compares: Hopper (227 KiB per program) pipelines deeper."""
+    device = torch.device("cuda")
+    smem = at._device_shared_memory(device)
+    assert smem > 0
+    stages = at._prefill_config(128, torch.bfloat16, device)[3]
+    assert stages == (5 if smem >= at.PIPELINED_PREFILL_SMEM else 3)
+    if torch.cuda.get_device_capability(device)[0] == 9:
+        assert stages == 5
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(8, 128, 16), (1, 16, 8), (2, 64, 128)])
 def test_gpu_write_kv(dtype, num_kv_heads, head_dim, block_size):
