@@ -2,12 +2,13 @@
 
     python3 benchmarks/w2_prefill_ab.py                       # every variant once, landed first and last
     python3 benchmarks/w2_prefill_ab.py --rounds 2 landed stages-5
+    python3 benchmarks/w2_prefill_ab.py --kernels-only            # the bit-equality check and kernel times only
 
 Each variant swaps `attention_triton._prefill_config` (BLOCK_M, BLOCK_N, warps, stages for full query tiles) while
 its engine is built and run. Before the runs it checks, on a random paged batch, that every variant's prefill output
 equals the landed one's bit for bit (same KV tile order, so it should), and prints the kernel's time per variant.
   landed      the code as it is
-  stages-3    128-row query tiles, 64 keys, 8 warps, 3 stages (the configuration before 2026-11-30, seventh session)
+  stages-3    128-row query tiles, 64 keys, 8 warps, 3 stages (the configuration before 2026-11-30, sixth session)
   stages-5    the same with 5 stages
   m64         64-row query tiles, 4 warps, 5 stages
 H200 results: benchmarks/README.md, "Pipelined attention loops".
@@ -29,9 +30,9 @@ from worker.engine import attention_triton as at  # noqa: E402
 LANDED = at._prefill_config
 VARIANTS = {
     "landed": LANDED,
-    "stages-3": lambda head_dim, dtype: (128, 64, 8, 3),
-    "stages-5": lambda head_dim, dtype: (128, 64, 8, 5),
-    "m64": lambda head_dim, dtype: (64, 64, 4, 5),
+    "stages-3": lambda head_dim, dtype, device=None: (128, 64, 8, 3),
+    "stages-5": lambda head_dim, dtype, device=None: (128, 64, 8, 5),
+    "m64": lambda head_dim, dtype, device=None: (64, 64, 4, 5),
 }
 
 
@@ -59,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="*", help=f"of {', '.join(VARIANTS)} (default: all, then landed again)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--kernels-only", action="store_true", help="skip the engine runs")
     args = parser.parse_args()
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
@@ -72,6 +74,8 @@ def main() -> None:
     from worker.engine.models import load_model
 
     check_and_time_kernels(names)
+    if args.kernels_only:
+        return
     device = torch.device("cuda")
     model, tokenizer = load_model("llama3-8b", device, torch.bfloat16)
     bandwidth = measure_copy_bandwidth(device)
