@@ -1,32 +1,41 @@
-"""Fixtures for the queue tests: a real Redis server (db 15, flushed) and an in-process fakeredis.
+"""Fixtures for the queue tests: a redis-server of the test session's own and an in-process fakeredis.
 
-`conn` runs a test once against each: fakeredis always, the real server when one answers on 127.0.0.1:6379
-(CI starts one). Set CBQ_TEST_REDIS_URL to use another server or db.
+`conn` runs a test once against each: fakeredis always, and a real redis-server that this session starts on a
+free port (skipped where `redis-server` is not installed). No test ever touches a server it did not start:
+CBQ_TEST_REDIS_URL points the tests at another server only when a person sets it, and its db is flushed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import fakeredis
 import pytest
 import redis
 
-TEST_REDIS_URL = os.environ.get("CBQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+from tests.reliability.harness import RedisServer
 
 
-def _server_answers() -> bool:
+@pytest.fixture(scope="session")
+def private_redis_url(tmp_path_factory):
+    """The URL of a memory-only redis-server started for this test session (stopped at its end)."""
+    if url := os.environ.get("CBQ_TEST_REDIS_URL"):
+        yield url
+        return
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis"), durable=False)
+    server.start()
     try:
-        return bool(redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=0.5).ping())
-    except (redis.ConnectionError, redis.TimeoutError):
-        return False
+        yield server.url
+    finally:
+        server.kill()
 
 
 @pytest.fixture
-def real_redis():
-    if not _server_answers():
-        pytest.skip(f"no Redis server answers at {TEST_REDIS_URL}")
-    conn = redis.Redis.from_url(TEST_REDIS_URL)
+def real_redis(private_redis_url):
+    conn = redis.Redis.from_url(private_redis_url)
     conn.flushdb()
     yield conn
     conn.flushdb()

@@ -32,7 +32,6 @@ from producer.cli import main  # noqa: E402
 pytestmark = pytest.mark.redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
-REDIS_URL = os.environ.get("CBQ_TEST_SERVER_REDIS_URL", "redis://127.0.0.1:6379/14")
 API_KEY = "test-key-2"
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
 
@@ -74,12 +73,8 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    conn = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5)
-    try:
-        conn.ping()
-    except (redis.ConnectionError, redis.TimeoutError):
-        pytest.skip(f"no Redis server answers at {REDIS_URL}")
+def stack(tmp_path_factory, private_redis_url):
+    conn = redis.Redis.from_url(private_redis_url, socket_connect_timeout=0.5)
     conn.flushdb()
     tmp = tmp_path_factory.mktemp("api")
     queue = f"cbq-api-test-{uuid.uuid4().hex[:8]}"
@@ -87,7 +82,7 @@ def stack(tmp_path_factory):
     env = {
         **os.environ,
         "CBQ_API_KEYS": f"test-key-1,{API_KEY}",
-        "CBQ_REDIS_URL": REDIS_URL,
+        "CBQ_REDIS_URL": private_redis_url,
         "CBQ_QUEUE": queue,
     }
     cli = [sys.executable, "-m", "producer.cli"]
@@ -337,9 +332,9 @@ def test_cancel_stops_a_running_batch(client, tmp_path):
     assert {e["error"]["code"] for e in errors} == {"cancelled"}
 
 
-def test_serve_refuses_a_public_host_without_api_keys(monkeypatch):
+def test_serve_refuses_a_public_host_without_api_keys(monkeypatch, private_redis_url):
     monkeypatch.delenv("CBQ_API_KEYS", raising=False)
-    result = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--redis-url", REDIS_URL])
+    result = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--redis-url", private_redis_url])
     assert result.exit_code == 1 and "refusing to serve 0.0.0.0 without authentication" in result.output
 
 
@@ -347,7 +342,7 @@ def test_the_readme_python_client_example_runs(stack, monkeypatch, capsys):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Python client", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    monkeypatch.setenv("CBQ_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("CBQ_REDIS_URL", stack.env["CBQ_REDIS_URL"])
     monkeypatch.setenv("CBQ_QUEUE", stack.queue)
     exec(compile(code, "README.md (Python client)", "exec"), {})
     printed = capsys.readouterr().out.splitlines()

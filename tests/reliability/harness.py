@@ -42,10 +42,12 @@ def wait_until(
 
 
 class RedisServer:
-    """A redis-server of the test's own: append-only file with fsync on every write, on a free port."""
+    """A redis-server of the test's own on a free port. `durable` (the default): an append-only file with
+    fsync on every write, so kill -9 and a restart keep every acknowledged write; otherwise memory only."""
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, durable: bool = True):
         self.data_dir = data_dir
+        self.durable = durable
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
@@ -60,10 +62,7 @@ class RedisServer:
                 "127.0.0.1",
                 "--save",
                 "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
+                *(("--appendonly", "yes", "--appendfsync", "always") if self.durable else ("--appendonly", "no")),
                 "--dir",
                 str(self.data_dir),
             ],
