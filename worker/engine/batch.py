@@ -131,8 +131,13 @@ class BatchBuilder:
         block_size: int,
         device: torch.device,
         graph_buckets: tuple[int, ...] = (),
+        max_model_len: int = 0,
     ):
+        """`graph_buckets`: decode-only steps pad up to one of these row counts (on CUDA, with or without
+        graphs). `max_model_len`: the context bound such a padded step tells its kernels, as its graph was
+        captured with (0: the step's own longest context)."""
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.slots = [IOSlot(max_num_tokens, max_num_seqs, max_blocks_per_seq, device) for _ in range(2)]
         self.graph_buckets = tuple(sorted(graph_buckets))
@@ -224,7 +229,11 @@ class BatchBuilder:
             num_real_seqs=num_real,
             num_sample_rows=num_rows,
             max_query_len=int(q_lens.max()) if num_real else 0,
-            max_context_len=int(context_lens.max()) if num_real else 0,
+            # A padded decode step says what its graph was captured with: the decode kernel's split count
+            # depends on this bound and the row count, and a step must round alike replayed or eager.
+            max_context_len=self.max_model_len if bucket and self.max_model_len else (
+                int(context_lens.max()) if num_real else 0
+            ),
             is_decode_only=is_decode_only,
             any_random=bool((temps > 0).any()),
             any_top_k_top_p=bool(((temps > 0) & ((top_k > 0) | (top_p < 1.0))).any()),

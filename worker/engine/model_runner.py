@@ -148,7 +148,9 @@ class ModelRunner:
         )
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.max_model_len = max_model_len
-        buckets = graph_buckets_for(config) if self._use_graphs else ()
+        # Decode steps pad to the graph buckets on CUDA even with graphs off, so that an eager step runs the
+        # kernels, shapes and split counts its graph would: graph and eager then give the same tokens.
+        buckets = graph_buckets_for(config) if self.is_cuda else ()
         self.builder = BatchBuilder(
             max(config.max_num_batched_tokens, max(buckets, default=0)),
             config.max_num_seqs,
@@ -156,6 +158,7 @@ class ModelRunner:
             config.block_size,
             device,
             buckets,
+            max_model_len=max_model_len,
         )
         # The slot the next step is built into, and the output rows of the launched step whose tokens the
         # host has not seen yet (the carry-over map: the next step's placeholders are filled from them).

@@ -64,7 +64,10 @@ def test_graph_equals_eager_same_mode_bf16(small_bf16):
     reqs = make_requests(tok, 32, seed=4, max_prompt=300, max_new=48)
     eager, _ = run(model, tok, reqs, mode="async", use_cuda_graphs=False)
     graph, _ = run(model, tok, reqs, mode="async", use_cuda_graphs=True)
-    assert token_agreement(graph, eager) >= 0.99
+    # An eager decode step pads to its graph's bucket and tells the kernels the graph's context bound, so
+    # the two run the same kernels on the same shapes: the same tokens, not merely close ones.
+    agreement = token_agreement(graph, eager)
+    assert agreement == 1.0, f"graph vs eager (async) agree on {agreement:.4f} of tokens"
 
 
 def test_fp32_equals_generate():
