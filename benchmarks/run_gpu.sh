@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [sweeps] [chain] [mixedprobe] [attnab] [prefillab] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
+#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
@@ -38,15 +38,6 @@ if has sweeps; then  # launch-configuration sweeps: decode attention, and the de
 fi
 if has chain; then  # the decoder layer's GEMM chain at M = 32: cuBLAS vs decode_gemm.py's Triton GEMMs, with and without PDL
     timeout 150 python3 benchmarks/skinny_gemm.py --chain --m 32 2>&1 | tee "$OUT/gemm_chain.log"
-fi
-if has mixedprobe; then  # one W2-like mixed step vs overlap on two streams / SM partitions, layouts, a graph (~1 minute)
-    timeout 150 python3 benchmarks/mixed_step_probe.py 2>&1 | tee "$OUT/mixed_step_probe.log" | tail -20
-fi
-if has attnab; then  # what decode attention costs inside W1's step: stubs, 2 splits, the old reduce (~2 minutes)
-    timeout 300 python3 benchmarks/w1_attention_ab.py 2>&1 | tee "$OUT/w1_attention_ab.log" | tail -10
-fi
-if has prefillab; then  # W2 async with the prefill kernel's launch configurations swapped, one process (~5 minutes)
-    timeout 560 python3 benchmarks/w2_prefill_ab.py 2>&1 | tee "$OUT/w2_prefill_ab.log" | tail -10
 fi
 if has w1; then  # with the small-step path (decode_gemm triton, the default) and without it, both modes, and
     # transformers' generate_batch (128 new tokens per request), one process.

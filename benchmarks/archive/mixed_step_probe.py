@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 from worker.engine.attention_backend import AttentionMetadata, TritonAttentionBackend  # noqa: E402
 from worker.engine.decoder import OwnedDecoder  # noqa: E402

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from worker.bench.ab import chosen_variants, patched, run_engine_ab, variant_parser  # noqa: E402
+from ab import chosen_variants, patched, run_engine_ab, variant_parser  # noqa: E402
 from worker.engine import attention_triton as at  # noqa: E402
 
 # Each variant: the attention_triton attributes it swaps while its engine is built and run.

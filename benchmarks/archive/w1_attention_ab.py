@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from worker.bench.ab import chosen_variants, run_engine_ab, variant_parser  # noqa: E402
+from ab import chosen_variants, run_engine_ab, variant_parser  # noqa: E402
 from worker.engine import attention_triton as at  # noqa: E402
 
 LANDED = at.paged_decode_attention
