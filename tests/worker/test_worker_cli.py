@@ -1,5 +1,4 @@
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,7 @@ from worker.bench.queue import queue_bench
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def restore_signal_handlers():
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("restore_signal_handlers")  # rq installs its own
 
 
 def test_run_the_examples_with_the_fake_engine(tmp_path):
