@@ -59,19 +59,29 @@ def build_engine(
             max_num_running=(engine_config or {}).get("max_num_seqs", FakeEngine().max_num_running),
         )
     from worker.engine.engine import Engine  # imports torch: only here
-    from worker.engine.models import PRESETS, ModelLoadError
-    from worker.model_names import UnknownModel, check_model_name
+    from worker.engine.models import ModelLoadError
 
+    check_model(model)
     overrides = {"mode": mode, **(engine_config or {})}
     if device:
         overrides["device"] = device
     try:
-        check_model_name(model, list(PRESETS))
         return Engine.from_model(model, **overrides)
-    except (ModelLoadError, UnknownModel) as exc:
+    except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:  # EngineConfig's checks, KV cache sizing
         raise click.ClickException(f"cannot start the engine: {exc}") from None
+
+
+def check_model(model: str) -> None:
+    """A click error at once for a model name that names nothing (see `worker.model_names`)."""
+    from worker.engine.models import PRESETS  # imports torch
+    from worker.model_names import UnknownModel, check_model_name
+
+    try:
+        check_model_name(model, list(PRESETS))
+    except UnknownModel as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def recovery_options(f):
@@ -279,11 +289,17 @@ def run(
         "return_token_ids": return_token_ids,
         **{k: engine_config.get(k) for k in OUTPUT_SETTINGS},
     }
+    if not fake_engine:
+        check_model(model)  # before a journal is started for it
     journal = None if output == "-" else _open_journal(output, input_sha256(reopen()), settings, fresh)
 
     click.echo(f"loading {'the fake engine' if fake_engine else model}", err=True)
-    # first, so queue times do not include loading
-    engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
+    try:  # first, so queue times do not include loading
+        engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
+    except BaseException:
+        if journal is not None and not journal.is_resumed:
+            journal.remove()  # it holds nothing yet
+        raise
     click.echo(describe_engine(engine, model, served_name), err=True)
     try:
         batch = client.submit(
