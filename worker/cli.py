@@ -199,7 +199,9 @@ def worker(
 
         serve_metrics(cbq_worker, metrics_port)
     demote_per_chunk_lines()
-    summary = PeriodicSummary(cbq_worker, summary_interval) if summary_interval > 0 else contextlib.nullcontext()
+    summary = (
+        PeriodicSummary(cbq_worker, summary_interval) if summary_interval > 0 else contextlib.nullcontext()
+    )
     try:
         with summary:
             cbq_worker.work(burst=burst, logging_level=log_level)
@@ -345,8 +347,14 @@ def run(
     status = batch.status()
     click.echo(format_status(status), err=True)
     if not status.is_done:
-        kept = f"; finished results are kept in {journal.path}: run the same command to resume" if journal else ""
-        raise click.ClickException(f"the worker stopped before the batch finished; partial results written{kept}")
+        kept = (
+            f"; finished results are kept in {journal.path}: run the same command to resume"
+            if journal
+            else ""
+        )
+        raise click.ClickException(
+            f"the worker stopped before the batch finished; partial results written{kept}"
+        )
     if journal is not None:
         journal.remove()
     if status.num_failed:

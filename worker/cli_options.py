@@ -24,7 +24,9 @@ ENGINE_DEFAULTS = EngineConfig()  # help texts show these; flags left unset keep
 class ConfigFlag:
     """One click option that sets one `EngineConfig` field when given (None: not given)."""
 
-    decls: tuple[str, ...]  # click's names, e.g. ("--num-kv-blocks", "--num-gpu-blocks-override", "num_kv_blocks")
+    decls: tuple[
+        str, ...
+    ]  # click's names, e.g. ("--num-kv-blocks", "--num-gpu-blocks-override", "num_kv_blocks")
     config_field: str
     attrs: dict[str, Any] = field(default_factory=dict)  # click.option keyword arguments
     to_config: Callable[[Any], Any] = lambda value: value  # the flag's value -> the field's (None: unset)

@@ -121,7 +121,9 @@ def _check_header(path: str, raw: bytes, expected: dict[str, Any]) -> None:
     except ValueError:
         header = None
     if not isinstance(header, dict) or header.get("cbq_run_journal") != FORMAT_VERSION:
-        raise JournalMismatch(f"{path} is not a cbq run journal this version reads; pass --fresh to start over")
+        raise JournalMismatch(
+            f"{path} is not a cbq run journal this version reads; pass --fresh to start over"
+        )
     if header.get("input_sha256") != expected["input_sha256"]:
         raise JournalMismatch(
             f"the input changed since the interrupted run whose results are in {path}; pass --fresh to start "

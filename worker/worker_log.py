@@ -93,7 +93,12 @@ class PeriodicSummary:
         stats = self.worker.engine.stats()
         now = time.monotonic()
         then, requests, jobs, tokens = self._last
-        self._last = (now, self.worker.num_requests_finished, self.worker.num_jobs_finished, stats.output_tokens)
+        self._last = (
+            now,
+            self.worker.num_requests_finished,
+            self.worker.num_jobs_finished,
+            stats.output_tokens,
+        )
         seconds = max(now - then, 1e-9)
         kv = (
             f", KV {stats.num_kv_blocks_used / stats.num_kv_blocks_total:.0%} used"

@@ -35,7 +35,9 @@ pytestmark = pytest.mark.usefixtures("restore_signal_handlers")  # rq installs i
 @pytest.fixture
 def input_file(tmp_path) -> Path:
     path = tmp_path / "in.jsonl"
-    lines = [{"custom_id": f"r{i}", "prompt": f"prompt {i}", "max_new_tokens": 4} for i in range(NUM_REQUESTS)]
+    lines = [
+        {"custom_id": f"r{i}", "prompt": f"prompt {i}", "max_new_tokens": 4} for i in range(NUM_REQUESTS)
+    ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -61,7 +63,9 @@ def test_a_run_killed_with_sigkill_resumes_and_writes_every_request_once(input_f
         deadline = time.monotonic() + 60
         while journal_lines(journal) < 1 + 30 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
-        assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read().decode()[-2000:]}"
+        assert proc.poll() is None, (
+            f"the run ended before it was killed: {proc.stderr.read().decode()[-2000:]}"
+        )
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
@@ -115,7 +119,10 @@ def test_a_changed_input_or_other_settings_are_refused_unless_fresh(input_file, 
 
     other_settings = run_cbq(input_file, "-o", out, *FAST, "--max-new-tokens", "2")
     assert other_settings.exit_code == 1
-    assert "was written by a run with sampling={}" in other_settings.stderr and "--fresh" in other_settings.stderr
+    assert (
+        "was written by a run with sampling={}" in other_settings.stderr
+        and "--fresh" in other_settings.stderr
+    )
 
     input_file.write_text(input_file.read_text().replace("prompt 7", "prompt seven"))
     changed = run_cbq(input_file, "-o", out, *FAST)
