@@ -25,6 +25,15 @@ def test_run_the_examples_with_the_fake_engine(tmp_path):
     assert "completed 20" in result.stderr
 
 
+@pytest.mark.parametrize("example", sorted(EXAMPLES.parent.glob("*.jsonl")), ids=lambda p: p.name)
+def test_every_example_file_runs(example, tmp_path):
+    """The README names these files: each one is valid and runs."""
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", str(example), "-o", str(out), "--fake-engine", "--format", "openai"])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == len(example.read_text().splitlines())
+
+
 def test_run_writes_openai_output_and_rejects_invalid_files(tmp_path):
     out = tmp_path / "out.jsonl"
     ok = CliRunner().invoke(
