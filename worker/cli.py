@@ -177,6 +177,8 @@ def worker(
     """
     if stale_after < 2 * heartbeat_interval:
         raise click.BadParameter("must be at least twice --heartbeat-interval", param_hint="--stale-after")
+    if not fake_engine:
+        check_model(model)  # before anything waits for Redis
     conn = open_redis(redis_url)
     engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
     served_name = "fake" if fake_engine else model

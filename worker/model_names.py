@@ -21,6 +21,11 @@ class UnknownModel(ValueError):
 
 def check_model_name(name: str, presets: list[str]) -> None:
     """Raise `UnknownModel` unless `name` can name a model (see the module docstring)."""
+    if not name.strip():
+        raise UnknownModel(
+            "no model given: set CBQ_MODEL or pass --model: a checkpoint folder, a hub id (org/name) or a preset "
+            f"({', '.join(presets)})"
+        )
     if name in presets or os.path.isdir(name):
         return
     parent = os.path.dirname(name.rstrip("/"))
