@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import time
 
 import click
@@ -136,3 +137,53 @@ def test_model_names_that_cannot_name_a_model_fail_at_once(tmp_path, monkeypatch
     assert result.exit_code == 1 and "did you mean tiny-llama?" in result.stderr
     assert list(tmp_path.glob("o.jsonl*")) == []  # no journal started for it
     assert time.monotonic() - started < 10  # no hub retries (they took 26 s)
+
+
+@pytest.mark.redis_server
+@pytest.mark.parametrize("log_level", ["INFO", "DEBUG"])
+def test_a_worker_logs_its_engine_then_summaries_and_chunk_lines_only_at_debug(
+    real_redis, private_redis_url, tmp_path, log_level
+):
+    """`cbq worker` as a process: the startup line, the periodic summary at INFO, rq's line per chunk at DEBUG."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from producer.client import Client
+
+    Client(connection=real_redis).submit(
+        [{"prompt": f"p{i}"} for i in range(24)], chunk_size=4, max_new_tokens=2
+    )
+    args = [
+        "--burst",
+        "--fake-engine",
+        "--fake-latency",
+        "0.1",
+        "--max-num-seqs",
+        "4",
+        "--summary-interval",
+        "0.2",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "producer.cli",
+            "worker",
+            *args,
+            "--log-level",
+            log_level,
+            "--redis-url",
+            private_redis_url,
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.startswith("engine: FakeEngine (no model), served as fake")
+    log = done.stdout + done.stderr
+    summaries = re.findall(r"last \d+ s: (\d+) requests in (\d+) chunks finished", log)
+    assert summaries and sum(int(n) for n, _ in summaries) <= 24
+    assert ("Successfully completed" in log) == (log_level == "DEBUG")
