@@ -4,6 +4,13 @@
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 WORKDIR /app
+# Triton compiles a small C launcher for its kernels the first time they run, so a CUDA worker needs a C
+# compiler (and the C library headers) at run time; CPU-only images pass CC_PACKAGES="" and skip it.
+ARG CC_PACKAGES="gcc libc6-dev"
+RUN if [ -n "${CC_PACKAGES}" ]; then \
+        apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ${CC_PACKAGES} \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 # torch first, so the project's range never pulls a different build (the CUDA base already has one).
 # For a small CPU-only image pass PyTorch's CPU wheel index: --build-arg TORCH_PIP_ARGS="--index-url <cpu index>".
 ARG TORCH_SPEC="torch==2.13.0"

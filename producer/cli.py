@@ -11,6 +11,7 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 
 import click
 
@@ -257,13 +258,17 @@ def _error_json(error) -> dict:
 @redis_url_option
 @json_option
 def status(batch_id, redis_url, as_json):
-    """Counts, token totals, rates and ETA of a batch."""
+    """Counts, token totals, rates and ETA of a batch, and whether a live worker serves its queue."""
+    client = _client(redis_url)
     with _batch_errors(batch_id):
-        st = _client(redis_url).batch(batch_id).status()
+        st = client.batch(batch_id).status()
+    num_workers = len(_live_workers(client, st.queue))
     if as_json:
-        echo_json(status_json(st))
-    else:
-        click.echo(format_status(st))
+        echo_json({**status_json(st), "num_live_workers": num_workers})
+        return
+    click.echo(format_status(st))
+    if not st.is_done and num_workers == 0:
+        click.echo(f"  {_no_worker_message(st.queue)}")
 
 
 @main.command()
@@ -277,19 +282,76 @@ def status(batch_id, redis_url, as_json):
 )
 @json_option
 def wait(batch_id, redis_url, interval, timeout, as_json):
-    """Show progress until BATCH_ID has finished.
+    """Show progress until BATCH_ID has finished, and say so while no live worker serves its queue.
 
     Exit status: 0 when every request completed, 2 when the batch finished with failed or cancelled
-    requests, 1 on error or --timeout.
+    requests, 1 on error or --timeout. Write the results whatever it returns:
+    `cbq wait ID; cbq results ID -o out.jsonl --errors errors.jsonl`.
     """
+    client = _client(redis_url)
+    batch = client.batch(batch_id)
     with _batch_errors(batch_id):
-        st = _client(redis_url).batch(batch_id).wait(progress=True, interval=interval, timeout=timeout)
+        first = batch.status()
+        watch = _WorkerWatch(client, first.queue)
+        with click.progressbar(length=first.num_total, label=f"batch {batch_id}", file=sys.stderr) as bar:
+
+            def report(st) -> None:
+                bar.update(st.num_finished - bar.pos)
+                note = None if st.is_done else watch.change()
+                if note:
+                    click.echo(f"\n{note}", err=True)
+
+            st = batch.wait(progress=report, interval=interval, timeout=timeout)
     if as_json:
         echo_json(status_json(st))
     else:
         click.echo(format_status(st))
     if st.num_failed or st.num_cancelled:
         sys.exit(2)
+
+
+# A worker publishes its stats every 2 s; one silent this long is dead or stuck (its stats expire after 60 s).
+LIVE_WORKER_SECONDS = 30.0
+WORKER_CHECK_SECONDS = 5.0  # how often `wait` looks at the workers
+
+
+def _live_workers(client: Client, queue: str) -> list[str]:
+    """Names of the workers that serve `queue` and published stats recently (`cbq stats`' list)."""
+    now = time.time()
+    return [
+        w.worker_name
+        for w in client.workers()
+        if queue in w.queues and w.state != "stopped" and now - w.updated_at < LIVE_WORKER_SECONDS
+    ]
+
+
+def _no_worker_message(queue: str) -> str:
+    return (
+        f"no live worker serves queue {queue}: nothing runs until one starts "
+        f"(`cbq worker --queue {queue}`; a worker still loading its model is not counted)"
+    )
+
+
+class _WorkerWatch:
+    """Whether live workers serve a queue, looked up at most every WORKER_CHECK_SECONDS; `change()` gives a
+    line when that flips (the first look counts as a flip only when there is none)."""
+
+    def __init__(self, client: Client, queue: str):
+        self.client, self.queue = client, queue
+        self._has_workers: bool | None = None
+        self._next_check = 0.0
+
+    def change(self) -> str | None:
+        if time.monotonic() < self._next_check:
+            return None
+        self._next_check = time.monotonic() + WORKER_CHECK_SECONDS
+        names = _live_workers(self.client, self.queue)
+        was, self._has_workers = self._has_workers, bool(names)
+        if was is not False and not names:
+            return _no_worker_message(self.queue)
+        if was is False and names:
+            return f"worker(s) on queue {self.queue}: {', '.join(names)}"
+        return None
 
 
 # --- results -------------------------------------------------------------------------------------------------

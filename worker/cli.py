@@ -5,7 +5,8 @@ Imported only when one of them runs (or `cbq --help` lists them); the engine (to
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import json
 import os
 import sys
 
@@ -23,14 +24,20 @@ from producer.options import (
     redis_url_option,
     sampling_options,
 )
-from producer.settings import in_process_redis
+from producer.settings import DEFAULT_RESULT_TTL_SECONDS, in_process_redis
+from producer.store import queue_results
+from schemas.result import ResultLine
 from worker import queue_worker
-from worker.engine.config import MODES, EngineConfig
+from worker.cli_options import engine_options
 from worker.queue_worker import CbqWorker, RedisUnavailable
-
-MODEL_ENV = "CBQ_MODEL"
-DEFAULT_MODEL = "tiny-llama"
-ENGINE_DEFAULTS = EngineConfig()  # help texts show these; options left unset keep them
+from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
+from worker.run_progress import DEFAULT_PLAIN_INTERVAL_SECONDS, RunProgress
+from worker.worker_log import (
+    DEFAULT_SUMMARY_INTERVAL_SECONDS,
+    PeriodicSummary,
+    demote_per_chunk_lines,
+    describe_engine,
+)
 
 
 def build_engine(
@@ -41,7 +48,9 @@ def build_engine(
     engine_config: dict | None = None,
     fake_latency: float = 0.0,
 ):
-    """The real engine for `model` (a preset name, local path or hub name), or the instant FakeEngine."""
+    """The real engine for `model` (a preset name, local path or hub id), or the instant FakeEngine. A model
+    name that cannot name a model, a checkpoint that cannot load and settings the engine refuses (e.g. a KV
+    cache that does not fit) are click errors: one line, exit 1."""
     if fake_engine:
         from worker.fake_engine import FakeEngine
 
@@ -52,6 +61,7 @@ def build_engine(
     from worker.engine.engine import Engine  # imports torch: only here
     from worker.engine.models import ModelLoadError
 
+    check_model(model)
     overrides = {"mode": mode, **(engine_config or {})}
     if device:
         overrides["device"] = device
@@ -59,86 +69,19 @@ def build_engine(
         return Engine.from_model(model, **overrides)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
+    except ValueError as exc:  # EngineConfig's checks, KV cache sizing
+        raise click.ClickException(f"cannot start the engine: {exc}") from None
 
 
-def engine_tuning_options(f):
-    """--max-num-seqs, --max-num-batched-tokens, --dtype, --no-prefix-caching, --no-generation-config-defaults,
-    gathered into one `engine_config` dict argument."""
+def check_model(model: str) -> None:
+    """A click error at once for a model name that names nothing (see `worker.model_names`)."""
+    from worker.engine.models import PRESETS  # imports torch
+    from worker.model_names import UnknownModel, check_model_name
 
-    @functools.wraps(f)
-    def wrapper(
-        *args, max_num_seqs, max_num_batched_tokens, dtype, no_prefix_caching, generation_config_defaults, **kwargs
-    ):
-        given = {
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "dtype": dtype,
-            "enable_prefix_caching": False if no_prefix_caching else None,
-            "generation_config_defaults": generation_config_defaults,
-        }
-        return f(*args, engine_config={k: v for k, v in given.items() if v is not None}, **kwargs)
-
-    wrapper = click.option(
-        "--no-prefix-caching",
-        is_flag=True,
-        help="Compute every prompt whole instead of reusing the KV blocks of shared prefixes.",
-    )(wrapper)
-
-    wrapper = click.option(
-        "--generation-config-defaults/--no-generation-config-defaults",
-        default=None,
-        help="Sampling fields a request leaves unset (temperature, top_p, top_k, max tokens) take the "
-        "checkpoint's generation_config.json values (default), or cbq's built-in ones (greedy, the rest of "
-        "the context). Its eos tokens apply either way.",
-    )(wrapper)
-    wrapper = click.option(
-        "--dtype",
-        type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-        default=None,
-        help=f"Model dtype (default: {ENGINE_DEFAULTS.dtype}, i.e. bfloat16 on CUDA, float32 on CPU).",
-    )(wrapper)
-    wrapper = click.option(
-        "--max-num-batched-tokens",
-        type=click.IntRange(min=1),
-        default=None,
-        help=f"Token budget per engine step (default {ENGINE_DEFAULTS.max_num_batched_tokens}).",
-    )(wrapper)
-    wrapper = click.option(
-        "--max-num-seqs",
-        type=click.IntRange(min=1),
-        default=None,
-        help=f"Running requests at most (default {ENGINE_DEFAULTS.max_num_seqs}).",
-    )(wrapper)
-    return wrapper
-
-
-def engine_options(f):
-    f = engine_tuning_options(f)
-    f = click.option(
-        "--fake-engine",
-        is_flag=True,
-        help="Use the instant echo engine (no model, no torch), to try the queue.",
-    )(f)
-    f = click.option(
-        "--device",
-        default=None,
-        help=f"Engine device, e.g. cuda:0 or cpu (default: {ENGINE_DEFAULTS.device}, CUDA when there is one).",
-    )(f)
-    f = click.option(
-        "--mode",
-        type=click.Choice(MODES),
-        default=ENGINE_DEFAULTS.mode,
-        show_default=True,
-        help="Engine step loop: async overlaps CPU batch preparation with GPU compute.",
-    )(f)
-    f = click.option(
-        "--model",
-        envvar=MODEL_ENV,
-        default=DEFAULT_MODEL,
-        show_default=True,
-        help=f"Engine preset name, local checkpoint path or hub name. Env: {MODEL_ENV}.",
-    )(f)
-    return f
+    try:
+        check_model_name(model, list(PRESETS))
+    except UnknownModel as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def recovery_options(f):
@@ -196,6 +139,14 @@ def recovery_options(f):
     help="Touch this file every few seconds while the worker loop turns (for container healthchecks). "
     "Env: CBQ_HEALTH_FILE.",
 )
+@click.option(
+    "--summary-interval",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_SUMMARY_INTERVAL_SECONDS,
+    show_default=True,
+    help="Seconds between INFO lines summing up the requests finished, tok/s and the engine's load (0: none). "
+    "The line per finished chunk is at DEBUG.",
+)
 @click.option("--fake-latency", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def worker(
     model,
@@ -214,6 +165,7 @@ def worker(
     maintenance_interval,
     redis_outage_limit,
     health_file,
+    summary_interval,
     fake_latency,
 ):
     """Run a worker: drain QUEUE into one continuous-batching engine and write results to Redis.
@@ -225,13 +177,17 @@ def worker(
     """
     if stale_after < 2 * heartbeat_interval:
         raise click.BadParameter("must be at least twice --heartbeat-interval", param_hint="--stale-after")
+    if not fake_engine:
+        check_model(model)  # before anything waits for Redis
     conn = open_redis(redis_url)
     engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
+    served_name = "fake" if fake_engine else model
+    click.echo(describe_engine(engine, model, served_name), err=True)
     cbq_worker = CbqWorker(
         [queue],
         engine,
         connection=conn,
-        model_name="fake" if fake_engine else model,
+        model_name=served_name,
         mode=mode,
         name=name,
         heartbeat_interval_seconds=heartbeat_interval,
@@ -244,8 +200,13 @@ def worker(
         from worker.metrics import serve_metrics
 
         serve_metrics(cbq_worker, metrics_port)
+    demote_per_chunk_lines()
+    summary = (
+        PeriodicSummary(cbq_worker, summary_interval) if summary_interval > 0 else contextlib.nullcontext()
+    )
     try:
-        cbq_worker.work(burst=burst, logging_level=log_level)
+        with summary:
+            cbq_worker.work(burst=burst, logging_level=log_level)
     except RedisUnavailable as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -253,7 +214,17 @@ def worker(
 @click.command()
 @click.argument("file", type=click.File("rb"))
 @click.option(
-    "-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True), help="Results file."
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help=f"Results file, written atomically at the end. Results are journaled to OUTPUT{JOURNAL_SUFFIX} as they "
+    "finish, so a run that was killed resumes when run again.",
+)
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Start over: discard the results an interrupted run left in the journal.",
 )
 @engine_options
 @click.option(
@@ -267,11 +238,20 @@ def worker(
 @chunk_size_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
+@click.option(
+    "--progress-interval",
+    type=click.FloatRange(min=0.1),
+    default=DEFAULT_PLAIN_INTERVAL_SECONDS,
+    show_default=True,
+    help="Seconds between progress lines when stderr is not a terminal (on one, the line is redrawn).",
+)
 @sampling_options
 @chat_template_kwargs_option
+@click.option("--fake-latency", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def run(
     file,
     output,
+    fresh,
     model,
     mode,
     device,
@@ -284,13 +264,17 @@ def run(
     chunk_size,
     return_token_ids,
     log_level,
+    progress_interval,
     defaults,
     chat_template_kwargs,
+    fake_latency,
 ):
     """Submit FILE, run it with an in-process worker, and write the results to OUTPUT, in input order.
 
     Producer and worker share one process and, unless --redis-url is given, an in-process Redis (fakeredis):
-    the whole pipeline with one command and nothing to set up.
+    the whole pipeline with one command and nothing to set up. A run that is killed (or stopped with Ctrl-C)
+    keeps its finished results in OUTPUT.cbq-journal: the same command again runs only the rest. If FILE
+    changed meanwhile it refuses, unless --fresh.
     """
     client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
     reopen, _ = click.get_current_context().with_resource(reopenable_lines(file))
@@ -301,11 +285,26 @@ def run(
         raise click.ClickException(f"{len(validated.errors)} invalid line(s); nothing was run")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
+    served_name = "fake" if fake_engine else model
+    settings = {
+        "model": served_name,
+        "sampling": defaults.given(),
+        "chat_template_kwargs": chat_template_kwargs,
+        "return_token_ids": return_token_ids,
+        **{k: engine_config.get(k) for k in OUTPUT_SETTINGS},
+    }
+    if not fake_engine:
+        check_model(model)  # before a journal is started for it
+    journal = None if output == "-" else _open_journal(output, input_sha256(reopen()), settings, fresh)
 
     click.echo(f"loading {'the fake engine' if fake_engine else model}", err=True)
-    engine = build_engine(
-        model, mode, device, fake_engine, engine_config
-    )  # first, so queue times do not include loading
+    try:  # first, so queue times do not include loading
+        engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
+    except BaseException:
+        if journal is not None and not journal.is_resumed:
+            journal.remove()  # it holds nothing yet
+        raise
+    click.echo(describe_engine(engine, model, served_name), err=True)
     try:
         batch = client.submit(
             validated,
@@ -317,21 +316,75 @@ def run(
         )
     except SourceChanged as exc:  # FILE was edited while the model loaded
         raise click.ClickException(str(exc)) from None
-    click.echo(f"batch {batch.id}: {batch.submission.num_requests} requests", err=True)
+    num_total = batch.submission.num_requests
+    num_resumed = 0 if journal is None else journal.replay(_store_results(client, batch.id, num_total))
+    resumed = f", {num_resumed} done by the interrupted run ({journal.path})" if num_resumed else ""
+    click.echo(f"batch {batch.id}: {num_total} requests{resumed}", err=True)
+
+    progress = RunProgress(num_total, num_resumed, interval_seconds=progress_interval)
+
+    def on_results_written(results):
+        if journal is not None:
+            journal.append(results)
+        progress.update(results)
+
     cbq_worker = CbqWorker(
         [queue],
         engine,
         connection=client.connection,
-        model_name="fake" if fake_engine else model,
+        model_name=served_name,
         mode=mode,
         name=f"cbq-run-{os.getpid()}",
+        on_results_written=on_results_written,
     )
-    cbq_worker.work(burst=True, logging_level=log_level)
+    demote_per_chunk_lines()
+    try:
+        cbq_worker.work(burst=True, logging_level=log_level)
+    finally:
+        progress.finish()
+        if journal is not None:
+            journal.close()
 
     write_result_lines(output, batch.results(format=output_format, partial=True), output_format, errors)
     status = batch.status()
     click.echo(format_status(status), err=True)
     if not status.is_done:
-        raise click.ClickException("the worker stopped before the batch finished; partial results written")
+        kept = (
+            f"; finished results are kept in {journal.path}: run the same command to resume"
+            if journal
+            else ""
+        )
+        raise click.ClickException(
+            f"the worker stopped before the batch finished; partial results written{kept}"
+        )
+    if journal is not None:
+        journal.remove()
     if status.num_failed:
         sys.exit(2)
+
+
+# EngineConfig fields that change what a run outputs: a journal written under other values is not resumed.
+OUTPUT_SETTINGS = ("dtype", "max_model_len", "generation_config_defaults")
+
+
+def _open_journal(output: str, input_hash: str, settings: dict, fresh: bool) -> Journal:
+    try:
+        return Journal.open(journal_path(output), input_hash, json.loads(json.dumps(settings)), fresh)
+    except JournalMismatch as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _store_results(client: Client, batch_id: str, num_total: int):
+    """Where a journal's results go when a run resumes: into the batch, as if its worker had written them, so
+    the worker skips those requests and the output has them in their place."""
+
+    def store(results: list[ResultLine]) -> None:
+        if any(r.index >= num_total for r in results):
+            raise click.ClickException(
+                f"the journal holds a result past the input's {num_total} requests; pass --fresh to start over"
+            )
+        with client.connection.pipeline(transaction=True) as pipe:
+            queue_results(pipe, batch_id, DEFAULT_RESULT_TTL_SECONDS, results)
+            pipe.execute()
+
+    return store

@@ -35,6 +35,7 @@ import time
 import traceback
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,7 @@ class CbqWorker(BaseWorker):
         maintenance_interval_seconds: float = DEFAULT_MAINTENANCE_INTERVAL_SECONDS,
         redis_outage_limit_seconds: float = DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
         health_file: str | None = None,
+        on_results_written: Callable[[list[ResultLine]], None] | None = None,
         **kwargs: Any,
     ):
         kwargs.setdefault("job_monitoring_interval", heartbeat_interval_seconds)
@@ -155,6 +157,8 @@ class CbqWorker(BaseWorker):
         self.stale_after_seconds = int(stale_after_seconds)
         self.redis_outage_limit_seconds = redis_outage_limit_seconds
         self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
+        # Called in the loop's thread with each group of results once Redis has them (`cbq run`'s journal).
+        self.on_results_written = on_results_written
         self.engine = engine
         self.model_name = model_name
         self.mode = mode
@@ -540,10 +544,13 @@ class CbqWorker(BaseWorker):
             self._finish_job(owner)
 
     def _count_written(self, outcomes: list[_Outcome]) -> None:
+        written = [outcome.result for outcome in outcomes if outcome.result is not None]
         for outcome in outcomes:
             if outcome.result is not None:
                 outcome.owner.counts[f"num_{OUTCOME_OF_REASON[outcome.result.finish_reason]}"] += 1
                 self.num_requests_finished += 1
+        if written and self.on_results_written is not None:
+            self.on_results_written(written)
 
     def _drop_outcomes_already_written(self) -> None:
         """The first `_num_in_doubt` outcomes went out in one MULTI whose reply never came. MULTI is all or

@@ -228,3 +228,41 @@ def test_a_file_edited_during_submit_is_one_clear_error_and_enqueues_nothing(cbq
     assert "the input changed after it was validated (line 1)" in result.stderr
     assert "Traceback" not in result.output
     assert queue_count(conn) == 0 and not list(conn.scan_iter("cbq:batch:*"))
+
+
+def publish_worker(conn, queues, updated_ago=0.0, state="idle"):
+    import time
+
+    from producer.store import publish_worker_stats
+    from schemas.status import WorkerStats
+
+    now = time.time()
+    stats = WorkerStats(
+        worker_name="w1",
+        hostname="h",
+        pid=1,
+        model="m",
+        queues=queues,
+        started_at=now - 60,
+        updated_at=now - updated_ago,
+        state=state,
+    )
+    publish_worker_stats(conn, stats)
+
+
+def test_status_and_wait_say_when_no_live_worker_serves_the_queue(cbq, conn, tmp_path):
+    batch_id = cbq("submit", write_jsonl(tmp_path, [{"prompt": "a"}])).stdout.strip()
+    none = "no live worker serves queue cbq: nothing runs until one starts (`cbq worker --queue cbq`"
+    assert none in cbq("status", batch_id).stdout
+    assert json.loads(cbq("status", batch_id, "--json").stdout)["num_live_workers"] == 0
+    waited = cbq("wait", batch_id, "--interval", "0.05", "--timeout", "0.2")
+    assert waited.exit_code == 1 and none in waited.stderr
+
+    for queues, ago, state in ((["other"], 0, "idle"), (["cbq"], 45, "busy"), (["cbq"], 0, "stopped")):
+        publish_worker(conn, queues, ago, state)  # another queue's, silent for 45 s, or stopped: not live
+        assert none in cbq("status", batch_id).stdout, (queues, ago, state)
+    publish_worker(conn, ["other", "cbq"])
+    assert "no live worker" not in cbq("status", batch_id).stdout
+    assert json.loads(cbq("status", batch_id, "--json").stdout)["num_live_workers"] == 1
+    waited = cbq("wait", batch_id, "--interval", "0.05", "--timeout", "0.2")
+    assert waited.exit_code == 1 and "no live worker" not in waited.stderr

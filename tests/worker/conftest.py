@@ -39,6 +39,15 @@ def run_burst_worker(conn, engine=None, queue="cbq", **kwargs) -> CbqWorker:
 
 
 @pytest.fixture
+def restore_signal_handlers():
+    """Puts back the SIGINT/SIGTERM handlers that a worker run in this process (rq) replaced."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture
 def burst_worker(conn):
     """run_burst_worker on the test's Redis."""
 

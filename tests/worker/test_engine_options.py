@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 from click.testing import CliRunner
 
-from worker.cli import build_engine, engine_tuning_options
+from worker.cli import build_engine
+from worker.cli_options import engine_tuning_options
 
 
 def test_tuning_flags_are_gathered_into_engine_config():

@@ -1,5 +1,4 @@
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,7 @@ from worker.bench.queue import queue_bench
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def restore_signal_handlers():
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("restore_signal_handlers")  # rq installs its own
 
 
 def test_run_the_examples_with_the_fake_engine(tmp_path):
@@ -29,6 +23,15 @@ def test_run_the_examples_with_the_fake_engine(tmp_path):
     assert [r.get("custom_id") for r in lines] == [i.get("custom_id") for i in inputs]
     assert {r["finish_reason"] for r in lines} <= {"stop", "length"}
     assert "completed 20" in result.stderr
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.parent.glob("*.jsonl")), ids=lambda p: p.name)
+def test_every_example_file_runs(example, tmp_path):
+    """The README names these files: each one is valid and runs."""
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", str(example), "-o", str(out), "--fake-engine", "--format", "openai"])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == len(example.read_text().splitlines())
 
 
 def test_run_writes_openai_output_and_rejects_invalid_files(tmp_path):

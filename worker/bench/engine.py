@@ -16,6 +16,7 @@ import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import WORKLOADS, make_workload, triton_compiles, warmup_requests, with_variant
+from worker.cli_options import gpu_memory_options
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -252,7 +253,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 @click.option(
     "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens, show_default=True
 )
-@click.option("--num-kv-blocks", type=int, default=None)
+@gpu_memory_options
 @click.option("--no-cuda-graphs", is_flag=True)
 @click.option(
     "--no-prefix-caching",
@@ -306,7 +307,7 @@ def engine_bench(
     hf_num_requests,
     max_num_seqs,
     max_num_batched_tokens,
-    num_kv_blocks,
+    engine_config,
     no_cuda_graphs,
     no_prefix_caching,
     decoders,
@@ -353,11 +354,11 @@ def engine_bench(
             dtype=dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            num_kv_blocks=num_kv_blocks,
             use_cuda_graphs=not no_cuda_graphs,
             enable_prefix_caching=not no_prefix_caching,
             decoder=decoder,
             decode_gemm=gemm,
+            **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks
         )
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)
@@ -424,6 +425,7 @@ def engine_bench(
             "max_num_batched_tokens": max_num_batched_tokens,
             "cuda_graphs": not no_cuda_graphs,
             "prefix_caching": not no_prefix_caching,
+            **engine_config,
             "decoders": list(decoders),
             "decode_gemms": list(decode_gemms),
             "variants": [variant_name(*v) for v in parsed],

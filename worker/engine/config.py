@@ -16,7 +16,10 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # explicit cache size; None -> sized from memory
-    kv_memory_fraction: float = 0.90  # of device memory free after loading the model (CUDA)
+    # CUDA: the fraction of the device's total memory this engine may hold, weights, activations and KV
+    # cache together (vLLM's meaning); the KV cache gets what is left of it once the model is loaded.
+    # Memory other processes hold counts against it.
+    gpu_memory_utilization: float = 0.90
     kv_cache_bytes_cpu: int = 256 << 20  # cache budget on CPU when num_kv_blocks is None
     # Bulk generation wants big steps: on an H200 with an 8B model, W2 ran 21% faster at 1024 / 8192
     # than at 512 / 4096 (benchmarks/README.md). Memory for activations is reserved for these sizes.
@@ -55,8 +58,8 @@ class EngineConfig:
             raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
-        if not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -31,14 +31,28 @@ def kv_bytes_per_block(model_config: Any, block_size: int, dtype: torch.dtype) -
 def num_blocks_from_memory(
     model_config: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig
 ) -> int:
-    """Blocks that fit the budget: a fraction of free CUDA memory less the activation reserve, or the CPU budget."""
+    """Blocks that fit the budget: on CUDA `kv_budget_bytes` of the device as it is now (the model loaded),
+    on the CPU `kv_cache_bytes_cpu`. Raises ValueError when not even two blocks fit."""
     per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
     if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * config.kv_memory_fraction) - ACTIVATION_RESERVE_BYTES
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        budget = kv_budget_bytes(total_bytes, free_bytes, config.gpu_memory_utilization)
     else:
         budget = config.kv_cache_bytes_cpu
-    return max(2, budget // per_block)
+    if budget < 2 * per_block:
+        raise ValueError(
+            f"no room for the KV cache on {device}: {budget / 2**30:.2f} GiB left for it, and one block takes "
+            f"{per_block / 2**20:.2f} MiB (raise --gpu-memory-utilization, or set --num-kv-blocks)"
+        )
+    return budget // per_block
+
+
+def kv_budget_bytes(total_bytes: int, free_bytes: int, gpu_memory_utilization: float) -> int:
+    """What the KV cache may take: the engine's share of the device (`gpu_memory_utilization` of its total),
+    less what is in use already (the model's weights, and whatever other processes hold), less the
+    activation reserve."""
+    in_use_bytes = total_bytes - free_bytes
+    return int(total_bytes * gpu_memory_utilization) - in_use_bytes - ACTIVATION_RESERVE_BYTES
 
 
 def allocate_kv_cache(

@@ -264,7 +264,7 @@ def test_bad_sampling_params_raise_value_errors(kwargs, message):
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
         ({"num_kv_blocks": 1}, "num_kv_blocks must be >= 2"),
-        ({"kv_memory_fraction": 1.5}, r"kv_memory_fraction must be in \(0, 1\]"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
         ({"decode_gemm": "cutlass"}, "decode_gemm must be one of"),
     ],
 )

@@ -1,0 +1,80 @@
+"""The offline API (`worker.offline.LLM`): the README's example as written, every input shape, line defaults,
+results in input order, validation before anything runs, and refusals as error results."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from worker.offline import LLM, InvalidRequests
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", device="cpu", max_model_len=64)
+
+
+def readme_block(heading: str) -> str:
+    section = README.read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_example_runs_as_written(capsys):
+    code = readme_block("Offline, in Python (no Redis)")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 3 and printed[1].startswith("q2 ")
+    results = namespace["results"]
+    assert [r.index for r in results] == [0, 1, 2] and results[2].custom_id is None
+    assert results[0].usage.completion_tokens <= 8 and results[2].usage.completion_tokens <= 4
+    assert results[2].logprobs is not None and namespace["reply"].finish_reason in ("stop", "length")
+
+
+def test_every_input_shape_in_order_with_line_defaults(llm):
+    inputs = [
+        "plain prompt",
+        {"prompt": "own length", "max_new_tokens": 3},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}},
+        {"model": "m", "prompt": "a bare body", "max_tokens": 2, "logprobs": 2},
+    ]
+    results = llm.generate(inputs, sampling={"max_new_tokens": 5, "ignore_eos": True}, progress=False)
+    assert [r.index for r in results] == list(range(5))
+    assert [r.custom_id for r in results] == [None, None, None, "b", None]
+    assert [r.usage.completion_tokens for r in results] == [5, 3, 5, 5, 2]
+    assert all(len(r.token_ids) == r.usage.completion_tokens for r in results)
+    assert len(results[4].logprobs) == 2 and len(results[4].logprobs[0].top_logprobs) == 2
+    again = llm.generate(inputs, sampling={"max_new_tokens": 5, "ignore_eos": True}, progress=False)
+    assert [r.text for r in again] == [r.text for r in results]  # greedy: the same text every time
+
+    chats = llm.chat(
+        [[{"role": "user", "content": "hi"}]] * 2, sampling={"max_new_tokens": 5, "ignore_eos": True}
+    )
+    assert [r.token_ids for r in chats] == [results[2].token_ids] * 2
+    [one] = llm.chat([{"role": "user", "content": "hi"}], sampling={"max_new_tokens": 5, "ignore_eos": True})
+    assert one.token_ids == results[2].token_ids
+
+
+def test_invalid_inputs_are_named_before_anything_runs(llm):
+    with pytest.raises(InvalidRequests) as info:
+        llm.generate(["fine", {"prompt": "x", "top_p": 0}, {"messages": []}], progress=False)
+    text = str(info.value)
+    assert (
+        text.startswith("2 invalid input(s); nothing ran") and "line 2: top_p" in text and "line 3:" in text
+    )
+    with pytest.raises(ValueError):
+        llm.generate("x", sampling={"temperature": -1})
+
+
+def test_a_refused_request_is_an_error_result_and_the_others_run(llm):
+    results = llm.generate(
+        ["short", "y" * 100], sampling={"max_new_tokens": 2, "ignore_eos": True}, progress=False
+    )
+    assert results[0].finish_reason == "length" and results[0].usage.completion_tokens == 2
+    assert results[1].finish_reason == "error" and "context" in results[1].error
+    assert llm.generate("after a refusal", progress=False)[0].finish_reason in ("stop", "length")

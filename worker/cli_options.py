@@ -1,0 +1,165 @@
+"""The engine's command-line flags, shared by `cbq worker`, `cbq run` and `cbq bench engine`. Owns each
+engine flag's name (vLLM's where vLLM has one), its help text and the `EngineConfig` field it sets.
+
+Nothing here imports torch: `cbq --help` imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from worker.engine.config import MODES, EngineConfig
+
+MODEL_ENV = "CBQ_MODEL"
+DEFAULT_MODEL = "tiny-llama"
+ENGINE_DEFAULTS = EngineConfig()  # help texts show these; flags left unset keep them
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """One click option that sets one `EngineConfig` field when given (None: not given)."""
+
+    decls: tuple[
+        str, ...
+    ]  # click's names, e.g. ("--num-kv-blocks", "--num-gpu-blocks-override", "num_kv_blocks")
+    config_field: str
+    attrs: dict[str, Any] = field(default_factory=dict)  # click.option keyword arguments
+    to_config: Callable[[Any], Any] = lambda value: value  # the flag's value -> the field's (None: unset)
+
+    @property
+    def param_name(self) -> str:
+        return next((d for d in self.decls if not d.startswith("-")), self.config_field)
+
+
+def config_flags(*flags: ConfigFlag) -> Callable:
+    """A decorator adding `flags`; the command receives the given ones as one `engine_config` dict
+    (field -> value). Stacked decorators merge into the same dict."""
+
+    def decorate(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            given = {flag.config_field: flag.to_config(kwargs.pop(flag.param_name)) for flag in flags}
+            config = {**kwargs.pop("engine_config", {}), **{k: v for k, v in given.items() if v is not None}}
+            return f(*args, engine_config=config, **kwargs)
+
+        for flag in reversed(flags):
+            wrapper = click.option(*flag.decls, **{"default": None, **flag.attrs})(wrapper)
+        return wrapper
+
+    return decorate
+
+
+# GPU memory and context: vLLM's flag names, so a vLLM command line carries over.
+GPU_MEMORY_FLAGS = (
+    ConfigFlag(
+        ("--gpu-memory-utilization", "gpu_memory_utilization"),
+        "gpu_memory_utilization",
+        {
+            "type": click.FloatRange(0, 1, min_open=True),
+            "help": "Fraction of the GPU's total memory this engine may use: weights, activations and KV cache "
+            f"(default {ENGINE_DEFAULTS.gpu_memory_utilization}). The KV cache gets what is left after the "
+            "model loads; memory other processes hold counts against it.",
+        },
+    ),
+    ConfigFlag(
+        ("--max-model-len", "max_model_len"),
+        "max_model_len",
+        {
+            "type": click.IntRange(min=2),
+            "help": "Context length in tokens, prompt and output together (default: the model's "
+            "max_position_embeddings, capped by what the KV cache holds).",
+        },
+    ),
+    ConfigFlag(
+        ("--num-kv-blocks", "--num-gpu-blocks-override", "num_kv_blocks"),
+        "num_kv_blocks",
+        {
+            "type": click.IntRange(min=2),
+            "help": f"KV cache size in blocks of {ENGINE_DEFAULTS.block_size} tokens, instead of sizing it "
+            "from memory.",
+        },
+    ),
+)
+gpu_memory_options = config_flags(*GPU_MEMORY_FLAGS)
+
+engine_tuning_options = config_flags(
+    ConfigFlag(
+        ("--max-num-seqs", "max_num_seqs"),
+        "max_num_seqs",
+        {
+            "type": click.IntRange(min=1),
+            "help": f"Running requests at most (default {ENGINE_DEFAULTS.max_num_seqs}).",
+        },
+    ),
+    ConfigFlag(
+        ("--max-num-batched-tokens", "max_num_batched_tokens"),
+        "max_num_batched_tokens",
+        {
+            "type": click.IntRange(min=1),
+            "help": f"Token budget per engine step (default {ENGINE_DEFAULTS.max_num_batched_tokens}).",
+        },
+    ),
+    ConfigFlag(
+        ("--dtype", "dtype"),
+        "dtype",
+        {
+            "type": click.Choice(["auto", "bfloat16", "float16", "float32"]),
+            "help": f"Model dtype (default: {ENGINE_DEFAULTS.dtype}, i.e. bfloat16 on CUDA, float32 on CPU).",
+        },
+    ),
+    *GPU_MEMORY_FLAGS,
+    ConfigFlag(
+        ("--generation-config-defaults/--no-generation-config-defaults", "generation_config_defaults"),
+        "generation_config_defaults",
+        {
+            "help": "Sampling fields a request leaves unset (temperature, top_p, top_k, max tokens) take the "
+            "checkpoint's generation_config.json values (default), or cbq's built-in ones (greedy, the rest "
+            "of the context). Its eos tokens apply either way.",
+        },
+    ),
+    ConfigFlag(
+        ("--no-prefix-caching", "no_prefix_caching"),
+        "enable_prefix_caching",
+        {
+            "is_flag": True,
+            "default": False,
+            "help": "Compute every prompt whole instead of reusing the KV blocks of shared prefixes.",
+        },
+        to_config=lambda no_caching: False if no_caching else None,
+    ),
+)
+
+
+def engine_options(f: Callable) -> Callable:
+    """--model, --mode, --device, --fake-engine and the tuning flags (`engine_config`)."""
+    f = engine_tuning_options(f)
+    f = click.option(
+        "--fake-engine",
+        is_flag=True,
+        help="Use the instant echo engine (no model, no torch), to try the queue.",
+    )(f)
+    f = click.option(
+        "--device",
+        default=None,
+        help=f"Engine device, e.g. cuda:0 or cpu (default: {ENGINE_DEFAULTS.device}, CUDA when there is one).",
+    )(f)
+    f = click.option(
+        "--mode",
+        type=click.Choice(MODES),
+        default=ENGINE_DEFAULTS.mode,
+        show_default=True,
+        help="Engine step loop: async overlaps CPU batch preparation with GPU compute.",
+    )(f)
+    f = click.option(
+        "--model",
+        envvar=MODEL_ENV,
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help=f"Engine preset name, local checkpoint folder or hub id (org/name). Env: {MODEL_ENV}.",
+    )(f)
+    return f

@@ -1,0 +1,167 @@
+"""The offline library API: `LLM(model).generate(...)` and `.chat(...)` in a notebook or a script, without Redis
+or a worker. Owns the conversion of Python inputs into request lines and of the engine's results back into
+result lines; it validates, resolves and converts through the same code as `cbq submit` and the queue worker
+(`producer.store.validate_lines`, `ParsedRequest.resolve`, `worker.admission`), so fields, defaults, errors
+and outputs are those of request and result lines.
+
+    from worker.offline import LLM
+
+    llm = LLM("tiny-llama")  # a preset, a local checkpoint folder or a hub id; engine options as keywords
+    results = llm.generate(["The capital of France is", "1, 2, 3,"], sampling={"max_new_tokens": 8})
+    print(results[0].text, results[0].token_ids, results[0].usage.completion_tokens)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from producer.store import validate_lines
+from schemas.errors import RequestLineError
+from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL, SamplingOverrides
+from schemas.result import ResultLine
+from worker.admission import to_engine_request, to_result_line
+from worker.engine.api import EngineProtocol, EngineRequest
+
+RESULT_POLL_SECONDS = 0.1
+
+Input = (
+    str | dict[str, Any]
+)  # a prompt, or a request line: {"prompt"...}, {"messages"...}, an OpenAI line or body
+Conversation = list[dict[str, Any]]
+
+
+class InvalidRequests(ValueError):
+    """Some inputs are invalid, so nothing ran. `errors` names each bad input (line N is input N, from 1) and
+    field."""
+
+    def __init__(self, errors: list[RequestLineError]):
+        self.errors = errors
+        super().__init__(f"{len(errors)} invalid input(s); nothing ran:\n" + "\n".join(map(str, errors)))
+
+
+class LLM:
+    """A model loaded once, for any number of `generate` and `chat` calls (one at a time)."""
+
+    def __init__(self, model: str = "tiny-llama", **engine_options: Any):
+        """`model`: a preset, a local checkpoint folder or a hub id (org/name). `engine_options`: `EngineConfig`
+        fields (`device`, `dtype`, `max_model_len`, `gpu_memory_utilization`, `num_kv_blocks`, ...)."""
+        from worker.engine.engine import Engine
+        from worker.engine.models import PRESETS
+        from worker.model_names import check_model_name
+
+        check_model_name(model, list(PRESETS))
+        self.model = model
+        self.engine: EngineProtocol = Engine.from_model(model, **engine_options)
+        self._calls = itertools.count()
+
+    def generate(
+        self,
+        prompts: Input | Iterable[Input],
+        sampling: dict[str, Any] | SamplingOverrides | None = None,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        return_token_ids: bool = True,
+        progress: bool = True,
+    ) -> list[ResultLine]:
+        """Run every input to completion; one `ResultLine` per input, in input order.
+
+        An input is a prompt string or a request line as a dict: `{"prompt": ...}`, `{"messages": [...]}`, an
+        OpenAI Batch line, or an OpenAI request body (`{"model", "messages" | "prompt", ...}`). `sampling` holds
+        defaults for every input (any sampling field, as `cbq submit`'s flags); values on an input win.
+        Raises `InvalidRequests` (naming each bad input and field) before anything runs.
+        A request the engine refuses (e.g. a prompt longer than the context) gets an error result instead.
+        """
+        items = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        defaults = (
+            sampling if isinstance(sampling, SamplingOverrides) else SamplingOverrides(**(sampling or {}))
+        )
+        requests = _requests(items, defaults, chat_template_kwargs, return_token_ids)
+        return self._run(requests, progress)
+
+    def chat(
+        self,
+        conversations: Conversation | Iterable[Conversation],
+        sampling: dict[str, Any] | SamplingOverrides | None = None,
+        **options: Any,
+    ) -> list[ResultLine]:
+        """`generate` for chats: one conversation (a list of `{"role", "content"}` messages) or a list of them."""
+        items = list(conversations)
+        if items and isinstance(items[0], dict):  # one conversation
+            items = [items]
+        return self.generate([{"messages": messages} for messages in items], sampling, **options)
+
+    def _run(self, requests: list, progress: bool) -> list[ResultLine]:
+        call = f"offline{next(self._calls)}"
+        tokenizer = self.engine.tokenizer
+        results: dict[int, ResultLine] = {}
+        pending: dict[str, Any] = {}  # engine request id -> request
+        engine_requests: list[EngineRequest] = []
+        for request in requests:
+            try:
+                engine_requests.append(to_engine_request(request, tokenizer, call, time.time()))
+                pending[engine_requests[-1].request_id] = request
+            except Exception as exc:  # a chat template that fails on this conversation: this input fails
+                results[request.index] = ResultLine(
+                    custom_id=request.custom_id,
+                    index=request.index,
+                    finish_reason="error",
+                    error=f"tokenization failed: {exc!r}",
+                )
+        bar = _progress_bar(len(requests), progress)
+        bar.update(len(results))
+        self.engine.start()
+        try:
+            for engine_request in engine_requests:
+                self.engine.add_request(engine_request)
+            num_tokens, started = 0, time.perf_counter()
+            while pending:
+                for result in self.engine.get_results(timeout=RESULT_POLL_SECONDS):
+                    request = pending.pop(result.request_id, None)
+                    if request is None:
+                        continue  # left over from an interrupted call
+                    results[request.index] = to_result_line(request, result, tokenizer)
+                    num_tokens += result.usage.completion_tokens
+                    bar.update(1)
+                    bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - started):.0f} output tok/s")
+        finally:
+            for request_id in pending:  # interrupted (Ctrl-C): nothing of this call keeps running
+                self.engine.abort(request_id)
+            self.engine.shutdown()
+            bar.close()
+        return [results[i] for i in range(len(requests))]
+
+
+def _requests(items: list[Input], defaults: SamplingOverrides, chat_template_kwargs, return_token_ids: bool):
+    """Validate every input as a request line (all errors at once) and resolve it as `cbq submit` would."""
+    lines = [_as_line(item, i) for i, item in enumerate(items)]
+    validated = validate_lines(json.dumps(line) for line, _ in lines)
+    if validated.errors:
+        raise InvalidRequests(validated.errors)
+    out = []
+    for index, (parsed, (_, is_body)) in enumerate(zip(validated.requests, lines, strict=True)):
+        if is_body:  # the custom_id was only the envelope's
+            parsed = parsed.model_copy(update={"custom_id": None})
+        out.append(parsed.resolve(index, defaults, return_token_ids, chat_template_kwargs))
+    return out
+
+
+def _as_line(item: Input, index: int) -> tuple[dict[str, Any], bool]:
+    """(the request line for `item`, whether it is a bare OpenAI body wrapped in a Batch line here)."""
+    if isinstance(item, str):
+        return {"prompt": item}, False
+    if not isinstance(item, dict):
+        raise TypeError(f"an input is a prompt string or a request dict, got {type(item).__name__}")
+    if "model" in item and not {"custom_id", "method", "url", "body"} & item.keys():
+        url = CHAT_COMPLETIONS_URL if "messages" in item else COMPLETIONS_URL
+        return {"custom_id": f"offline-body-{index}", "method": "POST", "url": url, "body": item}, True
+    return item, False
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm  # transformers depends on it
+
+    return tqdm(total=total, disable=not enabled, unit="req", desc="generating", dynamic_ncols=True)
