@@ -7,7 +7,7 @@ and applying its tokens, for a workload's real request mix. Runs anywhere (CPU);
 Every step's forward and sampling are replaced by nothing: each sampled token is 0 (W2's requests ignore EOS and
 run to their lengths), so the scheduler sees the same sequence of batches as a real run. What remains is what the
 host spends per step, which async mode hides behind the GPU only while it is shorter than the GPU's step (a small
-model's W2 step is a few ms). Results: benchmarks/README.md, "Host work per step".
+model's W2 step is a few ms). Results: benchmarks/archive/HISTORY.md, "Host work per step".
 """
 
 from __future__ import annotations

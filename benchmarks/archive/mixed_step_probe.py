@@ -11,7 +11,7 @@ One mixed step of the owned decoder, eager as the engine runs it (decode rows fi
   - the same with the streams in green contexts (SM partitions), where torch has them;
   - each projection multiplied by a [K, N] copy of its weight (another cuBLAS kernel family), cuBLASLt
     preferred over cuBLAS, and a CUDA-graph replay of the whole step (the most a mixed-step graph could save).
-Medians of CUDA-event times. Results: benchmarks/README.md, "Mixed steps: what does not pay".
+Medians of CUDA-event times. Results: benchmarks/archive/HISTORY.md, "Mixed steps: what does not pay".
 """
 
 from __future__ import annotations

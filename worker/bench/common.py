@@ -111,7 +111,7 @@ def triton_compiles():
     """Names of the Triton kernels compiled while the block runs (a list, filled as they happen).
 
     A compile inside a measured run stalls its step for up to seconds, and the step's device events count the
-    stall (the H200's "first run is slow" effect, benchmarks/README.md): the bench reports them so a number
+    stall (the H200's "first run is slow" effect, benchmarks/archive/HISTORY.md): the bench reports them so a number
     that includes one says so. Uses Triton's `jit_cache_hook` (called before each compile of a variant this
     process has not built yet); without Triton, or with a Triton that lacks the hook, the list stays empty."""
     names: list[str] = []

@@ -83,7 +83,7 @@ def floor_seconds(
     `serial`: the weight GEMMs (bound by streaming their weights or by their FLOPs, whichever is slower) and then
     the KV reads, one after the other, as kernels on one stream run. The default floor lets a step's KV reads
     hide under its GEMMs' compute; no engine that runs them back to back can reach it in a step where both are
-    large (W2's: benchmarks/README.md, "why W2 stops at the serial bound")."""
+    large (W2's: benchmarks/archive/HISTORY.md, "why W2 stops at the serial bound")."""
     if bandwidth <= 0:
         return 0.0
     total = 0.0
