@@ -39,7 +39,7 @@ from producer.options import (
     sampling_options,
     ttl_option,
 )
-from schemas.request import SamplingOverrides
+from schemas.sampling import Sampling
 
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
 PROGRESS_MIN_BYTES = 1 << 20  # the validation bar counts bytes
@@ -117,7 +117,7 @@ def submit(
     return_token_ids,
     retries,
     job_timeout,
-    defaults: SamplingOverrides,
+    defaults: Sampling,
     chat_template_kwargs,
     as_json,
 ):

@@ -39,7 +39,7 @@ from producer.store import (
     validate_lines,
 )
 from schemas.errors import RequestLineError
-from schemas.request import SamplingOverrides
+from schemas.sampling import Sampling
 from schemas.status import BatchStatus, WorkerStats
 
 __all__ = [
@@ -146,7 +146,7 @@ class Client:
         if not validated.requests:
             raise NothingToSubmit("no requests in the input")
         try:
-            sampling = SamplingOverrides(**defaults)
+            sampling = Sampling(**defaults)
         except ValidationError as exc:
             raise ValueError(f"invalid batch default: {exc}") from None
         options = SubmitOptions(

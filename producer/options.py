@@ -16,8 +16,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from producer import settings
-from schemas.request import SamplingOverrides, checked_chat_template_kwargs
+from schemas.chat import checked_chat_template_kwargs
 from schemas.result import OUTPUT_FORMATS
+from schemas.sampling import Sampling
 
 
 def redis_url_option(f: Callable) -> Callable:
@@ -75,10 +76,10 @@ def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(f)
 
 
-def sampling_options(f: Callable, *, overrides: type[SamplingOverrides] = SamplingOverrides) -> Callable:
+def sampling_options(f: Callable, *, overrides: type[Sampling] = Sampling) -> Callable:
     """One flag per sampling field, as batch defaults (values on a line win). Adds a `defaults` kwarg.
 
-    The flags are derived from `overrides` (by default from `schemas.request.Sampling`): `--top-k` for `top_k`,
+    The flags are derived from `overrides` (by default from `schemas.sampling.Sampling`): `--top-k` for `top_k`,
     the field's description as help, numeric bounds as click ranges, a repeatable flag for a list field and a
     `--x/--no-x` pair for a bool. pydantic then checks every bound again and gives the error of the flag.
     A structured field (an output constraint) has no flag: lines set it.

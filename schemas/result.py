@@ -10,7 +10,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.request import CHAT_COMPLETIONS_URL, Request
+from schemas.lines import Request
+from schemas.openai_body import CHAT_COMPLETIONS_URL
 
 FinishReason = Literal["stop", "length", "error", "cancelled"]
 # Why a request was refused before it ran (the engine's `ErrorCode` values): an invalid request, which the

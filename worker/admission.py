@@ -18,8 +18,9 @@ from pydantic import ValidationError
 from schemas import keys
 from schemas.chunk import ChunkPayload
 from schemas.keys import BatchField
-from schemas.request import OutputConstraint, Request, Sampling
+from schemas.lines import Request
 from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
+from schemas.sampling import OutputConstraint, Sampling
 from worker.engine.api import (
     Constraint,
     ConstraintKind,
@@ -126,8 +127,8 @@ def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: 
 
 def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
     """The engine's SamplingParams, field by field under the same names (lists become tuples, the output
-    constraint the engine's `Constraint`)."""
-    return params_type(**{name: _engine_value(v) for name, v in sampling})
+    constraint the engine's `Constraint`); a field not given keeps the engine's default."""
+    return params_type(**{name: _engine_value(v) for name, v in sampling.given().items()})
 
 
 def _engine_value(value: Any) -> Any:

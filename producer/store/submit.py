@@ -23,16 +23,12 @@ from rq.serializers import JSONSerializer
 
 from producer import settings
 from schemas import keys
+from schemas.chat import checked_chat_template_kwargs
 from schemas.chunk import CHUNK_FUNC
 from schemas.errors import FieldIssue, RequestLineError
 from schemas.keys import BatchField
-from schemas.request import (
-    ParsedRequest,
-    Request,
-    SamplingOverrides,
-    checked_chat_template_kwargs,
-    parse_request_line,
-)
+from schemas.lines import ParsedRequest, Request, parse_request_line
+from schemas.sampling import Sampling
 
 STAGING_SLICE = 2000  # requests per staging pipeline: bounded client memory, few round trips
 # Staged requests expire after this unless the commit comes (it sets the batch's TTL on every key), so even
@@ -159,7 +155,7 @@ class SubmitOptions:
     name: str | None = None  # resubmissions with the same name skip custom_ids already submitted
     chunk_size: int = settings.DEFAULT_CHUNK_SIZE
     ttl_seconds: int = settings.DEFAULT_RESULT_TTL_SECONDS
-    defaults: SamplingOverrides = field(default_factory=SamplingOverrides)
+    defaults: Sampling = field(default_factory=Sampling)
     # The chat template's extra variables for every chat of the batch (a line's own win, name by name).
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False

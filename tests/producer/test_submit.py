@@ -10,7 +10,8 @@ from producer import store
 from producer.store import SubmitConflict, SubmitOptions, submit_batch, validate_lines
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC
-from schemas.request import Request, Sampling, SamplingOverrides
+from schemas.lines import Request
+from schemas.sampling import Sampling
 
 
 def lines_of(*objs) -> list[str]:
@@ -72,7 +73,7 @@ def test_batch_defaults_apply_where_a_line_is_silent(conn):
     report = submit(
         conn,
         [{"prompt": "a", "temperature": 0.5}, {"prompt": "b"}],
-        defaults=SamplingOverrides(temperature=1.0, max_new_tokens=3, stop=["x"]),
+        defaults=Sampling(temperature=1.0, max_new_tokens=3, stop=["x"]),
     )
     stored = [
         Request.model_validate_json(r) for r in conn.hmget(keys.batch_requests(report.batch_id), [0, 1])

@@ -2,14 +2,9 @@ import json
 
 import pytest
 
-from schemas.request import (
-    ChatMessage,
-    ParsedRequest,
-    Request,
-    Sampling,
-    SamplingOverrides,
-    parse_request_line,
-)
+from schemas.chat import ChatMessage
+from schemas.lines import ParsedRequest, Request, parse_request_line
+from schemas.sampling import Sampling
 
 
 def parse(obj, line_no=7) -> ParsedRequest:
@@ -111,7 +106,7 @@ def test_blank_lines_are_skipped():
 
 def test_resolve_line_values_win_over_batch_defaults_which_win_over_builtins():
     p = parse({"prompt": "hi", "temperature": 0.3})
-    r = p.resolve(index=4, defaults=SamplingOverrides(temperature=1.0, max_new_tokens=9))
+    r = p.resolve(index=4, defaults=Sampling(temperature=1.0, max_new_tokens=9))
     assert r.index == 4 and r.line_no == 7
     assert r.sampling == Sampling(temperature=0.3, max_new_tokens=9)
     assert p.resolve(0).sampling == Sampling(temperature=0.3)

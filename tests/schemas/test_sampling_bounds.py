@@ -5,8 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from schemas import limits
 from schemas.errors import RequestLineError
-from schemas.request import OutputConstraint, Sampling, parse_request_line
+from schemas.field_table import field_table, undocumented_fields
+from schemas.lines import parse_request_line
+from schemas.sampling import OutputConstraint, Sampling
 
 # A line spells its output constraint as one of these fields (an OpenAI body as `response_format`).
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice")
@@ -31,7 +34,7 @@ def openai(body):
         ),
         ({"temperature": 100.5}, "line 7: temperature: Input should be less than or equal to 100"),
         ({"top_k": 2**31}, "line 7: top_k: Input should be less than or equal to 1000000"),
-        ({"seed": 2**63}, "line 7: seed: Input should be less than 9223372036854775808"),
+        ({"seed": 2**63}, "line 7: seed: Input should be less than or equal to 9223372036854775807"),
         ({"seed": -1}, "line 7: seed: Input should be greater than or equal to 0"),
         ({"stop": ["s"] * 17}, "line 7: stop: List should have at most 16 items after validation, not 17"),
         ({"stop": "s" * 257}, "line 7: stop[0]: String should have at most 256 characters"),
@@ -92,8 +95,13 @@ def test_values_at_the_bounds_are_accepted():
     assert set(at_bounds) | {"constraint"} == set(Sampling.model_fields)
 
 
-def test_readme_lists_every_sampling_field():
+def test_readme_has_the_generated_field_table_and_it_lists_every_field():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme[readme.index("### Input lines") : readme.index("### Result lines")]
-    for name in [n for n in Sampling.model_fields if n != "constraint"] + list(CONSTRAINT_FIELDS):
-        assert f"| `{name}`" in section, name
+    assert field_table() in section, "regenerate it: python -m schemas.field_table"
+    assert undocumented_fields() == []
+
+
+def test_the_field_table_reads_its_bounds_from_the_limits(monkeypatch):
+    monkeypatch.setattr(limits, "MAX_TOP_K", 12_345)
+    assert "| `top_k` | generation_config's, else 0 (no cut) | 0 to 12,345 |" in field_table()
