@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from producer import settings
+from producer.store.submit import ValidatedFile
 from schemas.chat import checked_chat_template_kwargs
 from schemas.result import OUTPUT_FORMATS
 from schemas.sampling import Sampling
@@ -70,6 +71,39 @@ def errors_option(f: Callable) -> Callable:
         help="Write failed and cancelled requests to this file instead (OpenAI's error file: with --format "
         "openai, errors and non-200 responses). Without it, every request goes to the output.",
     )(f)
+
+
+def _skip_invalid_removed(_ctx, _param, value: bool) -> None:
+    if value:
+        raise click.UsageError(
+            "--skip-invalid was removed: a line whose request is invalid now fails alone (status 400, in the "
+            "errors output) and the others run; --strict refuses the whole file instead"
+        )
+
+
+def strict_option(f: Callable) -> Callable:
+    """`--strict` (all or nothing), and the flag it replaced, which now says why it is gone."""
+    f = click.option(
+        "--skip-invalid", is_flag=True, hidden=True, expose_value=False, callback=_skip_invalid_removed
+    )(f)
+    return click.option(
+        "--strict",
+        is_flag=True,
+        help="Refuse the whole file when any request is invalid. Without it, an invalid request fails alone "
+        "(status 400 in the errors output, counted failed) and the others run; format errors (not JSON, a "
+        "missing or duplicate custom_id, ...) always refuse the file.",
+    )(f)
+
+
+def report_validation(validated: ValidatedFile, strict: bool, what: str) -> None:
+    """Print every bad line to stderr; raise a ClickException if the file is refused (`what`: 'enqueued')."""
+    refused = validated.refusal(strict)
+    for error in refused:
+        click.echo(str(error), err=True)
+    if refused:
+        raise click.ClickException(f"{len(refused)} invalid line(s); nothing was {what}")
+    for invalid in validated.invalid:
+        click.echo(f"{invalid} (this request fails with status 400; the others run)", err=True)
 
 
 def json_option(f: Callable) -> Callable:

@@ -14,10 +14,11 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 BLANK = object()  # what `load_json_line` gives for a blank line
 
 
-def load_json_line(text: str | bytes, line_no: int) -> Any:
-    """The line's JSON value (`BLANK` for a blank line). Every way the text can fail is a RequestLineError:
-    bad UTF-8, bad JSON, a number too long to convert, nesting too deep, a lone surrogate (`"\\ud800"` parses,
-    but no UTF-8 text can hold it, so the request could never be stored)."""
+def load_json_line(text: str | bytes, line_no: int) -> tuple[Any, str | None]:
+    """The line's JSON value (`BLANK` for a blank line), and the path of a string holding a lone surrogate
+    (`"\\ud800"` parses, but no UTF-8 text can hold it, so that string could never be stored), else None.
+    Every way the text itself can fail is a RequestLineError: bad UTF-8, bad JSON, a number too long to
+    convert, nesting too deep."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -26,7 +27,7 @@ def load_json_line(text: str | bytes, line_no: int) -> Any:
                 line_no, [FieldIssue("", f"invalid UTF-8 at byte {exc.start + 1}")]
             ) from None
     if not text.strip():
-        return BLANK
+        return BLANK, None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -36,15 +37,11 @@ def load_json_line(text: str | bytes, line_no: int) -> Any:
     except RecursionError:
         message = "invalid JSON: nested too deeply"
     else:
-        if _SURROGATE_ESCAPE.search(text):
-            field = _lone_surrogate_field(obj, ())
-            if field is not None:
-                raise RequestLineError(
-                    line_no,
-                    [FieldIssue(field, "contains a lone UTF-16 surrogate (\\ud800-\\udfff), not valid Unicode")],
-                )
-        return obj
+        return obj, _lone_surrogate_field(obj, ()) if _SURROGATE_ESCAPE.search(text) else None
     raise RequestLineError(line_no, [FieldIssue("", message)])
+
+
+LONE_SURROGATE = "contains a lone UTF-16 surrogate (\\ud800-\\udfff), not valid Unicode"
 
 
 def _lone_surrogate_field(value: Any, loc: tuple[str | int, ...]) -> str | None:

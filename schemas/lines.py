@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
 
 from schemas.chat import ChatMessage, ChatTemplateKwargs
-from schemas.errors import FieldIssue, RequestLineError, issues_from_validation_error
-from schemas.json_line import BLANK, load_json_line
+from schemas.errors import FieldIssue, InvalidRequest, RequestLineError, issues_from_validation_error
+from schemas.json_line import BLANK, LONE_SURROGATE, load_json_line
 from schemas.limits import MAX_CHOICES
 from schemas.openai_body import (
     COMPLETIONS_URL,
@@ -186,55 +186,79 @@ _SHAPE_HINT = (
     '{"custom_id", "method", "url", "body"}'
 )
 _OPENAI_KEYS = {"method", "url", "body"}
+_custom_id_adapter: TypeAdapter[str | None] = TypeAdapter(CustomId | None)
 
 
 def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
     """Validate one JSONL line (bytes are decoded as UTF-8 here, so a bad byte is an error of its line).
-    Returns None for a blank line; raises RequestLineError naming line and field."""
-    obj = load_json_line(text, line_no)
+    Returns None for a blank line. Raises `RequestLineError` naming line and field for a format error (the
+    file is refused), and its subclass `InvalidRequest` for a well-formed line whose request is invalid (that
+    request alone fails): as OpenAI, the format is the JSON object, its custom_id and, for an OpenAI line,
+    its method and url; everything else is the request."""
+    obj, surrogate_at = load_json_line(text, line_no)
     if obj is BLANK:
         return None
     if not isinstance(obj, dict):
         raise RequestLineError(
             line_no, [FieldIssue("", f"a line must be a JSON object, got {type(obj).__name__}")]
         )
-
-    if _OPENAI_KEYS & obj.keys():
-        return _parse_openai_line(obj, line_no)
-    if "prompt" in obj and "messages" in obj:
-        raise RequestLineError(line_no, [FieldIssue("", "give either prompt or messages, not both")])
+    is_openai = bool(_OPENAI_KEYS & obj.keys())
+    _surrogate_in_format(surrogate_at, line_no, is_openai)
+    if is_openai:
+        envelope = _validate(OpenAIBatchLine, obj, line_no)
+        _surrogate_in_request(surrogate_at, line_no, envelope.custom_id, envelope.url)
+        return _parse_openai_body(envelope, line_no)
+    if ("prompt" in obj) == ("messages" in obj):
+        hint = "give either prompt or messages, not both" if "prompt" in obj else _SHAPE_HINT
+        raise RequestLineError(line_no, [FieldIssue("", hint)])
+    try:
+        custom_id = _custom_id_adapter.validate_python(obj.get("custom_id"))
+    except ValidationError as exc:
+        raise RequestLineError(line_no, issues_from_validation_error(exc, PromptLine, ("custom_id",))) from None
+    _surrogate_in_request(surrogate_at, line_no, custom_id)
     if "messages" in obj:
-        chat = _validate(ChatLine, obj, line_no)
+        chat = _validate(ChatLine, obj, line_no, fails_alone=(custom_id, None))
         return ParsedRequest(
             line_no=line_no,
-            custom_id=chat.custom_id,
+            custom_id=custom_id,
             shape="chat",
             messages=chat.messages,
             chat_template_kwargs=chat.chat_template_kwargs,
             overrides=chat.overrides(),
             n=chat.n,
         )
-    if "prompt" in obj:
-        line = _validate(PromptLine, obj, line_no)
-        return ParsedRequest(
-            line_no=line_no,
-            custom_id=line.custom_id,
-            shape="prompt",
-            prompt=line.prompt,
-            overrides=line.overrides(),
-            n=line.n,
-        )
-    raise RequestLineError(line_no, [FieldIssue("", _SHAPE_HINT)])
+    line = _validate(PromptLine, obj, line_no, fails_alone=(custom_id, None))
+    return ParsedRequest(
+        line_no=line_no,
+        custom_id=custom_id,
+        shape="prompt",
+        prompt=line.prompt,
+        overrides=line.overrides(),
+        n=line.n,
+    )
 
 
-def _parse_openai_line(obj: dict[str, Any], line_no: int) -> ParsedRequest:
-    envelope = _validate(OpenAIBatchLine, obj, line_no)
+# A lone surrogate inside the request's own part of a line (an OpenAI line's body; any field of a cbq line but
+# custom_id) fails that request; in the format's fields (custom_id, method, url, a key) it refuses the file.
+def _surrogate_in_format(field: str | None, line_no: int, openai: bool) -> None:
+    in_request = field is None or (field.startswith("body") if openai else not field.startswith(("custom_id", "(")))
+    if not in_request:
+        raise RequestLineError(line_no, [FieldIssue(field or "", LONE_SURROGATE)])
+
+
+def _surrogate_in_request(field: str | None, line_no: int, custom_id: str | None, url: str | None = None) -> None:
+    if field is not None:
+        raise InvalidRequest(line_no, [FieldIssue(field, LONE_SURROGATE)], custom_id, url)
+
+
+def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest:
+    fails_alone = (envelope.custom_id, envelope.url)
     body: CompletionBody | ChatCompletionBody
     if envelope.url == COMPLETIONS_URL:
-        body = _validate(CompletionBody, envelope.body, line_no, prefix=("body",))
+        body = _validate(CompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint: dict[str, Any] = {"prompt": body.prompt}
     else:
-        body = chat = _validate(ChatCompletionBody, envelope.body, line_no, prefix=("body",))
+        body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {
             "messages": chat.messages,
             "chat_template_kwargs": chat.chat_template_kwargs,
@@ -256,8 +280,19 @@ def _parse_openai_line(obj: dict[str, Any], line_no: int) -> ParsedRequest:
 _Model = TypeVar("_Model", bound=StrictModel)
 
 
-def _validate(model: type[_Model], obj: Any, line_no: int, prefix: tuple[str, ...] = ()) -> _Model:
+def _validate(
+    model: type[_Model],
+    obj: Any,
+    line_no: int,
+    prefix: tuple[str, ...] = (),
+    fails_alone: tuple[str | None, str | None] | None = None,
+) -> _Model:
+    """`obj` as `model`. Invalid: a `RequestLineError`, or with `fails_alone` (the request's custom_id and
+    url) an `InvalidRequest`, which fails that request only."""
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        raise RequestLineError(line_no, issues_from_validation_error(exc, model, prefix)) from None
+        issues = issues_from_validation_error(exc, model, prefix)
+        if fails_alone is not None:
+            raise InvalidRequest(line_no, issues, *fails_alone) from None
+        raise RequestLineError(line_no, issues) from None

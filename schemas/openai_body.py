@@ -12,6 +12,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from schemas.chat import ChatMessage, ChatTemplateKwargs
 from schemas.limits import MAX_CUSTOM_ID_CHARS, MAX_TOOLS
@@ -141,7 +142,8 @@ class _OpenAIBody(SharedSampling, _BodyFields):
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None or value in _UNSUPPORTED_NO_OPS.get(info.field_name or "", ()):
             return value
-        raise ValueError(f"cbq does not support {_UNSUPPORTED_FIELDS[info.field_name or '']} yet")
+        what = _UNSUPPORTED_FIELDS[info.field_name or ""]
+        raise PydanticCustomError("unsupported_parameter", "cbq does not support {what} yet", {"what": what})
 
     @field_validator(*_NO_OP_VALUES)
     @classmethod

@@ -21,7 +21,9 @@ from producer.options import (
     open_redis,
     queue_option,
     redis_url_option,
+    report_validation,
     sampling_options,
+    strict_option,
 )
 from producer.settings import in_process_redis
 from worker import queue_worker
@@ -267,6 +269,7 @@ def worker(
 @chunk_size_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
+@strict_option
 @sampling_options
 @chat_template_kwargs_option
 def run(
@@ -284,6 +287,7 @@ def run(
     chunk_size,
     return_token_ids,
     log_level,
+    strict,
     defaults,
     chat_template_kwargs,
 ):
@@ -295,10 +299,7 @@ def run(
     client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
     reopen, _ = click.get_current_context().with_resource(reopenable_lines(file))
     validated = client.validate(reopen)
-    for error in validated.errors:
-        click.echo(str(error), err=True)
-    if validated.errors:
-        raise click.ClickException(f"{len(validated.errors)} invalid line(s); nothing was run")
+    report_validation(validated, strict, "run")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
 
@@ -312,6 +313,7 @@ def run(
             chunk_size=chunk_size,
             return_token_ids=return_token_ids,
             retries=0,
+            strict=strict,
             chat_template_kwargs=chat_template_kwargs,
             **defaults.given(),
         )

@@ -29,10 +29,11 @@ def test_validate_lines_reports_every_bad_line_and_skips_blank_ones():
             "  ",
         )
     )
-    assert [p.line_no for p in v.requests] == [1, 5]
-    assert [e.line_no for e in v.errors] == [3, 4]
+    assert [p.line_no for p in v.requests] == [1, 3, 5]  # line 3's request is kept, to fail alone
+    assert [e.line_no for e in v.errors] == [4]
+    assert [str(e) for e in v.invalid] == ["line 3: prompt: Input should be a valid string"]
+    assert [e.line_no for e in v.refusal(strict=True)] == [3, 4]
     assert v.num_blank_lines == 2
-    assert str(v.errors[0]) == "line 3: prompt: Input should be a valid string"
 
 
 def test_duplicate_custom_ids_name_both_lines():
