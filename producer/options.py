@@ -116,7 +116,7 @@ def sampling_options(f: Callable, *, overrides: type[Sampling] = Sampling) -> Ca
     The flags are derived from `overrides` (by default from `schemas.sampling.Sampling`): `--top-k` for `top_k`,
     the field's description as help, numeric bounds as click ranges, a repeatable flag for a list field and a
     `--x/--no-x` pair for a bool. pydantic then checks every bound again and gives the error of the flag.
-    A structured field (an output constraint) has no flag: lines set it.
+    A structured field (an output constraint, logit_bias) has no flag: lines set it.
     """
     names = [name for name, info in overrides.model_fields.items() if not _is_structured(info)]
 
@@ -138,6 +138,8 @@ def sampling_options(f: Callable, *, overrides: type[Sampling] = Sampling) -> Ca
 
 def _is_structured(info: FieldInfo) -> bool:
     annotation, _ = _unwrap(info.annotation, info.metadata)
+    if typing.get_origin(annotation) is dict:  # a mapping (logit_bias) has no flag: lines give it
+        return True
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 

@@ -30,10 +30,14 @@ def _rows() -> dict[str, tuple[str, str]]:
             "generation_config's `max_new_tokens`, else the rest of the context (context length minus prompt)",
             f"1 to {_num(L.MAX_NEW_TOKENS_LIMIT)}",
         ),
-        "`temperature`": ("generation_config's, else 0 (greedy)", f"0 to {_num(L.MAX_TEMPERATURE)}"),
+        "`temperature`": (
+            "generation_config's, else 1 for an OpenAI body (OpenAI's and vLLM's default) and 0 (greedy) for a "
+            "cbq line",
+            f"0 to {_num(L.MAX_TEMPERATURE)}",
+        ),
         "`top_p`": ("generation_config's, else 1", "(0, 1]"),
         "`top_k`": ("generation_config's, else 0 (no cut)", f"0 to {_num(L.MAX_TOP_K)}"),
-        "`seed`": ("none (the request id seeds the draws)", f"0 to {_num(L.MAX_SEED)}"),
+        "`seed`": ("none (the request id seeds the draws)", f"any int64: {_num(L.MIN_SEED)} to {_num(L.MAX_SEED)}"),
         "`stop`": (
             "none",
             f"at most {L.MAX_STOP_STRINGS} strings (or one string), each 1 to {L.MAX_STOP_STRING_CHARS} characters",
@@ -52,6 +56,30 @@ def _rows() -> dict[str, tuple[str, str]]:
             "0",
             f"{penalty}: subtracted from a token's logit once per time the output already contains it",
         ),
+        "`repetition_penalty`": (
+            "generation_config's, else 1",
+            f"(0, {_num(L.MAX_REPETITION_PENALTY)}]: a logit of a token in the prompt or the output is divided by it "
+            "(multiplied when negative)",
+        ),
+        "`min_p`": ("generation_config's, else 0", "0 to 1: drop tokens less likely than min_p times the top one"),
+        "`min_tokens`": (
+            "0",
+            f"0 to {_num(L.MAX_NEW_TOKENS_LIMIT)}, at most the line's max tokens: EOS and stop token ids wait until then",
+        ),
+        "`logit_bias`": (
+            "none",
+            f"at most {_num(L.MAX_LOGIT_BIAS_TOKENS)} of the model's token ids, each biased by "
+            f"{_num(-L.MAX_LOGIT_BIAS)} to {_num(L.MAX_LOGIT_BIAS)}",
+        ),
+        "`allowed_token_ids`": ("none (all)", f"1 to {_num(L.MAX_ALLOWED_TOKEN_IDS)} token ids"),
+        "`bad_words`": (
+            "none",
+            f"at most {L.MAX_BAD_WORDS} words, each 1 to {L.MAX_BAD_WORD_CHARS} characters",
+        ),
+        "`include_stop_str_in_output`": ("false", "true or false"),
+        "`skip_special_tokens`": ("true", "true or false"),
+        "`spaces_between_special_tokens`": ("true", "true or false"),
+        "`truncate_prompt_tokens`": ("none", f"1 to {_num(L.MAX_NEW_TOKENS_LIMIT)}: the prompt's last k tokens are kept"),
         "`json_schema` (OpenAI body: `response_format`)": ("none", "a JSON schema that compiles"),
         "`regex`": ("none", "a pattern (Rust `regex` syntax) that compiles, matched against the whole output"),
         "`choice`": ("none", f"1 to {_num(L.MAX_CHOICES)} non-empty strings; the output is exactly one of them"),

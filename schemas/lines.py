@@ -41,6 +41,7 @@ from schemas.sampling import (
     OutputConstraint,
     Sampling,
     SharedSampling,
+    check_min_tokens,
     json_text,
 )
 from schemas.strict import StrictModel
@@ -87,6 +88,11 @@ class _NativeLine(SharedSampling, NativeSpelling, _NativeConstraint):
 
     custom_id: CustomId | None = None
     n: NumSamples = Field(1, description=N_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self):
+        check_min_tokens(self.min_tokens, self.max_new_tokens, "max_new_tokens")
+        return self
 
     def overrides(self) -> Sampling:
         given = {name: getattr(self, name) for name in Sampling.model_fields if name != "constraint"}

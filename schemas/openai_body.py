@@ -24,6 +24,7 @@ from schemas.sampling import (
     OutputConstraint,
     Sampling,
     SharedSampling,
+    check_min_tokens,
     json_text,
 )
 from schemas.strict import StrictModel
@@ -37,6 +38,10 @@ CustomId = Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)]
 # OpenAI body field -> the cbq sampling field it sets; every field of `SharedSampling` keeps its name.
 OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
+# What a field an OpenAI body leaves out means when the model's generation_config does not set it either:
+# OpenAI's defaults, which vLLM's server uses too (cbq's own lines keep the engine's: greedy).
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+
 # OpenAI body fields that cbq accepts only at the value that changes nothing, and why it cannot do more.
 _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
     "stream": (False, "batch results are not streamed"),
@@ -48,8 +53,6 @@ _UNSUPPORTED_FIELDS = {
     "function_call": "function calling",
     "audio": "audio output",
     "modalities": "output modalities other than text",
-    # Its keys are token ids of OpenAI's tokenizer, which name other tokens in another model's vocabulary.
-    "logit_bias": "logit_bias (its token ids belong to OpenAI's tokenizer, not to the model that runs here)",
     "prediction": "predicted outputs",
     "web_search_options": "web search",
     "reasoning_effort": "reasoning_effort (an open model's thinking is a switch in its chat template: give "
@@ -59,7 +62,6 @@ _UNSUPPORTED_FIELDS = {
 # Values of those fields that ask for nothing (generated files often spell their defaults out). Not
 # `web_search_options: {}`: that turns web search on.
 _UNSUPPORTED_NO_OPS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},),
     "functions": ([],),
     "modalities": (["text"],),
 }
@@ -124,7 +126,6 @@ class _BodyFields(StrictModel):
     function_call: Any = Field(None, exclude=True)
     audio: Any = Field(None, exclude=True)
     modalities: Any = Field(None, exclude=True)
-    logit_bias: Any = Field(None, exclude=True)
     prediction: Any = Field(None, exclude=True)
     web_search_options: Any = Field(None, exclude=True)
     reasoning_effort: Any = Field(None, exclude=True)
@@ -152,6 +153,11 @@ class _OpenAIBody(SharedSampling, _BodyFields):
         if value is not None and value != accepted:
             raise ValueError(f"only {json.dumps(accepted)} is accepted ({why})")
         return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self):
+        check_min_tokens(self.min_tokens, self.max_tokens or self.max_completion_tokens, "max_tokens")
+        return self
 
     @model_validator(mode="after")
     def _one_name_per_field(self):

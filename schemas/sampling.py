@@ -22,9 +22,15 @@ from pydantic import BeforeValidator, Field
 
 from schemas.constraint import compile_error
 from schemas.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_NEW_TOKENS_LIMIT,
     MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_SAMPLES,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
@@ -33,6 +39,7 @@ from schemas.limits import (
     MAX_TEMPERATURE,
     MAX_TOKEN_ID,
     MAX_TOP_K,
+    MIN_SEED,
 )
 from schemas.strict import StrictModel
 
@@ -47,10 +54,28 @@ StopStrings = Annotated[
 ]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
 MaxNewTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+
+
+def _token_ids_as_ints(value: Any) -> Any:
+    """JSON object keys are strings: logit_bias's token ids come as "50256" and become ints here."""
+    if isinstance(value, dict):
+        return {int(k) if isinstance(k, str) and k.lstrip("-").isdecimal() else k: v for k, v in value.items()}
+    return value
+
+
+LogitBias = Annotated[
+    dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Field(max_length=MAX_LOGIT_BIAS_TOKENS),
+    BeforeValidator(_token_ids_as_ints),
+]
+AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
+BadWords = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]], Field(max_length=MAX_BAD_WORDS)
+]
 # Not a sampling field: the engine takes it on the request (`EngineRequest.n`), and batch flags do not set it.
 NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
 N_DESCRIPTION = (
@@ -115,6 +140,72 @@ class SharedSampling(StrictModel):
         description="Subtracted from a token's logit once per time the output already contains it, as OpenAI's "
         "(default 0).",
     )
+    # vLLM's SamplingParams beyond OpenAI's, under vLLM's names and bounds.
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_REPETITION_PENALTY,
+        description="As vLLM and transformers: the logit of a token the prompt or the output already contains is "
+        "divided by it (multiplied when negative); 1 changes nothing (default: the model's generation_config, "
+        "else 1).",
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Drop tokens less likely than min_p times the most likely one; 0 keeps all (default: the "
+        "model's generation_config, else 0).",
+    )
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_NEW_TOKENS_LIMIT,
+        description="Generate at least this many tokens before EOS or a stop token id may end the output "
+        "(default 0).",
+    )
+    logit_bias: LogitBias | None = Field(
+        None,
+        description="Added to the logits of these token ids, the model's own (as vLLM takes them), before sampling.",
+    )
+    allowed_token_ids: AllowedTokenIds | None = Field(None, description="Only these token ids may be generated.")
+    bad_words: BadWords | None = Field(
+        None, description="Words never generated: the last token of each word's tokens is blocked after the others."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        None, description="Keep the stop string that ended the output in the text (default: cut before it)."
+    )
+    skip_special_tokens: bool | None = Field(
+        None, description="Leave special tokens out of the text (default: true)."
+    )
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="Put spaces around special tokens kept in the text (default: true)."
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_NEW_TOKENS_LIMIT,
+        description="Keep only the last k tokens of the prompt (default: the whole prompt).",
+    )
+
+
+# The value of a field that asks for nothing: what the engine does without it. A worker whose engine does not
+# know a field yet runs a request that gives it at this value, and fails one that asks for more.
+NEUTRAL_VALUES: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "logit_bias": {},
+    "bad_words": [],
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+}
+
+
+def check_min_tokens(min_tokens: int | None, max_tokens: int | None, max_name: str) -> None:
+    """vLLM's rule, for a line that gives both: min_tokens may not exceed the token limit."""
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) is more than {max_name} ({max_tokens})")
 
 
 class NativeSpelling(StrictModel):

@@ -363,9 +363,8 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body.audio: cbq does not support audio output yet",
         ),
         (
-            openai_line({"prompt": "x", "logit_bias": {"50256": -100}}),
-            "line 7: body.logit_bias: cbq does not support logit_bias (its token ids belong to OpenAI's tokenizer, "
-            "not to the model that runs here) yet",
+            openai_line({"prompt": "x", "logit_bias": {"50256": -101}}),
+            "line 7: body.logit_bias[50256]: Input should be greater than or equal to -100",
         ),
         (
             openai_line(

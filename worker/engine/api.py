@@ -265,6 +265,9 @@ class EngineProtocol(Protocol):
     @property
     def tokenizer(self) -> TokenizerProtocol: ...
 
+    # The defaults the checkpoint's generation_config sets, by cbq field name (what None resolves to first).
+    sampling_defaults: dict[str, Any]
+
     def start(self) -> None:
         """Start the step loop in a background thread."""
         ...
