@@ -1,8 +1,8 @@
 """Writes the parts of the docs that the code defines, so they cannot drift from it:
 
 - `docs/cli.md`: every `cbq` command's `--help`, from the click commands themselves;
-- the sampling-field table in `docs/input.md` (between its `fields:begin`/`fields:end` markers), from
-  `schemas`' one definition of the fields (names, bounds, descriptions).
+- the request-field table in `docs/input.md` (between its `fields:begin`/`fields:end` markers), rendered by
+  `schemas.field_table` from the bounds in `schemas.limits`.
 
 `python docs/generate.py` rewrites both; `python docs/generate.py --check` exits 1 if either is stale
 (tests/test_docs.py runs the check).
@@ -49,70 +49,9 @@ def cli_reference() -> str:
     return "\n".join(lines)
 
 
-def _metadata(annotation) -> list:
-    """The constraints inside an annotation's Annotated wrappers (`Seed = Annotated[int, Field(ge=...)]`)."""
-    import typing
-
-    found: list = []
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:
-        for m in args[1:]:
-            found.extend(getattr(m, "metadata", [m]))
-        found.extend(_metadata(args[0]))
-    elif args and origin is not list:
-        for a in args:
-            found.extend(_metadata(a))
-    return found
-
-
-def _bounds(field) -> str:
-    import annotated_types as at
-
-    parts = []
-    for m in [*field.metadata, *_metadata(field.annotation)]:
-        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            if isinstance(m, getattr(at, attr.capitalize())):
-                parts.append(
-                    f"{op} {getattr(m, attr):,}"
-                    if isinstance(getattr(m, attr), int)
-                    else f"{op} {getattr(m, attr)}"
-                )
-        if isinstance(m, at.MaxLen):
-            parts.append(f"at most {m.max_length:,} items")
-    return ", ".join(parts) or "-"
-
-
-def field_table() -> str:
-    """The sampling fields: name, type, bounds and description, in the order the schema defines them."""
-    from schemas.request import Sampling, _NativeConstraint
-
-    rows = ["| field | type | bounds | what it does |", "|---|---|---|---|"]
-    # Lines spell the one `constraint` field as json_schema, regex or choice (at most one per line).
-    fields = {**Sampling.model_fields, **_NativeConstraint.model_fields}
-    for name, field in fields.items():
-        if field.exclude or name == "constraint":
-            continue
-        description = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `{name}` | {_type_name(field.annotation)} | {_bounds(field)} | {description} |")
-    return "\n".join(rows)
-
-
-def _type_name(annotation) -> str:
-    """`int`, `list of str`, ... for a field's annotation, without Optional and Annotated wrappers."""
-    import types
-    import typing
-
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return _type_name(args[0])
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args if a is not type(None))
-    if origin is list:
-        return f"list of {_type_name(args[0])}" if args else "list"
-    return getattr(annotation, "__name__", str(annotation))
-
-
 def with_field_table(text: str) -> str:
+    from schemas.field_table import field_table
+
     head, rest = text.split(FIELDS_BEGIN, 1)
     _, tail = rest.split(FIELDS_END, 1)
     return f"{head}{FIELDS_BEGIN}\n{field_table()}\n{FIELDS_END}{tail}"

@@ -37,10 +37,12 @@ from producer.options import (
     open_redis,
     queue_option,
     redis_url_option,
+    report_validation,
     sampling_options,
+    strict_option,
     ttl_option,
 )
-from schemas.request import SamplingOverrides
+from schemas.sampling import Sampling
 
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
 PROGRESS_MIN_BYTES = 1 << 20  # the validation bar counts bytes
@@ -87,7 +89,7 @@ def _exit_130_on_interrupt():
 )
 @chunk_size_option
 @ttl_option
-@click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the invalid ones.")
+@strict_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
 @click.option(
     "--retries",
@@ -114,18 +116,20 @@ def submit(
     name,
     chunk_size,
     ttl_seconds,
-    skip_invalid,
+    strict,
     return_token_ids,
     retries,
     job_timeout,
-    defaults: SamplingOverrides,
+    defaults: Sampling,
     chat_template_kwargs,
     as_json,
 ):
     """Validate FILE (JSONL; `-` for stdin) and enqueue it as one batch; prints the batch id.
 
     Each line is {"prompt": ...}, {"messages": [...]} or an OpenAI Batch line (custom_id, method, url, body).
-    Every line is validated first: if any is invalid, each bad line is reported and nothing is enqueued.
+    Every line is validated first. A format error (not JSON, not an object, a missing or duplicate custom_id)
+    refuses the file: each bad line is reported and nothing is enqueued. A request that is invalid otherwise
+    fails alone (status 400, counted failed) and the others run, unless --strict.
     Blank lines are skipped. Sampling flags are batch defaults; values on a line win.
     """
     if job_timeout != settings.NO_JOB_TIMEOUT and job_timeout < 1:
@@ -135,14 +139,9 @@ def submit(
     client = _client(redis_url, queue)
     reopen, size = click.get_current_context().with_resource(reopenable_lines(file))
     validated = _validate_with_progress(client, reopen, size)
-    for error in validated.errors:
-        click.echo(str(error), err=True)
-    if validated.errors and not skip_invalid:
-        if as_json:
-            echo_json({"batch_id": None, "errors": [_error_json(e) for e in validated.errors]})
-        raise click.ClickException(
-            f"{len(validated.errors)} invalid line(s); nothing was enqueued (--skip-invalid enqueues the valid ones)"
-        )
+    if as_json and validated.refusal(strict):
+        echo_json({"batch_id": None, "errors": [_error_json(e) for e in validated.refusal(strict)]})
+    report_validation(validated, strict, "enqueued")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
 
@@ -161,7 +160,7 @@ def submit(
                 name=name,
                 chunk_size=chunk_size,
                 ttl_seconds=ttl_seconds,
-                skip_invalid=skip_invalid,
+                strict=strict,
                 return_token_ids=return_token_ids,
                 retries=retries,
                 job_timeout_seconds=job_timeout,
@@ -185,7 +184,8 @@ def submit(
     elif not as_json:
         click.echo(
             f"submitted {batch.submission.num_requests} requests in {batch.submission.num_chunks} chunks "
-            f"to queue {queue}",
+            f"to queue {queue}"
+            + (f" ({len(batch.submission.invalid)} invalid: failed with status 400)" if batch.submission.invalid else ""),
             err=True,
         )
         click.echo(batch.id)
@@ -196,9 +196,9 @@ def submit(
                 "queue": queue,
                 "num_requests": batch.submission.num_requests if batch else 0,
                 "num_chunks": batch.submission.num_chunks if batch else 0,
-                "num_invalid": len(validated.errors),
+                "num_invalid": len(batch.submission.invalid) if batch else 0,
                 "skipped_custom_ids": skipped,
-                "errors": [_error_json(e) for e in validated.errors],
+                "errors": [_error_json(e) for e in batch.submission.invalid] if batch else [],
             }
         )
 

@@ -38,8 +38,8 @@ from producer.store import (
     submit_batch,
     validate_lines,
 )
-from schemas.errors import RequestLineError
-from schemas.request import SamplingOverrides
+from schemas.errors import InvalidRequest, RequestLineError
+from schemas.sampling import Sampling
 from schemas.status import BatchStatus, WorkerStats
 
 __all__ = [
@@ -63,13 +63,20 @@ OutputFormat = Literal["cbq", "openai"]
 
 
 class InvalidInput(ValueError):
-    """Some lines are invalid, so nothing was enqueued. `errors` names every bad line and field."""
+    """The input has format errors (or, with `strict`, invalid requests), so nothing was enqueued. `errors`
+    names every bad line and field."""
 
     def __init__(self, errors: list[RequestLineError]):
         self.errors = errors
         super().__init__(
             f"{len(errors)} invalid line(s); nothing was enqueued:\n" + "\n".join(map(str, errors))
         )
+
+
+SKIP_INVALID_REMOVED = (
+    "skip_invalid was removed: a line whose request is invalid now fails alone (status 400 in the errors "
+    "output) and the others run; strict=True (--strict) refuses the whole file instead"
+)
 
 
 class NothingToSubmit(RuntimeError):
@@ -87,7 +94,8 @@ class Submission:
     num_requests: int
     num_chunks: int
     skipped_custom_ids: list[str] = field(default_factory=list)  # already submitted under the same name
-    invalid: list[RequestLineError] = field(default_factory=list)  # skipped bad lines (skip_invalid=True)
+    # Requests that failed alone at submit (status 400 results, counted failed); part of num_requests.
+    invalid: list[InvalidRequest] = field(default_factory=list)
 
 
 class Client:
@@ -104,17 +112,22 @@ class Client:
         self.queue = queue or os.environ.get(settings.QUEUE_ENV, settings.DEFAULT_QUEUE)
 
     def validate(
-        self, source: Source | Reopen, on_line: Callable[[str | bytes], None] | None = None
+        self,
+        source: Source | Reopen,
+        on_line: Callable[[str | bytes], None] | None = None,
+        endpoint: str | None = None,
     ) -> ValidatedFile:
         """Parse every line of `source` (nothing is enqueued). Files are read line by line and not kept:
         submitting reads them again, so a file of any size needs memory only for its custom_ids. A callable
-        source opens its lines anew on each call (the same lines each time)."""
+        source opens its lines anew on each call (the same lines each time). `endpoint`: the OpenAI endpoint
+        every OpenAI line's url must name (a batch of the Batch API)."""
         if callable(source):
-            return validate_lines(source(), on_line=on_line, reread=source)
+            return validate_lines(source(), on_line=on_line, reread=source, endpoint=endpoint)
         if isinstance(source, str | os.PathLike):
             path = source
-            return validate_lines(_iter_lines(path), on_line=on_line, reread=lambda: _iter_lines(path))
-        return validate_lines(_iter_lines(source), on_line=on_line)
+            reread = lambda: _iter_lines(path)  # noqa: E731
+            return validate_lines(reread(), on_line=on_line, reread=reread, endpoint=endpoint)
+        return validate_lines(_iter_lines(source), on_line=on_line, endpoint=endpoint)
 
     def submit(
         self,
@@ -123,7 +136,8 @@ class Client:
         name: str | None = None,
         chunk_size: int = settings.DEFAULT_CHUNK_SIZE,
         ttl_seconds: int = settings.DEFAULT_RESULT_TTL_SECONDS,
-        skip_invalid: bool = False,
+        strict: bool = False,
+        skip_invalid: bool | None = None,
         return_token_ids: bool = False,
         retries: int = settings.DEFAULT_RETRIES,
         job_timeout_seconds: int = settings.NO_JOB_TIMEOUT,
@@ -137,16 +151,22 @@ class Client:
         `defaults` are batch-level sampling fields (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
         `stop`, `ignore_eos`, ...); values on a line win. `chat_template_kwargs`: the chat template's extra
         variables for every chat line (`{"enable_thinking": False}` for Qwen3); a line's own win, name by name.
-        Raises `InvalidInput` when a line is invalid (unless
-        `skip_invalid`), `NothingToSubmit` when no request is left to enqueue, `ValueError` for a bad default.
+
+        A line whose request is invalid (a bad or unsupported field) fails alone: its result is OpenAI's status
+        400 error, counted failed, and the other requests run; `strict=True` refuses the whole input instead.
+        Raises `InvalidInput` for format errors (a line that is not a JSON object, a missing or duplicate
+        custom_id, ...: nothing is enqueued), `NothingToSubmit` when no request is left to enqueue, `ValueError`
+        for a bad default.
         """
+        if skip_invalid is not None:
+            raise TypeError(SKIP_INVALID_REMOVED)
         validated = source if isinstance(source, ValidatedFile) else self.validate(source)
-        if validated.errors and not skip_invalid:
-            raise InvalidInput(validated.errors)
+        if validated.refusal(strict):
+            raise InvalidInput(validated.refusal(strict))
         if not validated.requests:
             raise NothingToSubmit("no requests in the input")
         try:
-            sampling = SamplingOverrides(**defaults)
+            sampling = Sampling(**defaults)
         except ValidationError as exc:
             raise ValueError(f"invalid batch default: {exc}") from None
         options = SubmitOptions(
@@ -165,9 +185,9 @@ class Client:
             raise NothingToSubmit(
                 f"every request was already submitted under the name {name!r}", report.skipped_custom_ids
             )
-        submission = Submission(
-            report.num_requests, report.num_chunks, report.skipped_custom_ids, list(validated.errors)
-        )
+        skipped = set(report.skipped_custom_ids)
+        invalid = [e for e in validated.invalid if e.custom_id is None or e.custom_id not in skipped]
+        submission = Submission(report.num_requests, report.num_chunks, report.skipped_custom_ids, invalid)
         return Batch(self, report.batch_id, submission)
 
     def batch(self, batch_id: str) -> Batch:

@@ -16,8 +16,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from producer import settings
-from schemas.request import SamplingOverrides, checked_chat_template_kwargs
+from producer.store.submit import ValidatedFile
+from schemas.chat import checked_chat_template_kwargs
 from schemas.result import OUTPUT_FORMATS
+from schemas.sampling import Sampling
 
 
 def redis_url_option(f: Callable) -> Callable:
@@ -71,17 +73,50 @@ def errors_option(f: Callable) -> Callable:
     )(f)
 
 
+def _skip_invalid_removed(_ctx, _param, value: bool) -> None:
+    if value:
+        raise click.UsageError(
+            "--skip-invalid was removed: a line whose request is invalid now fails alone (status 400, in the "
+            "errors output) and the others run; --strict refuses the whole file instead"
+        )
+
+
+def strict_option(f: Callable) -> Callable:
+    """`--strict` (all or nothing), and the flag it replaced, which now says why it is gone."""
+    f = click.option(
+        "--skip-invalid", is_flag=True, hidden=True, expose_value=False, callback=_skip_invalid_removed
+    )(f)
+    return click.option(
+        "--strict",
+        is_flag=True,
+        help="Refuse the whole file when any request is invalid. Without it, an invalid request fails alone "
+        "(status 400 in the errors output, counted failed) and the others run; format errors (not JSON, a "
+        "missing or duplicate custom_id, ...) always refuse the file.",
+    )(f)
+
+
+def report_validation(validated: ValidatedFile, strict: bool, what: str) -> None:
+    """Print every bad line to stderr; raise a ClickException if the file is refused (`what`: 'enqueued')."""
+    refused = validated.refusal(strict)
+    for error in refused:
+        click.echo(str(error), err=True)
+    if refused:
+        raise click.ClickException(f"{len(refused)} invalid line(s); nothing was {what}")
+    for invalid in validated.invalid:
+        click.echo(f"{invalid} (this request fails with status 400; the others run)", err=True)
+
+
 def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(f)
 
 
-def sampling_options(f: Callable, *, overrides: type[SamplingOverrides] = SamplingOverrides) -> Callable:
+def sampling_options(f: Callable, *, overrides: type[Sampling] = Sampling) -> Callable:
     """One flag per sampling field, as batch defaults (values on a line win). Adds a `defaults` kwarg.
 
-    The flags are derived from `overrides` (by default from `schemas.request.Sampling`): `--top-k` for `top_k`,
+    The flags are derived from `overrides` (by default from `schemas.sampling.Sampling`): `--top-k` for `top_k`,
     the field's description as help, numeric bounds as click ranges, a repeatable flag for a list field and a
     `--x/--no-x` pair for a bool. pydantic then checks every bound again and gives the error of the flag.
-    A structured field (an output constraint) has no flag: lines set it.
+    A structured field (an output constraint, logit_bias) has no flag: lines set it.
     """
     names = [name for name, info in overrides.model_fields.items() if not _is_structured(info)]
 
@@ -103,6 +138,8 @@ def sampling_options(f: Callable, *, overrides: type[SamplingOverrides] = Sampli
 
 def _is_structured(info: FieldInfo) -> bool:
     annotation, _ = _unwrap(info.annotation, info.metadata)
+    if typing.get_origin(annotation) is dict:  # a mapping (logit_bias) has no flag: lines give it
+        return True
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 

@@ -1,6 +1,6 @@
 """Output constraints as llguidance grammars: the one mapping from a constraint (kind + spec) to its grammar.
 
-Owns nothing stateful. Plain Python (no pydantic, no torch), so both sides use it: `schemas.request` checks at
+Owns nothing stateful. Plain Python (no pydantic, no torch), so both sides use it: `schemas.sampling` checks at
 submit time that a line's schema, regex or choice list compiles (llguidance validates a grammar without a
 tokenizer), and the engine's `worker.engine.grammar` compiles the same grammar text against its tokenizer.
 

@@ -6,16 +6,26 @@ Owns the output contract. The worker stores one `ResultLine` JSON per request in
 from __future__ import annotations
 
 import codecs
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.request import CHAT_COMPLETIONS_URL, Request
+from schemas.errors import InvalidRequest
+from schemas.lines import Request
+from schemas.openai_body import CHAT_COMPLETIONS_URL
 
 FinishReason = Literal["stop", "length", "error", "cancelled"]
-# Why a request was refused before it ran (the engine's `ErrorCode` values): an invalid request, which the
-# OpenAI output reports as an HTTP 400 response, as OpenAI does.
-ErrorCode = Literal["context_length_exceeded", "invalid_prompt"]
+# Why a request was refused before it ran: an invalid request, which the OpenAI output reports as an HTTP 400
+# response, as OpenAI does. The engine's `ErrorCode` values, and those of a line refused at submit
+# (`schemas.errors.InvalidRequest`: the codes `issues_from_validation_error` gives).
+ErrorCode = Literal[
+    "context_length_exceeded",
+    "invalid_prompt",
+    "invalid_value",
+    "unknown_parameter",
+    "missing_required_parameter",
+    "unsupported_parameter",
+]
 Outcome = Literal["completed", "failed", "cancelled"]  # what a batch counts: `num_{outcome}` fields
 OUTPUT_FORMATS = ("cbq", "openai")  # `cbq results --format`: ResultLine, or OpenAI Batch output lines
 
@@ -78,6 +88,7 @@ class ResultLine(_Model):
     usage: Usage = Usage()
     error: str | None = None  # set exactly when finish_reason is "error"
     error_code: ErrorCode | None = None  # only for errors: the request was invalid (not a failure)
+    error_param: str | None = None  # with an error_code: the body field at fault, as OpenAI's `param`
     logprobs: list[TokenLogprob] | None = None  # when asked: one per token of the text (not a final EOS)
     # Only for a request with n > 1 that did not fail: every sample in index order. `text`, `token_ids`,
     # `finish_reason` and `logprobs` above are sample 0's, so n = 1 readers keep working.
@@ -89,7 +100,21 @@ class ResultLine(_Model):
             raise ValueError("error is set exactly when finish_reason is 'error'")
         if self.error_code is not None and self.error is None:
             raise ValueError("error_code is set only with an error")
+        if self.error_param is not None and self.error_code is None:
+            raise ValueError("error_param is set only with an error_code")
         return self
+
+    @classmethod
+    def of_invalid_request(cls, index: int, error: InvalidRequest) -> ResultLine:
+        """The result of a request refused at submit: it failed alone, as OpenAI's 400 for that line."""
+        return cls(
+            custom_id=error.custom_id,
+            index=index,
+            finish_reason="error",
+            error=f"line {error.line_no}: {error.reason}",
+            error_code=cast(ErrorCode, error.code),
+            error_param=error.param,
+        )
 
     @property
     def is_failure(self) -> bool:
@@ -154,7 +179,12 @@ def to_openai_output(
     custom_id = result.custom_id or f"request-{result.index}"
     line_id = f"batch_req_{request_id}"
     if result.error_code is not None:  # an invalid request: OpenAI answers it with a 400 and an error object
-        error = {"message": result.error, "type": "invalid_request_error", "param": None, "code": result.error_code}
+        error = {
+            "message": result.error,
+            "type": "invalid_request_error",
+            "param": result.error_param,
+            "code": result.error_code,
+        }
         response = OpenAIResponse(status_code=400, request_id=request_id, body={"error": error})
         return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
     if result.finish_reason in ("error", "cancelled"):

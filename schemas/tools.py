@@ -13,18 +13,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from schemas.constraint import compile_error
-
-MAX_TOOLS = 128  # OpenAI's bound
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+from schemas.strict import StrictModel
 
 
-class FunctionSpec(_Strict):
+class FunctionSpec(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: any JSON object
@@ -42,16 +37,16 @@ class FunctionSpec(_Strict):
         return self.parameters if self.parameters is not None else {"type": "object"}
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class _FunctionName(_Strict):
+class _FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: _FunctionName
 
@@ -59,7 +54,7 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ForcedToolCall(_Strict):
+class ForcedToolCall(StrictModel):
     """The stored request's call: which function (its arguments schema is already the request's constraint),
     and how OpenAI reports it (`finish_reason` "stop" for a named choice, "tool_calls" for "required")."""
 

@@ -9,7 +9,9 @@ only; a chunk whose batch is gone raises `BatchGone`, which fails that one job.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import redis
@@ -18,8 +20,10 @@ from pydantic import ValidationError
 from schemas import keys
 from schemas.chunk import ChunkPayload
 from schemas.keys import BatchField
-from schemas.request import OutputConstraint, Request, Sampling
+from schemas.lines import Request
+from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
 from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
+from schemas.sampling import NEUTRAL_VALUES, OutputConstraint, Sampling
 from worker.engine.api import (
     Constraint,
     ConstraintKind,
@@ -29,6 +33,9 @@ from worker.engine.api import (
     TokenizerProtocol,
 )
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
+
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+_UNSET = object()
 
 
 class BatchGone(LookupError):
@@ -47,11 +54,16 @@ class ChunkWork:
 
 
 def load_chunk(
-    conn: redis.Redis, payload: ChunkPayload, tokenizer: TokenizerProtocol, job_id: str | None = None
+    conn: redis.Redis,
+    payload: ChunkPayload,
+    tokenizer: TokenizerProtocol,
+    job_id: str | None = None,
+    model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
-    payload fails its job before anything is read or allocated for its range."""
+    payload fails its job before anything is read or allocated for its range. `model_defaults`: the
+    engine's `sampling_defaults` (what the checkpoint's generation_config sets)."""
     meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
     with conn.pipeline(transaction=False) as pipe:
         pipe.hmget(keys.batch(payload.batch_id), meta_fields)
@@ -86,11 +98,13 @@ def load_chunk(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
             )
         else:
-            _expand_one(work, index, raw_request, tokenizer)
+            _expand_one(work, index, raw_request, tokenizer, model_defaults)
     return work
 
 
-def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: TokenizerProtocol) -> None:
+def _expand_one(
+    work: ChunkWork, index: int, raw_request: bytes, tokenizer: TokenizerProtocol, model_defaults: Mapping[str, Any]
+) -> None:
     try:
         request = Request.model_validate_json(raw_request)
     except ValidationError as exc:
@@ -102,32 +116,83 @@ def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Toke
         )
         return
     try:
-        engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at)
+        engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at, model_defaults)
+    except UnsupportedField as exc:
+        work.finished_now.append(
+            ResultLine(
+                custom_id=request.custom_id,
+                index=index,
+                finish_reason="error",
+                error=str(exc),
+                error_code="unsupported_parameter",
+                error_param=exc.field,
+            )
+        )
+        return
     except Exception as exc:  # a tokenizer failure fails this request, not the chunk
         work.finished_now.append(_error(index, request.custom_id, f"tokenization failed: {exc!r}"))
         return
     work.to_run.append((request, engine_request))
 
 
-def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: str, arrival_time: float) -> EngineRequest:
+class UnsupportedField(ValueError):
+    """A request asks for a field this worker's engine cannot honour yet: it fails, never runs without it."""
+
+    def __init__(self, field: str, value: Any):
+        self.field = field
+        super().__init__(f"{field}={value!r} is not supported by this worker's engine yet")
+
+
+# Fields admission applies itself, whatever the engine knows.
+_ADMISSION_FIELDS = frozenset({"truncate_prompt_tokens"})
+
+
+def to_engine_request(
+    request: Request,
+    tokenizer: TokenizerProtocol,
+    batch_id: str,
+    arrival_time: float,
+    model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+) -> EngineRequest:
     if request.is_chat:
         messages = [m.for_template() for m in request.messages]
         prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools)
     else:
         prompt_ids = tokenizer.encode(request.prompt)
+    if request.sampling.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last k tokens
+        prompt_ids = prompt_ids[-request.sampling.truncate_prompt_tokens :]
     return EngineRequest(
         request_id=keys.engine_request_id(batch_id, request.index),
         prompt_ids=list(prompt_ids),
-        sampling=to_sampling_params(request.sampling),
+        sampling=to_sampling_params(with_line_defaults(request, model_defaults)),
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
     )
 
 
+def with_line_defaults(request: Request, model_defaults: Mapping[str, Any]) -> Sampling:
+    """The request's sampling with its shape's defaults for what neither it nor the model sets: an OpenAI body
+    gets OpenAI's (temperature 1, as vLLM); cbq's own lines leave the engine's (greedy)."""
+    if request.shape != "openai":
+        return request.sampling
+    missing = {
+        name: value
+        for name, value in OPENAI_SAMPLING_DEFAULTS.items()
+        if getattr(request.sampling, name) is None and name not in model_defaults
+    }
+    return request.sampling.model_copy(update=missing) if missing else request.sampling
+
+
 def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
     """The engine's SamplingParams, field by field under the same names (lists become tuples, the output
-    constraint the engine's `Constraint`)."""
-    return params_type(**{name: _engine_value(v) for name, v in sampling})
+    constraint the engine's `Constraint`); a field not given keeps the engine's default. A field the engine
+    does not know yet raises `UnsupportedField`, unless it is at the value that asks for nothing."""
+    known = {f.name for f in dataclasses.fields(params_type)}
+    given = sampling.given()
+    for name, value in given.items():
+        if name not in known and name not in _ADMISSION_FIELDS and value != NEUTRAL_VALUES.get(name, _UNSET):
+            raise UnsupportedField(name, value)
+    return params_type(**{name: _engine_value(v) for name, v in given.items() if name in known})
 
 
 def _engine_value(value: Any) -> Any:

@@ -22,7 +22,9 @@ from producer.options import (
     open_redis,
     queue_option,
     redis_url_option,
+    report_validation,
     sampling_options,
+    strict_option,
 )
 from producer.settings import DEFAULT_RESULT_TTL_SECONDS, in_process_redis
 from producer.store import queue_results
@@ -245,6 +247,7 @@ def worker(
     show_default=True,
     help="Seconds between progress lines when stderr is not a terminal (on one, the line is redrawn).",
 )
+@strict_option
 @sampling_options
 @chat_template_kwargs_option
 @click.option("--fake-latency", type=click.FloatRange(min=0), default=0.0, hidden=True)
@@ -265,6 +268,7 @@ def run(
     return_token_ids,
     log_level,
     progress_interval,
+    strict,
     defaults,
     chat_template_kwargs,
     fake_latency,
@@ -279,10 +283,7 @@ def run(
     client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
     reopen, _ = click.get_current_context().with_resource(reopenable_lines(file))
     validated = client.validate(reopen)
-    for error in validated.errors:
-        click.echo(str(error), err=True)
-    if validated.errors:
-        raise click.ClickException(f"{len(validated.errors)} invalid line(s); nothing was run")
+    report_validation(validated, strict, "run")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
     served_name = "fake" if fake_engine else model
@@ -311,6 +312,7 @@ def run(
             chunk_size=chunk_size,
             return_token_ids=return_token_ids,
             retries=0,
+            strict=strict,
             chat_template_kwargs=chat_template_kwargs,
             **defaults.given(),
         )

@@ -49,6 +49,7 @@ class FakeEngine:
         raise_on_prompt_substring: str | None = None,
     ):
         self.tokenizer = ByteTokenizer(add_bos=False)
+        self.sampling_defaults: dict[str, Any] = {}  # no checkpoint, no generation_config
         self.max_model_len = max_model_len
         self.max_num_running = max_num_running
         self.latency_seconds = latency_seconds

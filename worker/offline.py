@@ -139,8 +139,9 @@ def _requests(items: list[Input], defaults: SamplingOverrides, chat_template_kwa
     """Validate every input as a request line (all errors at once) and resolve it as `cbq submit` would."""
     lines = [_as_line(item, i) for i, item in enumerate(items)]
     validated = validate_lines(json.dumps(line) for line, _ in lines)
-    if validated.errors:
-        raise InvalidRequests(validated.errors)
+    # As vLLM's LLM.generate: an invalid input raises before anything runs (a queue fails it alone instead).
+    if refused := validated.refusal(strict=True):
+        raise InvalidRequests(refused)
     out = []
     for index, (parsed, (_, is_body)) in enumerate(zip(validated.requests, lines, strict=True)):
         if is_body:  # the custom_id was only the envelope's

@@ -383,7 +383,9 @@ class CbqWorker(BaseWorker):
                 if func_name != CHUNK_FUNC:
                     raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
                 payload = ChunkPayload.model_validate(kwargs)
-                work = load_chunk(self.connection, payload, self.engine.tokenizer, job_id=job.id)
+                work = load_chunk(
+                    self.connection, payload, self.engine.tokenizer, job.id, self.engine.sampling_defaults
+                )
             except REDIS_ERRORS:
                 raise
             except Exception:

@@ -62,12 +62,10 @@ class BatchService:
 
     def _validate_and_submit(self, api_batch_id: str) -> None:
         record = self.records.get(api_batch_id)
-        validated = self.client.validate(lambda: self.files.iter_lines(record.input_file_id))
-        errors = [_error_entry(e) for e in validated.errors]
-        for parsed in validated.requests:
-            if parsed.url is not None and parsed.url != record.endpoint:
-                message = f"the line's url {parsed.url} differs from the batch's endpoint {record.endpoint}"
-                errors.append(_entry("mismatched_endpoint", message, "url", parsed.line_no))
+        validated = self.client.validate(
+            lambda: self.files.iter_lines(record.input_file_id), endpoint=record.endpoint
+        )
+        errors = [_error_entry(e) for e in validated.errors]  # format errors; invalid requests fail alone
         if not errors and not validated.requests:
             errors.append(_entry("empty_file", "the input file has no requests", None, None))
         now = int(time.time())
@@ -177,7 +175,9 @@ class BatchService:
 
 def _error_entry(error: RequestLineError) -> dict:
     issue = error.issues[0]
-    if issue.message.startswith("invalid JSON"):
+    if issue.code == "mismatched_endpoint":
+        code = issue.code
+    elif issue.message.startswith("invalid JSON"):
         code = "invalid_json_line"
     elif issue.message.startswith("duplicate custom_id"):
         code = "duplicate_custom_id"

@@ -23,16 +23,13 @@ from rq.serializers import JSONSerializer
 
 from producer import settings
 from schemas import keys
+from schemas.chat import checked_chat_template_kwargs
 from schemas.chunk import CHUNK_FUNC
-from schemas.errors import FieldIssue, RequestLineError
+from schemas.errors import FieldIssue, InvalidRequest, RequestLineError
 from schemas.keys import BatchField
-from schemas.request import (
-    ParsedRequest,
-    Request,
-    SamplingOverrides,
-    checked_chat_template_kwargs,
-    parse_request_line,
-)
+from schemas.lines import ParsedRequest, Request, parse_request_line
+from schemas.result import ResultLine
+from schemas.sampling import Sampling
 
 STAGING_SLICE = 2000  # requests per staging pipeline: bounded client memory, few round trips
 # Staged requests expire after this unless the commit comes (it sets the batch's TTL on every key), so even
@@ -41,11 +38,15 @@ STAGING_TTL_SECONDS = 3600
 FORGET_EXPIRED_LIMIT = 100  # oldest `cbq:batches` entries each submit checks for expiry
 
 
+Entry = ParsedRequest | InvalidRequest  # a request of the batch: valid, or one that fails alone (status 400)
+
+
 class ValidRequests:
-    """The valid requests of a validated source, in line order: `len()` and iteration.
+    """The requests of a validated source, in line order: `len()` and iteration. Each is a `ParsedRequest`, or
+    an `InvalidRequest` for a well-formed line whose request is invalid: it is stored as failed, not run.
 
     A source that can be read again (a file: `reread` opens it anew) keeps only each request's custom_id,
-    and iterating parses its valid lines again. So a 200 MB OpenAI batch file is never held as a million
+    and iterating parses its lines again. So a 200 MB OpenAI batch file is never held as a million
     objects: submitting it needs memory for its custom_ids, not for its requests. Other sources (lines
     handed over in memory) keep the parsed requests.
     """
@@ -53,42 +54,50 @@ class ValidRequests:
     def __init__(
         self,
         custom_ids: list[str | None],
-        kept: list[ParsedRequest] | None = None,
+        kept: list[Entry] | None = None,
         reread: Callable[[], Iterable[str | bytes]] | None = None,
         skip_lines: frozenset[int] = frozenset(),
         checksum: int = 0,
+        invalid: list[InvalidRequest] | None = None,
     ):
         assert (kept is None) != (reread is None), "either the requests or a way to read them again"
         assert kept is None or len(kept) == len(custom_ids)
         self.custom_ids = custom_ids  # one per request (None: the line has none)
+        self.invalid = invalid or []  # the requests that fail alone, in line order
         self._kept = kept
         self._reread = reread
-        self._skip_lines = skip_lines  # invalid lines and duplicate custom_ids
+        self._skip_lines = skip_lines  # lines with format errors, and duplicate custom_ids
         self._checksum = checksum  # of every line read at validation (`_line_crc`), to notice any edit
 
     def __len__(self) -> int:
         return len(self.custom_ids)
 
-    def __iter__(self) -> Iterator[ParsedRequest]:
+    def __iter__(self) -> Iterator[Entry]:
         if self._kept is not None:
             yield from self._kept
             return
         assert self._reread is not None
+        invalid_lines = {error.line_no for error in self.invalid}
         count = crc = 0
         for line_no, text in enumerate(self._reread(), start=1):
             crc = _line_crc(text, crc)
             if line_no in self._skip_lines:
                 continue
+            entry: Entry | None
             try:
-                parsed = parse_request_line(text, line_no)
+                entry = parse_request_line(text, line_no)
+            except InvalidRequest as exc:
+                entry = exc if line_no in invalid_lines else None
+                if entry is None:
+                    raise SourceChanged(f"the input changed after it was validated ({exc})") from None
             except RequestLineError as exc:
                 raise SourceChanged(f"the input changed after it was validated ({exc})") from None
-            if parsed is None:
+            if entry is None:
                 continue
-            if count >= len(self.custom_ids) or parsed.custom_id != self.custom_ids[count]:
+            if count >= len(self.custom_ids) or entry.custom_id != self.custom_ids[count]:
                 raise SourceChanged(f"the input changed after it was validated (line {line_no})")
             count += 1
-            yield parsed
+            yield entry
         if count != len(self.custom_ids):
             raise SourceChanged(f"the input changed after it was validated ({count} of {len(self)} requests left)")
         if crc != self._checksum:  # the same requests by custom_id, but some text changed
@@ -105,22 +114,36 @@ class SourceChanged(RuntimeError):
 
 @dataclass
 class ValidatedFile:
-    requests: ValidRequests
-    errors: list[RequestLineError] = field(default_factory=list)
+    requests: ValidRequests  # every request, those that fail alone included (`requests.invalid`)
+    errors: list[RequestLineError] = field(default_factory=list)  # format errors: the file is refused
     num_blank_lines: int = 0
+
+    @property
+    def invalid(self) -> list[InvalidRequest]:
+        """The requests that fail alone (each gets a status 400 result; `strict` refuses the file for them)."""
+        return self.requests.invalid
+
+    def refusal(self, strict: bool) -> list[RequestLineError]:
+        """Why the file is refused, line by line: its format errors, and with `strict` its invalid requests."""
+        if not strict:
+            return self.errors
+        return sorted([*self.errors, *self.invalid], key=lambda e: e.line_no)
 
 
 def validate_lines(
     lines: Iterable[str | bytes],
     on_line: Callable[[str | bytes], None] | None = None,
     reread: Callable[[], Iterable[str | bytes]] | None = None,
+    endpoint: str | None = None,
 ) -> ValidatedFile:
     """Parse every line (1-based line numbers) and flag duplicate custom_ids, naming both lines.
 
     With `reread` (opens the same lines again), the parsed requests are not kept: `requests` parses them
-    again when iterated. `on_line` sees each raw line (progress by bytes or by lines)."""
+    again when iterated. `on_line` sees each raw line (progress by bytes or by lines). `endpoint`: the batch's
+    OpenAI endpoint, which every OpenAI line's url must be (a format error otherwise, as OpenAI's)."""
     errors: list[RequestLineError] = []
-    kept: list[ParsedRequest] | None = [] if reread is None else None
+    invalid: list[InvalidRequest] = []
+    kept: list[Entry] | None = [] if reread is None else None
     custom_ids: list[str | None] = []
     num_blank = crc = 0
     first_line_of: dict[str, int] = {}
@@ -129,27 +152,34 @@ def validate_lines(
             on_line(text)
         if reread is not None:
             crc = _line_crc(text, crc)
+        entry: Entry | None
         try:
-            parsed = parse_request_line(text, line_no)
+            entry = parse_request_line(text, line_no)
+        except InvalidRequest as exc:
+            entry = exc
         except RequestLineError as exc:
             errors.append(exc)
             continue
-        if parsed is None:
+        if entry is None:
             num_blank += 1
             continue
-        if parsed.custom_id is not None:
-            first = first_line_of.setdefault(parsed.custom_id, line_no)
+        if endpoint is not None and entry.url is not None and entry.url != endpoint:
+            message = f"the line's url {entry.url} differs from the batch's endpoint {endpoint}"
+            errors.append(RequestLineError(line_no, [FieldIssue("url", message, "mismatched_endpoint")]))
+            continue
+        if entry.custom_id is not None:
+            first = first_line_of.setdefault(entry.custom_id, line_no)
             if first != line_no:
-                issue = FieldIssue(
-                    "custom_id", f"duplicate custom_id {parsed.custom_id!r} (first on line {first})"
-                )
+                issue = FieldIssue("custom_id", f"duplicate custom_id {entry.custom_id!r} (first on line {first})")
                 errors.append(RequestLineError(line_no, [issue]))
                 continue
-        custom_ids.append(parsed.custom_id)
+        if isinstance(entry, InvalidRequest):
+            invalid.append(entry)
+        custom_ids.append(entry.custom_id)
         if kept is not None:
-            kept.append(parsed)
+            kept.append(entry)
     skip = frozenset(e.line_no for e in errors if e.line_no is not None)
-    requests = ValidRequests(custom_ids, kept=kept, reread=reread, skip_lines=skip, checksum=crc)
+    requests = ValidRequests(custom_ids, kept=kept, reread=reread, skip_lines=skip, checksum=crc, invalid=invalid)
     return ValidatedFile(requests, errors, num_blank)
 
 
@@ -159,7 +189,7 @@ class SubmitOptions:
     name: str | None = None  # resubmissions with the same name skip custom_ids already submitted
     chunk_size: int = settings.DEFAULT_CHUNK_SIZE
     ttl_seconds: int = settings.DEFAULT_RESULT_TTL_SECONDS
-    defaults: SamplingOverrides = field(default_factory=SamplingOverrides)
+    defaults: Sampling = field(default_factory=Sampling)
     # The chat template's extra variables for every chat of the batch (a line's own win, name by name).
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False
@@ -191,6 +221,7 @@ class SubmitReport:
     num_requests: int
     num_chunks: int
     skipped_custom_ids: list[str]  # already submitted under --name
+    num_invalid: int = 0  # of num_requests: failed alone at submit (status 400)
 
 
 class SubmitConflict(RuntimeError):
@@ -219,7 +250,8 @@ def submit_batch(
     """Store and enqueue `parsed` as one batch. The caller validated the lines (see `validate_lines`).
 
     The requests stream through: each staging slice is resolved, written and dropped, so memory holds
-    one slice (plus the custom_ids), however large the batch."""
+    one slice (plus the custom_ids), however large the batch. A request that fails alone (`InvalidRequest`)
+    is staged as its result (status 400) and counted failed from the start: workers skip what has a result."""
     skipped = _already_submitted(conn, options.name, parsed.custom_ids)
     remaining_ids = [cid for cid in parsed.custom_ids if cid is None or cid not in skipped]
     num_requests = len(remaining_ids)
@@ -228,23 +260,25 @@ def submit_batch(
 
     batch_id = uuid.uuid4().hex[:16]
     remaining = (p for p in parsed if p.custom_id is None or p.custom_id not in skipped)
-    requests = (
-        p.resolve(i, options.defaults, options.return_token_ids, options.chat_template_kwargs)
+    entries = (
+        ResultLine.of_invalid_request(i, p)
+        if isinstance(p, InvalidRequest)
+        else p.resolve(i, options.defaults, options.return_token_ids, options.chat_template_kwargs)
         for i, p in enumerate(remaining)
     )
     custom_ids = {cid: batch_id for cid in remaining_ids if cid is not None}
     try:
         ttl = min(options.ttl_seconds, STAGING_TTL_SECONDS)
-        staged = _stage_requests(conn, batch_id, requests, ttl, on_progress)
+        staged, num_invalid = _stage_requests(conn, batch_id, entries, ttl, on_progress)
         assert staged == num_requests, f"staged {staged} requests, expected {num_requests}"
-        num_chunks = _commit(conn, batch_id, num_requests, custom_ids, options)
+        num_chunks = _commit(conn, batch_id, num_requests, custom_ids, options, num_invalid)
     except BaseException as exc:  # Ctrl-C included: leave nothing behind
         committed = _discard_staged(conn, batch_id)
         if isinstance(exc, KeyboardInterrupt):
             raise SubmitInterrupted(batch_id if committed else None) from None
         raise
     forget_expired_batches(conn)
-    return SubmitReport(batch_id, num_requests, num_chunks, sorted(skipped))
+    return SubmitReport(batch_id, num_requests, num_chunks, sorted(skipped), num_invalid)
 
 
 def forget_expired_batches(conn: redis.Redis, limit: int = FORGET_EXPIRED_LIMIT) -> int:
@@ -268,7 +302,7 @@ def _discard_staged(conn: redis.Redis, batch_id: str) -> bool:
     try:
         if conn.exists(keys.batch(batch_id)):
             return True
-        conn.delete(keys.batch_requests(batch_id))
+        conn.delete(keys.batch_requests(batch_id), keys.batch_results(batch_id))
     except (redis.RedisError, KeyboardInterrupt):
         pass
     return False
@@ -284,22 +318,30 @@ def _already_submitted(conn: redis.Redis, name: str | None, custom_ids: list[str
     return {cid for cid, batch_id in zip(given, found, strict=True) if batch_id is not None}
 
 
-def _stage_requests(conn, batch_id, requests: Iterable[Request], ttl_seconds: int, on_progress) -> int:
-    key = keys.batch_requests(batch_id)
-    staged = 0
-    for piece in _slices(requests, STAGING_SLICE):
+def _stage_requests(
+    conn, batch_id, entries: Iterable[Request | ResultLine], ttl_seconds: int, on_progress
+) -> tuple[int, int]:
+    """Write the requests, and the results of those that failed at submit; returns (staged, failed)."""
+    requests_key, results_key = keys.batch_requests(batch_id), keys.batch_results(batch_id)
+    staged = num_invalid = 0
+    for piece in _slices(entries, STAGING_SLICE):
+        requests = {r.index: r.model_dump_json(exclude_defaults=True) for r in piece if isinstance(r, Request)}
+        results = {r.index: r.model_dump_json(exclude_none=True) for r in piece if isinstance(r, ResultLine)}
         with conn.pipeline(transaction=False) as pipe:
-            pipe.hset(key, mapping={r.index: r.model_dump_json(exclude_defaults=True) for r in piece})
-            pipe.expire(key, ttl_seconds)
+            for key, mapping in ((requests_key, requests), (results_key, results)):
+                if mapping:
+                    pipe.hset(key, mapping=mapping)
+                    pipe.expire(key, ttl_seconds)
             pipe.execute()
         staged += len(piece)
+        num_invalid += len(results)
         if on_progress is not None:
             on_progress(len(piece))
-    return staged
+    return staged, num_invalid
 
 
-def _slices(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
-    piece: list[Request] = []
+def _slices(items: Iterable[Request | ResultLine], size: int) -> Iterator[list[Request | ResultLine]]:
+    piece: list[Request | ResultLine] = []
     for item in items:
         piece.append(item)
         if len(piece) == size:
@@ -310,7 +352,12 @@ def _slices(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
 
 
 def _commit(
-    conn: redis.Redis, batch_id: str, num_requests: int, custom_ids: dict[str, str], options: SubmitOptions
+    conn: redis.Redis,
+    batch_id: str,
+    num_requests: int,
+    custom_ids: dict[str, str],
+    options: SubmitOptions,
+    num_invalid: int = 0,
 ) -> int:
     queue = Queue(options.queue, connection=conn, serializer=JSONSerializer)
     ranges = [(s, min(s + options.chunk_size, num_requests)) for s in range(0, num_requests, options.chunk_size)]
@@ -331,7 +378,8 @@ def _commit(
                     f"{len(clash)} custom_ids were just submitted under --name {options.name!r}"
                 )
             pipe.multi()
-        pipe.hset(keys.batch(batch_id), mapping=_batch_fields(batch_id, num_requests, len(ranges), options))
+        fields = _batch_fields(batch_id, num_requests, len(ranges), options, num_invalid)
+        pipe.hset(keys.batch(batch_id), mapping=fields)
         job_ids = [keys.chunk_job_id(batch_id, k) for k in range(len(ranges))]
         pipe.hset(
             keys.batch_jobs(batch_id),
@@ -367,7 +415,9 @@ def _commit(
     return len(ranges)
 
 
-def _batch_fields(batch_id: str, num_requests: int, num_chunks: int, options: SubmitOptions) -> dict:
+def _batch_fields(
+    batch_id: str, num_requests: int, num_chunks: int, options: SubmitOptions, num_invalid: int
+) -> dict:
     fields = {
         BatchField.QUEUE.value: options.queue,
         BatchField.CREATED_AT.value: repr(time.time()),
@@ -375,7 +425,7 @@ def _batch_fields(batch_id: str, num_requests: int, num_chunks: int, options: Su
         BatchField.NUM_CHUNKS.value: num_chunks,
         BatchField.TTL_SECONDS.value: options.ttl_seconds,
         BatchField.NUM_COMPLETED.value: 0,
-        BatchField.NUM_FAILED.value: 0,
+        BatchField.NUM_FAILED.value: num_invalid,  # the requests that failed at submit
         BatchField.NUM_CANCELLED.value: 0,
     }
     if options.name:

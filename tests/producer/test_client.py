@@ -58,11 +58,18 @@ def test_submit_a_path_and_json_strings(client, tmp_path):
 
 
 def test_invalid_input_and_nothing_to_submit(client):
+    mixed = [{"prompt": "ok"}, {"prompt": "x", "temperature": -1}]
     with pytest.raises(InvalidInput) as info:
-        client.submit([{"prompt": "ok"}, {"prompt": "x", "temperature": -1}])
+        client.submit(mixed, strict=True)
     assert [e.line_no for e in info.value.errors] == [2]
-    skipped = client.submit([{"prompt": "ok"}, {"prompt": "x", "temperature": -1}], skip_invalid=True)
-    assert skipped.submission.num_requests == 1 and [e.line_no for e in skipped.submission.invalid] == [2]
+    with pytest.raises(InvalidInput) as info:  # a format error refuses the input whatever `strict` says
+        client.submit([{"prompt": "ok"}, "not json"])
+    assert [e.line_no for e in info.value.errors] == [2]
+    batch = client.submit(mixed)  # the invalid request fails alone, counted failed from the start
+    assert batch.submission.num_requests == 2 and [e.line_no for e in batch.submission.invalid] == [2]
+    assert (batch.status().num_failed, batch.status().num_total) == (1, 2)
+    with pytest.raises(TypeError, match="skip_invalid was removed"):
+        client.submit(mixed, skip_invalid=True)
     with pytest.raises(NothingToSubmit):
         client.submit([])
     client.submit([{"custom_id": "a", "prompt": "x"}], name="nightly")

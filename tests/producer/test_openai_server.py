@@ -179,7 +179,7 @@ def scrape(stack) -> dict[str, float]:
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
 def test_upload_create_poll_download_matches_cbq_run(stack, client, tmp_path, endpoint):
     # with OpenAI's penalties, as batch files written for OpenAI often carry them
-    lines = openai_lines(6, endpoint, frequency_penalty=0.5, presence_penalty=-0.25)
+    lines = openai_lines(6, endpoint, frequency_penalty=0.5, presence_penalty=-0.25, seed=1234)  # sampled: T=1
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     uploaded = client.files.create(file=path.open("rb"), purpose="batch")
     assert uploaded.bytes == path.stat().st_size and uploaded.purpose == "batch"
@@ -239,8 +239,7 @@ def test_an_invalid_file_fails_the_batch_with_openai_shaped_errors(stack, client
     batch, _ = wait_for_batch(client, created.id)
     assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
     errors = [(e.line, e.param, e.code) for e in batch.errors.data]
-    assert errors == [
-        (2, "body.temperature", "invalid_request"),
+    assert errors == [  # line 2's bad temperature is not a format error: it would fail alone
         (3, None, "invalid_json_line"),
         (5, "url", "mismatched_endpoint"),
     ]
@@ -254,6 +253,30 @@ def test_an_invalid_file_fails_the_batch_with_openai_shaped_errors(stack, client
         client.batches.create(
             input_file_id="file-missing", endpoint="/v1/completions", completion_window="24h"
         )
+
+
+def test_an_invalid_request_fails_alone_and_the_others_run(stack, client, tmp_path):
+    lines = openai_lines(4)
+    lines[1]["body"]["temperature"] = -1
+    lines[2]["body"]["logit_bias"] = {"50256": -100}  # OpenAI's token ids: unsupported, that line alone
+    uploaded = client.files.create(file=write_jsonl(tmp_path / "mixed.jsonl", lines).open("rb"), purpose="batch")
+    created = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch, _ = wait_for_batch(client, created.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 2, 2)
+    served = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [line["custom_id"] for line in served] == ["r0", "r3"]
+    failed = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [line["custom_id"] for line in failed] == ["r1", "r2"]
+    assert all(line["response"]["status_code"] == 400 for line in failed)
+    errors = [line["response"]["body"]["error"] for line in failed]
+    assert [(e["type"], e["param"], e["code"]) for e in errors] == [
+        ("invalid_request_error", "temperature", "invalid_value"),
+        ("invalid_request_error", "logit_bias", "unsupported_parameter"),
+    ]
+    assert "greater than or equal to 0" in errors[0]["message"]
 
 
 def test_list_batches_pages_with_after_and_limit(client):

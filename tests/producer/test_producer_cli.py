@@ -58,25 +58,35 @@ def test_invalid_file_enqueues_nothing_and_reports_every_bad_line(cbq, conn, tmp
     )
     result = cbq("submit", path)
     assert result.exit_code == 1
-    assert "line 2: temperature: Input should be greater than or equal to 0" in result.stderr
     assert "line 3: invalid JSON" in result.stderr
-    assert "line 4: body.n: Input should be less than or equal to 128" in result.stderr
     assert "line 6: custom_id: duplicate custom_id 'd' (first on line 5)" in result.stderr
-    assert "4 invalid line(s); nothing was enqueued" in result.stderr
+    assert "2 invalid line(s); nothing was enqueued" in result.stderr
     assert queue_count(conn) == 0 and not conn.keys("cbq:*")
 
-    as_json = cbq("submit", path, "--json")
+    strict = cbq("submit", path, "--strict")  # the invalid requests refuse the file too
+    assert "line 2: temperature: Input should be greater than or equal to 0" in strict.stderr
+    assert "line 4: body.n: Input should be less than or equal to 128" in strict.stderr
+    assert "4 invalid line(s); nothing was enqueued" in strict.stderr
+    assert queue_count(conn) == 0 and not conn.keys("cbq:*")
+
+    as_json = cbq("submit", path, "--strict", "--json")
     record = json.loads(as_json.stdout.strip().splitlines()[-1])
     assert record["batch_id"] is None and [e["line"] for e in record["errors"]] == [2, 3, 4, 6]
 
 
-def test_skip_invalid_enqueues_the_valid_lines(cbq, conn, tmp_path):
+def test_an_invalid_request_fails_alone_and_the_valid_ones_are_enqueued(cbq, conn, tmp_path):
     path = write_jsonl(tmp_path, [{"prompt": "ok"}, {"prompt": 5}, {"prompt": "ok too"}])
-    result = cbq("submit", path, "--skip-invalid", "--json")
-    assert result.exit_code == 0
+    result = cbq("submit", path, "--json")
+    assert result.exit_code == 0, result.output
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    assert record["num_requests"] == 2 and record["num_invalid"] == 1
-    assert "line 2: prompt: Input should be a valid string" in result.stderr
+    assert record["num_requests"] == 3 and record["num_invalid"] == 1
+    assert [e["line"] for e in record["errors"]] == [2]
+    assert "line 2: prompt: Input should be a valid string (this request fails with status 400" in result.stderr
+    status = json.loads(cbq("status", record["batch_id"], "--json").stdout)
+    assert (status["num_failed"], status["num_queued"]) == (1, 2)
+
+    removed = cbq("submit", path, "--skip-invalid")
+    assert removed.exit_code == 2 and "--skip-invalid was removed" in removed.stderr and "--strict" in removed.stderr
 
 
 def test_submit_from_stdin_and_bad_flags(cbq, conn):

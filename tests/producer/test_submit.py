@@ -10,7 +10,8 @@ from producer import store
 from producer.store import SubmitConflict, SubmitOptions, submit_batch, validate_lines
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC
-from schemas.request import Request, Sampling, SamplingOverrides
+from schemas.lines import Request
+from schemas.sampling import Sampling
 
 
 def lines_of(*objs) -> list[str]:
@@ -28,10 +29,11 @@ def test_validate_lines_reports_every_bad_line_and_skips_blank_ones():
             "  ",
         )
     )
-    assert [p.line_no for p in v.requests] == [1, 5]
-    assert [e.line_no for e in v.errors] == [3, 4]
+    assert [p.line_no for p in v.requests] == [1, 3, 5]  # line 3's request is kept, to fail alone
+    assert [e.line_no for e in v.errors] == [4]
+    assert [str(e) for e in v.invalid] == ["line 3: prompt: Input should be a valid string"]
+    assert [e.line_no for e in v.refusal(strict=True)] == [3, 4]
     assert v.num_blank_lines == 2
-    assert str(v.errors[0]) == "line 3: prompt: Input should be a valid string"
 
 
 def test_duplicate_custom_ids_name_both_lines():
@@ -72,7 +74,7 @@ def test_batch_defaults_apply_where_a_line_is_silent(conn):
     report = submit(
         conn,
         [{"prompt": "a", "temperature": 0.5}, {"prompt": "b"}],
-        defaults=SamplingOverrides(temperature=1.0, max_new_tokens=3, stop=["x"]),
+        defaults=Sampling(temperature=1.0, max_new_tokens=3, stop=["x"]),
     )
     stored = [
         Request.model_validate_json(r) for r in conn.hmget(keys.batch_requests(report.batch_id), [0, 1])

@@ -29,10 +29,6 @@ BAD_LINES = {
         b'{"prompt": "ok", "custom_id": "a\\ud800"}',
         "line 2: custom_id: contains a lone UTF-16 surrogate",
     ),
-    "lone surrogate in a chat message": (
-        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
-        "line 2: messages[0].content: contains a lone UTF-16 surrogate",
-    ),
 }
 
 
@@ -49,12 +45,14 @@ def test_a_bad_line_is_reported_by_number_and_nothing_is_enqueued(case, redis_se
     assert redis_server.connect().keys("*") == []
 
 
-def test_skip_invalid_enqueues_the_good_lines_around_a_lone_surrogate(redis_server, cbq, tmp_path):
+def test_a_lone_surrogate_inside_a_request_fails_that_request_alone(redis_server, cbq, tmp_path):
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b"\n".join([GOOD, BAD_LINES["lone surrogate"][0], GOOD]) + b"\n")
-    out = cbq("submit", path, "--skip-invalid", "--json")
+    path.write_bytes(b"\n".join([GOOD, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', GOOD]) + b"\n")
+    out = cbq("submit", path, "--json")
     assert out.exit_code == 0, out.output
-    assert json.loads(out.stdout.splitlines()[-1])["num_requests"] == 2
+    assert "line 2: messages[0].content: contains a lone UTF-16 surrogate" in out.stderr
+    record = json.loads(out.stdout.splitlines()[-1])
+    assert (record["num_requests"], record["num_invalid"]) == (3, 1)
 
 
 @pytest.mark.parametrize("where", ["staging", "commit"])

@@ -2,14 +2,9 @@ import json
 
 import pytest
 
-from schemas.request import (
-    ChatMessage,
-    ParsedRequest,
-    Request,
-    Sampling,
-    SamplingOverrides,
-    parse_request_line,
-)
+from schemas.chat import ChatMessage
+from schemas.lines import ParsedRequest, Request, parse_request_line
+from schemas.sampling import Sampling
 
 
 def parse(obj, line_no=7) -> ParsedRequest:
@@ -111,7 +106,7 @@ def test_blank_lines_are_skipped():
 
 def test_resolve_line_values_win_over_batch_defaults_which_win_over_builtins():
     p = parse({"prompt": "hi", "temperature": 0.3})
-    r = p.resolve(index=4, defaults=SamplingOverrides(temperature=1.0, max_new_tokens=9))
+    r = p.resolve(index=4, defaults=Sampling(temperature=1.0, max_new_tokens=9))
     assert r.index == 4 and r.line_no == 7
     assert r.sampling == Sampling(temperature=0.3, max_new_tokens=9)
     assert p.resolve(0).sampling == Sampling(temperature=0.3)
@@ -368,9 +363,8 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body.audio: cbq does not support audio output yet",
         ),
         (
-            openai_line({"prompt": "x", "logit_bias": {"50256": -100}}),
-            "line 7: body.logit_bias: cbq does not support logit_bias (its token ids belong to OpenAI's tokenizer, "
-            "not to the model that runs here) yet",
+            openai_line({"prompt": "x", "logit_bias": {"50256": -101}}),
+            "line 7: body.logit_bias[50256]: Input should be greater than or equal to -100",
         ),
         (
             openai_line(

@@ -5,7 +5,7 @@ from pydantic import ValidationError
 
 from schemas import keys
 from schemas.chunk import ChunkPayload
-from schemas.request import Request
+from schemas.lines import Request
 from schemas.result import OpenAIBatchOutputLine, ResultLine, Sample, Usage, to_openai_output
 from schemas.status import BatchStatus, WorkerStats
 
@@ -172,7 +172,7 @@ def test_every_finish_reason_counts_as_one_batch_outcome():
 def test_a_forced_tool_call_answers_with_tool_calls_as_openai_does(choice, finish):
     from openai.types.chat import ChatCompletion
 
-    from schemas.request import parse_request_line
+    from schemas.lines import parse_request_line
 
     body = {
         "messages": [{"role": "user", "content": "q"}],

@@ -5,8 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from schemas import limits
 from schemas.errors import RequestLineError
-from schemas.request import OutputConstraint, Sampling, parse_request_line
+from schemas.field_table import field_table, undocumented_fields
+from schemas.lines import parse_request_line
+from schemas.sampling import OutputConstraint, Sampling
 
 # A line spells its output constraint as one of these fields (an OpenAI body as `response_format`).
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice")
@@ -31,8 +34,17 @@ def openai(body):
         ),
         ({"temperature": 100.5}, "line 7: temperature: Input should be less than or equal to 100"),
         ({"top_k": 2**31}, "line 7: top_k: Input should be less than or equal to 1000000"),
-        ({"seed": 2**63}, "line 7: seed: Input should be less than 9223372036854775808"),
-        ({"seed": -1}, "line 7: seed: Input should be greater than or equal to 0"),
+        ({"seed": 2**63}, "line 7: seed: Input should be less than or equal to 9223372036854775807"),
+        ({"seed": -(2**63) - 1}, "line 7: seed: Input should be greater than or equal to -9223372036854775808"),
+        ({"repetition_penalty": 0}, "line 7: repetition_penalty: Input should be greater than 0"),
+        ({"min_p": 1.5}, "line 7: min_p: Input should be less than or equal to 1"),
+        ({"min_tokens": -1}, "line 7: min_tokens: Input should be greater than or equal to 0"),
+        ({"min_tokens": 5, "max_new_tokens": 4}, "line 7: min_tokens (5) is more than max_new_tokens (4)"),
+        ({"logit_bias": {"5": 101}}, "line 7: logit_bias[5]: Input should be less than or equal to 100"),
+        ({"logit_bias": {"x": 1}}, "line 7: logit_bias.x.[key]: Input should be a valid integer"),
+        ({"allowed_token_ids": []}, "line 7: allowed_token_ids: List should have at least 1 item"),
+        ({"bad_words": [""]}, "line 7: bad_words[0]: String should have at least 1 character"),
+        ({"truncate_prompt_tokens": 0}, "line 7: truncate_prompt_tokens: Input should be greater than or equal to 1"),
         ({"stop": ["s"] * 17}, "line 7: stop: List should have at most 16 items after validation, not 17"),
         ({"stop": "s" * 257}, "line 7: stop[0]: String should have at most 256 characters"),
         ({"stop_token_ids": list(range(257))}, "line 7: stop_token_ids: List should have at most 256 items"),
@@ -76,24 +88,40 @@ def test_values_at_the_bounds_are_accepted():
         "temperature": 100,
         "top_p": 1.0,
         "top_k": 1_000_000,
-        "seed": 2**63 - 1,
+        "seed": -(2**63),
         "stop": ["s" * 256] * 16,
         "stop_token_ids": [2**31 - 1] * 256,
         "ignore_eos": True,
         "logprobs": 20,
         "presence_penalty": -2.0,
         "frequency_penalty": 2.0,
+        "repetition_penalty": 100.0,
+        "min_p": 1.0,
+        "min_tokens": 2**20,
+        "logit_bias": {str(2**31 - 1): -100.0, "0": 100.0, **{str(i): 1.0 for i in range(1, 1023)}},
+        "allowed_token_ids": [2**31 - 1] * 2**18,
+        "bad_words": ["w" * 256] * 256,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "truncate_prompt_tokens": 2**20,
     }
     choices = [f"c{i}" for i in range(1024)]
     parsed = parse_request_line(json.dumps({"prompt": "x", **at_bounds, "choice": choices}), 1)
     constraint = OutputConstraint(kind="choice", spec=json.dumps(choices, separators=(",", ":")))
     assert parsed.resolve(0).sampling == Sampling(**at_bounds, constraint=constraint)
+    assert parse_request_line(json.dumps({"prompt": "x", "seed": 2**63 - 1}), 1).overrides.seed == 2**63 - 1
     # a new field needs its bounds tested here
     assert set(at_bounds) | {"constraint"} == set(Sampling.model_fields)
 
 
-def test_the_docs_list_every_sampling_field():
+def test_the_docs_have_the_generated_field_table_and_it_lists_every_field():
     doc = (Path(__file__).parents[2] / "docs" / "input.md").read_text()
     section = doc[doc.index("<!-- fields:begin") : doc.index("<!-- fields:end")]
-    for name in [n for n in Sampling.model_fields if n != "constraint"] + list(CONSTRAINT_FIELDS):
-        assert f"| `{name}`" in section, name
+    assert field_table() in section, "regenerate it: python docs/generate.py"
+    assert undocumented_fields() == []
+
+
+def test_the_field_table_reads_its_bounds_from_the_limits(monkeypatch):
+    monkeypatch.setattr(limits, "MAX_TOP_K", 12_345)
+    assert "| `top_k` | generation_config's, else 0 (no cut) | 0 to 12,345 |" in field_table()

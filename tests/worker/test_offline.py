@@ -43,20 +43,20 @@ def test_every_input_shape_in_order_with_line_defaults(llm):
         {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}},
         {"model": "m", "prompt": "a bare body", "max_tokens": 2, "logprobs": 2},
     ]
-    results = llm.generate(inputs, sampling={"max_new_tokens": 5, "ignore_eos": True}, progress=False)
+    results = llm.generate(inputs, sampling={"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}, progress=False)
     assert [r.index for r in results] == list(range(5))
     assert [r.custom_id for r in results] == [None, None, None, "b", None]
     assert [r.usage.completion_tokens for r in results] == [5, 3, 5, 5, 2]
     assert all(len(r.token_ids) == r.usage.completion_tokens for r in results)
     assert len(results[4].logprobs) == 2 and len(results[4].logprobs[0].top_logprobs) == 2
-    again = llm.generate(inputs, sampling={"max_new_tokens": 5, "ignore_eos": True}, progress=False)
-    assert [r.text for r in again] == [r.text for r in results]  # greedy: the same text every time
+    again = llm.generate(inputs, sampling={"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}, progress=False)
+    assert [r.text for r in again] == [r.text for r in results]  # greedy (OpenAI bodies default to temperature 1 otherwise): the same text every time
 
     chats = llm.chat(
-        [[{"role": "user", "content": "hi"}]] * 2, sampling={"max_new_tokens": 5, "ignore_eos": True}
+        [[{"role": "user", "content": "hi"}]] * 2, sampling={"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}
     )
     assert [r.token_ids for r in chats] == [results[2].token_ids] * 2
-    [one] = llm.chat([{"role": "user", "content": "hi"}], sampling={"max_new_tokens": 5, "ignore_eos": True})
+    [one] = llm.chat([{"role": "user", "content": "hi"}], sampling={"max_new_tokens": 5, "ignore_eos": True, "temperature": 0})
     assert one.token_ids == results[2].token_ids
 
 

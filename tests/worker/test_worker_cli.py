@@ -44,10 +44,14 @@ def test_run_writes_openai_output_and_rejects_invalid_files(tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"prompt": "b", "top_p": 0}\n')
-    result = CliRunner().invoke(main, ["run", str(bad), "-o", str(out), "--fake-engine"])
+    result = CliRunner().invoke(main, ["run", str(bad), "-o", str(out), "--fake-engine", "--strict"])
     assert result.exit_code == 1
     assert "line 2: top_p: Input should be greater than 0" in result.stderr
     assert "1 invalid line(s); nothing was run" in result.stderr
+    not_json = tmp_path / "not_json.jsonl"  # a format error refuses the file without --strict
+    not_json.write_text('{"prompt": "a"}\n{"prompt": \n')
+    result = CliRunner().invoke(main, ["run", str(not_json), "-o", str(out), "--fake-engine"])
+    assert result.exit_code == 1 and "1 invalid line(s); nothing was run" in result.stderr
 
 
 def test_worker_command_drains_the_queue(cbq, write_jsonl):

@@ -3,6 +3,7 @@ seams other code relies on: `EngineProtocol` (what the queue worker and `cbq run
 `TokenizerProtocol` (what the engine, `stop.py` and admission use of a tokenizer).
 
 Plain dataclasses and protocols, no torch, redis or pydantic: the worker converts schemas at its edge into these.
+The bounds checked here come from `schemas.limits` (plain constants, the one home the schemas also read).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
+
+from schemas.limits import MAX_LOGPROBS, MAX_PENALTY, MAX_SAMPLES
 
 
 class FinishReason(str, Enum):
@@ -35,8 +38,6 @@ BUILTIN_SAMPLING_DEFAULTS = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
 }
-MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
-MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's bound)
 
 
 class ConstraintKind(str, Enum):
@@ -119,7 +120,7 @@ class ResolvedSampling(SamplingParams):
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-MAX_SAMPLES_PER_REQUEST = 128  # bound on `EngineRequest.n` (OpenAI's own limit)
+MAX_SAMPLES_PER_REQUEST = MAX_SAMPLES  # bound on `EngineRequest.n` (schemas.limits: OpenAI's own limit)
 
 
 @dataclass
@@ -263,6 +264,9 @@ class EngineProtocol(Protocol):
 
     @property
     def tokenizer(self) -> TokenizerProtocol: ...
+
+    # The defaults the checkpoint's generation_config sets, by cbq field name (what None resolves to first).
+    sampling_defaults: dict[str, Any]
 
     def start(self) -> None:
         """Start the step loop in a background thread."""

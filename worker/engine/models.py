@@ -6,10 +6,12 @@ Presets need no files and no network; they use the byte tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
+from .api import SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -187,20 +189,25 @@ def _as_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-# Sampling fields a checkpoint's generation_config.json may set, as cbq names them (vLLM reads the same ones).
-GENERATION_CONFIG_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k")
+# Sampling fields a checkpoint's generation_config.json may set, as cbq names them (vLLM reads the same ones),
+# those the engine's SamplingParams knows: repetition_penalty and min_p join once the engine has them.
+GENERATION_CONFIG_FIELDS = tuple(
+    name
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+    if name in {f.name for f in dataclasses.fields(SamplingParams)}
+)
 
 
 def generation_defaults(model) -> dict[str, int | float]:
     """The defaults the checkpoint's generation_config.json sets for `GENERATION_CONFIG_FIELDS` (only the
     values written there). With `do_sample: false` the file asks for greedy decoding, as in `generate()`,
-    so its temperature, top_p and top_k are left out."""
+    so its temperature, top_p and top_k are left out and temperature is 0."""
     generation_config = getattr(model, "generation_config", None)
     if generation_config is None:
         return {}
     given = generation_config.to_diff_dict()  # only what differs from GenerationConfig's defaults
-    if given.get("do_sample") is False:
-        given = {k: v for k, v in given.items() if k == "max_new_tokens"}
+    if given.get("do_sample") is False:  # greedy, said explicitly: a line's own default must not sample
+        given = {k: v for k, v in given.items() if k == "max_new_tokens"} | {"temperature": 0.0}
     return {name: given[name] for name in GENERATION_CONFIG_FIELDS if given.get(name) is not None}
 
 

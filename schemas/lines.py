@@ -1,0 +1,304 @@
+"""Request lines: the three accepted input shapes, and the normalized request stored in Redis.
+
+Owns the input contract of `cbq submit`:
+- simple    `{"prompt": "...", "max_new_tokens": 32, ...}`
+- chat      `{"messages": [{"role": "user", "content": "..."}], ...}`
+- OpenAI Batch `{"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
+  "body": {"prompt" | "messages", "max_tokens", "temperature", ...}}` (`schemas.openai_body`)
+
+An output constraint is spelled `json_schema`, `regex` or `choice` on simple and chat lines, and
+`response_format` in OpenAI bodies; logprobs are `logprobs: k` on simple and chat lines and in completions
+bodies, `logprobs: true` + `top_logprobs: k` in chat bodies. A constraint that does not compile fails its line.
+A chat body that forces a tool call runs as a constraint on the function's arguments (schemas/tools.py).
+
+`parse_request_line` turns one JSONL line into a `ParsedRequest` (sampling fields only where the line gave
+them); `ParsedRequest.resolve` applies batch defaults and gives the `Request` that is stored and run.
+Blank lines are skipped: `parse_request_line` returns None for them, so editors' trailing newlines are harmless.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
+
+from schemas.chat import ChatMessage, ChatTemplateKwargs
+from schemas.errors import FieldIssue, InvalidRequest, RequestLineError, issues_from_validation_error
+from schemas.json_line import BLANK, LONE_SURROGATE, load_json_line
+from schemas.limits import MAX_CHOICES
+from schemas.openai_body import (
+    COMPLETIONS_URL,
+    ChatCompletionBody,
+    CompletionBody,
+    CustomId,
+    OpenAIBatchLine,
+    OpenAIUrl,
+)
+from schemas.sampling import (
+    N_DESCRIPTION,
+    NativeSpelling,
+    NumSamples,
+    OutputConstraint,
+    Sampling,
+    SharedSampling,
+    check_min_tokens,
+    json_text,
+)
+from schemas.strict import StrictModel
+from schemas.tools import ForcedToolCall
+
+Choice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice")
+
+
+class _NativeConstraint(StrictModel):
+    """cbq's own constraint fields on simple and chat lines; at most one per line."""
+
+    json_schema: dict[str, Any] | None = Field(None, description="A JSON schema the output must follow.")
+    regex: str | None = Field(None, min_length=1, description="A regex the whole output must match.")
+    choice: Choice | None = Field(None, description="The output is exactly one of these strings.")
+
+    @model_validator(mode="after")
+    def _at_most_one_constraint(self):
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one constraint per line, not {' and '.join(given)}")
+        return self
+
+    @field_validator(*CONSTRAINT_FIELDS)
+    @classmethod
+    def _compiles(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            _native_constraint(info.field_name or "", value)
+        return value
+
+    def output_constraint(self) -> OutputConstraint | None:
+        for name in CONSTRAINT_FIELDS:
+            if getattr(self, name) is not None:
+                return _native_constraint(name, getattr(self, name))
+        return None
+
+
+def _native_constraint(name: str, value: Any) -> OutputConstraint:
+    return OutputConstraint.checked(name, value if isinstance(value, str) else json_text(value))
+
+
+class _NativeLine(SharedSampling, NativeSpelling, _NativeConstraint):
+    """What simple and chat lines share: every sampling field by its name, a constraint, and `n`."""
+
+    custom_id: CustomId | None = None
+    n: NumSamples = Field(1, description=N_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self):
+        check_min_tokens(self.min_tokens, self.max_new_tokens, "max_new_tokens")
+        return self
+
+    def overrides(self) -> Sampling:
+        given = {name: getattr(self, name) for name in Sampling.model_fields if name != "constraint"}
+        return Sampling(**given, constraint=self.output_constraint())
+
+
+class PromptLine(_NativeLine):
+    prompt: str
+
+
+class ChatLine(_NativeLine):
+    messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+
+Shape = Literal["prompt", "chat", "openai"]
+
+
+class Request(StrictModel):
+    """One request as stored in Redis (`cbq:batch:{id}:requests`) and read back by the worker."""
+
+    index: int = Field(ge=0)  # position in the batch: results come back in this order
+    line_no: int = Field(ge=1)
+    custom_id: CustomId | None = None
+    shape: Shape
+    url: OpenAIUrl | None = None  # OpenAI Batch lines only
+    model: str | None = None  # OpenAI Batch lines only: body.model, echoed in the output
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
+    tool_call: ForcedToolCall | None = None  # the call the body forces: the output is its arguments
+    sampling: Sampling = Sampling()
+    n: NumSamples = 1
+    return_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a request has exactly one of prompt or messages")
+        return self
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+class ParsedRequest(StrictModel):
+    """A validated line before batch defaults are applied."""
+
+    line_no: int
+    custom_id: str | None
+    shape: Shape
+    url: OpenAIUrl | None = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_call: ForcedToolCall | None = None
+    overrides: Sampling = Sampling()
+    n: NumSamples = 1
+
+    def resolve(
+        self,
+        index: int,
+        defaults: Sampling | None = None,
+        return_token_ids: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> Request:
+        """The stored request: line values win over batch defaults, which win over the model's.
+        `chat_template_kwargs` are the batch's template variables, for chats; the line's win, name by name."""
+        merged = (defaults.given() if defaults else {}) | self.overrides.given()
+        template_kwargs = None
+        if self.messages is not None and (chat_template_kwargs or self.chat_template_kwargs):
+            template_kwargs = (chat_template_kwargs or {}) | (self.chat_template_kwargs or {})
+        return Request(
+            index=index,
+            line_no=self.line_no,
+            custom_id=self.custom_id,
+            shape=self.shape,
+            url=self.url,
+            model=self.model,
+            prompt=self.prompt,
+            messages=self.messages,
+            chat_template_kwargs=template_kwargs,
+            tools=self.tools,
+            tool_call=self.tool_call,
+            sampling=Sampling(**merged),
+            n=self.n,
+            return_token_ids=return_token_ids,
+        )
+
+
+_SHAPE_HINT = (
+    'expected {"prompt": ...}, {"messages": [...]}, or an OpenAI Batch line '
+    '{"custom_id", "method", "url", "body"}'
+)
+_OPENAI_KEYS = {"method", "url", "body"}
+_custom_id_adapter: TypeAdapter[str | None] = TypeAdapter(CustomId | None)
+
+
+def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
+    """Validate one JSONL line (bytes are decoded as UTF-8 here, so a bad byte is an error of its line).
+    Returns None for a blank line. Raises `RequestLineError` naming line and field for a format error (the
+    file is refused), and its subclass `InvalidRequest` for a well-formed line whose request is invalid (that
+    request alone fails): as OpenAI, the format is the JSON object, its custom_id and, for an OpenAI line,
+    its method and url; everything else is the request."""
+    obj, surrogate_at = load_json_line(text, line_no)
+    if obj is BLANK:
+        return None
+    if not isinstance(obj, dict):
+        raise RequestLineError(
+            line_no, [FieldIssue("", f"a line must be a JSON object, got {type(obj).__name__}")]
+        )
+    is_openai = bool(_OPENAI_KEYS & obj.keys())
+    _surrogate_in_format(surrogate_at, line_no, is_openai)
+    if is_openai:
+        envelope = _validate(OpenAIBatchLine, obj, line_no)
+        _surrogate_in_request(surrogate_at, line_no, envelope.custom_id, envelope.url)
+        return _parse_openai_body(envelope, line_no)
+    if ("prompt" in obj) == ("messages" in obj):
+        hint = "give either prompt or messages, not both" if "prompt" in obj else _SHAPE_HINT
+        raise RequestLineError(line_no, [FieldIssue("", hint)])
+    try:
+        custom_id = _custom_id_adapter.validate_python(obj.get("custom_id"))
+    except ValidationError as exc:
+        raise RequestLineError(line_no, issues_from_validation_error(exc, PromptLine, ("custom_id",))) from None
+    _surrogate_in_request(surrogate_at, line_no, custom_id)
+    if "messages" in obj:
+        chat = _validate(ChatLine, obj, line_no, fails_alone=(custom_id, None))
+        return ParsedRequest(
+            line_no=line_no,
+            custom_id=custom_id,
+            shape="chat",
+            messages=chat.messages,
+            chat_template_kwargs=chat.chat_template_kwargs,
+            overrides=chat.overrides(),
+            n=chat.n,
+        )
+    line = _validate(PromptLine, obj, line_no, fails_alone=(custom_id, None))
+    return ParsedRequest(
+        line_no=line_no,
+        custom_id=custom_id,
+        shape="prompt",
+        prompt=line.prompt,
+        overrides=line.overrides(),
+        n=line.n,
+    )
+
+
+# A lone surrogate inside the request's own part of a line (an OpenAI line's body; any field of a cbq line but
+# custom_id) fails that request; in the format's fields (custom_id, method, url, a key) it refuses the file.
+def _surrogate_in_format(field: str | None, line_no: int, openai: bool) -> None:
+    in_request = field is None or (field.startswith("body") if openai else not field.startswith(("custom_id", "(")))
+    if not in_request:
+        raise RequestLineError(line_no, [FieldIssue(field or "", LONE_SURROGATE)])
+
+
+def _surrogate_in_request(field: str | None, line_no: int, custom_id: str | None, url: str | None = None) -> None:
+    if field is not None:
+        raise InvalidRequest(line_no, [FieldIssue(field, LONE_SURROGATE)], custom_id, url)
+
+
+def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest:
+    fails_alone = (envelope.custom_id, envelope.url)
+    body: CompletionBody | ChatCompletionBody
+    if envelope.url == COMPLETIONS_URL:
+        body = _validate(CompletionBody, envelope.body, line_no, ("body",), fails_alone)
+        of_endpoint: dict[str, Any] = {"prompt": body.prompt}
+    else:
+        body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
+        of_endpoint = {
+            "messages": chat.messages,
+            "chat_template_kwargs": chat.chat_template_kwargs,
+            "tools": [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None,
+            "tool_call": chat.tool_call(),
+        }
+    return ParsedRequest(
+        line_no=line_no,
+        custom_id=envelope.custom_id,
+        shape="openai",
+        url=envelope.url,
+        model=body.model,
+        overrides=body.overrides(),
+        n=body.n or 1,
+        **of_endpoint,
+    )
+
+
+_Model = TypeVar("_Model", bound=StrictModel)
+
+
+def _validate(
+    model: type[_Model],
+    obj: Any,
+    line_no: int,
+    prefix: tuple[str, ...] = (),
+    fails_alone: tuple[str | None, str | None] | None = None,
+) -> _Model:
+    """`obj` as `model`. Invalid: a `RequestLineError`, or with `fails_alone` (the request's custom_id and
+    url) an `InvalidRequest`, which fails that request only."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        issues = issues_from_validation_error(exc, model, prefix)
+        if fails_alone is not None:
+            raise InvalidRequest(line_no, issues, *fails_alone) from None
+        raise RequestLineError(line_no, issues) from None

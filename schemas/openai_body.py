@@ -1,0 +1,231 @@
+"""OpenAI Batch lines and the two bodies cbq runs: `/v1/completions` and `/v1/chat/completions`.
+
+Owns how an OpenAI body maps onto cbq's fields: the sampling fields by their own name (`SharedSampling`),
+`max_tokens`/`max_completion_tokens` as `max_new_tokens`, `response_format` and forced tool calls as the output
+constraint, and each endpoint's spelling of logprobs. Fields that cbq cannot honour are refused with the reason;
+fields that change nothing at their accepted value are taken, so an unedited OpenAI batch file runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from schemas.chat import ChatMessage, ChatTemplateKwargs
+from schemas.limits import MAX_CUSTOM_ID_CHARS, MAX_TOOLS
+from schemas.sampling import (
+    N_DESCRIPTION,
+    MaxNewTokens,
+    NumLogprobs,
+    NumSamples,
+    OutputConstraint,
+    Sampling,
+    SharedSampling,
+    check_min_tokens,
+    json_text,
+)
+from schemas.strict import StrictModel
+from schemas.tools import ForcedToolCall, Tool, ToolChoice, forced_call, function_named
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_COMPLETIONS_URL = "/v1/chat/completions"
+OpenAIUrl = Literal["/v1/completions", "/v1/chat/completions"]
+CustomId = Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)]
+
+# OpenAI body field -> the cbq sampling field it sets; every field of `SharedSampling` keeps its name.
+OPENAI_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+
+# What a field an OpenAI body leaves out means when the model's generation_config does not set it either:
+# OpenAI's defaults, which vLLM's server uses too (cbq's own lines keep the engine's: greedy).
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+
+# OpenAI body fields that cbq accepts only at the value that changes nothing, and why it cannot do more.
+_NO_OP_VALUES: dict[str, tuple[Any, str]] = {
+    "stream": (False, "batch results are not streamed"),
+    "stream_options": (None, "batch results are not streamed"),
+}
+# Fields that ask for what cbq cannot do yet: rejected with the reason, not as unknown.
+_UNSUPPORTED_FIELDS = {
+    "functions": "function calling",
+    "function_call": "function calling",
+    "audio": "audio output",
+    "modalities": "output modalities other than text",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "reasoning_effort": "reasoning_effort (an open model's thinking is a switch in its chat template: give "
+    'chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3)',
+    "verbosity": "verbosity (an OpenAI model setting)",
+}
+# Values of those fields that ask for nothing (generated files often spell their defaults out). Not
+# `web_search_options: {}`: that turns web search on.
+_UNSUPPORTED_NO_OPS: dict[str, tuple[Any, ...]] = {
+    "functions": ([],),
+    "modalities": (["text"],),
+}
+
+
+class _JsonSchemaSpec(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI requires it; unused
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON value
+    strict: bool | None = None  # cbq always enforces the schema
+
+    @field_validator("schema_")
+    @classmethod
+    def _compiles(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        OutputConstraint.checked("json_schema", json_text(value or {}))
+        return value
+
+
+class _ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with its spec."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _spec_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
+
+    def output_constraint(self) -> OutputConstraint | None:
+        if self.type == "json_object":
+            return OutputConstraint(kind="json_object")
+        if self.json_schema is not None:
+            return OutputConstraint(kind="json_schema", spec=json_text(self.json_schema.schema_ or {}))
+        return None
+
+
+class _BodyFields(StrictModel):
+    """The body fields every OpenAI endpoint shares besides sampling. Fields that do nothing at their accepted
+    value are taken so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`,
+    `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`, `prompt_cache_retention` and
+    `safety_identifier` are accepted and ignored."""
+
+    model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
+    n: NumSamples | None = Field(None, description=N_DESCRIPTION)  # None: 1
+    stream: bool | None = None
+    response_format: _ResponseFormat | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # Identifiers and cache hints: they change no output (cbq caches shared prefixes by itself).
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    stream_options: Any = None
+    # Declared only to be refused with the reason (see `_UNSUPPORTED_FIELDS`); excluded from the fields
+    # an error message lists as allowed.
+    functions: Any = Field(None, exclude=True)
+    function_call: Any = Field(None, exclude=True)
+    audio: Any = Field(None, exclude=True)
+    modalities: Any = Field(None, exclude=True)
+    prediction: Any = Field(None, exclude=True)
+    web_search_options: Any = Field(None, exclude=True)
+    reasoning_effort: Any = Field(None, exclude=True)
+    verbosity: Any = Field(None, exclude=True)
+
+
+class _OpenAIBody(SharedSampling, _BodyFields):
+    """What both endpoints' bodies accept: `_BodyFields`, the shared sampling fields, and the token limit."""
+
+    max_tokens: MaxNewTokens | None = None
+    max_completion_tokens: MaxNewTokens | None = None
+
+    @field_validator(*_UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None or value in _UNSUPPORTED_NO_OPS.get(info.field_name or "", ()):
+            return value
+        what = _UNSUPPORTED_FIELDS[info.field_name or ""]
+        raise PydanticCustomError("unsupported_parameter", "cbq does not support {what} yet", {"what": what})
+
+    @field_validator(*_NO_OP_VALUES)
+    @classmethod
+    def _no_op_value(cls, value: Any, info: ValidationInfo) -> Any:
+        accepted, why = _NO_OP_VALUES[info.field_name or ""]
+        if value is not None and value != accepted:
+            raise ValueError(f"only {json.dumps(accepted)} is accepted ({why})")
+        return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self):
+        check_min_tokens(self.min_tokens, self.max_tokens or self.max_completion_tokens, "max_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _one_name_per_field(self):
+        for target in set(OPENAI_RENAMES.values()):
+            given = [name for name, to in OPENAI_RENAMES.items() if to == target and getattr(self, name) is not None]
+            if len(given) > 1:
+                raise ValueError(f"give {' or '.join(given)}, not both")
+        return self
+
+    def overrides(self) -> Sampling:
+        """The sampling fields this body gives, under cbq's names."""
+        fields = {name: getattr(self, name) for name in SharedSampling.model_fields}
+        fields |= {to: getattr(self, name) for name, to in OPENAI_RENAMES.items() if getattr(self, name) is not None}
+        return Sampling(**fields, logprobs=self.num_logprobs(), constraint=self.output_constraint())
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, or None for no logprobs (each endpoint spells it its own way)."""
+        return None
+
+    def output_constraint(self) -> OutputConstraint | None:
+        return self.response_format.output_constraint() if self.response_format else None
+
+
+class CompletionBody(_OpenAIBody):
+    prompt: str
+    logprobs: NumLogprobs | None = None  # top alternatives per token (OpenAI allows 5; cbq up to 20)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatCompletionBody(_OpenAIBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, not OpenAI's
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # see schemas/tools.py
+    tool_choice: ToolChoice | None = None
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = None
+
+    @model_validator(mode="after")
+    def _tool_call_is_forced_or_none(self):
+        call = forced_call(self.tools, self.tool_choice)
+        if call is not None and self.response_format and self.response_format.output_constraint():
+            raise ValueError("give response_format or a forced tool call, not both")
+        return self
+
+    def tool_call(self) -> ForcedToolCall | None:
+        return forced_call(self.tools, self.tool_choice)
+
+    def output_constraint(self) -> OutputConstraint | None:
+        call = self.tool_call()
+        if call is not None and self.tools:  # the arguments follow the function's parameters
+            schema = function_named(self.tools, call.name).arguments_schema()
+            return OutputConstraint(kind="json_schema", spec=json_text(schema))
+        return super().output_constraint()
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class OpenAIBatchLine(StrictModel):
+    custom_id: CustomId
+    method: Literal["POST"]
+    url: OpenAIUrl
+    body: dict[str, Any]  # validated separately against the model that `url` selects
