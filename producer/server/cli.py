@@ -19,7 +19,7 @@ FILES_DIR_ENV = "CBQ_FILES_DIR"
 DEFAULT_FILES_DIR = os.path.join("~", ".cache", "cbq", "files")
 DEFAULT_MAX_FILE_BYTES = 200 * 1000 * 1000  # OpenAI's limit for a batch input file
 # A request waits at most this long on an unreachable or stalled Redis before it gets a 503.
-REDIS_SOCKET_TIMEOUT_S = 10.0
+REDIS_SOCKET_TIMEOUT_S = 5.0
 REDIS_CONNECT_TIMEOUT_S = 2.0
 
 
@@ -33,14 +33,16 @@ def is_loopback(host: str) -> bool:
 
 
 def connect_redis(url: str) -> redis.Redis:
-    """The server's Redis client: bounded socket timeouts and few retries, so that a request fails fast (503) while
-    Redis is down instead of holding a thread; checked once here."""
+    """The server's Redis client: bounded socket timeouts and one retry, so that a request fails fast (503) while
+    Redis is down or stalled instead of holding a thread; checked once here."""
     conn = redis.Redis.from_url(
         url,
         health_check_interval=30,
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+        # One quick retry of a dropped connection; a timeout is not retried (a stalled Redis would cost each
+        # retry a reconnect handshake of socket timeouts more).
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1, supported_errors=(redis.ConnectionError,)),
     )
     try:
         conn.ping()
@@ -166,6 +168,4 @@ def serve(
         log_level=log_level.lower(),
         http=guarded_h11_protocol(header_timeout_s, max_connections),
         timeout_keep_alive=keep_alive_timeout_s,
-        # Connections past the cap are refused by the protocol; this bounds the requests served at once as well.
-        limit_concurrency=max_connections + 1,
     )

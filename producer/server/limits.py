@@ -7,8 +7,12 @@ and their enforcement; the routes never see a body past its limit.
   between two pieces gets 408. Both close the connection, so the rest of the body is never read.
 - `guarded_h11_protocol` (uvicorn's h11 protocol): a connection must deliver a request's headers within
   `header_timeout_s` of opening or of its previous response (idle and half-sent connections are closed), and
-  past `max_connections` open connections a new one gets 503 and is closed at once. uvicorn itself closes an
-  idle keep-alive connection after `--keep-alive-timeout` and caps the size of the headers (h11, 16 KiB).
+  past `max_connections` open connections a new one gets 503 and is closed at once; a request h11 cannot parse
+  (headers over h11's 16 KiB included) gets a 400 in OpenAI's shape. uvicorn itself closes an idle keep-alive
+  connection after `--keep-alive-timeout`.
+
+NOTE: the protocol subclass relies on uvicorn's H11Protocol members (`cycle`, `connections`, `transport`, `loop`,
+`on_response_complete`, `send_400_response`); tests/producer/server/test_limits.py fails if an upgrade moves them.
 """
 
 from __future__ import annotations
@@ -93,8 +97,13 @@ class BodyLimitMiddleware:
 
 def guarded_h11_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a header timeout and a connection cap (pass it as uvicorn's `http`)."""
-    rejection = _raw_503(
-        "The server has too many open connections; retry shortly.", CONNECTIONS_RETRY_AFTER_SECONDS
+    rejection = _raw_error(
+        503,
+        "Service Unavailable",
+        "The server has too many open connections; retry shortly.",
+        "server_error",
+        "too_many_connections",
+        {"retry-after": str(CONNECTIONS_RETRY_AFTER_SECONDS)},
     )
 
     class GuardedH11Protocol(H11Protocol):
@@ -118,6 +127,13 @@ def guarded_h11_protocol(header_timeout_s: float, max_connections: int) -> type[
                 self._header_timer.cancel()
             super().connection_lost(exc)
 
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's own answer is plain text; the h11 state machine is in error by now, so write it raw.
+            self.transport.write(
+                _raw_error(400, "Bad Request", msg, "invalid_request_error", "invalid_http_request", {})
+            )
+            self.transport.close()
+
         def _arm_header_timer(self) -> None:
             # The request cycle when armed: a new one by the deadline means the headers came in time.
             if self._header_timer is not None:
@@ -136,15 +152,13 @@ def guarded_h11_protocol(header_timeout_s: float, max_connections: int) -> type[
     return GuardedH11Protocol
 
 
-def _raw_503(message: str, retry_after_s: int) -> bytes:
-    body = json.dumps(
-        {"error": {"message": message, "type": "server_error", "param": None, "code": "too_many_connections"}}
-    ).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\n"
-        "content-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n"
-        f"retry-after: {retry_after_s}\r\n"
-        "connection: close\r\n\r\n"
-    )
-    return head.encode() + body
+def _raw_error(
+    status: int, reason: str, message: str, type: str, code: str, headers: dict[str, str]
+) -> bytes:
+    """A whole HTTP/1.1 error response in OpenAI's shape, for the protocol to write before or outside any request."""
+    error = {"message": message, "type": type, "param": None, "code": code}
+    body = json.dumps({"error": error}).encode()
+    lines = [f"HTTP/1.1 {status} {reason}", "content-type: application/json", f"content-length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body

@@ -5,6 +5,7 @@ applies, against a server and a redis-server of the test's own."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -151,35 +152,42 @@ def test_a_wrong_key_gets_an_openai_401(server):
 # --- Redis down -------------------------------------------------------------------------------------------------
 
 
+def _assert_503(call, within_s: float) -> None:
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as info:
+        call()
+    assert time.monotonic() - start < within_s, "a request waited too long on Redis"
+    assert info.value.status_code == 503 and info.value.response.headers["retry-after"].isdigit()
+    assert info.value.body["code"] == "service_unavailable" and info.value.body["type"] == "server_error"
+
+
 def test_redis_down_answers_503_with_retry_after(tmp_path):
-    redis_server = RedisServer(tmp_path / "redis", durable=False)
     (tmp_path / "redis").mkdir()
+    redis_server = RedisServer(tmp_path / "redis", durable=False)
     redis_server.start()
     proc = ServeProcess(redis_server.url, tmp_path, api_keys=KEY)
     try:
-        client = openai.OpenAI(base_url=proc.base_url, api_key=KEY, max_retries=0, timeout=20)
+        client = openai.OpenAI(base_url=proc.base_url, api_key=KEY, max_retries=0, timeout=30)
         uploaded = client.files.create(file=("in.jsonl", _jsonl(1).encode()), purpose="batch")
         created = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        redis_server.kill()
-        calls = [
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)  # stalled: the socket timeout bounds the wait
+        try:
+            _assert_503(lambda: client.batches.retrieve(created.id), within_s=9)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        redis_server.kill()  # gone: refused at once
+        for call in (
             lambda: client.batches.list(),
             lambda: client.batches.retrieve(created.id),
             lambda: client.batches.cancel(created.id),
             lambda: client.batches.create(
                 input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
             ),
-        ]
-        for call in calls:
-            start = time.monotonic()
-            with pytest.raises(openai.InternalServerError) as info:
-                call()
-            assert time.monotonic() - start < 10, "a request waited on the dead Redis"
-            assert info.value.status_code == 503 and info.value.response.headers["retry-after"].isdigit()
-            assert (
-                info.value.body["code"] == "service_unavailable" and info.value.body["type"] == "server_error"
-            )
+        ):
+            _assert_503(call, within_s=3)
         health = request(proc, "GET", "/health", None)
         assert health.status == 503 and "retry-after" in health.headers
         # Files live on disk: they are still served.

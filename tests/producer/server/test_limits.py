@@ -177,3 +177,14 @@ def test_the_limits_are_per_route_a_small_upload_passes(server):
         sock.sendall(head + b"".join(chunked([body[i : i + 8192] for i in range(0, len(body), 8192)])))
         response = read_response(sock)
     assert response.status == 200 and response.json()["bytes"] == len(line) * 1000, response.body
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000],
+    ids=["garbage", "unfinished-headers-over-16KiB"],
+)
+def test_a_request_that_is_not_http_gets_an_openai_400(server, raw):
+    with server.connect() as sock:
+        sock.sendall(raw)
+        read_response(sock).assert_openai_error(400, "invalid_http_request")
