@@ -33,6 +33,9 @@ log = logging.getLogger("cbq.server")
 
 SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+# A batch still validating this long after it was created lost its validation (the server restarted, or Redis was
+# unreachable when it ended); validating a 200 MB file takes about a minute.
+VALIDATION_STALE_SECONDS = 3600
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})(s|m|h|d)$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -45,13 +48,20 @@ def parse_completion_window(window: str) -> int | None:
 
 class BatchService:
     def __init__(
-        self, client: Client, files: FileStore, ttl_seconds: int, chunk_size: int, max_threads: int = 2
+        self,
+        client: Client,
+        files: FileStore,
+        ttl_seconds: int,
+        chunk_size: int,
+        max_threads: int = 2,
+        validation_stale_seconds: int = VALIDATION_STALE_SECONDS,
     ):
         self.client = client
         self.files = files
         self.records = BatchRecords(client.connection, ttl_seconds)
         self.ttl_seconds = ttl_seconds
         self.chunk_size = chunk_size
+        self.validation_stale_seconds = validation_stale_seconds
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbq-server")
 
     def shutdown(self) -> None:
@@ -102,7 +112,10 @@ class BatchService:
             errors.sort(key=lambda e: e["line"] or 0)
             self.records.update(api_batch_id, errors=errors[:MAX_REPORTED_ERRORS], failed_at=now)
             return
-        if self.records.get(api_batch_id).cancelling_at:  # cancelled while validating: submit nothing
+        current = self.records.get(api_batch_id)
+        if current.failed_at:  # given up on as stale meanwhile (`_view`)
+            return
+        if current.cancelling_at:  # cancelled while validating: submit nothing
             self.records.update(api_batch_id, cancelled_at=now)
             return
         batch = self.client.submit(validated, chunk_size=self.chunk_size, ttl_seconds=self.ttl_seconds)
@@ -124,6 +137,15 @@ class BatchService:
 
     def _view(self, record: BatchRecord) -> dict:
         api_batch_id = record.id
+        if self._is_stale_validation(record):
+            now = int(time.time())
+            if record.cancelling_at:
+                self.records.update(api_batch_id, only_if_unset=True, cancelled_at=now)
+            else:
+                message = "the input file's validation did not finish (the server restarted or lost Redis)"
+                errors = [_entry("validation_interrupted", message, None, None)]
+                self.records.update(api_batch_id, only_if_unset=True, errors=errors, failed_at=now)
+            record = self.records.get(api_batch_id)
         status = self._cbq_status(record)
         if status is not None and not record.is_terminal:
             if not status.is_done and time.time() >= record.expires_at and not record.expire_requested_at:
@@ -134,6 +156,13 @@ class BatchService:
                 self._pool.submit(self._logged, self._finalize, api_batch_id)
             record = self.records.get(api_batch_id)
         return batch_object(record, status)
+
+    def _is_stale_validation(self, record: BatchRecord) -> bool:
+        return (
+            record.cbq_batch_id is None
+            and not record.is_terminal
+            and time.time() - record.created_at > self.validation_stale_seconds
+        )
 
     def list(self, principal: Principal, after: str | None, limit: int) -> tuple[list[dict], bool]:
         listing = principal.listing_project
