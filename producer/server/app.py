@@ -61,12 +61,11 @@ def error_response(
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
+_CLOSE = {"connection": "close"}  # on answers sent before the body was read: the rest of it never is
+
+
 def body_too_large(exc: BodyTooLarge) -> JSONResponse:
-    # Connection: close, so the rest of the body is never read.
     return error_response(413, str(exc), "invalid_request_error", None, "request_too_large", _CLOSE)
-
-
-_CLOSE = {"connection": "close"}
 
 
 class _CreateBatch(BaseModel):
