@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,23 @@ MAX_FILE_BYTES = 100_000
 TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 6
 PIECE = b"x" * 65536
+
+
+def _kernel_buffer_bytes() -> int:
+    """The most a loopback connection can hold in flight: the largest receive plus send buffer (autotuned)."""
+    try:
+        rmem, wmem = (
+            int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2])
+            for name in ("tcp_rmem", "tcp_wmem")
+        )
+    except (OSError, ValueError, IndexError):
+        return 16 << 20
+    return rmem + wmem
+
+
+# What a server that stops reading at the limit lets in at most: the limit and the kernel's buffers. Twice that is
+# offered, and a server that read it all (as one spooling the whole body first does) fails the bound.
+IN_FLIGHT_BYTES = MAX_FILE_BYTES + _kernel_buffer_bytes() + (1 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +89,13 @@ def test_a_chunked_upload_is_stopped_at_the_limit_not_spooled(server):
         sock.sendall(_chunked_upload_head(BOUNDARY))
         # 64 MiB offered, 640 times the limit; the server must answer long before.
         num_sent, response = send_until_answered(
-            sock, chunked(_multipart_pieces(BOUNDARY, 1024)), max_bytes=64 << 20
+            sock,
+            chunked(_multipart_pieces(BOUNDARY, 2 * IN_FLIGHT_BYTES // len(PIECE))),
+            max_bytes=2 * IN_FLIGHT_BYTES,
         )
     assert response is not None, f"no answer after {num_sent} bytes"
     response.assert_openai_error(413, "request_too_large")
-    # Socket buffers on both sides hold some of what was sent before the server stopped reading.
-    assert num_sent < 40 * MAX_FILE_BYTES, f"{num_sent} bytes went in before the 413"
+    assert num_sent < IN_FLIGHT_BYTES, f"{num_sent} bytes went in before the 413"
     assert response.headers.get("connection") == "close"
     leftovers = [p for p in os.listdir(server.files_dir) if not p.startswith("file-")]
     assert leftovers == []
@@ -104,11 +123,12 @@ def test_a_json_body_is_bounded_while_it_is_read(server):
             )
         )
         body = (b'{"metadata": {"k": "' + PIECE for _ in range(1))
-        pieces = (p for part in (body, (PIECE for _ in range(512))) for p in part)
-        num_sent, response = send_until_answered(sock, chunked(pieces), max_bytes=32 << 20)
+        filler = (PIECE for _ in range(2 * IN_FLIGHT_BYTES // len(PIECE)))
+        pieces = (p for part in (body, filler) for p in part)
+        num_sent, response = send_until_answered(sock, chunked(pieces), max_bytes=2 * IN_FLIGHT_BYTES)
     assert response is not None, f"no answer after {num_sent} bytes"
     response.assert_openai_error(413, "request_too_large")
-    assert num_sent < 8 << 20, num_sent
+    assert num_sent < IN_FLIGHT_BYTES, num_sent
 
 
 def test_an_idle_connection_is_closed_after_the_header_timeout(server):
