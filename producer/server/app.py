@@ -65,7 +65,8 @@ _CLOSE = {"connection": "close"}  # on answers sent before the body was read: th
 
 
 def body_too_large(exc: BodyTooLarge) -> JSONResponse:
-    return error_response(413, str(exc), "invalid_request_error", None, "request_too_large", _CLOSE)
+    code = "file_too_large" if exc.param == "file" else "request_too_large"  # as files.save's own check says
+    return error_response(413, str(exc), "invalid_request_error", exc.param, code, _CLOSE)
 
 
 class _CreateBatch(BaseModel):

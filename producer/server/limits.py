@@ -38,15 +38,21 @@ class ServerLimits:
     keep_alive_timeout_s: int = 5
     max_connections: int = 256
 
-    def body_limit_bytes(self, method: str, path: str) -> int:
+    def body_limit(self, method: str, path: str) -> tuple[int, BodyTooLarge]:
+        """The most bytes a request's body may have, and the error past them."""
         if method == "POST" and path == "/v1/files":
-            return self.max_file_bytes + MULTIPART_OVERHEAD_BYTES
-        return MAX_JSON_BODY_BYTES
+            error = BodyTooLarge(
+                f"the file is larger than the server's limit of {self.max_file_bytes} bytes", "file"
+            )
+            return self.max_file_bytes + MULTIPART_OVERHEAD_BYTES, error
+        message = f"the request body is larger than this endpoint's limit of {MAX_JSON_BODY_BYTES} bytes"
+        return MAX_JSON_BODY_BYTES, BodyTooLarge(message, None)
 
 
 class BodyTooLarge(Exception):
-    def __init__(self, limit_bytes: int):
-        super().__init__(f"the request body is larger than this endpoint's limit of {limit_bytes} bytes")
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
 
 
 class BodyTimeout(Exception):
@@ -68,10 +74,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit_bytes = self.limits.body_limit_bytes(scope["method"], scope["path"])
+        limit_bytes, too_large = self.limits.body_limit(scope["method"], scope["path"])
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-            await self._too_large(BodyTooLarge(limit_bytes))(scope, receive, send)
+            await self._too_large(too_large)(scope, receive, send)
             return
         num_received = 0
         is_body_complete = False
@@ -88,7 +94,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > limit_bytes:
-                    raise BodyTooLarge(limit_bytes)
+                    raise too_large
                 is_body_complete = not message.get("more_body", False)
             return message
 

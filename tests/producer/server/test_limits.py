@@ -94,7 +94,8 @@ def test_a_chunked_upload_is_stopped_at_the_limit_not_spooled(server):
             max_bytes=2 * IN_FLIGHT_BYTES,
         )
     assert response is not None, f"no answer after {num_sent} bytes"
-    response.assert_openai_error(413, "request_too_large")
+    error = response.assert_openai_error(413, "file_too_large")
+    assert error["param"] == "file" and str(MAX_FILE_BYTES) in error["message"]
     assert num_sent < IN_FLIGHT_BYTES, f"{num_sent} bytes went in before the 413"
     assert response.headers.get("connection") == "close"
     leftovers = [p for p in os.listdir(server.files_dir) if not p.startswith("file-")]
@@ -112,7 +113,7 @@ def test_a_declared_content_length_over_the_limit_is_refused_before_the_body(ser
                 content_length="10000000",
             )
         )
-        read_response(sock).assert_openai_error(413, "request_too_large")
+        read_response(sock).assert_openai_error(413, "file_too_large")
 
 
 def test_a_json_body_is_bounded_while_it_is_read(server):
@@ -208,3 +209,11 @@ def test_a_request_that_is_not_http_gets_an_openai_400(server, raw):
     with server.connect() as sock:
         sock.sendall(raw)
         read_response(sock).assert_openai_error(400, "invalid_http_request")
+
+
+def test_the_openai_sdk_sees_the_413_of_a_file_over_the_limit(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=10)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.files.create(file=("big.jsonl", b"x" * (50 * MAX_FILE_BYTES)), purpose="batch")
+    assert info.value.status_code == 413 and info.value.body["code"] == "file_too_large"
