@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 
@@ -36,16 +37,19 @@ def cli_reference() -> str:
         "",
     ]
 
-    def render(cmd: click.Command, path: list[str]) -> None:
-        ctx = click.Context(cmd, info_name=" ".join(path), terminal_width=110, max_content_width=110)
+    def render(cmd: click.Command, path: list[str], parent: click.Context | None) -> None:
+        # Each context under its parent, as a real invocation builds them: settings such as the root's
+        # help option names (-h) are inherited, so the text is what `cbq ... --help` prints.
+        settings = {"terminal_width": 110, "max_content_width": 110, **cmd.context_settings}
+        ctx = click.Context(cmd, info_name=path[-1], parent=parent, **settings)
         lines.extend([f"## `{' '.join(path)}`", "", "```text", cmd.get_help(ctx).rstrip(), "```", ""])
         if isinstance(cmd, click.Group):
             for name in cmd.list_commands(ctx):
                 sub = cmd.get_command(ctx, name)
                 if sub is not None and not sub.hidden:
-                    render(sub, [*path, name])
+                    render(sub, [*path, name], ctx)
 
-    render(main, ["cbq"])
+    render(main, ["cbq"], None)
     return "\n".join(lines)
 
 
@@ -64,10 +68,13 @@ def generated() -> dict[Path, str]:
 
 
 def main(argv: list[str]) -> int:
-    stale = [path for path, text in generated().items() if not path.exists() or path.read_text() != text]
+    wanted = generated()
+    stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
     if "--check" in argv:
         for path in stale:
-            print(f"{path.relative_to(ROOT)} is stale: run `python docs/generate.py`", file=sys.stderr)
+            old = path.read_text().splitlines(keepends=True) if path.exists() else []
+            diff = "".join(list(difflib.unified_diff(old, wanted[path].splitlines(keepends=True)))[:30])
+            print(f"{path.relative_to(ROOT)} is stale: run `python docs/generate.py`\n{diff}", file=sys.stderr)
         return 1 if stale else 0
     for path, text in generated().items():
         path.write_text(text)

@@ -18,9 +18,10 @@ Global:
 
 OpenAI-compatible server (`cbq serve`; expire with the batch's result TTL):
 
-    cbq:api:batch:{id}        hash   the OpenAI batch object's own fields (see producer.server.records)
+    cbq:api:batch:{id}        hash   the OpenAI batch object's own fields (see producer.store.api_batches)
     cbq:api:batch:{id}:final  string lock held by the server process writing the batch's output files
-    cbq:api:batches           zset   OpenAI batch id -> created_at, for `GET /v1/batches`
+    cbq:api:batches           zset   OpenAI batch id -> created_at, for an admin key's `GET /v1/batches`
+    cbq:api:project:{p}:batches zset the same for one project's batches (what its keys list)
 
 The rq side keeps rq's own `rq:` keys (queues, jobs, registries); cbq never writes them directly.
 """
@@ -111,6 +112,10 @@ API_BATCHES = f"{PREFIX}api:batches"
 
 def api_batch(api_batch_id: str) -> str:
     return f"{PREFIX}api:batch:{api_batch_id}"
+
+
+def api_project_batches(project: str) -> str:
+    return f"{PREFIX}api:project:{project}:batches"
 
 
 def api_batch_finalize_lock(api_batch_id: str) -> str:

@@ -1,7 +1,9 @@
 """The HTTP layer of `cbq serve`: OpenAI's Files and Batches endpoints, `/v1/models` and `/health` (Starlette).
 
-Owns requests and responses only: parameter checks, API keys, and errors in OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`. Batches live in `service.py`, files in `files.py`.
+Owns requests and responses only: parameter checks, which project sees which file, and errors in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`, for every status the server sends (404 and 405 from the router,
+413 and 408 from `limits.py`, 400 for bodies too deep to parse, 503 with Retry-After while Redis is unreachable,
+500 for anything unforeseen). Batches live in `service.py`, files in `files.py`, keys in `auth.py`.
 Handlers are plain functions, which Starlette runs on its thread pool, since Redis and disk calls block;
 only the upload is async, to read the multipart body as it streams in.
 """
@@ -9,11 +11,13 @@ only the upload is async, to read the multipart body as it streams in.
 from __future__ import annotations
 
 import contextlib
-import hmac
+import json
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -24,12 +28,16 @@ from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Route
 
 from producer.client import Client
-from producer.server.files import FileNotFound, FileStore, FileTooLarge
-from producer.server.records import BatchRecordNotFound
+from producer.server.auth import ApiKeyMiddleware, Principal, principal_of
+from producer.server.files import FileNotFound, FileRecord, FileStore, FileTooLarge
+from producer.server.limits import BodyLimitMiddleware, BodyTimeout, BodyTooLarge, ServerLimits
 from producer.server.service import SUPPORTED_ENDPOINTS, BatchService, parse_completion_window
+from producer.store.api_batches import BatchRecordNotFound
+
+log = logging.getLogger("cbq.server")
 
 CLEANUP_INTERVAL_SECONDS = 60
-MULTIPART_OVERHEAD_BYTES = 64 * 1024  # slack over the file limit for the form's other parts and boundaries
+REDIS_RETRY_AFTER_SECONDS = 5
 
 
 class ApiError(Exception):
@@ -46,9 +54,19 @@ class ApiError(Exception):
         )
 
 
-def error_response(status_code: int, message: str, type: str, param=None, code=None) -> JSONResponse:
+def error_response(
+    status_code: int, message: str, type: str, param=None, code=None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status_code)
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+_CLOSE = {"connection": "close"}  # on answers sent before the body was read: the rest of it never is
+
+
+def body_too_large(exc: BodyTooLarge) -> JSONResponse:
+    code = "file_too_large" if exc.param == "file" else "request_too_large"  # as files.save's own check says
+    return error_response(413, str(exc), "invalid_request_error", exc.param, code, _CLOSE)
 
 
 class _CreateBatch(BaseModel):
@@ -61,18 +79,31 @@ class _CreateBatch(BaseModel):
     output_expires_after: dict | None = None
 
 
-def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_seconds: int, chunk_size: int):
-    """The Starlette app. `api_keys` empty: no authentication (the CLI then binds loopback only)."""
+def create_app(
+    client: Client,
+    files: FileStore,
+    *,
+    api_keys: dict[str, Principal],
+    ttl_seconds: int,
+    chunk_size: int,
+    limits: ServerLimits | None = None,
+):
+    """The ASGI app. `api_keys` empty: no authentication (the CLI then binds loopback only)."""
+    limits = limits or ServerLimits(max_file_bytes=files.max_bytes)
     service = BatchService(client, files, ttl_seconds=ttl_seconds, chunk_size=chunk_size)
     stop_cleanup = threading.Event()
 
     # --- files ------------------------------------------------------------------------------------------------
 
+    def visible_file(request: Request) -> FileRecord:
+        record = files.get(request.path_params["file_id"])
+        if not principal_of(request.scope).can_see(record.project):
+            raise FileNotFound(record.id)
+        return record
+
     async def create_file(request: Request):
-        declared = int(request.headers.get("content-length") or 0)
-        if declared > files.max_bytes + MULTIPART_OVERHEAD_BYTES:
-            raise ApiError(413, str(FileTooLarge(files.max_bytes)), param="file", code="file_too_large")
-        # Starlette spools each uploaded part to a temporary file past 1 MiB: memory stays bounded.
+        # Starlette spools each uploaded part to a temporary file past 1 MiB, and BodyLimitMiddleware stops the
+        # body at the limit: memory and disk stay bounded.
         async with request.form(max_files=1, max_fields=8) as form:
             purpose, upload = form.get("purpose"), form.get("file")
             if purpose != "batch":
@@ -81,7 +112,11 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
                 raise ApiError(400, "a multipart field 'file' with the JSONL file is required", param="file")
             try:
                 record = await run_in_threadpool(
-                    files.save, upload.file, upload.filename or "input.jsonl", purpose
+                    files.save,
+                    upload.file,
+                    upload.filename or "input.jsonl",
+                    purpose,
+                    principal_of(request.scope).project,
                 )
             except FileTooLarge as exc:
                 raise ApiError(413, str(exc), param="file", code="file_too_large") from None
@@ -93,7 +128,7 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         order = params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
-        records = files.list(params.get("purpose"))
+        records = files.list(params.get("purpose"), principal_of(request.scope).listing_project)
         if order == "asc":
             records.reverse()
         ids = [r.id for r in records]
@@ -103,27 +138,29 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         return _list_response([r.to_openai() for r in page], has_more=start + limit < len(records))
 
     def retrieve_file(request: Request):
-        return JSONResponse(files.get(request.path_params["file_id"]).to_openai())
+        return JSONResponse(visible_file(request).to_openai())
 
     def file_content(request: Request):
-        file_id = request.path_params["file_id"]
-        return FileResponse(files.data_path(file_id), media_type="application/jsonl")
+        return FileResponse(files.data_path(visible_file(request).id), media_type="application/jsonl")
 
     def delete_file(request: Request):
-        file_id = request.path_params["file_id"]
+        file_id = visible_file(request).id
         files.delete(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     # --- batches ----------------------------------------------------------------------------------------------
 
     async def create_batch(request: Request):
+        raw = await request.body()
         try:
-            body = _CreateBatch.model_validate(await request.json())
+            body = _CreateBatch.model_validate(json.loads(raw))
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
         except ValueError as exc:
             raise _body_error(exc) from None
-        return JSONResponse(await run_in_threadpool(_create_batch, body))
+        return JSONResponse(await run_in_threadpool(_create_batch, principal_of(request.scope), body))
 
-    def _create_batch(body: _CreateBatch) -> dict:
+    def _create_batch(principal: Principal, body: _CreateBatch) -> dict:
         if body.endpoint not in SUPPORTED_ENDPOINTS:
             supported = ", ".join(SUPPORTED_ENDPOINTS)
             raise ApiError(
@@ -132,8 +169,16 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         window_seconds = parse_completion_window(body.completion_window)
         if window_seconds is None:
             raise ApiError(400, "completion_window must look like '24h'", param="completion_window")
+        if window_seconds > ttl_seconds:
+            raise ApiError(
+                400,
+                f"completion_window is longer than the server keeps results ({ttl_seconds} s, --ttl)",
+                param="completion_window",
+            )
         try:
             input_file = files.get(body.input_file_id)
+            if not principal.can_see(input_file.project):
+                raise FileNotFound(input_file.id)
         except FileNotFound as exc:
             raise ApiError(404, str(exc), param="input_file_id", code="not_found") from None
         if input_file.purpose != "batch":
@@ -142,6 +187,7 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
             if len(key) > 64 or len(value) > 512:
                 raise ApiError(400, "metadata keys have at most 64 characters, values 512", param="metadata")
         return service.create(
+            principal,
             input_file_id=body.input_file_id,
             endpoint=body.endpoint,
             completion_window_seconds=window_seconds,
@@ -151,14 +197,14 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         )
 
     def retrieve_batch(request: Request):
-        return JSONResponse(service.view(request.path_params["batch_id"]))
+        return JSONResponse(service.view(principal_of(request.scope), request.path_params["batch_id"]))
 
     def cancel_batch(request: Request):
-        return JSONResponse(service.cancel(request.path_params["batch_id"]))
+        return JSONResponse(service.cancel(principal_of(request.scope), request.path_params["batch_id"]))
 
     def list_batches(request: Request):
         limit = _int_param(request.query_params, "limit", 20, 1, 100)
-        data, has_more = service.list(request.query_params.get("after"), limit)
+        data, has_more = service.list(principal_of(request.scope), request.query_params.get("after"), limit)
         return _list_response(data, has_more)
 
     # --- models, health ---------------------------------------------------------------------------------------
@@ -176,7 +222,9 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         try:
             client.connection.ping()
         except Exception as exc:
-            return JSONResponse({"status": "error", "redis": False, "detail": str(exc)}, status_code=503)
+            retry_after = {"retry-after": str(REDIS_RETRY_AFTER_SECONDS)}
+            body = {"status": "error", "redis": False, "detail": str(exc)}
+            return JSONResponse(body, status_code=503, headers=retry_after)
         return JSONResponse({"status": "ok", "redis": True})
 
     # --- errors, auth, lifespan -------------------------------------------------------------------------------
@@ -188,7 +236,24 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         return error_response(404, str(exc), "invalid_request_error", None, "not_found")
 
     async def http_error(request: Request, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind, None, None, exc.headers)
+
+    async def too_large(request: Request, exc: BodyTooLarge):
+        return body_too_large(exc)
+
+    async def body_timeout(request: Request, exc: BodyTimeout):
+        return error_response(408, str(exc), "invalid_request_error", None, "request_timeout", _CLOSE)
+
+    async def redis_down(request: Request, exc: Exception):
+        log.warning("%s %s: Redis is unreachable: %s", request.method, request.url.path, exc)
+        message = "The server's Redis is unreachable; retry later."
+        headers = {"retry-after": str(REDIS_RETRY_AFTER_SECONDS)}
+        return error_response(503, message, "server_error", None, "service_unavailable", headers)
+
+    async def server_error(request: Request, exc: Exception):
+        # Starlette's outermost handler: it logs the traceback; the client gets no detail of it.
+        return error_response(500, "The server had an error processing the request.", "server_error")
 
     def cleanup_loop():
         while not stop_cleanup.wait(CLEANUP_INTERVAL_SECONDS):
@@ -224,35 +289,17 @@ def create_app(client: Client, files: FileStore, *, api_keys: list[str], ttl_sec
         FileNotFound: not_found,
         BatchRecordNotFound: not_found,
         HTTPException: http_error,
+        BodyTooLarge: too_large,
+        BodyTimeout: body_timeout,
+        redis.ConnectionError: redis_down,  # BusyLoadingError too
+        redis.TimeoutError: redis_down,
+        Exception: server_error,
     }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
-    return ApiKeyMiddleware(app, api_keys) if api_keys else app
-
-
-class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on every /v1/ path; a missing or wrong key gets OpenAI's 401."""
-
-    def __init__(self, app, api_keys: list[str]):
-        self.app = app
-        self._keys = [k.encode() for k in api_keys]
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._authorized(scope):
-            response = error_response(
-                401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key"
-            )
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
-        # compare_digest against every key: the time taken says nothing about which key came close.
-        return any([hmac.compare_digest(token, key) for key in self._keys])
+    unauthorized = error_response(
+        401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key"
+    )
+    return BodyLimitMiddleware(ApiKeyMiddleware(app, api_keys, unauthorized), limits, body_too_large)
 
 
 def _list_response(data: list[dict], has_more: bool) -> JSONResponse:

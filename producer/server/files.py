@@ -4,7 +4,8 @@ Each file is two entries in `root`: `{id}` (the bytes) and `{id}.json` (its `Fil
 under a temporary name in 1 MiB pieces and renamed into place, then the record is written the same way, so a
 file is visible only once complete, and no upload is ever held in memory. Every file expires `ttl_seconds`
 after it was created (batch outputs may ask for another expiry); expired files are deleted by
-`remove_expired`, which the server runs on uploads, listings and once a minute.
+`remove_expired`, which the server runs on uploads, listings and once a minute. A record names the project that
+owns the file (`producer.server.auth`); the routes show a file only to its project and to admin keys.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 COPY_PIECE_BYTES = 1 << 20
+UTF8_BOM = b"\xef\xbb\xbf"
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")  # checked before any id becomes a path
 TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 24 * 3600  # a temporary file this old belongs to a crashed upload
@@ -45,9 +47,12 @@ class FileRecord:
     filename: str
     purpose: str
     expires_at: int
+    project: str | None = None  # None: a file stored before projects existed (admin keys only)
 
     def to_openai(self) -> dict:
-        return {**asdict(self), "object": "file", "status": "processed", "status_details": None}
+        fields = asdict(self)
+        del fields["project"]
+        return {**fields, "object": "file", "status": "processed", "status_details": None}
 
 
 class FileStore:
@@ -60,9 +65,9 @@ class FileStore:
 
     # --- writing -----------------------------------------------------------------------------------------------
 
-    def save(self, source: BinaryIO, filename: str, purpose: str) -> FileRecord:
-        """Copy `source` into a new file, piece by piece. Raises FileTooLarge past `max_bytes`."""
-        with self.writer(filename, purpose) as out:
+    def save(self, source: BinaryIO, filename: str, purpose: str, project: str) -> FileRecord:
+        """Copy `source` into a new file of `project`, piece by piece. Raises FileTooLarge past `max_bytes`."""
+        with self.writer(filename, purpose, project) as out:
             num_bytes = 0
             while piece := source.read(COPY_PIECE_BYTES):
                 num_bytes += len(piece)
@@ -73,7 +78,9 @@ class FileStore:
         return out.record
 
     @contextmanager
-    def writer(self, filename: str, purpose: str, ttl_seconds: int | None = None) -> Iterator[_Writer]:
+    def writer(
+        self, filename: str, purpose: str, project: str | None, ttl_seconds: int | None = None
+    ) -> Iterator[_Writer]:
         """A binary file to write; it becomes a stored file (`.record`) when the block exits without error."""
         file_id = f"file-{secrets.token_hex(12)}"
         tmp = self.root / f"{TMP_PREFIX}{file_id}"
@@ -89,6 +96,7 @@ class FileStore:
                 filename=os.path.basename(filename) or "file.jsonl",
                 purpose=purpose,
                 expires_at=created_at + (ttl_seconds or self.ttl_seconds),
+                project=project,
             )
             os.replace(tmp, self._data_path(file_id))
             self._write_record(record)
@@ -119,21 +127,31 @@ class FileStore:
         """Where the bytes of a live file are (for streaming them back)."""
         return self._data_path(self.get(file_id).id)
 
-    def iter_lines(self, file_id: str) -> Iterator[str]:
-        """The file's lines without their newline, read one at a time."""
-        with open(self.data_path(file_id), encoding="utf-8", newline="\n") as f:
-            for line in f:
-                yield line.rstrip("\n")
+    def iter_lines(self, file_id: str) -> Iterator[bytes]:
+        """The file's lines without their newline, read one at a time, as bytes: each line is decoded when it is
+        validated, so a byte that is not UTF-8 fails its own line. A UTF-8 byte order mark at the start is dropped.
+        """
+        with open(self.data_path(file_id), "rb") as f:
+            for line_no, line in enumerate(f, start=1):
+                if line_no == 1 and line.startswith(UTF8_BOM):
+                    line = line[len(UTF8_BOM) :]
+                yield line.rstrip(b"\n")
 
-    def list(self, purpose: str | None = None) -> list[FileRecord]:
-        """Live files, newest first."""
+    def leading_bytes(self, file_id: str, num_bytes: int) -> bytes:
+        with open(self.data_path(file_id), "rb") as f:
+            return f.read(num_bytes)
+
+    def list(self, purpose: str | None = None, project: str | None = None) -> list[FileRecord]:
+        """Live files (of `project`; None: of every project), newest first."""
         records = []
         for path in self.root.glob("file-*.json"):
             try:
                 record = self.get(path.name.removesuffix(".json"))
             except FileNotFound:
                 continue
-            if purpose is None or record.purpose == purpose:
+            if (purpose is None or record.purpose == purpose) and (
+                project is None or record.project == project
+            ):
                 records.append(record)
         return sorted(records, key=lambda r: (r.created_at, r.id), reverse=True)
 

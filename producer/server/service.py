@@ -1,9 +1,12 @@
 """The server's batch lifecycle: validate and submit an input file, watch the batch, write its output files.
 
-Owns the transitions of `records.py`'s status diagram. Everything goes through `producer.client`, like the CLI.
+Owns the transitions of `batch_object.py`'s status diagram; the records themselves live in `producer.store`.
+Everything else goes through `producer.client`, like the CLI. Every call names the `Principal` it acts for: a
+batch of another project is not found.
 Slow work (validating a 200 MB file, writing output files) runs on a small thread pool, never in a request:
 - `create` records the batch as validating and queues `_validate_and_submit`, which streams the input file from
-  disk line by line, and either submits it (in_progress) or records OpenAI-shaped errors (failed).
+  disk line by line, and either submits it (in_progress) or records OpenAI-shaped errors (failed). Whatever goes
+  wrong there (a file that is not UTF-8, a bug) ends the batch `failed`, never stuck in `validating`.
 - `view` reads the cbq status; once every request has finished it queues `_finalize` (at most one per batch
   across server processes, through a Redis lock), which streams the results into an output file and an error
   file; when the window has run out it cancels what is left first.
@@ -17,9 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from producer.client import BatchNotFound, Client
+from producer.server.auth import Principal
+from producer.server.batch_object import batch_object
 from producer.server.files import FileStore
-from producer.server.records import MAX_REPORTED_ERRORS, BatchRecord, BatchRecords, batch_object
-from schemas import keys
+from producer.store.api_batches import MAX_REPORTED_ERRORS, BatchRecord, BatchRecordNotFound, BatchRecords
 from schemas.errors import RequestLineError
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from schemas.result import OpenAIBatchOutputLine
@@ -28,7 +32,10 @@ from schemas.status import BatchStatus
 log = logging.getLogger("cbq.server")
 
 SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
-FINALIZE_LOCK_SECONDS = 600  # a finalizing process that died releases the batch after this
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+# A batch still validating this long after it was created lost its validation (the server restarted, or Redis was
+# unreachable when it ended); validating a 200 MB file takes about a minute.
+VALIDATION_STALE_SECONDS = 3600
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})(s|m|h|d)$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -41,13 +48,20 @@ def parse_completion_window(window: str) -> int | None:
 
 class BatchService:
     def __init__(
-        self, client: Client, files: FileStore, ttl_seconds: int, chunk_size: int, max_threads: int = 2
+        self,
+        client: Client,
+        files: FileStore,
+        ttl_seconds: int,
+        chunk_size: int,
+        max_threads: int = 2,
+        validation_stale_seconds: int = VALIDATION_STALE_SECONDS,
     ):
         self.client = client
         self.files = files
         self.records = BatchRecords(client.connection, ttl_seconds)
         self.ttl_seconds = ttl_seconds
         self.chunk_size = chunk_size
+        self.validation_stale_seconds = validation_stale_seconds
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbq-server")
 
     def shutdown(self) -> None:
@@ -55,13 +69,36 @@ class BatchService:
 
     # --- create ------------------------------------------------------------------------------------------------
 
-    def create(self, **fields) -> dict:
-        record = self.records.create(**fields)
-        self._pool.submit(self._logged, self._validate_and_submit, record.id)
+    def create(self, principal: Principal, **fields) -> dict:
+        record = self.records.create(principal.project, **fields)
+        self._pool.submit(self._validate_or_fail, record.id)
         return batch_object(record, None)
+
+    def _validate_or_fail(self, api_batch_id: str) -> None:
+        try:
+            self._validate_and_submit(api_batch_id)
+        except Exception as exc:
+            log.exception("validating batch %s failed", api_batch_id)
+            message = f"the server could not validate the input file: {type(exc).__name__}"
+            try:
+                self.records.update(
+                    api_batch_id,
+                    only_if_unset=True,
+                    errors=[_entry("validation_failed", message, None, None)],
+                    failed_at=int(time.time()),
+                )
+            except Exception:
+                log.exception("recording the failure of batch %s failed", api_batch_id)
 
     def _validate_and_submit(self, api_batch_id: str) -> None:
         record = self.records.get(api_batch_id)
+        if self.files.leading_bytes(record.input_file_id, 2) in UTF16_BOMS:
+            message = (
+                "the file is UTF-16 (it starts with a UTF-16 byte order mark); batch files must be UTF-8"
+            )
+            errors = [_entry("invalid_encoding", message, None, 1)]
+            self.records.update(api_batch_id, errors=errors, failed_at=int(time.time()))
+            return
         validated = self.client.validate(
             lambda: self.files.iter_lines(record.input_file_id), endpoint=record.endpoint
         )
@@ -73,7 +110,10 @@ class BatchService:
             errors.sort(key=lambda e: e["line"] or 0)
             self.records.update(api_batch_id, errors=errors[:MAX_REPORTED_ERRORS], failed_at=now)
             return
-        if self.records.get(api_batch_id).cancelling_at:  # cancelled while validating: submit nothing
+        current = self.records.get(api_batch_id)
+        if current.failed_at:  # given up on as stale meanwhile (`_view`)
+            return
+        if current.cancelling_at:  # cancelled while validating: submit nothing
             self.records.update(api_batch_id, cancelled_at=now)
             return
         batch = self.client.submit(validated, chunk_size=self.chunk_size, ttl_seconds=self.ttl_seconds)
@@ -83,28 +123,54 @@ class BatchService:
 
     # --- read --------------------------------------------------------------------------------------------------
 
-    def view(self, api_batch_id: str) -> dict:
+    def view(self, principal: Principal, api_batch_id: str) -> dict:
         """The batch object; moves the batch on when its requests are done or its window has run out."""
+        return self._view(self._visible(principal, api_batch_id))
+
+    def _visible(self, principal: Principal, api_batch_id: str) -> BatchRecord:
         record = self.records.get(api_batch_id)
+        if not principal.can_see(record.project):
+            raise BatchRecordNotFound(api_batch_id)
+        return record
+
+    def _view(self, record: BatchRecord) -> dict:
+        api_batch_id = record.id
+        if self._is_stale_validation(record):
+            now = int(time.time())
+            if record.cancelling_at:
+                self.records.update(api_batch_id, only_if_unset=True, cancelled_at=now)
+            else:
+                message = "the input file's validation did not finish (the server restarted or lost Redis)"
+                errors = [_entry("validation_interrupted", message, None, None)]
+                self.records.update(api_batch_id, only_if_unset=True, errors=errors, failed_at=now)
+            record = self.records.get(api_batch_id)
         status = self._cbq_status(record)
         if status is not None and not record.is_terminal:
             if not status.is_done and time.time() >= record.expires_at and not record.expire_requested_at:
                 self.records.update(api_batch_id, only_if_unset=True, expire_requested_at=int(time.time()))
                 self.client.batch(status.batch_id).cancel()
-            elif status.is_done and self._take_finalize_lock(api_batch_id):
+            elif status.is_done and self.records.take_finalize_lock(api_batch_id):
                 self.records.update(api_batch_id, only_if_unset=True, finalizing_at=int(time.time()))
                 self._pool.submit(self._logged, self._finalize, api_batch_id)
             record = self.records.get(api_batch_id)
         return batch_object(record, status)
 
-    def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        ids, has_more = self.records.list_ids(after, limit)
+    def _is_stale_validation(self, record: BatchRecord) -> bool:
+        return (
+            record.cbq_batch_id is None
+            and not record.is_terminal
+            and time.time() - record.created_at > self.validation_stale_seconds
+        )
+
+    def list(self, principal: Principal, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        listing = principal.listing_project
+        ids, has_more = self.records.list_ids(listing, after, limit)
         out = []
         for api_batch_id in ids:
             try:
-                out.append(self.view(api_batch_id))
+                out.append(self.view(principal, api_batch_id))
             except LookupError:
-                self.records.forget(api_batch_id)
+                self.records.forget(api_batch_id, listing)
         return out, has_more
 
     def _cbq_status(self, record: BatchRecord) -> BatchStatus | None:
@@ -117,19 +183,15 @@ class BatchService:
 
     # --- cancel ------------------------------------------------------------------------------------------------
 
-    def cancel(self, api_batch_id: str) -> dict:
-        record = self.records.get(api_batch_id)
+    def cancel(self, principal: Principal, api_batch_id: str) -> dict:
+        record = self._visible(principal, api_batch_id)
         if not record.is_terminal and not record.finalizing_at:  # finalizing: every request has finished
             self.records.update(api_batch_id, only_if_unset=True, cancelling_at=int(time.time()))
             if record.cbq_batch_id is not None:
                 self.client.batch(record.cbq_batch_id).cancel()
-        return self.view(api_batch_id)
+        return self._view(self.records.get(api_batch_id))
 
     # --- finalize ----------------------------------------------------------------------------------------------
-
-    def _take_finalize_lock(self, api_batch_id: str) -> bool:
-        lock = keys.api_batch_finalize_lock(api_batch_id)
-        return bool(self.client.connection.set(lock, "1", nx=True, ex=FINALIZE_LOCK_SECONDS))
 
     def _finalize(self, api_batch_id: str) -> None:
         """Write the output file (successful requests) and the error file (the others), then the final status."""
@@ -137,8 +199,8 @@ class BatchService:
         assert record.cbq_batch_id is not None, f"{api_batch_id} is finalized before it was submitted"
         ttl = record.output_expires_seconds
         with (
-            self.files.writer(f"{api_batch_id}_output.jsonl", "batch_output", ttl) as output,
-            self.files.writer(f"{api_batch_id}_error.jsonl", "batch_output", ttl) as errors,
+            self.files.writer(f"{api_batch_id}_output.jsonl", "batch_output", record.project, ttl) as output,
+            self.files.writer(f"{api_batch_id}_error.jsonl", "batch_output", record.project, ttl) as errors,
         ):
             num_output = num_errors = 0
             for line in self.client.batch(record.cbq_batch_id).results(format="openai"):
@@ -177,6 +239,8 @@ def _error_entry(error: RequestLineError) -> dict:
     issue = error.issues[0]
     if issue.code == "mismatched_endpoint":
         code = issue.code
+    elif issue.message.startswith("invalid UTF-8"):
+        code = "invalid_encoding"
     elif issue.message.startswith("invalid JSON"):
         code = "invalid_json_line"
     elif issue.message.startswith("duplicate custom_id"):

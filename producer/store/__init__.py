@@ -4,10 +4,12 @@
 - `writes`: the only writer of results, batch counters, the running table and worker stats
 - `reads`: status, results in input order, listings of batches and workers
 - `cancel`: the cancel flag, and cancelling the chunk jobs still queued
+- `api_batches`: the OpenAI batch records of `cbq serve` (`cbq:api:` keys), with their project listings
 
 Imports redis, rq and pydantic, never torch and never `worker`: the worker imports this package, not the reverse.
 """
 
+from producer.store.api_batches import BatchRecord, BatchRecordNotFound, BatchRecords
 from producer.store.cancel import CancelReport, cancel_batch
 from producer.store.reads import (
     BatchNotFinished,
@@ -34,6 +36,9 @@ from producer.store.writes import publish_worker_stats, queue_admission, queue_r
 
 __all__ = [
     "BatchNotFinished",
+    "BatchRecord",
+    "BatchRecordNotFound",
+    "BatchRecords",
     "BatchNotFound",
     "CancelReport",
     "SourceChanged",

@@ -224,6 +224,35 @@ def test_a_wrong_api_key_gets_401(stack):
     assert _get(stack.base_url.removesuffix("/v1") + "/health") is not None  # health needs no key
 
 
+def test_each_key_of_a_plain_key_list_is_a_project_of_its_own(stack, client, tmp_path):
+    # CBQ_API_KEYS=test-key-1,test-key-2: neither key sees, reads, cancels or deletes the other's files and batches.
+    other = openai.OpenAI(base_url=stack.base_url, api_key="test-key-1", max_retries=0, timeout=20)
+    uploaded = client.files.create(
+        file=write_jsonl(tmp_path / "mine.jsonl", openai_lines(2)).open("rb"), purpose="batch"
+    )
+    created = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for call in (
+        lambda: other.files.retrieve(uploaded.id),
+        lambda: other.files.content(uploaded.id),
+        lambda: other.files.delete(uploaded.id),
+        lambda: other.batches.retrieve(created.id),
+        lambda: other.batches.cancel(created.id),
+        lambda: other.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert created.id not in {b.id for b in other.batches.list(limit=100)}
+    assert uploaded.id not in {f.id for f in other.files.list()}
+    batch, _ = wait_for_batch(client, created.id)
+    assert batch.status == "completed" and client.files.retrieve(uploaded.id).id == uploaded.id
+    with pytest.raises(openai.NotFoundError):
+        other.files.content(batch.output_file_id)
+
+
 def test_an_invalid_file_fails_the_batch_with_openai_shaped_errors(stack, client, tmp_path):
     lines = openai_lines(3)
     lines[1]["body"]["temperature"] = -1

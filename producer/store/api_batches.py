@@ -1,15 +1,11 @@
-"""OpenAI batch records: what the server adds to a cbq batch, and how the two become an OpenAI batch object.
+"""The OpenAI batch records of `cbq serve`. Owns `cbq:api:batch:{id}`, its finalize lock, and the listings
+`cbq:api:batches` (every record) and `cbq:api:project:{project}:batches` (one project's records), all named by
+`schemas.keys`.
 
-Owns `cbq:api:batch:{id}` and `cbq:api:batches` (`schemas.keys`). A record holds the fields OpenAI's batch object
-has and cbq's batch lacks (input file, endpoint, window, metadata, the lifecycle timestamps, output files, the
-validation errors). Counts and tokens are never copied: they are read from the cbq batch each time.
-
-Status, from the record's timestamps and the cbq batch (`openai_status`):
-
-    validating -> in_progress -> finalizing -> completed
-    validating -> failed                          (the input file is invalid: `errors` says where)
-    in_progress -> cancelling -> cancelled        (POST /cancel; finished requests stay in the output)
-    in_progress -> finalizing -> expired          (the completion window ran out; the rest was cancelled)
+A record holds what OpenAI's batch object has and cbq's batch lacks (input file, endpoint, window, metadata, the
+lifecycle timestamps, output files, validation errors) and the project that owns it. Counts and tokens are never
+copied: the server reads them from the cbq batch each time. Each record expires `ttl_seconds` after its last
+write; the listings are sorted sets that lose an id when a listing finds its record gone (`forget`).
 """
 
 from __future__ import annotations
@@ -22,9 +18,9 @@ from dataclasses import asdict, dataclass, field, fields
 import redis
 
 from schemas import keys
-from schemas.status import BatchStatus
 
 MAX_REPORTED_ERRORS = 1000  # validation errors kept on a failed batch (the file may have millions of lines)
+FINALIZE_LOCK_SECONDS = 600  # a server process that died while finalizing releases the batch after this
 
 
 class BatchRecordNotFound(LookupError):
@@ -40,6 +36,9 @@ class BatchRecord:
     completion_window: str
     created_at: int
     expires_at: int
+    # The owning project (`producer.server.auth`); None on records written before projects existed, which only
+    # an admin key sees.
+    project: str | None = None
     metadata: dict[str, str] | None = None
     output_expires_seconds: int | None = None  # OpenAI's output_expires_after.seconds
     cbq_batch_id: str | None = None  # set once the input validated and was submitted
@@ -73,6 +72,7 @@ class BatchRecords:
 
     def create(
         self,
+        project: str,
         input_file_id: str,
         endpoint: str,
         completion_window_seconds: int,
@@ -88,6 +88,7 @@ class BatchRecords:
             completion_window=completion_window,
             created_at=now,
             expires_at=now + completion_window_seconds,
+            project=project,
             metadata=metadata,
             output_expires_seconds=output_expires_seconds,
         )
@@ -95,6 +96,7 @@ class BatchRecords:
             pipe.hset(keys.api_batch(record.id), mapping=_encode(asdict(record)))
             pipe.expire(keys.api_batch(record.id), self.ttl_seconds)
             pipe.zadd(keys.API_BATCHES, {record.id: now})
+            pipe.zadd(keys.api_project_batches(project), {record.id: now})
             pipe.execute()
         return record
 
@@ -113,20 +115,31 @@ class BatchRecords:
             pipe.expire(keys.api_batch(api_batch_id), self.ttl_seconds)
             pipe.execute()
 
-    def list_ids(self, after: str | None, limit: int) -> tuple[list[str], bool]:
-        """Up to `limit` batch ids, newest first, after the batch `after`; and whether more follow."""
+    def list_ids(self, project: str | None, after: str | None, limit: int) -> tuple[list[str], bool]:
+        """Up to `limit` batch ids of `project` (None: of every project), newest first, after the batch `after`;
+        and whether more follow."""
+        listing = keys.API_BATCHES if project is None else keys.api_project_batches(project)
         start = 0
         if after is not None:
-            rank = self.conn.zrevrank(keys.API_BATCHES, after)
+            rank = self.conn.zrevrank(listing, after)
             if rank is None:
                 return [], False
             start = rank + 1
-        ids = [raw.decode() for raw in self.conn.zrevrange(keys.API_BATCHES, start, start + limit)]
+        ids = [raw.decode() for raw in self.conn.zrevrange(listing, start, start + limit)]
         return ids[:limit], len(ids) > limit
 
-    def forget(self, api_batch_id: str) -> None:
-        """Drop an expired record from the listing."""
-        self.conn.zrem(keys.API_BATCHES, api_batch_id)
+    def forget(self, api_batch_id: str, project: str | None) -> None:
+        """Drop an expired record from the listings (its project's too, when known)."""
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.zrem(keys.API_BATCHES, api_batch_id)
+            if project is not None:
+                pipe.zrem(keys.api_project_batches(project), api_batch_id)
+            pipe.execute()
+
+    def take_finalize_lock(self, api_batch_id: str) -> bool:
+        """True for the one server process (across processes) that is to write the batch's output files."""
+        lock = keys.api_batch_finalize_lock(api_batch_id)
+        return bool(self.conn.set(lock, "1", nx=True, ex=FINALIZE_LOCK_SECONDS))
 
 
 def _encode(values: dict) -> dict[str, str]:
@@ -151,64 +164,3 @@ def _decode(raw: dict[str, str]) -> dict:
         else:
             out[name] = value
     return out
-
-
-# --- the OpenAI batch object ---------------------------------------------------------------------------------
-
-
-def openai_status(record: BatchRecord, status: BatchStatus | None) -> str:
-    """The OpenAI status of a batch, from its record and (once submitted) its cbq status."""
-    if record.failed_at:
-        return "failed"
-    if record.completed_at:
-        return "completed"
-    if record.cancelled_at:
-        return "cancelled"
-    if record.expired_at:
-        return "expired"
-    if record.cancelling_at:
-        return "cancelling"
-    if status is None:
-        return "validating"
-    return "finalizing" if status.is_done else "in_progress"
-
-
-def batch_object(record: BatchRecord, status: BatchStatus | None) -> dict:
-    """The batch object OpenAI's API returns, with cbq's counts and tokens."""
-    st = status
-    usage = None
-    if st is not None:
-        usage = {
-            "input_tokens": st.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": st.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": st.prompt_tokens + st.completion_tokens,
-        }
-    return {
-        "id": record.id,
-        "object": "batch",
-        "endpoint": record.endpoint,
-        "errors": {"object": "list", "data": record.errors} if record.errors else None,
-        "input_file_id": record.input_file_id,
-        "completion_window": record.completion_window,
-        "status": openai_status(record, st),
-        "output_file_id": record.output_file_id,
-        "error_file_id": record.error_file_id,
-        "created_at": record.created_at,
-        "in_progress_at": record.in_progress_at,
-        "expires_at": record.expires_at,
-        "finalizing_at": record.finalizing_at,
-        "completed_at": record.completed_at,
-        "failed_at": record.failed_at,
-        "expired_at": record.expired_at,
-        "cancelling_at": record.cancelling_at,
-        "cancelled_at": record.cancelled_at,
-        "request_counts": {
-            "total": st.num_total if st else 0,
-            "completed": st.num_completed if st else 0,
-            "failed": st.num_failed if st else 0,
-        },
-        "usage": usage,
-        "metadata": record.metadata,
-    }
