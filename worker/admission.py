@@ -1,6 +1,7 @@
 """Expanding one chunk job into engine requests. Owns the read of a chunk's requests and their tokenization.
 
-A chunk is loaded in one pipeline (batch hash, cancel flag, its stored requests, their existing results).
+A chunk is loaded through `producer.store.chunks` in two round trips (the batch fields its payload is checked
+against, then the cancel flag, its stored requests and their existing results).
 Requests that already have a result are skipped, so a retried chunk never redoes finished work. Anything
 wrong with one request (unreadable stored JSON, a tokenizer error) becomes an error result for that request
 only; a chunk whose batch is gone raises `BatchGone`, which fails that one job.
@@ -15,9 +16,9 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from producer.store.chunks import read_chunk_batch, read_chunk_requests
 from schemas import keys
-from schemas.chunk import ChunkPayload
-from schemas.keys import BatchField
+from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.request import OutputConstraint, Request, Sampling
 from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
 from worker.engine.api import (
@@ -46,37 +47,39 @@ class ChunkWork:
     num_skipped: int = 0  # already had a result (a retried chunk)
 
 
+def load_chunk_job(
+    conn: redis.Redis, job_id: str, func_name: str | None, kwargs: Any, tokenizer: TokenizerProtocol
+) -> ChunkWork:
+    """`load_chunk` for rq job `job_id`, once its function and arguments (rq's `func_name`, `kwargs`) are
+    checked to be a cbq chunk's. Raises ValueError (or pydantic's) for anything else: that job fails."""
+    if func_name != CHUNK_FUNC:
+        raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
+    return load_chunk(conn, ChunkPayload.model_validate(kwargs), tokenizer, job_id=job_id)
+
+
 def load_chunk(
     conn: redis.Redis, payload: ChunkPayload, tokenizer: TokenizerProtocol, job_id: str | None = None
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
     payload fails its job before anything is read or allocated for its range."""
-    meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hmget(keys.batch(payload.batch_id), meta_fields)
-        pipe.hget(keys.batch_jobs(payload.batch_id), job_id or "")
-        (created_at, ttl_seconds, num_requests), recorded_range = pipe.execute()
-    if created_at is None:
+    batch = read_chunk_batch(conn, payload.batch_id, job_id)
+    if batch is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
-    if payload.stop > int(num_requests):
+    if payload.stop > batch.num_requests:
         raise ValueError(
-            f"chunk [{payload.start}, {payload.stop}) is past the batch's {int(num_requests)} requests"
+            f"chunk [{payload.start}, {payload.stop}) is past the batch's {batch.num_requests} requests"
         )
-    if job_id is not None and recorded_range != f"{payload.start}:{payload.stop}".encode():
-        recorded = recorded_range.decode() if recorded_range else "none"
+    if job_id is not None and batch.recorded_range != f"{payload.start}:{payload.stop}":
         raise ValueError(
-            f"job {job_id} carries [{payload.start}, {payload.stop}), but the batch recorded {recorded} for it"
+            f"job {job_id} carries [{payload.start}, {payload.stop}), but the batch recorded "
+            f"{batch.recorded_range or 'none'} for it"
         )
 
     indices = list(payload.indices)
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.exists(keys.batch_cancel(payload.batch_id))
-        pipe.hmget(keys.batch_requests(payload.batch_id), indices)
-        pipe.hmget(keys.batch_results(payload.batch_id), indices)
-        is_cancelled, raw_requests, raw_results = pipe.execute()
-    work = ChunkWork(payload, float(created_at), int(ttl_seconds), bool(is_cancelled))
-    for index, raw_request, raw_result in zip(indices, raw_requests, raw_results, strict=True):
+    stored = read_chunk_requests(conn, payload.batch_id, indices)
+    work = ChunkWork(payload, batch.created_at, batch.ttl_seconds, stored.is_cancelled)
+    for index, raw_request, raw_result in zip(indices, stored.raw_requests, stored.raw_results, strict=True):
         if raw_result is not None:
             work.num_skipped += 1
         elif raw_request is None:
@@ -109,11 +112,14 @@ def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Toke
     work.to_run.append((request, engine_request))
 
 
-def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: str, arrival_time: float) -> EngineRequest:
-    if request.is_chat:
+def to_engine_request(
+    request: Request, tokenizer: TokenizerProtocol, batch_id: str, arrival_time: float
+) -> EngineRequest:
+    if request.messages is not None:
         messages = [m.for_template() for m in request.messages]
         prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools)
     else:
+        assert request.prompt is not None, "a request is chat (messages) or prompt"
         prompt_ids = tokenizer.encode(request.prompt)
     return EngineRequest(
         request_id=keys.engine_request_id(batch_id, request.index),
@@ -124,7 +130,9 @@ def to_engine_request(request: Request, tokenizer: TokenizerProtocol, batch_id: 
     )
 
 
-def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
+def to_sampling_params(
+    sampling: Sampling, params_type: type[SamplingParams] = SamplingParams
+) -> SamplingParams:
     """The engine's SamplingParams, field by field under the same names (lists become tuples, the output
     constraint the engine's `Constraint`)."""
     return params_type(**{name: _engine_value(v) for name, v in sampling})
@@ -147,7 +155,7 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
                 index=sample.index,
                 text=sample.text,
                 token_ids=list(sample.token_ids) if request.return_token_ids else None,
-                finish_reason=sample.finish_reason.value,  # type: ignore[arg-type]  # stop or length
+                finish_reason=sample.finish_reason.value,
                 logprobs=_logprob_lines(sample.logprobs, tokenizer),
             )
             for sample in result.all_samples

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Iterator
+from typing import cast
 
 import click
 
@@ -24,9 +26,11 @@ from producer.options import (
     sampling_options,
 )
 from producer.settings import in_process_redis
+from schemas.result import OpenAIBatchOutputLine, ResultLine
 from worker import queue_worker
 from worker.engine.config import MODES, EngineConfig
-from worker.queue_worker import CbqWorker, RedisUnavailable
+from worker.maintenance import RedisUnavailable
+from worker.queue_worker import CbqWorker
 
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
@@ -317,6 +321,7 @@ def run(
         )
     except SourceChanged as exc:  # FILE was edited while the model loaded
         raise click.ClickException(str(exc)) from None
+    assert batch.submission is not None, "Client.submit returns the batch with its submission"
     click.echo(f"batch {batch.id}: {batch.submission.num_requests} requests", err=True)
     cbq_worker = CbqWorker(
         [queue],
@@ -328,7 +333,8 @@ def run(
     )
     cbq_worker.work(burst=True, logging_level=log_level)
 
-    write_result_lines(output, batch.results(format=output_format, partial=True), output_format, errors)
+    lines = cast("Iterator[ResultLine | OpenAIBatchOutputLine]", batch.results(format=output_format, partial=True))
+    write_result_lines(output, lines, output_format, errors)
     status = batch.status()
     click.echo(format_status(status), err=True)
     if not status.is_done:

@@ -10,14 +10,16 @@ this message) and a person reading the FailedJobRegistry all see what happened.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import redis
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.job import Job
 from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
-from rq.utils import current_timestamp
+from rq.utils import as_text, current_timestamp
+from rq.worker import BaseWorker
 
 from producer import settings
 
@@ -54,9 +56,8 @@ def quarantine_job(conn: redis.Redis, queue: Queue, job_id: str, reason: str) ->
     message = f"cbq: undecodable job data ({reason}); fields: {fields or 'none'}"
     log.error("job %s moved to the FailedJobRegistry: %s", job_id, message)
     started = queue.started_job_registry
-    entries = [
-        e for e in conn.zrange(started.key, 0, -1) if e.decode(errors="replace").startswith(f"{job_id}:")
-    ]
+    members = cast("list[bytes]", conn.zrange(started.key, 0, -1))
+    entries = [e for e in members if as_text(e).startswith(f"{job_id}:")]
     placeholder = Job.create(
         UNDECODABLE_FUNC,
         id=job_id,
@@ -78,11 +79,39 @@ def quarantine_job(conn: redis.Redis, queue: Queue, job_id: str, reason: str) ->
         pipe.execute()
 
 
+def dequeue_decodable(
+    worker: BaseWorker, queues: list[Queue], timeout: int | None
+) -> tuple[Job, Queue] | None:
+    """rq's `dequeue_any` over `queues` for `worker`; a job that cannot even be loaded is quarantined and the
+    next one taken. Redis errors and rq's DequeueTimeout pass through."""
+    while True:
+        try:
+            result = worker.queue_class.dequeue_any(
+                queues,
+                timeout,
+                connection=worker.connection,
+                job_class=worker.job_class,
+                serializer=worker.serializer,
+                death_penalty_class=worker.death_penalty_class,
+            )
+        except (redis.ConnectionError, redis.TimeoutError, DequeueTimeout):
+            raise
+        except Exception as exc:
+            job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
+            if job_id is None or queue is None:
+                raise
+            quarantine_job(worker.connection, queue, job_id, f"{type(exc).__name__}: {exc}")
+            continue
+        if result is not None:
+            worker.reorder_queues(reference_queue=result[1])
+        return result
+
+
 def quarantine_undecodable(conn: redis.Redis, queue: Queue) -> int:
     """Quarantine the undecodable jobs rq's registry cleanup would load now (abandoned started jobs, jobs
     stuck in the intermediate list), so that cleanup cannot die on them. Returns how many."""
     expired = queue.started_job_registry.get_expired_job_ids(current_timestamp())
-    stuck = [j.decode() for j in conn.lrange(queue.intermediate_queue_key, 0, -1)]
+    stuck = [as_text(j) for j in conn.lrange(queue.intermediate_queue_key, 0, -1)]
     num_quarantined = 0
     for job_id in dict.fromkeys([*expired, *stuck]):
         reason = decode_failure(conn, job_id)

@@ -4,6 +4,7 @@
 - `writes`: the only writer of results, batch counters, the running table and worker stats
 - `reads`: status, results in input order, listings of batches and workers
 - `cancel`: the cancel flag, and cancelling the chunk jobs still queued
+- `chunks`: a worker's reads of one chunk job (its batch's fields, its requests and results so far)
 
 Imports redis, rq and pydantic, never torch and never `worker`: the worker imports this package, not the reverse.
 """
@@ -12,6 +13,7 @@ from producer.store.cancel import CancelReport, cancel_batch
 from producer.store.reads import (
     BatchNotFinished,
     BatchNotFound,
+    cancelled_batch_ids,
     find_lost_requests,
     get_status,
     iter_results,
@@ -44,6 +46,7 @@ __all__ = [
     "ValidRequests",
     "ValidatedFile",
     "cancel_batch",
+    "cancelled_batch_ids",
     "find_lost_requests",
     "get_status",
     "iter_results",

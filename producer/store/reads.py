@@ -187,6 +187,15 @@ def find_lost_requests(
     return lost
 
 
+def cancelled_batch_ids(conn: redis.Redis, batch_ids: list[str]) -> list[str]:
+    """The batches among `batch_ids` whose cancel flag is set (workers poll it to abort their chunks)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for batch_id in batch_ids:
+            pipe.exists(keys.batch_cancel(batch_id))
+        flags = pipe.execute()
+    return [batch_id for batch_id, flag in zip(batch_ids, flags, strict=True) if flag]
+
+
 def _is_idle_chunk(conn: redis.Redis, queue: str, job_id: str, status: str | None, live: set[str]) -> bool:
     """The chunk is on no worker: started by one that stopped heartbeating, or back in the queue. (A chunk a
     worker has just popped, before it registers it, is neither: that worker writes it.)"""
