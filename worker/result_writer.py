@@ -1,18 +1,28 @@
 """The exactly-once result writer: settled requests waiting to be written, and the write itself.
 
 Owns the outcomes not yet in Redis (results, and the running-table and counter changes that go with them),
-the write whose reply was lost (in doubt until Redis says whether it happened), and the check, before every
-write, that this worker still owns the chunks it writes for. Chunks found taken over are dropped from the
-in-flight table (`worker.inflight`); chunks with nothing left in flight are handed to `finish_job` (the
-worker's rq handlers) once their last results are written.
+the write in flight (in doubt until Redis says whether it happened), and the check, before every write, that
+this worker still owns the chunks it writes for. Chunks found taken over are dropped from the in-flight table
+(`worker.inflight`); chunks with nothing left in flight are handed to `finish_job` (the worker's rq handlers)
+once their last results are written.
+
+Each write is applied at most once, even when Redis applies it and its reply is lost (Redis killed between
+the two, a connection reset): results are plain HSETs, but the counters are HINCRBYs, which a repeat would
+count twice (issue 31: 2,016 completed of 2,000 behind a proxy that dropped one reply). So every write carries
+a sequence number of this writer's, and its MULTI also sets `cbq:flush:{writer_id}` to that number. A write
+stays "in doubt" from the moment it is sent until Redis answered it; the next attempt (after a WatchError,
+which redis-py raises instead of re-sending when the connection dies while WATCHing, or after an outage) first
+reads the marker under WATCH: at or past the write's number, it went through, and its outcomes count as
+written; otherwise it is sent again under the same number, never with anything added to it.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from rq.job import JobStatus
@@ -26,6 +36,9 @@ from worker.engine.api import EngineResult, FinishReason, TokenizerProtocol
 from worker.inflight import InFlightJob, InFlightTable
 
 FLUSH_ATTEMPTS = 5  # WATCH retries of one flush
+# How long a writer's marker outlives its last write: far longer than a write can stay in doubt (the worker
+# gives up after its Redis outage limit, 300 s by default). One key per worker process.
+FLUSH_MARKER_TTL_SECONDS = 24 * 3600
 
 
 @dataclass
@@ -33,6 +46,34 @@ class Outcome:
     owner: InFlightJob
     result: ResultLine | None  # None: nothing to record (a request aborted by a timeout gets retried)
     from_engine: bool  # the request was counted as running
+
+
+@dataclass
+class _Flush:
+    """One write: its sequence number and what it carries. Once sent, only ever shrinks (chunks taken over
+    meanwhile leave it), so a repeat under the same number never writes what the first send did not."""
+
+    seq: int
+    outcomes: list[Outcome]
+    done: list[InFlightJob]  # chunks with nothing left in flight: their running entry goes, then rq ends them
+    by_batch: dict[str, list[Outcome]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_batch = defaultdict(list)
+        for outcome in self.outcomes:
+            self.by_batch[outcome.owner.payload.batch_id].append(outcome)
+        for owner in self.done:
+            self.by_batch.setdefault(owner.payload.batch_id, [])
+
+    def owners(self) -> list[InFlightJob]:
+        owners = {id(o.owner): o.owner for o in self.outcomes}
+        owners.update((id(owner), owner) for owner in self.done)
+        return list(owners.values())
+
+    def drop(self, owner: InFlightJob) -> None:
+        self.outcomes = [o for o in self.outcomes if o.owner is not owner]
+        self.done = [o for o in self.done if o is not owner]
+        self.__post_init__()
 
 
 class ResultWriter:
@@ -58,7 +99,9 @@ class ResultWriter:
         self.log = log
         self.worker_name = worker_name
         self.outcomes: list[Outcome] = []  # settled requests not yet written to Redis
-        self._num_in_doubt = 0  # the first n outcomes went out in a write whose reply was lost
+        self.writer_id = uuid.uuid4().hex  # names this writer's marker: sequence numbers restart with it
+        self._next_seq = 1
+        self._in_doubt: _Flush | None = None  # sent, and Redis has not said whether it applied it
         self.num_requests_finished = 0
 
     def add(self, outcome: Outcome) -> None:
@@ -95,9 +138,14 @@ class ResultWriter:
         """Write settled requests (one MULTI for all of them), then finish chunks with nothing left in flight."""
         for _ in range(FLUSH_ATTEMPTS):
             try:
+                was_in_doubt = self._in_doubt is not None
                 self._try_flush()
-                return
-            except redis.WatchError:  # someone touched one of these chunk jobs meanwhile: look again
+                if not (was_in_doubt and self.outcomes):
+                    return
+                # that was an earlier write, settled now: what came after it is written next
+            except redis.WatchError:
+                # A chunk job or the marker changed, or the connection died while WATCHing (then the write may
+                # have gone through): the write stays in doubt, and the next attempt looks at the marker first.
                 continue
         self.log.warning(
             "Worker %s: results not written after %d attempts; next turn", self.worker_name, FLUSH_ATTEMPTS
@@ -115,75 +163,59 @@ class ResultWriter:
             )
 
     def _try_flush(self) -> None:
-        if self._num_in_doubt:
-            self._drop_outcomes_already_written()
-        # A chunk is done once nothing of it is in the engine (all its outcomes are in this flush).
-        done_jobs = self.table.done()
-        if not self.outcomes and not done_jobs:
+        flush = self._in_doubt or self._next_flush()
+        if flush is None:
             return
-        involved = {o.owner.job.id: o.owner for o in self.outcomes} | {o.job.id: o for o in done_jobs}
+        self._in_doubt = flush  # until Redis answers, or says it already applied it
+        marker = keys.flush_marker(self.writer_id)
         with self.connection.pipeline(transaction=True) as pipe:
-            # WATCH the chunk jobs: whoever re-enqueues one of them changes its hash, and this write aborts.
-            pipe.watch(*[owner.job.key for owner in involved.values()])
-            for owner in self._taken_over(list(involved.values())):
-                self._disown(owner)
-            done_jobs = [owner for owner in done_jobs if owner.job.id in self.table]
-            outcomes = list(self.outcomes)
-            by_batch: dict[str, list[Outcome]] = defaultdict(list)
-            for outcome in outcomes:
-                by_batch[outcome.owner.payload.batch_id].append(outcome)
-            for owner in done_jobs:
-                by_batch.setdefault(owner.payload.batch_id, [])
-            pipe.multi()
-            for batch_id, group in by_batch.items():
-                done_here = [owner for owner in done_jobs if owner.payload.batch_id == batch_id]
-                queue_results(
-                    pipe,
-                    batch_id,
-                    (group[0].owner if group else done_here[0]).ttl_seconds,
-                    [o.result for o in group if o.result is not None],
-                    running_job_ids=[o.owner.job.id for o in group if o.from_engine],
-                    finished_job_ids=[owner.job.id for owner in done_here],
-                    model=self.model_name,
+            # WATCH the chunk jobs (whoever re-enqueues one changes its hash, and this write aborts) and the
+            # marker (a late copy of this write landing meanwhile aborts it too).
+            pipe.watch(marker, *[owner.job.key for owner in flush.owners()])
+            applied_seq = int(pipe.get(marker) or 0)
+            if applied_seq >= flush.seq:
+                self.log.warning(
+                    "Worker %s: write %d went through though its reply was lost; not repeating it",
+                    self.worker_name,
+                    flush.seq,
                 )
-            # If the reply to EXEC is lost (Redis died), the write may or may not have happened: the next
-            # attempt first looks whether it did (`_drop_outcomes_already_written`).
-            self._num_in_doubt = len(outcomes)
-            try:
+            else:
+                for owner in self._taken_over(flush.owners()):
+                    self._disown(owner)
+                pipe.multi()
+                pipe.set(marker, flush.seq, ex=FLUSH_MARKER_TTL_SECONDS)
+                for batch_id, group in flush.by_batch.items():
+                    done_here = [owner for owner in flush.done if owner.payload.batch_id == batch_id]
+                    queue_results(
+                        pipe,
+                        batch_id,
+                        (group[0].owner if group else done_here[0]).ttl_seconds,
+                        [o.result for o in group if o.result is not None],
+                        running_job_ids=[o.owner.job.id for o in group if o.from_engine],
+                        finished_job_ids=[owner.job.id for owner in done_here],
+                        model=self.model_name,
+                    )
                 pipe.execute()
-            except redis.WatchError:
-                self._num_in_doubt = 0
-                raise
-        self._num_in_doubt = 0
-        del self.outcomes[: len(outcomes)]
-        self._count_written(outcomes)
-        for owner in done_jobs:
+        self._in_doubt = None
+        written = {id(o) for o in flush.outcomes}
+        self.outcomes = [o for o in self.outcomes if id(o) not in written]
+        self._count_written(flush.outcomes)
+        for owner in flush.done:
             self._finish_job(owner)
+
+    def _next_flush(self) -> _Flush | None:
+        """Everything settled so far, and the chunks it completes; None when there is nothing to write."""
+        done = self.table.done()  # all their outcomes are among these (nothing of them is in the engine)
+        if not self.outcomes and not done:
+            return None
+        self._next_seq += 1
+        return _Flush(self._next_seq - 1, list(self.outcomes), done)
 
     def _count_written(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             if outcome.result is not None:
                 outcome.owner.counts[f"num_{OUTCOME_OF_REASON[outcome.result.finish_reason]}"] += 1
                 self.num_requests_finished += 1
-
-    def _drop_outcomes_already_written(self) -> None:
-        """The first `_num_in_doubt` outcomes went out in one MULTI whose reply never came. MULTI is all or
-        nothing, so one of their results tells whether it happened; if it did, they are not written again."""
-        in_doubt = self.outcomes[: self._num_in_doubt]
-        probe = next((o for o in in_doubt if o.result is not None), None)
-        applied = probe is None or bool(
-            self.connection.hexists(
-                keys.batch_results(probe.owner.payload.batch_id),
-                str(probe.result.index),  # type: ignore[union-attr]
-            )
-        )
-        if applied:
-            self.log.warning(
-                "Worker %s: the write before the outage went through; not repeating it", self.worker_name
-            )
-            del self.outcomes[: self._num_in_doubt]
-            self._count_written(in_doubt)
-        self._num_in_doubt = 0
 
     def _taken_over(self, owners: list[InFlightJob]) -> list[InFlightJob]:
         """The chunks among `owners` that this worker no longer owns: their job left the STARTED state or their
@@ -212,6 +244,8 @@ class ResultWriter:
         self.table.drop(owner)
         self._forget_execution(owner)
         self.outcomes = [o for o in self.outcomes if o.owner is not owner]
+        if self._in_doubt is not None:
+            self._in_doubt.drop(owner)
 
 
 def record_for(
