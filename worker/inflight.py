@@ -176,8 +176,8 @@ class InFlightTable:
             if owner.payload.batch_id in cancelled:
                 self.abort(owner, "cancelled")
 
-    def timed_out(self, now: float, num_running: int) -> list[tuple[InFlightJob, float]]:
-        """Chunks past their --job-timeout, with that timeout. A chunk's clock starts when its first request can
+    def timed_out(self, now: float, num_running: int) -> list[tuple[InFlightJob, str]]:
+        """Chunks past their --job-timeout, each with its failure message. A chunk's clock starts when its first request can
         be scheduled, not when it is admitted: chunks are admitted ahead of the engine (up to twice what it
         runs) and wait their turn. The engine schedules in admission order, so a chunk's turn has come once
         fewer requests admitted before it are unfinished than the engine is running."""
@@ -191,5 +191,5 @@ class InFlightTable:
             if owner.started_at is None or timeout is None or timeout <= 0:
                 continue
             if now - owner.started_at > timeout:
-                out.append((owner, float(timeout)))
+                out.append((owner, f"JobTimeoutException: chunk ran longer than {timeout:g} s"))
         return out

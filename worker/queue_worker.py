@@ -55,9 +55,10 @@ from worker import rq_adapter
 from worker.admission import load_chunk_job
 from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
-from worker.job_quarantine import dequeue_decodable, quarantine_job
+from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
 from worker.maintenance import REDIS_ERRORS, Outage, clean_queue_registries, touch
 from worker.result_writer import Outcome, ResultWriter
+from worker.rq_classes import CbqJob, CbqQueue
 from worker.stats_publisher import publish_stats
 
 RESULT_POLL_SECONDS = 0.02  # longest wait for engine results while work is in flight
@@ -106,17 +107,17 @@ class CbqWorker(BaseWorker):
         health_file: str | None = None,
         **kwargs: Any,
     ):
-        kwargs.setdefault("job_monitoring_interval", heartbeat_interval_seconds)
-        kwargs.setdefault("maintenance_interval", maintenance_interval_seconds)
-        kwargs.setdefault("worker_ttl", WORKER_TTL_SECONDS)
-        check_stale_after(stale_after_seconds, kwargs["job_monitoring_interval"])
-        super().__init__(
-            queues,
-            name=name or f"cbq-{uuid.uuid4().hex[:12]}",
-            connection=connection,
-            serializer=JSONSerializer,
+        options = {
+            "job_monitoring_interval": heartbeat_interval_seconds,
+            "maintenance_interval": maintenance_interval_seconds,
+            "worker_ttl": WORKER_TTL_SECONDS,
+            "job_class": CbqJob,  # a job's hash is untrusted data (worker.rq_classes)
+            "queue_class": CbqQueue,
             **kwargs,
-        )
+        }
+        check_stale_after(stale_after_seconds, options["job_monitoring_interval"])
+        name = name or f"cbq-{uuid.uuid4().hex[:12]}"
+        super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer, **options)
         self.stale_after_seconds = int(stale_after_seconds)
         self.redis_outage_limit_seconds = redis_outage_limit_seconds
         self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
@@ -282,17 +283,19 @@ class CbqWorker(BaseWorker):
         """Start an rq execution for `job` and hand its requests to the engine. A bad job fails alone."""
         self.num_jobs_admitted += 1
         try:
-            func_name, kwargs = job.func_name, job.kwargs  # the payload is decoded here, lazily
-        except Exception as exc:
-            # rq's failure handling decodes the payload again, so an undecodable job must not reach it.
+            reason = refusal(job)  # decodes the payload (lazily done by rq)
+        except Exception as exc:  # rq's failure handling decodes the payload again: it must not get this job
             reason = f"{type(exc).__name__}: {exc}"
+        if reason is not None:  # nothing of it is honoured, not even its failure callbacks or webhooks
             self._redis_step(job, queue, None, lambda: quarantine_job(self.connection, queue, job.id, reason))
             return
         execution = self._redis_step(job, queue, None, lambda: self.prepare_execution(job))
         try:
             self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
             try:
-                work = load_chunk_job(self.connection, job.id, func_name, kwargs, self.engine.tokenizer)
+                work = load_chunk_job(
+                    self.connection, job.id, job.func_name, job.kwargs, self.engine.tokenizer
+                )
             except REDIS_ERRORS:
                 raise
             except Exception:
@@ -409,10 +412,8 @@ class CbqWorker(BaseWorker):
         """Cancel flags of the batches in flight, rq stop commands, --job-timeout."""
         if self._due("cancel", CANCEL_POLL_SECONDS):
             self.in_flight.abort_batches(cancelled_batch_ids(self.connection, self.in_flight.batch_ids()))
-            for owner, timeout in self.in_flight.timed_out(time.monotonic(), self.engine.stats().num_running):
-                self.in_flight.abort(
-                    owner, "timeout", f"JobTimeoutException: chunk ran longer than {timeout:g} s"
-                )
+            for owner, failure in self.in_flight.timed_out(time.monotonic(), self.engine.stats().num_running):
+                self.in_flight.abort(owner, "timeout", failure)
         while not self._stop_execution_ids.empty():
             stopped = self.in_flight.by_execution_id(self._stop_execution_ids.get_nowait())
             if stopped is not None:
@@ -485,10 +486,8 @@ class CbqWorker(BaseWorker):
             touch(self.health_file)
 
     def _publish_stats(self, state: str | None = None) -> None:
-        if state is None:
-            state = (
-                "draining" if rq_adapter.is_stop_requested(self) else ("busy" if self.in_flight else "idle")
-            )
+        busy = "busy" if self.in_flight else "idle"
+        state = state or ("draining" if rq_adapter.is_stop_requested(self) else busy)
         publish_stats(
             self.connection,
             self.log,
