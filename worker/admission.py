@@ -83,7 +83,7 @@ def load_chunk(
         if raw_result is not None:
             work.num_skipped += 1
         elif raw_request is None:
-            work.finished_now.append(_error(index, None, "stored request is missing"))
+            work.finished_now.append(error_line(index, None, "stored request is missing"))
         elif work.is_cancelled:
             work.finished_now.append(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
@@ -97,17 +97,19 @@ def _expand_one(work: ChunkWork, index: int, raw_request: bytes, tokenizer: Toke
     try:
         request = Request.model_validate_json(raw_request)
     except ValidationError as exc:
-        work.finished_now.append(_error(index, None, f"stored request is invalid: {exc.errors()[0]['msg']}"))
+        work.finished_now.append(
+            error_line(index, None, f"stored request is invalid: {exc.errors()[0]['msg']}")
+        )
         return
     if request.index != index:
         work.finished_now.append(
-            _error(index, request.custom_id, f"stored request has index {request.index}")
+            error_line(index, request.custom_id, f"stored request has index {request.index}")
         )
         return
     try:
         engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at)
     except Exception as exc:  # a tokenizer failure fails this request, not the chunk
-        work.finished_now.append(_error(index, request.custom_id, f"tokenization failed: {exc!r}"))
+        work.finished_now.append(error_line(index, request.custom_id, f"tokenization failed: {exc!r}"))
         return
     work.to_run.append((request, engine_request))
 
@@ -146,8 +148,22 @@ def _engine_value(value: Any) -> Any:
     return value
 
 
+MAX_ERROR_CHARS = 300  # of a result line's `error`
+
+
+def one_line(message: str) -> str:
+    """`message` on one line of at most MAX_ERROR_CHARS (grammar engines report errors as multi-line dumps)."""
+    flat = " ".join(message.split())
+    return flat if len(flat) <= MAX_ERROR_CHARS else flat[: MAX_ERROR_CHARS - 1] + "…"
+
+
 def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerProtocol) -> ResultLine:
+    """The result line of one engine result. A failed request reports no completion tokens: it returns no text
+    (the engine counts the token a grammar rejected, the one that failed it)."""
     reason = result.finish_reason.value
+    usage = dataclasses.asdict(result.usage)
+    if reason == "error":
+        usage["completion_tokens"] = 0
     samples = None
     if request.n > 1 and reason in ("stop", "length"):
         samples = [
@@ -166,8 +182,8 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
         text=result.text,
         token_ids=list(result.token_ids) if request.return_token_ids else None,
         finish_reason=reason,
-        usage=Usage(**{k: v for k, v in dataclasses.asdict(result.usage).items() if k in Usage.model_fields}),
-        error=(result.error or "the engine reported an error") if reason == "error" else None,
+        usage=Usage(**{k: v for k, v in usage.items() if k in Usage.model_fields}),
+        error=one_line(result.error or "the engine reported an error") if reason == "error" else None,
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
         logprobs=_logprob_lines(result.logprobs, tokenizer) if reason != "error" else None,
         samples=samples,
@@ -197,8 +213,9 @@ def _logprob_lines(
     ]
 
 
-def _error(index: int, custom_id: str | None, message: str) -> ResultLine:
-    return ResultLine(custom_id=custom_id, index=index, finish_reason="error", error=message)
+def error_line(index: int, custom_id: str | None, message: str) -> ResultLine:
+    """A failed request's result line, its message on one line."""
+    return ResultLine(custom_id=custom_id, index=index, finish_reason="error", error=one_line(message))
 
 
 def _custom_id(raw_request: bytes) -> str | None:

@@ -50,9 +50,8 @@ from rq.utils import now as rq_now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
 from producer.store import cancelled_batch_ids, queue_admission
-from schemas.result import ResultLine
 from worker import rq_adapter
-from worker.admission import load_chunk_job
+from worker.admission import error_line, load_chunk_job
 from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
@@ -325,10 +324,9 @@ class CbqWorker(BaseWorker):
                 self.engine.add_request(engine_request)
             except Exception as exc:  # the engine broke its contract for one request: fail that request only
                 self.log.exception("Worker %s: engine rejected %s", self.name, engine_request.request_id)
-                error = ResultLine(
-                    custom_id=request.custom_id, index=request.index, finish_reason="error", error=repr(exc)
+                self.writer.add(
+                    Outcome(owner, error_line(request.index, request.custom_id, repr(exc)), False)
                 )
-                self.writer.add(Outcome(owner, error, from_engine=False))
                 continue
             self.in_flight.add_request(owner, engine_request.request_id, request)
         # Last: if Redis fails here, the requests are in the engine already and their results get written.

@@ -31,7 +31,7 @@ from producer.store import queue_results
 from schemas import keys
 from schemas.request import Request
 from schemas.result import OUTCOME_OF_REASON, ResultLine
-from worker.admission import to_result_line
+from worker.admission import error_line, to_result_line
 from worker.engine.api import EngineResult, FinishReason, TokenizerProtocol
 from worker.inflight import InFlightJob, InFlightTable
 
@@ -258,7 +258,4 @@ def record_for(
     try:
         return to_result_line(request, result, tokenizer)
     except Exception as exc:  # an engine result we cannot record fails that request, not the worker
-        message = f"invalid engine result: {exc!r}"
-        return ResultLine(
-            custom_id=request.custom_id, index=request.index, finish_reason="error", error=message
-        )
+        return error_line(request.index, request.custom_id, f"invalid engine result: {exc!r}")
