@@ -19,8 +19,10 @@ from rq.worker_registration import clean_worker_registry
 from worker.job_quarantine import quarantine_undecodable
 from worker.lost_dequeues import requeue_lost_dequeues
 
-# rq's cleaning lock lasts 899 s: a worker killed while cleaning must not block cleanup that long.
-MAINTENANCE_LOCK_SECONDS = 60
+# rq's cleaning lock lasts 899 s: a worker killed while cleaning (or Redis restarted before the lock was
+# released) must not block cleanup that long. The lock lasts as long as a chunk takes to be taken for abandoned
+# (--stale-after), within these bounds: a dead worker's chunks then wait about the longer of the two.
+MAINTENANCE_LOCK_SECONDS = (10, 60)
 OUTAGE_BACKOFF_SECONDS = (0.25, 5.0)  # first and longest wait between reconnection attempts
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
@@ -34,12 +36,15 @@ def clean_queue_registries(
     queue: Queue,
     exc_handlers: list[Callable[..., Any]],
     lost_dequeue_after_seconds: float,
+    stale_after_seconds: float,
 ) -> None:
     """rq's cleanup of one queue's registries (it re-enqueues or fails the chunks of dead workers), made safe to
     run every few seconds: undecodable jobs are quarantined first, a failure is logged instead of killing the
-    worker, and the per-queue lock is always released (rq's would block cleanup for 15 min)."""
+    worker, and the per-queue lock is released, or expires soon (rq's would block cleanup for 15 min)."""
     conn = worker.connection
-    if not conn.set(queue.registry_cleaning_key, 1, nx=True, ex=MAINTENANCE_LOCK_SECONDS):
+    shortest, longest = MAINTENANCE_LOCK_SECONDS
+    lock_seconds = int(min(longest, max(shortest, stale_after_seconds)))
+    if not _take_lock(conn, queue.registry_cleaning_key, worker.name, lock_seconds):
         return  # another worker is cleaning this queue
     try:
         quarantine_undecodable(conn, queue)
@@ -54,9 +59,18 @@ def clean_queue_registries(
         worker.log.exception("Worker %s: cleaning the registries of queue %s failed", worker.name, queue.name)
     finally:
         try:
-            queue.release_maintenance_lock()
+            if conn.get(queue.registry_cleaning_key) == worker.name.encode():
+                conn.delete(queue.registry_cleaning_key)
         except REDIS_ERRORS:
             pass  # it expires
+
+
+def _take_lock(conn: redis.Redis, key: str, owner: str, seconds: int) -> bool:
+    """SET NX under `owner`'s name. redis-py re-sends a command whose reply was lost, and the re-sent SET NX
+    finds the lock its first copy took: the name tells that it is ours."""
+    if conn.set(key, owner, nx=True, ex=seconds):
+        return True
+    return conn.get(key) == owner.encode()
 
 
 class Outage:

@@ -459,6 +459,7 @@ class CbqWorker(BaseWorker):
                 queue,
                 rq_adapter.exception_handlers(self),
                 min(self.stale_after_seconds, LOST_DEQUEUE_MAX_SECONDS),
+                self.stale_after_seconds,
             )
         self.last_cleaned_at = rq_now()  # type: ignore[assignment]  # rq declares it None
 

@@ -194,10 +194,7 @@ class ReplyDroppingProxy:
                 server.sendall(data)
         except OSError:
             pass
-        for s in (client, server):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
+        _close_both(client, server)
 
     def _take(self, transaction: bytes) -> bool:
         with self._lock:
@@ -217,3 +214,11 @@ class ReplyDroppingProxy:
                 client.sendall(data)
         except OSError:
             pass
+        _close_both(client, server)  # the server went away: so does the client's connection, as without a proxy
+
+
+def _close_both(*sockets: socket.socket) -> None:
+    for s in sockets:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
