@@ -72,6 +72,12 @@ class CbqJob(Job):
     def send_webhooks(self, status: str | JobStatus, *, exc_string: str | None = None) -> None:
         """Never: a job's webhooks are data from Redis, and the worker opens no connection for them."""
 
+    @classmethod
+    def dependents_key_for(cls, job_id: str) -> str:
+        """A key nothing writes: rq's registry cleanup enqueues a failed job's dependents through a plain
+        `Queue` (not `CbqQueue`), reading them from here, so a forged dependents set is never read."""
+        return f"{cls.redis_job_namespace_prefix}{job_id}:dependents-not-read-by-cbq"
+
 
 class CbqQueue(Queue):
     job_class = CbqJob

@@ -109,6 +109,12 @@ RQ_SIGNATURES: list[tuple[Callable[..., Any], list[str]]] = [
     (clean_registries, ["queue", "exception_handlers"]),
     (IntermediateQueue.cleanup, ["worker", "queue"]),
     (Execution.delete, ["job", "pipeline"]),
+    # overridden by worker.rq_classes
+    (Job.restore, ["raw_data"]),
+    (Job.send_webhooks, ["status", "exc_string"]),
+    (Job.dependents_key_for, ["job_id"]),
+    (Queue.enqueue_dependents, ["job", "exclude_job_id", "refresh_job_status"]),
+    (Queue.move_dependents_to_ready, ["job", "pipeline", "exclude_job_id", "refresh_job_status"]),
 ]
 
 
@@ -127,3 +133,13 @@ def test_dequeue_any_takes_what_the_worker_passes():
 
 def test_cbq_work_accepts_every_parameter_of_rqs_work():
     assert _parameters(CbqWorker.work) == _parameters(BaseWorker.work)
+
+
+def test_rq_reads_dependents_and_webhooks_only_through_what_cbq_overrides(rq_worker):
+    """rq's cleanup and handlers reach a job's dependents through `Job.dependents_key` (built from
+    `dependents_key_for`) and its webhooks through `Job.send_webhooks`; if rq stops using them, cbq's overrides
+    would no longer keep a forged job from steering the worker."""
+    source = inspect.getsource(Queue.move_dependents_to_ready)
+    assert "job.dependents_key" in source
+    assert "dependents_key_for(self.id)" in inspect.getsource(Job.__dict__["dependents_key"].fget)
+    assert "send_webhooks" in inspect.getsource(BaseWorker.handle_job_failure)
