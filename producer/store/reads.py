@@ -403,15 +403,19 @@ def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:
 
 
 def list_workers(conn: redis.Redis) -> list[WorkerStats]:
-    """Workers that published stats recently; forgets those whose stats expired."""
-    names = [n.decode() for n in conn.zrange(keys.WORKERS, 0, -1)]
+    """Workers that published stats recently; forgets those whose stats expired. Stats that do not parse (not
+    written by a cbq worker of this version) are left out, never raised."""
+    names = [n.decode(errors="replace") for n in conn.zrange(keys.WORKERS, 0, -1)]
     raw_stats = conn.mget([keys.worker_stats(n) for n in names]) if names else []
     out = []
     for name, raw in zip(names, raw_stats, strict=True):
         if raw is None:
             conn.zrem(keys.WORKERS, name)
-        else:
+            continue
+        try:
             out.append(WorkerStats.model_validate_json(raw))
+        except ValueError:
+            continue
     return out
 
 

@@ -65,3 +65,7 @@ def test_status_and_results_survive_counters_that_are_wrong(redis_server, cbq, t
     assert out.exit_code == 0, out.output
     line = json.loads(out.stdout.splitlines()[3])
     assert line["finish_reason"] == "error" and "stored result is unreadable" in line["error"]
+
+    conn.zadd(keys.WORKERS, {"forged": 1})
+    conn.set(keys.worker_stats("forged"), "{not stats")
+    assert cbq("stats").exit_code == 0
