@@ -21,17 +21,26 @@ HIDDEN = 64
 
 def tiny_config(model_type: str, **overrides):
     """A config shaped like each release in miniature: many experts, top-k 2 to 8."""
-    common = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    common = dict(
+        hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128
+    )
     if model_type == "qwen3_moe":  # Qwen3-30B-A3B: 128 experts, top 8, norm_topk_prob
         kw = dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=48, norm_topk_prob=True)
         return Qwen3MoeConfig(**{**common, **kw, **overrides})
     if model_type == "qwen2_moe":  # Qwen1.5-MoE-A2.7B: 60 experts, top 4, no renormalisation, shared expert
-        kw = dict(num_experts=12, num_experts_per_tok=4, moe_intermediate_size=40, shared_expert_intermediate_size=80)
+        kw = dict(
+            num_experts=12,
+            num_experts_per_tok=4,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=80,
+        )
         return Qwen2MoeConfig(**{**common, **kw, **overrides})
     if model_type == "mixtral":  # 8 experts, top 2
         kw = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96)
         return MixtralConfig(**{**common, **kw, **overrides})
-    kw = dict(num_local_experts=16, num_experts_per_tok=4, intermediate_size=32, head_dim=16)  # gpt-oss-20b: 32, top 4
+    kw = dict(
+        num_local_experts=16, num_experts_per_tok=4, intermediate_size=32, head_dim=16
+    )  # gpt-oss-20b: 32, top 4
     return GptOssConfig(**{**common, **kw, **overrides})
 
 
@@ -79,7 +88,9 @@ def test_reference_equals_transformers_block(model_type, num_tokens):
     with torch.no_grad():
         want = block_output(block, hidden)
         got = moe_forward_ref(hidden, layer, spec)
-        assert torch.equal(moe_forward(hidden, layer, spec), got)  # on the CPU the dispatcher is the reference
+        assert torch.equal(
+            moe_forward(hidden, layer, spec), got
+        )  # on the CPU the dispatcher is the reference
     assert _rel(got, want) < 1e-6, _rel(got, want)
     assert (got - want).abs().max().item() < 1e-5
 
@@ -102,7 +113,10 @@ def test_qwen3_norm_topk_prob_both_ways(norm_topk_prob):
     sums = weights.sum(-1)
     assert torch.allclose(sums, torch.ones_like(sums)) == norm_topk_prob
     with torch.no_grad():
-        assert _rel(moe_forward_ref(hidden, layer_from_block(block, spec), spec), block_output(block, hidden)) < 1e-6
+        assert (
+            _rel(moe_forward_ref(hidden, layer_from_block(block, spec), spec), block_output(block, hidden))
+            < 1e-6
+        )
 
 
 def test_router_picks_what_transformers_picks():

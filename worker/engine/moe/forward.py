@@ -30,8 +30,12 @@ def moe_forward(
     # a workspace on the CPU means the Triton path too (the interpreter tests run it that way)
     if (hidden.is_cuda and triton_moe.HAVE_TRITON) or workspace is not None:
         if workspace is None:
-            raise ValueError("moe_forward on CUDA needs a MoeWorkspace (MoeWorkspace.allocate at the largest step)")
-        out = triton_moe.experts_triton(hidden, topk_weights, topk_ids, layer.experts, spec, workspace, config)
+            raise ValueError(
+                "moe_forward on CUDA needs a MoeWorkspace (MoeWorkspace.allocate at the largest step)"
+            )
+        out = triton_moe.experts_triton(
+            hidden, topk_weights, topk_ids, layer.experts, spec, workspace, config
+        )
     else:
         out = experts_ref(hidden, topk_weights, topk_ids, layer.experts, spec)
     if layer.shared is not None:

@@ -32,7 +32,10 @@ E2M1_TABLE = tuple(e2m1_value(code) for code in range(16))  # 0, .5, 1, 1.5, 2, 
 
 
 def dequantize_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[..., G, 16] uint8 codes and [..., G] uint8 exponents -> [..., G * 32] `dtype` (written into `out` if
     given, which lets a loader fill one expert's slice of a stacked tensor without a temporary of its size)."""

@@ -57,7 +57,9 @@ class MoeSpec:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"MoE top_k {self.top_k} must be in 1..num_experts ({self.num_experts})")
         if self.has_shared_expert_gate and not self.shared_expert_intermediate_size:
-            raise ValueError("MoE shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+            raise ValueError(
+                "MoE shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)"
+            )
 
     @property
     def has_shared_expert(self) -> bool:
@@ -84,7 +86,9 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 
 
 def _refuse(model_type: str, field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"{model_type} config field {field}={value!r} is not supported by cbq's MoE layer: {why}")
+    return ValueError(
+        f"{model_type} config field {field}={value!r} is not supported by cbq's MoE layer: {why}"
+    )
 
 
 def _check_silu(config: Any, model_type: str) -> None:
@@ -104,15 +108,21 @@ def spec_from_config(config: Any) -> MoeSpec:
     GptOssConfig, or anything with their fields and `model_type`)."""
     model_type = _get(config, "model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} has no MoE spec (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"model type {model_type!r} has no MoE spec (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     for field in _FOREIGN_ROUTING_FIELDS:
         value = _get(config, field)
         if value is not None and not (field == "routed_scaling_factor" and value == 1.0):
             raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
     quant = _get(config, "quantization_config")
-    quant_method = (quant or {}).get("quant_method") if isinstance(quant, dict) else _get(quant, "quant_method")
+    quant_method = (
+        (quant or {}).get("quant_method") if isinstance(quant, dict) else _get(quant, "quant_method")
+    )
     if quant is not None and not (model_type == "gpt_oss" and quant_method == "mxfp4"):
-        raise _refuse(model_type, "quantization_config.quant_method", quant_method, "only gpt-oss MXFP4 experts")
+        raise _refuse(
+            model_type, "quantization_config.quant_method", quant_method, "only gpt-oss MXFP4 experts"
+        )
     hidden = config.hidden_size
     top_k = config.num_experts_per_tok
     if model_type in ("qwen3_moe", "qwen2_moe"):

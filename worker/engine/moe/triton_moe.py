@@ -95,15 +95,20 @@ class MoeWorkspace:
     pair_out: torch.Tensor  # [max_tokens * k, H] model dtype
 
     @classmethod
-    def allocate(cls, spec: MoeSpec, max_tokens: int, dtype: torch.dtype, device: torch.device) -> MoeWorkspace:
+    def allocate(
+        cls, spec: MoeSpec, max_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> MoeWorkspace:
         num_pairs = max_tokens * spec.top_k
-        int32 = dict(dtype=torch.int32, device=device)
+
+        def int32(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int32, device=device)
+
         return cls(
             max_tokens=max_tokens,
-            counts=torch.zeros(spec.num_experts, **int32),
-            num_padded=torch.zeros(1, **int32),
-            sorted_pair_ids=torch.zeros(num_pairs + min(spec.num_experts, num_pairs) * (MAX_BLOCK_M - 1), **int32),
-            block_expert_ids=torch.zeros(max_blocks(num_pairs, spec.num_experts, MIN_BLOCK_M), **int32),
+            counts=int32(spec.num_experts),
+            num_padded=int32(1),
+            sorted_pair_ids=int32(num_pairs + min(spec.num_experts, num_pairs) * (MAX_BLOCK_M - 1)),
+            block_expert_ids=int32(max_blocks(num_pairs, spec.num_experts, MIN_BLOCK_M)),
             activated=torch.empty(num_pairs, spec.expert_intermediate_size, dtype=dtype, device=device),
             pair_out=torch.empty(num_pairs, spec.hidden_size, dtype=dtype, device=device),
         )
@@ -205,7 +210,9 @@ if HAVE_TRITON:
         is_col = cols < N
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * K + ks[None, :]
-        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * K + ks[:, None]  # [BLOCK_K, BLOCK_N]
+        w_ptrs = (
+            w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * K + ks[:, None]
+        )  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -218,12 +225,16 @@ if HAVE_TRITON:
                 acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PREC)
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + expert * stride_be + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + expert * stride_be + cols, mask=is_col, other=0.0).to(tl.float32)[
+                None, :
+            ]
         # round where the model rounds (each projection's output is in the model dtype)
         acc = acc.to(dtype).to(tl.float32)
         if GATE_UP:
             if HAS_BIAS:
-                acc_up += tl.load(bias_ptr + expert * stride_be + N + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(bias_ptr + expert * stride_be + N + cols, mask=is_col, other=0.0).to(
+                    tl.float32
+                )[None, :]
             up = acc_up.to(dtype).to(tl.float32)
             if ACTIVATION == 0:
                 result = (acc / (1.0 + tl.exp(-acc))).to(dtype).to(tl.float32) * up
@@ -253,7 +264,9 @@ def experts_triton(
     """What `reference.experts_ref` computes, as five launches with no host sync ([T, H] in hidden's dtype)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = spec.num_experts, spec.expert_intermediate_size
-    assert num_tokens <= workspace.max_tokens, f"{num_tokens} tokens, workspace sized for {workspace.max_tokens}"
+    assert num_tokens <= workspace.max_tokens, (
+        f"{num_tokens} tokens, workspace sized for {workspace.max_tokens}"
+    )
     assert hidden.is_contiguous() and experts.gate_up.is_contiguous() and experts.down.is_contiguous()
     config = config or config_for(spec, num_tokens, hidden.device)
     assert MIN_BLOCK_M <= config.block_m <= MAX_BLOCK_M and MAX_BLOCK_M % config.block_m == 0, config

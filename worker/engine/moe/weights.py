@@ -55,7 +55,7 @@ class MoeLayerWeights:
     def check(self, spec: MoeSpec) -> None:
         """Shapes against the spec; raises ValueError naming the tensor."""
         num_experts, hidden, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
-        want = {
+        want: dict[str, tuple[torch.Tensor | None, tuple[int, ...]]] = {
             "router_weight": (self.router_weight, (num_experts, hidden)),
             "experts.gate_up": (self.experts.gate_up, (num_experts, 2 * inter, hidden)),
             "experts.down": (self.experts.down, (num_experts, hidden, inter)),
@@ -86,7 +86,9 @@ def _deinterleave_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if src.shape != dst.shape:
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(src)
 
 
@@ -95,7 +97,9 @@ def _mlp_prefix(tensors: Mapping[str, torch.Tensor], layer_prefix: str) -> str:
         prefix = f"{layer_prefix}.{name}" if layer_prefix else name
         if f"{prefix}.gate.weight" in tensors or f"{prefix}.router.weight" in tensors:
             return prefix
-    raise ValueError(f"no MoE router at {layer_prefix!r} (looked for mlp.gate, mlp.router, block_sparse_moe.gate)")
+    raise ValueError(
+        f"no MoE router at {layer_prefix!r} (looked for mlp.gate, mlp.router, block_sparse_moe.gate)"
+    )
 
 
 def _per_expert_names(tensors: Mapping[str, torch.Tensor], experts: str) -> tuple[str, str, str] | None:
@@ -128,11 +132,18 @@ def load_moe_layer(
     if f"{experts}.gate_up_proj_blocks" in tensors:  # released gpt-oss: MXFP4, rows [out, in] already
 
         def fill(e: int) -> None:
-            blocks, scales = tensors[f"{experts}.gate_up_proj_blocks"], tensors[f"{experts}.gate_up_proj_scales"]
+            blocks, scales = (
+                tensors[f"{experts}.gate_up_proj_blocks"],
+                tensors[f"{experts}.gate_up_proj_scales"],
+            )
             rows = dequantize_mxfp4(blocks[e].to(device), scales[e].to(device), dtype)
             _copy(gate_up[e], _deinterleave_rows(rows), f"{experts}.gate_up_proj_blocks")
             blocks, scales = tensors[f"{experts}.down_proj_blocks"], tensors[f"{experts}.down_proj_scales"]
-            _copy(down[e], dequantize_mxfp4(blocks[e].to(device), scales[e].to(device), dtype), f"{experts}.down_proj_blocks")
+            _copy(
+                down[e],
+                dequantize_mxfp4(blocks[e].to(device), scales[e].to(device), dtype),
+                f"{experts}.down_proj_blocks",
+            )
 
     elif f"{experts}.gate_up_proj" in tensors:  # transformers 5.x stacked parameters
         stacked_gate_up, stacked_down = tensors[f"{experts}.gate_up_proj"], tensors[f"{experts}.down_proj"]
@@ -149,7 +160,11 @@ def load_moe_layer(
         gate_name, up_name, down_name = names
 
         def fill(e: int) -> None:
-            for dst, name in ((gate_up[e, :inter], gate_name), (gate_up[e, inter:], up_name), (down[e], down_name)):
+            for dst, name in (
+                (gate_up[e, :inter], gate_name),
+                (gate_up[e, inter:], up_name),
+                (down[e], down_name),
+            ):
                 _copy(dst, tensors[f"{experts}.{e}.{name}.weight"], f"{experts}.{e}.{name}.weight")
 
     else:
@@ -168,11 +183,18 @@ def load_moe_layer(
     shared = None
     if spec.has_shared_expert:
         prefix = f"{mlp}.shared_expert"
-        shared_gate_up = torch.cat((tensors[f"{prefix}.gate_proj.weight"], tensors[f"{prefix}.up_proj.weight"]))
+        shared_gate_up = torch.cat(
+            (tensors[f"{prefix}.gate_proj.weight"], tensors[f"{prefix}.up_proj.weight"])
+        )
         gate = to_device(tensors[f"{mlp}.shared_expert_gate.weight"]) if spec.has_shared_expert_gate else None
-        shared = SharedExpertWeights(to_device(shared_gate_up), to_device(tensors[f"{prefix}.down_proj.weight"]), gate)
+        shared = SharedExpertWeights(
+            to_device(shared_gate_up), to_device(tensors[f"{prefix}.down_proj.weight"]), gate
+        )
     layer = MoeLayerWeights(
-        to_device(tensors[f"{router}.weight"]), router_bias, ExpertWeights(gate_up, down, gate_up_bias, down_bias), shared
+        to_device(tensors[f"{router}.weight"]),
+        router_bias,
+        ExpertWeights(gate_up, down, gate_up_bias, down_bias),
+        shared,
     )
     layer.check(spec)
     return layer
