@@ -10,11 +10,6 @@ imported (tiny shapes, a few seconds); on CUDA as a `gpu` test. By hand:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -31,7 +26,7 @@ from worker.engine.moe import (
 from worker.engine.moe import triton_moe as tm
 from worker.engine.moe.reference import experts_ref, route, shared_expert_forward
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from .test_fused_kernels import _interpret
 
 SMALL = tm.LaunchConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 WIDE = tm.LaunchConfig(block_m=32, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)
@@ -187,13 +182,7 @@ print("moe triton matches")
 
 @pytest.mark.skipif(not tm.HAVE_TRITON, reason="triton is not installed")
 def test_triton_moe_matches_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "moe triton matches" in proc.stdout
+    _interpret(CHECK, "moe triton matches")
 
 
 @pytest.mark.gpu

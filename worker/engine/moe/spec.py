@@ -123,45 +123,39 @@ def spec_from_config(config: Any) -> MoeSpec:
         raise _refuse(
             model_type, "quantization_config.quant_method", quant_method, "only gpt-oss MXFP4 experts"
         )
-    hidden = config.hidden_size
-    top_k = config.num_experts_per_tok
+    family: dict[str, Any]
     if model_type in ("qwen3_moe", "qwen2_moe"):
         _check_silu(config, model_type)
-        num_experts = config.num_experts
-        shared = config.shared_expert_intermediate_size if model_type == "qwen2_moe" else 0
-        return MoeSpec(
-            model_type=model_type,
-            num_experts=num_experts,
-            top_k=top_k,
-            hidden_size=hidden,
+        family = dict(
+            num_experts=config.num_experts,
             expert_intermediate_size=config.moe_intermediate_size,
             norm_topk_prob=bool(config.norm_topk_prob),
-            shared_expert_intermediate_size=shared,
-            has_shared_expert_gate=model_type == "qwen2_moe",  # Qwen2MoeSparseMoeBlock always builds it
         )
-    if model_type == "mixtral":
+        if model_type == "qwen2_moe":  # Qwen2MoeSparseMoeBlock always builds the shared expert and its gate
+            family |= dict(
+                shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                has_shared_expert_gate=True,
+            )
+    elif model_type == "mixtral":
         _check_silu(config, model_type)
-        return MoeSpec(
-            model_type=model_type,
+        family = dict(
             num_experts=config.num_local_experts,
-            top_k=top_k,
-            hidden_size=hidden,
             expert_intermediate_size=config.intermediate_size,
             norm_topk_prob=True,  # MixtralTopKRouter always renormalises the chosen weights
         )
-    # gpt_oss: hidden_act is not read by its experts (they use the clamped SwiGLU below)
+    else:  # gpt_oss: hidden_act is not read by its experts (they use the clamped SwiGLU)
+        family = dict(
+            num_experts=config.num_local_experts,
+            expert_intermediate_size=config.intermediate_size,
+            scoring=RouterScoring.SOFTMAX_OVER_TOPK,
+            has_router_bias=True,
+            has_expert_bias=True,
+            activation=Activation.CLAMPED_SWIGLU,
+            swiglu_alpha=float(config.swiglu_alpha),
+            swiglu_limit=float(config.swiglu_limit),
+        )
     return MoeSpec(
-        model_type=model_type,
-        num_experts=config.num_local_experts,
-        top_k=top_k,
-        hidden_size=hidden,
-        expert_intermediate_size=config.intermediate_size,
-        scoring=RouterScoring.SOFTMAX_OVER_TOPK,
-        has_router_bias=True,
-        has_expert_bias=True,
-        activation=Activation.CLAMPED_SWIGLU,
-        swiglu_alpha=float(config.swiglu_alpha),
-        swiglu_limit=float(config.swiglu_limit),
+        model_type=model_type, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size, **family
     )
 
 

@@ -310,30 +310,23 @@ def experts_triton(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    _expert_gemm_kernel[(blocks_m * triton.cdiv(inter, config.block_n),)](
-        hidden,
-        experts.gate_up,
-        experts.gate_up_bias if has_bias else experts.gate_up,
-        pair_weights,
-        activated,
-        N=inter,
-        K=hidden_size,
-        stride_we=experts.gate_up.stride(0),
-        stride_be=2 * inter,
-        GATE_UP=True,
-        **common,
+    # (A rows, weights [E, N (x2), K], bias or None, out [P, N], N, K, gate/up?)
+    projections = (
+        (hidden, experts.gate_up, experts.gate_up_bias, activated, inter, hidden_size, True),
+        (activated, experts.down, experts.down_bias, pair_out, hidden_size, inter, False),
     )
-    _expert_gemm_kernel[(blocks_m * triton.cdiv(hidden_size, config.block_n),)](
-        activated,
-        experts.down,
-        experts.down_bias if has_bias else experts.down,
-        pair_weights,
-        pair_out,
-        N=hidden_size,
-        K=inter,
-        stride_we=experts.down.stride(0),
-        stride_be=hidden_size,
-        GATE_UP=False,
-        **common,
-    )
+    for a, weight, bias, out, n, k, is_gate_up in projections:
+        _expert_gemm_kernel[(blocks_m * triton.cdiv(n, config.block_n),)](
+            a,
+            weight,
+            weight if bias is None else bias,  # never read without HAS_BIAS
+            pair_weights,
+            out,
+            N=n,
+            K=k,
+            stride_we=weight.stride(0),
+            stride_be=0 if bias is None else bias.stride(0),
+            GATE_UP=is_gate_up,
+            **common,
+        )
     return pair_out.view(num_tokens, spec.top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
