@@ -207,3 +207,15 @@ def test_launch_config_table_and_heuristic():
     table = tm.LAUNCH_CONFIGS[(128, 768, "NVIDIA H200")]
     assert table[min(m for m in table if m >= 32)].block_m == 16
     assert tm.config_for(spec, 32, torch.device("cpu")) == tm.heuristic_config(spec, 32)
+
+
+@pytest.mark.skipif(not tm.HAVE_TRITON, reason="triton is not installed")
+def test_empty_step_launches_nothing():
+    spec = _spec("silu")
+    layer = _layer(spec, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    ws = MoeWorkspace.allocate(spec, 4, torch.float32, torch.device("cpu"))
+    hidden = torch.zeros(0, spec.hidden_size)
+    assert moe_forward(hidden, layer, spec, ws).shape == (
+        0,
+        spec.hidden_size,
+    )  # no kernel runs (no interpreter)

@@ -18,6 +18,7 @@ fixed T. Decode (a few tokens per expert) and prefill (many) differ only in the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,8 +68,13 @@ def heuristic_config(spec: MoeSpec, num_tokens: int) -> LaunchConfig:
     return _MID if pairs_per_expert <= 64 else _PREFILL
 
 
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def config_for(spec: MoeSpec, num_tokens: int, device: torch.device) -> LaunchConfig:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = _device_name(device)
     table = LAUNCH_CONFIGS.get((spec.num_experts, spec.expert_intermediate_size, name))
     if table is None:
         return heuristic_config(spec, num_tokens)
@@ -268,6 +274,8 @@ def experts_triton(
         f"{num_tokens} tokens, workspace sized for {workspace.max_tokens}"
     )
     assert hidden.is_contiguous() and experts.gate_up.is_contiguous() and experts.down.is_contiguous()
+    if num_tokens == 0:
+        return torch.zeros_like(hidden)
     config = config or config_for(spec, num_tokens, hidden.device)
     assert MIN_BLOCK_M <= config.block_m <= MAX_BLOCK_M and MAX_BLOCK_M % config.block_m == 0, config
     num_pairs = num_tokens * spec.top_k
