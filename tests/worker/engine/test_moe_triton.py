@@ -33,7 +33,8 @@ WIDE = tm.LaunchConfig(block_m=32, block_n=16, block_k=32, group_m=1, num_warps=
 
 
 def _spec(kind: str) -> MoeSpec:
-    # I = 48 and H = 40 do not tile by the 32/16 blocks above: the masks are exercised
+    # I = 48 and H = 40 do not tile by the 32/16 blocks above: the masks are exercised (and EVEN_K where
+    # K = I = 48 meets BLOCK_K = 16)
     if kind == "silu":
         return MoeSpec(
             "qwen3_moe",

@@ -196,6 +196,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         # consecutive programs share a column block over GROUP_M row blocks (the same expert's weight tile in L2)
@@ -222,12 +223,17 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
-            a = tl.load(a_ptrs + k0, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & is_col[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if EVEN_K:  # no mask along K (the contiguous dim), so the loads stay vectorised
+                a_mask = is_pair[:, None]
+                w_mask = is_col[None, :]
+            else:
+                k_ok = ks < K - k0
+                a_mask = is_pair[:, None] & k_ok[None, :]
+                w_mask = k_ok[:, None] & is_col[None, :]
+            a = tl.load(a_ptrs + k0, mask=a_mask, other=0.0)
+            acc = tl.dot(a, tl.load(w_ptrs + k0, mask=w_mask, other=0.0), acc, input_precision=DOT_PREC)
             if GATE_UP:  # the up rows sit N rows below the gate rows
-                w_up = tl.load(w_ptrs + N * K + k0, mask=k_ok[:, None] & is_col[None, :], other=0.0)
+                w_up = tl.load(w_ptrs + N * K + k0, mask=w_mask, other=0.0)
                 acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PREC)
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
@@ -335,6 +341,7 @@ def experts_triton(
             stride_we=weight.stride(0),
             stride_be=0 if bias is None else bias.stride(0),
             GATE_UP=is_gate_up,
+            EVEN_K=k % config.block_k == 0,
             **common,
         )
     return pair_out.view(num_tokens, spec.top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
