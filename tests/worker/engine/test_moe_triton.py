@@ -190,6 +190,29 @@ def test_triton_moe_matches_reference_in_the_interpreter():
 @pytest.mark.skipif(not (torch.cuda.is_available() and tm.HAVE_TRITON), reason="needs CUDA, triton")
 def test_gpu_triton_moe_matches_reference():
     check_triton("cuda")
+    check_release_shapes("cuda")
+
+
+def check_release_shapes(device: str, token_counts=(2048, 256, 32, 1)) -> None:
+    """The Qwen3-30B-A3B and gpt-oss-20b layer shapes in bf16 with the launch-config table's own choices, at
+    decode and prefill sizes (GPU only: too big for the interpreter)."""
+    qwen = MoeSpec("qwen3_moe", 128, 8, 2048, 768, norm_topk_prob=True)
+    oss = MoeSpec(
+        "gpt_oss", 32, 4, 2880, 2880, scoring=RouterScoring.SOFTMAX_OVER_TOPK, has_router_bias=True,
+        has_expert_bias=True, activation=Activation.CLAMPED_SWIGLU,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+    for spec in (qwen, oss):
+        layer = _layer(spec, torch.bfloat16, dev, gen)
+        ws = MoeWorkspace.allocate(spec, 2048, torch.bfloat16, dev)
+        for num_tokens in token_counts:
+            hidden = torch.randn(num_tokens, spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
+            topk_weights, topk_ids = route(hidden, layer.router_weight, layer.router_bias, spec)
+            want = experts_ref(hidden.double(), topk_weights.double(), topk_ids, _double(layer).experts, spec)
+            got = tm.experts_triton(hidden, topk_weights, topk_ids, layer.experts, spec, ws)
+            tol = 2 * _rel(experts_ref(hidden, topk_weights, topk_ids, layer.experts, spec), want)
+            assert _rel(got, want) < tol, (spec.model_type, num_tokens, _rel(got, want), tol)
 
 
 def test_max_blocks_bounds_every_routing():
