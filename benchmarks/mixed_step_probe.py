@@ -163,8 +163,8 @@ class Probe:
 
         base = self.dec.ops
         if "gate_up" in names:  # the large-step path: the GEMM, then silu_mul
-            from worker.engine import fused_kernels as fk
             from worker.engine.decoder import gate_up_then_silu
+            from worker.engine.kernels import fused as fk
 
             return dataclasses.replace(base, linear=linear, gate_up_silu=gate_up_then_silu(linear, fk.silu_mul))
         return dataclasses.replace(base, linear=linear)

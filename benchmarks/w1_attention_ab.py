@@ -3,7 +3,7 @@
     python3 benchmarks/w1_attention_ab.py                      # every variant once, landed code first and last
     python3 benchmarks/w1_attention_ab.py --rounds 2 landed reduce-2-warps
 
-Each variant swaps `attention_triton.paged_decode_attention` (or one of its rules) while its engine is built and
+Each variant swaps `kernels.attention.paged_decode_attention` (or one of its rules) while its engine is built and
 run, so its CUDA graphs capture the swapped kernel. The stubs give wrong tokens on purpose: they time the step
 with attention's KV reads (or the whole attention) taken out, not a usable engine.
   landed          the code as it is
@@ -11,7 +11,7 @@ with attention's KV reads (or the whole attention) taken out, not a usable engin
   stub            the landed kernels, every context clamped to 1 token: their launches and waits, no KV reads
   stub-1-split    the same with one split (one kernel, no reduce)
   splits-2        at most 2 context splits (faster at W1's shape, but the split count then changes with the
-                  batch size where sync and async steps differ: see attention_triton.decode_num_splits)
+                  batch size where sync and async steps differ: see kernels.attention.decode_num_splits)
   reduce-2-warps  the split-K reduce with the rule before 2026-11-30 (2 warps, 4 from 2,048 values)
   stages-5        the split kernel with 5 pipeline stages instead of 3 (K/V tile t+1 loads while tile t computes)
   1-split-stages-5  the same with one split: no reduce kernel, batch-invariant, 28.6 against 33.5 us alone
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.bench.ab import chosen_variants, run_engine_ab, variant_parser  # noqa: E402
-from worker.engine import attention_triton as at  # noqa: E402
+from worker.engine.kernels import attention as at  # noqa: E402
 
 LANDED = at.paged_decode_attention
 
@@ -49,7 +49,7 @@ def _no_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=No
     return out.copy_(q)
 
 
-# Each variant: the attention_triton attributes it swaps while its engine is built and run.
+# Each variant: the kernels.attention attributes it swaps while its engine is built and run.
 VARIANTS = {
     "landed": {},
     "none": dict(paged_decode_attention=_no_attention),

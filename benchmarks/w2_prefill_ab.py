@@ -4,7 +4,7 @@
     python3 benchmarks/w2_prefill_ab.py --rounds 2 landed stages-5
     python3 benchmarks/w2_prefill_ab.py --kernels-only            # the bit-equality check and kernel times only
 
-Each variant swaps `attention_triton._prefill_config` (BLOCK_M, BLOCK_N, warps, stages for full query tiles) while
+Each variant swaps `kernels.attention._prefill_config` (BLOCK_M, BLOCK_N, warps, stages for full query tiles) while
 its engine is built and run. Before the runs it checks, on a random paged batch, that every variant's prefill output
 equals the landed one's bit for bit (same KV tile order, so it should), and prints the kernel's time per variant.
   landed      the code as it is
@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.bench.ab import chosen_variants, patched, run_engine_ab, variant_parser  # noqa: E402
-from worker.engine import attention_triton as at  # noqa: E402
+from worker.engine.kernels import attention as at  # noqa: E402
 
-# Each variant: the attention_triton attributes it swaps while its engine is built and run.
+# Each variant: the kernels.attention attributes it swaps while its engine is built and run.
 VARIANTS = {
     "landed": {},
     "stages-3": dict(_prefill_config=lambda head_dim, dtype, device=None: (128, 64, 8, 3)),

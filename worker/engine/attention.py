@@ -3,7 +3,7 @@
 Owns nothing: the cache tensors belong to the model runner, the metadata to the batch builder.
 Two implementations share one calling convention:
   - plain torch (this file): the reference, used on CPU and in tests;
-  - Triton (`attention_triton.py`): used on CUDA.
+  - Triton (`kernels/attention.py`): used on CUDA.
 
 Conventions (all index tensors int32 unless stated):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]

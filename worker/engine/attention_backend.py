@@ -63,7 +63,7 @@ class AttentionBackend:
         self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int, pdl: bool = False
     ) -> torch.Tensor:
         """Attention of this step's rows for layer `layer_idx` (which picks its sliding window). `pdl`: the
-        decode kernels launch with programmatic dependent launch (pdl.py; ignored here)."""
+        decode kernels launch with programmatic dependent launch (kernels/pdl.py; ignored here)."""
         return paged_attention_ref(
             q,
             k_cache,
@@ -82,9 +82,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self):
-        from . import attention_triton
+        from .kernels import attention
 
-        self._k = attention_triton
+        self._k = attention
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._k.write_kv(key, value, k_cache, v_cache, slot_mapping)

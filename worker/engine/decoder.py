@@ -10,7 +10,7 @@ epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's q/k norm
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
 norms and the KV write). On CPU the same structure runs through the torch references in
-`fused_kernels.py`, which compute transformers' functions exactly; fp32 greedy output equals
+`kernels/fused.py`, which compute transformers' functions exactly; fp32 greedy output equals
 `model.generate` token for token (tests/worker/engine/test_engine_exact.py).
 
 Rotary uses the model's own `inv_freq` and `attention_scaling` (default, llama3, yarn, linear, ...
@@ -19,8 +19,8 @@ time ("dynamic", "longrope") are not supported here: `unsupported_reason` says s
 transformers' forward for them.
 
 Steps of at most `decode_gemm.MAX_TOKENS` tokens (small decode batches, W1) take the small-step path
-on sm90+: Triton weight GEMMs (decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, rotary and the KV
-write in the QKV GEMM's, and every launch chained by programmatic dependent launch (pdl.py), so each kernel is
+on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, rotary and the KV
+write in the QKV GEMM's, and every launch chained by programmatic dependent launch (kernels/pdl.py), so each kernel is
 already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
 
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
@@ -36,11 +36,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from . import decode_gemm
-from . import fused_kernels as fk
 from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
 from .fused_weights import LayerWeights, layer_weights
+from .kernels import decode_gemm
+from .kernels import fused as fk
 from .models import SUPPORTED_MODEL_TYPES
 
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -82,7 +82,7 @@ def gate_up_then_silu(linear: Callable, silu_mul: Callable) -> Callable:
 
 def layer_ops(use_triton: bool, small_step: bool, pdl: bool = True) -> LayerOps:
     """The torch twins (CPU), the Triton element-wise kernels with cuBLAS, or the small-step path
-    (decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests)."""
+    (kernels/decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests)."""
     if small_step:
         return LayerOps(
             add_rmsnorm=partial(fk.add_rmsnorm, pdl=pdl),
@@ -185,7 +185,7 @@ def build_decoder(
     model, choice: str, device: torch.device, max_model_len: int, use_triton: bool, gemm: str = "cublas"
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
-    `gemm` is EngineConfig.decode_gemm: whether small steps take decode_gemm.py's path."""
+    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):

@@ -36,7 +36,6 @@ from .attention_backend import (
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
 from .decoder import build_decoder
-from .fused_ops import install_fused_rmsnorm, install_fused_rotary
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache
 from .sampler import apply_penalties, sample
@@ -129,9 +128,6 @@ class ModelRunner:
             backend = "triton" if self.is_cuda else "torch"
         self.attn_backend = TritonAttentionBackend() if backend == "triton" else AttentionBackend()
         self.sliding_windows = sliding_windows_of(model.config)
-        if self.is_cuda and config.fused_kernels:
-            install_fused_rmsnorm(model)
-            install_fused_rotary(model)
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,

@@ -18,19 +18,10 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+from .common import HAVE_TRITON, next_pow2, tl, triton
 
+if HAVE_TRITON:
     from .pdl import pdl_wait_and_release
-
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs
-    HAVE_TRITON = False
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 # -- torch references (CPU path) ------------------------------------------------------------------------
@@ -225,7 +216,7 @@ def add_rmsnorm(x, residual, weight, eps, pdl: bool = False):
     out = torch.empty_like(x)
     num_rows, num_cols = x.shape
     if num_rows:
-        block = _next_pow2(num_cols)
+        block = next_pow2(num_cols)
         _add_rmsnorm_kernel[(num_rows,)](
             x,
             x if residual is None else residual,
@@ -247,7 +238,7 @@ def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
-        block = min(1024, _next_pow2(inter))
+        block = min(1024, next_pow2(inter))
         _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             gate_up, out, inter, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl
         )
@@ -278,8 +269,8 @@ def qkv_rope_write(
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    block_half = _next_pow2(head_dim // 2)
-    heads_per_prog = max(1, min(_next_pow2(num_heads + 2 * num_kv_heads), 1024 // block_half))
+    block_half = next_pow2(head_dim // 2)
+    heads_per_prog = max(1, min(next_pow2(num_heads + 2 * num_kv_heads), 1024 // block_half))
     num_progs = triton.cdiv(num_heads + 2 * num_kv_heads, heads_per_prog)
     has_norm = q_norm is not None
     _qkv_rope_write_kernel[(num_tokens, num_progs)](
