@@ -15,8 +15,8 @@ try:  # CPU-only CI may have no Triton; the engine calls the kernels only on CUD
 
     HAVE_TRITON = True
 except Exception:  # ImportError, or a broken install: either way, no kernels
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
+    tl = None
     HAVE_TRITON = False
 
 
