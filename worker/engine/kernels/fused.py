@@ -34,15 +34,27 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * normed
 
 
-def add_rmsnorm_ref(x, residual, weight, eps):
-    """Returns (rmsnorm(x + residual), x + residual); residual None means the sum is x itself."""
+def rmsnorm_one_plus_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: everything in fp32, times (1 + weight), rounded to x's dtype once at the end."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rmsnorm_ref(x, residual, weight, eps, norm=rmsnorm_ref):
+    """Returns (norm(x + residual), x + residual); residual None means the sum is x itself."""
     residual = x if residual is None else residual + x
-    return rmsnorm_ref(residual, weight, eps), residual
+    return norm(residual, weight, eps), residual
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_pytorch_tanh(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,9 +63,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def qkv_rope_write_ref(
-    qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, num_heads, num_kv_heads, write_kv
+    qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, num_heads, num_kv_heads, write_kv, norm=rmsnorm_ref
 ) -> torch.Tensor:
-    """Split, (q/k norm), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
+    """Split, (q/k `norm` per head), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
     num_tokens = qkv.shape[0]
     head_dim = cos_table.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -61,7 +73,7 @@ def qkv_rope_write_ref(
     k = k.view(num_tokens, num_kv_heads, head_dim)
     v = v.view(num_tokens, num_kv_heads, head_dim)
     if q_norm is not None:
-        q, k = rmsnorm_ref(q, q_norm, eps), rmsnorm_ref(k, k_norm, eps)
+        q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
     cos = cos_table[positions][:, None, :]
     sin = sin_table[positions][:, None, :]
     q = q * cos + _rotate_half(q) * sin
