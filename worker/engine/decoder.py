@@ -53,9 +53,13 @@ from .models.spec import Activation, DecoderArgs, Family, NormKind, QKNormSpan
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 # What this file implements, as torch ops (the CPU path, and the CUDA path of families the Triton kernels lack).
-NORMS = {NormKind.RMS: fk.rmsnorm_ref, NormKind.RMS_ONE_PLUS: fk.rmsnorm_one_plus_ref}
+NORMS = {
+    NormKind.RMS: fk.rmsnorm_ref,
+    NormKind.RMS_ONE_PLUS: fk.rmsnorm_one_plus_ref,
+    NormKind.RMS_FP32_WEIGHT: fk.rmsnorm_fp32_weight_ref,
+}
 ACTIVATIONS = {Activation.SILU: fk.silu_mul_ref, Activation.GELU_TANH: fk.gelu_tanh_mul_ref}
-QK_NORM_SPANS = (QKNormSpan.HEAD,)
+QK_NORM_SPANS = (QKNormSpan.HEAD, QKNormSpan.FULL)
 
 
 def unsupported_reason(model) -> str | None:
@@ -64,9 +68,10 @@ def unsupported_reason(model) -> str | None:
         family, args = family_for(model.config)
     except ModelLoadError as exc:
         return str(exc)
-    rope_type = getattr(submodule(model, family.rotary_path), "rope_type", "default")
-    if rope_type in DYNAMIC_ROPE_TYPES:
-        return f"rope type {rope_type!r} changes its frequencies at run time"
+    rope_types = getattr(submodule(model, family.rotary_path), "rope_type", "default")
+    for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:  # per layer type
+        if rope_type in DYNAMIC_ROPE_TYPES:
+            return f"rope type {rope_type!r} changes its frequencies at run time"
     return unimplemented(family, args)
 
 
@@ -77,8 +82,6 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
         return f"{family.name}: norm {family.norm.value}"
     if args.activation not in ACTIVATIONS:
         return f"{family.name}: activation {args.activation.value}"
-    if layer.attn_in_norm is None or layer.mlp_in_norm is None:
-        return f"{family.name}: layers without pre-norms"
     if layer.q_norm is not None and layer.qk_norm_span not in QK_NORM_SPANS:
         return f"{family.name}: q/k norm over the {layer.qk_norm_span.value} projection"
     return None
@@ -88,7 +91,9 @@ def has_llama_layer(family: Family, args: DecoderArgs) -> bool:
     """Whether the Triton element-wise kernels and small-step GEMMs compute this family's layer."""
     layer = family.layer
     plain_layer = family.norm == NormKind.RMS and args.activation == Activation.SILU
-    return plain_layer and layer.attn_out_norm is None and layer.mlp_out_norm is None
+    pre_norms_only = None not in (layer.attn_in_norm, layer.mlp_in_norm) and layer.attn_out_norm is None
+    head_qk_norms = layer.q_norm is None or layer.qk_norm_span == QKNormSpan.HEAD
+    return plain_layer and pre_norms_only and layer.mlp_out_norm is None and head_qk_norms
 
 
 @dataclass(frozen=True)
@@ -156,11 +161,17 @@ class OwnedDecoder:
         self.layers: list[LayerWeights] = [layer_weights(layer, self.family.layer) for layer in layers]
         num_positions = max(max_model_len, config.max_position_embeddings)
         rotary_emb = submodule(model, self.family.rotary_path)
-        self.cos_table, self.sin_table = rotary_tables(rotary_emb, num_positions, self.embed_weight)
+        if self.family.rope_per_layer_type:
+            tables = {t: rotary_tables(rotary_emb, num_positions, self.embed_weight, t) for t in set(config.layer_types)}
+            self.layer_rope = [tables[t] for t in config.layer_types]
+        else:
+            self.layer_rope = [rotary_tables(rotary_emb, num_positions, self.embed_weight)] * len(self.layers)
+        self.cos_table, self.sin_table = self.layer_rope[0]  # the Llama-layer kernels' (one table for all layers)
         self.head_dim = self.cos_table.shape[-1]
-        # Gemma rounds its embedding scale to the model dtype before multiplying (a 0-dim tensor keeps that).
+        # A 0-dim tensor in the model dtype multiplies as Gemma's rounded scale does; a float as Granite's.
         scale = self.args.embed_scale
-        self.embed_scale = None if scale is None else torch.tensor(scale).to(self.embed_weight)
+        in_dtype = scale is not None and self.args.embed_scale_in_dtype
+        self.embed_scale = torch.tensor(scale).to(self.embed_weight) if in_dtype else scale
         self.norm = NORMS[self.family.norm]
         self.use_triton = use_triton and fk.HAVE_TRITON and has_llama_layer(self.family, self.args)
         self.ops = layer_ops(self.use_triton, False, norm=self.family.norm, activation=self.args.activation)
@@ -186,7 +197,7 @@ class OwnedDecoder:
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
             normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps)
-            q = self._qkv_rope_write(normed, positions, w, k_cache, v_cache, attn, ops)
+            q = self._qkv_rope_write(normed, positions, w, self.layer_rope[layer_idx], k_cache, v_cache, attn, ops)
             out = attn.backend.attend(
                 q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap
             )
@@ -213,15 +224,17 @@ class OwnedDecoder:
             out = out * self.args.residual_scale
         return out
 
-    def _qkv_rope_write(self, normed, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata, ops):
-        """The QKV projection, q/k norms, rotary and the KV write; returns q [T, H, D]."""
+    def _qkv_rope_write(self, normed, positions, w: LayerWeights, rope, k_cache, v_cache, attn: AttentionMetadata, ops):
+        """The QKV projection, q/k norms, rotary (`rope`: the layer's cos/sin tables) and the KV write; returns
+        q [T, H, D]."""
+        cos_table, sin_table = rope
         if ops.qkv_rope_epilogue and w.q_norm is None:
             return decode_gemm.decode_qkv_rope_write(
-                normed, w.qkv_weight, w.qkv_bias, positions, self.cos_table, self.sin_table,
+                normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
             )  # fmt: skip
         qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
-        args = (qkv, positions, self.cos_table, self.sin_table, w.q_norm, w.k_norm, self.eps)
+        args = (qkv, positions, cos_table, sin_table, w.q_norm, w.k_norm, self.eps)
         if self.use_triton:
             return fk.qkv_rope_write(
                 *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl
@@ -230,17 +243,24 @@ class OwnedDecoder:
         def write_kv(k, v):
             attn.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
 
-        return fk.qkv_rope_write_ref(*args, self.num_heads, self.num_kv_heads, write_kv, norm=self.norm)
+        qk_norm_full = self.family.layer.qk_norm_span == QKNormSpan.FULL
+        return fk.qkv_rope_write_ref(
+            *args, self.num_heads, self.num_kv_heads, write_kv, norm=self.norm, qk_norm_full=qk_norm_full
+        )
 
 
-def rotary_tables(rotary_emb, num_positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    rotary_emb, num_positions: int, like: torch.Tensor, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [num_positions, D] in the model dtype, computed as transformers' rotary forward does
-    (fp32 position x inv_freq, cat, cos/sin, times attention_scaling, cast), so lookups are bit-equal."""
-    inv_freq = rotary_emb.inv_freq.to(device=like.device, dtype=torch.float32)
+    (fp32 position x inv_freq, cat, cos/sin, times attention_scaling, cast), so lookups are bit-equal.
+    `layer_type`: the table of that layer type, for rotary modules that keep one per type (Gemma 3)."""
+    prefix = f"{layer_type}_" if layer_type is not None else ""
+    inv_freq = getattr(rotary_emb, f"{prefix}inv_freq").to(device=like.device, dtype=torch.float32)
     positions = torch.arange(num_positions, device=like.device)
     freqs = positions[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    scaling = rotary_emb.attention_scaling
+    scaling = getattr(rotary_emb, f"{prefix}attention_scaling")
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 

@@ -22,9 +22,9 @@ from .models.spec import LayerSpec, LinearSpec, Quant
 
 @dataclass(frozen=True)
 class LayerWeights:
-    attn_in_norm: torch.Tensor  # before attention
+    attn_in_norm: torch.Tensor | None  # before attention (None: OLMo 2 has none)
     attn_out_norm: torch.Tensor | None  # on attention's output, before the residual add (Gemma)
-    mlp_in_norm: torch.Tensor
+    mlp_in_norm: torch.Tensor | None
     mlp_out_norm: torch.Tensor | None
     qkv_weight: torch.Tensor  # [(H + 2 * KVH) * D, hidden]: rows of q, then k, then v
     qkv_bias: torch.Tensor | None  # Qwen2 (and Llama with attention_bias)
@@ -104,12 +104,10 @@ def layer_weights(layer: Any, spec: LayerSpec) -> LayerWeights:
     o_weight, o_bias = linear_weights(layer, spec.o)
     gate_up_weight, gate_up_bias = linear_weights(layer, spec.gate_up)
     down_weight, down_bias = linear_weights(layer, spec.down)
-    attn_in_norm, mlp_in_norm = _norm_weight(layer, spec.attn_in_norm), _norm_weight(layer, spec.mlp_in_norm)
-    assert attn_in_norm is not None and mlp_in_norm is not None, "the decoder gate admits pre-norm layers only"
     return LayerWeights(
-        attn_in_norm=attn_in_norm,
+        attn_in_norm=_norm_weight(layer, spec.attn_in_norm),
         attn_out_norm=_norm_weight(layer, spec.attn_out_norm),
-        mlp_in_norm=mlp_in_norm,
+        mlp_in_norm=_norm_weight(layer, spec.mlp_in_norm),
         mlp_out_norm=_norm_weight(layer, spec.mlp_out_norm),
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,

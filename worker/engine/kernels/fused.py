@@ -40,10 +40,17 @@ def rmsnorm_one_plus_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
+def rmsnorm_fp32_weight_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo 2's RMSNorm: the weight multiply in fp32 too, rounded to x's dtype once at the end."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
 def add_rmsnorm_ref(x, residual, weight, eps, norm=rmsnorm_ref):
-    """Returns (norm(x + residual), x + residual); residual None means the sum is x itself."""
+    """Returns (norm(x + residual), x + residual); residual None means the sum is x itself; weight None
+    (a layer without that pre-norm) returns the sum un-normed."""
     residual = x if residual is None else residual + x
-    return norm(residual, weight, eps), residual
+    return (residual if weight is None else norm(residual, weight, eps)), residual
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -63,16 +70,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def qkv_rope_write_ref(
-    qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, num_heads, num_kv_heads, write_kv, norm=rmsnorm_ref
+    qkv,
+    positions,
+    cos_table,
+    sin_table,
+    q_norm,
+    k_norm,
+    eps,
+    num_heads,
+    num_kv_heads,
+    write_kv,
+    norm=rmsnorm_ref,
+    qk_norm_full=False,
 ) -> torch.Tensor:
-    """Split, (q/k `norm` per head), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
+    """Split, (q/k `norm` per head, or over the whole q and k projections with `qk_norm_full`), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
     num_tokens = qkv.shape[0]
     head_dim = cos_table.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    if q_norm is not None and qk_norm_full:
+        q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
     q = q.view(num_tokens, num_heads, head_dim)
     k = k.view(num_tokens, num_kv_heads, head_dim)
     v = v.view(num_tokens, num_kv_heads, head_dim)
-    if q_norm is not None:
+    if q_norm is not None and not qk_norm_full:
         q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
     cos = cos_table[positions][:, None, :]
     sin = sin_table[positions][:, None, :]

@@ -40,6 +40,48 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen3": ("qwen3", dict(_TINY)),
     "tiny-mistral": ("mistral", dict(_TINY, sliding_window=None)),
     "tiny-qwen2": ("qwen2", dict(_TINY)),
+    # Gemma 2's knobs at tiny size: a q scale that is not the head size (as 27B's), soft-caps that bind at
+    # this init scale, alternating sliding windows shorter than the tests' sequences. Untied (the releases tie):
+    # tied random embeddings times sqrt(hidden) make greedy decoding echo its input token.
+    "tiny-gemma2": (
+        "gemma2",
+        dict(
+            _TINY,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            sliding_window=32,
+            num_hidden_layers=4,
+        ),
+    ),
+    # Gemma 3's: three local layers with a 10k rotary base and a short window, one global layer with a 1M base
+    # and linear scaling (as 4B-27B set), q/k norms; no soft-caps. Untied, as tiny-gemma2.
+    "tiny-gemma3": (
+        "gemma3_text",
+        dict(
+            _TINY,
+            query_pre_attn_scalar=24,
+            sliding_window=32,
+            num_hidden_layers=4,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+            },
+        ),
+    ),
+    # Granite 3's multipliers as the 8B instruct release sets them (attention: 1 / head_dim, not its root).
+    "tiny-granite": (
+        "granite",
+        dict(
+            _TINY,
+            embedding_multiplier=12.0,
+            attention_multiplier=1 / 16,
+            residual_multiplier=0.22,
+            logits_scaling=4.0,
+        ),
+    ),
+    "tiny-olmo2": ("olmo2", dict(_TINY)),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",

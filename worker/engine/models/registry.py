@@ -13,6 +13,10 @@ MODULES = {  # model_type -> family module
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "granite": "granite",
+    "olmo2": "olmo2",
 }
 
 

@@ -93,7 +93,8 @@ class DecoderArgs:
     attention_scale: float  # multiplies q.k
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
-    embed_scale: float | None = None  # embeddings times this, rounded to the model dtype first (Gemma)
+    embed_scale: float | None = None  # embeddings times this (Gemma's sqrt(hidden), Granite's multiplier)
+    embed_scale_in_dtype: bool = False  # the scale is rounded to the model dtype before the multiply (Gemma)
     residual_scale: float | None = None  # each block's output times this before the residual add (Granite)
     logits_divisor: float | None = None  # logits / this (Granite's logits_scaling)
 
@@ -112,6 +113,9 @@ class Family:
     embed_path: str = "model.embed_tokens"
     final_norm_path: str = "model.norm"
     rotary_path: str = "model.rotary_emb"
+    # One rotary table per entry of config.layer_types (Gemma 3's local and global bases), read from the
+    # rotary module's `{layer_type}_inv_freq`; False: one table for every layer.
+    rope_per_layer_type: bool = False
 
 
 def is_neutral(value: Any) -> bool:
@@ -134,6 +138,7 @@ MATH_FIELDS = (
     "use_qk_norm",
     "no_rope_layers",  # SmolLM3
     "pretraining_tp",  # Llama 2's sliced linears
+    "use_bidirectional_attention",  # Gemma's encoder-style variants
 )
 
 
