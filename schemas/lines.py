@@ -34,6 +34,7 @@ from schemas.openai_body import (
     OpenAIBatchLine,
     OpenAIUrl,
 )
+from schemas.prompt import ChatSpelling, PromptOptions, PromptSpelling
 from schemas.sampling import (
     N_DESCRIPTION,
     NativeSpelling,
@@ -99,11 +100,11 @@ class _NativeLine(SharedSampling, NativeSpelling, _NativeConstraint):
         return Sampling(**given, constraint=self.output_constraint())
 
 
-class PromptLine(_NativeLine):
+class PromptLine(_NativeLine, PromptSpelling):
     prompt: str
 
 
-class ChatLine(_NativeLine):
+class ChatLine(_NativeLine, ChatSpelling):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
@@ -121,7 +122,9 @@ class Request(StrictModel):
     url: OpenAIUrl | None = None  # OpenAI Batch lines only
     model: str | None = None  # OpenAI Batch lines only: body.model, echoed in the output
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # a completions prompt given as token ids
     messages: list[ChatMessage] | None = None
+    prompt_options: PromptOptions | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
     tool_call: ForcedToolCall | None = None  # the call the body forces: the output is its arguments
@@ -131,8 +134,8 @@ class Request(StrictModel):
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("a request has exactly one of prompt or messages")
+        if [self.prompt, self.prompt_token_ids, self.messages].count(None) != 2:
+            raise ValueError("a request has exactly one of prompt, prompt_token_ids or messages")
         return self
 
     @property
@@ -149,7 +152,9 @@ class ParsedRequest(StrictModel):
     url: OpenAIUrl | None = None
     model: str | None = None
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    prompt_options: PromptOptions | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_call: ForcedToolCall | None = None
@@ -177,7 +182,9 @@ class ParsedRequest(StrictModel):
             url=self.url,
             model=self.model,
             prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
             messages=self.messages,
+            prompt_options=self.prompt_options,
             chat_template_kwargs=template_kwargs,
             tools=self.tools,
             tool_call=self.tool_call,
@@ -229,6 +236,7 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
             custom_id=custom_id,
             shape="chat",
             messages=chat.messages,
+            prompt_options=chat.prompt_options(),
             chat_template_kwargs=chat.chat_template_kwargs,
             overrides=chat.overrides(),
             n=chat.n,
@@ -239,6 +247,7 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
         custom_id=custom_id,
         shape="prompt",
         prompt=line.prompt,
+        prompt_options=line.prompt_options(),
         overrides=line.overrides(),
         n=line.n,
     )
@@ -262,7 +271,8 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
     body: CompletionBody | ChatCompletionBody
     if envelope.url == COMPLETIONS_URL:
         body = _validate(CompletionBody, envelope.body, line_no, ("body",), fails_alone)
-        of_endpoint: dict[str, Any] = {"prompt": body.prompt}
+        prompt = body.prompt
+        of_endpoint: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
     else:
         body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {
@@ -279,6 +289,7 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
         model=body.model,
         overrides=body.overrides(),
         n=body.n or 1,
+        prompt_options=body.prompt_options(),
         **of_endpoint,
     )
 

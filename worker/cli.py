@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from typing import Any
 
 import click
 
@@ -43,24 +44,37 @@ def build_engine(
     engine_config: dict | None = None,
     fake_latency: float = 0.0,
 ):
-    """The real engine for `model` (a preset name, local path or hub name), or the instant FakeEngine."""
+    """The real engine for `model` (a preset name, local path or hub name), or the instant FakeEngine.
+    `engine_config["chat_template"]` (from --chat-template) replaces the tokenizer's chat template."""
+    engine_config = dict(engine_config or {})
+    chat_template = engine_config.pop("chat_template", None)
     if fake_engine:
         from worker.fake_engine import FakeEngine
 
-        return FakeEngine(
+        engine: Any = FakeEngine(
             latency_seconds=fake_latency,
-            max_num_running=(engine_config or {}).get("max_num_seqs", FakeEngine().max_num_running),
+            max_num_running=engine_config.get("max_num_seqs", FakeEngine().max_num_running),
         )
-    from worker.engine.engine import Engine  # imports torch: only here
-    from worker.engine.models import ModelLoadError
+    else:
+        from worker.engine.engine import Engine  # imports torch: only here
+        from worker.engine.models import ModelLoadError
 
-    overrides = {"mode": mode, **(engine_config or {})}
-    if device:
-        overrides["device"] = device
-    try:
-        return Engine.from_model(model, **overrides)
-    except ModelLoadError as exc:
-        raise click.ClickException(str(exc)) from None
+        overrides = {"mode": mode, **engine_config}
+        if device:
+            overrides["device"] = device
+        try:
+            engine = Engine.from_model(model, **overrides)
+        except ModelLoadError as exc:
+            raise click.ClickException(str(exc)) from None
+    if chat_template is not None:
+        use_chat_template = getattr(engine.tokenizer, "use_chat_template", None)
+        if use_chat_template is None:
+            raise click.ClickException(
+                "--chat-template: this model's tokenizer renders chats with cbq's fixed template (a preset or the "
+                "fake engine), which cannot be replaced"
+            )
+        use_chat_template(chat_template)
+    return engine
 
 
 def engine_tuning_options(f):
@@ -69,9 +83,17 @@ def engine_tuning_options(f):
 
     @functools.wraps(f)
     def wrapper(
-        *args, max_num_seqs, max_num_batched_tokens, dtype, no_prefix_caching, generation_config_defaults, **kwargs
+        *args,
+        max_num_seqs,
+        max_num_batched_tokens,
+        dtype,
+        no_prefix_caching,
+        generation_config_defaults,
+        chat_template,
+        **kwargs,
     ):
         given = {
+            "chat_template": chat_template.read() if chat_template is not None else None,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "dtype": dtype,
@@ -80,6 +102,13 @@ def engine_tuning_options(f):
         }
         return f(*args, engine_config={k: v for k, v in given.items() if v is not None}, **kwargs)
 
+    wrapper = click.option(
+        "--chat-template",
+        type=click.File("r", encoding="utf-8"),
+        default=None,
+        help="A Jinja chat template file, used instead of the tokenizer's (needed for chat lines when the "
+        "checkpoint has none: they fail otherwise).",
+    )(wrapper)
     wrapper = click.option(
         "--no-prefix-caching",
         is_flag=True,

@@ -18,7 +18,7 @@ FILES = {
     "openai_mixed_batch.jsonl": (
         ["request-1", "request-3", "request-6"],
         {
-            "request-2": ("logit_bias", "unsupported_parameter"),
+            "request-2": ("functions", "unsupported_parameter"),
             "request-4": ("messages[0]", "invalid_value"),
             "request-5": ("messages", "invalid_value"),
         },

@@ -377,7 +377,10 @@ def openai_line(body, url="/v1/completions", **envelope):
             openai_line({"prompt": "x", "best_of": 2}),
             "line 7: body.best_of: unknown or unsupported field (allowed: model, n, stream,",
         ),
-        (openai_line({"prompt": ["a", "b"]}), "line 7: body.prompt: Input should be a valid string"),
+        (
+            openai_line({"prompt": ["a", "b"]}),
+            "line 7: body.prompt: a list of 2 prompts is not supported yet: give one prompt per line",
+        ),
         (
             openai_line({"messages": [{"role": "user", "content": "x"}]}),
             "line 7: body.prompt: Field required",

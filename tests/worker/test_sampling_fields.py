@@ -35,7 +35,7 @@ def test_engine_sampling_params_name_schema_fields_with_the_same_defaults():
 
 
 class _Tokenizer:
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         return list(text.encode())
 
 
