@@ -15,6 +15,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1  # fits the engine's int32 token buffers
 MAX_PROMPT_TOKEN_IDS = 2**20  # a prompt given as token ids
+MAX_PROMPTS = 128  # prompts in one completions request (each a choice group of its output)
 MIN_SEED = -(2**63)  # a seed is any int64, as OpenAI takes it
 MAX_SEED = 2**63 - 1
 MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; a finite cap keeps the float32 logits finite

@@ -25,7 +25,7 @@ from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_
 from schemas.chat import ChatMessage, ChatTemplateKwargs
 from schemas.errors import FieldIssue, InvalidRequest, RequestLineError, issues_from_validation_error
 from schemas.json_line import BLANK, LONE_SURROGATE, load_json_line
-from schemas.limits import MAX_CHOICES
+from schemas.limits import MAX_CHOICES, MAX_PROMPTS
 from schemas.openai_body import (
     COMPLETIONS_URL,
     ChatCompletionBody,
@@ -112,6 +112,22 @@ class ChatLine(_NativeLine, ChatSpelling):
 Shape = Literal["prompt", "chat", "openai"]
 
 
+class ChoiceGroup(StrictModel):
+    """One prompt of a completions request that gives several (`"prompt": [...]`, as OpenAI takes it). Each
+    prompt is stored and run as its own request, at consecutive indices; OpenAI output merges them back into
+    the request's one line, its choices grouped by prompt (choice i*n + j is sample j of prompt i)."""
+
+    position: int = Field(ge=0)
+    size: int = Field(ge=2, le=MAX_PROMPTS)
+
+
+def _one_prompt(prompt: str | list[int]) -> dict[str, Any]:
+    return {"prompt": prompt, "prompt_token_ids": None} if isinstance(prompt, str) else {
+        "prompt": None,
+        "prompt_token_ids": prompt,
+    }
+
+
 class Request(StrictModel):
     """One request as stored in Redis (`cbq:batch:{id}:requests`) and read back by the worker."""
 
@@ -125,6 +141,7 @@ class Request(StrictModel):
     prompt_token_ids: list[int] | None = None  # a completions prompt given as token ids
     messages: list[ChatMessage] | None = None
     prompt_options: PromptOptions | None = None
+    choice_group: ChoiceGroup | None = None  # one prompt of a request with several
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
     tool_call: ForcedToolCall | None = None  # the call the body forces: the output is its arguments
@@ -155,11 +172,25 @@ class ParsedRequest(StrictModel):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     prompt_options: PromptOptions | None = None
+    group_prompts: list[str | list[int]] | None = None  # a completions request's prompts, when several
+    choice_group: ChoiceGroup | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_call: ForcedToolCall | None = None
     overrides: Sampling = Sampling()
     n: NumSamples = 1
+
+    def members(self) -> list[ParsedRequest]:
+        """The requests this line stores: itself, or one per prompt of a completions request with several."""
+        if not self.group_prompts:
+            return [self]
+        size = len(self.group_prompts)
+        return [
+            self.model_copy(
+                update={**_one_prompt(p), "group_prompts": None, "choice_group": ChoiceGroup(position=i, size=size)}
+            )
+            for i, p in enumerate(self.group_prompts)
+        ]
 
     def resolve(
         self,
@@ -185,6 +216,7 @@ class ParsedRequest(StrictModel):
             prompt_token_ids=self.prompt_token_ids,
             messages=self.messages,
             prompt_options=self.prompt_options,
+            choice_group=self.choice_group,
             chat_template_kwargs=template_kwargs,
             tools=self.tools,
             tool_call=self.tool_call,
@@ -271,8 +303,8 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
     body: CompletionBody | ChatCompletionBody
     if envelope.url == COMPLETIONS_URL:
         body = _validate(CompletionBody, envelope.body, line_no, ("body",), fails_alone)
-        prompt = body.prompt
-        of_endpoint: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        prompts = body.prompt
+        of_endpoint: dict[str, Any] = _one_prompt(prompts[0]) if len(prompts) == 1 else {"group_prompts": prompts}
     else:
         body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {

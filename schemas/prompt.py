@@ -1,5 +1,5 @@
 """How a request's prompt becomes tokens: vLLM's prompt fields (`add_special_tokens`, `add_generation_prompt`,
-`continue_final_message`) and the forms a completions `prompt` may take (text, token ids, a one-prompt list).
+`continue_final_message`) and the forms a completions `prompt` may take (text, token ids, a list of prompts).
 
 Owns `PromptOptions`, what the stored request carries of them (None: the default of the request's kind).
 The engine side of it is `worker.engine.api.ChatOptions`.
@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from schemas.limits import MAX_PROMPT_TOKEN_IDS, MAX_TOKEN_ID
+from schemas.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS, MAX_TOKEN_ID
 from schemas.strict import StrictModel
 
 
@@ -58,34 +57,44 @@ class PromptOptions(ChatSpelling):
     of the request's kind."""
 
 
-def completion_prompt(value: Any) -> str | list[int]:
-    """A completions body's `prompt` as OpenAI spells it: text, token ids, or a list holding one of them.
-    A list of several prompts fails its request (cbq runs one prompt per line for now)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # generated files often wrap the single prompt
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        if len(value) > MAX_PROMPT_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS} token ids, got {len(value)}")
-        if not all(0 <= v <= MAX_TOKEN_ID for v in value):
-            raise ValueError(f"token ids are 0 to {MAX_TOKEN_ID}")
-        return value
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
-        raise PydanticCustomError(
-            "unsupported_parameter",
-            "a list of {count} prompts is not supported yet: give one prompt per line",
-            {"count": len(value)},
-        )
-    raise ValueError("a prompt is a string, a non-empty list of token ids, or a list holding one of them")
+def _token_ids(value: list[Any]) -> list[int]:
+    if len(value) > MAX_PROMPT_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS} token ids, got {len(value)}")
+    if not all(0 <= v <= MAX_TOKEN_ID for v in value):
+        raise ValueError(f"token ids are 0 to {MAX_TOKEN_ID}")
+    return value
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(v) is int for v in value)
+
+
+def completion_prompts(value: Any) -> list[str | list[int]]:
+    """A completions body's `prompt` as OpenAI spells it (text, token ids, a list of texts, a list of token id
+    lists), as the list of its prompts: each one is a choice group of the request's output."""
+    if isinstance(value, str) or _is_token_ids(value):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("a prompt is a string, token ids, or a non-empty list of either")
+    if len(value) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(value)}")
+    prompts: list[str | list[int]] = []
+    for item in value:
+        if isinstance(item, str):
+            prompts.append(item)
+        elif _is_token_ids(item):
+            prompts.append(_token_ids(item))
+        else:
+            raise ValueError("each prompt of a list is a string or a non-empty list of token ids")
+    return prompts
 
 
 class CompletionPrompt(StrictModel):
-    """Mixin: a completions body's `prompt`, normalized to text or token ids."""
+    """Mixin: a completions body's `prompt`, normalized to the list of its prompts (usually one)."""
 
-    prompt: str | list[int]
+    prompt: list[str | list[int]]
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        return completion_prompt(value)
+    def _prompts(cls, value: Any) -> Any:
+        return completion_prompts(value)

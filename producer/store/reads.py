@@ -32,8 +32,10 @@ from schemas.result import (
     OUTCOMES,
     OUTPUT_FORMATS,
     FinishReason,
+    OpenAIBatchOutputLine,
     Outcome,
     ResultLine,
+    merge_choice_group,
     to_openai_output,
 )
 from schemas.status import BatchStatus, WorkerStats
@@ -245,6 +247,7 @@ def iter_results(
     )
     model = meta.get(BatchField.MODEL.value) or "cbq"
     created_at = int(float(meta[BatchField.CREATED_AT.value]))
+    group: list[OpenAIBatchOutputLine | None] = []  # the prompts of a request with several, so far
     for page_start in range(0, status.num_total, PAGE_SIZE):
         indices = list(range(page_start, min(page_start + PAGE_SIZE, status.num_total)))
         raw_results = conn.hmget(keys.batch_results(batch_id), indices)
@@ -254,6 +257,7 @@ def iter_results(
         )
         for index, raw_result, raw_request in zip(indices, raw_results, raw_requests, strict=True):
             request = Request.model_validate_json(raw_request) if raw_request is not None else None
+            result: ResultLine | None = None
             if raw_result is not None:
                 result = ResultLine.model_validate_json(raw_result)
             elif index in lost:
@@ -261,13 +265,22 @@ def iter_results(
                 custom_id = request.custom_id if request is not None else None
                 error = message if reason == "error" else None
                 result = ResultLine(custom_id=custom_id, index=index, finish_reason=reason, error=error)
-            else:
-                continue  # still running (partial output)
             if output_format == "cbq":
-                yield result
-            else:
-                request = request or Request(index=index, line_no=1, shape="prompt", prompt="")
-                yield to_openai_output(result, request, batch_id, model, created_at)
+                if result is not None:  # else still running (partial output)
+                    yield result
+                continue
+            request = request or Request(index=index, line_no=1, shape="prompt", prompt="")
+            line = to_openai_output(result, request, batch_id, model, created_at) if result is not None else None
+            if request.choice_group is None:
+                if line is not None:
+                    yield line
+                continue
+            # One prompt of a request with several: its line comes once all its prompts have theirs.
+            group.append(line)
+            if request.choice_group.position == request.choice_group.size - 1:
+                if len(group) == request.choice_group.size and None not in group:
+                    yield merge_choice_group([g for g in group if g is not None], request.n)
+                group = []
 
 
 def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:

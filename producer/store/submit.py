@@ -94,10 +94,11 @@ class ValidRequests:
                 raise SourceChanged(f"the input changed after it was validated ({exc})") from None
             if entry is None:
                 continue
-            if count >= len(self.custom_ids) or entry.custom_id != self.custom_ids[count]:
-                raise SourceChanged(f"the input changed after it was validated (line {line_no})")
-            count += 1
-            yield entry
+            for member in entry.members() if isinstance(entry, ParsedRequest) else [entry]:
+                if count >= len(self.custom_ids) or member.custom_id != self.custom_ids[count]:
+                    raise SourceChanged(f"the input changed after it was validated (line {line_no})")
+                count += 1
+                yield member
         if count != len(self.custom_ids):
             raise SourceChanged(f"the input changed after it was validated ({count} of {len(self)} requests left)")
         if crc != self._checksum:  # the same requests by custom_id, but some text changed
@@ -175,9 +176,10 @@ def validate_lines(
                 continue
         if isinstance(entry, InvalidRequest):
             invalid.append(entry)
-        custom_ids.append(entry.custom_id)
+        members: list[Entry] = entry.members() if isinstance(entry, ParsedRequest) else [entry]
+        custom_ids += [member.custom_id for member in members]  # one per stored request
         if kept is not None:
-            kept.append(entry)
+            kept += members
     skip = frozenset(e.line_no for e in errors if e.line_no is not None)
     requests = ValidRequests(custom_ids, kept=kept, reread=reread, skip_lines=skip, checksum=crc, invalid=invalid)
     return ValidatedFile(requests, errors, num_blank)

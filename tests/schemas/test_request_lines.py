@@ -378,8 +378,8 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body.best_of: unknown or unsupported field (allowed: model, n, stream,",
         ),
         (
-            openai_line({"prompt": ["a", "b"]}),
-            "line 7: body.prompt: a list of 2 prompts is not supported yet: give one prompt per line",
+            openai_line({"prompt": ["a", 5]}),
+            "line 7: body.prompt: each prompt of a list is a string or a non-empty list of token ids",
         ),
         (
             openai_line({"messages": [{"role": "user", "content": "x"}]}),

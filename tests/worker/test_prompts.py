@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from click.testing import CliRunner
 
 from schemas.chunk import ChunkPayload
 from schemas.lines import parse_request_line
@@ -103,3 +104,32 @@ def test_bad_prompt_options_fail_their_request():
     for message, fields in cases.items():
         with pytest.raises(ValueError, match=message):
             parse_request_line(json.dumps(body(fields, chat_url)), 1)
+
+
+def test_a_list_of_prompts_gives_one_line_with_a_choice_group_per_prompt(tmp_path):
+    """As OpenAI: `prompt: [a, b]` gives one output line whose choice 0 answers a and choice 1 answers b (the
+    fake engine echoes its prompt), with the usage of both; cbq's own format has a line per prompt."""
+    from producer.cli import main
+
+    lines = [
+        body({"prompt": ["alpha", [98, 101, 116, 97]], "max_tokens": 5}) | {"custom_id": "two"},
+        body({"prompt": "gamma", "max_tokens": 5}) | {"custom_id": "one"},
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    ran = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--fake-engine", "--format", "openai"])
+    assert ran.exit_code == 0, ran.output
+    two, one = (json.loads(line) for line in out.read_text().splitlines())
+    assert (two["custom_id"], one["custom_id"]) == ("two", "one")
+    choices = two["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["text"][:4] for c in choices] == ["alph", "beta"]
+    usage = two["response"]["body"]["usage"]
+    assert usage["prompt_tokens"] == len("alpha") + 4
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert one["response"]["body"]["choices"][0]["text"].startswith("gamm")
+
+    cbq_out = tmp_path / "cbq.jsonl"
+    ran = CliRunner().invoke(main, ["run", str(path), "-o", str(cbq_out), "--fake-engine"])
+    assert [json.loads(line)["custom_id"] for line in cbq_out.read_text().splitlines()] == ["two", "two", "one"]
