@@ -25,6 +25,7 @@ ErrorCode = Literal[
     "unknown_parameter",
     "missing_required_parameter",
     "unsupported_parameter",
+    "model_not_found",  # the line names another model than its batch's (or than the one `cbq run` serves)
 ]
 Outcome = Literal["completed", "failed", "cancelled"]  # what a batch counts: `num_{outcome}` fields
 OUTPUT_FORMATS = ("cbq", "openai")  # `cbq results --format`: ResultLine, or OpenAI Batch output lines
@@ -201,7 +202,7 @@ def to_openai_output(
         prompt_tokens_details=OpenAIPromptTokensDetails(cached_tokens=result.usage.cached_tokens),
     ).model_dump()
     is_chat = request.is_chat or request.url == CHAT_COMPLETIONS_URL
-    common = {"created": created_at, "model": request.model or model, "usage": usage}
+    common = {"created": created_at, "model": model, "usage": usage}  # the served name, not the line's
     choices: list[dict[str, Any]]
     if is_chat:
         choices = [

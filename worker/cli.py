@@ -27,6 +27,7 @@ from producer.options import (
     strict_option,
 )
 from producer.settings import in_process_redis
+from schemas import keys
 from worker import queue_worker
 from worker.engine.config import MODES, EngineConfig
 from worker.queue_worker import CbqWorker, RedisUnavailable
@@ -143,8 +144,23 @@ def engine_tuning_options(f):
     return wrapper
 
 
+def served_model_name(model: str, given: str | None = None) -> str:
+    """The model name a worker serves (vLLM's --served-model-name): `given`, else the checkpoint folder's name
+    for a local path, else the preset or hub name as given (the fake engine stands in for --model too)."""
+    if given:
+        return given
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+
+
 def engine_options(f):
     f = engine_tuning_options(f)
+    f = click.option(
+        "--served-model-name",
+        "served_model_name_",
+        default=None,
+        help="The model name this worker serves (default: the checkpoint folder's name, or the preset or hub "
+        "name). Batches whose lines name a model go to that model's queue; outputs carry this name.",
+    )(f)
     f = click.option(
         "--fake-engine",
         is_flag=True,
@@ -234,6 +250,7 @@ def worker(
     device,
     fake_engine,
     engine_config,
+    served_model_name_,
     redis_url,
     queue,
     burst,
@@ -258,11 +275,12 @@ def worker(
         raise click.BadParameter("must be at least twice --heartbeat-interval", param_hint="--stale-after")
     conn = open_redis(redis_url)
     engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
+    served = served_model_name(model, served_model_name_)
     cbq_worker = CbqWorker(
-        [queue],
+        [keys.model_queue(queue, served), queue],  # its model's batches first, then those naming none
         engine,
         connection=conn,
-        model_name="fake" if fake_engine else model,
+        model_name=served,
         mode=mode,
         name=name,
         heartbeat_interval_seconds=heartbeat_interval,
@@ -309,6 +327,7 @@ def run(
     device,
     fake_engine,
     engine_config,
+    served_model_name_,
     redis_url,
     queue,
     output_format,
@@ -327,7 +346,8 @@ def run(
     """
     client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
     reopen, _ = click.get_current_context().with_resource(reopenable_lines(file))
-    validated = client.validate(reopen)
+    served = served_model_name(model, served_model_name_)
+    validated = client.validate(reopen, model=served)  # a line naming another model fails: model_not_found
     report_validation(validated, strict, "run")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
@@ -350,10 +370,10 @@ def run(
         raise click.ClickException(str(exc)) from None
     click.echo(f"batch {batch.id}: {batch.submission.num_requests} requests", err=True)
     cbq_worker = CbqWorker(
-        [queue],
+        [keys.model_queue(queue, served), queue],
         engine,
         connection=client.connection,
-        model_name="fake" if fake_engine else model,
+        model_name=served,
         mode=mode,
         name=f"cbq-run-{os.getpid()}",
     )

@@ -87,10 +87,16 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         eta_seconds = unfinished / rate
     else:
         eta_seconds = None  # no rate yet, or some requests wait for a dead worker's chunks to come back
+    model = meta.get(BatchField.ROUTED_MODEL.value)
+    num_model_workers = None
+    if model and unfinished:
+        num_model_workers = sum(worker.model == model for worker in list_workers(conn))
     return BatchStatus(
         batch_id=batch_id,
         name=meta.get(BatchField.NAME.value),
         queue=meta[BatchField.QUEUE.value],
+        model=model,
+        num_model_workers=num_model_workers,
         created_at=float(meta[BatchField.CREATED_AT.value]),
         first_started_at=first_started_at,
         last_finished_at=last_finished_at,
@@ -245,7 +251,7 @@ def iter_results(
         if _recorded_outcomes(meta).total() < status.num_total
         else {}
     )
-    model = meta.get(BatchField.MODEL.value) or "cbq"
+    model = meta.get(BatchField.MODEL.value) or meta.get(BatchField.ROUTED_MODEL.value) or "cbq"
     created_at = int(float(meta[BatchField.CREATED_AT.value]))
     group: list[OpenAIBatchOutputLine | None] = []  # the prompts of a request with several, so far
     for page_start in range(0, status.num_total, PAGE_SIZE):
