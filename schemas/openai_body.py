@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from schemas.chat import ChatMessage, ChatTemplateKwargs
 from schemas.limits import MAX_CUSTOM_ID_CHARS, MAX_TOOLS
+from schemas.prompt import ChatSpelling, CompletionPrompt, PromptSpelling
 from schemas.sampling import (
     N_DESCRIPTION,
     MaxNewTokens,
@@ -181,15 +182,14 @@ class _OpenAIBody(SharedSampling, _BodyFields):
         return self.response_format.output_constraint() if self.response_format else None
 
 
-class CompletionBody(_OpenAIBody):
-    prompt: str
+class CompletionBody(CompletionPrompt, PromptSpelling, _OpenAIBody):
     logprobs: NumLogprobs | None = None  # top alternatives per token (OpenAI allows 5; cbq up to 20)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
 
-class ChatCompletionBody(_OpenAIBody):
+class ChatCompletionBody(ChatSpelling, _OpenAIBody):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, not OpenAI's
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # see schemas/tools.py

@@ -25,6 +25,7 @@ ErrorCode = Literal[
     "unknown_parameter",
     "missing_required_parameter",
     "unsupported_parameter",
+    "model_not_found",  # the line names another model than its batch's (or than the one `cbq run` serves)
 ]
 Outcome = Literal["completed", "failed", "cancelled"]  # what a batch counts: `num_{outcome}` fields
 OUTPUT_FORMATS = ("cbq", "openai")  # `cbq results --format`: ResultLine, or OpenAI Batch output lines
@@ -201,7 +202,7 @@ def to_openai_output(
         prompt_tokens_details=OpenAIPromptTokensDetails(cached_tokens=result.usage.cached_tokens),
     ).model_dump()
     is_chat = request.is_chat or request.url == CHAT_COMPLETIONS_URL
-    common = {"created": created_at, "model": request.model or model, "usage": usage}
+    common = {"created": created_at, "model": model, "usage": usage}  # the served name, not the line's
     choices: list[dict[str, Any]]
     if is_chat:
         choices = [
@@ -227,6 +228,30 @@ def to_openai_output(
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": choices, **common}
     response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
     return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
+
+
+def merge_choice_group(members: list[OpenAIBatchOutputLine], num_samples: int) -> OpenAIBatchOutputLine:
+    """One OpenAI output line for a completions request with several prompts (`schemas.lines.ChoiceGroup`),
+    from its prompts' lines in order: choice i*n + j is sample j of prompt i, usage is summed. If a prompt
+    failed, the request did: its first failing line stands for it."""
+    first = members[0]
+    failed = next((line for line in members if line.is_failure), None)
+    if failed is not None:
+        return failed.model_copy(update={"id": first.id})
+    bodies = [line.response.body for line in members if line.response is not None]
+    choices = [
+        {**choice, "index": position * num_samples + choice["index"]}
+        for position, body in enumerate(bodies)
+        for choice in body["choices"]
+    ]
+    usage = {
+        key: sum(body["usage"][key] for body in bodies) for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    cached = sum(body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in bodies)
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    assert first.response is not None
+    response = first.response.model_copy(update={"body": {**bodies[0], "choices": choices, "usage": usage}})
+    return first.model_copy(update={"response": response})
 
 
 def _chat_message(sample: Sample, request: Request, request_id: str) -> dict[str, Any]:

@@ -23,9 +23,11 @@ from schemas import keys
 from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.lines import Request
 from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
+from schemas.prompt import PromptOptions
 from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
 from schemas.sampling import NEUTRAL_VALUES, OutputConstraint, Sampling
 from worker.engine.api import (
+    ChatOptions,
     Constraint,
     ConstraintKind,
     EngineRequest,
@@ -34,6 +36,7 @@ from worker.engine.api import (
     TokenizerProtocol,
 )
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
+from worker.engine.tokenizer import NoChatTemplate
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 _UNSET = object()
@@ -127,15 +130,16 @@ def _expand_one(
         return
     try:
         engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at, model_defaults)
-    except UnsupportedField as exc:
+    except (UnsupportedField, NoChatTemplate) as exc:  # the request asks what this worker cannot do: a 400
+        code, param = ("unsupported_parameter", exc.field) if isinstance(exc, UnsupportedField) else ("invalid_value", "messages")
         work.finished_now.append(
             ResultLine(
                 custom_id=request.custom_id,
                 index=index,
                 finish_reason="error",
                 error=str(exc),
-                error_code="unsupported_parameter",
-                error_param=exc.field,
+                error_code=code,
+                error_param=param,
             )
         )
         return
@@ -164,13 +168,16 @@ def to_engine_request(
     arrival_time: float,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
 ) -> EngineRequest:
-    if request.is_chat:
-        assert request.messages is not None, "a chat request has its messages"
+    options = request.prompt_options or PromptOptions()
+    if request.messages is not None:
         messages = [m.for_template() for m in request.messages]
-        prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools)
+        prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools, chat_options(options))
+    elif request.prompt_token_ids is not None:
+        prompt_ids = request.prompt_token_ids
     else:
-        assert request.prompt is not None, "a request is chat (messages) or prompt"
-        prompt_ids = tokenizer.encode(request.prompt)
+        assert request.prompt is not None, "a stored request has a prompt, token ids or messages"
+        add_special_tokens = True if options.add_special_tokens is None else options.add_special_tokens
+        prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
     if request.sampling.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last k tokens
         prompt_ids = prompt_ids[-request.sampling.truncate_prompt_tokens :]
     return EngineRequest(
@@ -179,6 +186,17 @@ def to_engine_request(
         sampling=to_sampling_params(with_line_defaults(request, model_defaults)),
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
+    )
+
+
+def chat_options(options: PromptOptions) -> ChatOptions:
+    """The engine's chat rendering from a line's fields, with vLLM's defaults for those it leaves out."""
+    continue_final = bool(options.continue_final_message)
+    add_generation_prompt = options.add_generation_prompt
+    return ChatOptions(
+        add_generation_prompt=not continue_final if add_generation_prompt is None else add_generation_prompt,
+        continue_final_message=continue_final,
+        add_special_tokens=bool(options.add_special_tokens),
     )
 
 

@@ -7,6 +7,7 @@ Nothing here imports torch: `cbq --help` imports this module.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,9 +136,37 @@ engine_tuning_options = config_flags(
 )
 
 
+def served_model_name(model: str, given: str | None = None) -> str:
+    """The model name a worker serves (vLLM's --served-model-name): `given`, else the checkpoint folder's name
+    for a local path, else the preset or hub name as given (the fake engine stands in for --model too)."""
+    if given:
+        return given
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+
+
 def engine_options(f: Callable) -> Callable:
-    """--model, --mode, --device, --fake-engine and the tuning flags (`engine_config`)."""
+    """--model, --mode, --device, --fake-engine, --served-model-name, --chat-template and the tuning flags
+    (`engine_config`; the chat template's text rides in it as `chat_template`, which `build_engine` takes out)."""
     f = engine_tuning_options(f)
+    f = config_flags(
+        ConfigFlag(
+            ("--chat-template", "chat_template"),
+            "chat_template",
+            {
+                "type": click.File("r", encoding="utf-8"),
+                "help": "A Jinja chat template file, used instead of the tokenizer's (needed for chat lines when "
+                "the checkpoint has none: they fail otherwise).",
+            },
+            to_config=lambda file: file.read() if file is not None else None,
+        )
+    )(f)
+    f = click.option(
+        "--served-model-name",
+        "served_model_name_",
+        default=None,
+        help="The model name this worker serves (default: the checkpoint folder's name, or the preset or hub "
+        "name). Batches whose lines name a model go to that model's queue; outputs carry this name.",
+    )(f)
     f = click.option(
         "--fake-engine",
         is_flag=True,

@@ -377,7 +377,10 @@ def openai_line(body, url="/v1/completions", **envelope):
             openai_line({"prompt": "x", "best_of": 2}),
             "line 7: body.best_of: unknown or unsupported field (allowed: model, n, stream,",
         ),
-        (openai_line({"prompt": ["a", "b"]}), "line 7: body.prompt: Input should be a valid string"),
+        (
+            openai_line({"prompt": ["a", 5]}),
+            "line 7: body.prompt: each prompt of a list is a string or a non-empty list of token ids",
+        ),
         (
             openai_line({"messages": [{"role": "user", "content": "x"}]}),
             "line 7: body.prompt: Field required",
