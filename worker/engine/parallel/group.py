@@ -192,7 +192,7 @@ class RankGroup:
         self._closing = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="rank-watchdog", daemon=True)
         self._watchdog.start()
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     @property
     def helper_pids(self) -> list[int]:
@@ -255,7 +255,7 @@ class RankGroup:
             if self._closing.is_set():
                 return
             self._closing.set()
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         self._watchdog.join(timeout=1)  # only this thread reaps the helpers from here on
         deadline = time.monotonic() + timeout_s
         for process in self._processes:
@@ -265,6 +265,7 @@ class RankGroup:
             process.terminate()
             process.join(timeout=2)
         self._kill_helpers()
+        self._shut_groups()
         failed = [
             describe_exit(rank, p.pid, p.exitcode)
             for rank, p in enumerate(self._processes, start=1)
@@ -273,6 +274,25 @@ class RankGroup:
         if self._failure is None and failed:
             self._failure = RankFailure("; ".join(failed))
             raise self._failure
+
+    def _shut_groups(self) -> None:
+        """Free the backends' resources (NCCL communicators) now that every helper is gone."""
+        for group in (self.state.group, self.state.control_group):
+            shutdown = getattr(group, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except RuntimeError:
+                    pass  # a backend whose peers died may refuse; the process frees it at exit
+        self._store = None
+
+    def _close_at_exit(self) -> None:
+        """Rank 0 is exiting without having shut the group down (an exception, Ctrl-C): the helpers
+        wait for a message that will not come, so end them now."""
+        try:
+            self.close(timeout_s=0.0)
+        except RankFailure:
+            pass  # exiting anyway; the helpers are gone
 
     def __enter__(self) -> RankGroup:
         return self
