@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from worker.engine.parallel.group import ParallelState, RankFailure, all_reduce, launch_ranks
-from worker.engine.parallel.messages import RunStep, StepDriver, serve_forever
+from worker.engine.parallel.messages import FIRST_BROADCAST_BYTES, RunStep, StepDriver, serve_forever
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -30,6 +30,11 @@ class AddStep:
     helper_sleep_s: float = 0.0  # > 0: the helper hangs inside the step
 
 
+@dataclass(frozen=True)
+class BigStep(AddStep):
+    ids: tuple[int, ...] = ()
+
+
 class SumRunner:
     """Each rank contributes value * (rank + 1); rank 0 gets the all-reduced sum."""
 
@@ -39,7 +44,10 @@ class SumRunner:
     def execute_step(self, step: AddStep) -> float:
         if not self.state.is_first_rank:
             time.sleep(step.helper_sleep_s)
-        return float(all_reduce(self.state, torch.tensor([step.value * (self.state.rank + 1)]))[0])
+        value = step.value + sum(getattr(step, "ids", ()))
+        return float(
+            all_reduce(self.state, torch.tensor([value * (self.state.rank + 1)], dtype=torch.float64))[0]
+        )
 
 
 def serve_sums(state: ParallelState, expected_steps: int = -1) -> None:
@@ -79,6 +87,23 @@ def test_control_loop_runs_n_steps_then_shuts_down():
     wait_gone(pids, 5)
 
 
+def test_a_step_larger_than_one_broadcast_arrives_whole():
+    group = launch_ranks(2, serve_sums, (2,), timeout_s=20)
+    driver = StepDriver(group, SumRunner(group.state))
+    big = BigStep(2.0, ids=tuple(range(FIRST_BROADCAST_BYTES)))  # its pickle is several broadcasts' worth
+    assert driver.run(big) == 6.0 + 3 * sum(big.ids)
+    assert driver.run(AddStep(1.0)) == 3.0
+    driver.shutdown()
+
+
+def test_world_size_1_runs_in_process():
+    group = launch_ranks(1, serve_sums)
+    assert group.helper_pids == []
+    driver = StepDriver(group, SumRunner(group.state))
+    assert driver.run(AddStep(2.0)) == 2.0
+    driver.shutdown()
+
+
 def test_a_step_must_be_a_frozen_dataclass():
     @dataclass
     class Mutable:
@@ -112,10 +137,12 @@ def test_hung_helper_is_bounded_by_the_collective_timeout():
     (pid,) = group.helper_pids
     driver = StepDriver(group, SumRunner(group.state))
     start = time.monotonic()
-    with pytest.raises(RankFailure, match="a collective of the tensor-parallel group failed: .*[Tt]imed out"):
+    with pytest.raises(RankFailure, match="the tensor-parallel step failed on rank 0: .*[Tt]imed out"):
         driver.run(AddStep(1.0, helper_sleep_s=60))
     assert timeout_s <= time.monotonic() - start < timeout_s + 5
-    group.close(timeout_s=0)  # the helper still sleeps: ended by close
+    with pytest.raises(RankFailure):
+        group.check()  # the group is over
+    group.close()
     wait_gone([pid], 5)
 
 

@@ -208,16 +208,19 @@ class RankGroup:
             raise self._failure
 
     def failure_after(self, error: BaseException, wait_s: float = 2.0) -> RankFailure:
-        """The failure to raise after a collective on rank 0 failed with `error`: a helper's death
-        when there was one (the watchdog may need a moment to see its exit code), otherwise the error
-        itself, which then is a hang past the collective timeout or a broken connection."""
+        """The failure to raise after a step failed on rank 0 with `error`, which ends the group (its
+        ranks are out of step now): a helper's death when there was one (the watchdog may need a
+        moment to see its exit code), otherwise `error` itself: a collective that timed out because a
+        helper hangs, a broken connection, or an error of rank 0's own forward."""
         deadline = time.monotonic() + wait_s
         while self._failure is None and time.monotonic() < deadline:
             self._poll_once()
             time.sleep(_POLL_S / 4)
-        if self._failure is not None:
-            return self._failure
-        return RankFailure(f"a collective of the tensor-parallel group failed: {error}")
+        with self._lock:
+            if self._failure is None:
+                self._failure = RankFailure(f"the tensor-parallel step failed on rank 0: {error}")
+        self._kill_helpers()
+        return self._failure
 
     def _poll_once(self) -> None:
         with self._lock:
