@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from worker.engine.parallel.group import ParallelState, RankFailure, all_reduce, launch_ranks
-from worker.engine.parallel.messages import FIRST_BROADCAST_BYTES, RunStep, StepDriver, serve_forever
+from worker.engine.parallel.messages import ControlChannel, RunStep, StepDriver, serve_forever
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -90,7 +90,9 @@ def test_control_loop_runs_n_steps_then_shuts_down():
 def test_a_step_larger_than_one_broadcast_arrives_whole():
     group = launch_ranks(2, serve_sums, (2,), timeout_s=20)
     driver = StepDriver(group, SumRunner(group.state))
-    big = BigStep(2.0, ids=tuple(range(FIRST_BROADCAST_BYTES)))  # its pickle is several broadcasts' worth
+    big = BigStep(
+        2.0, ids=tuple(range(ControlChannel.FIRST_BYTES))
+    )  # its pickle is several broadcasts' worth
     assert driver.run(big) == 6.0 + 3 * sum(big.ids)
     assert driver.run(AddStep(1.0)) == 3.0
     driver.shutdown()

@@ -68,5 +68,7 @@ def test_check_fits_says_the_numbers():
     with pytest.raises(ValueError, match=r"llama3-8b does not fit 2 GPUs: 8.0 GB of weights per rank \(8.0 GB sharded \+ 0.0 GB replicated\), but rank 1 has 7.0 GB free"):  # fmt: skip
         check_fits(shape, 2, 2, [80 * 10**9, 7 * 10**9], "llama3-8b")
     assert check_fits(shape, 2, 2, [9 * 10**9] * 2, "llama3-8b").total < 9 * 10**9
-    with pytest.raises(ValueError, match="intermediate_size 14336 is not divisible by the tensor-parallel size 3"):
+    with pytest.raises(
+        ValueError, match="intermediate_size 14336 is not divisible by the tensor-parallel size 3"
+    ):
         weight_bytes_per_rank(DecoderShape(4096, 14336, 1, 48, 48, 128, 1000, False), 3, 2)

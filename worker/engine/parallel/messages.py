@@ -9,7 +9,7 @@ A step is data (`StepDescription`: a frozen dataclass of ids, counts and block i
 so a helper can rebuild everything it needs from the message alone. The engine's real step
 description is the engine<->runner seam; anything that executes it satisfies `StepRunner`.
 
-Transport: a pickled message over gloo on loopback, in one broadcast of FIRST_BROADCAST_BYTES (a
+Transport: a pickled message over gloo on loopback (ControlChannel), in one broadcast of 64 KiB (a
 second one for what does not fit). Rank 0 waits for its send: 0.3-0.5 ms a broadcast measured on an
 overloaded 2-core CPU host, where every thread wake-up is slow; to be measured on the GPU host, and a
 shared-memory ring (rank 0 never waits) built only if that shows in the step time. Pickle is safe
@@ -66,51 +66,71 @@ class Shutdown:
 ControlMessage = RunStep | Shutdown
 
 
-# One broadcast carries a message that fits (a decode step's ids and block tables); a longer one takes
-# a second broadcast for the rest. A frame is the pickled length (8 bytes) and then the pickle.
-FIRST_BROADCAST_BYTES = 64 * 1024
-_LENGTH_BYTES = 8
+class ControlChannel:
+    """One rank's end of the control group. Owns the frame buffers, which live as long as the channel:
+    gloo takes ~10 ms longer for a broadcast into a freshly allocated tensor than into a reused one.
 
+    A frame is the pickle's length (8 bytes) then the pickle. Its first FIRST_BYTES go in one
+    broadcast (a decode step's ids and block tables fit); a longer frame's rest takes a second."""
 
-def broadcast_message(state: ParallelState, message: ControlMessage | None) -> ControlMessage:
-    """Rank 0 sends `message`; every other rank passes None and gets rank 0's message back."""
-    if state.world_size == 1:
-        assert message is not None, "rank 0 of a single-rank group has nothing to receive"
-        return message
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    group = state.control_group
-    first = torch.zeros(FIRST_BROADCAST_BYTES, dtype=torch.uint8)
-    if state.is_first_rank:
-        assert message is not None, "rank 0 sends a message"
+    FIRST_BYTES = 64 * 1024
+    LENGTH_BYTES = 8
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+        self._opts = dist.BroadcastOptions()
+        self._opts.rootRank = 0
+        self._first = torch.zeros(self.FIRST_BYTES, dtype=torch.uint8)
+        self._rest = torch.zeros(0, dtype=torch.uint8)  # grown to a power of two when needed
+
+    def _broadcast(self, buffer: torch.Tensor) -> None:
+        self.state.control_group.broadcast([buffer], self._opts).wait()
+
+    def _rest_view(self, num_bytes: int) -> torch.Tensor:
+        if self._rest.numel() < num_bytes:
+            self._rest = torch.zeros(1 << (num_bytes - 1).bit_length(), dtype=torch.uint8)
+        return self._rest[:num_bytes]
+
+    def send(self, message: ControlMessage) -> None:
+        """Rank 0: every other rank's `receive` returns `message`."""
+        assert self.state.is_first_rank, "only rank 0 sends"
+        if self.state.world_size == 1:
+            return
         payload = pickle.dumps(message)
-        frame = bytearray(len(payload).to_bytes(_LENGTH_BYTES, "little") + payload)
-        first[: min(len(frame), FIRST_BROADCAST_BYTES)] = torch.frombuffer(
-            frame[:FIRST_BROADCAST_BYTES], dtype=torch.uint8
+        frame = torch.frombuffer(
+            bytearray(len(payload).to_bytes(self.LENGTH_BYTES, "little") + payload), dtype=torch.uint8
         )
-        group.broadcast([first], opts).wait()
-        if len(frame) > FIRST_BROADCAST_BYTES:
-            group.broadcast([torch.frombuffer(frame[FIRST_BROADCAST_BYTES:], dtype=torch.uint8)], opts).wait()
-        return message
-    assert message is None, "only rank 0 sends"
-    group.broadcast([first], opts).wait()
-    frame = first.numpy().tobytes()
-    frame_len = _LENGTH_BYTES + int.from_bytes(frame[:_LENGTH_BYTES], "little")
-    if frame_len > FIRST_BROADCAST_BYTES:
-        rest = torch.empty(frame_len - FIRST_BROADCAST_BYTES, dtype=torch.uint8)
-        group.broadcast([rest], opts).wait()
-        frame += rest.numpy().tobytes()
-    received = pickle.loads(frame[_LENGTH_BYTES:frame_len])
-    assert isinstance(received, RunStep | Shutdown), f"unexpected control message {type(received).__name__}"
-    return received
+        num_first = min(frame.numel(), self.FIRST_BYTES)
+        self._first[:num_first] = frame[:num_first]
+        self._broadcast(self._first)
+        if frame.numel() > self.FIRST_BYTES:
+            rest = self._rest_view(frame.numel() - self.FIRST_BYTES)
+            rest.copy_(frame[self.FIRST_BYTES :])
+            self._broadcast(rest)
+
+    def receive(self) -> ControlMessage:
+        """Ranks other than 0: rank 0's next message."""
+        assert not self.state.is_first_rank, "rank 0 sends"
+        self._broadcast(self._first)
+        frame = self._first.numpy().tobytes()
+        frame_len = self.LENGTH_BYTES + int.from_bytes(frame[: self.LENGTH_BYTES], "little")
+        if frame_len > self.FIRST_BYTES:
+            rest = self._rest_view(frame_len - self.FIRST_BYTES)
+            self._broadcast(rest)
+            frame += rest.numpy().tobytes()
+        received = pickle.loads(frame[self.LENGTH_BYTES : frame_len])
+        assert isinstance(received, RunStep | Shutdown), (
+            f"unexpected control message {type(received).__name__}"
+        )
+        return received
 
 
 def serve_forever(state: ParallelState, runner: StepRunner) -> int:
     """A helper rank's loop: run every step rank 0 sends until Shutdown. Returns the number of steps."""
-    assert not state.is_first_rank, "rank 0 drives the steps (StepDriver); it does not serve them"
+    channel = ControlChannel(state)
     num_steps = 0
     while True:
-        message = broadcast_message(state, None)
+        message = channel.receive()
         if isinstance(message, Shutdown):
             return num_steps
         if isinstance(message, RunStep):
@@ -128,12 +148,13 @@ class StepDriver(Generic[StepT]):
     def __init__(self, group: RankGroup, runner: StepRunner[StepT]):
         self.group = group
         self.runner = runner
+        self.channel = ControlChannel(group.state)
 
     def run(self, step: StepT) -> object:
         """Run `step` on every rank; returns rank 0's result (e.g. the gathered logits' samples)."""
         self.group.check()
         try:
-            broadcast_message(self.group.state, RunStep(step))
+            self.channel.send(RunStep(step))
             return self.runner.execute_step(step)
         except Exception as error:  # whatever it was, the ranks are out of step: the group is over
             raise self.group.failure_after(error) from error
@@ -142,7 +163,7 @@ class StepDriver(Generic[StepT]):
         """Tell every helper to leave its loop, then wait for them (RankGroup.close)."""
         if self.group.failure is None:
             try:
-                broadcast_message(self.group.state, Shutdown())
+                self.channel.send(Shutdown())
             except RuntimeError:
                 pass  # a helper already gone: close() reports how it ended
         self.group.close(timeout_s)
