@@ -119,7 +119,8 @@ def test_a_step_must_be_a_frozen_dataclass():
 
 def test_killed_helper_ends_rank0_run_with_clear_error():
     timeout_s = 20
-    group = launch_ranks(2, serve_sums, timeout_s=timeout_s)
+    reported: list[RankFailure] = []
+    group = launch_ranks(2, serve_sums, timeout_s=timeout_s, on_failure=reported.append)
     (pid,) = group.helper_pids
     driver = StepDriver(group, SumRunner(group.state))
     assert driver.run(AddStep(1.0)) == 3.0
@@ -129,6 +130,7 @@ def test_killed_helper_ends_rank0_run_with_clear_error():
         while True:  # the step loop carries on until the group fails
             driver.run(AddStep(1.0))
     assert time.monotonic() - start < timeout_s
+    assert reported == [group.failure], "the watchdog told the worker (e.g. to stop its loop)"
     group.close()  # already failed: nothing more to report
     wait_gone([pid], 5)
 

@@ -7,6 +7,7 @@ both ranks. Weights are written once to a safetensors file that each rank reads 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -309,3 +310,18 @@ def test_loader_names_a_shape_mismatch(tmp_path):
     layer = ColumnParallelLinear(HIDDEN, 12, ParallelState.single())
     with pytest.raises(ValueError, match=r"lin.weight: checkpoint shape \[10, 16\], expected 12 along dim 0"):
         layer.load_from(SafetensorsCheckpoint([path]), "lin")
+
+
+def test_checkpoint_reads_a_sharded_index(tmp_path):
+    save_file({"a.weight": torch.arange(6.0).view(3, 2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b.weight": torch.ones(2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {
+        "a.weight": "model-00001-of-00002.safetensors",
+        "b.weight": "model-00002-of-00002.safetensors",
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    ckpt = SafetensorsCheckpoint.from_dir(tmp_path)
+    assert sorted(ckpt.names()) == ["a.weight", "b.weight"] and "b.weight" in ckpt
+    assert ckpt.get_slice("a.weight")[1:3].tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    with pytest.raises(KeyError, match="tensor 'c.weight' is not in the checkpoint"):
+        ckpt.get_slice("c.weight")

@@ -329,6 +329,8 @@ def launch_ranks(
             f"tensor parallel size {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} visible"
         )
     device = _rank_device(device_type, 0, device_ids)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds rank 0's communicator to the current device
     if world_size == 1:
         return RankGroup(ParallelState(0, 1, device), [], None, on_failure)
     store = dist.TCPStore(

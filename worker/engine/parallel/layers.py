@@ -436,7 +436,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over a vocabulary split like VocabParallelEmbedding's: [T, vocab_size] on rank 0 (the
-    rank that samples), None on the others."""
+    rank that samples), None on the others. Plain F.linear: no linear_method (no quantized heads yet)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         logits = gather_to_first(self.state, F.linear(hidden, self.weight), dim=-1)
