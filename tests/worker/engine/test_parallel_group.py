@@ -78,13 +78,15 @@ def wait_gone(pids: list[int], timeout_s: float) -> None:
 
 def test_control_loop_runs_n_steps_then_shuts_down():
     num_steps = 5
-    group = launch_ranks(2, serve_sums, (num_steps,), timeout_s=20)
+    reported: list[RankFailure] = []
+    group = launch_ranks(2, serve_sums, (num_steps,), timeout_s=20, on_failure=reported.append)
     pids = group.helper_pids
     driver = StepDriver(group, SumRunner(group.state))
     sums = [driver.run(AddStep(float(i))) for i in range(num_steps)]
     assert sums == [3.0 * i for i in range(num_steps)]
     driver.shutdown()  # raises if the helper did not exit 0 (e.g. counted another number of steps)
     wait_gone(pids, 5)
+    assert reported == [] and group.failure is None, "an exit after Shutdown is not a failure"
 
 
 def test_a_step_larger_than_one_broadcast_arrives_whole():

@@ -189,7 +189,8 @@ class RankGroup:
         self._on_failure = on_failure
         self._failure: RankFailure | None = None
         self._lock = threading.Lock()
-        self._closing = threading.Event()
+        self._closing = threading.Event()  # set: helpers may exit without it being a failure
+        self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="rank-watchdog", daemon=True)
         self._watchdog.start()
         atexit.register(self._close_at_exit)
@@ -251,15 +252,20 @@ class RankGroup:
         for process in self._processes:
             process.join(timeout=5)
 
+    def stop_watching(self) -> None:
+        """From now on a helper's exit is expected (a Shutdown is on its way), not a failure."""
+        self._closing.set()
+        self._watchdog.join(timeout=1)  # then only the closing thread reaps the helpers
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait up to `timeout_s` for the helpers to exit (send Shutdown first), then end the rest.
         Raises RankFailure when a helper exited non-zero on its own and no failure was raised before."""
         with self._lock:
-            if self._closing.is_set():
+            if self._closed:
                 return
-            self._closing.set()
+            self._closed = True
         atexit.unregister(self._close_at_exit)
-        self._watchdog.join(timeout=1)  # only this thread reaps the helpers from here on
+        self.stop_watching()
         deadline = time.monotonic() + timeout_s
         for process in self._processes:
             process.join(timeout=max(0.0, deadline - time.monotonic()))

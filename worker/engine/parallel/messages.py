@@ -161,6 +161,7 @@ class StepDriver(Generic[StepT]):
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell every helper to leave its loop, then wait for them (RankGroup.close)."""
+        self.group.stop_watching()  # the helpers' exits that follow are the point, not a failure
         if self.group.failure is None:
             try:
                 self.channel.send(Shutdown())
