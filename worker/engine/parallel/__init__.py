@@ -7,8 +7,19 @@ Modules (each owns what its docstring says):
   collectives (`all_reduce`, `all_gather`, `gather_to_first`) are no-ops at world size 1. A helper
   that dies ends the group with a `RankFailure`; collectives are bounded by a timeout; a helper exits
   when rank 0's process goes away, so SIGTERM/SIGKILL/Ctrl-C on rank 0 stop every rank.
-- messages.py: what rank 0 sends each step (`RunStep(step)`, `Shutdown()`), `StepDriver` (rank 0)
-  and `serve_forever` (the other ranks).
+- messages.py: what rank 0 sends each step (`RunStep(step)`, `Shutdown()`) over a `ControlChannel`,
+  `StepDriver` (rank 0) and `serve_forever` (the other ranks); a step is any frozen dataclass
+  (`StepDescription`), run by a `StepRunner`.
+
+How the ranks run (the worker is rank 0; `serve` is module-level so spawn can pickle it):
+
+    def serve(state, model_path):                           # ranks 1..N-1
+        serve_forever(state, Runner(model_path, state))     # until rank 0 sends Shutdown
+
+    group = launch_ranks(N, serve, (model_path,), device_type="cuda", on_failure=stop_the_worker)
+    driver = StepDriver(group, Runner(model_path, group.state))
+    result = driver.run(step)     # every rank runs `step`; rank 0's result (its logits) comes back
+    driver.shutdown()             # or a RankFailure from run(): the worker exits 1
 - layers.py: Column/MergedColumn/QKV/Row-parallel linears, the vocab-parallel embedding and the
   LM head; each loads only its slice from the checkpoint; `shard_for`, `head_shard`, `vocab_shard`.
 - checkpoint.py: safetensors tensors by name, read by slice.
