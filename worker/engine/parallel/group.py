@@ -127,9 +127,18 @@ def _connect(store, rank: int, world_size: int, device: torch.device, timeout_s:
         opts._timeout = timeout
         group = dist.ProcessGroupNCCL(dist.PrefixStore("forward", store), rank, world_size, opts)
     else:
-        group = dist.ProcessGroupGloo(dist.PrefixStore("forward", store), rank, world_size, timeout)
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, CONTROL_TIMEOUT)
+        group = _loopback_gloo(dist.PrefixStore("forward", store), rank, world_size, timeout)
+    control = _loopback_gloo(dist.PrefixStore("control", store), rank, world_size, CONTROL_TIMEOUT)
     return ParallelState(rank, world_size, device, group, control)
+
+
+def _loopback_gloo(store, rank: int, world_size: int, timeout: datetime.timedelta):
+    """A gloo group on 127.0.0.1: the ranks share a host, and nothing off the host can reach it
+    (gloo's default device is the hostname's address, which may not even resolve in a container)."""
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the only way to pick the device
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
 def _rank_device(device_type: str, rank: int, device_ids: Sequence[int] | None) -> torch.device:
