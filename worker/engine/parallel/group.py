@@ -34,6 +34,7 @@ import atexit
 import datetime
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -348,9 +349,16 @@ def launch_ranks(
         torch.cuda.set_device(device)  # NCCL binds rank 0's communicator to the current device
     if world_size == 1:
         return RankGroup(ParallelState(0, 1, device), [], None, on_failure)
+    # The store listens on a socket bound here: loopback only (TCPStore alone listens on every
+    # interface), on a port the OS picked free (no race with another group). The store owns the
+    # socket once it has its fd, and closes it.
+    listener = socket.socket()
+    listener.bind((LOOPBACK, 0))
+    listener.listen(128)
     store = dist.TCPStore(
-        LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False, timeout=CONTROL_TIMEOUT
-    )  # port 0: the OS picks a free port, no race with another group
+        LOOPBACK, listener.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+        timeout=CONTROL_TIMEOUT, master_listen_fd=listener.detach(),
+    )  # fmt: skip
     ctx = mp.get_context("spawn")
     processes = []
     for rank in range(1, world_size):
