@@ -145,7 +145,7 @@ def test_hung_helper_is_bounded_by_the_collective_timeout():
     start = time.monotonic()
     with pytest.raises(RankFailure, match="the tensor-parallel step failed on rank 0: .*[Tt]imed out"):
         driver.run(AddStep(1.0, helper_sleep_s=60))
-    assert timeout_s <= time.monotonic() - start < timeout_s + 5
+    assert timeout_s <= time.monotonic() - start < timeout_s + 10
     with pytest.raises(RankFailure):
         group.check()  # the group is over
     group.close()

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from worker.engine.models import preset_config
-from worker.engine.parallel.memory import DecoderShape, check_fits, weight_bytes_per_rank
+from worker.engine.parallel.memory import (
+    DecoderShape,
+    check_fits,
+    kv_bytes_per_token_per_rank,
+    weight_bytes_per_rank,
+)
 
 
 def num_params(config) -> int:
@@ -72,3 +77,11 @@ def test_check_fits_says_the_numbers():
         ValueError, match="intermediate_size 14336 is not divisible by the tensor-parallel size 3"
     ):
         weight_bytes_per_rank(DecoderShape(4096, 14336, 1, 48, 48, 128, 1000, False), 3, 2)
+
+
+def test_kv_bytes_per_token_per_rank():
+    shape = DecoderShape.from_config(preset_config("llama3-8b"))
+    assert kv_bytes_per_token_per_rank(shape, 1, 2) == 128 * 1024  # DESIGN.md's figure for Llama-3-8B
+    assert kv_bytes_per_token_per_rank(shape, 2, 2) == 64 * 1024
+    # 8 KV heads: from TP=8 on, each rank caches one whole (replicated) head
+    assert kv_bytes_per_token_per_rank(shape, 16, 2) == kv_bytes_per_token_per_rank(shape, 8, 2) == 16 * 1024

@@ -1,4 +1,5 @@
-"""Weight bytes per rank of a decoder at tensor-parallel size N, to refuse a load that cannot fit.
+"""Weight bytes per rank of a decoder at tensor-parallel size N, to refuse a load that cannot fit, and
+the KV-cache bytes a token takes on one rank.
 
 Owns nothing. Counts what layers.py holds on one rank: its shard of every split tensor (q/k/v by
 head, o, gate/up, down, experts by intermediate size, the padded vocabulary of the embedding and an
@@ -97,6 +98,13 @@ def weight_bytes_per_rank(shape: DecoderShape, world_size: int, bytes_per_param:
     sharded += vocab_rows * s.hidden_size * (1 if s.tie_word_embeddings else 2)
     replicated += s.hidden_size  # the final norm
     return RankWeightBytes(round(sharded * bytes_per_param), round(replicated * bytes_per_param))
+
+
+def kv_bytes_per_token_per_rank(shape: DecoderShape, world_size: int, bytes_per_value: float) -> int:
+    """KV-cache bytes one token takes on one rank: k and v of the rank's KV heads in every layer
+    (a replicated KV head is cached on every rank that holds it)."""
+    heads = head_shard(shape.num_heads, shape.num_kv_heads, 0, world_size)
+    return round(2 * shape.num_layers * heads.num_kv_heads * shape.head_dim * bytes_per_value)
 
 
 def check_fits(
