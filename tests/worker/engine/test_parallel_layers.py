@@ -52,6 +52,8 @@ def full_weights(num_kv_heads: int) -> dict[str, torch.Tensor]:
         "o_proj.weight": rand(HIDDEN, NUM_HEADS * HEAD_DIM) / 4,
         "gate_proj.weight": rand(INTER, HIDDEN) / 4, "up_proj.weight": rand(INTER, HIDDEN) / 4,
         "down_proj.weight": rand(HIDDEN, INTER) / 4,
+        "q8.weight": torch.randint(-127, 128, (12, HIDDEN), generator=g, dtype=torch.int8),
+        "q8.weight_scale": rand(12).abs() / 64,
     }  # fmt: skip
 
 
@@ -113,6 +115,30 @@ def check_row(state, ckpt):
     return layer(inputs()[0])
 
 
+class Int8PerChannelMethod:
+    """A stand-in quantized format: int8 weights and one scale per output channel, loaded by the
+    same layer loaders (so a column layer splits the scales with their rows; a row layer keeps them)."""
+
+    def create_weights(self, layer, input_size, output_size, dtype, device) -> None:
+        weight = torch.empty(output_size, input_size, dtype=torch.int8, device=device)
+        layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+        layer.register_parameter(
+            "weight_scale", nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+        )
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale[:, None], bias)
+
+
+def check_quantized(state, ckpt):
+    column = ColumnParallelLinear(HIDDEN, 12, state, gather_output=True, linear_method=Int8PerChannelMethod())
+    row = RowParallelLinear(HIDDEN, 12, state, input_is_parallel=False, linear_method=Int8PerChannelMethod())
+    for layer in (column, row):
+        layer.load_from(ckpt, "q8")
+    x = inputs()[0]
+    return column(x), row(x)
+
+
 def check_merged(state, ckpt):
     layer = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], state)
     layer.load_merged(ckpt, ["gate_proj", "up_proj"])
@@ -150,7 +176,7 @@ def check_block(state, ckpt):
     return {name: block(ids) for name, block in blocks.items()}
 
 
-CHECKS = {fn.__name__: fn for fn in (check_column, check_row, check_merged, check_qkv, check_embedding, check_lm_head, check_block)}  # fmt: skip
+CHECKS = {fn.__name__: fn for fn in (check_column, check_row, check_quantized, check_merged, check_qkv, check_embedding, check_lm_head, check_block)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -204,6 +230,14 @@ def test_column_parallel_equals_linear(tp2, weights):
 def test_row_parallel_equals_linear_with_bias_added_once(tp2, weights):
     w = weights[1]
     close(run(tp2, "check_row", weights), F.linear(inputs()[0], w["row.weight"], w["row.bias"]))
+
+
+def test_quantized_method_shards_its_scales_with_the_weights(tp2, weights):
+    w = weights[1]
+    expected = F.linear(inputs()[0], w["q8.weight"].float() * w["q8.weight_scale"][:, None])
+    column, row = run(tp2, "check_quantized", weights)
+    close(column, expected)
+    close(row, expected)
 
 
 def test_merged_gate_up_ranks_hold_matching_slices(tp2, weights):
