@@ -278,6 +278,39 @@ def test_llama_shaped_block_tp2_equals_tp1(tp2, weights):
     close(out["tp"], out["single"], atol=1e-4)  # logits reach ~100: fp32 sums in another order
 
 
+@dataclass(frozen=True)
+class ForwardStep:
+    """A stand-in for the engine's step description: the token ids of one forward."""
+
+    input_ids: tuple[int, ...]
+
+
+class BlockRunner:
+    """The wiring the engine will use: each rank builds its shards once, then runs every step."""
+
+    def __init__(self, state: ParallelState, checkpoint_path: str, num_kv_heads: int):
+        self.block = TinyBlock(state, num_kv_heads)
+        self.block.load(SafetensorsCheckpoint([checkpoint_path]))
+
+    def execute_step(self, step: ForwardStep):
+        return self.block(torch.tensor(step.input_ids))
+
+
+def serve_block(state: ParallelState, checkpoint_path: str, num_kv_heads: int) -> None:
+    serve_forever(state, BlockRunner(state, checkpoint_path, num_kv_heads))
+
+
+def test_model_built_once_per_rank_serves_steps(weights):
+    path, _, num_kv_heads = weights
+    group = launch_ranks(2, serve_block, (path, num_kv_heads), timeout_s=20)
+    driver = StepDriver(group, BlockRunner(group.state, path, num_kv_heads))
+    single = BlockRunner(ParallelState.single(), path, num_kv_heads)
+    for num_tokens in (1, 5, 9):
+        step = ForwardStep(tuple(range(num_tokens)))
+        close(driver.run(step), single.execute_step(step), atol=1e-4)
+    driver.shutdown()
+
+
 # --- in-process: the split arithmetic and what a loader reads --------------------------------------
 
 
