@@ -19,13 +19,15 @@ Lifetimes:
   alone decides) and runs a thread that exits the process when its parent changes, which is how
   SIGTERM or SIGKILL on rank 0 stops every rank. (Not PR_SET_PDEATHSIG: it fires when the parent
   *thread* ends, and rank 0 may start the group from a loader thread.)
-- Rank 0's watchdog thread polls the helpers' exit codes. A helper that exits before `close()` is a
-  failure: it is recorded as a `RankFailure` that names the rank, its pid and its exit code or signal,
+- Rank 0's watchdog thread polls the helpers' exit codes. A helper that exits before
+  `stop_watching()` (the driver calls it before its Shutdown message) is a failure: it is recorded as a `RankFailure` that names the rank, its pid and its exit code or signal,
   the other helpers are killed so the group cannot half-run, and `on_failure` is called. Rank 0's
   next collective then fails at once (gloo: connection closed) or after the timeout (NCCL), and the
   step driver (messages.py) raises the recorded failure instead of the backend's message.
 - `close()` joins the helpers (after the driver's Shutdown message), then terminates and kills what is
-  left, so no process outlives the group.
+  left, so no process outlives the group; an exit of rank 0 without it (an exception, Ctrl-C) closes
+  at once through atexit.
+- Everything listens on 127.0.0.1 only: the TCPStore (through a socket bound here) and gloo's pairs.
 """
 
 from __future__ import annotations
