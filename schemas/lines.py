@@ -124,7 +124,7 @@ class Request(StrictModel):
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
-    tool_call: ForcedToolCall | None = None  # the call the body forces: the output is its arguments
+    tool_call: ForcedToolCall | None = None  # the tool use the body asks for (schemas/tools.py)
     sampling: Sampling = Sampling()
     n: NumSamples = 1
     return_token_ids: bool = False

@@ -33,6 +33,13 @@ from worker.engine.api import (
     TokenizerProtocol,
 )
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
+from worker.output_parsers import (
+    CallsMode,
+    ConstraintAfterReasoningError,
+    OutputParsing,
+    result_fields,
+    text_with_special_tokens,
+)
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 _UNSET = object()
@@ -59,11 +66,13 @@ def load_chunk(
     tokenizer: TokenizerProtocol,
     job_id: str | None = None,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
     payload fails its job before anything is read or allocated for its range. `model_defaults`: the
-    engine's `sampling_defaults` (what the checkpoint's generation_config sets)."""
+    engine's `sampling_defaults` (what the checkpoint's generation_config sets); `parsing`: the worker's output
+    parsers (a constraint then applies after the reasoning)."""
     meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
     with conn.pipeline(transaction=False) as pipe:
         pipe.hmget(keys.batch(payload.batch_id), meta_fields)
@@ -98,12 +107,17 @@ def load_chunk(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
             )
         else:
-            _expand_one(work, index, raw_request, tokenizer, model_defaults)
+            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing)
     return work
 
 
 def _expand_one(
-    work: ChunkWork, index: int, raw_request: bytes, tokenizer: TokenizerProtocol, model_defaults: Mapping[str, Any]
+    work: ChunkWork,
+    index: int,
+    raw_request: bytes,
+    tokenizer: TokenizerProtocol,
+    model_defaults: Mapping[str, Any],
+    parsing: OutputParsing | None = None,
 ) -> None:
     try:
         request = Request.model_validate_json(raw_request)
@@ -116,8 +130,10 @@ def _expand_one(
         )
         return
     try:
-        engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at, model_defaults)
-    except UnsupportedField as exc:
+        engine_request = to_engine_request(
+            request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing
+        )
+    except (UnsupportedField, ConstraintAfterReasoningError) as exc:
         work.finished_now.append(
             ResultLine(
                 custom_id=request.custom_id,
@@ -153,6 +169,7 @@ def to_engine_request(
     batch_id: str,
     arrival_time: float,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> EngineRequest:
     if request.is_chat:
         messages = [m.for_template() for m in request.messages]
@@ -161,10 +178,13 @@ def to_engine_request(
         prompt_ids = tokenizer.encode(request.prompt)
     if request.sampling.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last k tokens
         prompt_ids = prompt_ids[-request.sampling.truncate_prompt_tokens :]
+    sampling = to_sampling_params(with_line_defaults(request, model_defaults))
+    if parsing is not None and request.is_chat:  # a reasoning model's answer is constrained, not its thinking
+        sampling = parsing.constrain_after_reasoning(sampling, prompt_ids, tokenizer)
     return EngineRequest(
         request_id=keys.engine_request_id(batch_id, request.index),
         prompt_ids=list(prompt_ids),
-        sampling=to_sampling_params(with_line_defaults(request, model_defaults)),
+        sampling=sampling,
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
     )
@@ -203,8 +223,20 @@ def _engine_value(value: Any) -> Any:
     return value
 
 
-def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerProtocol) -> ResultLine:
+def to_result_line(
+    request: Request, result: EngineResult, tokenizer: TokenizerProtocol, parsing: OutputParsing | None = None
+) -> ResultLine:
     reason = result.finish_reason.value
+
+    def parsed(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:  # a chat output's parsed parts
+        if parsing is None or not request.is_chat or reason not in ("stop", "length"):
+            return {}
+        calls = _calls_mode(request)
+        if parsing.needs_special_tokens(calls):
+            text = text_with_special_tokens(token_ids, tokenizer.token_bytes, tokenizer.eos_token_ids)
+        call_id = "call_{}-{}_{}".format(*keys.split_engine_request_id(result.request_id), index)
+        return result_fields(parsing.parse(text, calls), call_id)
+
     samples = None
     if request.n > 1 and reason in ("stop", "length"):
         samples = [
@@ -214,6 +246,7 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
                 token_ids=list(sample.token_ids) if request.return_token_ids else None,
                 finish_reason=sample.finish_reason.value,  # type: ignore[arg-type]  # stop or length
                 logprobs=_logprob_lines(sample.logprobs, tokenizer),
+                **parsed(sample.index, sample.text, sample.token_ids),
             )
             for sample in result.all_samples
         ]
@@ -228,7 +261,19 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
         logprobs=_logprob_lines(result.logprobs, tokenizer) if reason != "error" else None,
         samples=samples,
+        **parsed(0, result.text, result.token_ids),
     )
+
+
+def _calls_mode(request: Request) -> CallsMode:
+    """Which calls a chat output may hold (schemas/tools.py): the model's own format when it may choose, a JSON
+    array for "required" among several tools; a call forced to one function is its arguments (no parsing)."""
+    plan = request.tool_call
+    if plan is None:
+        return "none"
+    if not plan.is_forced:
+        return "model"
+    return "array" if plan.name is None else "none"
 
 
 # JSON has no -inf: a token the model gives no probability at all reports OpenAI's floor instead.

@@ -30,7 +30,7 @@ from producer.settings import DEFAULT_RESULT_TTL_SECONDS, in_process_redis
 from producer.store import queue_results
 from schemas.result import ResultLine
 from worker import queue_worker
-from worker.cli_options import engine_options
+from worker.cli_options import engine_options, output_parser_options
 from worker.queue_worker import CbqWorker, RedisUnavailable
 from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
 from worker.run_progress import DEFAULT_PLAIN_INTERVAL_SECONDS, RunProgress
@@ -73,6 +73,20 @@ def build_engine(
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:  # EngineConfig's checks, KV cache sizing
         raise click.ClickException(f"cannot start the engine: {exc}") from None
+
+
+def choose_output_parsing(engine, tool_call_parser: str, reasoning_parser: str):
+    """The chat-output parsers the flags name for this engine's model (`auto`: from its chat template); the
+    choice is printed when any parser is active."""
+    from worker.output_parsers import OutputParsing, chat_template_text
+
+    try:
+        parsing = OutputParsing.choose(tool_call_parser, reasoning_parser, chat_template_text(engine.tokenizer))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if parsing.tool_call_parser or parsing.reasoning_parser:
+        click.echo(f"output parsers: {parsing.describe()}", err=True)
+    return parsing
 
 
 def check_model(model: str) -> None:
@@ -122,6 +136,7 @@ def recovery_options(f):
 
 @click.command()
 @engine_options
+@output_parser_options
 @redis_url_option
 @queue_option
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
@@ -156,6 +171,8 @@ def worker(
     device,
     fake_engine,
     engine_config,
+    tool_call_parser,
+    reasoning_parser,
     redis_url,
     queue,
     burst,
@@ -188,6 +205,7 @@ def worker(
     cbq_worker = CbqWorker(
         [queue],
         engine,
+        output_parsing=choose_output_parsing(engine, tool_call_parser, reasoning_parser),
         connection=conn,
         model_name=served_name,
         mode=mode,
@@ -229,6 +247,7 @@ def worker(
     help="Start over: discard the results an interrupted run left in the journal.",
 )
 @engine_options
+@output_parser_options
 @click.option(
     "--redis-url",
     default=None,
@@ -260,6 +279,8 @@ def run(
     device,
     fake_engine,
     engine_config,
+    tool_call_parser,
+    reasoning_parser,
     redis_url,
     queue,
     output_format,
@@ -292,6 +313,8 @@ def run(
         "sampling": defaults.given(),
         "chat_template_kwargs": chat_template_kwargs,
         "return_token_ids": return_token_ids,
+        "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser,
         **{k: engine_config.get(k) for k in OUTPUT_SETTINGS},
     }
     if not fake_engine:
@@ -306,6 +329,7 @@ def run(
             journal.remove()  # it holds nothing yet
         raise
     click.echo(describe_engine(engine, model, served_name), err=True)
+    output_parsing = choose_output_parsing(engine, tool_call_parser, reasoning_parser)
     try:
         batch = client.submit(
             validated,
@@ -338,6 +362,7 @@ def run(
         mode=mode,
         name=f"cbq-run-{os.getpid()}",
         on_results_written=on_results_written,
+        output_parsing=output_parsing,
     )
     demote_per_chunk_lines()
     try:

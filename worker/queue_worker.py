@@ -60,6 +60,7 @@ from worker.admission import ChunkWork, load_chunk, to_result_line
 from worker.engine.api import EngineProtocol, EngineResult, FinishReason
 from worker.job_quarantine import quarantine_job, quarantine_undecodable
 from worker.lost_dequeues import requeue_lost_dequeues
+from worker.output_parsers import OutputParsing
 from worker.stats_publisher import build_worker_stats
 
 RESULT_POLL_SECONDS = 0.02  # longest wait for engine results while work is in flight
@@ -137,6 +138,7 @@ class CbqWorker(BaseWorker):
         redis_outage_limit_seconds: float = DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
         health_file: str | None = None,
         on_results_written: Callable[[list[ResultLine]], None] | None = None,
+        output_parsing: OutputParsing | None = None,
         **kwargs: Any,
     ):
         kwargs.setdefault("job_monitoring_interval", heartbeat_interval_seconds)
@@ -160,6 +162,7 @@ class CbqWorker(BaseWorker):
         # Called in the loop's thread with each group of results once Redis has them (`cbq run`'s journal).
         self.on_results_written = on_results_written
         self.engine = engine
+        self.output_parsing = output_parsing  # tool-call and reasoning parsers for chat outputs (None: none)
         self.model_name = model_name
         self.mode = mode
         self.stats_interval_seconds = stats_interval_seconds
@@ -384,7 +387,12 @@ class CbqWorker(BaseWorker):
                     raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
                 payload = ChunkPayload.model_validate(kwargs)
                 work = load_chunk(
-                    self.connection, payload, self.engine.tokenizer, job.id, self.engine.sampling_defaults
+                    self.connection,
+                    payload,
+                    self.engine.tokenizer,
+                    job.id,
+                    self.engine.sampling_defaults,
+                    self.output_parsing,
                 )
             except REDIS_ERRORS:
                 raise
@@ -480,7 +488,7 @@ class CbqWorker(BaseWorker):
         if owner.abort_reason == "timeout" and result.finish_reason == FinishReason.CANCELLED:
             return None  # not finished: the retried chunk runs it again
         try:
-            return to_result_line(request, result, self.engine.tokenizer)
+            return to_result_line(request, result, self.engine.tokenizer, self.output_parsing)
         except Exception as exc:  # an engine result we cannot record fails that request, not the worker
             message = f"invalid engine result: {exc!r}"
             return ResultLine(
