@@ -103,8 +103,8 @@ class _ResponseFormat(StrictModel):
 class _BodyFields(StrictModel):
     """The body fields every OpenAI endpoint shares besides sampling. Fields that do nothing at their accepted
     value are taken so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`,
-    `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`, `prompt_cache_retention` and
-    `safety_identifier` are accepted and ignored."""
+    `store`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention` and `safety_identifier` are accepted
+    and ignored; `parallel_tool_calls: false` allows one call where cbq constrains the calls (schemas/tools.py)."""
 
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     n: NumSamples | None = Field(None, description=N_DESCRIPTION)  # None: 1
@@ -211,7 +211,7 @@ class ChatCompletionBody(_OpenAIBody):
         call = self.tool_call()
         if call is not None and call.is_forced and self.tools:
             if call.name is None:  # "required" among several tools: an array of calls
-                schema = required_calls_schema(self.tools)
+                schema = required_calls_schema(self.tools, parallel=self.parallel_tool_calls is not False)
             else:  # the arguments follow the function's parameters
                 schema = function_named(self.tools, call.name).arguments_schema()
             return OutputConstraint(kind="json_schema", spec=json_text(schema))

@@ -95,9 +95,10 @@ def forced_call(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolCall
     return ToolCallPlan(mode="named", name=choice.function.name)
 
 
-def required_calls_schema(tools: list[Tool]) -> dict[str, Any]:
+def required_calls_schema(tools: list[Tool], parallel: bool = True) -> dict[str, Any]:
     """`"required"` among several tools: a non-empty JSON array of calls, each `{"name", "parameters"}` with the
-    name one of the tools' and the parameters that tool's schema (one `anyOf` branch per tool)."""
+    name one of the tools' and the parameters that tool's schema (one `anyOf` branch per tool); one call only
+    when `parallel` is off (`parallel_tool_calls: false`)."""
     calls = [
         {
             "type": "object",
@@ -107,7 +108,7 @@ def required_calls_schema(tools: list[Tool]) -> dict[str, Any]:
         }
         for t in tools
     ]
-    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
 def function_named(tools: list[Tool], name: str) -> FunctionSpec:
