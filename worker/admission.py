@@ -233,7 +233,7 @@ def to_result_line(
             return {}
         calls = _calls_mode(request)
         if parsing.needs_special_tokens(calls):
-            text = text_with_special_tokens(token_ids, tokenizer.token_bytes, tokenizer.eos_token_ids)
+            text = text_with_special_tokens(token_ids, tokenizer)
         call_id = "call_{}-{}_{}".format(*keys.split_engine_request_id(result.request_id), index)
         return result_fields(parsing.parse(text, calls), call_id)
 

@@ -185,11 +185,52 @@ def test_named_and_none_override_detection():
         OutputParsing.choose("xml", "auto", None)
 
 
-def test_text_with_special_tokens_keeps_markers_and_drops_a_final_eos():
-    names = {1: b"[TOOL_CALLS]", 2: b"</s>"}
+def test_text_with_special_tokens_keeps_markers_and_drops_the_closing_ones():
+    class Tokenizer:
+        names = {1: b"[TOOL_CALLS]", 2: b"</s>", 3: b"<|eot|>"}
+        eos_token_ids = frozenset({2})
 
-    def token_bytes(token_id):
-        return names.get(token_id, bytes([token_id]))
+        def token_bytes(self, token_id):
+            return self.names.get(token_id, bytes([token_id]))
 
-    ids = [1, *b'f[ARGS]{}', 2]
-    assert text_with_special_tokens(ids, token_bytes, {2}) == "[TOOL_CALLS]f[ARGS]{}"
+        def special_token_id(self, text):
+            return {v.decode(): k for k, v in self.names.items()}.get(text)
+
+    ids = [1, *b"f[ARGS]{}", 3, 2]
+    assert text_with_special_tokens(ids, Tokenizer()) == "[TOOL_CALLS]f[ARGS]{}"
+    assert text_with_special_tokens(ids, Tokenizer(), drop_final_specials=False) == "[TOOL_CALLS]f[ARGS]{}<|eot|></s>"
+
+
+# --- through the worker's result lines, from token ids ----------------------------------------------------------
+
+
+def test_harmony_is_parsed_from_the_tokens_with_their_special_tokens(tmp_path):
+    """gpt-oss's markers are special tokens: the ordinary decode drops them, so the worker parses the output
+    decoded with them kept (and without its closing `<|call|>`, an end-of-sequence token)."""
+    from schemas.lines import parse_request_line
+    from tests.fixtures.checkpoints import Family, train_tokenizer
+    from worker.admission import to_result_line
+    from worker.engine.api import EngineResult, FinishReason, Usage
+    from worker.engine.tokenizer import HFTokenizer
+
+    markers = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+    family = Family("gpt_oss", ("<|endoftext|>", *markers), None, "<|return|>", "<|return|>", (), "<|return|>",
+                    "{{ '<|channel|>' }}", {})  # fmt: skip
+    backend = train_tokenizer(family)
+    tokenizer = HFTokenizer(backend, extra_eos_ids=(backend.convert_tokens_to_ids("<|call|>"),))
+    ids = tokenizer.encode(HARMONY_CALL)
+    assert "<|channel|>" not in tokenizer.decode(ids)  # what the result's text holds
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Rome?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+    }
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    request = parse_request_line(json.dumps(line), 1).resolve(0)
+    result = EngineResult("b1:0", tokenizer.decode(ids), ids, FinishReason.STOP, Usage())
+    parsing = OutputParsing.choose("auto", "auto", family.chat_template)
+    record = to_result_line(request, result, tokenizer, parsing)
+    assert record.reasoning_content == "The user wants the weather in Rome; call the tool."
+    assert record.content is None and record.text == result.text
+    [call] = record.tool_calls
+    assert (call.id, call.function.name, call.function.arguments) == ("call_b1-0_0_0", "get_weather", '{"city": "Rome"}')
+    assert to_result_line(request, result, tokenizer).tool_calls is None  # no parsers: nothing parsed

@@ -9,7 +9,7 @@ Pure Python (no torch, no pydantic): the worker turns a `ParsedOutput` into resu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -148,7 +148,7 @@ class OutputParsing:
                 f"the {parser.name} reasoning format cannot be followed by a constrained answer in cbq yet: run "
                 "this request without response_format or a forced tool call"
             )
-        prompt_tail = text_with_special_tokens(prompt_ids[-16:], tokenizer.token_bytes, ()).rstrip()
+        prompt_tail = text_with_special_tokens(prompt_ids[-16:], tokenizer, drop_final_specials=False).rstrip()
         if prompt_tail.endswith(parser.end):
             return params
         special_ids = {m: i for m in (parser.start, parser.end) if (i := tokenizer.special_token_id(m)) is not None}
@@ -187,10 +187,16 @@ def chat_template_text(tokenizer: Any) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def text_with_special_tokens(token_ids: Sequence[int], token_bytes: Callable[[int], bytes], eos_ids: Any) -> str:
-    """The output decoded with its special tokens kept (as their names), a final end-of-sequence token dropped:
-    harmony's, Mistral's and Llama's markers are special tokens, which the ordinary decode skips."""
+def text_with_special_tokens(token_ids: Sequence[int], tokenizer: Any, drop_final_specials: bool = True) -> str:
+    """The tokens decoded with their special tokens kept, as their names (harmony's, Mistral's and Llama's
+    markers are special tokens, which the ordinary decode skips). `drop_final_specials`: an output's closing
+    special tokens (end of turn, end of sequence) are not part of what the model said."""
     ids = list(token_ids)
-    while ids and ids[-1] in eos_ids:
+
+    def is_special(token_id: int) -> bool:
+        name = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+        return token_id in tokenizer.eos_token_ids or tokenizer.special_token_id(name) == token_id
+
+    while drop_final_specials and ids and is_special(ids[-1]):
         ids.pop()
-    return b"".join(token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+    return b"".join(tokenizer.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
