@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from typing import Any
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
@@ -54,24 +55,45 @@ def _choices(spec: str) -> list[str]:
 
 
 def after_reasoning(
-    kind: str, spec: str, start: str, end: str, *, opened: bool = False, special_ids: dict[str, int] | None = None
+    kind: str,
+    spec: str,
+    start: str,
+    end: str,
+    *,
+    opened: bool = False,
+    token_ids: dict[str, int] | None = None,
+    eos_ids: Iterable[int] = (),
 ) -> tuple[str, str]:
     """The constraint (kind, spec) that lets a reasoning block `start ... end` come first, then `kind`/`spec`.
     `opened`: the prompt ends with `start` (DeepSeek-R1 distills), so the output is `reasoning end answer` and
-    the block is required. `special_ids`: those markers that are special tokens of the model (matched as that
-    token, not as text)."""
-    inner = {"kind": kind, "spec": spec, "start": start, "end": end, "opened": opened, "special_ids": special_ids or {}}
+    the block is required. `token_ids`: markers the vocabulary has as one token (Qwen3's `<think>`), which
+    llguidance treats as special: text would not match them. `eos_ids`: tokens the reasoning may not contain."""
+    inner = {
+        "kind": kind,
+        "spec": spec,
+        "start": start,
+        "end": end,
+        "opened": opened,
+        "token_ids": token_ids or {},
+        "eos_ids": sorted(eos_ids),
+    }
     return "json_schema", json.dumps({AFTER_REASONING: inner})
 
 
 def _after_reasoning_grammar(inner: dict[str, Any]) -> str:
-    """A lark grammar `start: think? answer`, the answer being the original constraint inline; the reasoning
-    stops at the first closing marker (a lazy rule)."""
+    """A lark grammar `start: think? answer`, the answer being the original constraint inline.
 
-    def marker(text: str) -> str:
-        token_id = inner["special_ids"].get(text)
-        return f"<[{int(token_id)}]>" if token_id is not None else json.dumps(text)
-
+    The reasoning ends at the first closing marker. A marker the vocabulary has as one token (Qwen3's
+    `</think>`) is matched as that token (llguidance keeps such tokens out of text terminals), and the reasoning
+    is any tokens but it and end-of-sequence; a marker spelled as text closes a lazy text terminal instead."""
+    token_ids = {text: int(i) for text, i in inner["token_ids"].items()}
+    start, end = inner["start"], inner["end"]
+    opener = f"<[{token_ids[start]}]> " if start in token_ids else f"{json.dumps(start)} "
+    if end in token_ids:
+        excluded = ",".join(str(i) for i in sorted({token_ids[end], *map(int, inner["eos_ids"])}))
+        body = f"think_body <[{token_ids[end]}]>\nthink_body: <[^{excluded}]>*"
+    else:
+        body = f"think_body\nthink_body[lazy]: /(?s:.*)/ {json.dumps(end)}"
     kind, spec = inner["kind"], inner["spec"]
     if kind in ("json_schema", "json_object"):
         schema = json.loads(spec) if kind == "json_schema" else {"type": "object"}
@@ -85,13 +107,8 @@ def _after_reasoning_grammar(inner: dict[str, Any]) -> str:
     else:
         raise ValueError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
     if inner["opened"]:  # the prompt opened the block: it must be closed before the answer
-        start, opener = "start: think ws? answer", ""
-    else:
-        start, opener = "start: (think ws?)? answer", marker(inner["start"]) + " "
-    return (
-        f"{start}\nthink[lazy]: {opener}/(?s:.*)/ {marker(inner['end'])}\n"
-        f"ws: /[ \\t\\r\\n]+/\nanswer: {answer}\n"
-    )
+        return f"start: think ws? answer\nthink: {body}\nws: /[ \\t\\r\\n]+/\nanswer: {answer}\n"
+    return f"start: (think ws?)? answer\nthink: {opener}{body}\nws: /[ \\t\\r\\n]+/\nanswer: {answer}\n"
 
 
 @functools.lru_cache(maxsize=256)  # a file often repeats one schema on every line

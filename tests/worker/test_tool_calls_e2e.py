@@ -16,9 +16,8 @@ from openai.types.chat import ChatCompletion
 
 import worker.cli
 from producer.cli import main
-from schemas.constraint import after_reasoning
 from tests.fixtures.checkpoints import build_checkpoint
-from worker.engine.api import Constraint, ConstraintKind
+from worker.engine.api import Constraint, ConstraintKind, SamplingParams
 from worker.engine.grammar import GrammarCompiler
 from worker.engine.tokenizer import HFTokenizer
 
@@ -183,18 +182,34 @@ ANSWER_SCHEMA = {
 }
 
 
+@pytest.mark.parametrize("think_tokens", [False, True])
 @pytest.mark.parametrize("opened", [False, True])
-def test_the_grammar_lets_the_reasoning_through_then_forces_the_json(qwen3, opened):
+def test_the_grammar_lets_the_reasoning_through_then_forces_the_json(qwen3, opened, think_tokens):
     """The engine's own compiler on the checkpoint's tokenizer: a `<think>` block (opened by the prompt, as
-    DeepSeek-R1's template does, or by the output) passes unconstrained, then only the schema's JSON."""
-    tokenizer = HFTokenizer.from_pretrained(str(qwen3.path))
+    DeepSeek-R1's template does, or by the output) passes unconstrained, then only the schema's JSON. With
+    `think_tokens` the vocabulary has `<think>` and `</think>` as added tokens, as Qwen3's does (llguidance
+    treats those as special): the worker's wrapping lets the model write them as its one token."""
+    from transformers import AutoTokenizer
+
+    from worker.output_parsers import OutputParsing
+
+    backend = AutoTokenizer.from_pretrained(str(qwen3.path))
+    if think_tokens:
+        backend.add_tokens(["<think>", "</think>"])
+    tokenizer = HFTokenizer(backend)
     compiler = GrammarCompiler(tokenizer, -(-tokenizer.vocab_size // 64) * 64, tokenizer.eos_token_ids)
-    kind, spec = after_reasoning("json_schema", json.dumps(ANSWER_SCHEMA), "<think>", "</think>", opened=opened)
     opener = "" if opened else "<think>"
+    prompt_ids = tokenizer.encode("<|im_start|>assistant\n" + ("<think>\n" if opened else ""))
+    answer = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ANSWER_SCHEMA))
+    parsing = OutputParsing.choose("none", "think", None)
+    wrapped = parsing.constrain_after_reasoning(SamplingParams(constraint=answer), prompt_ids, tokenizer).constraint
+    assert wrapped != answer
 
     def accepts(text: str) -> bool:
-        matcher = compiler.matcher_for(Constraint(ConstraintKind(kind), spec))
-        ok = matcher.consume_tokens(tokenizer.encode(text)) and not matcher.is_error()
+        ids = tokenizer.encode(text)
+        assert (backend.convert_tokens_to_ids("<think>") in ids) == (think_tokens and "<think>" in text)
+        matcher = compiler.matcher_for(wrapped)
+        ok = matcher.consume_tokens(ids) and not matcher.is_error()
         return ok and matcher.consume_token(sorted(tokenizer.eos_token_ids)[0]) and not matcher.is_error()
 
     assert accepts(opener + '\nIt is {"not": json} yet: any text.\n</think>\n\n{"city":"Oslo"}')
@@ -202,6 +217,16 @@ def test_the_grammar_lets_the_reasoning_through_then_forces_the_json(qwen3, open
     assert not accepts(opener + "\nthinking\n</think>\n\nOslo")
     assert not accepts(opener + "\nthinking never closed")
     assert accepts('{"city":"Oslo"}') != opened  # no reasoning: allowed unless the prompt opened it
+
+
+def test_a_prompt_that_closed_the_reasoning_keeps_the_constraint_as_it_is(qwen3):
+    from worker.output_parsers import OutputParsing
+
+    tokenizer = HFTokenizer.from_pretrained(str(qwen3.path))
+    answer = Constraint(ConstraintKind.JSON_OBJECT)
+    closed = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking: false
+    parsing = OutputParsing.choose("none", "think", None)
+    assert parsing.constrain_after_reasoning(SamplingParams(constraint=answer), closed, tokenizer).constraint == answer
 
 
 def test_response_format_on_a_reasoning_model_constrains_the_answer(qwen3, tmp_path, monkeypatch):

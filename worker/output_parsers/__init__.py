@@ -151,12 +151,17 @@ class OutputParsing:
         prompt_tail = text_with_special_tokens(prompt_ids[-16:], tokenizer, drop_final_specials=False).rstrip()
         if prompt_tail.endswith(parser.end):
             return params
-        special_ids = {m: i for m in (parser.start, parser.end) if (i := tokenizer.special_token_id(m)) is not None}
+        token_ids = {m: i for m in (parser.start, parser.end) if (i := _single_token_id(tokenizer, m)) is not None}
         kind, spec = after_reasoning(
             constraint.kind.value, constraint.spec, parser.start, parser.end,
-            opened=prompt_tail.endswith(parser.start), special_ids=special_ids,
+            opened=prompt_tail.endswith(parser.start), token_ids=token_ids, eos_ids=tokenizer.eos_token_ids,
         )  # fmt: skip
         return dataclasses.replace(params, constraint=Constraint(ConstraintKind(kind), spec))
+
+
+def _single_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token that is `text` in this vocabulary (an added token such as `<think>`), if any."""
+    return next((i for i in tokenizer.encode(text) if tokenizer.token_bytes(i) == text.encode()), None)
 
 
 class ConstraintAfterReasoningError(ValueError):
