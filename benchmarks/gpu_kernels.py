@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.engine import attention_triton as at  # noqa: E402
 from worker.engine.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from worker.engine.kernels import attention as at  # noqa: E402
 
 HBM_GBPS = 4300.0
 H, KVH, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B attention, engine default block size

@@ -1,6 +1,12 @@
 """Fault injection at scale (issue 10): worker kills, Redis outages and poison inputs against real processes.
 
     python benchmarks/reliability.py [--requests 1600] [--outages 3,60] [--json-out benchmarks/reliability.json]
+    python benchmarks/reliability.py --soak 600 [--seed 0] [--workers 2] [--json-out ...]
+
+`--soak SECONDS` runs the fault soak instead (issue 31; `tests/reliability/soak.py`): batches keep flowing
+through `--workers` worker processes while a seeded random schedule SIGKILLs workers, kills and restarts Redis,
+pauses it and loses the replies of applied transactions through a TCP proxy; then it checks that every request
+has exactly one result, the counters equal the result lines, and no status read failed.
 
 Each scenario starts its own redis-server (append-only file, fsync always) on a free port and real `cbq worker`
 processes (the instant fake engine with a fixed per-request latency, so a batch stays in flight long enough to
@@ -30,6 +36,7 @@ from producer import store  # noqa: E402
 from producer.store import SubmitOptions, submit_batch, validate_lines  # noqa: E402
 from schemas import keys  # noqa: E402
 from tests.reliability.harness import RedisServer, WorkerProcess, wait_until  # noqa: E402
+from tests.reliability.soak import Soak, SoakConfig  # noqa: E402
 
 LATENCY = ("--fake-engine", "--fake-latency", "2", "--max-num-seqs", "256")
 
@@ -195,7 +202,19 @@ def main() -> None:
         "--successor-delays", default="0,45", help="seconds between a kill and the next worker"
     )
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--soak", type=float, metavar="SECONDS", help="run the fault soak for this long instead")
+    parser.add_argument("--seed", type=int, default=0, help="of the soak's fault schedule")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes in the soak")
     args = parser.parse_args()
+    if args.soak:
+        with tempfile.TemporaryDirectory() as tmp:
+            config = SoakConfig(seconds=args.soak, seed=args.seed, num_workers=args.workers)
+            report = Soak(Path(tmp), config).run().as_dict()
+        report = {"scenario": "fault soak", "config": config.__dict__, **report}
+        print(json.dumps(report), flush=True)
+        if args.json_out:
+            args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -14,7 +14,7 @@ replayed from a CUDA graph over 32 distinct weights (one per layer, so L2 never 
 and reports microseconds per GEMM and the weight bytes per second (the floor is the copy bandwidth):
   cublas      F.linear(x, W) with W [N, K] (what the decoder runs)
   cublas-kn   x @ W' with W' = W^T made contiguous [K, N] (another cuBLAS layout and kernel family)
-  triton      the owned decoder's small-step kernel (worker/engine/decode_gemm.py): each program owns
+  triton      the owned decoder's small-step kernel (worker/engine/kernels/decode_gemm.py): each program owns
               BLOCK_N whole weight rows over all of K (no split-K reduce), computing W_tile @ x^T so the
               weight rows are the MMA's long side (best of CONFIGS with --sweep, else decode_gemm's choice)
 
@@ -54,14 +54,14 @@ CONFIGS: list[Config] = [
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Config | None:
     """The decoder's configuration for an [m, k] x [n, k]^T product, or None where it uses cuBLAS."""
-    from worker.engine import decode_gemm
+    from worker.engine.kernels import decode_gemm
 
     return decode_gemm.config_for(n, k, dtype) if m <= decode_gemm.MAX_TOKENS else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with the decoder's Triton kernel (decode_gemm.py, without PDL)."""
-    from worker.engine import decode_gemm
+    from worker.engine.kernels import decode_gemm
 
     config = config or pick_config(x.shape[0], *weight.shape, x.dtype)
     assert config is not None, f"no skinny-GEMM configuration for M={x.shape[0]} {tuple(weight.shape)} {x.dtype}"
@@ -135,8 +135,8 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
 
 def chain_bench(m: int) -> None:
     """Microseconds per decoder layer of the GEMM chain (see the module docstring), one graph of 32 layers."""
-    from worker.engine import decode_gemm as dg
-    from worker.engine import fused_kernels as fk
+    from worker.engine.kernels import decode_gemm as dg
+    from worker.engine.kernels import fused as fk
 
     hidden, dt = 4096, torch.bfloat16
     names = ("qkv", "o", "gate_up", "down")

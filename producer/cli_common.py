@@ -53,6 +53,7 @@ def format_status(st: BatchStatus) -> str:
             f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  gpu {st.gpu_seconds:.2f} s",
             f"  rate {st.requests_per_second:.1f} req/s  {st.completion_tokens_per_second:.1f} completion tok/s  "
             f"ETA {eta}",
+            *(f"  inconsistent: {issue}" for issue in st.inconsistencies),
         ]
     )
 

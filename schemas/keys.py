@@ -15,6 +15,9 @@ Global:
     cbq:name:{name}           hash   custom_id -> batch id, for dedupe across resubmissions of a --name
     cbq:workers               zset   worker name -> last stats publish time
     cbq:worker:{name}:stats   string WorkerStats JSON, expires when the worker stops publishing
+    cbq:flush:{writer_id}     string the last results write a worker process applied (its sequence number);
+                                     set in that write's transaction, so a write whose reply was lost is
+                                     recognised instead of applied again (`worker.result_writer`)
 
 OpenAI-compatible server (`cbq serve`; expire with the batch's result TTL):
 
@@ -105,6 +108,10 @@ def name_index(name: str) -> str:
 
 def worker_stats(worker_name: str) -> str:
     return f"{PREFIX}worker:{worker_name}:stats"
+
+
+def flush_marker(writer_id: str) -> str:
+    return f"{PREFIX}flush:{writer_id}"
 
 
 API_BATCHES = f"{PREFIX}api:batches"

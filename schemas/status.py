@@ -36,6 +36,8 @@ class BatchStatus(_Model):
     requests_per_second: float = 0.0  # finished requests / seconds since the first was admitted
     completion_tokens_per_second: float = 0.0
     eta_seconds: float | None = None  # None until a rate is known, 0 when done
+    # What the stored counters or fields got wrong (shown clamped above); empty when everything agrees.
+    inconsistencies: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _counts_add_up(self):

@@ -1,6 +1,7 @@
 """Expanding one chunk job into engine requests. Owns the read of a chunk's requests and their tokenization.
 
-A chunk is loaded in one pipeline (batch hash, cancel flag, its stored requests, their existing results).
+A chunk is loaded through `producer.store.chunks` in two round trips (the batch fields its payload is checked
+against, then the cancel flag, its stored requests and their existing results).
 Requests that already have a result are skipped, so a retried chunk never redoes finished work. Anything
 wrong with one request (unreadable stored JSON, a tokenizer error) becomes an error result for that request
 only; a chunk whose batch is gone raises `BatchGone`, which fails that one job.
@@ -17,9 +18,9 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from producer.store.chunks import read_chunk_batch, read_chunk_requests
 from schemas import keys
-from schemas.chunk import ChunkPayload
-from schemas.keys import BatchField
+from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.lines import Request
 from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
 from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
@@ -60,6 +61,23 @@ class ChunkWork:
     num_skipped: int = 0  # already had a result (a retried chunk)
 
 
+def load_chunk_job(
+    conn: redis.Redis,
+    job_id: str,
+    func_name: str | None,
+    kwargs: Any,
+    tokenizer: TokenizerProtocol,
+    model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
+) -> ChunkWork:
+    """`load_chunk` for rq job `job_id`, once its function and arguments (rq's `func_name`, `kwargs`) are
+    checked to be a cbq chunk's. Raises ValueError (or pydantic's) for anything else: that job fails."""
+    if func_name != CHUNK_FUNC:
+        raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
+    payload = ChunkPayload.model_validate(kwargs)
+    return load_chunk(conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing)
+
+
 def load_chunk(
     conn: redis.Redis,
     payload: ChunkPayload,
@@ -73,35 +91,27 @@ def load_chunk(
     payload fails its job before anything is read or allocated for its range. `model_defaults`: the
     engine's `sampling_defaults` (what the checkpoint's generation_config sets); `parsing`: the worker's output
     parsers (a constraint then applies after the reasoning)."""
-    meta_fields = [BatchField.CREATED_AT.value, BatchField.TTL_SECONDS.value, BatchField.NUM_REQUESTS.value]
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hmget(keys.batch(payload.batch_id), meta_fields)
-        pipe.hget(keys.batch_jobs(payload.batch_id), job_id or "")
-        (created_at, ttl_seconds, num_requests), recorded_range = pipe.execute()
-    if created_at is None:
+    batch = read_chunk_batch(conn, payload.batch_id, job_id)
+    if batch is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
-    if payload.stop > int(num_requests):
+    if payload.stop > batch.num_requests:
         raise ValueError(
-            f"chunk [{payload.start}, {payload.stop}) is past the batch's {int(num_requests)} requests"
+            f"chunk [{payload.start}, {payload.stop}) is past the batch's {batch.num_requests} requests"
         )
-    if job_id is not None and recorded_range != f"{payload.start}:{payload.stop}".encode():
-        recorded = recorded_range.decode() if recorded_range else "none"
+    if job_id is not None and batch.recorded_range != f"{payload.start}:{payload.stop}":
         raise ValueError(
-            f"job {job_id} carries [{payload.start}, {payload.stop}), but the batch recorded {recorded} for it"
+            f"job {job_id} carries [{payload.start}, {payload.stop}), but the batch recorded "
+            f"{batch.recorded_range or 'none'} for it"
         )
 
     indices = list(payload.indices)
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.exists(keys.batch_cancel(payload.batch_id))
-        pipe.hmget(keys.batch_requests(payload.batch_id), indices)
-        pipe.hmget(keys.batch_results(payload.batch_id), indices)
-        is_cancelled, raw_requests, raw_results = pipe.execute()
-    work = ChunkWork(payload, float(created_at), int(ttl_seconds), bool(is_cancelled))
-    for index, raw_request, raw_result in zip(indices, raw_requests, raw_results, strict=True):
+    stored = read_chunk_requests(conn, payload.batch_id, indices)
+    work = ChunkWork(payload, batch.created_at, batch.ttl_seconds, stored.is_cancelled)
+    for index, raw_request, raw_result in zip(indices, stored.raw_requests, stored.raw_results, strict=True):
         if raw_result is not None:
             work.num_skipped += 1
         elif raw_request is None:
-            work.finished_now.append(_error(index, None, "stored request is missing"))
+            work.finished_now.append(error_line(index, None, "stored request is missing"))
         elif work.is_cancelled:
             work.finished_now.append(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
@@ -122,11 +132,13 @@ def _expand_one(
     try:
         request = Request.model_validate_json(raw_request)
     except ValidationError as exc:
-        work.finished_now.append(_error(index, None, f"stored request is invalid: {exc.errors()[0]['msg']}"))
+        work.finished_now.append(
+            error_line(index, None, f"stored request is invalid: {exc.errors()[0]['msg']}")
+        )
         return
     if request.index != index:
         work.finished_now.append(
-            _error(index, request.custom_id, f"stored request has index {request.index}")
+            error_line(index, request.custom_id, f"stored request has index {request.index}")
         )
         return
     try:
@@ -146,7 +158,7 @@ def _expand_one(
         )
         return
     except Exception as exc:  # a tokenizer failure fails this request, not the chunk
-        work.finished_now.append(_error(index, request.custom_id, f"tokenization failed: {exc!r}"))
+        work.finished_now.append(error_line(index, request.custom_id, f"tokenization failed: {exc!r}"))
         return
     work.to_run.append((request, engine_request))
 
@@ -172,9 +184,11 @@ def to_engine_request(
     parsing: OutputParsing | None = None,
 ) -> EngineRequest:
     if request.is_chat:
+        assert request.messages is not None, "a chat request has its messages"
         messages = [m.for_template() for m in request.messages]
         prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools)
     else:
+        assert request.prompt is not None, "a request is chat (messages) or prompt"
         prompt_ids = tokenizer.encode(request.prompt)
     if request.sampling.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last k tokens
         prompt_ids = prompt_ids[-request.sampling.truncate_prompt_tokens :]
@@ -223,10 +237,24 @@ def _engine_value(value: Any) -> Any:
     return value
 
 
+MAX_ERROR_CHARS = 300  # of a result line's `error`
+
+
+def one_line(message: str) -> str:
+    """`message` on one line of at most MAX_ERROR_CHARS (grammar engines report errors as multi-line dumps)."""
+    flat = " ".join(message.split())
+    return flat if len(flat) <= MAX_ERROR_CHARS else flat[: MAX_ERROR_CHARS - 1] + "…"
+
+
 def to_result_line(
     request: Request, result: EngineResult, tokenizer: TokenizerProtocol, parsing: OutputParsing | None = None
 ) -> ResultLine:
+    """The result line of one engine result. A failed request reports no completion tokens: it returns no text
+    (the engine counts the token a grammar rejected, the one that failed it)."""
     reason = result.finish_reason.value
+    usage = dataclasses.asdict(result.usage)
+    if reason == "error":
+        usage["completion_tokens"] = 0
 
     def parsed(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:  # a chat output's parsed parts
         if parsing is None or not request.is_chat or reason not in ("stop", "length"):
@@ -244,7 +272,7 @@ def to_result_line(
                 index=sample.index,
                 text=sample.text,
                 token_ids=list(sample.token_ids) if request.return_token_ids else None,
-                finish_reason=sample.finish_reason.value,  # type: ignore[arg-type]  # stop or length
+                finish_reason=sample.finish_reason.value,
                 logprobs=_logprob_lines(sample.logprobs, tokenizer),
                 **parsed(sample.index, sample.text, sample.token_ids),
             )
@@ -256,8 +284,8 @@ def to_result_line(
         text=result.text,
         token_ids=list(result.token_ids) if request.return_token_ids else None,
         finish_reason=reason,
-        usage=Usage(**{k: v for k, v in dataclasses.asdict(result.usage).items() if k in Usage.model_fields}),
-        error=(result.error or "the engine reported an error") if reason == "error" else None,
+        usage=Usage(**{k: v for k, v in usage.items() if k in Usage.model_fields}),
+        error=one_line(result.error or "the engine reported an error") if reason == "error" else None,
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
         logprobs=_logprob_lines(result.logprobs, tokenizer) if reason != "error" else None,
         samples=samples,
@@ -299,8 +327,9 @@ def _logprob_lines(
     ]
 
 
-def _error(index: int, custom_id: str | None, message: str) -> ResultLine:
-    return ResultLine(custom_id=custom_id, index=index, finish_reason="error", error=message)
+def error_line(index: int, custom_id: str | None, message: str) -> ResultLine:
+    """A failed request's result line, its message on one line."""
+    return ResultLine(custom_id=custom_id, index=index, finish_reason="error", error=one_line(message))
 
 
 def _custom_id(raw_request: bytes) -> str | None:

@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
+from typing import cast
 
 import click
 
@@ -28,10 +30,11 @@ from producer.options import (
 )
 from producer.settings import DEFAULT_RESULT_TTL_SECONDS, in_process_redis
 from producer.store import queue_results
-from schemas.result import ResultLine
+from schemas.result import OpenAIBatchOutputLine, ResultLine
 from worker import queue_worker
 from worker.cli_options import engine_options, output_parser_options
-from worker.queue_worker import CbqWorker, RedisUnavailable
+from worker.maintenance import RedisUnavailable
+from worker.queue_worker import CbqWorker
 from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
 from worker.run_progress import DEFAULT_PLAIN_INTERVAL_SECONDS, RunProgress
 from worker.worker_log import (
@@ -342,9 +345,10 @@ def run(
         )
     except SourceChanged as exc:  # FILE was edited while the model loaded
         raise click.ClickException(str(exc)) from None
+    assert batch.submission is not None, "Client.submit returns the batch with its submission"
     num_total = batch.submission.num_requests
     num_resumed = 0 if journal is None else journal.replay(_store_results(client, batch.id, num_total))
-    resumed = f", {num_resumed} done by the interrupted run ({journal.path})" if num_resumed else ""
+    resumed = f", {num_resumed} done by the interrupted run ({journal.path})" if journal and num_resumed else ""
     click.echo(f"batch {batch.id}: {num_total} requests{resumed}", err=True)
 
     progress = RunProgress(num_total, num_resumed, interval_seconds=progress_interval)
@@ -372,7 +376,8 @@ def run(
         if journal is not None:
             journal.close()
 
-    write_result_lines(output, batch.results(format=output_format, partial=True), output_format, errors)
+    lines = cast("Iterator[ResultLine | OpenAIBatchOutputLine]", batch.results(format=output_format, partial=True))
+    write_result_lines(output, lines, output_format, errors)
     status = batch.status()
     click.echo(format_status(status), err=True)
     if not status.is_done:

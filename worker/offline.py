@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from producer.store import validate_lines
-from schemas.errors import RequestLineError
+from schemas.errors import InvalidRequest, RequestLineError
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL, SamplingOverrides
 from schemas.result import ResultLine
 from worker.admission import to_engine_request, to_result_line
@@ -100,7 +100,7 @@ class LLM:
         **options: Any,
     ) -> list[ResultLine]:
         """`generate` for chats: one conversation (a list of `{"role", "content"}` messages) or a list of them."""
-        items = list(conversations)
+        items: list[Any] = list(conversations)
         if items and isinstance(items[0], dict):  # one conversation
             items = [items]
         return self.generate([{"messages": messages} for messages in items], sampling, **options)
@@ -157,6 +157,7 @@ def _requests(items: list[Input], defaults: SamplingOverrides, chat_template_kwa
         raise InvalidRequests(refused)
     out = []
     for index, (parsed, (_, is_body)) in enumerate(zip(validated.requests, lines, strict=True)):
+        assert not isinstance(parsed, InvalidRequest), "refused above"
         if is_body:  # the custom_id was only the envelope's
             parsed = parsed.model_copy(update={"custom_id": None})
         out.append(parsed.resolve(index, defaults, return_token_ids, chat_template_kwargs))
@@ -176,6 +177,6 @@ def _as_line(item: Input, index: int) -> tuple[dict[str, Any], bool]:
 
 
 def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm  # transformers depends on it
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]  # transformers depends on it
 
     return tqdm(total=total, disable=not enabled, unit="req", desc="generating", dynamic_ncols=True)

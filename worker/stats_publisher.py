@@ -5,10 +5,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
+from typing import Any
 
+import redis
+
+from producer.store import publish_worker_stats
 from schemas.status import WorkerStats
 from worker.engine.api import EngineStats
 
@@ -50,3 +55,12 @@ def build_worker_stats(
         num_preemptions=engine_stats.num_preemptions,
         prefix_cache_hit_rate=engine_stats.prefix_cache_hit_rate,
     )
+
+
+def publish_stats(conn: redis.Redis, log: logging.Logger, **fields: Any) -> None:
+    """Build and publish a worker's stats (`build_worker_stats`'s fields). Stats are informational: a failure
+    is logged and never stops the worker."""
+    try:
+        publish_worker_stats(conn, build_worker_stats(**fields))
+    except Exception:
+        log.exception("Worker %s: publishing stats failed", fields.get("worker_name"))

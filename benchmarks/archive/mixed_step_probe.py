@@ -95,16 +95,16 @@ class Probe:
         hidden, residual = F.embedding(input_ids, dec.embed_weight), None
         for idx, w in enumerate(dec.layers):
             k_cache, v_cache = attn.kv_caches[idx]
-            normed, residual = ops.add_rmsnorm(hidden, residual, w.input_norm, dec.eps)
+            normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, dec.eps)
             q = dec._qkv_rope_write(normed, positions, w, k_cache, v_cache, attn, ops)  # QKV GEMM, rotary, KV write
             yield
-            out = attn.backend.attend(q, k_cache, v_cache, attn, dec.scale, idx)
+            out = attn.backend.attend(q, k_cache, v_cache, attn, dec.args.attention_scale, idx)
             yield
             hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
-            normed, residual = ops.add_rmsnorm(hidden, residual, w.post_norm, dec.eps)
-            activated = ops.gate_up_silu(normed, w.gate_up_weight, w.gate_up_bias)
+            normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, dec.eps)
+            activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
             hidden = ops.linear(activated, w.down_weight, w.down_bias)
-        normed, _ = ops.add_rmsnorm(hidden[rows], residual[rows], dec.final_norm, dec.eps)
+        normed, _ = ops.add_norm(hidden[rows], residual[rows], dec.final_norm, dec.eps)
         ops.linear(normed, dec.lm_head, None)
 
     def serial(self, batches, ops=None) -> None:
@@ -163,10 +163,10 @@ class Probe:
 
         base = self.dec.ops
         if "gate_up" in names:  # the large-step path: the GEMM, then silu_mul
-            from worker.engine import fused_kernels as fk
-            from worker.engine.decoder import gate_up_then_silu
+            from worker.engine.decoder import gate_up_then_act
+            from worker.engine.kernels import fused as fk
 
-            return dataclasses.replace(base, linear=linear, gate_up_silu=gate_up_then_silu(linear, fk.silu_mul))
+            return dataclasses.replace(base, linear=linear, gate_up_act=gate_up_then_act(linear, fk.silu_mul))
         return dataclasses.replace(base, linear=linear)
 
 

@@ -5,6 +5,7 @@
 - `reads`: status, results in input order, listings of batches and workers
 - `cancel`: the cancel flag, and cancelling the chunk jobs still queued
 - `api_batches`: the OpenAI batch records of `cbq serve` (`cbq:api:` keys), with their project listings
+- `chunks`: a worker's reads of one chunk job (its batch's fields, its requests and results so far)
 
 Imports redis, rq and pydantic, never torch and never `worker`: the worker imports this package, not the reverse.
 """
@@ -14,6 +15,7 @@ from producer.store.cancel import CancelReport, cancel_batch
 from producer.store.reads import (
     BatchNotFinished,
     BatchNotFound,
+    cancelled_batch_ids,
     find_lost_requests,
     get_status,
     iter_results,
@@ -49,6 +51,7 @@ __all__ = [
     "ValidRequests",
     "ValidatedFile",
     "cancel_batch",
+    "cancelled_batch_ids",
     "find_lost_requests",
     "get_status",
     "iter_results",

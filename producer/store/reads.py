@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import TypeVar
 
 import redis
 from pydantic import BaseModel
@@ -39,6 +40,7 @@ from schemas.result import (
 from schemas.status import BatchStatus, WorkerStats
 
 PAGE_SIZE = 1000
+T = TypeVar("T")
 
 
 class BatchNotFound(LookupError):
@@ -57,27 +59,42 @@ def read_meta(conn: redis.Redis, batch_id: str) -> dict[str, str]:
     raw = conn.hgetall(keys.batch(batch_id))
     if not raw:
         raise BatchNotFound(batch_id)
-    return {k.decode(): v.decode() for k, v in raw.items()}
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
 
 
 def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
+    """The batch's counts, tokens, rate and ETA. Never fails on what it finds stored: a field that does not
+    parse, counters that are negative or count more requests than the batch has (a write applied twice) are
+    clamped, and each is named in `BatchStatus.inconsistencies`."""
     meta = read_meta(conn, batch_id)
-    total = int(meta[BatchField.NUM_REQUESTS.value])
-    counts = _recorded_outcomes(meta)
+    fields = _Fields(meta)
+    total = fields.int(BatchField.NUM_REQUESTS)
+    counts = _recorded_outcomes(meta, fields)
     lost = {} if counts.total() >= total else find_lost_requests(conn, batch_id, meta)
     counts.update(OUTCOME_OF_REASON[reason] for reason, _ in lost.values())
+    tokens = {f: fields.int(f, default=0) for f in (BatchField.PROMPT_TOKENS, BatchField.COMPLETION_TOKENS)}
+    if counts.total() > total:
+        fields.issues.append(
+            f"the counters record {counts.total()} finished requests of {total} "
+            f"(completed {counts['completed']}, failed {counts['failed']}, cancelled {counts['cancelled']}, "
+            f"prompt tokens {tokens[BatchField.PROMPT_TOKENS]}); counts and tokens shown are recounted from the "
+            "result lines"
+        )
+        counts, tokens = _recount_from_lines(conn, batch_id, lost, fields.issues)
+        counts = _clamped(counts, total)
     completed, failed, cancelled = counts["completed"], counts["failed"], counts["cancelled"]
     unfinished = total - counts.total()
-    running, stalled = _running_requests(conn, batch_id, meta[BatchField.QUEUE.value])
+    queue = meta.get(BatchField.QUEUE.value) or fields.missing(BatchField.QUEUE, "")
+    running, stalled = _running_requests(conn, batch_id, queue, fields.issues) if queue else (0, 0)
     running = min(running, unfinished)
     stalled = min(stalled, unfinished - running)
 
-    first_started_at = _float_or_none(meta.get(BatchField.FIRST_STARTED_AT.value))
-    last_finished_at = _float_or_none(meta.get(BatchField.LAST_FINISHED_AT.value))
+    first_started_at = fields.float_or_none(BatchField.FIRST_STARTED_AT)
+    last_finished_at = fields.float_or_none(BatchField.LAST_FINISHED_AT)
     num_finished = total - unfinished
     end = last_finished_at if unfinished == 0 else time.time()
     elapsed_seconds = (end - first_started_at) if first_started_at and end else 0.0
-    completion_tokens = int(meta.get(BatchField.COMPLETION_TOKENS.value, 0))
+    completion_tokens = tokens[BatchField.COMPLETION_TOKENS]
     rate = num_finished / elapsed_seconds if elapsed_seconds > 0 else 0.0
     if unfinished == 0:
         eta_seconds: float | None = 0.0
@@ -88,11 +105,11 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     return BatchStatus(
         batch_id=batch_id,
         name=meta.get(BatchField.NAME.value),
-        queue=meta[BatchField.QUEUE.value],
-        created_at=float(meta[BatchField.CREATED_AT.value]),
+        queue=queue,
+        created_at=fields.float_or_none(BatchField.CREATED_AT) or fields.missing(BatchField.CREATED_AT, 0.0),
         first_started_at=first_started_at,
         last_finished_at=last_finished_at,
-        cancelled_at=_float_or_none(meta.get(BatchField.CANCELLED_AT.value)),
+        cancelled_at=fields.float_or_none(BatchField.CANCELLED_AT),
         num_total=total,
         num_queued=unfinished - running,
         num_running=running,
@@ -100,22 +117,99 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         num_completed=completed,
         num_failed=failed,
         num_cancelled=cancelled,
-        prompt_tokens=int(meta.get(BatchField.PROMPT_TOKENS.value, 0)),
+        prompt_tokens=tokens[BatchField.PROMPT_TOKENS],
         completion_tokens=completion_tokens,
-        gpu_seconds=float(meta.get(BatchField.GPU_SECONDS.value, 0.0)),
+        gpu_seconds=fields.float_or_none(BatchField.GPU_SECONDS) or 0.0,
         requests_per_second=rate,
         completion_tokens_per_second=completion_tokens / elapsed_seconds if elapsed_seconds > 0 else 0.0,
         eta_seconds=eta_seconds,
+        inconsistencies=fields.issues,
     )
 
 
-def _running_requests(conn: redis.Redis, batch_id: str, queue: str) -> tuple[int, int]:
+class _Fields:
+    """Typed reads of a batch hash that never raise: what is missing, malformed or negative reads as a default
+    and is noted in `issues`."""
+
+    def __init__(self, meta: dict[str, str]):
+        self.meta = meta
+        self.issues: list[str] = []
+
+    def int(self, name: BatchField, default: int | None = None) -> int:
+        raw = self.meta.get(name.value)
+        if raw is None:
+            return default if default is not None else self.missing(name, 0)
+        try:
+            value = int(raw)
+        except ValueError:
+            self.issues.append(f"{name.value} is {raw[:40]!r}, not an integer; read as 0")
+            return 0
+        if value < 0:
+            self.issues.append(f"{name.value} is {value}; read as 0")
+            return 0
+        return value
+
+    def float_or_none(self, name: BatchField) -> float | None:
+        raw = self.meta.get(name.value)
+        if not raw:
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            self.issues.append(f"{name.value} is {raw[:40]!r}, not a number; ignored")
+            return None
+
+    def missing(self, name: BatchField, default: T) -> T:
+        self.issues.append(f"the batch has no {name.value}")
+        return default
+
+
+def _recount_from_lines(
+    conn: redis.Redis, batch_id: str, lost: dict[int, tuple[FinishReason, str]], issues: list[str]
+) -> tuple[Counter[Outcome], dict[BatchField, int]]:
+    """Outcomes and token sums from the stored result lines (and `lost` requests): what the counters should
+    say. Reads every line, so it runs only when the counters are known to be wrong."""
+    counts: Counter[Outcome] = Counter(OUTCOME_OF_REASON[reason] for reason, _ in lost.values())
+    tokens = dict.fromkeys((BatchField.PROMPT_TOKENS, BatchField.COMPLETION_TOKENS), 0)
+    num_unreadable = 0
+    for raw in conn.hvals(keys.batch_results(batch_id)):
+        try:
+            line = ResultLine.model_validate_json(raw)
+        except ValueError:
+            num_unreadable += 1
+            continue
+        counts[OUTCOME_OF_REASON[line.finish_reason]] += 1
+        tokens[BatchField.PROMPT_TOKENS] += line.usage.prompt_tokens
+        tokens[BatchField.COMPLETION_TOKENS] += line.usage.completion_tokens
+    if num_unreadable:
+        issues.append(f"{num_unreadable} stored result lines are unreadable")
+    return counts, tokens
+
+
+def _clamped(counts: Counter[Outcome], total: int) -> Counter[Outcome]:
+    """`counts` lowered to add up to `total`: the excess comes off completed first, then failed, cancelled."""
+    excess = counts.total() - total
+    out = Counter(counts)
+    for outcome in ("completed", "failed", "cancelled"):
+        cut = min(excess, out[outcome])
+        out[outcome] -= cut
+        excess -= cut
+    return out
+
+
+def _running_requests(conn: redis.Redis, batch_id: str, queue: str, issues: list[str]) -> tuple[int, int]:
     """(requests inside a live worker's engine, requests of chunks whose worker stopped heartbeating).
 
     Entries of chunks that ended without their worker removing them (rq's cleanup failed them for good) are
     removed here; entries of chunks re-enqueued and not yet taken again count as neither (they are queued).
     """
-    table = {job_id.decode(): int(n) for job_id, n in conn.hgetall(keys.batch_running(batch_id)).items()}
+    table: dict[str, int] = {}
+    for raw_job_id, raw_num in conn.hgetall(keys.batch_running(batch_id)).items():
+        job_id = raw_job_id.decode(errors="replace")
+        try:
+            table[job_id] = int(raw_num)
+        except ValueError:
+            issues.append(f"the running table holds {raw_num[:40]!r} for job {job_id}; ignored")
     if not table:
         return 0, 0
     with conn.pipeline(transaction=False) as pipe:
@@ -187,6 +281,15 @@ def find_lost_requests(
     return lost
 
 
+def cancelled_batch_ids(conn: redis.Redis, batch_ids: list[str]) -> list[str]:
+    """The batches among `batch_ids` whose cancel flag is set (workers poll it to abort their chunks)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for batch_id in batch_ids:
+            pipe.exists(keys.batch_cancel(batch_id))
+        flags = pipe.execute()
+    return [batch_id for batch_id, flag in zip(batch_ids, flags, strict=True) if flag]
+
+
 def _is_idle_chunk(conn: redis.Redis, queue: str, job_id: str, status: str | None, live: set[str]) -> bool:
     """The chunk is on no worker: started by one that stopped heartbeating, or back in the queue. (A chunk a
     worker has just popped, before it registers it, is neither: that worker writes it.)"""
@@ -244,7 +347,7 @@ def iter_results(
         else {}
     )
     model = meta.get(BatchField.MODEL.value) or "cbq"
-    created_at = int(float(meta[BatchField.CREATED_AT.value]))
+    created_at = int(status.created_at)
     for page_start in range(0, status.num_total, PAGE_SIZE):
         indices = list(range(page_start, min(page_start + PAGE_SIZE, status.num_total)))
         raw_results = conn.hmget(keys.batch_results(batch_id), indices)
@@ -253,9 +356,9 @@ def iter_results(
             conn.hmget(keys.batch_requests(batch_id), indices) if need_requests else [None] * len(indices)
         )
         for index, raw_result, raw_request in zip(indices, raw_results, raw_requests, strict=True):
-            request = Request.model_validate_json(raw_request) if raw_request is not None else None
+            request = _stored_request(raw_request)
             if raw_result is not None:
-                result = ResultLine.model_validate_json(raw_result)
+                result = _stored_result(index, raw_result, request)
             elif index in lost:
                 reason, message = lost[index]
                 custom_id = request.custom_id if request is not None else None
@@ -268,6 +371,23 @@ def iter_results(
             else:
                 request = request or Request(index=index, line_no=1, shape="prompt", prompt="")
                 yield to_openai_output(result, request, batch_id, model, created_at)
+
+
+def _stored_request(raw: bytes | None) -> Request | None:
+    try:
+        return Request.model_validate_json(raw) if raw is not None else None
+    except ValueError:  # only the custom_id and the OpenAI shape come from it: go without
+        return None
+
+
+def _stored_result(index: int, raw: bytes, request: Request | None) -> ResultLine:
+    """The stored result line; one that does not parse reads as an error line saying so (never raises)."""
+    try:
+        return ResultLine.model_validate_json(raw)
+    except ValueError as exc:
+        custom_id = request.custom_id if request is not None else None
+        message = f"the stored result is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        return ResultLine(custom_id=custom_id, index=index, finish_reason="error", error=message)
 
 
 def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:
@@ -283,15 +403,19 @@ def list_batches(conn: redis.Redis, limit: int = 20) -> list[BatchStatus]:
 
 
 def list_workers(conn: redis.Redis) -> list[WorkerStats]:
-    """Workers that published stats recently; forgets those whose stats expired."""
-    names = [n.decode() for n in conn.zrange(keys.WORKERS, 0, -1)]
+    """Workers that published stats recently; forgets those whose stats expired. Stats that do not parse (not
+    written by a cbq worker of this version) are left out, never raised."""
+    names = [n.decode(errors="replace") for n in conn.zrange(keys.WORKERS, 0, -1)]
     raw_stats = conn.mget([keys.worker_stats(n) for n in names]) if names else []
     out = []
     for name, raw in zip(names, raw_stats, strict=True):
         if raw is None:
             conn.zrem(keys.WORKERS, name)
-        else:
+            continue
+        try:
             out.append(WorkerStats.model_validate_json(raw))
+        except ValueError:
+            continue
     return out
 
 
@@ -299,15 +423,16 @@ def chunk_ranges(conn: redis.Redis, batch_id: str) -> dict[str, tuple[int, int]]
     """rq job id -> (start, stop) of the requests that chunk job carries."""
     ranges = {}
     for job_id, raw in conn.hgetall(keys.batch_jobs(batch_id)).items():
-        start, stop = raw.decode().split(":")
-        ranges[job_id.decode()] = (int(start), int(stop))
+        try:
+            start, stop = raw.decode().split(":")
+            ranges[job_id.decode()] = (int(start), int(stop))
+        except ValueError:  # not written by submit: such a "chunk" has no requests of the batch
+            continue
     return ranges
 
 
-def _recorded_outcomes(meta: dict[str, str]) -> Counter[Outcome]:
+def _recorded_outcomes(meta: dict[str, str], fields: _Fields | None = None) -> Counter[Outcome]:
     """The batch counters, by outcome (requests of failed chunk jobs are not in them: see find_lost_requests)."""
-    return Counter({outcome: int(meta.get(BatchField.counter_of(outcome).value, 0)) for outcome in OUTCOMES})
+    fields = fields or _Fields(meta)
+    return Counter({outcome: fields.int(BatchField.counter_of(outcome), default=0) for outcome in OUTCOMES})
 
-
-def _float_or_none(value: str | None) -> float | None:
-    return float(value) if value else None

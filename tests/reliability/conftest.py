@@ -88,3 +88,5 @@ def assert_exactly_once(conn: redis.Redis, batch_id: str, n: int) -> None:
     status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.num_failed, status.num_cancelled, status.num_running) == (n, 0, 0, 0)
     assert status.completion_tokens == sum(line["usage"]["completion_tokens"] for line in lines)
+    assert status.prompt_tokens == sum(line["usage"]["prompt_tokens"] for line in lines)
+    assert status.inconsistencies == []

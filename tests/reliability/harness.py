@@ -1,14 +1,17 @@
 """Fault-injection harness, for tests/reliability and benchmarks/reliability.py: a private redis-server with an
-fsynced append-only file (so kill -9 and a restart keep every acknowledged write), and `cbq worker` processes.
+fsynced append-only file (so kill -9 and a restart keep every acknowledged write), `cbq worker` processes, and
+a TCP proxy that loses the reply of a transaction the server applied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -122,3 +125,100 @@ class WorkerProcess:
         if not self.log.closed:
             self.log.flush()
         return self.log_path.read_text()
+
+
+class ReplyDroppingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a redis-server that can lose the reply of a transaction after the
+    server applied it: `drop_exec_replies(n, containing=b"...")` arms it for the next n EXECs whose MULTI
+    carries those bytes. Such an EXEC is forwarded, the server's reply is swallowed, and after `apply_wait`
+    seconds both sides of that connection are closed, as when Redis dies between applying and answering.
+    Threads are daemons; `close()` stops it (tests call it at teardown)."""
+
+    def __init__(self, upstream_port: int, apply_wait: float = 0.2):
+        self.upstream_port = upstream_port
+        self.apply_wait = apply_wait
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._lock = threading.Lock()
+        self._armed: dict[bytes, int] = {}  # bytes a transaction contains -> how many more replies to drop
+        self.num_dropped = 0
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def drop_exec_replies(self, n: int, containing: bytes = b"") -> None:
+        with self._lock:
+            self._armed[containing] = n
+
+    def close(self) -> None:
+        self._closed = True
+        for s in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            except OSError:  # the server is down: so is the proxied connection
+                client.close()
+                continue
+            server.settimeout(None)
+            self._sockets += [client, server]
+            dropping = threading.Event()
+            threading.Thread(target=self._to_server, args=(client, server, dropping), daemon=True).start()
+            threading.Thread(target=self._to_client, args=(server, client, dropping), daemon=True).start()
+
+    def _to_server(self, client: socket.socket, server: socket.socket, dropping: threading.Event) -> None:
+        transaction = b""  # what the client sent since its last MULTI (empty outside a transaction)
+        try:
+            while data := client.recv(65536):
+                if b"MULTI\r\n" in data:
+                    transaction = data[data.index(b"MULTI\r\n") :]
+                elif transaction:
+                    transaction += data
+                if b"EXEC\r\n" not in data:
+                    server.sendall(data)
+                    continue
+                drop, transaction = self._take(transaction), b""
+                if drop:
+                    dropping.set()  # before the EXEC reaches the server: its reply must not get through
+                    server.sendall(data)
+                    time.sleep(self.apply_wait)
+                    break
+                server.sendall(data)
+        except OSError:
+            pass
+        _close_both(client, server)
+
+    def _take(self, transaction: bytes) -> bool:
+        with self._lock:
+            for containing, n in self._armed.items():
+                if n > 0 and containing in transaction:
+                    self._armed[containing] = n - 1
+                    self.num_dropped += 1
+                    return True
+        return False
+
+    @staticmethod
+    def _to_client(server: socket.socket, client: socket.socket, dropping: threading.Event) -> None:
+        try:
+            while data := server.recv(65536):
+                if dropping.is_set():
+                    continue
+                client.sendall(data)
+        except OSError:
+            pass
+        _close_both(client, server)  # the server went away: so does the client's connection, as without a proxy
+
+
+def _close_both(*sockets: socket.socket) -> None:
+    for s in sockets:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()

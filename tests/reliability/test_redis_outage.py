@@ -70,7 +70,7 @@ def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_clea
 
     conn = redis_server.connect()
     batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
-    real_load_chunk, calls = queue_worker.load_chunk, []
+    real_load_chunk, calls = queue_worker.load_chunk_job, []
 
     def redis_dies_mid_admission(*args, **kwargs):
         calls.append(1)
@@ -79,7 +79,7 @@ def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_clea
             threading.Timer(2.0, redis_server.start).start()
         return real_load_chunk(*args, **kwargs)
 
-    monkeypatch.setattr(queue_worker, "load_chunk", redis_dies_mid_admission)
+    monkeypatch.setattr(queue_worker, "load_chunk_job", redis_dies_mid_admission)
     started = time.monotonic()
     run_burst_worker(conn, FakeEngine(latency_seconds=0.5))  # default recovery settings: stale after 40 s
     assert time.monotonic() - started < 15

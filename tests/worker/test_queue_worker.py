@@ -466,3 +466,19 @@ def test_cancel_interrupted_before_its_write_leaves_nothing_half_done(cbq, conn,
     report = store.cancel_batch(conn, batch_id)
     assert (report.num_chunks_dequeued, report.num_requests_cancelled) == (3, 9)
     assert {r["finish_reason"] for r in results_of(cbq, batch_id)} == {"cancelled"}
+
+
+def test_a_failed_request_reports_one_error_line_and_no_completion_tokens():
+    """A grammar engine's multi-line error dump becomes one line; the token the grammar rejected (the engine
+    counts it) is not reported as a completion token of a request that returns no text."""
+    from schemas.request import Request
+    from worker.admission import MAX_ERROR_CHARS, to_result_line
+    from worker.engine.api import EngineResult, FinishReason, Usage
+
+    request = Request(index=3, line_no=4, shape="prompt", prompt="p", custom_id="c")
+    dump = "constraint: token 17 rejected\n  at state 4\n    expected one of:\n" + "      'a'\n" * 200
+    result = EngineResult("b:3", "", [17], FinishReason.ERROR, Usage(prompt_tokens=5, completion_tokens=1), dump)
+    line = to_result_line(request, result, FakeEngine().tokenizer)
+    assert "\n" not in line.error and line.error.startswith("constraint: token 17 rejected at state 4")
+    assert len(line.error) <= MAX_ERROR_CHARS
+    assert (line.usage.prompt_tokens, line.usage.completion_tokens) == (5, 0)

@@ -369,7 +369,7 @@ def engine_bench(
             # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The cause
             # was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts, 1.4 s,
             # which the step's device events count); the prefill kernel no longer specialises on those
-            # (attention_triton.py). The first engine still runs the whole workload once, unmeasured, on
+            # (kernels/attention.py). The first engine still runs the whole workload once, unmeasured, on
             # shifted token ids (the real ones would stay in the prefix cache), so that any other variant the
             # workload needs (e.g. a decode split count only its mixed steps reach) is compiled before timing.
             engine.generate(with_variant(warmup_requests(reqs, vocab_limit, full_length=True), is_json, num_top))

@@ -47,11 +47,12 @@ def run_one(
         for i in range(num_requests)
     ]
     parsed = validate_lines(lines).requests
-    defaults = SamplingOverrides(max_new_tokens=max_new_tokens)
+    defaults = SamplingOverrides.model_validate({"max_new_tokens": max_new_tokens})
     options = SubmitOptions(queue=queue, chunk_size=chunk_size, ttl_seconds=600, retries=0, defaults=defaults)
 
     t0 = time.perf_counter()
     report = submit_batch(conn, parsed, options)
+    assert report.batch_id is not None, "a batch without a --name always gets an id"
     submit_seconds = time.perf_counter() - t0
 
     engine = FakeEngine(max_num_running=max_num_running)

@@ -3,7 +3,7 @@
 Owns nothing: the cache tensors belong to the model runner, the metadata to the batch builder.
 Two implementations share one calling convention:
   - plain torch (this file): the reference, used on CPU and in tests;
-  - Triton (`attention_triton.py`): used on CUDA.
+  - Triton (`kernels/attention.py`): used on CUDA.
 
 Conventions (all index tensors int32 unless stated):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -47,9 +47,11 @@ def paged_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of T ragged query rows over the paged cache (within `sliding_window` keys when it is
-    not 0). Returns [T, num_heads, head_dim]."""
+    not 0; scores soft-capped to cap * tanh(s / cap) when `softcap` is set, as Gemma 2 does before masking).
+    Returns [T, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -70,6 +72,8 @@ def paged_attention_ref(
         values = values.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
         queries = q[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
         scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [H, q_len, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         k_pos = torch.arange(ctx_len, device=q.device)
         hidden = k_pos[None, :] > q_pos[:, None]

@@ -8,6 +8,7 @@ norms and rotary embedding) and hands them here. Step metadata arrives through t
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +60,23 @@ class AttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
+    # Whether `attend` computes soft-capped scores (Gemma 2). NOTE: the Triton kernels do not yet.
+    has_softcap = True
+
     def attend(
-        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int, pdl: bool = False
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        layer_idx: int,
+        pdl: bool = False,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of this step's rows for layer `layer_idx` (which picks its sliding window). `pdl`: the
-        decode kernels launch with programmatic dependent launch (pdl.py; ignored here)."""
+        decode kernels launch with programmatic dependent launch (kernels/pdl.py; ignored here). `softcap`:
+        scores become cap * tanh(scores / cap)."""
         return paged_attention_ref(
             q,
             k_cache,
@@ -73,6 +86,7 @@ class AttentionBackend:
             meta.context_lens,
             scale,
             sliding_window=meta.sliding_window(layer_idx),
+            softcap=softcap,
         )
 
 
@@ -80,18 +94,28 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton kernels on CUDA: split-K decode for decode-only steps, varlen prefill otherwise."""
 
     name = "triton"
+    has_softcap = False
 
     def __init__(self):
-        from . import attention_triton
+        from .kernels import attention
 
-        self._k = attention_triton
+        self._k = attention
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._k.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(
-        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer_idx: int, pdl: bool = False
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        layer_idx: int,
+        pdl: bool = False,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        assert softcap is None, "the Triton attention kernels have no soft-capping: the runner picks the torch backend"
         window = meta.sliding_window(layer_idx)
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
@@ -143,6 +167,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # A plain forward / `model.generate` on a model an Engine has adopted: behave like sdpa.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if kwargs.get("softcap") is not None:  # sdpa has no soft-capping: the model's own eager attention does
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         window = kwargs.get("sliding_window") or 0
         if window and attention_mask is None:
             # NOTE: transformers builds no mask for an attention it does not know, and sdpa's is_causal has no
@@ -162,7 +189,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v = value[0].transpose(0, 1)
     meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = meta.backend.attend(q, k_cache, v_cache, meta, scale, layer_idx)
+    out = meta.backend.attend(q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"))
     return out[None], None  # [1, T, H, D], no attention weights
 
 

@@ -27,12 +27,12 @@ class EngineConfig:
     max_num_seqs: int = 1024  # running requests at most
     max_model_len: int | None = None  # None -> the model's max_position_embeddings
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
-    fused_kernels: bool = True  # CUDA: Triton RMSNorm and rotary in place of transformers' element-wise ops
+    fused_kernels: bool = True  # CUDA: the owned decoder's Triton element-wise kernels (kernels/fused.py)
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
     decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda
     # The owned decoder's steps of at most 32 tokens: "triton" runs their weight GEMMs as Triton kernels
     # with SiLU·mul fused and every kernel of the layer chained by programmatic dependent launch
-    # (decode_gemm.py; sm90+, bf16/fp16); "cublas" keeps cuBLAS; "auto": triton where it can run.
+    # (kernels/decode_gemm.py; sm90+, bf16/fp16); "cublas" keeps cuBLAS; "auto": triton where it can run.
     decode_gemm: str = "auto"
     seed: int = 0  # base for requests without a seed
     # Full KV blocks are kept after their request finishes and shared by any prompt that starts with the

@@ -1,4 +1,10 @@
-"""The owned decoder: cbq's own forward for Llama, Mistral, Qwen2 and Qwen3 over the paged KV cache.
+"""The owned decoder: cbq's own forward over the paged KV cache, for every family whose declaration
+(models/spec.py) it implements. `unimplemented` checks each declared property against what this file
+computes, so a family that declares anything else keeps transformers' forward ("auto") or is refused ("owned").
+
+Families whose layer is Llama's (RMSNorm, SiLU, pre-norms: Llama, Mistral, Qwen2, Qwen3) take the Triton
+kernels below on CUDA; the others (Gemma 2's (1 + w) norms, GELU-tanh, sandwich norms and soft-caps) run the
+torch ops everywhere: correct, not yet fused. NOTE: GPU epilogues still missing for those.
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
@@ -10,7 +16,7 @@ epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's q/k norm
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
 norms and the KV write). On CPU the same structure runs through the torch references in
-`fused_kernels.py`, which compute transformers' functions exactly; fp32 greedy output equals
+`kernels/fused.py`, which compute transformers' functions exactly; fp32 greedy output equals
 `model.generate` token for token (tests/worker/engine/test_engine_exact.py).
 
 Rotary uses the model's own `inv_freq` and `attention_scaling` (default, llama3, yarn, linear, ...
@@ -19,8 +25,8 @@ time ("dynamic", "longrope") are not supported here: `unsupported_reason` says s
 transformers' forward for them.
 
 Steps of at most `decode_gemm.MAX_TOKENS` tokens (small decode batches, W1) take the small-step path
-on sm90+: Triton weight GEMMs (decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, rotary and the KV
-write in the QKV GEMM's, and every launch chained by programmatic dependent launch (pdl.py), so each kernel is
+on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, rotary and the KV
+write in the QKV GEMM's, and every launch chained by programmatic dependent launch (kernels/pdl.py), so each kernel is
 already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
 
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
@@ -36,65 +42,105 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from . import decode_gemm
-from . import fused_kernels as fk
 from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
-from .fused_weights import LayerWeights, layer_weights
-from .models import SUPPORTED_MODEL_TYPES
+from .fused_weights import LayerWeights, layer_weights, submodule
+from .kernels import decode_gemm
+from .kernels import fused as fk
+from .models import ModelLoadError, family_for
+from .models.spec import Activation, DecoderArgs, Family, NormKind, QKNormSpan
 
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+# What this file implements, as torch ops (the CPU path, and the CUDA path of families the Triton kernels lack).
+NORMS = {
+    NormKind.RMS: fk.rmsnorm_ref,
+    NormKind.RMS_ONE_PLUS: fk.rmsnorm_one_plus_ref,
+    NormKind.RMS_FP32_WEIGHT: fk.rmsnorm_fp32_weight_ref,
+}
+ACTIVATIONS = {Activation.SILU: fk.silu_mul_ref, Activation.GELU_TANH: fk.gelu_tanh_mul_ref}
+QK_NORM_SPANS = (QKNormSpan.HEAD, QKNormSpan.FULL)
 
 
 def unsupported_reason(model) -> str | None:
     """Why the owned decoder cannot run `model` (None: it can)."""
-    config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {config.model_type!r}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r}"
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope_type in DYNAMIC_ROPE_TYPES:
-        return f"rope type {rope_type!r} changes its frequencies at run time"
+    try:
+        family, args = family_for(model.config)
+    except ModelLoadError as exc:
+        return str(exc)
+    rope_types = getattr(submodule(model, family.rotary_path), "rope_type", "default")
+    for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:  # per layer type
+        if rope_type in DYNAMIC_ROPE_TYPES:
+            return f"rope type {rope_type!r} changes its frequencies at run time"
+    return unimplemented(family, args)
+
+
+def unimplemented(family: Family, args: DecoderArgs) -> str | None:
+    """The first property `family` declares (with `args` read from a config) that this decoder does not compute."""
+    layer = family.layer
+    if family.norm not in NORMS:
+        return f"{family.name}: norm {family.norm.value}"
+    if args.activation not in ACTIVATIONS:
+        return f"{family.name}: activation {args.activation.value}"
+    if layer.q_norm is not None and layer.qk_norm_span not in QK_NORM_SPANS:
+        return f"{family.name}: q/k norm over the {layer.qk_norm_span.value} projection"
     return None
+
+
+def has_llama_layer(family: Family, args: DecoderArgs) -> bool:
+    """Whether the Triton element-wise kernels and small-step GEMMs compute this family's layer."""
+    layer = family.layer
+    plain_layer = family.norm == NormKind.RMS and args.activation == Activation.SILU
+    pre_norms_only = None not in (layer.attn_in_norm, layer.mlp_in_norm) and layer.attn_out_norm is None
+    head_qk_norms = layer.q_norm is None or layer.qk_norm_span == QKNormSpan.HEAD
+    return plain_layer and pre_norms_only and layer.mlp_out_norm is None and head_qk_norms
 
 
 @dataclass(frozen=True)
 class LayerOps:
     """The kernels one forward runs: which GEMM, which element-wise twins, launched with PDL or not."""
 
-    add_rmsnorm: Callable
+    add_norm: Callable  # (x, residual, weight, eps) -> (norm(residual + x), residual + x)
     linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
-    gate_up_silu: Callable  # (x, fused [gate; up] weight, bias) -> silu(x @ gate^T) * (x @ up^T)
+    gate_up_act: Callable  # (x, fused [gate; up] weight, bias) -> act(x @ gate^T) * (x @ up^T)
     pdl: bool = False
     # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
     qkv_rope_epilogue: bool = False
 
 
-def gate_up_then_silu(linear: Callable, silu_mul: Callable) -> Callable:
-    """The gate/up GEMM and SiLU·mul as two launches (the large-step and CPU paths)."""
+def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
+    """The gate/up GEMM and act·mul as two launches (the large-step and torch paths)."""
 
-    def gate_up_silu(x, weight, bias):
-        return silu_mul(linear(x, weight, bias))
+    def gate_up_act(x, weight, bias):
+        return act_mul(linear(x, weight, bias))
 
-    return gate_up_silu
+    return gate_up_act
 
 
-def layer_ops(use_triton: bool, small_step: bool, pdl: bool = True) -> LayerOps:
-    """The torch twins (CPU), the Triton element-wise kernels with cuBLAS, or the small-step path
-    (decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests)."""
+def layer_ops(
+    use_triton: bool,
+    small_step: bool,
+    pdl: bool = True,
+    norm: NormKind = NormKind.RMS,
+    activation: Activation = Activation.SILU,
+) -> LayerOps:
+    """The torch ops (`norm`, `activation`), the Triton element-wise kernels with cuBLAS, or the small-step path
+    (kernels/decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests).
+    The Triton paths compute Llama's layer only (`has_llama_layer`)."""
     if small_step:
         return LayerOps(
-            add_rmsnorm=partial(fk.add_rmsnorm, pdl=pdl),
+            add_norm=partial(fk.add_rmsnorm, pdl=pdl),
             linear=partial(decode_gemm.decode_linear, pdl=pdl),
-            gate_up_silu=partial(decode_gemm.decode_gate_up_silu, pdl=pdl),
+            gate_up_act=partial(decode_gemm.decode_gate_up_silu, pdl=pdl),
             pdl=pdl,
             qkv_rope_epilogue=True,
         )
+    if use_triton:
+        return LayerOps(add_norm=fk.add_rmsnorm, linear=F.linear, gate_up_act=gate_up_then_act(F.linear, fk.silu_mul))
     return LayerOps(
-        add_rmsnorm=fk.add_rmsnorm if use_triton else fk.add_rmsnorm_ref,
+        add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[norm]),
         linear=F.linear,
-        gate_up_silu=gate_up_then_silu(F.linear, fk.silu_mul if use_triton else fk.silu_mul_ref),
+        gate_up_act=gate_up_then_act(F.linear, ACTIVATIONS[activation]),
     )
 
 
@@ -104,21 +150,31 @@ class OwnedDecoder:
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
         config = model.config
-        inner = model.model
+        self.family, self.args = family_for(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        first_attn = inner.layers[0].self_attn
-        self.head_dim = first_attn.head_dim
-        self.scale = first_attn.scaling
         self.eps = config.rms_norm_eps
-        self.embed_weight = inner.embed_tokens.weight
-        self.final_norm = inner.norm.weight
+        self.embed_weight = submodule(model, self.family.embed_path).weight
+        self.final_norm = submodule(model, self.family.final_norm_path).weight
         self.lm_head = model.get_output_embeddings().weight  # the embedding itself when tied
-        self.layers: list[LayerWeights] = [layer_weights(layer) for layer in inner.layers]
+        layers = submodule(model, self.family.layers_path)
+        self.layers: list[LayerWeights] = [layer_weights(layer, self.family.layer) for layer in layers]
         num_positions = max(max_model_len, config.max_position_embeddings)
-        self.cos_table, self.sin_table = rotary_tables(inner.rotary_emb, num_positions, self.embed_weight)
-        self.use_triton = use_triton and fk.HAVE_TRITON
-        self.ops = layer_ops(self.use_triton, small_step=False)
+        rotary_emb = submodule(model, self.family.rotary_path)
+        if self.family.rope_per_layer_type:
+            tables = {t: rotary_tables(rotary_emb, num_positions, self.embed_weight, t) for t in set(config.layer_types)}
+            self.layer_rope = [tables[t] for t in config.layer_types]
+        else:
+            self.layer_rope = [rotary_tables(rotary_emb, num_positions, self.embed_weight)] * len(self.layers)
+        self.cos_table, self.sin_table = self.layer_rope[0]  # the Llama-layer kernels' (one table for all layers)
+        self.head_dim = self.cos_table.shape[-1]
+        # A 0-dim tensor in the model dtype multiplies as Gemma's rounded scale does; a float as Granite's.
+        scale = self.args.embed_scale
+        in_dtype = scale is not None and self.args.embed_scale_in_dtype
+        self.embed_scale = torch.tensor(scale).to(self.embed_weight) if in_dtype else scale
+        self.norm = NORMS[self.family.norm]
+        self.use_triton = use_triton and fk.HAVE_TRITON and has_llama_layer(self.family, self.args)
+        self.ops = layer_ops(self.use_triton, False, norm=self.family.norm, activation=self.args.activation)
         # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too).
         self.small_step_ops = layer_ops(True, small_step=True) if small_step_gemm and self.use_triton else None
 
@@ -133,32 +189,52 @@ class OwnedDecoder:
         ops = self.ops
         if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
             ops = self.small_step_ops
+        args, eps = self.args, self.eps
         hidden = F.embedding(input_ids, self.embed_weight)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
-            normed, residual = ops.add_rmsnorm(hidden, residual, w.input_norm, self.eps)
-            q = self._qkv_rope_write(normed, positions, w, k_cache, v_cache, attn, ops)
-            out = attn.backend.attend(q, k_cache, v_cache, attn, self.scale, layer_idx, pdl=ops.pdl)
-            hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
-            normed, residual = ops.add_rmsnorm(hidden, residual, w.post_norm, self.eps)
-            activated = ops.gate_up_silu(normed, w.gate_up_weight, w.gate_up_bias)
-            hidden = ops.linear(activated, w.down_weight, w.down_bias)
+            normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps)
+            q = self._qkv_rope_write(normed, positions, w, self.layer_rope[layer_idx], k_cache, v_cache, attn, ops)
+            out = attn.backend.attend(
+                q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap
+            )
+            hidden = self._block_out(ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias), w.attn_out_norm)
+            normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps)
+            activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
+            hidden = self._block_out(ops.linear(activated, w.down_weight, w.down_bias), w.mlp_out_norm)
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        normed, _ = ops.add_rmsnorm(hidden, residual, self.final_norm, self.eps)
-        return ops.linear(normed, self.lm_head, None)
+        normed, _ = ops.add_norm(hidden, residual, self.final_norm, eps)
+        logits = ops.linear(normed, self.lm_head, None)
+        if args.logits_divisor is not None:
+            logits = logits / args.logits_divisor
+        if args.final_softcap is not None:
+            logits = torch.tanh(logits / args.final_softcap) * args.final_softcap
+        return logits
 
-    def _qkv_rope_write(self, normed, positions, w: LayerWeights, k_cache, v_cache, attn: AttentionMetadata, ops):
-        """The QKV projection, q/k norms, rotary and the KV write; returns q [T, H, D]."""
+    def _block_out(self, out: torch.Tensor, out_norm: torch.Tensor | None) -> torch.Tensor:
+        """An attention or MLP block's output as it joins the residual: its post-norm, its multiplier."""
+        if out_norm is not None:
+            out = self.norm(out, out_norm, self.eps)
+        if self.args.residual_scale is not None:
+            out = out * self.args.residual_scale
+        return out
+
+    def _qkv_rope_write(self, normed, positions, w: LayerWeights, rope, k_cache, v_cache, attn: AttentionMetadata, ops):
+        """The QKV projection, q/k norms, rotary (`rope`: the layer's cos/sin tables) and the KV write; returns
+        q [T, H, D]."""
+        cos_table, sin_table = rope
         if ops.qkv_rope_epilogue and w.q_norm is None:
             return decode_gemm.decode_qkv_rope_write(
-                normed, w.qkv_weight, w.qkv_bias, positions, self.cos_table, self.sin_table,
+                normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
             )  # fmt: skip
         qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
-        args = (qkv, positions, self.cos_table, self.sin_table, w.q_norm, w.k_norm, self.eps)
+        args = (qkv, positions, cos_table, sin_table, w.q_norm, w.k_norm, self.eps)
         if self.use_triton:
             return fk.qkv_rope_write(
                 *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl
@@ -167,17 +243,24 @@ class OwnedDecoder:
         def write_kv(k, v):
             attn.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
 
-        return fk.qkv_rope_write_ref(*args, self.num_heads, self.num_kv_heads, write_kv)
+        qk_norm_full = self.family.layer.qk_norm_span == QKNormSpan.FULL
+        return fk.qkv_rope_write_ref(
+            *args, self.num_heads, self.num_kv_heads, write_kv, norm=self.norm, qk_norm_full=qk_norm_full
+        )
 
 
-def rotary_tables(rotary_emb, num_positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    rotary_emb, num_positions: int, like: torch.Tensor, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [num_positions, D] in the model dtype, computed as transformers' rotary forward does
-    (fp32 position x inv_freq, cat, cos/sin, times attention_scaling, cast), so lookups are bit-equal."""
-    inv_freq = rotary_emb.inv_freq.to(device=like.device, dtype=torch.float32)
+    (fp32 position x inv_freq, cat, cos/sin, times attention_scaling, cast), so lookups are bit-equal.
+    `layer_type`: the table of that layer type, for rotary modules that keep one per type (Gemma 3)."""
+    prefix = f"{layer_type}_" if layer_type is not None else ""
+    inv_freq = getattr(rotary_emb, f"{prefix}inv_freq").to(device=like.device, dtype=torch.float32)
     positions = torch.arange(num_positions, device=like.device)
     freqs = positions[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    scaling = rotary_emb.attention_scaling
+    scaling = getattr(rotary_emb, f"{prefix}attention_scaling")
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 
@@ -185,7 +268,7 @@ def build_decoder(
     model, choice: str, device: torch.device, max_model_len: int, use_triton: bool, gemm: str = "cublas"
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
-    `gemm` is EngineConfig.decode_gemm: whether small steps take decode_gemm.py's path."""
+    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):

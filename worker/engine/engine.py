@@ -47,7 +47,7 @@ from .config import EngineConfig
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import num_blocks_from_memory
 from .model_runner import ModelRunner, PenaltyRow, SampleExtras, StepBuildError, StepHandle
-from .models import generation_defaults, load_model, model_eos_token_ids, resolve_device, resolve_dtype
+from .models import generation_defaults, load_model, resolve_device, resolve_dtype
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
@@ -94,8 +94,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.device: torch.device = next(model.parameters()).device
-        # Every eos source: the tokenizer's, config.json's and generation_config.json's (end-of-turn tokens).
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | model_eos_token_ids(model)
+        # The loader gave the tokenizer every eos source (its own, config.json's, generation_config.json's).
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         # Defaults for what a request leaves unset (SamplingParams fields that are None).
         self.sampling_defaults = generation_defaults(model) if config.generation_config_defaults else {}
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(

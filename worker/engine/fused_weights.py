@@ -1,12 +1,12 @@
 """Load-time weight fusion for the owned decoder. Owns nothing after building: the HF model keeps
 owning every parameter.
 
-`fuse_rows` makes one weight (and bias) out of several linears that read the same input (q/k/v, or
-gate/up), so each is one GEMM. It does not copy the weights: the fused tensor is allocated once and
-each linear's parameter is rebound to a view of its rows. So the transformers model keeps working
-(tests use it as the reference, `model.generate` still runs) and memory holds every weight once.
-Fusing a model a second time (a second engine on the same model) finds the views adjacent and
-allocates nothing.
+`layer_weights` reads one transformers decoder layer through its family's `LayerSpec` (models/spec.py): each
+`LinearSpec` whose parts are several linears reading the same input (q/k/v, gate/up) becomes one weight (and
+bias), so each is one GEMM. `fuse_rows` does not copy: the fused tensor is allocated once and each linear's
+parameter is rebound to a view of its rows. So the transformers model keeps working (tests use it as the
+reference, `model.generate` still runs) and memory holds every weight once. Fusing a model a second time (a
+second engine on the same model) finds the views adjacent and allocates nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from .models.spec import LayerSpec, LinearSpec, Quant
+
 
 @dataclass(frozen=True)
 class LayerWeights:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    attn_in_norm: torch.Tensor | None  # before attention (None: OLMo 2 has none)
+    attn_out_norm: torch.Tensor | None  # on attention's output, before the residual add (Gemma)
+    mlp_in_norm: torch.Tensor | None
+    mlp_out_norm: torch.Tensor | None
     qkv_weight: torch.Tensor  # [(H + 2 * KVH) * D, hidden]: rows of q, then k, then v
     qkv_bias: torch.Tensor | None  # Qwen2 (and Llama with attention_bias)
     o_weight: torch.Tensor
@@ -30,7 +34,7 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down_weight: torch.Tensor
     down_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm weights [D]
+    q_norm: torch.Tensor | None  # per-head RMSNorm weights [D] (Qwen3)
     k_norm: torch.Tensor | None
 
 
@@ -74,26 +78,45 @@ def _are_adjacent_rows(parts: list[torch.Tensor]) -> bool:
     return True
 
 
-def layer_weights(layer: Any) -> LayerWeights:
-    """Fused weights of one transformers Llama / Mistral / Qwen2 / Qwen3 decoder layer.
+def submodule(root: Any, path: str) -> Any:
+    """`root.a.b` for path "a.b"."""
+    for name in path.split("."):
+        root = getattr(root, name)
+    return root
 
-    `layer` is typed Any: transformers' layer classes differ per family; they share these attribute names."""
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv_weight, qkv_bias = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up_weight, gate_up_bias = fuse_rows([mlp.gate_proj, mlp.up_proj])
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
+
+def linear_weights(layer: Any, spec: LinearSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (weight, bias) of one GEMM as `spec` declares it: its parts' rows stacked (fused at load)."""
+    assert spec.quant == Quant.NONE, f"quantization {spec.quant} has no weight loader yet"
+    linears = [submodule(layer, part) for part in spec.parts]
+    if len(linears) == 1:
+        return linears[0].weight, linears[0].bias
+    return fuse_rows(linears)
+
+
+def _norm_weight(layer: Any, path: str | None) -> torch.Tensor | None:
+    return None if path is None else submodule(layer, path).weight
+
+
+def layer_weights(layer: Any, spec: LayerSpec) -> LayerWeights:
+    """Fused weights of one transformers decoder layer, read as its family's `spec` says."""
+    qkv_weight, qkv_bias = linear_weights(layer, spec.qkv)
+    o_weight, o_bias = linear_weights(layer, spec.o)
+    gate_up_weight, gate_up_bias = linear_weights(layer, spec.gate_up)
+    down_weight, down_bias = linear_weights(layer, spec.down)
     return LayerWeights(
-        input_norm=layer.input_layernorm.weight,
-        post_norm=layer.post_attention_layernorm.weight,
+        attn_in_norm=_norm_weight(layer, spec.attn_in_norm),
+        attn_out_norm=_norm_weight(layer, spec.attn_out_norm),
+        mlp_in_norm=_norm_weight(layer, spec.mlp_in_norm),
+        mlp_out_norm=_norm_weight(layer, spec.mlp_out_norm),
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
-        o_weight=attn.o_proj.weight,
-        o_bias=attn.o_proj.bias,
+        o_weight=o_weight,
+        o_bias=o_bias,
         gate_up_weight=gate_up_weight,
         gate_up_bias=gate_up_bias,
-        down_weight=mlp.down_proj.weight,
-        down_bias=mlp.down_proj.bias,
-        q_norm=q_norm.weight if q_norm is not None else None,
-        k_norm=k_norm.weight if k_norm is not None else None,
+        down_weight=down_weight,
+        down_bias=down_bias,
+        q_norm=_norm_weight(layer, spec.q_norm),
+        k_norm=_norm_weight(layer, spec.k_norm),
     )

@@ -36,9 +36,9 @@ from .attention_backend import (
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
 from .decoder import build_decoder
-from .fused_ops import install_fused_rmsnorm, install_fused_rotary
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache
+from .models import family_for
 from .sampler import apply_penalties, sample
 from .scheduler import StepPlan
 from .sequence import Sequence
@@ -102,6 +102,17 @@ class StepHandle:
     logprobs: logprobs.StepLogprobs | None = None  # readable after `wait`
 
 
+def attention_backend_for(model: Any, choice: str, is_cuda: bool) -> AttentionBackend:
+    """The Triton kernels on CUDA ("auto"), unless the family soft-caps attention scores, which only the torch
+    reference computes so far (correct, uncaptured, slow: the missing GPU epilogue)."""
+    softcap = family_for(model.config)[1].attn_softcap is not None
+    if choice == "auto":
+        choice = "triton" if is_cuda and not softcap else "torch"
+    if choice == "triton" and softcap:
+        raise ValueError(f"attention_backend 'triton' has no soft-capping ({model.config.model_type}): use 'auto'")
+    return TritonAttentionBackend() if choice == "triton" else AttentionBackend()
+
+
 class StepBuildError(RuntimeError):
     """A step could not be written into its IO slot; nothing of it reached the device."""
 
@@ -124,14 +135,8 @@ class ModelRunner:
         self.is_cuda = device.type == "cuda"
         register_paged_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.is_cuda else "torch"
-        self.attn_backend = TritonAttentionBackend() if backend == "triton" else AttentionBackend()
+        self.attn_backend = attention_backend_for(model, config.attention_backend, self.is_cuda)
         self.sliding_windows = sliding_windows_of(model.config)
-        if self.is_cuda and config.fused_kernels:
-            install_fused_rmsnorm(model)
-            install_fused_rotary(model)
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,
@@ -177,7 +182,8 @@ class ModelRunner:
 
     @property
     def _use_graphs(self) -> bool:
-        return self.is_cuda and self.config.use_cuda_graphs
+        # NOTE: the torch attention reads sequence lengths on the host, so it cannot be captured
+        return self.is_cuda and self.config.use_cuda_graphs and self.attn_backend.name == "triton"
 
     # -- one step ---------------------------------------------------------------------------------
     def launch(self, plan: StepPlan, extras: SampleExtras | None = None) -> StepHandle:

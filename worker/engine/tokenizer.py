@@ -80,7 +80,7 @@ class HFTokenizer:
     def from_pretrained(cls, name_or_path: str, extra_eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(name_or_path), extra_eos_ids)
+        return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False), extra_eos_ids)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))

@@ -10,6 +10,10 @@ import torch
 from worker.engine.api import EngineRequest, EngineResult, SamplingParams
 from worker.engine.models import load_model
 
+# One tiny preset per family, each checked token for token against `model.generate` by the exactness tests
+# (test_engine_exact.py, test_engine_prefix_cache.py) through both decoders.
+TINY_FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-granite", "tiny-olmo2"]
+
 
 @pytest.fixture(scope="session")
 def tiny_models():

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine import attention_triton as at
 from worker.engine.attention import paged_attention_ref, write_kv_ref
+from worker.engine.kernels import attention as at
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}

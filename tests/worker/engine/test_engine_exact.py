@@ -11,11 +11,11 @@ import pytest
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 
-from .conftest import generate_with_late_arrivals, hf_greedy, make_requests
+from .conftest import TINY_FAMILIES, generate_with_late_arrivals, hf_greedy, make_requests
 
 NUM_REQUESTS = 32
 DECODERS = ["hf", "owned"]
-MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2"]
+MODELS = TINY_FAMILIES
 SCENARIOS = {
     "default": dict(),
     "chunked_prefill": dict(max_num_batched_tokens=48),

@@ -94,27 +94,3 @@ def test_preemption_on_gpu():
     assert engine.scheduler.num_preemptions > 0
     engine.blocks.check_integrity([])
     assert token_agreement(tight, ample) >= 0.99
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rmsnorm_and_rotary_match_transformers(dtype):
-    from transformers.models.llama import modeling_llama
-
-    from worker.engine.fused_ops import rmsnorm, rotary
-
-    norm = modeling_llama.LlamaRMSNorm(4096, eps=1e-5).to("cuda", dtype)
-    norm.weight.data.normal_()
-    x = torch.randn(3, 37, 4096, device="cuda", dtype=dtype)
-    ref = norm(x)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert (
-        (rmsnorm(x, norm.weight, norm.variance_epsilon).float() - ref.float()).norm() / ref.float().norm()
-    ) < tol
-    q = torch.randn(1, 37, 32, 128, device="cuda", dtype=dtype).transpose(1, 2)
-    cos, sin = (
-        torch.randn(1, 37, 128, device="cuda", dtype=dtype),
-        torch.randn(1, 37, 128, device="cuda", dtype=dtype),
-    )
-    ref_q = (q * cos[:, None]) + (torch.cat((-q[..., 64:], q[..., :64]), dim=-1) * sin[:, None])
-    got = rotary(q, cos, sin)
-    assert ((got.float() - ref_q.float()).norm() / ref_q.float().norm()) < tol

@@ -16,9 +16,9 @@ from worker.engine.engine import Engine
 from worker.engine.model_runner import StepHandle
 from worker.engine.models import load_model
 
-from .conftest import generate_with_late_arrivals, hf_greedy
+from .conftest import TINY_FAMILIES, generate_with_late_arrivals, hf_greedy
 
-MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2"]
+MODELS = TINY_FAMILIES
 # Budgets that are not multiples of the block size (16), so chunks end inside blocks.
 SCENARIOS = {
     "chunked_prefill": dict(max_num_batched_tokens=40),

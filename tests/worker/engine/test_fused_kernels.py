@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine import fused_kernels
+from worker.engine.kernels import fused as fused_kernels
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -68,7 +68,7 @@ def _rel(a, b):
 
 
 def _check_add_rmsnorm_and_silu_mul(dtype, tol):
-    from worker.engine import fused_kernels as fk
+    from worker.engine.kernels import fused as fk
 
     x, res, w = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype), torch.randn(96).to(dtype)
     want_normed, want_res = fk.add_rmsnorm_ref(x, res, w, 1e-5)
@@ -84,7 +84,7 @@ def _check_add_rmsnorm_and_silu_mul(dtype, tol):
 def _check_decode_gemm(dtype, tol, pdl):
     """decode_linear (every config family, bias, 1-32 rows) against torch in fp32 on the same rounded
     inputs; a shape that does not tile falls back to cuBLAS."""
-    from worker.engine import decode_gemm as dg
+    from worker.engine.kernels import decode_gemm as dg
 
     f = torch.nn.functional
     for config in (dg.NARROW_CONFIG, dg.WIDE_CONFIG):
@@ -108,8 +108,8 @@ def _check_decode_gemm(dtype, tol, pdl):
 def _check_qkv_rope_gemm(dtype, head_dim, pdl):
     """decode_qkv_rope_write (QKV GEMM with rotary and the KV write in its epilogue) gives q, the K cache and
     the V cache bit for bit as decode_linear then qkv_rope_write do; padding rows write scratch block 0."""
-    from worker.engine import decode_gemm as dg
-    from worker.engine import fused_kernels as fk
+    from worker.engine.kernels import decode_gemm as dg
+    from worker.engine.kernels import fused as fk
 
     num_heads, num_kv, block_size, num_blocks, k = 4, 2, 4, 12, 2 * dg.ROPE_CONFIG[1]
     n = (num_heads + 2 * num_kv) * head_dim
@@ -142,8 +142,8 @@ def _check_gate_up_silu(dtype, tol, pdl):
     """decode_gate_up_silu equals decode_linear then silu_mul bit for bit (same tiles: each product is
     rounded, then SiLU, then the multiply, as the two kernels do), and silu(gate) * up in fp32 within `tol`;
     an intermediate size that does not tile takes the two launches."""
-    from worker.engine import decode_gemm as dg
-    from worker.engine import fused_kernels as fk
+    from worker.engine.kernels import decode_gemm as dg
+    from worker.engine.kernels import fused as fk
 
     f = torch.nn.functional
     config = dg.GATED_CONFIG
@@ -164,8 +164,8 @@ def _check_gate_up_silu(dtype, tol, pdl):
 
 def _check_qkv_rope_write(dtype, tol, head_dim, with_norm):
     """4 q heads, 2 kv heads, 5 tokens, one of them a padding row (it writes scratch block 0, as graphs pad)."""
-    from worker.engine import fused_kernels as fk
     from worker.engine.attention import write_kv_ref
+    from worker.engine.kernels import fused as fk
 
     num_heads, num_kv, block_size, num_blocks, num_tokens = 4, 2, 4, 6, 5
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv) * head_dim).to(dtype)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine import attention_triton as at
+from worker.engine.kernels import attention as at
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 

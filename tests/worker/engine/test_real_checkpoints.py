@@ -27,6 +27,7 @@ FAMILIES = {
     "llama3": dict(eot_row_from=114),
     "qwen3": dict(eot_row_from=392),
     "mistral": dict(max_position_embeddings=144),
+    "gemma2": dict(eot_row_from=246),
 }
 MAX_NEW_TOKENS = 40
 NUM_PROMPTS, NUM_CHATS = 6, 4
@@ -129,6 +130,16 @@ def test_greedy_with_max_new_tokens_equals_generate(loaded, family, mode):
         window = lo.model.config.sliding_window
         beyond = [len(p) + len(r.token_ids) > 2 * window for p, r in zip(prompts, results, strict=True)]
         assert sum(beyond) >= len(prompts) // 2, beyond
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_owned_decoder_equals_generate(loaded, family):
+    """The same checkpoints through cbq's own decoder (the CUDA default) instead of transformers' forward."""
+    lo = loaded(family)
+    prompts = prompts_of(lo)
+    sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0)
+    results = run(lo, prompts, sampling, mode="async", decoder="owned")
+    assert_equals_generate(lo, prompts, results, MAX_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -1,6 +1,8 @@
 """Model loading: a named preset with random weights, or a checkpoint by local path or hub name.
 
-Owns nothing after loading: returns a transformers causal LM and a tokenizer.
+Owns nothing after loading: returns a transformers causal LM and a tokenizer. A checkpoint is read in one
+pass: config.json -> its family (registry.py; a config the family does not implement stops here, before any
+weights) -> generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
 Presets need no files and no network; they use the byte tokenizer.
 """
 
@@ -11,10 +13,12 @@ import os
 
 import torch
 
-from .api import SamplingParams
-from .tokenizer import ByteTokenizer, HFTokenizer
+from ..api import SamplingParams
+from ..tokenizer import ByteTokenizer, HFTokenizer
+from .registry import MODULES, family_of
+from .spec import DecoderArgs, Family, UnsupportedConfig, unhandled_fields
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(MODULES)
 
 _BYTE_VOCAB = 320  # the byte tokenizer needs 259 ids; a multiple of 64 is friendlier to kernels
 
@@ -38,6 +42,48 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen3": ("qwen3", dict(_TINY)),
     "tiny-mistral": ("mistral", dict(_TINY, sliding_window=None)),
     "tiny-qwen2": ("qwen2", dict(_TINY)),
+    # Gemma 2's knobs at tiny size: a q scale that is not the head size (as 27B's), soft-caps that bind at
+    # this init scale, alternating sliding windows shorter than the tests' sequences. Untied (the releases tie):
+    # tied random embeddings times sqrt(hidden) make greedy decoding echo its input token.
+    "tiny-gemma2": (
+        "gemma2",
+        dict(
+            _TINY,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            sliding_window=32,
+            num_hidden_layers=4,
+        ),
+    ),
+    # Gemma 3's: three local layers with a 10k rotary base and a short window, one global layer with a 1M base
+    # and linear scaling (as 4B-27B set), q/k norms; no soft-caps. Untied, as tiny-gemma2.
+    "tiny-gemma3": (
+        "gemma3_text",
+        dict(
+            _TINY,
+            query_pre_attn_scalar=24,
+            sliding_window=32,
+            num_hidden_layers=4,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+            },
+        ),
+    ),
+    # Granite 3's multipliers as the 8B instruct release sets them (attention: 1 / head_dim, not its root).
+    "tiny-granite": (
+        "granite",
+        dict(
+            _TINY,
+            embedding_multiplier=12.0,
+            attention_multiplier=1 / 16,
+            residual_multiplier=0.22,
+            logits_scaling=4.0,
+        ),
+    ),
+    "tiny-olmo2": ("olmo2", dict(_TINY)),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",
@@ -123,30 +169,54 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
 
     Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
-    architecture, or files that cannot be read (a corrupt shard).
+    architecture or config value, custom code (`auto_map`), or files that cannot be read (a corrupt shard).
     """
     from transformers import AutoModelForCausalLM
 
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
+        family_for(config)
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        tokenizer = ByteTokenizer()
+        tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
     else:
-        _check_model_type(_load_config(name_or_path).model_type)  # before reading any weights
+        config = _load_config(name_or_path)
+        family_for(config)  # before reading any weights
         try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
-            tokenizer = _load_tokenizer(name_or_path, model_eos_token_ids(model))
+            generation_config = _load_generation_config(name_or_path, config)
+            tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, config=config, generation_config=generation_config, dtype=dtype, trust_remote_code=False
+            ).to(device)
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
-    _check_model_type(model.config.model_type)
     model.eval().requires_grad_(False)
     return model, tokenizer
 
 
+def family_for(config) -> tuple[Family, DecoderArgs]:
+    """The family that runs `config` and the numbers it reads from it; a `ModelLoadError` (one line naming the
+    model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
+    family = _require_family(config.model_type)
+    unhandled = unhandled_fields(config, family)
+    try:
+        if unhandled:
+            raise UnsupportedConfig(", ".join(unhandled))
+        return family, family.read(config)
+    except UnsupportedConfig as exc:
+        raise ModelLoadError(f"model type {config.model_type!r}: config.json sets {exc}, which cbq does not implement") from exc
+
+
+def _require_family(model_type) -> Family:
+    family = family_of(str(model_type))
+    if family is None:
+        raise ModelLoadError(f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return family
+
+
 def _load_config(name_or_path: str):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     if os.path.isdir(name_or_path) and not os.path.exists(os.path.join(name_or_path, "config.json")):
         raise ModelLoadError(f"{name_or_path} is not a checkpoint folder: it has no config.json")
@@ -155,12 +225,34 @@ def _load_config(name_or_path: str):
     if is_path and not os.path.exists(name_or_path):
         raise ModelLoadError(f"no such checkpoint folder: {name_or_path}")
     try:
-        return AutoConfig.from_pretrained(name_or_path)
-    except Exception as exc:  # not on the hub, no network, an unknown model_type, bad JSON
+        raw, _ = PretrainedConfig.get_config_dict(name_or_path)
+    except Exception as exc:  # not on the hub, no network, bad JSON
         presets = ", ".join(PRESETS)
         raise ModelLoadError(
             f"cannot load {name_or_path!r} (not a preset: {presets}): {_one_line(exc)}"
         ) from exc
+    model_type = raw.get("model_type")
+    if "auto_map" in raw and family_of(str(model_type)) is None:
+        # NOTE: a supported model_type runs transformers' own implementation, as trust_remote_code=False does.
+        raise ModelLoadError(
+            f"{name_or_path} needs custom code (config.json auto_map, model type {model_type!r}): cbq runs no code "
+            f"from checkpoints; it runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    _require_family(model_type)
+    try:
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
+    except Exception as exc:  # an unknown model_type, bad values
+        raise ModelLoadError(f"cannot load the config of {name_or_path}: {_one_line(exc)}") from exc
+
+
+def _load_generation_config(name_or_path: str, config):
+    """generation_config.json, or (without one) what transformers derives from config.json."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(name_or_path)
+    except OSError:  # no such file: as `from_pretrained` does
+        return GenerationConfig.from_model_config(config)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -168,18 +260,10 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def _check_model_type(model_type: str) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"model type {model_type!r} is not supported; cbq runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-
-
-def model_eos_token_ids(model) -> frozenset[int]:
+def checkpoint_eos_token_ids(config, generation_config) -> frozenset[int]:
     """Every end-of-sequence id the checkpoint names: config.json's and generation_config.json's (an int or a
     list each). Instruct releases (Llama 3, Qwen3) list their end-of-turn token only in generation_config."""
-    generation_config = getattr(model, "generation_config", None)
-    sources = (model.config.eos_token_id, getattr(generation_config, "eos_token_id", None))
+    sources = (config.eos_token_id, getattr(generation_config, "eos_token_id", None))
     return frozenset(i for eos in sources for i in _as_list(eos))
 
 
@@ -211,13 +295,14 @@ def generation_defaults(model) -> dict[str, int | float]:
     return {name: given[name] for name in GENERATION_CONFIG_FIELDS if given.get(name) is not None}
 
 
-def _load_tokenizer(name_or_path: str, extra: frozenset[int]):
+def _load_tokenizer(name_or_path: str, checkpoint_eos: frozenset[int]) -> ByteTokenizer | HFTokenizer:
+    """The checkpoint's tokenizer, its eos ids joined with the checkpoint's (the one place they are joined)."""
     is_local = os.path.isdir(name_or_path)
     has_files = is_local and any(
         os.path.exists(os.path.join(name_or_path, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     if has_files or not is_local:
-        return HFTokenizer.from_pretrained(name_or_path, extra_eos_ids=tuple(sorted(extra)))
+        return HFTokenizer.from_pretrained(name_or_path, extra_eos_ids=tuple(sorted(checkpoint_eos)))
     # A checkpoint saved without a tokenizer (e.g. a preset saved with save_pretrained): bytes.
     return ByteTokenizer()

@@ -18,19 +18,10 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+from .common import HAVE_TRITON, next_pow2, tl, triton
 
+if HAVE_TRITON:
     from .pdl import pdl_wait_and_release
-
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs
-    HAVE_TRITON = False
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 # -- torch references (CPU path) ------------------------------------------------------------------------
@@ -43,15 +34,34 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * normed
 
 
-def add_rmsnorm_ref(x, residual, weight, eps):
-    """Returns (rmsnorm(x + residual), x + residual); residual None means the sum is x itself."""
+def rmsnorm_one_plus_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: everything in fp32, times (1 + weight), rounded to x's dtype once at the end."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def rmsnorm_fp32_weight_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo 2's RMSNorm: the weight multiply in fp32 too, rounded to x's dtype once at the end."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def add_rmsnorm_ref(x, residual, weight, eps, norm=rmsnorm_ref):
+    """Returns (norm(x + residual), x + residual); residual None means the sum is x itself; weight None
+    (a layer without that pre-norm) returns the sum un-normed."""
     residual = x if residual is None else residual + x
-    return rmsnorm_ref(residual, weight, eps), residual
+    return (residual if weight is None else norm(residual, weight, eps)), residual
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_pytorch_tanh(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -60,17 +70,30 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def qkv_rope_write_ref(
-    qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, num_heads, num_kv_heads, write_kv
+    qkv,
+    positions,
+    cos_table,
+    sin_table,
+    q_norm,
+    k_norm,
+    eps,
+    num_heads,
+    num_kv_heads,
+    write_kv,
+    norm=rmsnorm_ref,
+    qk_norm_full=False,
 ) -> torch.Tensor:
-    """Split, (q/k norm), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
+    """Split, (q/k `norm` per head, or over the whole q and k projections with `qk_norm_full`), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
     num_tokens = qkv.shape[0]
     head_dim = cos_table.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    if q_norm is not None and qk_norm_full:
+        q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
     q = q.view(num_tokens, num_heads, head_dim)
     k = k.view(num_tokens, num_kv_heads, head_dim)
     v = v.view(num_tokens, num_kv_heads, head_dim)
-    if q_norm is not None:
-        q, k = rmsnorm_ref(q, q_norm, eps), rmsnorm_ref(k, k_norm, eps)
+    if q_norm is not None and not qk_norm_full:
+        q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
     cos = cos_table[positions][:, None, :]
     sin = sin_table[positions][:, None, :]
     q = q * cos + _rotate_half(q) * sin
@@ -225,7 +248,7 @@ def add_rmsnorm(x, residual, weight, eps, pdl: bool = False):
     out = torch.empty_like(x)
     num_rows, num_cols = x.shape
     if num_rows:
-        block = _next_pow2(num_cols)
+        block = next_pow2(num_cols)
         _add_rmsnorm_kernel[(num_rows,)](
             x,
             x if residual is None else residual,
@@ -247,7 +270,7 @@ def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
-        block = min(1024, _next_pow2(inter))
+        block = min(1024, next_pow2(inter))
         _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             gate_up, out, inter, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl
         )
@@ -278,8 +301,8 @@ def qkv_rope_write(
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    block_half = _next_pow2(head_dim // 2)
-    heads_per_prog = max(1, min(_next_pow2(num_heads + 2 * num_kv_heads), 1024 // block_half))
+    block_half = next_pow2(head_dim // 2)
+    heads_per_prog = max(1, min(next_pow2(num_heads + 2 * num_kv_heads), 1024 // block_half))
     num_progs = triton.cdiv(num_heads + 2 * num_kv_heads, heads_per_prog)
     has_norm = q_norm is not None
     _qkv_rope_write_kernel[(num_tokens, num_progs)](

@@ -34,19 +34,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fused_kernels as fk
+from . import fused as fk
+from .common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 from .pdl import pdl_usable
 
-try:
-    import triton
-    import triton.language as tl
-
-    from .fused_kernels import rotate_halves
+if HAVE_TRITON:
+    from .fused import rotate_halves
     from .pdl import pdl_wait_and_release
-
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs
-    HAVE_TRITON = False
 
 MAX_TOKENS = 32  # steps with more rows keep cuBLAS (at M = 64 cuBLAS won on O, gate/up and down)
 
@@ -89,12 +83,7 @@ def rope_config_for(num_heads: int, num_kv_heads: int, head_dim: int, k: int, dt
 
 def _block_m(m: int) -> int:
     """Rows of x per program: M rounded up to a power of two, at least 16 (the MMA's minimum), at most 64."""
-    return max(16, 1 << (min(m, 64) - 1).bit_length())
-
-
-def _dot_precision(dtype: torch.dtype) -> str | None:
-    """fp32 dots in full precision (the tests' fp32 runs); bf16/fp16 take the default."""
-    return "ieee" if dtype == torch.float32 else None
+    return max(16, next_pow2(min(m, 64)))
 
 
 def _fitted(config: Config, n: int, k: int, dtype: torch.dtype) -> Config | None:
@@ -298,7 +287,7 @@ def decode_qkv_rope_write(
 ) -> torch.Tensor:
     """q [M, H, D] of x @ qkv^T (+ bias) with rotary at `positions`; k (rotated) and v written into the paged
     caches at `slot_mapping`. For models without q/k norms. A shape `rope_config_for` refuses takes the two
-    launches (decode_linear, then fused_kernels.qkv_rope_write), which compute the same bits."""
+    launches (decode_linear, then fused.qkv_rope_write), which compute the same bits."""
     m, k = x.shape
     head_dim = cos_table.shape[-1]
     config = rope_config_for(num_heads, num_kv_heads, head_dim, k, x.dtype)
@@ -344,7 +333,7 @@ def decode_qkv_rope_write(
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         USE_PDL=pdl,
-        DOT_PREC=_dot_precision(x.dtype),
+        DOT_PREC=dot_precision(x.dtype, None),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -380,7 +369,7 @@ def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool) -> 
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         USE_PDL=pdl,
-        DOT_PREC=_dot_precision(x.dtype),
+        DOT_PREC=dot_precision(x.dtype, None),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

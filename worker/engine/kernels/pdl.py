@@ -15,13 +15,7 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs
-    HAVE_TRITON = False
+from .common import HAVE_TRITON, tl, triton
 
 
 @functools.cache

@@ -32,17 +32,10 @@ import inspect
 
 import torch
 
-try:  # CI is CPU-only and has no triton; the engine only calls this module on CUDA.
-    import triton
-    import triton.language as tl
+from .common import HAVE_TRITON, cdiv, dot_precision, next_pow2, require_triton, tl, triton
 
+if HAVE_TRITON:
     from .pdl import pdl_wait_and_release
-
-    HAVE_TRITON = True
-except Exception:  # ImportError, or a broken install
-    triton = None
-    tl = None
-    HAVE_TRITON = False
 
 __all__ = [
     "HAVE_TRITON",
@@ -57,28 +50,9 @@ LOG2E = 1.4426950408889634
 DEFAULT_MAX_NUM_SPLITS = 32
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _require_triton() -> None:
-    if not HAVE_TRITON:
-        raise RuntimeError(
-            "attention_triton needs triton; use worker.engine.attention (torch reference) instead"
-        )
-
 
 def _block_d(head_dim: int) -> int:
-    return max(16, _next_pow2(head_dim))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # "ieee" only matters (and is only safe to ask for) with fp32 operands; fp16/bf16 ignore "tf32".
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return max(16, next_pow2(head_dim))
 
 
 @functools.cache
@@ -192,8 +166,8 @@ def decode_num_splits(
     tile_n = _decode_config(head_dim, dtype)[0]
     sms = _device_sm_count(device) if device is not None else _sm_count(None)
     programs = max(1, num_seqs * num_kv_heads)
-    want = _next_pow2(_cdiv(4 * sms, programs))
-    max_tiles = max(1, _cdiv(max(1, max_context_len), tile_n))
+    want = next_pow2(cdiv(4 * sms, programs))
+    max_tiles = max(1, cdiv(max(1, max_context_len), tile_n))
     return max(1, min(want, max_num_splits, max_tiles))
 
 
@@ -643,7 +617,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """key/value [T, KVH, D] (any row/head strides) into the paged caches at slot_mapping[:T]."""
-    _require_triton()
+    require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_tokens = key.shape[0]
     assert key.shape == (num_tokens, num_kv_heads, head_dim) and value.shape == key.shape
@@ -652,8 +626,8 @@ def write_kv(
         return
     key = _last_dim_contiguous(key)
     value = _last_dim_contiguous(value)
-    block_h = _next_pow2(num_kv_heads)
-    block_d = _next_pow2(head_dim)
+    block_h = next_pow2(num_kv_heads)
+    block_d = next_pow2(head_dim)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -701,7 +675,7 @@ def paged_decode_attention(
     model's max length at capture so the baked-in split count suits any context. With more than one split, an
     fp32 workspace of `decode_workspace_numel(...)` elements is allocated (its size depends on host ints only).
     """
-    _require_triton()
+    require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_seqs, num_heads, q_dim = q.shape
     assert q_dim == head_dim, f"q head_dim {q_dim} != cache head_dim {head_dim}"
@@ -751,12 +725,12 @@ def paged_decode_attention(
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
         NUM_SPLITS=num_splits,
         GROUP=group,
-        GROUP_PAD=max(16, _next_pow2(group)),
+        GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype, "tf32"),
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -771,11 +745,11 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             NUM_SPLITS=num_splits,
-            BLOCK_S=_next_pow2(num_splits),
+            BLOCK_S=next_pow2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             USE_PDL=pdl,
-            num_warps=_reduce_warps(block_d * _next_pow2(num_splits)),
+            num_warps=_reduce_warps(block_d * next_pow2(num_splits)),
             launch_pdl=pdl,
         )
     return out
@@ -802,7 +776,7 @@ def paged_prefill_attention(
     for decode-heavy batches; without it the grid is sized for T rows per sequence (correct, but many
     programs exit at once).
     """
-    _require_triton()
+    require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_tokens, num_heads, q_dim = q.shape
     assert q_dim == head_dim, f"q head_dim {q_dim} != cache head_dim {head_dim}"
@@ -821,12 +795,12 @@ def paged_prefill_attention(
     block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype, q.device)
     max_q = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
     # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
-    block_m = min(block_m, max(16, _next_pow2(max_q * group)))
-    block_m = max(block_m, _next_pow2(group))
+    block_m = min(block_m, max(16, next_pow2(max_q * group)))
+    block_m = max(block_m, next_pow2(group))
     if block_m <= 32:
         num_warps = min(num_warps, 4)
     q_per_tile = block_m // group
-    n_q_tiles = _cdiv(max_q, q_per_tile)
+    n_q_tiles = cdiv(max_q, q_per_tile)
 
     _prefill_kernel[(n_q_tiles, num_seqs + 1, num_kv_heads)](
         q,
@@ -849,7 +823,7 @@ def paged_prefill_attention(
         BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size,
         SLIDING=sliding_window > 0,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype, "tf32"),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -1,0 +1,212 @@
+"""A fault soak (issue 31, item 4): batches flow through two or more `cbq worker` processes while a seeded random
+schedule SIGKILLs workers (a replacement starts at once), kills and restarts Redis, pauses it (SIGSTOP), and
+loses the replies of applied transactions through a TCP proxy. Used by `benchmarks/reliability.py --soak`
+(minutes) and `tests/reliability/test_soak.py` (seconds).
+
+Invariants, checked throughout and at the end: every status read succeeds and reports no inconsistency;
+every batch finishes; every request has exactly one result line, completed; the counters equal the sums over
+the result lines (counter drift 0).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from producer import store
+from producer.store import SubmitOptions, submit_batch, validate_lines
+from schemas.keys import BatchField
+from tests.reliability.harness import RedisServer, ReplyDroppingProxy, WorkerProcess, wait_until
+
+FAULTS = ("worker_kill", "redis_restart", "redis_pause", "lost_replies")
+RECOVERY_FLAGS = ("--heartbeat-interval", "1", "--stale-after", "4", "--maintenance-interval", "1")
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+@dataclass
+class SoakConfig:
+    seconds: float  # of faults; then the last batches drain
+    seed: int = 0
+    num_workers: int = 2
+    requests_per_batch: int = 500
+    chunk_size: int = 25
+    open_batches: int = 2  # a new batch is submitted whenever fewer are unfinished
+    fault_every: tuple[float, float] = (5.0, 15.0)  # seconds between faults, uniform
+    outage_seconds: tuple[float, float] = (1.0, 8.0)  # Redis down or paused, uniform
+    fake_latency_seconds: float = 0.5
+    max_num_seqs: int = 200
+    drain_timeout_seconds: float = 180.0
+    cycle_faults: bool = False  # each kind in turn (short runs that must see every kind), else seeded choice
+
+
+@dataclass
+class SoakReport:
+    seconds: float = 0.0
+    faults: Counter[str] = field(default_factory=Counter)
+    replies_lost: int = 0
+    batches: int = 0
+    requests: int = 0
+    completed: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    counter_drift: int = 0
+    status_reads: int = 0
+    status_failures: list[str] = field(default_factory=list)
+    unfinished_batches: int = 0
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "faults": dict(self.faults)}
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.duplicated or self.counter_drift or self.status_failures)
+
+
+class Soak:
+    def __init__(self, root: Path, config: SoakConfig):
+        self.root, self.config = root, config
+        self.rng = random.Random(config.seed)
+        self.redis = RedisServer(root)
+        self.redis.start()
+        self.proxy = ReplyDroppingProxy(self.redis.port)
+        self.conn = self.redis.connect()
+        self.workers: list[WorkerProcess] = []
+        self.batches: dict[str, int] = {}  # batch id -> requests
+        self.done: set[str] = set()
+        self.report = SoakReport()
+
+    def run(self) -> SoakReport:
+        started = time.monotonic()
+        try:
+            for _ in range(self.config.num_workers):
+                self._start_worker()
+            next_fault = started + self.rng.uniform(*self.config.fault_every)
+            while time.monotonic() - started < self.config.seconds:
+                self._top_up_batches()
+                self._read_statuses()
+                if time.monotonic() >= next_fault:
+                    kind = (
+                        FAULTS[sum(self.report.faults.values()) % len(FAULTS)]
+                        if self.config.cycle_faults
+                        else None
+                    )
+                    self._inject(kind or self.rng.choice(FAULTS))
+                    next_fault = time.monotonic() + self.rng.uniform(*self.config.fault_every)
+                time.sleep(0.5)
+            self.proxy.drop_exec_replies(0, BatchField.NUM_COMPLETED.value.encode())
+            self._drain()
+            self._audit()
+        finally:
+            self.report.seconds = round(time.monotonic() - started, 1)
+            self.report.replies_lost = self.proxy.num_dropped
+            self.close()
+        return self.report
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+            w.wait()
+        self.proxy.close()
+        self.redis.kill()
+
+    def _start_worker(self) -> None:
+        c = self.config
+        flags = (
+            "--fake-engine",
+            "--fake-latency",
+            str(c.fake_latency_seconds),
+            "--max-num-seqs",
+            str(c.max_num_seqs),
+        )
+        log_path = self.root / f"worker{len(self.workers)}.log"
+        self.workers.append(WorkerProcess(self.proxy.url, log_path, *flags, *RECOVERY_FLAGS))
+
+    def _inject(self, fault: str) -> None:
+        self.report.faults[fault] += 1
+        if fault == "worker_kill":
+            live = [w for w in self.workers if w.proc.poll() is None]
+            victim = self.rng.choice(live)
+            victim.kill(signal.SIGKILL)
+            victim.wait()
+            self._start_worker()
+        elif fault == "redis_restart":
+            self.redis.kill()
+            time.sleep(self.rng.uniform(*self.config.outage_seconds))
+            self.redis.start()
+        elif fault == "redis_pause":
+            assert self.redis.proc is not None
+            self.redis.proc.send_signal(signal.SIGSTOP)
+            time.sleep(self.rng.uniform(*self.config.outage_seconds))
+            self.redis.proc.send_signal(signal.SIGCONT)
+        else:  # the next results writes (they bump the counters) and admissions lose their replies
+            self.proxy.drop_exec_replies(self.rng.randint(1, 3), BatchField.NUM_COMPLETED.value.encode())
+            self.proxy.drop_exec_replies(1, BatchField.FIRST_STARTED_AT.value.encode())
+
+    def _top_up_batches(self) -> None:
+        try:
+            if len(self.batches) - len(self.done) >= self.config.open_batches:
+                return
+            prefix = f"b{len(self.batches)}-"
+            n = self.config.requests_per_batch
+            lines = [
+                json.dumps({"custom_id": f"{prefix}{i}", "prompt": f"soak prompt {i}"}) for i in range(n)
+            ]
+            options = SubmitOptions(queue="cbq", chunk_size=self.config.chunk_size, retries=5)
+            batch_id = submit_batch(self.conn, validate_lines(lines).requests, options).batch_id
+        except REDIS_ERRORS:
+            return  # Redis is coming back; a submit whose reply is lost is not counted (none of its ids are)
+        assert batch_id is not None
+        self.batches[batch_id] = n
+
+    def _read_statuses(self) -> None:
+        for batch_id in [b for b in self.batches if b not in self.done]:
+            try:
+                status = store.get_status(self.conn, batch_id)
+            except REDIS_ERRORS:
+                continue
+            except Exception as exc:  # the invariant: status reads never fail on what is stored
+                self.report.status_failures.append(f"{batch_id}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            self.report.status_reads += 1
+            if status.is_done:
+                self.done.add(batch_id)
+            if status.inconsistencies:
+                self.report.status_failures.append(f"{batch_id}: {status.inconsistencies}"[:300])
+
+    def _drain(self) -> None:
+        def all_done() -> bool:
+            self._read_statuses()
+            return len(self.done) == len(self.batches)
+
+        try:
+            wait_until(all_done, timeout=self.config.drain_timeout_seconds, interval=1.0)
+        except AssertionError:
+            pass  # counted below as unfinished batches
+
+    def _audit(self) -> None:
+        r = self.report
+        for batch_id, n in self.batches.items():
+            status = store.get_status(self.conn, batch_id)
+            lines = list(store.iter_results(self.conn, batch_id, partial=True))
+            r.batches += 1
+            r.requests += n
+            r.unfinished_batches += not status.is_done
+            r.completed += sum(1 for line in lines if line.finish_reason in ("stop", "length"))
+            r.lost += n - len({line.custom_id for line in lines})
+            r.duplicated += len(lines) - len({line.custom_id for line in lines})
+            meta = store.read_meta(self.conn, batch_id)
+            recorded = sum(
+                int(meta.get(BatchField.counter_of(o).value, 0)) for o in ("completed", "failed", "cancelled")
+            )
+            prompt = int(meta.get(BatchField.PROMPT_TOKENS.value, 0))
+            completion = int(meta.get(BatchField.COMPLETION_TOKENS.value, 0))
+            r.counter_drift += abs(recorded - len(lines))
+            r.counter_drift += abs(prompt - sum(line.usage.prompt_tokens for line in lines))
+            r.counter_drift += abs(completion - sum(line.usage.completion_tokens for line in lines))

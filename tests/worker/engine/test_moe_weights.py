@@ -1,0 +1,149 @@
+"""Stacked expert weights from every checkpoint naming (worker/engine/moe/weights.py) and the MXFP4
+dequantizer (mxfp4.py): known FP4 codes and scales, agreement with transformers' own MXFP4 reader, and the
+per-expert / stacked / MXFP4 names all loading to the same tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from worker.engine.moe import load_moe_layer, spec_from_config
+from worker.engine.moe.mxfp4 import E2M1_TABLE, dequantize_mxfp4
+
+from .test_moe_reference import layer_from_block, random_block
+
+
+def test_e2m1_table():
+    assert E2M1_TABLE[:8] == (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    assert E2M1_TABLE[8:] == tuple(-v for v in E2M1_TABLE[:8])
+
+
+def test_dequantize_known_values():
+    blocks = torch.zeros(1, 2, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x21  # low nibble 1 (0.5) comes first, then high nibble 2 (1.0)
+    blocks[0, 0, 1] = 0xF7  # 7 (6.0), then 15 (-6.0)
+    blocks[0, 1, 15] = 0x9B  # 11 (-1.5), then 9 (-0.5): the last two values of the second group
+    scales = torch.tensor([[127, 130]], dtype=torch.uint8)  # 2**0 and 2**3
+    out = dequantize_mxfp4(blocks, scales, torch.bfloat16)
+    assert out.shape == (1, 64) and out.dtype == torch.bfloat16
+    want = torch.zeros(64)
+    want[:4] = torch.tensor([0.5, 1.0, 6.0, -6.0])
+    want[62:] = torch.tensor([-1.5 * 8, -0.5 * 8])
+    assert torch.equal(out[0].float(), want)
+    tiny = dequantize_mxfp4(blocks[:, :1], torch.tensor([[1]], dtype=torch.uint8), torch.float32)
+    assert tiny[0, 0].item() == 0.5 * 2.0**-126  # scales reach down to bf16's smallest normals, exactly
+
+
+def test_dequantize_equals_transformers_reader():
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), dtype=torch.uint8, generator=gen)  # [E, rows, groups, 16]
+    scales = torch.randint(110, 140, (3, 8, 4), dtype=torch.uint8, generator=gen)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, groups * 32, rows]
+    assert torch.equal(dequantize_mxfp4(blocks, scales), theirs.transpose(1, 2))
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks, scales[..., :3])
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_released_per_expert_names_load_like_stacked():
+    for model_type, prefix, (gate, up, down) in (
+        ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+        ("qwen2_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+        ("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
+    ):
+        config, block = random_block(model_type)
+        spec = spec_from_config(config)
+        stacked = layer_from_block(block, spec)
+        inter = spec.expert_intermediate_size
+        released = {
+            f"model.layers.0.{prefix}.{k}": v for k, v in block.state_dict().items() if "experts." not in k
+        }
+        for e in range(spec.num_experts):
+            experts = f"model.layers.0.{prefix}.experts.{e}"
+            released[f"{experts}.{gate}.weight"] = block.experts.gate_up_proj[e, :inter].detach().clone()
+            released[f"{experts}.{up}.weight"] = block.experts.gate_up_proj[e, inter:].detach().clone()
+            released[f"{experts}.{down}.weight"] = block.experts.down_proj[e].detach().clone()
+        loaded = load_moe_layer(released, "model.layers.0", spec, torch.float32, "cpu")
+        _same(loaded.experts.gate_up, stacked.experts.gate_up)
+        _same(loaded.experts.down, stacked.experts.down)
+        _same(loaded.router_weight, stacked.router_weight)
+        if spec.has_shared_expert:
+            _same(loaded.shared.gate_up, stacked.shared.gate_up)
+            _same(loaded.shared.gate, stacked.shared.gate)
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_like_its_dequantized_weights():
+    """The released layout ([E, 2I, H / 32, 16] blocks, interleaved gate/up rows) against transformers'
+    dequantized [E, H, 2I] parameters (which test_moe_reference checks against GptOssMLP)."""
+    config, block = random_block("gpt_oss")
+    spec = spec_from_config(config)
+    num_experts, hidden, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
+    gen = torch.Generator().manual_seed(1)
+    gate_up_blocks = torch.randint(
+        0, 256, (num_experts, 2 * inter, hidden // 32, 16), dtype=torch.uint8, generator=gen
+    )
+    gate_up_scales = torch.randint(
+        122, 130, (num_experts, 2 * inter, hidden // 32), dtype=torch.uint8, generator=gen
+    )
+    down_blocks = torch.randint(
+        0, 256, (num_experts, hidden, inter // 32, 16), dtype=torch.uint8, generator=gen
+    )
+    down_scales = torch.randint(
+        122, 130, (num_experts, hidden, inter // 32), dtype=torch.uint8, generator=gen
+    )
+    with torch.no_grad():
+        block.experts.gate_up_proj.copy_(
+            convert_moe_packed_tensors(gate_up_blocks, gate_up_scales, dtype=torch.float32)
+        )
+        block.experts.down_proj.copy_(
+            convert_moe_packed_tensors(down_blocks, down_scales, dtype=torch.float32)
+        )
+    state = {f"model.layers.0.mlp.{k}": v for k, v in block.state_dict().items()}
+    released = {
+        k: v for k, v in state.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
+    experts = "model.layers.0.mlp.experts"
+    released |= {
+        f"{experts}.gate_up_proj_blocks": gate_up_blocks,
+        f"{experts}.gate_up_proj_scales": gate_up_scales,
+        f"{experts}.down_proj_blocks": down_blocks,
+        f"{experts}.down_proj_scales": down_scales,
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        from_stacked = load_moe_layer(state, "model.layers.0", spec, dtype, "cpu")
+        from_mxfp4 = load_moe_layer(released, "model.layers.0", spec, dtype, "cpu")
+        _same(from_mxfp4.experts.gate_up, from_stacked.experts.gate_up)
+        _same(from_mxfp4.experts.down, from_stacked.experts.down)
+        _same(from_mxfp4.experts.gate_up_bias, from_stacked.experts.gate_up_bias)
+        assert from_mxfp4.experts.gate_up.dtype == dtype  # built in the model dtype, no fp32 copy kept
+
+
+def test_gpt_oss_gate_up_is_deinterleaved():
+    config, block = random_block("gpt_oss")
+    spec = spec_from_config(config)
+    layer = layer_from_block(block, spec)
+    inter = spec.expert_intermediate_size
+    _same(layer.experts.gate_up[2, :inter], block.experts.gate_up_proj[2, :, 0::2].T.contiguous())
+    _same(layer.experts.gate_up[2, inter:], block.experts.gate_up_proj[2, :, 1::2].T.contiguous())
+    _same(layer.experts.gate_up_bias[2, :inter], block.experts.gate_up_proj_bias[2, 0::2])
+
+
+def test_load_errors_name_the_tensor():
+    config, block = random_block("qwen3_moe")
+    spec = spec_from_config(config)
+    state = {f"model.layers.0.mlp.{k}": v for k, v in block.state_dict().items()}
+    with pytest.raises(ValueError, match="no MoE router at 'model.layers.1'"):
+        load_moe_layer(state, "model.layers.1", spec, torch.float32, "cpu")
+    bad = dict(state)
+    bad["model.layers.0.mlp.experts.down_proj"] = bad["model.layers.0.mlp.experts.down_proj"][:, :, :-1]
+    with pytest.raises(
+        ValueError, match=r"checkpoint tensor model.layers.0.mlp.experts.down_proj has shape \(64, 47\)"
+    ):
+        load_moe_layer(bad, "model.layers.0", spec, torch.float32, "cpu")
+    no_experts = {k: v for k, v in state.items() if "experts" not in k}
+    with pytest.raises(ValueError, match="no expert weights under 'model.layers.0.mlp.experts'"):
+        load_moe_layer(no_experts, "model.layers.0", spec, torch.float32, "cpu")

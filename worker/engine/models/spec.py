@@ -1,0 +1,178 @@
+"""What a model family declares: the typed record that the loader, the owned decoder and the fused weights read.
+Owns the declaration types and the list of config fields that change a decoder's math.
+
+A family module (llama.py, gemma2.py, ...) fills in one `Family`: its layers (which checkpoint linears make
+each GEMM, and how tensor parallelism will shard each), its norm kind and placement, activation, and a
+`read(config)` that turns a transformers config into the numbers the decoder needs (`DecoderArgs`). Nothing
+outside the family module names the family.
+
+A linear's quantization and parallel layout are properties of the linear (`LinearSpec`), not of the family:
+a quantized checkpoint or a tensor-parallel run changes the `LinearSpec`s the decoder builds, not the model file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class UnsupportedConfig(ValueError):
+    """A config value that changes the math and that the family does not implement (one line, names the field)."""
+
+
+class Parallel(str, Enum):
+    """How tensor parallelism shards a linear (no run shards yet; the layout is declared so it can)."""
+
+    COLUMN = "column"  # output rows split over ranks (q/k/v, gate/up): no communication after
+    ROW = "row"  # input columns split, partial outputs summed over ranks (o, down)
+
+
+class Quant(str, Enum):
+    """How a linear's weights are stored and multiplied. Only plain weights exist so far."""
+
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One GEMM of a decoder layer: the checkpoint linears (attribute paths under the layer) whose output rows it
+    stacks, in order. One part: the checkpoint ships it fused (Phi-3's qkv_proj) or it stands alone."""
+
+    parts: tuple[str, ...]
+    parallel: Parallel
+    quant: Quant = Quant.NONE
+
+
+class NormKind(str, Enum):
+    RMS = "rms"  # Llama: w * (x * rsqrt(mean(x^2) + eps)).to(dtype), statistics in fp32
+    RMS_ONE_PLUS = "rms_one_plus"  # Gemma: ((x * rsqrt(...)) * (1 + w)).to(dtype), all in fp32
+    RMS_FP32_WEIGHT = "rms_fp32_weight"  # OLMo 2: (w * (x * rsqrt(...))).to(dtype), weight multiply in fp32
+
+
+class Activation(str, Enum):
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
+
+
+# The config spellings of each activation (transformers' ACT2FN names).
+ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
+
+
+class QKNormSpan(str, Enum):
+    HEAD = "head"  # one RMSNorm over each head's D (Qwen3, Gemma 3)
+    FULL = "full"  # one RMSNorm over the whole q / k projection (OLMo 2)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A decoder layer's modules, by attribute path under the transformers layer (None: the layer has none).
+
+    Norm placement: `attn_in` normalises the attention input, `attn_out` the attention output before the
+    residual add (Gemma's and OLMo 2's post-attention norm), `mlp_in` / `mlp_out` the same for the MLP."""
+
+    qkv: LinearSpec
+    o: LinearSpec
+    gate_up: LinearSpec
+    down: LinearSpec
+    attn_in_norm: str | None
+    attn_out_norm: str | None
+    mlp_in_norm: str | None
+    mlp_out_norm: str | None
+    q_norm: str | None = None
+    k_norm: str | None = None
+    qk_norm_span: QKNormSpan = QKNormSpan.HEAD
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """The numbers a family reads from one config (`Family.read`); neutral values leave the math unchanged."""
+
+    activation: Activation
+    attention_scale: float  # multiplies q.k
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    embed_scale: float | None = None  # embeddings times this (Gemma's sqrt(hidden), Granite's multiplier)
+    embed_scale_in_dtype: bool = False  # the scale is rounded to the model dtype before the multiply (Gemma)
+    residual_scale: float | None = None  # each block's output times this before the residual add (Granite)
+    logits_divisor: float | None = None  # logits / this (Granite's logits_scaling)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the loader and the owned decoder need to know about one model family."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json's model_type values it runs (one registry line each)
+    layer: LayerSpec
+    norm: NormKind
+    read: Callable[[Any], DecoderArgs]  # raises UnsupportedConfig for a value it does not implement
+    handles: frozenset[str] = frozenset()  # the MATH_FIELDS this family reads (all others must be neutral)
+    layers_path: str = "model.layers"
+    embed_path: str = "model.embed_tokens"
+    final_norm_path: str = "model.norm"
+    rotary_path: str = "model.rotary_emb"
+    # One rotary table per entry of config.layer_types (Gemma 3's local and global bases), read from the
+    # rotary module's `{layer_type}_inv_freq`; False: one table for every layer.
+    rope_per_layer_type: bool = False
+
+
+def is_neutral(value: Any) -> bool:
+    return value is None or value is False or value == 1 or value == 1.0
+
+
+# Config fields of transformers' dense families that change the decoder's math. A family that does not list a
+# field in `Family.handles` must find it absent or neutral (None, False, 1), or the load fails: never defaulted.
+MATH_FIELDS = (
+    "hidden_activation",  # Gemma: the MLP activation (not hidden_act)
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "embedding_multiplier",  # Granite
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+    "logit_scale",  # Cohere
+    "partial_rotary_factor",  # Phi-3, GLM
+    "use_qk_norm",
+    "no_rope_layers",  # SmolLM3
+    "pretraining_tp",  # Llama 2's sliced linears
+    "use_bidirectional_attention",  # Gemma's encoder-style variants
+)
+
+
+def unhandled_fields(config: Any, family: Family) -> list[str]:
+    """The math fields `config` sets to a non-neutral value that `family` does not read."""
+    values = config.to_dict()
+    return [
+        f"{name}={values[name]!r}"
+        for name in MATH_FIELDS
+        if name in values and name not in family.handles and not is_neutral(values[name])
+    ]
+
+
+def activation_of(config: Any, field: str) -> Activation:
+    """The activation a config names in `field`; an unknown one is an UnsupportedConfig."""
+    name = getattr(config, field, None)
+    if name not in ACTIVATIONS:
+        raise UnsupportedConfig(f"{field}={name!r} (cbq implements {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def llama_layer(*, q_norm: str | None = None, k_norm: str | None = None) -> LayerSpec:
+    """The Llama layer layout that Mistral, Qwen2, Qwen3 and Granite share: pre-norms, separate q/k/v and
+    gate/up linears fused at load."""
+    return LayerSpec(
+        qkv=LinearSpec(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), Parallel.COLUMN),
+        o=LinearSpec(("self_attn.o_proj",), Parallel.ROW),
+        gate_up=LinearSpec(("mlp.gate_proj", "mlp.up_proj"), Parallel.COLUMN),
+        down=LinearSpec(("mlp.down_proj",), Parallel.ROW),
+        attn_in_norm="input_layernorm",
+        attn_out_norm=None,
+        mlp_in_norm="post_attention_layernorm",
+        mlp_out_norm=None,
+        q_norm=q_norm,
+        k_norm=k_norm,
+    )
+

@@ -1,0 +1,25 @@
+"""Mixture-of-experts layers (issue 25): what one computes (`spec`), its weights stacked per layer
+(`weights`, `mxfp4`), the forward on the CPU (`reference`) and on CUDA (`triton_moe`) behind `moe_forward`,
+and what a step costs and a model weighs (`cost`). Owns nothing itself; the decoder owns the layers' weights
+and one `MoeWorkspace`."""
+
+from .forward import moe_forward
+from .spec import Activation, MoeSpec, RouterScoring, dense_intermediate_size, moe_layer_ids, spec_from_config
+from .triton_moe import LaunchConfig, MoeWorkspace
+from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights, load_moe_layer
+
+__all__ = [
+    "Activation",
+    "ExpertWeights",
+    "LaunchConfig",
+    "MoeLayerWeights",
+    "MoeSpec",
+    "MoeWorkspace",
+    "RouterScoring",
+    "SharedExpertWeights",
+    "dense_intermediate_size",
+    "load_moe_layer",
+    "moe_forward",
+    "moe_layer_ids",
+    "spec_from_config",
+]

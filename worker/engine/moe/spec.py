@@ -1,0 +1,176 @@
+"""What an MoE layer computes, as one frozen dataclass read from a transformers config. Owns nothing mutable.
+
+`MoeSpec` is the math of one sparse layer: how the router scores and picks experts, how the chosen weights
+are normalised and scaled, which biases exist, the experts' activation and the shared expert. Weight layout
+is not part of it (every family's experts are stored the same way, `weights.py`), nor is the attention.
+
+`spec_from_config` knows the four families (qwen3_moe, qwen2_moe, mixtral, gpt_oss) and refuses, in one line,
+any config field that would change the math in a way this package does not compute. `moe_layer_ids` says
+which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`); the others are dense
+MLPs of `dense_intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class RouterScoring(str, Enum):
+    SOFTMAX = "softmax"  # softmax over all experts, then top-k (Qwen, Mixtral)
+    SOFTMAX_OVER_TOPK = "softmax_over_topk"  # top-k of the logits, then softmax over those k (gpt-oss)
+    SIGMOID = "sigmoid"  # independent sigmoid per expert, then top-k (no family here yet; DeepSeek-V3 style)
+
+
+class Activation(str, Enum):
+    SILU_MUL = "silu_mul"  # silu(gate) * up
+    # gpt-oss: gate = min(gate, limit), up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
+    CLAMPED_SWIGLU = "clamped_swiglu"
+
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """One sparse layer. Expert weights are stored [gate; up] concatenated whatever the checkpoint does
+    (gpt-oss interleaves its columns; `weights.py` de-interleaves them at load)."""
+
+    model_type: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate_size: int
+    scoring: RouterScoring = RouterScoring.SOFTMAX
+    norm_topk_prob: bool = False  # divide the chosen k weights by their sum (after SOFTMAX or SIGMOID)
+    routed_scaling_factor: float = 1.0  # multiplies the chosen weights after normalisation
+    has_router_bias: bool = False
+    has_expert_bias: bool = False  # gate_up and down biases (gpt-oss)
+    activation: Activation = Activation.SILU_MUL
+    swiglu_alpha: float = 1.702  # CLAMPED_SWIGLU only
+    swiglu_limit: float = 7.0  # CLAMPED_SWIGLU only
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    has_shared_expert_gate: bool = False  # sigmoid(x @ gate^T) scales the shared expert's output (Qwen2-MoE)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"MoE top_k {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.has_shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError(
+                "MoE shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)"
+            )
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_intermediate_size > 0
+
+    @property
+    def params_per_expert(self) -> int:
+        """Weights (and biases) of one routed expert: gate, up and down projections."""
+        hidden, inter = self.hidden_size, self.expert_intermediate_size
+        return 3 * hidden * inter + (2 * inter + hidden if self.has_expert_bias else 0)
+
+    @property
+    def router_params(self) -> int:
+        return self.num_experts * self.hidden_size + (self.num_experts if self.has_router_bias else 0)
+
+    @property
+    def shared_expert_params(self) -> int:
+        gate = self.hidden_size if self.has_shared_expert_gate else 0
+        return 3 * self.hidden_size * self.shared_expert_intermediate_size + gate
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    return getattr(config, name, default)
+
+
+def _refuse(model_type: str, field: str, value: Any, why: str) -> ValueError:
+    return ValueError(
+        f"{model_type} config field {field}={value!r} is not supported by cbq's MoE layer: {why}"
+    )
+
+
+def _check_silu(config: Any, model_type: str) -> None:
+    act = _get(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise _refuse(model_type, "hidden_act", act, "experts compute silu(gate) * up")
+
+
+# Fields that change routing in families outside the four, should they ever appear on one of these configs
+# (a config.json edited by hand, or a new transformers release): transformers' four classes ignore them, so
+# silently ignoring them here could be right or wrong; refuse instead.
+_FOREIGN_ROUTING_FIELDS = ("n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor")
+
+
+def spec_from_config(config: Any) -> MoeSpec:
+    """The MoE layer spec of a transformers config (Qwen3MoeConfig, Qwen2MoeConfig, MixtralConfig,
+    GptOssConfig, or anything with their fields and `model_type`)."""
+    model_type = _get(config, "model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} has no MoE spec (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    for field in _FOREIGN_ROUTING_FIELDS:
+        value = _get(config, field)
+        if value is not None and not (field == "routed_scaling_factor" and value == 1.0):
+            raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
+    quant = _get(config, "quantization_config")
+    quant_method = (
+        (quant or {}).get("quant_method") if isinstance(quant, dict) else _get(quant, "quant_method")
+    )
+    if quant is not None and not (model_type == "gpt_oss" and quant_method == "mxfp4"):
+        raise _refuse(
+            model_type, "quantization_config.quant_method", quant_method, "only gpt-oss MXFP4 experts"
+        )
+    family: dict[str, Any]
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        _check_silu(config, model_type)
+        family = dict(
+            num_experts=config.num_experts,
+            expert_intermediate_size=config.moe_intermediate_size,
+            norm_topk_prob=bool(config.norm_topk_prob),
+        )
+        if model_type == "qwen2_moe":  # Qwen2MoeSparseMoeBlock always builds the shared expert and its gate
+            family |= dict(
+                shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                has_shared_expert_gate=True,
+            )
+    elif model_type == "mixtral":
+        _check_silu(config, model_type)
+        family = dict(
+            num_experts=config.num_local_experts,
+            expert_intermediate_size=config.intermediate_size,
+            norm_topk_prob=True,  # MixtralTopKRouter always renormalises the chosen weights
+        )
+    else:  # gpt_oss: hidden_act is not read by its experts (they use the clamped SwiGLU)
+        family = dict(
+            num_experts=config.num_local_experts,
+            expert_intermediate_size=config.intermediate_size,
+            scoring=RouterScoring.SOFTMAX_OVER_TOPK,
+            has_router_bias=True,
+            has_expert_bias=True,
+            activation=Activation.CLAMPED_SWIGLU,
+            swiglu_alpha=float(config.swiglu_alpha),
+            swiglu_limit=float(config.swiglu_limit),
+        )
+    return MoeSpec(
+        model_type=model_type, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size, **family
+    )
+
+
+def moe_layer_ids(config: Any) -> tuple[int, ...]:
+    """Decoder layers whose MLP is sparse, as transformers builds them; the rest are dense MLPs."""
+    num_layers = config.num_hidden_layers
+    if config.model_type not in ("qwen3_moe", "qwen2_moe"):
+        return tuple(range(num_layers))  # Mixtral and gpt-oss: every layer
+    dense = set(_get(config, "mlp_only_layers") or ())
+    step = _get(config, "decoder_sparse_step", 1)
+    if config.num_experts <= 0:
+        return ()
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def dense_intermediate_size(config: Any) -> int:
+    """Intermediate size of the dense MLP in the layers `moe_layer_ids` leaves out (0 where none can exist)."""
+    return int(config.intermediate_size) if config.model_type in ("qwen3_moe", "qwen2_moe") else 0

@@ -1,0 +1,125 @@
+"""A worker's housekeeping against rq and Redis that keeps no state of its own: the registry cleanup of one
+queue, and waiting for Redis to come back during an outage. Owns nothing; `worker.queue_worker` calls both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from rq.queue import Queue
+from rq.registry import clean_registries
+from rq.worker import BaseWorker
+from rq.worker_registration import clean_worker_registry
+
+from worker.job_quarantine import quarantine_undecodable
+from worker.lost_dequeues import requeue_lost_dequeues
+
+# rq's cleaning lock lasts 899 s: a worker killed while cleaning (or Redis restarted before the lock was
+# released) must not block cleanup that long. The lock lasts as long as a chunk takes to be taken for abandoned
+# (--stale-after), within these bounds: a dead worker's chunks then wait about the longer of the two.
+MAINTENANCE_LOCK_SECONDS = (10, 60)
+OUTAGE_BACKOFF_SECONDS = (0.25, 5.0)  # first and longest wait between reconnection attempts
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis did not answer for longer than the worker's outage limit."""
+
+
+def clean_queue_registries(
+    worker: BaseWorker,
+    queue: Queue,
+    exc_handlers: list[Callable[..., Any]],
+    lost_dequeue_after_seconds: float,
+    stale_after_seconds: float,
+) -> None:
+    """rq's cleanup of one queue's registries (it re-enqueues or fails the chunks of dead workers), made safe to
+    run every few seconds: undecodable jobs are quarantined first, a failure is logged instead of killing the
+    worker, and the per-queue lock is released, or expires soon (rq's would block cleanup for 15 min)."""
+    conn = worker.connection
+    shortest, longest = MAINTENANCE_LOCK_SECONDS
+    lock_seconds = int(min(longest, max(shortest, stale_after_seconds)))
+    if not _take_lock(conn, queue.registry_cleaning_key, worker.name, lock_seconds):
+        return  # another worker is cleaning this queue
+    try:
+        quarantine_undecodable(conn, queue)
+        clean_registries(queue, exc_handlers)
+        clean_worker_registry(queue)
+        # Before rq's intermediate cleanup, which would fail such a job after a minute (a retry lost).
+        requeue_lost_dequeues(conn, queue, lost_dequeue_after_seconds)
+        queue.intermediate_queue.cleanup(worker, queue)
+    except REDIS_ERRORS:
+        raise
+    except Exception:
+        worker.log.exception("Worker %s: cleaning the registries of queue %s failed", worker.name, queue.name)
+    finally:
+        try:
+            if conn.get(queue.registry_cleaning_key) == worker.name.encode():
+                conn.delete(queue.registry_cleaning_key)
+        except REDIS_ERRORS:
+            pass  # it expires
+
+
+def _take_lock(conn: redis.Redis, key: str, owner: str, seconds: int) -> bool:
+    """SET NX under `owner`'s name. redis-py re-sends a command whose reply was lost, and the re-sent SET NX
+    finds the lock its first copy took: the name tells that it is ours."""
+    if conn.set(key, owner, nx=True, ex=seconds):
+        return True
+    return conn.get(key) == owner.encode()
+
+
+class Outage:
+    """One Redis outage as a worker rides it out: when it started, and how long the worker may wait."""
+
+    def __init__(self, log: logging.Logger, worker_name: str, limit_seconds: float, cause: Exception):
+        self.log = log
+        self.worker_name = worker_name
+        self.limit_seconds = limit_seconds
+        self.cause = cause
+        self.started = time.monotonic()
+
+    def report_start(self, num_in_flight_requests: int) -> None:
+        self.log.warning(
+            "Worker %s: Redis unreachable (%s); %d requests in flight keep running, results are buffered",
+            self.worker_name,
+            self.cause,
+            num_in_flight_requests,
+        )
+
+    def wait_for_redis(
+        self, conn: redis.Redis, keep_busy: Callable[[float], None], num_buffered: Callable[[], int]
+    ) -> None:
+        """Return once Redis answers a PING, trying with a growing backoff and calling `keep_busy(seconds)`
+        between tries. Raises RedisUnavailable once the outage has lasted `limit_seconds`."""
+        delay, longest = OUTAGE_BACKOFF_SECONDS
+        while True:
+            keep_busy(delay)
+            try:
+                conn.ping()
+                break
+            except REDIS_ERRORS:
+                pass
+            down_for = time.monotonic() - self.started
+            if down_for > self.limit_seconds:
+                raise RedisUnavailable(
+                    f"Redis did not answer for {down_for:.0f} s (limit {self.limit_seconds:g} s); "
+                    f"{num_buffered()} finished results could not be written and will be redone"
+                ) from self.cause
+            delay = min(2 * delay, longest)
+        self.log.warning(
+            "Worker %s: Redis is back after %.1f s; writing %d buffered results",
+            self.worker_name,
+            time.monotonic() - self.started,
+            num_buffered(),
+        )
+
+
+def touch(path: str) -> None:
+    """Create `path` or update its modification time (container healthchecks read its age)."""
+    with open(path, "a"):
+        os.utime(path)
