@@ -144,7 +144,7 @@ class Request(StrictModel):
     choice_group: ChoiceGroup | None = None  # one prompt of a request with several
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
-    tool_call: ForcedToolCall | None = None  # the call the body forces: the output is its arguments
+    tool_call: ForcedToolCall | None = None  # the tool use the body asks for (schemas/tools.py)
     sampling: Sampling = Sampling()
     n: NumSamples = 1
     return_token_ids: bool = False

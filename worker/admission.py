@@ -37,6 +37,13 @@ from worker.engine.api import (
 )
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
 from worker.engine.tokenizer import NoChatTemplate
+from worker.output_parsers import (
+    CallsMode,
+    ConstraintAfterReasoningError,
+    OutputParsing,
+    result_fields,
+    text_with_special_tokens,
+)
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 _UNSET = object()
@@ -64,12 +71,14 @@ def load_chunk_job(
     kwargs: Any,
     tokenizer: TokenizerProtocol,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> ChunkWork:
     """`load_chunk` for rq job `job_id`, once its function and arguments (rq's `func_name`, `kwargs`) are
     checked to be a cbq chunk's. Raises ValueError (or pydantic's) for anything else: that job fails."""
     if func_name != CHUNK_FUNC:
         raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
-    return load_chunk(conn, ChunkPayload.model_validate(kwargs), tokenizer, job_id=job_id, model_defaults=model_defaults)
+    payload = ChunkPayload.model_validate(kwargs)
+    return load_chunk(conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing)
 
 
 def load_chunk(
@@ -78,11 +87,13 @@ def load_chunk(
     tokenizer: TokenizerProtocol,
     job_id: str | None = None,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
     payload fails its job before anything is read or allocated for its range. `model_defaults`: the
-    engine's `sampling_defaults` (what the checkpoint's generation_config sets)."""
+    engine's `sampling_defaults` (what the checkpoint's generation_config sets); `parsing`: the worker's output
+    parsers (a constraint then applies after the reasoning)."""
     batch = read_chunk_batch(conn, payload.batch_id, job_id)
     if batch is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
@@ -109,12 +120,17 @@ def load_chunk(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
             )
         else:
-            _expand_one(work, index, raw_request, tokenizer, model_defaults)
+            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing)
     return work
 
 
 def _expand_one(
-    work: ChunkWork, index: int, raw_request: bytes, tokenizer: TokenizerProtocol, model_defaults: Mapping[str, Any]
+    work: ChunkWork,
+    index: int,
+    raw_request: bytes,
+    tokenizer: TokenizerProtocol,
+    model_defaults: Mapping[str, Any],
+    parsing: OutputParsing | None = None,
 ) -> None:
     try:
         request = Request.model_validate_json(raw_request)
@@ -129,9 +145,14 @@ def _expand_one(
         )
         return
     try:
-        engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at, model_defaults)
-    except (UnsupportedField, NoChatTemplate) as exc:  # the request asks what this worker cannot do: a 400
-        code, param = ("unsupported_parameter", exc.field) if isinstance(exc, UnsupportedField) else ("invalid_value", "messages")
+        engine_request = to_engine_request(
+            request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing
+        )
+    except (UnsupportedField, ConstraintAfterReasoningError, NoChatTemplate) as exc:  # what this worker cannot do: a 400
+        if isinstance(exc, NoChatTemplate):
+            code, param = "invalid_value", "messages"
+        else:
+            code, param = "unsupported_parameter", exc.field
         work.finished_now.append(
             ResultLine(
                 custom_id=request.custom_id,
@@ -167,6 +188,7 @@ def to_engine_request(
     batch_id: str,
     arrival_time: float,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> EngineRequest:
     options = request.prompt_options or PromptOptions()
     if request.messages is not None:
@@ -180,10 +202,13 @@ def to_engine_request(
         prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
     if request.sampling.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last k tokens
         prompt_ids = prompt_ids[-request.sampling.truncate_prompt_tokens :]
+    sampling = to_sampling_params(with_line_defaults(request, model_defaults))
+    if parsing is not None and request.is_chat:  # a reasoning model's answer is constrained, not its thinking
+        sampling = parsing.constrain_after_reasoning(sampling, prompt_ids, tokenizer)
     return EngineRequest(
         request_id=keys.engine_request_id(batch_id, request.index),
         prompt_ids=list(prompt_ids),
-        sampling=to_sampling_params(with_line_defaults(request, model_defaults)),
+        sampling=sampling,
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
     )
@@ -242,13 +267,25 @@ def one_line(message: str) -> str:
     return flat if len(flat) <= MAX_ERROR_CHARS else flat[: MAX_ERROR_CHARS - 1] + "…"
 
 
-def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerProtocol) -> ResultLine:
+def to_result_line(
+    request: Request, result: EngineResult, tokenizer: TokenizerProtocol, parsing: OutputParsing | None = None
+) -> ResultLine:
     """The result line of one engine result. A failed request reports no completion tokens: it returns no text
     (the engine counts the token a grammar rejected, the one that failed it)."""
     reason = result.finish_reason.value
     usage = dataclasses.asdict(result.usage)
     if reason == "error":
         usage["completion_tokens"] = 0
+
+    def parsed(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:  # a chat output's parsed parts
+        if parsing is None or not request.is_chat or reason not in ("stop", "length"):
+            return {}
+        calls = _calls_mode(request)
+        if parsing.needs_special_tokens(calls):
+            text = text_with_special_tokens(token_ids, tokenizer)
+        call_id = "call_{}-{}_{}".format(*keys.split_engine_request_id(result.request_id), index)
+        return result_fields(parsing.parse(text, calls), call_id)
+
     samples = None
     if request.n > 1 and reason in ("stop", "length"):
         samples = [
@@ -258,6 +295,7 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
                 token_ids=list(sample.token_ids) if request.return_token_ids else None,
                 finish_reason=sample.finish_reason.value,
                 logprobs=_logprob_lines(sample.logprobs, tokenizer),
+                **parsed(sample.index, sample.text, sample.token_ids),
             )
             for sample in result.all_samples
         ]
@@ -272,7 +310,19 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
         logprobs=_logprob_lines(result.logprobs, tokenizer) if reason != "error" else None,
         samples=samples,
+        **parsed(0, result.text, result.token_ids),
     )
+
+
+def _calls_mode(request: Request) -> CallsMode:
+    """Which calls a chat output may hold (schemas/tools.py): the model's own format when it may choose, a JSON
+    array for "required" among several tools; a call forced to one function is its arguments (no parsing)."""
+    plan = request.tool_call
+    if plan is None:
+        return "none"
+    if not plan.is_forced:
+        return "model"
+    return "array" if plan.name is None else "none"
 
 
 # JSON has no -inf: a token the model gives no probability at all reports OpenAI's floor instead.

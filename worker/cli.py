@@ -33,7 +33,7 @@ from producer.store import queue_results
 from schemas import keys
 from schemas.result import OpenAIBatchOutputLine, ResultLine
 from worker import queue_worker
-from worker.cli_options import engine_options, served_model_name
+from worker.cli_options import engine_options, output_parser_options, served_model_name
 from worker.maintenance import RedisUnavailable
 from worker.queue_worker import CbqWorker
 from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
@@ -92,6 +92,20 @@ def build_engine(
     return engine
 
 
+def choose_output_parsing(engine, tool_call_parser: str, reasoning_parser: str):
+    """The chat-output parsers the flags name for this engine's model (`auto`: from its chat template); the
+    choice is printed when any parser is active."""
+    from worker.output_parsers import OutputParsing, chat_template_text
+
+    try:
+        parsing = OutputParsing.choose(tool_call_parser, reasoning_parser, chat_template_text(engine.tokenizer))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if parsing.tool_call_parser or parsing.reasoning_parser:
+        click.echo(f"output parsers: {parsing.describe()}", err=True)
+    return parsing
+
+
 def check_model(model: str) -> None:
     """A click error at once for a model name that names nothing (see `worker.model_names`)."""
     from worker.engine.models import PRESETS  # imports torch
@@ -139,6 +153,7 @@ def recovery_options(f):
 
 @click.command()
 @engine_options
+@output_parser_options
 @redis_url_option
 @queue_option
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
@@ -174,6 +189,8 @@ def worker(
     fake_engine,
     engine_config,
     served_model_name_,
+    tool_call_parser,
+    reasoning_parser,
     redis_url,
     queue,
     burst,
@@ -206,6 +223,7 @@ def worker(
     cbq_worker = CbqWorker(
         [keys.model_queue(queue, served_name), queue],  # its model's batches first, then those naming none
         engine,
+        output_parsing=choose_output_parsing(engine, tool_call_parser, reasoning_parser),
         connection=conn,
         model_name=served_name,
         mode=mode,
@@ -247,6 +265,7 @@ def worker(
     help="Start over: discard the results an interrupted run left in the journal.",
 )
 @engine_options
+@output_parser_options
 @click.option(
     "--redis-url",
     default=None,
@@ -279,6 +298,8 @@ def run(
     fake_engine,
     engine_config,
     served_model_name_,
+    tool_call_parser,
+    reasoning_parser,
     redis_url,
     queue,
     output_format,
@@ -311,6 +332,8 @@ def run(
         "sampling": defaults.given(),
         "chat_template_kwargs": chat_template_kwargs,
         "return_token_ids": return_token_ids,
+        "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser,
         **{k: engine_config.get(k) for k in OUTPUT_SETTINGS},
     }
     if not fake_engine:
@@ -325,6 +348,7 @@ def run(
             journal.remove()  # it holds nothing yet
         raise
     click.echo(describe_engine(engine, model, served_name), err=True)
+    output_parsing = choose_output_parsing(engine, tool_call_parser, reasoning_parser)
     try:
         batch = client.submit(
             validated,
@@ -358,6 +382,7 @@ def run(
         mode=mode,
         name=f"cbq-run-{os.getpid()}",
         on_results_written=on_results_written,
+        output_parsing=output_parsing,
     )
     demote_per_chunk_lines()
     try:

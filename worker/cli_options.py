@@ -192,3 +192,29 @@ def engine_options(f: Callable) -> Callable:
         help=f"Engine preset name, local checkpoint folder or hub id (org/name). Env: {MODEL_ENV}.",
     )(f)
     return f
+
+
+def output_parser_options(f: Callable) -> Callable:
+    """--tool-call-parser and --reasoning-parser (vLLM's names): how chat outputs are split into content,
+    reasoning and tool calls (worker/output_parsers)."""
+    from worker.output_parsers import PARSER_CHOICES
+
+    f = click.option(
+        "--reasoning-parser",
+        type=click.Choice(PARSER_CHOICES["reasoning_parser"]),
+        default="auto",
+        show_default=True,
+        help="Separate a chat answer's reasoning into reasoning_content: think (<think>...</think>: Qwen3, "
+        "DeepSeek-R1 distills), harmony (gpt-oss's analysis channel); auto picks from the chat template, none "
+        "leaves it in the content. A response_format or forced tool call then constrains only what follows it.",
+    )(f)
+    f = click.option(
+        "--tool-call-parser",
+        type=click.Choice(PARSER_CHOICES["tool_call_parser"]),
+        default="auto",
+        show_default=True,
+        help='The model\'s tool-call format, parsed into tool_calls when a chat request lets it call tools '
+        '(tool_choice "auto"): hermes (<tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json, mistral '
+        "([TOOL_CALLS]), harmony (gpt-oss); auto picks from the chat template, none leaves calls in the content.",
+    )(f)
+    return f

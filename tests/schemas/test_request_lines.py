@@ -297,18 +297,6 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body.response_format.type: Input should be 'text', 'json_object' or 'json_schema'",
         ),
         (
-            openai_line({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}, "/v1/chat/completions"),
-            'line 7: body: cbq calls a tool only when tool_choice names it (or is "required" with one tool): '
-            "letting the model choose needs its own tool-call format",
-        ),
-        (
-            openai_line(
-                {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "required"},
-                "/v1/chat/completions",
-            ),
-            'line 7: body: tool_choice "required" with several tools lets the model choose: name one',
-        ),
-        (
             openai_line({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none"}, "/v1/chat/completions"),
             "line 7: body: tool_choice needs tools",
         ),
