@@ -85,7 +85,7 @@ def qkv_rope_write_ref(
 ) -> torch.Tensor:
     """Split, (q/k `norm` per head, or over the whole q and k projections with `qk_norm_full`), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
     num_tokens = qkv.shape[0]
-    head_dim = cos_table.shape[-1]
+    head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     if q_norm is not None and qk_norm_full:
         q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
@@ -94,12 +94,21 @@ def qkv_rope_write_ref(
     v = v.view(num_tokens, num_kv_heads, head_dim)
     if q_norm is not None and not qk_norm_full:
         q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
-    cos = cos_table[positions][:, None, :]
-    sin = sin_table[positions][:, None, :]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    if cos_table is not None:  # None: a layer without rotary (NoPE)
+        cos = cos_table[positions][:, None, :]
+        sin = sin_table[positions][:, None, :]
+        q, k = _rotary_ref(q, cos, sin), _rotary_ref(k, cos, sin)
     write_kv(k, v)
     return q
+
+
+def _rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary; tables narrower than the head rotate its first dims only (partial rotary)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
 # -- Triton kernels ---------------------------------------------------------------------------------------

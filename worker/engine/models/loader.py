@@ -14,7 +14,7 @@ import torch
 
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .registry import MODULES, family_of
-from .spec import DecoderArgs, Family, UnsupportedConfig, unhandled_fields
+from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
 
@@ -82,6 +82,24 @@ PRESETS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "tiny-olmo2": ("olmo2", dict(_TINY)),
+    # Phi-4-mini's partial rotary (3/4 of each head); q/k/v and gate/up ship fused.
+    "tiny-phi3": (
+        "phi3",
+        dict(_TINY, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75}),
+    ),
+    # SmolLM3's NoPE: every fourth layer has no rotary.
+    "tiny-smollm3": ("smollm3", dict(_TINY, num_hidden_layers=4, no_rope_layer_interval=4)),
+    # Command R7B's pattern: three sliding (rotary) layers, then a global NoPE one; its logit scale.
+    "tiny-cohere2": (
+        "cohere2",
+        dict(
+            _TINY,
+            num_hidden_layers=4,
+            sliding_window=32,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            logit_scale=0.25,
+        ),
+    ),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",
@@ -197,7 +215,7 @@ def family_for(config) -> tuple[Family, DecoderArgs]:
     """The family that runs `config` and the numbers it reads from it; a `ModelLoadError` (one line naming the
     model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
     family = _require_family(config.model_type)
-    unhandled = unhandled_fields(config, family)
+    unhandled = unhandled_fields(config, family) + runtime_rope_fields(config)
     try:
         if unhandled:
             raise UnsupportedConfig(", ".join(unhandled))

@@ -17,6 +17,9 @@ MODULES = {  # model_type -> family module
     "gemma3_text": "gemma3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
+    "cohere2": "cohere2",
 }
 
 
