@@ -165,13 +165,16 @@ class OwnedDecoder:
         num_positions = max(max_model_len, config.max_position_embeddings)
         rotary_emb = submodule(model, self.family.rotary_path)
         if self.family.rope_per_layer_type:
-            tables = {t: rotary_tables(rotary_emb, num_positions, self.embed_weight, t) for t in set(config.layer_types)}
-            self.layer_rope = [tables[t] for t in config.layer_types]
+            layer_types = config.layer_types
+            tables = {t: rotary_tables(rotary_emb, num_positions, self.embed_weight, t) for t in set(layer_types)}
         else:
-            self.layer_rope = [rotary_tables(rotary_emb, num_positions, self.embed_weight)] * len(self.layers)
-        self.cos_table, self.sin_table = self.layer_rope[0]  # the Llama-layer kernels' (one table for all layers)
-        for i in self.args.nope_layers:
-            self.layer_rope[i] = None
+            layer_types = [None] * len(self.layers)
+            tables = {None: rotary_tables(rotary_emb, num_positions, self.embed_weight)}
+        # Each layer's (cos, sin) tables; None for a layer without rotary (NoPE).
+        self.layer_rope: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+            None if i in self.args.nope_layers else tables[t] for i, t in enumerate(layer_types)
+        ]
+        self.cos_table, self.sin_table = tables[layer_types[0]]  # the Llama-layer kernels' (one for all layers)
         self.head_dim = head_dim_of(config)
         is_full_rotary = self.cos_table.shape[-1] == self.head_dim  # else partial: the torch ops rotate a prefix
         # A 0-dim tensor in the model dtype multiplies as Gemma's rounded scale does; a float as Granite's.
@@ -237,6 +240,7 @@ class OwnedDecoder:
         q [T, H, D]."""
         cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
         if ops.qkv_rope_epilogue and w.q_norm is None:
+            assert cos_table is not None and sin_table is not None, "the Triton paths run only rotating layers"
             return decode_gemm.decode_qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,

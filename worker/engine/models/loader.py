@@ -8,6 +8,7 @@ Presets need no files and no network; they use the byte tokenizer.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -198,12 +199,18 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
         tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
     else:
         config = _load_config(name_or_path)
-        family_for(config)  # before reading any weights
+        family, _ = family_for(config)  # before reading any weights
+        text_config, key_mapping = _text_model(config, family)
         try:
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             model = AutoModelForCausalLM.from_pretrained(
-                name_or_path, config=config, generation_config=generation_config, dtype=dtype, trust_remote_code=False
+                name_or_path,
+                config=text_config,
+                key_mapping=key_mapping,
+                generation_config=generation_config,
+                dtype=dtype,
+                trust_remote_code=False,
             ).to(device)
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
@@ -215,6 +222,7 @@ def family_for(config) -> tuple[Family, DecoderArgs]:
     """The family that runs `config` and the numbers it reads from it; a `ModelLoadError` (one line naming the
     model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
     family = _require_family(config.model_type)
+    config, _ = _text_model(config, family)
     unhandled = unhandled_fields(config, family) + runtime_rope_fields(config)
     try:
         if unhandled:
@@ -222,6 +230,18 @@ def family_for(config) -> tuple[Family, DecoderArgs]:
         return family, family.read(config)
     except UnsupportedConfig as exc:
         raise ModelLoadError(f"model type {config.model_type!r}: config.json sets {exc}, which cbq does not implement") from exc
+
+
+def _text_model(config, family: Family):
+    """The config of the model cbq runs and the renames of its weight names: the checkpoint's own, or for a
+    multimodal checkpoint whose family runs its language model, that model's (which ties its embeddings as
+    the whole checkpoint does, since the whole decides what was saved)."""
+    key_mapping = family.wrappers.get(config.model_type)
+    if key_mapping is None:
+        return config, None
+    text_config = copy.deepcopy(config.get_text_config())
+    text_config.tie_word_embeddings = config.tie_word_embeddings
+    return text_config, key_mapping
 
 
 def _require_family(model_type) -> Family:
@@ -279,7 +299,8 @@ def _one_line(exc: BaseException) -> str:
 def checkpoint_eos_token_ids(config, generation_config) -> frozenset[int]:
     """Every end-of-sequence id the checkpoint names: config.json's and generation_config.json's (an int or a
     list each). Instruct releases (Llama 3, Qwen3) list their end-of-turn token only in generation_config."""
-    sources = (config.eos_token_id, getattr(generation_config, "eos_token_id", None))
+    configs = {id(c): c for c in (config, config.get_text_config())}.values()  # a multimodal one's text config too
+    sources = [getattr(c, "eos_token_id", None) for c in configs] + [getattr(generation_config, "eos_token_id", None)]
     return frozenset(i for eos in sources for i in _as_list(eos))
 
 

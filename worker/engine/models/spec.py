@@ -13,7 +13,7 @@ a quantized checkpoint or a tensor-parallel run changes the `LinearSpec`s the de
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -124,6 +124,9 @@ class Family:
     # Rotary pairs dims (2i, 2i + 1) (Cohere) instead of (i, i + D/2) (Llama).
     rotary_interleaved: bool = False
     norm_eps_field: str = "rms_norm_eps"  # the config field of the norms' epsilon (Cohere: layer_norm_eps)
+    # Multimodal checkpoints whose language model this family runs (text lines only): their model_type ->
+    # regex renames of their weight names onto the text model's (the loader reads only those weights).
+    wrappers: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def is_neutral(value: Any) -> bool:
