@@ -84,8 +84,6 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
         return f"{family.name}: q/k norm over the {layer.qk_norm_span.value} projection"
     if layer.parallel_blocks:
         return f"{family.name}: parallel attention and MLP blocks"
-    if family.rotary_interleaved:
-        return f"{family.name}: interleaved rotary"
     return None
 
 
@@ -96,7 +94,8 @@ def has_llama_layer(family: Family, args: DecoderArgs) -> bool:
     pre_norms_only = None not in (layer.attn_in_norm, layer.mlp_in_norm) and layer.attn_out_norm is None
     head_qk_norms = layer.q_norm is None or layer.qk_norm_span == QKNormSpan.HEAD
     every_layer_rotates = not args.nope_layers
-    return plain_layer and pre_norms_only and layer.mlp_out_norm is None and head_qk_norms and every_layer_rotates
+    llama_rotary = every_layer_rotates and not family.rotary_interleaved
+    return plain_layer and pre_norms_only and layer.mlp_out_norm is None and head_qk_norms and llama_rotary
 
 
 @dataclass(frozen=True)
@@ -257,7 +256,13 @@ class OwnedDecoder:
 
         qk_norm_full = self.family.layer.qk_norm_span == QKNormSpan.FULL
         return fk.qkv_rope_write_ref(
-            *args, self.num_heads, self.num_kv_heads, write_kv, norm=self.norm, qk_norm_full=qk_norm_full
+            *args,
+            self.num_heads,
+            self.num_kv_heads,
+            write_kv,
+            norm=self.norm,
+            qk_norm_full=qk_norm_full,
+            interleaved=self.family.rotary_interleaved,
         )
 
 

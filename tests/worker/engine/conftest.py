@@ -24,6 +24,8 @@ TINY_FAMILIES = [
     "tiny-phi3",
     "tiny-smollm3",
     "tiny-cohere2",
+    "tiny-glm4",
+    "tiny-ministral",
 ]
 # Families the owned decoder's gate refuses (test_families.py checks it): transformers' forward only.
 TRANSFORMERS_ONLY = {"tiny-cohere2"}

@@ -83,7 +83,6 @@ def test_the_owned_decoder_gate_refuses_what_it_does_not_implement(tiny_models):
         "parallel attention and MLP": dataclasses.replace(
             family, layer=dataclasses.replace(layer, parallel_blocks=True)
         ),
-        "interleaved rotary": dataclasses.replace(family, rotary_interleaved=True),
     }
     for reason, declared in refused.items():
         assert reason in (unimplemented(declared, args) or ""), reason

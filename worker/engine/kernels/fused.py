@@ -82,6 +82,7 @@ def qkv_rope_write_ref(
     write_kv,
     norm=rmsnorm_ref,
     qk_norm_full=False,
+    interleaved=False,
 ) -> torch.Tensor:
     """Split, (q/k `norm` per head, or over the whole q and k projections with `qk_norm_full`), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
     num_tokens = qkv.shape[0]
@@ -97,9 +98,20 @@ def qkv_rope_write_ref(
     if cos_table is not None:  # None: a layer without rotary (NoPE)
         cos = cos_table[positions][:, None, :]
         sin = sin_table[positions][:, None, :]
-        q, k = _rotary_ref(q, cos, sin), _rotary_ref(k, cos, sin)
+        rotary = _rotary_interleaved_ref if interleaved else _rotary_ref
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
     write_kv(k, v)
     return q
+
+
+def _rotary_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GLM's and Cohere's rotary: dims (2i, 2i + 1) rotate by frequency i (tables as Llama's: [f, f] halves)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
 
 
 def _rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

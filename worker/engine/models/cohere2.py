@@ -1,7 +1,7 @@
 """Cohere 2 (Command R7B, Command A): one LayerNorm before attention and the MLP, which run in parallel on the
 same input and join the residual together; interleaved rotary on the sliding layers only (the global layers
-are NoPE); logits times logit_scale. The owned decoder implements neither the LayerNorm, the parallel
-blocks nor the interleaved rotary: its gate refuses this family, which runs on transformers' forward."""
+are NoPE); logits times logit_scale. The owned decoder implements neither the LayerNorm nor the parallel
+blocks: its gate refuses this family, which runs on transformers' forward."""
 
 from __future__ import annotations
 

@@ -101,6 +101,16 @@ PRESETS: dict[str, tuple[str, dict]] = {
             logit_scale=0.25,
         ),
     ),
+    # GLM-4-0414's: interleaved rotary over half of each head, q/k/v biases, four norms per layer.
+    "tiny-glm4": (
+        "glm4",
+        dict(_TINY, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}),
+    ),
+    # Ministral-8B's: sliding-window layers interleaved with full ones.
+    "tiny-ministral": (
+        "ministral",
+        dict(_TINY, num_hidden_layers=4, sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2),
+    ),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",

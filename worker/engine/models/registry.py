@@ -21,6 +21,8 @@ MODULES = {  # model_type -> family module
     "phi3": "phi3",
     "smollm3": "smollm3",
     "cohere2": "cohere2",
+    "glm4": "glm4",
+    "ministral": "ministral",
 }
 
 

@@ -121,7 +121,7 @@ class Family:
     # One rotary table per entry of config.layer_types (Gemma 3's local and global bases), read from the
     # rotary module's `{layer_type}_inv_freq`; False: one table for every layer.
     rope_per_layer_type: bool = False
-    # Rotary pairs dims (2i, 2i + 1) (Cohere) instead of (i, i + D/2) (Llama).
+    # Rotary pairs dims (2i, 2i + 1) (GLM, Cohere) instead of (i, i + D/2) (Llama).
     rotary_interleaved: bool = False
     norm_eps_field: str = "rms_norm_eps"  # the config field of the norms' epsilon (Cohere: layer_norm_eps)
     # Multimodal checkpoints whose language model this family runs (text lines only): their model_type ->
