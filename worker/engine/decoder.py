@@ -2,9 +2,12 @@
 (models/spec.py) it implements. `unimplemented` checks each declared property against what this file
 computes, so a family that declares anything else keeps transformers' forward ("auto") or is refused ("owned").
 
-Families whose layer is Llama's (RMSNorm, SiLU, pre-norms: Llama, Mistral, Qwen2, Qwen3) take the Triton
-kernels below on CUDA; the others (Gemma 2's (1 + w) norms, GELU-tanh, sandwich norms and soft-caps) run the
-torch ops everywhere: correct, not yet fused. NOTE: GPU epilogues still missing for those.
+Families whose layer is Llama's (`has_llama_layer`: RMSNorm, SiLU, pre-norms only, per-head q/k norms, full
+Llama rotary in every layer: Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Phi-3/4 with full rotary) take
+the Triton kernels below on CUDA; the others run the torch ops (`NORMS`, `ACTIVATIONS`, the references in
+kernels/fused.py) on CUDA too: correct, not fused. NOTE: GPU epilogues still missing: (1 + w) and fp32-weight
+RMSNorm, GELU-tanh, sandwich/post norms, full-projection q/k norms, partial, interleaved and NoPE rotary, and
+attention soft-capping (the runner then keeps the torch attention, uncaptured: attention_backend_for).
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every

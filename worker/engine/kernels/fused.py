@@ -10,6 +10,9 @@ rounds:
                    rotary on q and k (cos/sin tables indexed by position), q out as [T, H, D], and k/v
                    scattered into the paged cache at `slot_mapping` (padding rows write scratch block 0): one launch per layer
                    instead of norm, rotary and KV-write kernels
+The torch twins also cover what only the other families need and no kernel computes yet (Gemma's (1 + w)
+and OLMo 2's fp32-weight RMSNorm, GELU-tanh, q/k norms over the whole projection, partial, interleaved and
+absent rotary): the owned decoder runs those families through them on every device.
 All launches depend only on shapes, so they are CUDA-graph capturable. The module imports without
 triton (`HAVE_TRITON`).
 """
