@@ -5,8 +5,10 @@ blocks: its gate refuses this family, which runs on transformers' forward."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..kv_cache import head_dim_of
-from .spec import DecoderArgs, Family, LayerSpec, LinearSpec, NormKind, Parallel, activation_of
+from .spec import DecoderArgs, Family, NormKind, activation_of, llama_layer
 
 
 def read(config) -> DecoderArgs:
@@ -21,17 +23,7 @@ def read(config) -> DecoderArgs:
 FAMILY = Family(
     name="cohere2",
     model_types=("cohere2",),
-    layer=LayerSpec(
-        qkv=LinearSpec(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), Parallel.COLUMN),
-        o=LinearSpec(("self_attn.o_proj",), Parallel.ROW),
-        gate_up=LinearSpec(("mlp.gate_proj", "mlp.up_proj"), Parallel.COLUMN),
-        down=LinearSpec(("mlp.down_proj",), Parallel.ROW),
-        attn_in_norm="input_layernorm",
-        attn_out_norm=None,
-        mlp_in_norm="input_layernorm",
-        mlp_out_norm=None,
-        parallel_blocks=True,
-    ),
+    layer=replace(llama_layer(), mlp_in_norm="input_layernorm", parallel_blocks=True),
     norm=NormKind.LAYER,
     read=read,
     handles=frozenset({"logit_scale"}),

@@ -4,20 +4,18 @@ before and after the MLP), gate/up shipped fused (gate_up_proj), q/k/v biases, a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .llama import read
-from .spec import Family, LayerSpec, LinearSpec, NormKind, Parallel
+from .spec import Family, LinearSpec, NormKind, Parallel, llama_layer
 
 FAMILY = Family(
     name="glm4",
     model_types=("glm4",),
-    layer=LayerSpec(
-        qkv=LinearSpec(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), Parallel.COLUMN),
-        o=LinearSpec(("self_attn.o_proj",), Parallel.ROW),
+    layer=replace(
+        llama_layer(),
         gate_up=LinearSpec(("mlp.gate_up_proj",), Parallel.COLUMN),
-        down=LinearSpec(("mlp.down_proj",), Parallel.ROW),
-        attn_in_norm="input_layernorm",
         attn_out_norm="post_self_attn_layernorm",
-        mlp_in_norm="post_attention_layernorm",
         mlp_out_norm="post_mlp_layernorm",
     ),
     norm=NormKind.RMS,

@@ -5,21 +5,18 @@ Phi-3.5-mini, Phi-4-mini) set longrope, which the loader refuses (spec.RUNTIME_R
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .llama import read
-from .spec import Family, LayerSpec, LinearSpec, NormKind, Parallel
+from .spec import Family, LinearSpec, NormKind, Parallel, llama_layer
 
 FAMILY = Family(
     name="phi3",
     model_types=("phi3",),
-    layer=LayerSpec(
+    layer=replace(
+        llama_layer(),
         qkv=LinearSpec(("self_attn.qkv_proj",), Parallel.COLUMN),
-        o=LinearSpec(("self_attn.o_proj",), Parallel.ROW),
         gate_up=LinearSpec(("mlp.gate_up_proj",), Parallel.COLUMN),
-        down=LinearSpec(("mlp.down_proj",), Parallel.ROW),
-        attn_in_norm="input_layernorm",
-        attn_out_norm=None,
-        mlp_in_norm="post_attention_layernorm",
-        mlp_out_norm=None,
     ),
     norm=NormKind.RMS,
     read=read,
