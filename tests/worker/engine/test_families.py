@@ -172,3 +172,13 @@ def test_the_language_model_of_a_gemma3_multimodal_checkpoint_runs_text_lines(tm
     assert len({t for ids in expected for t in ids}) > 10, "random weights must give varied text"
     engine = Engine(model, tok, EngineConfig(decoder=decoder, num_kv_blocks=64))
     assert [r.token_ids for r in engine.generate(reqs)] == expected
+
+
+def test_a_checkpoint_without_tokenizer_files_keeps_its_generation_config_eos_ids(tmp_path):
+    """The loader joins the checkpoint's eos ids into the tokenizer once; the engine reads them from there."""
+    model, _ = load_model("tiny-llama", CPU, torch.float32)
+    model.generation_config.eos_token_id = [257, 300]
+    model.save_pretrained(tmp_path)  # weights, config and generation_config: no tokenizer files
+    loaded, tok = load_model(str(tmp_path), CPU, torch.float32)
+    assert tok.eos_token_ids == {257, 300}
+    assert Engine(loaded, tok, EngineConfig(num_kv_blocks=8)).eos_token_ids == {257, 300}

@@ -347,4 +347,4 @@ def _load_tokenizer(name_or_path: str, checkpoint_eos: frozenset[int]) -> ByteTo
     if has_files or not is_local:
         return HFTokenizer.from_pretrained(name_or_path, extra_eos_ids=tuple(sorted(checkpoint_eos)))
     # A checkpoint saved without a tokenizer (e.g. a preset saved with save_pretrained): bytes.
-    return ByteTokenizer()
+    return ByteTokenizer(extra_eos_ids=tuple(sorted(checkpoint_eos)))
