@@ -167,10 +167,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # A plain forward / `model.generate` on a model an Engine has adopted: behave like sdpa.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        window = kwargs.get("sliding_window") or 0
         if kwargs.get("softcap") is not None:  # sdpa has no soft-capping: the model's own eager attention does
+            if attention_mask is None:  # eager has no is_causal: it needs the mask, as an additive one
+                visible = _sliding_window_mask(query.shape[2], key.shape[2], window, query.device)
+                attention_mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+                attention_mask.masked_fill_(~visible, torch.finfo(query.dtype).min)
             eager = sys.modules[type(module).__module__].eager_attention_forward
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        window = kwargs.get("sliding_window") or 0
         if window and attention_mask is None:
             # NOTE: transformers builds no mask for an attention it does not know, and sdpa's is_causal has no
             # window: mask it here (unpadded input; the keys end at the last query, even in a window cache).
@@ -194,10 +198,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 
 def _sliding_window_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Tensor:
-    """[1, 1, Q, K] bool, True where query i (the last Q of K positions) sees key j: causal, in the window."""
+    """[1, 1, Q, K] bool, True where query i (the last Q of K positions) sees key j: causal, in the window
+    (0: no window)."""
     q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
     k_pos = torch.arange(num_keys, device=device)[None, :]
-    return ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+    visible = k_pos <= q_pos
+    if window:
+        visible &= k_pos > q_pos - window
+    return visible[None, None]
 
 
 def register_paged_attention() -> None:

@@ -2,9 +2,12 @@
 (models/spec.py) it implements. `unimplemented` checks each declared property against what this file
 computes, so a family that declares anything else keeps transformers' forward ("auto") or is refused ("owned").
 
-Families whose layer is Llama's (RMSNorm, SiLU, pre-norms: Llama, Mistral, Qwen2, Qwen3) take the Triton
-kernels below on CUDA; the others (Gemma 2's (1 + w) norms, GELU-tanh, sandwich norms and soft-caps) run the
-torch ops everywhere: correct, not yet fused. NOTE: GPU epilogues still missing for those.
+Families whose layer is Llama's (`has_llama_layer`: RMSNorm, SiLU, pre-norms only, per-head q/k norms, full
+Llama rotary in every layer: Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Phi-3/4 with full rotary) take
+the Triton kernels below on CUDA; the others run the torch ops (`NORMS`, `ACTIVATIONS`, the references in
+kernels/fused.py) on CUDA too: correct, not fused. NOTE: GPU epilogues still missing: (1 + w) and fp32-weight
+RMSNorm, GELU-tanh, sandwich/post norms, full-projection q/k norms, partial, interleaved and NoPE rotary, and
+attention soft-capping (the runner then keeps the torch attention, uncaptured: attention_backend_for).
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
@@ -20,9 +23,8 @@ norms and the KV write). On CPU the same structure runs through the torch refere
 `model.generate` token for token (tests/worker/engine/test_engine_exact.py).
 
 Rotary uses the model's own `inv_freq` and `attention_scaling` (default, llama3, yarn, linear, ...
-rope types stay exact). Rope types that change their frequencies with the sequence length at run
-time ("dynamic", "longrope") are not supported here: `unsupported_reason` says so and "auto" keeps
-transformers' forward for them.
+rope types stay exact; a table narrower than the head is partial rotary). Rope types that change their
+frequencies with the sequence length at run time ("dynamic", "longrope") are refused at load.
 
 Steps of at most `decode_gemm.MAX_TOKENS` tokens (small decode batches, W1) take the small-step path
 on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, rotary and the KV
@@ -47,10 +49,9 @@ from .config import DECODE_GEMMS, DECODERS
 from .fused_weights import LayerWeights, layer_weights, submodule
 from .kernels import decode_gemm
 from .kernels import fused as fk
+from .kv_cache import head_dim_of
 from .models import ModelLoadError, family_for
-from .models.spec import Activation, DecoderArgs, Family, NormKind, QKNormSpan
-
-DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+from .models.spec import RUNTIME_ROPE_TYPES, Activation, DecoderArgs, Family, NormKind, QKNormSpan
 
 # What this file implements, as torch ops (the CPU path, and the CUDA path of families the Triton kernels lack).
 NORMS = {
@@ -70,7 +71,7 @@ def unsupported_reason(model) -> str | None:
         return str(exc)
     rope_types = getattr(submodule(model, family.rotary_path), "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:  # per layer type
-        if rope_type in DYNAMIC_ROPE_TYPES:
+        if rope_type in RUNTIME_ROPE_TYPES:  # a model changed after loading (the loader refuses these)
             return f"rope type {rope_type!r} changes its frequencies at run time"
     return unimplemented(family, args)
 
@@ -84,6 +85,8 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
         return f"{family.name}: activation {args.activation.value}"
     if layer.q_norm is not None and layer.qk_norm_span not in QK_NORM_SPANS:
         return f"{family.name}: q/k norm over the {layer.qk_norm_span.value} projection"
+    if layer.parallel_blocks:
+        return f"{family.name}: parallel attention and MLP blocks"
     return None
 
 
@@ -93,7 +96,9 @@ def has_llama_layer(family: Family, args: DecoderArgs) -> bool:
     plain_layer = family.norm == NormKind.RMS and args.activation == Activation.SILU
     pre_norms_only = None not in (layer.attn_in_norm, layer.mlp_in_norm) and layer.attn_out_norm is None
     head_qk_norms = layer.q_norm is None or layer.qk_norm_span == QKNormSpan.HEAD
-    return plain_layer and pre_norms_only and layer.mlp_out_norm is None and head_qk_norms
+    every_layer_rotates = not args.nope_layers
+    llama_rotary = every_layer_rotates and not family.rotary_interleaved
+    return plain_layer and pre_norms_only and layer.mlp_out_norm is None and head_qk_norms and llama_rotary
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ class OwnedDecoder:
         self.family, self.args = family_for(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.eps = config.rms_norm_eps
+        self.eps = getattr(config, self.family.norm_eps_field)
         self.embed_weight = submodule(model, self.family.embed_path).weight
         self.final_norm = submodule(model, self.family.final_norm_path).weight
         self.lm_head = model.get_output_embeddings().weight  # the embedding itself when tied
@@ -162,18 +167,24 @@ class OwnedDecoder:
         num_positions = max(max_model_len, config.max_position_embeddings)
         rotary_emb = submodule(model, self.family.rotary_path)
         if self.family.rope_per_layer_type:
-            tables = {t: rotary_tables(rotary_emb, num_positions, self.embed_weight, t) for t in set(config.layer_types)}
-            self.layer_rope = [tables[t] for t in config.layer_types]
+            layer_types = config.layer_types
+            tables = {t: rotary_tables(rotary_emb, num_positions, self.embed_weight, t) for t in set(layer_types)}
         else:
-            self.layer_rope = [rotary_tables(rotary_emb, num_positions, self.embed_weight)] * len(self.layers)
-        self.cos_table, self.sin_table = self.layer_rope[0]  # the Llama-layer kernels' (one table for all layers)
-        self.head_dim = self.cos_table.shape[-1]
+            layer_types = [None] * len(self.layers)
+            tables = {None: rotary_tables(rotary_emb, num_positions, self.embed_weight)}
+        # Each layer's (cos, sin) tables; None for a layer without rotary (NoPE).
+        self.layer_rope: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+            None if i in self.args.nope_layers else tables[t] for i, t in enumerate(layer_types)
+        ]
+        self.cos_table, self.sin_table = tables[layer_types[0]]  # the Llama-layer kernels' (one for all layers)
+        self.head_dim = head_dim_of(config)
+        is_full_rotary = self.cos_table.shape[-1] == self.head_dim  # else partial: the torch ops rotate a prefix
         # A 0-dim tensor in the model dtype multiplies as Gemma's rounded scale does; a float as Granite's.
         scale = self.args.embed_scale
         in_dtype = scale is not None and self.args.embed_scale_in_dtype
         self.embed_scale = torch.tensor(scale).to(self.embed_weight) if in_dtype else scale
         self.norm = NORMS[self.family.norm]
-        self.use_triton = use_triton and fk.HAVE_TRITON and has_llama_layer(self.family, self.args)
+        self.use_triton = use_triton and fk.HAVE_TRITON and has_llama_layer(self.family, self.args) and is_full_rotary
         self.ops = layer_ops(self.use_triton, False, norm=self.family.norm, activation=self.args.activation)
         # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too).
         self.small_step_ops = layer_ops(True, small_step=True) if small_step_gemm and self.use_triton else None
@@ -212,6 +223,8 @@ class OwnedDecoder:
         logits = ops.linear(normed, self.lm_head, None)
         if args.logits_divisor is not None:
             logits = logits / args.logits_divisor
+        if args.logits_scale is not None:
+            logits = logits * args.logits_scale
         if args.final_softcap is not None:
             logits = torch.tanh(logits / args.final_softcap) * args.final_softcap
         return logits
@@ -227,8 +240,9 @@ class OwnedDecoder:
     def _qkv_rope_write(self, normed, positions, w: LayerWeights, rope, k_cache, v_cache, attn: AttentionMetadata, ops):
         """The QKV projection, q/k norms, rotary (`rope`: the layer's cos/sin tables) and the KV write; returns
         q [T, H, D]."""
-        cos_table, sin_table = rope
+        cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
         if ops.qkv_rope_epilogue and w.q_norm is None:
+            assert cos_table is not None and sin_table is not None, "the Triton paths run only rotating layers"
             return decode_gemm.decode_qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
@@ -245,7 +259,13 @@ class OwnedDecoder:
 
         qk_norm_full = self.family.layer.qk_norm_span == QKNormSpan.FULL
         return fk.qkv_rope_write_ref(
-            *args, self.num_heads, self.num_kv_heads, write_kv, norm=self.norm, qk_norm_full=qk_norm_full
+            *args,
+            self.num_heads,
+            self.num_kv_heads,
+            write_kv,
+            norm=self.norm,
+            qk_norm_full=qk_norm_full,
+            interleaved=self.family.rotary_interleaved,
         )
 
 

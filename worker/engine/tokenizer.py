@@ -25,13 +25,13 @@ class ByteTokenizer:
 
     NUM_BYTES = 256
 
-    def __init__(self, add_bos: bool = True):
+    def __init__(self, add_bos: bool = True, extra_eos_ids: tuple[int, ...] = ()):
         self.add_bos = add_bos
         self.bos_token_id = self.NUM_BYTES
         self.eos_token_id = self.NUM_BYTES + 1
         self.pad_token_id = self.NUM_BYTES + 2
         self.vocab_size = self.NUM_BYTES + 3
-        self.eos_token_ids = frozenset({self.eos_token_id})
+        self.eos_token_ids = frozenset({self.eos_token_id, *extra_eos_ids})  # and the checkpoint's, if any
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))

@@ -12,7 +12,25 @@ from worker.engine.models import load_model
 
 # One tiny preset per family, each checked token for token against `model.generate` by the exactness tests
 # (test_engine_exact.py, test_engine_prefix_cache.py) through both decoders.
-TINY_FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-granite", "tiny-olmo2"]
+TINY_FAMILIES = [
+    "tiny-llama",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-qwen2",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-granite",
+    "tiny-olmo2",
+    "tiny-phi3",
+    "tiny-smollm3",
+    "tiny-cohere2",
+    "tiny-glm4",
+    "tiny-ministral",
+]
+# Families the owned decoder's gate refuses (test_families.py checks it): transformers' forward only.
+TRANSFORMERS_ONLY = {"tiny-cohere2"}
+# (preset, decoder) pairs the exactness tests run.
+FAMILY_DECODERS = [(n, d) for n in TINY_FAMILIES for d in ("hf", "owned") if d == "hf" or n not in TRANSFORMERS_ONLY]
 
 
 @pytest.fixture(scope="session")

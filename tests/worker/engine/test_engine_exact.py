@@ -11,11 +11,10 @@ import pytest
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 
-from .conftest import TINY_FAMILIES, generate_with_late_arrivals, hf_greedy, make_requests
+from .conftest import FAMILY_DECODERS, generate_with_late_arrivals, hf_greedy, make_requests
 
 NUM_REQUESTS = 32
 DECODERS = ["hf", "owned"]
-MODELS = TINY_FAMILIES
 SCENARIOS = {
     "default": dict(),
     "chunked_prefill": dict(max_num_batched_tokens=48),
@@ -42,10 +41,9 @@ def assert_diverse(ref: dict[str, list[int]]) -> None:
     assert long_outputs and all(len(set(ids)) >= 3 for ids in long_outputs), "a reference repeats one token"
 
 
-@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "decoder"), FAMILY_DECODERS)
 def test_greedy_equals_generate(tiny_models, name, scenario, mode, decoder):
     model, tok = tiny_models(name)
     reqs, ref = references(tiny_models, name)

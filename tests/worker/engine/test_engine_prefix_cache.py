@@ -16,7 +16,7 @@ from worker.engine.engine import Engine
 from worker.engine.model_runner import StepHandle
 from worker.engine.models import load_model
 
-from .conftest import TINY_FAMILIES, generate_with_late_arrivals, hf_greedy
+from .conftest import FAMILY_DECODERS, TINY_FAMILIES, generate_with_late_arrivals, hf_greedy
 
 MODELS = TINY_FAMILIES
 # Budgets that are not multiples of the block size (16), so chunks end inside blocks.
@@ -58,10 +58,9 @@ def assert_clean(engine: Engine) -> None:
     assert not engine.scheduler.has_unfinished()
 
 
-@pytest.mark.parametrize("decoder", ["hf", "owned"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "decoder"), FAMILY_DECODERS)
 def test_greedy_with_caching_equals_generate(tiny_models, name, scenario, mode, decoder):
     model, tok = tiny_models(name)
     reqs, ref = references(tiny_models, name)

@@ -10,6 +10,9 @@ rounds:
                    rotary on q and k (cos/sin tables indexed by position), q out as [T, H, D], and k/v
                    scattered into the paged cache at `slot_mapping` (padding rows write scratch block 0): one launch per layer
                    instead of norm, rotary and KV-write kernels
+The torch twins also cover what only the other families need and no kernel computes yet (Gemma's (1 + w)
+and OLMo 2's fp32-weight RMSNorm, GELU-tanh, q/k norms over the whole projection, partial, interleaved and
+absent rotary): the owned decoder runs those families through them on every device.
 All launches depend only on shapes, so they are CUDA-graph capturable. The module imports without
 triton (`HAVE_TRITON`).
 """
@@ -82,10 +85,11 @@ def qkv_rope_write_ref(
     write_kv,
     norm=rmsnorm_ref,
     qk_norm_full=False,
+    interleaved=False,
 ) -> torch.Tensor:
     """Split, (q/k `norm` per head, or over the whole q and k projections with `qk_norm_full`), rotary like transformers' `apply_rotary_pos_emb`, `write_kv(k, v)`; returns q."""
     num_tokens = qkv.shape[0]
-    head_dim = cos_table.shape[-1]
+    head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     if q_norm is not None and qk_norm_full:
         q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
@@ -94,12 +98,32 @@ def qkv_rope_write_ref(
     v = v.view(num_tokens, num_kv_heads, head_dim)
     if q_norm is not None and not qk_norm_full:
         q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
-    cos = cos_table[positions][:, None, :]
-    sin = sin_table[positions][:, None, :]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    if cos_table is not None:  # None: a layer without rotary (NoPE)
+        cos = cos_table[positions][:, None, :]
+        sin = sin_table[positions][:, None, :]
+        rotary = _rotary_interleaved_ref if interleaved else _rotary_ref
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
     write_kv(k, v)
     return q
+
+
+def _rotary_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GLM's and Cohere's rotary: dims (2i, 2i + 1) rotate by frequency i (tables as Llama's: [f, f] halves)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+def _rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary; tables narrower than the head rotate its first dims only (partial rotary)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
 # -- Triton kernels ---------------------------------------------------------------------------------------

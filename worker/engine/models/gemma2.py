@@ -4,6 +4,8 @@ head size), attention scores and final logits soft-capped, sliding-window layers
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .spec import DecoderArgs, Family, LayerSpec, NormKind, activation_of, llama_layer
 
 
@@ -23,13 +25,11 @@ HANDLES = frozenset({"hidden_activation", "query_pre_attn_scalar", "attn_logit_s
 
 def sandwich_layer(**qk_norms: str) -> LayerSpec:
     """Llama's linears with Gemma's four norms: before and after attention, before and after the MLP."""
-    return LayerSpec(
-        **{
-            **llama_layer(**qk_norms).__dict__,
-            "attn_out_norm": "post_attention_layernorm",
-            "mlp_in_norm": "pre_feedforward_layernorm",
-            "mlp_out_norm": "post_feedforward_layernorm",
-        }
+    return replace(
+        llama_layer(**qk_norms),
+        attn_out_norm="post_attention_layernorm",
+        mlp_in_norm="pre_feedforward_layernorm",
+        mlp_out_norm="post_feedforward_layernorm",
     )
 
 

@@ -1,4 +1,4 @@
-"""Gemma 3 text (1B, and the language model of 4B-27B): Gemma 2's layer (sandwich (1 + w) norms, GELU-tanh,
+"""Gemma 3 text (1B, and the language model inside the 4B-27B Gemma3ForConditionalGeneration checkpoints): Gemma 2's layer (sandwich (1 + w) norms, GELU-tanh,
 sqrt(hidden) embedding scale, query_pre_attn_scalar) with a (1 + w) RMSNorm over each q and k head, local
 (sliding) and global layers with their own rotary bases, and soft-caps only when the config sets them."""
 
@@ -15,4 +15,13 @@ FAMILY = Family(
     read=read,
     handles=HANDLES,
     rope_per_layer_type=True,
+    # 4B-27B ship as Gemma3ForConditionalGeneration: transformers 5 names its text weights model.language_model.*,
+    # earlier saves language_model.model.*; the vision tower's weights are left unread.
+    wrappers={
+        "gemma3": {
+            r"^model\.language_model\.": "model.",
+            r"^language_model\.model\.": "model.",
+            r"^language_model\.lm_head\.": "lm_head.",
+        }
+    },
 )

@@ -8,6 +8,7 @@ Presets need no files and no network; they use the byte tokenizer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 
@@ -16,7 +17,7 @@ import torch
 from ..api import SamplingParams
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .registry import MODULES, family_of
-from .spec import DecoderArgs, Family, UnsupportedConfig, unhandled_fields
+from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
 
@@ -84,6 +85,34 @@ PRESETS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "tiny-olmo2": ("olmo2", dict(_TINY)),
+    # Phi-4-mini's partial rotary (3/4 of each head); q/k/v and gate/up ship fused.
+    "tiny-phi3": (
+        "phi3",
+        dict(_TINY, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75}),
+    ),
+    # SmolLM3's NoPE: every fourth layer has no rotary.
+    "tiny-smollm3": ("smollm3", dict(_TINY, num_hidden_layers=4, no_rope_layer_interval=4)),
+    # Command R7B's pattern: three sliding (rotary) layers, then a global NoPE one; its logit scale.
+    "tiny-cohere2": (
+        "cohere2",
+        dict(
+            _TINY,
+            num_hidden_layers=4,
+            sliding_window=32,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            logit_scale=0.25,
+        ),
+    ),
+    # GLM-4-0414's: interleaved rotary over half of each head, q/k/v biases, four norms per layer.
+    "tiny-glm4": (
+        "glm4",
+        dict(_TINY, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}),
+    ),
+    # Ministral-8B's: sliding-window layers interleaved with full ones.
+    "tiny-ministral": (
+        "ministral",
+        dict(_TINY, num_hidden_layers=4, sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2),
+    ),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",
@@ -182,12 +211,18 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
         tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
     else:
         config = _load_config(name_or_path)
-        family_for(config)  # before reading any weights
+        family, _ = family_for(config)  # before reading any weights
+        text_config, key_mapping = _text_model(config, family)
         try:
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             model = AutoModelForCausalLM.from_pretrained(
-                name_or_path, config=config, generation_config=generation_config, dtype=dtype, trust_remote_code=False
+                name_or_path,
+                config=text_config,
+                key_mapping=key_mapping,
+                generation_config=generation_config,
+                dtype=dtype,
+                trust_remote_code=False,
             ).to(device)
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
@@ -199,13 +234,26 @@ def family_for(config) -> tuple[Family, DecoderArgs]:
     """The family that runs `config` and the numbers it reads from it; a `ModelLoadError` (one line naming the
     model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
     family = _require_family(config.model_type)
-    unhandled = unhandled_fields(config, family)
+    config, _ = _text_model(config, family)
+    unhandled = unhandled_fields(config, family) + runtime_rope_fields(config)
     try:
         if unhandled:
             raise UnsupportedConfig(", ".join(unhandled))
         return family, family.read(config)
     except UnsupportedConfig as exc:
         raise ModelLoadError(f"model type {config.model_type!r}: config.json sets {exc}, which cbq does not implement") from exc
+
+
+def _text_model(config, family: Family):
+    """The config of the model cbq runs and the renames of its weight names: the checkpoint's own, or for a
+    multimodal checkpoint whose family runs its language model, that model's (which ties its embeddings as
+    the whole checkpoint does, since the whole decides what was saved)."""
+    key_mapping = family.wrappers.get(config.model_type)
+    if key_mapping is None:
+        return config, None
+    text_config = copy.deepcopy(config.get_text_config())
+    text_config.tie_word_embeddings = config.tie_word_embeddings
+    return text_config, key_mapping
 
 
 def _require_family(model_type) -> Family:
@@ -263,7 +311,8 @@ def _one_line(exc: BaseException) -> str:
 def checkpoint_eos_token_ids(config, generation_config) -> frozenset[int]:
     """Every end-of-sequence id the checkpoint names: config.json's and generation_config.json's (an int or a
     list each). Instruct releases (Llama 3, Qwen3) list their end-of-turn token only in generation_config."""
-    sources = (config.eos_token_id, getattr(generation_config, "eos_token_id", None))
+    configs = {id(c): c for c in (config, config.get_text_config())}.values()  # a multimodal one's text config too
+    sources = [getattr(c, "eos_token_id", None) for c in configs] + [getattr(generation_config, "eos_token_id", None)]
     return frozenset(i for eos in sources for i in _as_list(eos))
 
 
@@ -305,4 +354,4 @@ def _load_tokenizer(name_or_path: str, checkpoint_eos: frozenset[int]) -> ByteTo
     if has_files or not is_local:
         return HFTokenizer.from_pretrained(name_or_path, extra_eos_ids=tuple(sorted(checkpoint_eos)))
     # A checkpoint saved without a tokenizer (e.g. a preset saved with save_pretrained): bytes.
-    return ByteTokenizer()
+    return ByteTokenizer(extra_eos_ids=tuple(sorted(checkpoint_eos)))

@@ -15,8 +15,14 @@ MODULES = {  # model_type -> family module
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # Gemma3ForConditionalGeneration: its language model
     "granite": "granite",
     "olmo2": "olmo2",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
+    "cohere2": "cohere2",
+    "glm4": "glm4",
+    "ministral": "ministral",
 }
 
 
@@ -26,5 +32,6 @@ def family_of(model_type: str) -> Family | None:
     if module is None:
         return None
     family: Family = importlib.import_module(f"{__package__}.{module}").FAMILY
-    assert model_type in family.model_types, f"registry line {model_type!r} -> {module}.py, which does not list it"
+    listed = model_type in family.model_types or model_type in family.wrappers
+    assert listed, f"registry line {model_type!r} -> {module}.py, which does not list it"
     return family

@@ -13,7 +13,7 @@ a quantized checkpoint or a tensor-parallel run changes the `LinearSpec`s the de
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -49,6 +49,7 @@ class NormKind(str, Enum):
     RMS = "rms"  # Llama: w * (x * rsqrt(mean(x^2) + eps)).to(dtype), statistics in fp32
     RMS_ONE_PLUS = "rms_one_plus"  # Gemma: ((x * rsqrt(...)) * (1 + w)).to(dtype), all in fp32
     RMS_FP32_WEIGHT = "rms_fp32_weight"  # OLMo 2: (w * (x * rsqrt(...))).to(dtype), weight multiply in fp32
+    LAYER = "layer"  # Cohere: mean-centred LayerNorm without bias, in fp32
 
 
 class Activation(str, Enum):
@@ -83,6 +84,8 @@ class LayerSpec:
     q_norm: str | None = None
     k_norm: str | None = None
     qk_norm_span: QKNormSpan = QKNormSpan.HEAD
+    # Attention and MLP read the same normed input and join the residual together (Cohere's parallel block).
+    parallel_blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class DecoderArgs:
     embed_scale_in_dtype: bool = False  # the scale is rounded to the model dtype before the multiply (Gemma)
     residual_scale: float | None = None  # each block's output times this before the residual add (Granite)
     logits_divisor: float | None = None  # logits / this (Granite's logits_scaling)
+    logits_scale: float | None = None  # logits * this (Cohere's logit_scale)
+    nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3, Cohere 2's global layers)
 
 
 @dataclass(frozen=True)
@@ -116,10 +121,17 @@ class Family:
     # One rotary table per entry of config.layer_types (Gemma 3's local and global bases), read from the
     # rotary module's `{layer_type}_inv_freq`; False: one table for every layer.
     rope_per_layer_type: bool = False
+    # Rotary pairs dims (2i, 2i + 1) (GLM, Cohere) instead of (i, i + D/2) (Llama).
+    rotary_interleaved: bool = False
+    norm_eps_field: str = "rms_norm_eps"  # the config field of the norms' epsilon (Cohere: layer_norm_eps)
+    # Multimodal checkpoints whose language model this family runs (text lines only): their model_type ->
+    # regex renames of their weight names onto the text model's (the loader reads only those weights).
+    wrappers: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def is_neutral(value: Any) -> bool:
-    return value is None or value is False or value == 1 or value == 1.0
+    """None, False or the number 1 (True is not neutral, though True == 1)."""
+    return value is None or value is False or (not isinstance(value, bool) and value == 1)
 
 
 # Config fields of transformers' dense families that change the decoder's math. A family that does not list a
@@ -150,6 +162,24 @@ def unhandled_fields(config: Any, family: Family) -> list[str]:
         for name in MATH_FIELDS
         if name in values and name not in family.handles and not is_neutral(values[name])
     ]
+
+
+# Rope types whose frequencies change with the sequence length at run time. transformers switches them on the
+# longest position of the whole forward, so in a continuous batch a sequence's rotary would depend on the
+# others': cbq refuses them rather than differ from `generate` (vLLM caps or rescales them instead).
+RUNTIME_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def rope_types(config: Any) -> list[str]:
+    """The rope_type of each rotary table a config describes (one, or one per layer type as Gemma 3's)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(p, dict) for p in params.values()):
+        return [p.get("rope_type", "default") for p in params.values()]
+    return [params.get("rope_type", "default")]
+
+
+def runtime_rope_fields(config: Any) -> list[str]:
+    return [f"rope_type={t!r}" for t in rope_types(config) if t in RUNTIME_ROPE_TYPES]
 
 
 def activation_of(config: Any, field: str) -> Activation:
