@@ -84,6 +84,28 @@ PRESETS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "tiny-olmo2": ("olmo2", dict(_TINY)),
+    # Mixtures of experts, release-shaped in what routes: Qwen3-MoE's top-8 of many experts, renormalised (as
+    # 30B-A3B and 235B-A22B); Qwen2-MoE's top-4 not renormalised, q/k/v biases and a gated shared expert (as
+    # Qwen1.5-MoE-A2.7B), with layer 0 a dense MLP (`mlp_only_layers`, which the releases leave empty) so a
+    # model with both kinds runs; Mixtral's top-2 of 8, renormalised.
+    "tiny-qwen3-moe": (
+        "qwen3_moe",
+        dict(_TINY, num_experts=16, num_experts_per_tok=8, norm_topk_prob=True, moe_intermediate_size=32),
+    ),
+    "tiny-qwen2-moe": (
+        "qwen2_moe",
+        dict(
+            _TINY,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            qkv_bias=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "tiny-mixtral": ("mixtral", dict(_TINY, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",

@@ -17,6 +17,9 @@ MODULES = {  # model_type -> family module
     "gemma3_text": "gemma3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "qwen3_moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe",
+    "mixtral": "mixtral",
 }
 
 

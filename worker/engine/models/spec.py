@@ -86,6 +86,18 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class MoeMlpSpec:
+    """A sparse MLP (mixture of experts), by attribute path under the transformers layer. Which layers are sparse
+    and the routing math come from the config (`moe.moe_layer_ids`, `moe.spec_from_config`); the other layers'
+    MLP is the dense one `LayerSpec.gate_up`/`down` declare."""
+
+    router: str  # nn.Linear-like: .weight [E, H] (and .bias where the family has one)
+    experts: str  # stacked .gate_up_proj [E, 2I, H] / .down_proj [E, H, I], or a list of per-expert MLPs
+    shared_expert: str | None = None  # a dense MLP beside the routed experts (Qwen2-MoE)
+    shared_expert_gate: str | None = None  # sigmoid(x @ w^T) scales the shared expert's output
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
     """The numbers a family reads from one config (`Family.read`); neutral values leave the math unchanged."""
 
@@ -116,6 +128,7 @@ class Family:
     # One rotary table per entry of config.layer_types (Gemma 3's local and global bases), read from the
     # rotary module's `{layer_type}_inv_freq`; False: one table for every layer.
     rope_per_layer_type: bool = False
+    moe: MoeMlpSpec | None = None  # the sparse MLP of the layers `moe.moe_layer_ids` names (None: all dense)
 
 
 def is_neutral(value: Any) -> bool:
