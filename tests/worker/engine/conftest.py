@@ -13,6 +13,9 @@ from worker.engine.models import load_model
 # One tiny preset per family, each checked token for token against `model.generate` by the exactness tests
 # (test_engine_exact.py, test_engine_prefix_cache.py) through both decoders.
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-granite", "tiny-olmo2"]
+# The mixtures of experts, checked the same way with fewer, shorter requests (test_engine_exact_moe.py):
+# transformers' expert loop makes their references and "hf" runs several times slower than a dense model's.
+TINY_MOE_FAMILIES = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,89 @@
+"""Mixtures of experts through the whole engine (fp32, CPU): greedy output equals `model.generate` token for
+token for each tiny MoE preset (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense layer, Mixtral), in sync
+and async mode, with chunked prefill, forced preemption, the prefix cache on and off, through transformers'
+forward ("hf", its own expert loop) and cbq's owned decoder ("owned": `moe.moe_forward`, the reference on CPU)."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+
+from .conftest import TINY_MOE_FAMILIES, hf_greedy, make_requests
+from .test_engine_exact import assert_diverse
+from .test_engine_prefix_cache import assert_clean, shared_prefix_requests
+
+SCENARIOS = {
+    "default": dict(),
+    "chunked_prefill": dict(max_num_batched_tokens=40),
+    "preemption": dict(num_kv_blocks=24, max_num_batched_tokens=128),
+}
+
+_REFERENCES: dict[tuple[str, str], tuple[list, dict]] = {}
+
+
+def references(tiny_models, name: str, kind: str):
+    """`kind` "mixed": mixed prompt lengths; "shared": prompts over shared prefixes (for the prefix cache)."""
+    if (name, kind) not in _REFERENCES:
+        model, tok = tiny_models(name)
+        seed = zlib.crc32(name.encode()) % 1000
+        if kind == "mixed":
+            reqs = make_requests(tok, 14, seed=seed, max_prompt=160, max_new=24)
+        else:
+            reqs = shared_prefix_requests(tok, seed=seed, num=12, max_new=16)
+        _REFERENCES[name, kind] = (reqs, {r.request_id: hf_greedy(model, tok, r) for r in reqs})
+    return _REFERENCES[name, kind]
+
+
+def run_and_compare(model, tok, reqs, ref, config: EngineConfig) -> Engine:
+    engine = Engine(model, tok, config)
+    assert (engine.runner.decoder is not None) == (config.decoder == "owned")
+    results = engine.generate(reqs)
+    for req, res in zip(reqs, results, strict=True):
+        assert res.token_ids == ref[req.request_id], f"{req.request_id} (prompt {len(req.prompt_ids)} tokens)"
+    assert_clean(engine)
+    return engine
+
+
+@pytest.mark.parametrize("decoder", ["hf", "owned"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("name", TINY_MOE_FAMILIES)
+def test_greedy_equals_generate(tiny_models, name, scenario, mode, decoder):
+    model, tok = tiny_models(name)
+    reqs, ref = references(tiny_models, name, "mixed")
+    assert_diverse(ref)
+    config = EngineConfig(mode=mode, decoder=decoder, enable_prefix_caching=False, **SCENARIOS[scenario])
+    engine = run_and_compare(model, tok, reqs, ref, config)
+    if scenario == "preemption":
+        assert engine.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
+    if scenario == "chunked_prefill":
+        assert max(len(r.prompt_ids) for r in reqs) > 40
+
+
+@pytest.mark.parametrize("decoder", ["hf", "owned"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", TINY_MOE_FAMILIES)
+def test_greedy_with_prefix_cache_equals_generate(tiny_models, name, mode, decoder):
+    model, tok = tiny_models(name)
+    reqs, ref = references(tiny_models, name, "shared")
+    config = EngineConfig(mode=mode, decoder=decoder, enable_prefix_caching=True, max_num_batched_tokens=40)
+    engine = run_and_compare(model, tok, reqs, ref, config)
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_sparse_and_dense_layers_as_declared(tiny_models):
+    """tiny-qwen2-moe's layer 0 is dense (mlp_only_layers) and layer 1 sparse with a gated shared expert: the owned
+    decoder reads them so, and the experts it runs are the model's own tensors (no copy)."""
+    model, tok = tiny_models("tiny-qwen2-moe")
+    decoder = Engine(model, tok, EngineConfig(decoder="owned")).runner.decoder
+    dense, sparse = decoder.moe_layers
+    assert dense is None and decoder.layers[0].gate_up_weight is not None
+    assert sparse is not None and decoder.layers[1].gate_up_weight is None
+    assert sparse.shared is not None and sparse.shared.gate is not None
+    experts = model.model.layers[1].mlp.experts
+    assert sparse.experts.gate_up.data_ptr() == experts.gate_up_proj.data_ptr()
+    assert sparse.experts.down.data_ptr() == experts.down_proj.data_ptr()
