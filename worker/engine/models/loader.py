@@ -9,6 +9,7 @@ Presets need no files and no network; they use the byte tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -19,6 +20,8 @@ from .registry import MODULES, family_of
 from .spec import DecoderArgs, Family, UnsupportedConfig, unhandled_fields
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
+
+logger = logging.getLogger("cbq.models")
 
 _BYTE_VOCAB = 320  # the byte tokenizer needs 259 ids; a multiple of 64 is friendlier to kernels
 
@@ -140,6 +143,28 @@ PRESETS: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # The Qwen3-30B-A3B shape (48 layers, 128 experts of 768, top-8 renormalised), for benchmarks.
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            initializer_range=0.02,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -187,6 +212,30 @@ class ModelLoadError(ValueError):
     """The model cannot be loaded; the message is one line that says why (the CLI prints it as is)."""
 
 
+def check_moe_fit(config, dtype: torch.dtype, gpu_free_bytes: int) -> str:
+    """For a mixture of experts: its weights' bytes in `dtype` against the GPU's free bytes, from the config alone
+    (before anything is allocated). Returns the line that says the numbers; a `ModelLoadError` with them when the
+    weights leave nothing for the KV cache."""
+    from ..moe.cost import MoeModelShape, check_weights_fit, weight_bytes
+
+    weights = weight_bytes(MoeModelShape.from_config(config), dtype.itemsize)
+    try:
+        check_weights_fit(weights, gpu_free_bytes, min_kv_bytes=1)
+    except ValueError as exc:
+        raise ModelLoadError(f"model type {config.model_type!r}: {exc}") from exc
+    gb = 1e9
+    return (
+        f"{config.model_type}: weights {weights.total / gb:.1f} GB (experts {weights.experts / gb:.1f} GB) in "
+        f"{str(dtype).removeprefix('torch.')}, GPU free {gpu_free_bytes / gb:.1f} GB, "
+        f"{(gpu_free_bytes - weights.total) / gb:.1f} GB left for the KV cache"
+    )
+
+
+def _check_fit(config, family: Family, device: torch.device, dtype: torch.dtype) -> None:
+    if family.moe is not None and device.type == "cuda":
+        logger.info(check_moe_fit(config, dtype, torch.cuda.mem_get_info(device)[0]))
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
 
@@ -197,14 +246,14 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
 
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
-        family_for(config)
+        _check_fit(config, family_for(config)[0], device, dtype)
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
     else:
         config = _load_config(name_or_path)
-        family_for(config)  # before reading any weights
+        _check_fit(config, family_for(config)[0], device, dtype)  # before reading any weights
         try:
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
