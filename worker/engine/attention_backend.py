@@ -60,8 +60,10 @@ class AttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    # Whether `attend` computes soft-capped scores (Gemma 2). NOTE: the Triton kernels do not yet.
+    # Whether `attend` computes soft-capped scores (Gemma 2) and attention sinks (gpt-oss). NOTE: the Triton
+    # kernels do neither yet.
     has_softcap = True
+    has_sinks = True
 
     def attend(
         self,
@@ -73,10 +75,11 @@ class AttentionBackend:
         layer_idx: int,
         pdl: bool = False,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of this step's rows for layer `layer_idx` (which picks its sliding window). `pdl`: the
         decode kernels launch with programmatic dependent launch (kernels/pdl.py; ignored here). `softcap`:
-        scores become cap * tanh(scores / cap)."""
+        scores become cap * tanh(scores / cap). `sinks` [H]: each head's sink logit (gpt-oss)."""
         return paged_attention_ref(
             q,
             k_cache,
@@ -87,6 +90,7 @@ class AttentionBackend:
             scale,
             sliding_window=meta.sliding_window(layer_idx),
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -95,6 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     has_softcap = False
+    has_sinks = False
 
     def __init__(self):
         from .kernels import attention
@@ -114,8 +119,10 @@ class TritonAttentionBackend(AttentionBackend):
         layer_idx: int,
         pdl: bool = False,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert softcap is None, "the Triton attention kernels have no soft-capping: the runner picks the torch backend"
+        assert sinks is None, "the Triton attention kernels have no attention sinks: the runner picks the torch backend"
         window = meta.sliding_window(layer_idx)
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
@@ -171,6 +178,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             eager = sys.modules[type(module).__module__].eager_attention_forward
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         window = kwargs.get("sliding_window") or 0
+        if kwargs.get("s_aux") is not None:  # sdpa has no sinks: the model's eager attention, with an additive mask
+            if attention_mask is None:
+                num_keys = key.shape[2]
+                attention_mask = _sliding_window_mask(query.shape[2], num_keys, window or num_keys, query.device)
+            if attention_mask.dtype == torch.bool:
+                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min
+                )
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if window and attention_mask is None:
             # NOTE: transformers builds no mask for an attention it does not know, and sdpa's is_causal has no
             # window: mask it here (unpadded input; the keys end at the last query, even in a window cache).
@@ -189,7 +206,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v = value[0].transpose(0, 1)
     meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = meta.backend.attend(q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"))
+    out = meta.backend.attend(
+        q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
+    )
     return out[None], None  # [1, T, H, D], no attention weights
 
 

@@ -171,6 +171,8 @@ class OwnedDecoder:
             layer_weights(layer, self.family.layer, dense_mlp=i not in sparse) for i, layer in enumerate(layers)
         ]
         self._init_moe(model, layers, sparse, max_num_tokens)
+        sinks = self.family.attention_sinks
+        self.layer_sinks = [None if sinks is None else submodule(layer, sinks) for layer in layers]
         num_positions = max(max_model_len, config.max_position_embeddings)
         rotary_emb = submodule(model, self.family.rotary_path)
         if self.family.rope_per_layer_type:
@@ -211,8 +213,9 @@ class OwnedDecoder:
             normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps)
             q = self._qkv_rope_write(normed, positions, w, self.layer_rope[layer_idx], k_cache, v_cache, attn, ops)
             out = attn.backend.attend(
-                q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap
-            )
+                q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
+                sinks=self.layer_sinks[layer_idx],
+            )  # fmt: skip
             hidden = self._block_out(ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias), w.attn_out_norm)
             normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps)
             moe = self.moe_layers[layer_idx]

@@ -15,7 +15,7 @@ from worker.engine.models import load_model
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-granite", "tiny-olmo2"]
 # The mixtures of experts, checked the same way with fewer, shorter requests (test_engine_exact_moe.py):
 # transformers' expert loop makes their references and "hf" runs several times slower than a dense model's.
-TINY_MOE_FAMILIES = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"]
+TINY_MOE_FAMILIES = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-gpt-oss"]
 
 
 @pytest.fixture(scope="session")

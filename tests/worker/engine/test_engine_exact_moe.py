@@ -1,5 +1,6 @@
 """Mixtures of experts through the whole engine (fp32, CPU): greedy output equals `model.generate` token for
-token for each tiny MoE preset (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense layer, Mixtral), in sync
+token for each tiny MoE preset (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense layer, Mixtral, gpt-oss
+with its attention sinks, alternating sliding windows and biased experts), in sync
 and async mode, with chunked prefill, forced preemption, the prefix cache on and off, through transformers'
 forward ("hf", its own expert loop) and cbq's owned decoder ("owned": `moe.moe_forward`, the reference on CPU)."""
 

@@ -109,6 +109,28 @@ PRESETS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "tiny-mixtral": ("mixtral", dict(_TINY, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    # gpt-oss's: top-4 of 16 experts (20b: of 32), expert biases, the clamped SwiGLU, attention sinks, q/k/v/o
+    # biases, a sliding window (shorter than the tests' sequences) in every other layer, its YaRN rotary.
+    "tiny-gpt-oss": (
+        "gpt_oss",
+        dict(
+            _TINY,
+            num_local_experts=16,
+            num_experts_per_tok=4,
+            intermediate_size=32,
+            sliding_window=32,
+            # the release's YaRN (factor 32 over 4,096 positions), scaled to the tiny context
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150_000.0,
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",

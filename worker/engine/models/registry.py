@@ -20,6 +20,7 @@ MODULES = {  # model_type -> family module
     "qwen3_moe": "qwen3_moe",
     "qwen2_moe": "qwen2_moe",
     "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
 }
 
 

@@ -129,6 +129,8 @@ class Family:
     # rotary module's `{layer_type}_inv_freq`; False: one table for every layer.
     rope_per_layer_type: bool = False
     moe: MoeMlpSpec | None = None  # the sparse MLP of the layers `moe.moe_layer_ids` names (None: all dense)
+    # Attention sinks: a learned logit per head in the softmax (gpt-oss), by path under the layer (None: none).
+    attention_sinks: str | None = None
 
 
 def is_neutral(value: Any) -> bool:
