@@ -187,6 +187,27 @@ PRESETS: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # The gpt-oss-20b shape (24 layers, 32 experts of 2880, top-4, sinks, 128-token windows every other layer), for
+    # benchmarks; its experts in bf16 (the release's MXFP4 is dequantized at load).
+    "gptoss-20b": (
+        "gpt_oss",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
