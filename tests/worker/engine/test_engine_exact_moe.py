@@ -12,10 +12,12 @@ import pytest
 
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.moe import triton_moe
 
 from .conftest import TINY_MOE_FAMILIES, hf_greedy, make_requests
 from .test_engine_exact import assert_diverse
 from .test_engine_prefix_cache import assert_clean, shared_prefix_requests
+from .test_fused_kernels import _interpret
 
 SCENARIOS = {
     "default": dict(),
@@ -88,3 +90,32 @@ def test_sparse_and_dense_layers_as_declared(tiny_models):
     experts = model.model.layers[1].mlp.experts
     assert sparse.experts.gate_up.data_ptr() == experts.gate_up_proj.data_ptr()
     assert sparse.experts.down.data_ptr() == experts.down_proj.data_ptr()
+
+
+# The owned decoder with the Triton experts (what CUDA runs: a workspace from the largest step, the grouped GEMMs),
+# through Triton's interpreter on the CPU, in a subprocess since TRITON_INTERPRET must be set before triton loads.
+TRITON_CHECK = """
+import torch
+from tests.worker.engine.test_attention_triton import _patch_triton_interpreter
+_patch_triton_interpreter()  # runtime loop bounds under numpy 2.4
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.models import load_model
+from worker.engine.moe import MoeWorkspace
+from tests.worker.engine.conftest import hf_greedy, make_requests
+
+for name in ("tiny-qwen2-moe", "tiny-gpt-oss"):
+    model, tok = load_model(name, torch.device("cpu"), torch.float32)
+    reqs = make_requests(tok, 3, seed=2, max_prompt=40, max_new=6)
+    ref = [hf_greedy(model, tok, r) for r in reqs]
+    engine = Engine(model, tok, EngineConfig(decoder="owned", max_num_batched_tokens=64))
+    decoder = engine.runner.decoder
+    decoder.moe_workspace = MoeWorkspace.allocate(decoder.moe_spec, 64, torch.float32, torch.device("cpu"))
+    assert [r.token_ids for r in engine.generate(reqs)] == ref, name
+print("owned decoder with triton experts equals generate")
+"""
+
+
+@pytest.mark.skipif(not triton_moe.HAVE_TRITON, reason="triton is not installed")
+def test_owned_decoder_with_the_triton_experts_equals_generate_in_the_interpreter():
+    _interpret(TRITON_CHECK, "owned decoder with triton experts equals generate")
