@@ -60,10 +60,8 @@ class AttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    # Whether `attend` computes soft-capped scores (Gemma 2) and attention sinks (gpt-oss). NOTE: the Triton
-    # kernels do neither yet.
+    # Whether `attend` computes soft-capped scores (Gemma 2). NOTE: the Triton kernels do not yet.
     has_softcap = True
-    has_sinks = True
 
     def attend(
         self,
@@ -99,7 +97,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     has_softcap = False
-    has_sinks = False
 
     def __init__(self):
         from .kernels import attention
@@ -122,7 +119,6 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert softcap is None, "the Triton attention kernels have no soft-capping: the runner picks the torch backend"
-        assert sinks is None, "the Triton attention kernels have no attention sinks: the runner picks the torch backend"
         window = meta.sliding_window(layer_idx)
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
@@ -136,6 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_context_len=meta.max_context_len,
                 sliding_window=window,
                 pdl=pdl,
+                sinks=sinks,
             )
         # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
         # a varlen query tile each they would waste most of it; the rest through the varlen kernel.
@@ -152,6 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[:num_decode],
                 max_context_len=meta.max_context_len,
                 sliding_window=window,
+                sinks=sinks,
             )
         return self._k.paged_prefill_attention(
             q,
@@ -164,6 +162,7 @@ class TritonAttentionBackend(AttentionBackend):
             out=out,
             max_query_len=meta.max_query_len,
             sliding_window=window,
+            sinks=sinks,
         )
 
 

@@ -103,15 +103,13 @@ class StepHandle:
 
 
 def attention_backend_for(model: Any, choice: str, is_cuda: bool) -> AttentionBackend:
-    """The Triton kernels on CUDA ("auto"), unless the family soft-caps attention scores or has attention sinks,
-    which only the torch reference computes so far (correct, uncaptured, slow: the missing GPU epilogue)."""
-    family, args = family_for(model.config)
-    wanted = (("soft-capping", args.attn_softcap), ("attention sinks", family.attention_sinks))
-    needs = [what for what, value in wanted if value is not None]
+    """The Triton kernels on CUDA ("auto"), unless the family soft-caps attention scores, which only the torch
+    reference computes so far (correct, uncaptured, slow: the missing GPU epilogue)."""
+    softcap = family_for(model.config)[1].attn_softcap is not None
     if choice == "auto":
-        choice = "triton" if is_cuda and not needs else "torch"
-    if choice == "triton" and needs:
-        raise ValueError(f"attention_backend 'triton' has no {needs[0]} ({model.config.model_type}): use 'auto'")
+        choice = "triton" if is_cuda and not softcap else "torch"
+    if choice == "triton" and softcap:
+        raise ValueError(f"attention_backend 'triton' has no soft-capping ({model.config.model_type}): use 'auto'")
     return TritonAttentionBackend() if choice == "triton" else AttentionBackend()
 
 
