@@ -119,3 +119,20 @@ print("owned decoder with triton experts equals generate")
 @pytest.mark.skipif(not triton_moe.HAVE_TRITON, reason="triton is not installed")
 def test_owned_decoder_with_the_triton_experts_equals_generate_in_the_interpreter():
     _interpret(TRITON_CHECK, "owned decoder with triton experts equals generate")
+
+
+@pytest.mark.parametrize(
+    "preset,field,value",
+    [
+        ("tiny-qwen3-moe", "hidden_act", "gelu"),  # experts compute silu(gate) * up
+        ("tiny-mixtral", "routed_scaling_factor", 2.5),  # DeepSeek's routing knob, which mixtral does not read
+        ("tiny-qwen2-moe", "quantization_config", {"quant_method": "fp8"}),
+    ],
+)
+def test_an_moe_config_the_layer_does_not_compute_is_refused_in_one_line(preset, field, value):
+    from worker.engine.models import ModelLoadError, family_for, preset_config
+
+    config = preset_config(preset)
+    setattr(config, field, value)
+    with pytest.raises(ModelLoadError, match=f"^model type '{config.model_type}': config.json sets .*{field}"):
+        family_for(config)
