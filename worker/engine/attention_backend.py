@@ -173,20 +173,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # A plain forward / `model.generate` on a model an Engine has adopted: behave like sdpa.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if kwargs.get("softcap") is not None:  # sdpa has no soft-capping: the model's own eager attention does
-            eager = sys.modules[type(module).__module__].eager_attention_forward
-            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         window = kwargs.get("sliding_window") or 0
-        if kwargs.get("s_aux") is not None:  # sdpa has no sinks: the model's eager attention, with an additive mask
-            if attention_mask is None:
-                num_keys = key.shape[2]
-                attention_mask = _sliding_window_mask(query.shape[2], num_keys, window or num_keys, query.device)
-            if attention_mask.dtype == torch.bool:
-                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~attention_mask, torch.finfo(query.dtype).min
-                )
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            # sdpa has neither soft-capping (Gemma 2) nor sinks (gpt-oss): the model's own eager attention does,
+            # given the causal (windowed) mask that transformers builds for no attention it does not know.
             eager = sys.modules[type(module).__module__].eager_attention_forward
-            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            mask = _additive_mask(attention_mask, query, key.shape[2], window)
+            return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         if window and attention_mask is None:
             # NOTE: transformers builds no mask for an attention it does not know, and sdpa's is_causal has no
             # window: mask it here (unpadded input; the keys end at the last query, even in a window cache).
@@ -209,6 +202,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
     )
     return out[None], None  # [1, T, H, D], no attention weights
+
+
+def _additive_mask(attention_mask, query: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """What eager attention adds to its scores: 0 where a query sees a key, the dtype's minimum elsewhere. Without
+    a mask: causal (and within `window` when it is not 0), the keys ending at the last query."""
+    if attention_mask is None:
+        attention_mask = _sliding_window_mask(query.shape[2], num_keys, window or num_keys, query.device)
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    hidden = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+    return hidden.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
 
 
 def _sliding_window_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Tensor:
