@@ -360,12 +360,16 @@ def engine_bench(
     import torch
 
     from worker.engine.engine import Engine
-    from worker.engine.models import load_model, resolve_device, resolve_dtype
+    from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
+    from worker.engine.models.loader import check_moe_fit
 
     dev = resolve_device(device)
+    free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
     t0 = time.perf_counter()
     hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
     load_seconds = time.perf_counter() - t0
+    if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
+        click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
     bandwidth = measure_copy_bandwidth(dev)
     vocab_limit = min(hf_model.config.vocab_size, 32000)
     if workload in CACHE_WORKLOADS:

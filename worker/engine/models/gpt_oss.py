@@ -15,6 +15,6 @@ FAMILY = Family(
     layer=llama_layer(),
     norm=NormKind.RMS_FP32_WEIGHT,
     read=read,
-    moe=MoeMlpSpec(router="mlp.router", experts="mlp.experts"),
+    moe=MoeMlpSpec(router="mlp.router", experts="mlp.experts", kernel_layout=False),
     attention_sinks="self_attn.sinks",
 )

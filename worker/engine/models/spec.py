@@ -95,6 +95,9 @@ class MoeMlpSpec:
     experts: str  # stacked .gate_up_proj [E, 2I, H] / .down_proj [E, H, I], or a list of per-expert MLPs
     shared_expert: str | None = None  # a dense MLP beside the routed experts (Qwen2-MoE)
     shared_expert_gate: str | None = None  # sigmoid(x @ w^T) scales the shared expert's output
+    # transformers stacks the experts as the kernels read them ([E, 2I, H], [gate; up] rows): the decoder uses
+    # views. False (gpt-oss: [E, H, 2I], gate/up columns interleaved): copied once, so held twice.
+    kernel_layout: bool = True
 
 
 @dataclass(frozen=True)

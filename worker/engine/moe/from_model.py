@@ -30,8 +30,7 @@ def moe_layer_weights(layer: Any, mlp: MoeMlpSpec, spec: MoeSpec) -> MoeLayerWei
     experts = submodule(layer, mlp.experts)
     stacked = getattr(experts, "gate_up_proj", None)
     num_experts, hidden, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
-    is_kernel_layout = spec.model_type != "gpt_oss"  # gpt-oss's are [E, H, 2I], gate/up columns interleaved
-    if is_kernel_layout and isinstance(stacked, torch.Tensor) and stacked.shape == (num_experts, 2 * inter, hidden):
+    if mlp.kernel_layout and isinstance(stacked, torch.Tensor) and stacked.shape == (num_experts, 2 * inter, hidden):
         expert_weights = ExpertWeights(stacked.detach(), experts.down_proj.detach())
     else:
         expert_weights = _stack_per_expert(layer, mlp, spec)
