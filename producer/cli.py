@@ -7,6 +7,7 @@ are imported only when used; this module names none of them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import sys
@@ -421,9 +422,17 @@ def stats(redis_url, limit, as_json):
     client = _client(redis_url)
     workers = client.workers()
     recent = client.batches(limit)
+    models = collections.Counter(w.model for w in workers)  # the models live workers serve
     if as_json:
-        echo_json({"workers": [w.model_dump() for w in workers], "batches": [status_json(b) for b in recent]})
+        echo_json(
+            {
+                "models": [{"id": m, "num_workers": k} for m, k in sorted(models.items())],
+                "workers": [w.model_dump() for w in workers],
+                "batches": [status_json(b) for b in recent],
+            }
+        )
         return
+    click.echo("models: " + (", ".join(f"{m} ({k} worker{'s' * (k > 1)})" for m, k in sorted(models.items())) or "none"))
     click.echo(f"workers ({len(workers)})")
     click.echo(
         f"  {'name':<24} {'state':<9} {'model':<16} {'in flight':>9} {'tok/s':>9} {'gpu busy':>8} {'prep ms':>8} {'cache hit':>9} {'done':>8}"

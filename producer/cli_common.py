@@ -45,9 +45,12 @@ def format_status(st: BatchStatus) -> str:
     eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
     if st.num_stalled:
         eta += f" ({st.num_stalled} requests wait for a dead worker's chunks to be re-enqueued)"
+    model = ""
+    if st.model and st.num_model_workers == 0:
+        model = f"\n  no live worker serves model {st.model!r}: start one with --served-model-name {st.model}"
     return "\n".join(
         [
-            f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}",
+            f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}{model}",
             f"  total {st.num_total}  queued {st.num_queued}  running {st.num_running}  "
             f"completed {st.num_completed}  failed {st.num_failed}  cancelled {st.num_cancelled}",
             f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  gpu {st.gpu_seconds:.2f} s",

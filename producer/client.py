@@ -38,6 +38,7 @@ from producer.store import (
     submit_batch,
     validate_lines,
 )
+from schemas import keys
 from schemas.errors import InvalidRequest, RequestLineError
 from schemas.sampling import Sampling
 from schemas.status import BatchStatus, WorkerStats
@@ -116,18 +117,21 @@ class Client:
         source: Source | Reopen,
         on_line: Callable[[str | bytes], None] | None = None,
         endpoint: str | None = None,
+        model: str | None = None,
     ) -> ValidatedFile:
         """Parse every line of `source` (nothing is enqueued). Files are read line by line and not kept:
         submitting reads them again, so a file of any size needs memory only for its custom_ids. A callable
         source opens its lines anew on each call (the same lines each time). `endpoint`: the OpenAI endpoint
-        every OpenAI line's url must name (a batch of the Batch API)."""
+        every OpenAI line's url must name (a batch of the Batch API). `model`: the one model lines may name
+        (default: the first one a line names); a line naming another fails alone as `model_not_found`."""
+        checks = {"on_line": on_line, "endpoint": endpoint, "model": model}
         if callable(source):
-            return validate_lines(source(), on_line=on_line, reread=source, endpoint=endpoint)
+            return validate_lines(source(), reread=source, **checks)
         if isinstance(source, str | os.PathLike):
             path = source
             reread = lambda: _iter_lines(path)  # noqa: E731
-            return validate_lines(reread(), on_line=on_line, reread=reread, endpoint=endpoint)
-        return validate_lines(_iter_lines(source), on_line=on_line, endpoint=endpoint)
+            return validate_lines(reread(), reread=reread, **checks)
+        return validate_lines(_iter_lines(source), **checks)
 
     def submit(
         self,
@@ -169,8 +173,10 @@ class Client:
             sampling = Sampling(**defaults)
         except ValidationError as exc:
             raise ValueError(f"invalid batch default: {exc}") from None
+        model = validated.requests.model  # the batch goes to the queue of the model its lines name
         options = SubmitOptions(
-            queue=queue or self.queue,
+            queue=keys.model_queue(queue or self.queue, model),
+            model=model,
             name=name,
             chunk_size=chunk_size,
             ttl_seconds=ttl_seconds,

@@ -45,7 +45,8 @@ class BatchField(str, Enum):
     NUM_REQUESTS = "num_requests"
     NUM_CHUNKS = "num_chunks"
     TTL_SECONDS = "ttl_seconds"
-    MODEL = "model"  # the model of the last worker that wrote a result
+    MODEL = "model"  # the served model name of the last worker that wrote a result
+    ROUTED_MODEL = "routed_model"  # the model the batch's lines name: its queue is that model's (`model_queue`)
     FIRST_STARTED_AT = "first_started_at"  # epoch seconds, HSETNX by the first admitting worker
     LAST_FINISHED_AT = "last_finished_at"
     CANCELLED_AT = "cancelled_at"
@@ -60,6 +61,12 @@ class BatchField(str, Enum):
     def counter_of(cls, outcome: str) -> BatchField:
         """The counter of one `schemas.result.Outcome`: NUM_COMPLETED, NUM_FAILED or NUM_CANCELLED."""
         return cls(f"num_{outcome}")
+
+
+def model_queue(queue: str, model: str | None) -> str:
+    """The rq queue of a batch whose lines name `model`: workers serving that name listen on it (and on `queue`,
+    for batches that name no model)."""
+    return f"{queue}:{model}" if model else queue
 
 
 def batch(batch_id: str) -> str:

@@ -25,7 +25,7 @@ from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_
 from schemas.chat import ChatMessage, ChatTemplateKwargs
 from schemas.errors import FieldIssue, InvalidRequest, RequestLineError, issues_from_validation_error
 from schemas.json_line import BLANK, LONE_SURROGATE, load_json_line
-from schemas.limits import MAX_CHOICES
+from schemas.limits import MAX_CHOICES, MAX_PROMPTS
 from schemas.openai_body import (
     COMPLETIONS_URL,
     ChatCompletionBody,
@@ -34,6 +34,7 @@ from schemas.openai_body import (
     OpenAIBatchLine,
     OpenAIUrl,
 )
+from schemas.prompt import ChatSpelling, PromptOptions, PromptSpelling
 from schemas.sampling import (
     N_DESCRIPTION,
     NativeSpelling,
@@ -99,16 +100,32 @@ class _NativeLine(SharedSampling, NativeSpelling, _NativeConstraint):
         return Sampling(**given, constraint=self.output_constraint())
 
 
-class PromptLine(_NativeLine):
+class PromptLine(_NativeLine, PromptSpelling):
     prompt: str
 
 
-class ChatLine(_NativeLine):
+class ChatLine(_NativeLine, ChatSpelling):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 Shape = Literal["prompt", "chat", "openai"]
+
+
+class ChoiceGroup(StrictModel):
+    """One prompt of a completions request that gives several (`"prompt": [...]`, as OpenAI takes it). Each
+    prompt is stored and run as its own request, at consecutive indices; OpenAI output merges them back into
+    the request's one line, its choices grouped by prompt (choice i*n + j is sample j of prompt i)."""
+
+    position: int = Field(ge=0)
+    size: int = Field(ge=2, le=MAX_PROMPTS)
+
+
+def _one_prompt(prompt: str | list[int]) -> dict[str, Any]:
+    return {"prompt": prompt, "prompt_token_ids": None} if isinstance(prompt, str) else {
+        "prompt": None,
+        "prompt_token_ids": prompt,
+    }
 
 
 class Request(StrictModel):
@@ -121,18 +138,21 @@ class Request(StrictModel):
     url: OpenAIUrl | None = None  # OpenAI Batch lines only
     model: str | None = None  # OpenAI Batch lines only: body.model, echoed in the output
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # a completions prompt given as token ids
     messages: list[ChatMessage] | None = None
+    prompt_options: PromptOptions | None = None
+    choice_group: ChoiceGroup | None = None  # one prompt of a request with several
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
-    tool_call: ForcedToolCall | None = None  # the call the body forces: the output is its arguments
+    tool_call: ForcedToolCall | None = None  # the tool use the body asks for (schemas/tools.py)
     sampling: Sampling = Sampling()
     n: NumSamples = 1
     return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("a request has exactly one of prompt or messages")
+        if [self.prompt, self.prompt_token_ids, self.messages].count(None) != 2:
+            raise ValueError("a request has exactly one of prompt, prompt_token_ids or messages")
         return self
 
     @property
@@ -149,12 +169,28 @@ class ParsedRequest(StrictModel):
     url: OpenAIUrl | None = None
     model: str | None = None
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    prompt_options: PromptOptions | None = None
+    group_prompts: list[str | list[int]] | None = None  # a completions request's prompts, when several
+    choice_group: ChoiceGroup | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_call: ForcedToolCall | None = None
     overrides: Sampling = Sampling()
     n: NumSamples = 1
+
+    def members(self) -> list[ParsedRequest]:
+        """The requests this line stores: itself, or one per prompt of a completions request with several."""
+        if not self.group_prompts:
+            return [self]
+        size = len(self.group_prompts)
+        return [
+            self.model_copy(
+                update={**_one_prompt(p), "group_prompts": None, "choice_group": ChoiceGroup(position=i, size=size)}
+            )
+            for i, p in enumerate(self.group_prompts)
+        ]
 
     def resolve(
         self,
@@ -177,7 +213,10 @@ class ParsedRequest(StrictModel):
             url=self.url,
             model=self.model,
             prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
             messages=self.messages,
+            prompt_options=self.prompt_options,
+            choice_group=self.choice_group,
             chat_template_kwargs=template_kwargs,
             tools=self.tools,
             tool_call=self.tool_call,
@@ -229,6 +268,7 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
             custom_id=custom_id,
             shape="chat",
             messages=chat.messages,
+            prompt_options=chat.prompt_options(),
             chat_template_kwargs=chat.chat_template_kwargs,
             overrides=chat.overrides(),
             n=chat.n,
@@ -239,6 +279,7 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
         custom_id=custom_id,
         shape="prompt",
         prompt=line.prompt,
+        prompt_options=line.prompt_options(),
         overrides=line.overrides(),
         n=line.n,
     )
@@ -262,7 +303,8 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
     body: CompletionBody | ChatCompletionBody
     if envelope.url == COMPLETIONS_URL:
         body = _validate(CompletionBody, envelope.body, line_no, ("body",), fails_alone)
-        of_endpoint: dict[str, Any] = {"prompt": body.prompt}
+        prompts = body.prompt
+        of_endpoint: dict[str, Any] = _one_prompt(prompts[0]) if len(prompts) == 1 else {"group_prompts": prompts}
     else:
         body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {
@@ -279,6 +321,7 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
         model=body.model,
         overrides=body.overrides(),
         n=body.n or 1,
+        prompt_options=body.prompt_options(),
         **of_endpoint,
     )
 

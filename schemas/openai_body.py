@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from schemas.chat import ChatMessage, ChatTemplateKwargs
 from schemas.limits import MAX_CUSTOM_ID_CHARS, MAX_TOOLS
+from schemas.prompt import ChatSpelling, CompletionPrompt, PromptSpelling
 from schemas.sampling import (
     N_DESCRIPTION,
     MaxNewTokens,
@@ -28,7 +29,7 @@ from schemas.sampling import (
     json_text,
 )
 from schemas.strict import StrictModel
-from schemas.tools import ForcedToolCall, Tool, ToolChoice, forced_call, function_named
+from schemas.tools import Tool, ToolCallPlan, ToolChoice, forced_call, function_named, required_calls_schema
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -103,8 +104,8 @@ class _ResponseFormat(StrictModel):
 class _BodyFields(StrictModel):
     """The body fields every OpenAI endpoint shares besides sampling. Fields that do nothing at their accepted
     value are taken so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`,
-    `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`, `prompt_cache_retention` and
-    `safety_identifier` are accepted and ignored."""
+    `store`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention` and `safety_identifier` are accepted
+    and ignored; `parallel_tool_calls: false` allows one call where cbq constrains the calls (schemas/tools.py)."""
 
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     n: NumSamples | None = Field(None, description=N_DESCRIPTION)  # None: 1
@@ -181,15 +182,14 @@ class _OpenAIBody(SharedSampling, _BodyFields):
         return self.response_format.output_constraint() if self.response_format else None
 
 
-class CompletionBody(_OpenAIBody):
-    prompt: str
+class CompletionBody(CompletionPrompt, PromptSpelling, _OpenAIBody):
     logprobs: NumLogprobs | None = None  # top alternatives per token (OpenAI allows 5; cbq up to 20)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
 
-class ChatCompletionBody(_OpenAIBody):
+class ChatCompletionBody(ChatSpelling, _OpenAIBody):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, not OpenAI's
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # see schemas/tools.py
@@ -198,19 +198,22 @@ class ChatCompletionBody(_OpenAIBody):
     top_logprobs: NumLogprobs | None = None
 
     @model_validator(mode="after")
-    def _tool_call_is_forced_or_none(self):
+    def _one_output_constraint(self):
         call = forced_call(self.tools, self.tool_choice)
-        if call is not None and self.response_format and self.response_format.output_constraint():
+        if call is not None and call.is_forced and self.response_format and self.response_format.output_constraint():
             raise ValueError("give response_format or a forced tool call, not both")
         return self
 
-    def tool_call(self) -> ForcedToolCall | None:
+    def tool_call(self) -> ToolCallPlan | None:
         return forced_call(self.tools, self.tool_choice)
 
     def output_constraint(self) -> OutputConstraint | None:
         call = self.tool_call()
-        if call is not None and self.tools:  # the arguments follow the function's parameters
-            schema = function_named(self.tools, call.name).arguments_schema()
+        if call is not None and call.is_forced and self.tools:
+            if call.name is None:  # "required" among several tools: an array of calls
+                schema = required_calls_schema(self.tools, parallel=self.parallel_tool_calls is not False)
+            else:  # the arguments follow the function's parameters
+                schema = function_named(self.tools, call.name).arguments_schema()
             return OutputConstraint(kind="json_schema", spec=json_text(schema))
         return super().output_constraint()
 

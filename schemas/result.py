@@ -25,6 +25,7 @@ ErrorCode = Literal[
     "unknown_parameter",
     "missing_required_parameter",
     "unsupported_parameter",
+    "model_not_found",  # the line names another model than its batch's (or than the one `cbq run` serves)
 ]
 Outcome = Literal["completed", "failed", "cancelled"]  # what a batch counts: `num_{outcome}` fields
 OUTPUT_FORMATS = ("cbq", "openai")  # `cbq results --format`: ResultLine, or OpenAI Batch output lines
@@ -69,7 +70,37 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]  # most likely first; as many as the request asked for
 
 
-class Sample(_Model):
+class CalledFunction(_Model):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI's
+
+
+class ToolCall(_Model):
+    """A call the model made, parsed from its output: OpenAI's `tool_calls` item."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ParsedParts(_Model):
+    """A chat output split by the worker's output parsers (worker/output_parsers): set only when a parser found
+    reasoning or tool calls, so readers of `text` keep working. The message's content is then `content` (None:
+    nothing besides them), else the whole `text`."""
+
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @property
+    def is_parsed(self) -> bool:
+        return self.reasoning_content is not None or self.tool_calls is not None
+
+    def message_content(self, text: str) -> str | None:
+        return self.content if self.is_parsed else text
+
+
+class Sample(ParsedParts):
     """One of a request's n samples (`ResultLine.samples`, only when n > 1)."""
 
     index: int = Field(ge=0)
@@ -79,7 +110,7 @@ class Sample(_Model):
     logprobs: list[TokenLogprob] | None = None  # when asked
 
 
-class ResultLine(_Model):
+class ResultLine(ParsedParts):
     custom_id: str | None = None
     index: int = Field(ge=0)  # position in the batch (input order)
     text: str = ""
@@ -127,8 +158,9 @@ class ResultLine(_Model):
         if self.samples:
             return self.samples
         assert self.finish_reason in ("stop", "length"), "a failed request has no samples"
+        parts = {name: getattr(self, name) for name in ParsedParts.model_fields}
         return [Sample(index=0, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
-                       logprobs=self.logprobs)]
+                       logprobs=self.logprobs, **parts)]
 
 
 # --- OpenAI Batch output -------------------------------------------------------------------------------------
@@ -201,7 +233,7 @@ def to_openai_output(
         prompt_tokens_details=OpenAIPromptTokensDetails(cached_tokens=result.usage.cached_tokens),
     ).model_dump()
     is_chat = request.is_chat or request.url == CHAT_COMPLETIONS_URL
-    common = {"created": created_at, "model": request.model or model, "usage": usage}
+    common = {"created": created_at, "model": model, "usage": usage}  # the served name, not the line's
     choices: list[dict[str, Any]]
     if is_chat:
         choices = [
@@ -229,22 +261,52 @@ def to_openai_output(
     return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
 
 
-def _chat_message(sample: Sample, request: Request, request_id: str) -> dict[str, Any]:
-    """The assistant's message: its text, or for a forced tool call (schemas/tools.py) the call, whose
-    arguments are the text."""
-    if request.tool_call is None:
-        return {"role": "assistant", "content": sample.text}
-    call = {
-        "id": f"call_{request_id}_{sample.index}",
-        "type": "function",
-        "function": {"name": request.tool_call.name, "arguments": sample.text},
+def merge_choice_group(members: list[OpenAIBatchOutputLine], num_samples: int) -> OpenAIBatchOutputLine:
+    """One OpenAI output line for a completions request with several prompts (`schemas.lines.ChoiceGroup`),
+    from its prompts' lines in order: choice i*n + j is sample j of prompt i, usage is summed. If a prompt
+    failed, the request did: its first failing line stands for it."""
+    first = members[0]
+    failed = next((line for line in members if line.is_failure), None)
+    if failed is not None:
+        return failed.model_copy(update={"id": first.id})
+    bodies = [line.response.body for line in members if line.response is not None]
+    choices = [
+        {**choice, "index": position * num_samples + choice["index"]}
+        for position, body in enumerate(bodies)
+        for choice in body["choices"]
+    ]
+    usage = {
+        key: sum(body["usage"][key] for body in bodies) for key in ("prompt_tokens", "completion_tokens", "total_tokens")
     }
-    return {"role": "assistant", "content": None, "tool_calls": [call]}
+    cached = sum(body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in bodies)
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    assert first.response is not None
+    response = first.response.model_copy(update={"body": {**bodies[0], "choices": choices, "usage": usage}})
+    return first.model_copy(update={"response": response})
+
+
+def _chat_message(sample: Sample, request: Request, request_id: str) -> dict[str, Any]:
+    """The assistant's message: its content, the reasoning and the calls the worker's parsers found (schemas/
+    tools.py), or for a call forced to one function, that call with the output as its arguments."""
+    content = sample.message_content(sample.text)
+    calls = [call.model_dump() for call in sample.tool_calls or ()]
+    plan = request.tool_call
+    if not calls and plan is not None and plan.is_forced and plan.name is not None:
+        function = {"name": plan.name, "arguments": content or ""}
+        calls, content = [{"id": f"call_{request_id}_{sample.index}", "type": "function", "function": function}], None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if sample.reasoning_content is not None:
+        message["reasoning_content"] = sample.reasoning_content  # vLLM's field for it
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 def _chat_finish_reason(sample: Sample, request: Request) -> str:
-    """As OpenAI: a call forced by name ends with "stop", one forced by "required" with "tool_calls"."""
-    if request.tool_call is None or sample.finish_reason != "stop" or request.tool_call.named:
+    """As OpenAI: a call forced by name ends with "stop", any other call made with "tool_calls"."""
+    plan = request.tool_call
+    made_calls = bool(sample.tool_calls) or (plan is not None and plan.is_forced and plan.name is not None)
+    if sample.finish_reason != "stop" or not made_calls or (plan is not None and plan.named):
         return sample.finish_reason
     return "tool_calls"
 

@@ -17,6 +17,9 @@ class BatchStatus(_Model):
     batch_id: str
     name: str | None = None
     queue: str
+    model: str | None = None  # the model the batch's lines name (its queue is that model's)
+    # Live workers serving `model`, while the batch is unfinished (None: it names no model, or it is done).
+    num_model_workers: int | None = None
     created_at: float
     first_started_at: float | None = None
     last_finished_at: float | None = None

@@ -1,11 +1,13 @@
-"""Forced tool calls in OpenAI chat bodies: `tools` with a `tool_choice` that leaves the model no choice.
+"""Tool calls in OpenAI chat bodies: which tools the chat template is shown, and what `tool_choice` asks of the
+output. Owns the mapping from (`tools`, `tool_choice`) to a `ToolCallPlan` and the constraint it implies.
 
-Extraction pipelines written for OpenAI often force one function call (`tool_choice: {"type": "function",
-"function": {"name": ...}}`, or `"required"` with a single tool) to get arguments that follow a schema. cbq
-runs that as a JSON-schema constraint on the function's `parameters`, shows the tools to the chat template
-(as transformers' `apply_chat_template(tools=...)`), and answers with OpenAI's `tool_calls` message.
-A call the model would choose freely (`"auto"`, or `"required"` among several tools) needs each model's own
-tool-call format and parser: refused with that reason. `"none"` shows the tools and generates text.
+- `"auto"` (the default when tools are given): the template shows the tools and the model answers or calls in
+  its own format; the worker's tool-call parser (worker/output_parsers) turns its calls into `tool_calls`.
+- a named function, or `"required"` with one tool: the output is that function's arguments, constrained to its
+  `parameters` schema (extraction pipelines written for OpenAI force one call this way).
+- `"required"` with several tools: the output is constrained to a JSON array of
+  `{"name": one of the tools, "parameters": its arguments}` objects (`required_calls_schema`), each a call.
+- `"none"`: the template shows the tools and the model writes text.
 """
 
 from __future__ import annotations
@@ -54,33 +56,59 @@ class NamedToolChoice(StrictModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ForcedToolCall(StrictModel):
-    """The stored request's call: which function (its arguments schema is already the request's constraint),
-    and how OpenAI reports it (`finish_reason` "stop" for a named choice, "tool_calls" for "required")."""
+class ToolCallPlan(StrictModel):
+    """The stored request's tool use. `mode`: "auto" (the model's own format, parsed), "named" or "required"
+    (a call is forced). `name`: the forced function, whose arguments are the output (its schema is already the
+    request's constraint); None with "required": several tools, the output a JSON array of calls. OpenAI ends a
+    call forced by name with `finish_reason` "stop", the others with "tool_calls"."""
 
-    name: str
-    named: bool
+    mode: Literal["auto", "named", "required"]
+    name: str | None = None
+
+    @property
+    def named(self) -> bool:
+        return self.mode == "named"
+
+    @property
+    def is_forced(self) -> bool:
+        """The output is constrained to a call (not the model's own choice)."""
+        return self.mode != "auto"
 
 
-def forced_call(tools: list[Tool] | None, choice: ToolChoice | None) -> ForcedToolCall | None:
-    """The call `tool_choice` forces, None when none is made ("none"); ValueError for what cbq cannot run."""
+ForcedToolCall = ToolCallPlan  # the name the request models import
+
+
+def forced_call(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolCallPlan | None:
+    """The tool use `tool_choice` asks for, None when no call can be made ("none", or no tools); ValueError for
+    a choice that cannot be met."""
     if choice is not None and not tools:
         raise ValueError("tool_choice needs tools")
     if not tools or choice == "none":
         return None
     if choice is None or choice == "auto":
-        raise ValueError(
-            'cbq calls a tool only when tool_choice names it (or is "required" with one tool): letting the '
-            "model choose needs its own tool-call format"
-        )
+        return ToolCallPlan(mode="auto")
     if choice == "required":
-        if len(tools) > 1:
-            raise ValueError('tool_choice "required" with several tools lets the model choose: name one')
-        return ForcedToolCall(name=tools[0].function.name, named=False)
+        return ToolCallPlan(mode="required", name=tools[0].function.name if len(tools) == 1 else None)
     assert isinstance(choice, NamedToolChoice)
     if all(tool.function.name != choice.function.name for tool in tools):
         raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
-    return ForcedToolCall(name=choice.function.name, named=True)
+    return ToolCallPlan(mode="named", name=choice.function.name)
+
+
+def required_calls_schema(tools: list[Tool], parallel: bool = True) -> dict[str, Any]:
+    """`"required"` among several tools: a non-empty JSON array of calls, each `{"name", "parameters"}` with the
+    name one of the tools' and the parameters that tool's schema (one `anyOf` branch per tool); one call only
+    when `parallel` is off (`parallel_tool_calls: false`)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "parameters": t.function.arguments_schema()},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
 def function_named(tools: list[Tool], name: str) -> FunctionSpec:

@@ -23,9 +23,11 @@ from schemas import keys
 from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.lines import Request
 from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
+from schemas.prompt import PromptOptions
 from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
 from schemas.sampling import NEUTRAL_VALUES, OutputConstraint, Sampling
 from worker.engine.api import (
+    ChatOptions,
     Constraint,
     ConstraintKind,
     EngineRequest,
@@ -34,6 +36,14 @@ from worker.engine.api import (
     TokenizerProtocol,
 )
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
+from worker.engine.tokenizer import NoChatTemplate
+from worker.output_parsers import (
+    CallsMode,
+    ConstraintAfterReasoningError,
+    OutputParsing,
+    result_fields,
+    text_with_special_tokens,
+)
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 _UNSET = object()
@@ -61,12 +71,14 @@ def load_chunk_job(
     kwargs: Any,
     tokenizer: TokenizerProtocol,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> ChunkWork:
     """`load_chunk` for rq job `job_id`, once its function and arguments (rq's `func_name`, `kwargs`) are
     checked to be a cbq chunk's. Raises ValueError (or pydantic's) for anything else: that job fails."""
     if func_name != CHUNK_FUNC:
         raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
-    return load_chunk(conn, ChunkPayload.model_validate(kwargs), tokenizer, job_id=job_id, model_defaults=model_defaults)
+    payload = ChunkPayload.model_validate(kwargs)
+    return load_chunk(conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing)
 
 
 def load_chunk(
@@ -75,11 +87,13 @@ def load_chunk(
     tokenizer: TokenizerProtocol,
     job_id: str | None = None,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
     payload fails its job before anything is read or allocated for its range. `model_defaults`: the
-    engine's `sampling_defaults` (what the checkpoint's generation_config sets)."""
+    engine's `sampling_defaults` (what the checkpoint's generation_config sets); `parsing`: the worker's output
+    parsers (a constraint then applies after the reasoning)."""
     batch = read_chunk_batch(conn, payload.batch_id, job_id)
     if batch is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
@@ -106,12 +120,17 @@ def load_chunk(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
             )
         else:
-            _expand_one(work, index, raw_request, tokenizer, model_defaults)
+            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing)
     return work
 
 
 def _expand_one(
-    work: ChunkWork, index: int, raw_request: bytes, tokenizer: TokenizerProtocol, model_defaults: Mapping[str, Any]
+    work: ChunkWork,
+    index: int,
+    raw_request: bytes,
+    tokenizer: TokenizerProtocol,
+    model_defaults: Mapping[str, Any],
+    parsing: OutputParsing | None = None,
 ) -> None:
     try:
         request = Request.model_validate_json(raw_request)
@@ -126,16 +145,22 @@ def _expand_one(
         )
         return
     try:
-        engine_request = to_engine_request(request, tokenizer, work.payload.batch_id, work.created_at, model_defaults)
-    except UnsupportedField as exc:
+        engine_request = to_engine_request(
+            request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing
+        )
+    except (UnsupportedField, ConstraintAfterReasoningError, NoChatTemplate) as exc:  # what this worker cannot do: a 400
+        if isinstance(exc, NoChatTemplate):
+            code, param = "invalid_value", "messages"
+        else:
+            code, param = "unsupported_parameter", exc.field
         work.finished_now.append(
             ResultLine(
                 custom_id=request.custom_id,
                 index=index,
                 finish_reason="error",
                 error=str(exc),
-                error_code="unsupported_parameter",
-                error_param=exc.field,
+                error_code=code,
+                error_param=param,
             )
         )
         return
@@ -163,22 +188,40 @@ def to_engine_request(
     batch_id: str,
     arrival_time: float,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
+    parsing: OutputParsing | None = None,
 ) -> EngineRequest:
-    if request.is_chat:
-        assert request.messages is not None, "a chat request has its messages"
+    options = request.prompt_options or PromptOptions()
+    if request.messages is not None:
         messages = [m.for_template() for m in request.messages]
-        prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools)
+        prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools, chat_options(options))
+    elif request.prompt_token_ids is not None:
+        prompt_ids = request.prompt_token_ids
     else:
-        assert request.prompt is not None, "a request is chat (messages) or prompt"
-        prompt_ids = tokenizer.encode(request.prompt)
+        assert request.prompt is not None, "a stored request has a prompt, token ids or messages"
+        add_special_tokens = True if options.add_special_tokens is None else options.add_special_tokens
+        prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
     if request.sampling.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last k tokens
         prompt_ids = prompt_ids[-request.sampling.truncate_prompt_tokens :]
+    sampling = to_sampling_params(with_line_defaults(request, model_defaults))
+    if parsing is not None and request.is_chat:  # a reasoning model's answer is constrained, not its thinking
+        sampling = parsing.constrain_after_reasoning(sampling, prompt_ids, tokenizer)
     return EngineRequest(
         request_id=keys.engine_request_id(batch_id, request.index),
         prompt_ids=list(prompt_ids),
-        sampling=to_sampling_params(with_line_defaults(request, model_defaults)),
+        sampling=sampling,
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
+    )
+
+
+def chat_options(options: PromptOptions) -> ChatOptions:
+    """The engine's chat rendering from a line's fields, with vLLM's defaults for those it leaves out."""
+    continue_final = bool(options.continue_final_message)
+    add_generation_prompt = options.add_generation_prompt
+    return ChatOptions(
+        add_generation_prompt=not continue_final if add_generation_prompt is None else add_generation_prompt,
+        continue_final_message=continue_final,
+        add_special_tokens=bool(options.add_special_tokens),
     )
 
 
@@ -224,13 +267,25 @@ def one_line(message: str) -> str:
     return flat if len(flat) <= MAX_ERROR_CHARS else flat[: MAX_ERROR_CHARS - 1] + "…"
 
 
-def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerProtocol) -> ResultLine:
+def to_result_line(
+    request: Request, result: EngineResult, tokenizer: TokenizerProtocol, parsing: OutputParsing | None = None
+) -> ResultLine:
     """The result line of one engine result. A failed request reports no completion tokens: it returns no text
     (the engine counts the token a grammar rejected, the one that failed it)."""
     reason = result.finish_reason.value
     usage = dataclasses.asdict(result.usage)
     if reason == "error":
         usage["completion_tokens"] = 0
+
+    def parsed(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:  # a chat output's parsed parts
+        if parsing is None or not request.is_chat or reason not in ("stop", "length"):
+            return {}
+        calls = _calls_mode(request)
+        if parsing.needs_special_tokens(calls):
+            text = text_with_special_tokens(token_ids, tokenizer)
+        call_id = "call_{}-{}_{}".format(*keys.split_engine_request_id(result.request_id), index)
+        return result_fields(parsing.parse(text, calls), call_id)
+
     samples = None
     if request.n > 1 and reason in ("stop", "length"):
         samples = [
@@ -240,6 +295,7 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
                 token_ids=list(sample.token_ids) if request.return_token_ids else None,
                 finish_reason=sample.finish_reason.value,
                 logprobs=_logprob_lines(sample.logprobs, tokenizer),
+                **parsed(sample.index, sample.text, sample.token_ids),
             )
             for sample in result.all_samples
         ]
@@ -254,7 +310,19 @@ def to_result_line(request: Request, result: EngineResult, tokenizer: TokenizerP
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
         logprobs=_logprob_lines(result.logprobs, tokenizer) if reason != "error" else None,
         samples=samples,
+        **parsed(0, result.text, result.token_ids),
     )
+
+
+def _calls_mode(request: Request) -> CallsMode:
+    """Which calls a chat output may hold (schemas/tools.py): the model's own format when it may choose, a JSON
+    array for "required" among several tools; a call forced to one function is its arguments (no parsing)."""
+    plan = request.tool_call
+    if plan is None:
+        return "none"
+    if not plan.is_forced:
+        return "model"
+    return "array" if plan.name is None else "none"
 
 
 # JSON has no -inf: a token the model gives no probability at all reports OpenAI's floor instead.

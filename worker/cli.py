@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import click
 
@@ -30,9 +30,10 @@ from producer.options import (
 )
 from producer.settings import DEFAULT_RESULT_TTL_SECONDS, in_process_redis
 from producer.store import queue_results
+from schemas import keys
 from schemas.result import OpenAIBatchOutputLine, ResultLine
 from worker import queue_worker
-from worker.cli_options import engine_options
+from worker.cli_options import engine_options, output_parser_options, served_model_name
 from worker.maintenance import RedisUnavailable
 from worker.queue_worker import CbqWorker
 from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
@@ -56,26 +57,53 @@ def build_engine(
     """The real engine for `model` (a preset name, local path or hub id), or the instant FakeEngine. A model
     name that cannot name a model, a checkpoint that cannot load and settings the engine refuses (e.g. a KV
     cache that does not fit) are click errors: one line, exit 1."""
+    engine_config = dict(engine_config or {})
+    chat_template = engine_config.pop("chat_template", None)  # --chat-template's text
+    engine: Any
     if fake_engine:
         from worker.fake_engine import FakeEngine
 
-        return FakeEngine(
+        engine = FakeEngine(
             latency_seconds=fake_latency,
-            max_num_running=(engine_config or {}).get("max_num_seqs", FakeEngine().max_num_running),
+            max_num_running=engine_config.get("max_num_seqs", FakeEngine().max_num_running),
         )
-    from worker.engine.engine import Engine  # imports torch: only here
-    from worker.engine.models import ModelLoadError
+    else:
+        from worker.engine.engine import Engine  # imports torch: only here
+        from worker.engine.models import ModelLoadError
 
-    check_model(model)
-    overrides = {"mode": mode, **(engine_config or {})}
-    if device:
-        overrides["device"] = device
+        check_model(model)
+        overrides = {"mode": mode, **engine_config}
+        if device:
+            overrides["device"] = device
+        try:
+            engine = Engine.from_model(model, **overrides)
+        except ModelLoadError as exc:
+            raise click.ClickException(str(exc)) from None
+        except ValueError as exc:  # EngineConfig's checks, KV cache sizing
+            raise click.ClickException(f"cannot start the engine: {exc}") from None
+    if chat_template is not None:
+        use_chat_template = getattr(engine.tokenizer, "use_chat_template", None)
+        if use_chat_template is None:
+            raise click.ClickException(
+                "--chat-template: this model's tokenizer renders chats with cbq's fixed template (a preset or the "
+                "fake engine), which cannot be replaced"
+            )
+        use_chat_template(chat_template)
+    return engine
+
+
+def choose_output_parsing(engine, tool_call_parser: str, reasoning_parser: str):
+    """The chat-output parsers the flags name for this engine's model (`auto`: from its chat template); the
+    choice is printed when any parser is active."""
+    from worker.output_parsers import OutputParsing, chat_template_text
+
     try:
-        return Engine.from_model(model, **overrides)
-    except ModelLoadError as exc:
+        parsing = OutputParsing.choose(tool_call_parser, reasoning_parser, chat_template_text(engine.tokenizer))
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    except ValueError as exc:  # EngineConfig's checks, KV cache sizing
-        raise click.ClickException(f"cannot start the engine: {exc}") from None
+    if parsing.tool_call_parser or parsing.reasoning_parser:
+        click.echo(f"output parsers: {parsing.describe()}", err=True)
+    return parsing
 
 
 def check_model(model: str) -> None:
@@ -125,6 +153,7 @@ def recovery_options(f):
 
 @click.command()
 @engine_options
+@output_parser_options
 @redis_url_option
 @queue_option
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
@@ -159,6 +188,9 @@ def worker(
     device,
     fake_engine,
     engine_config,
+    served_model_name_,
+    tool_call_parser,
+    reasoning_parser,
     redis_url,
     queue,
     burst,
@@ -186,11 +218,12 @@ def worker(
         check_model(model)  # before anything waits for Redis
     conn = open_redis(redis_url)
     engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
-    served_name = "fake" if fake_engine else model
+    served_name = served_model_name(model, served_model_name_)
     click.echo(describe_engine(engine, model, served_name), err=True)
     cbq_worker = CbqWorker(
-        [queue],
+        [keys.model_queue(queue, served_name), queue],  # its model's batches first, then those naming none
         engine,
+        output_parsing=choose_output_parsing(engine, tool_call_parser, reasoning_parser),
         connection=conn,
         model_name=served_name,
         mode=mode,
@@ -232,6 +265,7 @@ def worker(
     help="Start over: discard the results an interrupted run left in the journal.",
 )
 @engine_options
+@output_parser_options
 @click.option(
     "--redis-url",
     default=None,
@@ -263,6 +297,9 @@ def run(
     device,
     fake_engine,
     engine_config,
+    served_model_name_,
+    tool_call_parser,
+    reasoning_parser,
     redis_url,
     queue,
     output_format,
@@ -285,16 +322,18 @@ def run(
     """
     client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
     reopen, _ = click.get_current_context().with_resource(reopenable_lines(file))
-    validated = client.validate(reopen)
+    served_name = served_model_name(model, served_model_name_)
+    validated = client.validate(reopen, model=served_name)  # a line naming another model fails: model_not_found
     report_validation(validated, strict, "run")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
-    served_name = "fake" if fake_engine else model
     settings = {
         "model": served_name,
         "sampling": defaults.given(),
         "chat_template_kwargs": chat_template_kwargs,
         "return_token_ids": return_token_ids,
+        "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser,
         **{k: engine_config.get(k) for k in OUTPUT_SETTINGS},
     }
     if not fake_engine:
@@ -309,6 +348,7 @@ def run(
             journal.remove()  # it holds nothing yet
         raise
     click.echo(describe_engine(engine, model, served_name), err=True)
+    output_parsing = choose_output_parsing(engine, tool_call_parser, reasoning_parser)
     try:
         batch = client.submit(
             validated,
@@ -335,13 +375,14 @@ def run(
         progress.update(results)
 
     cbq_worker = CbqWorker(
-        [queue],
+        [keys.model_queue(queue, served_name), queue],
         engine,
         connection=client.connection,
         model_name=served_name,
         mode=mode,
         name=f"cbq-run-{os.getpid()}",
         on_results_written=on_results_written,
+        output_parsing=output_parsing,
     )
     demote_per_chunk_lines()
     try:

@@ -7,6 +7,7 @@ Nothing here imports torch: `cbq --help` imports this module.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,9 +136,37 @@ engine_tuning_options = config_flags(
 )
 
 
+def served_model_name(model: str, given: str | None = None) -> str:
+    """The model name a worker serves (vLLM's --served-model-name): `given`, else the checkpoint folder's name
+    for a local path, else the preset or hub name as given (the fake engine stands in for --model too)."""
+    if given:
+        return given
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+
+
 def engine_options(f: Callable) -> Callable:
-    """--model, --mode, --device, --fake-engine and the tuning flags (`engine_config`)."""
+    """--model, --mode, --device, --fake-engine, --served-model-name, --chat-template and the tuning flags
+    (`engine_config`; the chat template's text rides in it as `chat_template`, which `build_engine` takes out)."""
     f = engine_tuning_options(f)
+    f = config_flags(
+        ConfigFlag(
+            ("--chat-template", "chat_template"),
+            "chat_template",
+            {
+                "type": click.File("r", encoding="utf-8"),
+                "help": "A Jinja chat template file, used instead of the tokenizer's (needed for chat lines when "
+                "the checkpoint has none: they fail otherwise).",
+            },
+            to_config=lambda file: file.read() if file is not None else None,
+        )
+    )(f)
+    f = click.option(
+        "--served-model-name",
+        "served_model_name_",
+        default=None,
+        help="The model name this worker serves (default: the checkpoint folder's name, or the preset or hub "
+        "name). Batches whose lines name a model go to that model's queue; outputs carry this name.",
+    )(f)
     f = click.option(
         "--fake-engine",
         is_flag=True,
@@ -161,5 +190,31 @@ def engine_options(f: Callable) -> Callable:
         default=DEFAULT_MODEL,
         show_default=True,
         help=f"Engine preset name, local checkpoint folder or hub id (org/name). Env: {MODEL_ENV}.",
+    )(f)
+    return f
+
+
+def output_parser_options(f: Callable) -> Callable:
+    """--tool-call-parser and --reasoning-parser (vLLM's names): how chat outputs are split into content,
+    reasoning and tool calls (worker/output_parsers)."""
+    from worker.output_parsers import PARSER_CHOICES
+
+    f = click.option(
+        "--reasoning-parser",
+        type=click.Choice(PARSER_CHOICES["reasoning_parser"]),
+        default="auto",
+        show_default=True,
+        help="Separate a chat answer's reasoning into reasoning_content: think (<think>...</think>: Qwen3, "
+        "DeepSeek-R1 distills), harmony (gpt-oss's analysis channel); auto picks from the chat template, none "
+        "leaves it in the content. A response_format or forced tool call then constrains only what follows it.",
+    )(f)
+    f = click.option(
+        "--tool-call-parser",
+        type=click.Choice(PARSER_CHOICES["tool_call_parser"]),
+        default="auto",
+        show_default=True,
+        help='The model\'s tool-call format, parsed into tool_calls when a chat request lets it call tools '
+        '(tool_choice "auto"): hermes (<tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json, mistral '
+        "([TOOL_CALLS]), harmony (gpt-oss); auto picks from the chat template, none leaves calls in the content.",
     )(f)
     return f

@@ -25,6 +25,7 @@ from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL, SamplingOverr
 from schemas.result import ResultLine
 from worker.admission import to_engine_request, to_result_line
 from worker.engine.api import EngineProtocol, EngineRequest
+from worker.output_parsers import OutputParsing, chat_template_text
 
 RESULT_POLL_SECONDS = 0.1
 
@@ -46,8 +47,16 @@ class InvalidRequests(ValueError):
 class LLM:
     """A model loaded once, for any number of `generate` and `chat` calls (one at a time)."""
 
-    def __init__(self, model: str = "tiny-llama", **engine_options: Any):
-        """`model`: a preset, a local checkpoint folder or a hub id (org/name). `engine_options`: `EngineConfig`
+    def __init__(
+        self,
+        model: str = "tiny-llama",
+        *,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
+        **engine_options: Any,
+    ):
+        """`model`: a preset, a local checkpoint folder or a hub id (org/name). `tool_call_parser`,
+        `reasoning_parser`: as `cbq run`'s flags (worker/output_parsers). `engine_options`: `EngineConfig`
         fields (`device`, `dtype`, `max_model_len`, `gpu_memory_utilization`, `num_kv_blocks`, ...)."""
         from worker.engine.engine import Engine
         from worker.engine.models import PRESETS
@@ -56,6 +65,8 @@ class LLM:
         check_model_name(model, list(PRESETS))
         self.model = model
         self.engine: EngineProtocol = Engine.from_model(model, **engine_options)
+        template = chat_template_text(self.engine.tokenizer)
+        self.output_parsing = OutputParsing.choose(tool_call_parser, reasoning_parser, template)
         self._calls = itertools.count()
 
     def generate(
@@ -102,7 +113,9 @@ class LLM:
         engine_requests: list[EngineRequest] = []
         for request in requests:
             try:
-                engine_requests.append(to_engine_request(request, tokenizer, call, time.time()))
+                engine_requests.append(
+                    to_engine_request(request, tokenizer, call, time.time(), parsing=self.output_parsing)
+                )
                 pending[engine_requests[-1].request_id] = request
             except Exception as exc:  # a chat template that fails on this conversation: this input fails
                 results[request.index] = ResultLine(
@@ -123,7 +136,7 @@ class LLM:
                     request = pending.pop(result.request_id, None)
                     if request is None:
                         continue  # left over from an interrupted call
-                    results[request.index] = to_result_line(request, result, tokenizer)
+                    results[request.index] = to_result_line(request, result, tokenizer, self.output_parsing)
                     num_tokens += result.usage.completion_tokens
                     bar.update(1)
                     bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - started):.0f} output tok/s")

@@ -57,6 +57,7 @@ from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
 from worker.maintenance import REDIS_ERRORS, Outage, clean_queue_registries, touch
+from worker.output_parsers import OutputParsing
 from worker.result_writer import Outcome, ResultWriter
 from worker.rq_classes import CbqJob, CbqQueue
 from worker.stats_publisher import publish_stats
@@ -106,6 +107,7 @@ class CbqWorker(BaseWorker):
         redis_outage_limit_seconds: float = DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
         health_file: str | None = None,
         on_results_written: Callable[[list[ResultLine]], None] | None = None,
+        output_parsing: OutputParsing | None = None,
         **kwargs: Any,
     ):
         options = {
@@ -123,6 +125,7 @@ class CbqWorker(BaseWorker):
         self.redis_outage_limit_seconds = redis_outage_limit_seconds
         self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
         self.engine = engine
+        self.output_parsing = output_parsing  # tool-call and reasoning parsers for chat outputs (None: none)
         self.model_name = model_name
         self.mode = mode
         self.stats_interval_seconds = stats_interval_seconds
@@ -302,6 +305,7 @@ class CbqWorker(BaseWorker):
                     job.kwargs,
                     self.engine.tokenizer,
                     self.engine.sampling_defaults,
+                    self.output_parsing,
                 )
             except REDIS_ERRORS:
                 raise
@@ -366,7 +370,7 @@ class CbqWorker(BaseWorker):
             self._admit(job, queue)
 
     def _collect_engine_results(self, timeout: float) -> None:
-        self.writer.collect(self.engine.get_results(timeout=timeout), self.engine.tokenizer)
+        self.writer.collect(self.engine.get_results(timeout=timeout), self.engine.tokenizer, self.output_parsing)
 
     # --- finishing jobs through rq's handlers ------------------------------------------------------------------
 

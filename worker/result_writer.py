@@ -34,6 +34,7 @@ from schemas.result import OUTCOME_OF_REASON, ResultLine
 from worker.admission import error_line, to_result_line
 from worker.engine.api import EngineResult, FinishReason, TokenizerProtocol
 from worker.inflight import InFlightJob, InFlightTable
+from worker.output_parsers import OutputParsing
 
 FLUSH_ATTEMPTS = 5  # WATCH retries of one flush
 # How long a writer's marker outlives its last write: far longer than a write can stay in doubt (the worker
@@ -110,8 +111,10 @@ class ResultWriter:
     def add(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
 
-    def collect(self, results: Iterable[EngineResult], tokenizer: TokenizerProtocol) -> None:
-        """Take the engine's finished requests as outcomes of their chunks."""
+    def collect(
+        self, results: Iterable[EngineResult], tokenizer: TokenizerProtocol, parsing: OutputParsing | None = None
+    ) -> None:
+        """Take the engine's finished requests as outcomes of their chunks (chat outputs split by `parsing`)."""
         for result in results:
             settled = self.table.settle(result.request_id)
             if settled is None:
@@ -123,7 +126,7 @@ class ResultWriter:
                     )
                 continue
             owner, request = settled
-            self.add(Outcome(owner, record_for(owner, request, result, tokenizer), from_engine=True))
+            self.add(Outcome(owner, record_for(owner, request, result, tokenizer, parsing), from_engine=True))
 
     def release(self, owner: InFlightJob) -> None:
         """`owner` leaves this worker unfinished (handed back to rq): its entry in the running table goes."""
@@ -255,13 +258,17 @@ class ResultWriter:
 
 
 def record_for(
-    owner: InFlightJob, request: Request, result: EngineResult, tokenizer: TokenizerProtocol
+    owner: InFlightJob,
+    request: Request,
+    result: EngineResult,
+    tokenizer: TokenizerProtocol,
+    parsing: OutputParsing | None = None,
 ) -> ResultLine | None:
     """The result line of one engine result; None when there is nothing to record (a request aborted by its
     chunk's timeout runs again in the retried chunk)."""
     if owner.abort_reason == "timeout" and result.finish_reason == FinishReason.CANCELLED:
         return None
     try:
-        return to_result_line(request, result, tokenizer)
+        return to_result_line(request, result, tokenizer, parsing)
     except Exception as exc:  # an engine result we cannot record fails that request, not the worker
         return error_line(request.index, request.custom_id, f"invalid engine result: {exc!r}")

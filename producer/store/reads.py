@@ -33,8 +33,10 @@ from schemas.result import (
     OUTCOMES,
     OUTPUT_FORMATS,
     FinishReason,
+    OpenAIBatchOutputLine,
     Outcome,
     ResultLine,
+    merge_choice_group,
     to_openai_output,
 )
 from schemas.status import BatchStatus, WorkerStats
@@ -102,10 +104,16 @@ def get_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         eta_seconds = unfinished / rate
     else:
         eta_seconds = None  # no rate yet, or some requests wait for a dead worker's chunks to come back
+    model = meta.get(BatchField.ROUTED_MODEL.value)
+    num_model_workers = None
+    if model and unfinished:
+        num_model_workers = sum(worker.model == model for worker in list_workers(conn))
     return BatchStatus(
         batch_id=batch_id,
         name=meta.get(BatchField.NAME.value),
         queue=queue,
+        model=model,
+        num_model_workers=num_model_workers,
         created_at=fields.float_or_none(BatchField.CREATED_AT) or fields.missing(BatchField.CREATED_AT, 0.0),
         first_started_at=first_started_at,
         last_finished_at=last_finished_at,
@@ -346,8 +354,9 @@ def iter_results(
         if _recorded_outcomes(meta).total() < status.num_total
         else {}
     )
-    model = meta.get(BatchField.MODEL.value) or "cbq"
+    model = meta.get(BatchField.MODEL.value) or meta.get(BatchField.ROUTED_MODEL.value) or "cbq"
     created_at = int(status.created_at)
+    group: list[OpenAIBatchOutputLine | None] = []  # the prompts of a request with several, so far
     for page_start in range(0, status.num_total, PAGE_SIZE):
         indices = list(range(page_start, min(page_start + PAGE_SIZE, status.num_total)))
         raw_results = conn.hmget(keys.batch_results(batch_id), indices)
@@ -357,6 +366,7 @@ def iter_results(
         )
         for index, raw_result, raw_request in zip(indices, raw_results, raw_requests, strict=True):
             request = _stored_request(raw_request)
+            result: ResultLine | None = None
             if raw_result is not None:
                 result = _stored_result(index, raw_result, request)
             elif index in lost:
@@ -364,13 +374,22 @@ def iter_results(
                 custom_id = request.custom_id if request is not None else None
                 error = message if reason == "error" else None
                 result = ResultLine(custom_id=custom_id, index=index, finish_reason=reason, error=error)
-            else:
-                continue  # still running (partial output)
             if output_format == "cbq":
-                yield result
-            else:
-                request = request or Request(index=index, line_no=1, shape="prompt", prompt="")
-                yield to_openai_output(result, request, batch_id, model, created_at)
+                if result is not None:  # else still running (partial output)
+                    yield result
+                continue
+            request = request or Request(index=index, line_no=1, shape="prompt", prompt="")
+            line = to_openai_output(result, request, batch_id, model, created_at) if result is not None else None
+            if request.choice_group is None:
+                if line is not None:
+                    yield line
+                continue
+            # One prompt of a request with several: its line comes once all its prompts have theirs.
+            group.append(line)
+            if request.choice_group.position == request.choice_group.size - 1:
+                if len(group) == request.choice_group.size and None not in group:
+                    yield merge_choice_group([g for g in group if g is not None], request.n)
+                group = []
 
 
 def _stored_request(raw: bytes | None) -> Request | None:

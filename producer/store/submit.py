@@ -59,11 +59,13 @@ class ValidRequests:
         skip_lines: frozenset[int] = frozenset(),
         checksum: int = 0,
         invalid: list[InvalidRequest] | None = None,
+        model: str | None = None,
     ):
         assert (kept is None) != (reread is None), "either the requests or a way to read them again"
         assert kept is None or len(kept) == len(custom_ids)
         self.custom_ids = custom_ids  # one per request (None: the line has none)
         self.invalid = invalid or []  # the requests that fail alone, in line order
+        self.model = model  # the model the batch's lines name (None: they name none)
         self._kept = kept
         self._reread = reread
         self._skip_lines = skip_lines  # lines with format errors, and duplicate custom_ids
@@ -94,10 +96,12 @@ class ValidRequests:
                 raise SourceChanged(f"the input changed after it was validated ({exc})") from None
             if entry is None:
                 continue
-            if count >= len(self.custom_ids) or entry.custom_id != self.custom_ids[count]:
-                raise SourceChanged(f"the input changed after it was validated (line {line_no})")
-            count += 1
-            yield entry
+            entry = _of_the_batch_model(entry, self.model)
+            for member in entry.members() if isinstance(entry, ParsedRequest) else [entry]:
+                if count >= len(self.custom_ids) or member.custom_id != self.custom_ids[count]:
+                    raise SourceChanged(f"the input changed after it was validated (line {line_no})")
+                count += 1
+                yield member
         if count != len(self.custom_ids):
             raise SourceChanged(f"the input changed after it was validated ({count} of {len(self)} requests left)")
         if crc != self._checksum:  # the same requests by custom_id, but some text changed
@@ -130,17 +134,28 @@ class ValidatedFile:
         return sorted([*self.errors, *self.invalid], key=lambda e: e.line_no)
 
 
+def _of_the_batch_model(entry: Entry, model: str | None) -> Entry:
+    """`entry`, or for a line naming another model than its batch's, its `model_not_found` failure."""
+    if isinstance(entry, InvalidRequest) or entry.model is None or model is None or entry.model == model:
+        return entry
+    message = f"the model {entry.model!r} is not this batch's {model!r} (a batch names one model)"
+    return InvalidRequest(entry.line_no, [FieldIssue("body.model", message, "model_not_found")], entry.custom_id, entry.url)
+
+
 def validate_lines(
     lines: Iterable[str | bytes],
     on_line: Callable[[str | bytes], None] | None = None,
     reread: Callable[[], Iterable[str | bytes]] | None = None,
     endpoint: str | None = None,
+    model: str | None = None,
 ) -> ValidatedFile:
     """Parse every line (1-based line numbers) and flag duplicate custom_ids, naming both lines.
 
     With `reread` (opens the same lines again), the parsed requests are not kept: `requests` parses them
     again when iterated. `on_line` sees each raw line (progress by bytes or by lines). `endpoint`: the batch's
-    OpenAI endpoint, which every OpenAI line's url must be (a format error otherwise, as OpenAI's)."""
+    OpenAI endpoint, which every OpenAI line's url must be (a format error otherwise, as OpenAI's). `model`:
+    the one model the lines may name (`cbq run`: the one it serves); by default, the first model a line names.
+    A line naming another fails alone as `model_not_found`."""
     errors: list[RequestLineError] = []
     invalid: list[InvalidRequest] = []
     kept: list[Entry] | None = [] if reread is None else None
@@ -173,13 +188,19 @@ def validate_lines(
                 issue = FieldIssue("custom_id", f"duplicate custom_id {entry.custom_id!r} (first on line {first})")
                 errors.append(RequestLineError(line_no, [issue]))
                 continue
+        if model is None and isinstance(entry, ParsedRequest):
+            model = entry.model
+        entry = _of_the_batch_model(entry, model)
         if isinstance(entry, InvalidRequest):
             invalid.append(entry)
-        custom_ids.append(entry.custom_id)
+        members: list[Entry] = entry.members() if isinstance(entry, ParsedRequest) else [entry]
+        custom_ids += [member.custom_id for member in members]  # one per stored request
         if kept is not None:
-            kept.append(entry)
+            kept += members
     skip = frozenset(e.line_no for e in errors if e.line_no is not None)
-    requests = ValidRequests(custom_ids, kept=kept, reread=reread, skip_lines=skip, checksum=crc, invalid=invalid)
+    requests = ValidRequests(
+        custom_ids, kept=kept, reread=reread, skip_lines=skip, checksum=crc, invalid=invalid, model=model
+    )
     return ValidatedFile(requests, errors, num_blank)
 
 
@@ -190,6 +211,7 @@ class SubmitOptions:
     chunk_size: int = settings.DEFAULT_CHUNK_SIZE
     ttl_seconds: int = settings.DEFAULT_RESULT_TTL_SECONDS
     defaults: Sampling = field(default_factory=Sampling)
+    model: str | None = None  # the model the lines name: `queue` is then that model's (`keys.model_queue`)
     # The chat template's extra variables for every chat of the batch (a line's own win, name by name).
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False
@@ -430,6 +452,8 @@ def _batch_fields(
     }
     if options.name:
         fields[BatchField.NAME.value] = options.name
+    if options.model:
+        fields[BatchField.ROUTED_MODEL.value] = options.model
     return fields
 
 

@@ -13,12 +13,13 @@ from producer import settings
 from producer.cli import main
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
-# file -> (custom_ids that run, {custom_id of a bad line: (param, code)})
+# file -> (custom_ids that run, {custom_id of a bad line: (param, code)}); the model its lines name is served
+# under that name (`--served-model-name`, as vLLM's run_batch needs it)
 FILES = {
     "openai_mixed_batch.jsonl": (
         ["request-1", "request-3", "request-6"],
         {
-            "request-2": ("logit_bias", "unsupported_parameter"),
+            "request-2": ("functions", "unsupported_parameter"),
             "request-4": ("messages[0]", "invalid_value"),
             "request-5": ("messages", "invalid_value"),
         },
@@ -44,6 +45,12 @@ def cbq(fake_redis, monkeypatch):
     return invoke
 
 
+def serve(name: str) -> list[str]:
+    """`cbq run` flags: the fake engine, serving the model the file's lines name."""
+    model = json.loads((FIXTURES / name).read_text().splitlines()[0])["body"]["model"]
+    return ["--fake-engine", "--served-model-name", model]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -63,23 +70,21 @@ def check_openai_error_file(errors: list[dict], bad: dict) -> None:
 def test_cbq_run_runs_the_valid_requests_and_writes_the_invalid_to_the_error_file(cbq, tmp_path, name):
     good, bad = FILES[name]
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    ran = cbq(
-        "run", FIXTURES / name, "-o", out, "--errors", err, "--format", "openai", "--fake-engine", "--redis-url", "x"
-    )
+    ran = cbq("run", FIXTURES / name, "-o", out, "--errors", err, "--format", "openai", *serve(name), "--redis-url", "x")
     assert ran.exit_code == 2, ran.output  # some requests failed
     served = read_jsonl(out)
     assert [line["custom_id"] for line in served] == good
     assert all(line["response"]["status_code"] == 200 for line in served)
     check_openai_error_file(read_jsonl(err), bad)
 
-    strict = cbq("run", FIXTURES / name, "-o", out, "--strict", "--fake-engine")
+    strict = cbq("run", FIXTURES / name, "-o", out, "--strict", *serve(name))
     assert strict.exit_code == 1 and f"{len(bad)} invalid line(s); nothing was run" in strict.stderr
 
 
 @pytest.mark.parametrize("name", list(FILES))
 def test_cbq_results_reads_the_failures_back_in_both_formats(cbq, tmp_path, name):
     good, bad = FILES[name]
-    ran = cbq("run", FIXTURES / name, "-o", tmp_path / "run.jsonl", "--fake-engine", "--redis-url", "x")
+    ran = cbq("run", FIXTURES / name, "-o", tmp_path / "run.jsonl", *serve(name), "--redis-url", "x")
     batch_id = re.search(r"batch ([0-9a-f]{16}): ", ran.stderr).group(1)
 
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
@@ -112,3 +117,19 @@ def test_a_format_error_refuses_the_file_with_every_error_listed(cbq, tmp_path):
     assert "line 9: method: Input should be 'POST'" in ran.stderr
     assert "line 10: custom_id: duplicate custom_id 'request-1' (first on line 1)" in ran.stderr
     assert "4 invalid line(s); nothing was enqueued" in ran.stderr
+
+
+def test_a_line_naming_another_model_fails_alone_and_outputs_carry_the_served_name(cbq, tmp_path):
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    ran = cbq("run", FIXTURES / "openai_mixed_batch.jsonl", "-o", out, "--errors", err, "--format", "openai", "--fake-engine")
+    assert ran.exit_code == 2  # the fake engine serves tiny-llama (the default --model): every line names another
+    assert read_jsonl(out) == []
+    errors = [line["response"]["body"]["error"] for line in read_jsonl(err)]
+    assert {e["code"] for e in errors} == {"model_not_found", "unsupported_parameter", "invalid_value"}
+    assert sum(e["code"] == "model_not_found" for e in errors) == 3 and all(
+        "'gpt-4o-mini' is not this batch's 'tiny-llama'" in e["message"] for e in errors if e["code"] == "model_not_found"
+    )
+    ran = cbq("run", FIXTURES / "openai_mixed_batch.jsonl", "-o", out, "--format", "openai", *serve("openai_mixed_batch.jsonl"))
+    assert {line["response"]["body"]["model"] for line in read_jsonl(out) if line["response"]["status_code"] == 200} == {
+        "gpt-4o-mini"
+    }

@@ -152,7 +152,7 @@ def openai_lines(n: int, endpoint: str = "/v1/chat/completions", **body) -> list
                 "custom_id": f"r{i}",
                 "method": "POST",
                 "url": endpoint,
-                "body": {"model": "tiny", "max_tokens": 4 + i % 5, **payload, **body},
+                "body": {"model": "tiny-llama", "max_tokens": 4 + i % 5, **payload, **body},  # the served name
             }
         )
     return lines
@@ -212,7 +212,7 @@ def test_upload_create_poll_download_matches_cbq_run(stack, client, tmp_path, en
         assert got["error"] is None and got["response"]["status_code"] == 200
         got_body, want_body = (body_type.model_validate(x["response"]["body"]) for x in (got, want))
         assert got_body.choices[0].model_dump() == want_body.choices[0].model_dump()
-        assert got_body.usage == want_body.usage and got_body.model == "tiny"
+        assert got_body.usage == want_body.usage and got_body.model == "tiny-llama"
 
 
 def test_a_wrong_api_key_gets_401(stack):

@@ -76,3 +76,34 @@ def test_the_result_of_an_invalid_request_is_openais_400():
             "code": "invalid_value",
         }
     }
+
+
+def test_the_prompts_of_a_request_merge_into_choice_groups():
+    """OpenAI's order: with n = 2, choice i*2 + j is sample j of prompt i; usage sums; a failed prompt fails all."""
+    from schemas.lines import ChoiceGroup
+    from schemas.result import Sample, Usage, merge_choice_group
+
+    def member(position: int, texts: list[str]):
+        request = Request(
+            index=position, line_no=1, custom_id="g", shape="openai", url="/v1/completions", prompt="p", n=2,
+            choice_group=ChoiceGroup(position=position, size=2),
+        )  # fmt: skip
+        samples = [Sample(index=j, text=t, finish_reason="stop") for j, t in enumerate(texts)]
+        result = ResultLine(
+            custom_id="g", index=position, text=texts[0], finish_reason="stop", samples=samples,
+            usage=Usage(prompt_tokens=3, completion_tokens=2 * (position + 1), cached_tokens=position),
+        )  # fmt: skip
+        return to_openai_output(result, request, "b", "m", 0)
+
+    merged = merge_choice_group([member(0, ["a0", "a1"]), member(1, ["b0", "b1"])], num_samples=2)
+    body = merged.response.body
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a0"), (1, "a1"), (2, "b0"), (3, "b1")]
+    assert body["usage"] == {
+        "prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 1}
+    }  # fmt: skip
+    assert merged.id == "batch_req_b-0" and merged.custom_id == "g"
+
+    failed = ResultLine(custom_id="g", index=1, finish_reason="error", error="boom")
+    request = Request(index=1, line_no=1, custom_id="g", shape="openai", prompt="p", choice_group=ChoiceGroup(position=1, size=2))
+    merged = merge_choice_group([member(0, ["a0", "a1"]), to_openai_output(failed, request, "b", "m", 0)], 2)
+    assert merged.is_failure and merged.error.message == "boom" and merged.id == "batch_req_b-0"

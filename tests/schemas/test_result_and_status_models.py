@@ -41,7 +41,7 @@ def test_openai_output_for_a_completion():
     assert out.custom_id == "c" and out.error is None
     assert out.response.status_code == 200 and out.response.request_id == "b1-3"
     body = out.response.body
-    assert body["object"] == "text_completion" and body["model"] == "m" and body["created"] == 100
+    assert body["object"] == "text_completion" and body["model"] == "worker-model" and body["created"] == 100
     assert body["choices"] == [{"index": 0, "text": "out", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {
         "prompt_tokens": 4,

@@ -29,7 +29,8 @@ def cbq(conn, monkeypatch):
 def run_burst_worker(conn, engine=None, queue="cbq", **kwargs) -> CbqWorker:
     """Run a CbqWorker in burst mode in this thread; restores the signal handlers rq installs."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    worker = CbqWorker([queue], engine or FakeEngine(), connection=conn, model_name="fake", **kwargs)
+    kwargs.setdefault("model_name", "fake")
+    worker = CbqWorker([queue], engine or FakeEngine(), connection=conn, **kwargs)
     try:
         worker.work(burst=True, logging_level="WARNING")
     finally:

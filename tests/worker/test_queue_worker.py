@@ -90,23 +90,25 @@ def test_200_mixed_requests_complete_in_input_order(cbq, conn, burst_worker, wri
 
 def test_openai_batch_input_gives_openai_batch_output(cbq, burst_worker, write_jsonl):
     objs = [o for o in mixed_requests(12) if "method" in o]
-    objs[0]["body"]["model"] = "my-model"
+    objs[0]["body"]["model"] = "my-model"  # the batch's model: it goes to that model's queue
+    objs[2]["body"]["model"] = "other-model"  # a batch names one model: this line fails alone
     batch_id = submit(cbq, write_jsonl, objs)
-    burst_worker()
+    assert burst_worker().num_requests_finished == 0  # a worker serving no such model leaves it queued
+    burst_worker(queue=keys.model_queue("cbq", "my-model"), model_name="my-model")
     lines = results_of(cbq, batch_id, "--format", "openai")
     assert [r["custom_id"] for r in lines] == [o["custom_id"] for o in objs]
     first, second = lines[0], lines[1]
     assert first["response"]["body"]["object"] == "text_completion"
-    assert first["response"]["body"]["model"] == "my-model"
-    assert (
-        second["response"]["body"]["object"] == "chat.completion"
-        and second["response"]["body"]["model"] == "fake"
-    )
-    expected = expected_texts(objs)
+    assert second["response"]["body"]["object"] == "chat.completion"
+    assert first["response"]["body"]["model"] == second["response"]["body"]["model"] == "my-model"  # served
+    expected = expected_texts(objs[:2])
     assert first["response"]["body"]["choices"][0]["text"] == expected[0]
     assert second["response"]["body"]["choices"][0]["message"]["content"] == expected[1]
     assert first["id"].startswith("batch_req_") and first["error"] is None
     assert first["response"]["body"]["usage"]["total_tokens"] > 0
+    not_found = lines[2]["response"]
+    assert not_found["status_code"] == 400 and not_found["body"]["error"]["code"] == "model_not_found"
+    assert not_found["body"]["error"]["param"] == "model"
 
 
 def test_token_ids_are_returned_on_request(cbq, burst_worker, write_jsonl):

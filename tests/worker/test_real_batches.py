@@ -56,7 +56,8 @@ def test_the_fixture_uses_every_accepted_body_field():
 def test_an_openai_batch_file_runs_unedited_and_parses_with_openai_types(llama3, tmp_path, mode):
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     args = ["run", str(OPENAI_BATCH), "-o", str(out), "--errors", str(errors), "--format", "openai"]
-    result = CliRunner().invoke(main, [*args, "--model", str(llama3.path), "--mode", mode])
+    served = ["--served-model-name", "llama-3-instruct-like"]  # the model the file's lines name
+    result = CliRunner().invoke(main, [*args, "--model", str(llama3.path), *served, "--mode", mode])
     assert result.exit_code == 2, result.output  # one request failed: the prompt is too long
     inputs = {line["custom_id"]: line for line in read_jsonl(OPENAI_BATCH)}
 
@@ -109,7 +110,7 @@ def test_chat_template_kwargs_reach_the_template_of_a_qwen3_checkpoint(tmp_path)
 
     qwen3 = build_checkpoint(tmp_path / "qwen3", "qwen3")
     messages = [{"role": "user", "content": "say something about the water"}]
-    body = {"model": "qwen3-like", "messages": messages, "max_tokens": 3}
+    body = {"model": "qwen3", "messages": messages, "max_tokens": 3}
     lines = [
         {"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": body | extra}
         for c, extra in (("thinking", {}), ("no-thinking", {"chat_template_kwargs": {"enable_thinking": False}}))
@@ -142,7 +143,7 @@ def test_chat_template_kwargs_reach_the_template_of_a_qwen3_checkpoint(tmp_path)
     bad = dict(lines[1], body=body | {"chat_template_kwargs": {"messages": 1}})
     path.write_text(json.dumps(bad) + "\n")
     result = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--model", str(qwen3.path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # the request failed alone (status 400)
     assert "line 1: body.chat_template_kwargs: messages cannot be set here" in result.output
 
 

@@ -35,7 +35,7 @@ def test_engine_sampling_params_name_schema_fields_with_the_same_defaults():
 
 
 class _Tokenizer:
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         return list(text.encode())
 
 
@@ -177,3 +177,22 @@ def test_generation_config_defaults_say_greedy_explicitly_when_do_sample_is_fals
     )
     # what the checkpoint's generation_config may set is what the engine can apply
     assert set(GENERATION_CONFIG_FIELDS) <= ENGINE_FIELDS
+
+
+def test_n_samples_of_an_openai_body_without_temperature_differ_as_in_vllm(tmp_path):
+    """The issue's case: `n: 3` and no temperature gave one distinct choice of 3. A checkpoint without
+    generation_config (the tiny preset): an OpenAI body samples at temperature 1, a cbq line stays greedy."""
+    from producer.cli import main
+
+    body = {"model": "tiny-llama", "prompt": "the water is", "max_tokens": 12, "n": 3}
+    lines = [
+        {"custom_id": "openai", "method": "POST", "url": "/v1/completions", "body": body},
+        {"custom_id": "native", "prompt": "the water is", "max_new_tokens": 12, "n": 3},
+    ]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ran = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--device", "cpu"])
+    assert ran.exit_code == 0, ran.output
+    openai, native = (json.loads(line) for line in out.read_text().splitlines())
+    assert len({s["text"] for s in openai["samples"]}) > 1
+    assert len({s["text"] for s in native["samples"]}) == 1

@@ -224,6 +224,20 @@ class EngineStats:
         return 1000 * self.cpu_prep_seconds / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat is rendered, as vLLM's chat requests say it. Default: the template opens the assistant's turn,
+    and adds its own BOS (no special tokens are added on top)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    add_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("give add_generation_prompt or continue_final_message, not both")
+
+
 @runtime_checkable
 class TokenizerProtocol(Protocol):
     """What the engine, `stop.py` and admission use of a tokenizer (`tokenizer.ByteTokenizer`, `HFTokenizer`)."""
@@ -234,13 +248,14 @@ class TokenizerProtocol(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions = ...,
     ) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...

@@ -9,6 +9,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from .api import ChatOptions
+
+
+class NoChatTemplate(ValueError):
+    """A chat was given to a tokenizer that has no chat template (`cbq worker --chat-template FILE` gives one)."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0-255; then BOS, EOS and PAD. Ids past those decode to nothing.
@@ -27,20 +33,25 @@ class ByteTokenizer:
         self.vocab_size = self.NUM_BYTES + 3
         self.eos_token_ids = frozenset({self.eos_token_id})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
-        return [self.bos_token_id, *ids] if self.add_bos else ids
+        return [self.bos_token_id, *ids] if self.add_bos and add_special_tokens else ids
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions = ChatOptions(),
     ) -> list[int]:
         # A fixed, documented template: "<|role|>\ncontent\n" per message, then the assistant's turn. It has
-        # no variables, so `template_kwargs` and `tools` change nothing (as for a checkpoint without a template).
-        text = "".join(f"<|{m['role']}|>\n{transcript_text(m)}\n" for m in messages) + "<|assistant|>\n"
-        return self.encode(text)
+        # no variables, so `template_kwargs` and `tools` change nothing. BOS is its own, as in a checkpoint's.
+        turns = [f"<|{m['role']}|>\n{transcript_text(m)}\n" for m in messages]
+        if options.continue_final_message:  # the last message stays open: the output continues its text
+            turns[-1] = turns[-1].removesuffix("\n")
+        elif options.add_generation_prompt:
+            turns.append("<|assistant|>\n")
+        return self.encode("".join(turns), add_special_tokens=True)
 
     def special_token_id(self, text: str) -> int | None:
         return None  # BOS, EOS and PAD have no text
@@ -82,28 +93,38 @@ class HFTokenizer:
 
         return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False), extra_eos_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (Jinja, as in a tokenizer_config.json) instead of the checkpoint's."""
+        self._tok.chat_template = template
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions = ChatOptions(),
     ) -> list[int]:
         """The chat template's rendering, with `template_kwargs` as extra template variables (Qwen3's
-        `enable_thinking`) and `tools` as the template's tool definitions; without a template, a plain
-        transcript that ignores both."""
-        if getattr(self._tok, "chat_template", None):
-            ids = self._tok.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
+        `enable_thinking`) and `tools` as the template's tool definitions, tokenized as vLLM does (the
+        template writes its own BOS: no special tokens are added unless `options` asks). Without a template,
+        `NoChatTemplate`: a chat turned into some other text would run silently wrong."""
+        if not getattr(self._tok, "chat_template", None):
+            raise NoChatTemplate(
+                "the model's tokenizer has no chat template: start the worker with --chat-template FILE, "
+                "or send completions prompts"
             )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
-        # No template: a plain transcript, so chat lines still work with base models.
-        text = "".join(f"{m['role']}: {transcript_text(m)}\n" for m in messages) + "assistant:"
-        return self.encode(text)
+        text = self._tok.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
+            continue_final_message=options.continue_final_message,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+        return self.encode(text, add_special_tokens=options.add_special_tokens)
 
     def special_token_id(self, text: str) -> int | None:
         return self._special_ids.get(text)

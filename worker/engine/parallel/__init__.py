@@ -1,0 +1,64 @@
+"""Tensor parallelism: one model replica spread over the GPUs of one host (issue 27).
+
+Modules (each owns what its docstring says):
+- group.py: the replica's ranks. `launch_ranks(N, target, args)` spawns ranks 1..N-1 running
+  `target(state, *args)` and returns rank 0's `RankGroup`; `ParallelState` (rank, world size, the
+  forward group and the control group) is passed explicitly to everything that needs it; the
+  collectives (`all_reduce`, `all_gather`, `gather_to_first`) are no-ops at world size 1. A helper
+  that dies ends the group with a `RankFailure`; collectives are bounded by a timeout; a helper exits
+  when rank 0's process goes away, so SIGTERM/SIGKILL/Ctrl-C on rank 0 stop every rank.
+- messages.py: what rank 0 sends each step (`RunStep(step)`, `Shutdown()`) over a `ControlChannel`,
+  `StepDriver` (rank 0) and `serve_forever` (the other ranks); a step is any frozen dataclass
+  (`StepDescription`), run by a `StepRunner`.
+
+How the ranks run (the worker is rank 0; `serve` is module-level so spawn can pickle it):
+
+    def serve(state, model_path):                           # ranks 1..N-1
+        serve_forever(state, Runner(model_path, state))     # until rank 0 sends Shutdown
+
+    group = launch_ranks(N, serve, (model_path,), device_type="cuda", on_failure=stop_the_worker)
+    driver = StepDriver(group, Runner(model_path, group.state))
+    result = driver.run(step)     # every rank runs `step`; rank 0's result (its logits) comes back
+    driver.shutdown()             # or a RankFailure from run(): the worker exits 1
+- layers.py: Column/MergedColumn/QKV/Row-parallel linears, the vocab-parallel embedding and the
+  LM head; each loads only its slice from the checkpoint; `shard_for`, `head_shard`, `vocab_shard`.
+- checkpoint.py: safetensors tensors by name, read by slice.
+- memory.py: weight bytes per rank at TP=N; `check_fits` refuses a load with the numbers.
+
+How a model file uses the layers (it does not change with the world size):
+
+    class Attention(nn.Module):
+        def __init__(self, cfg, state):
+            self.qkv = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                         cfg.num_kv_heads, state, bias=cfg.qkv_bias, dtype=dtype)
+            self.o = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, state)
+        def forward(self, x, ...):
+            q, k, v = self.qkv.split(self.qkv(x))  # this rank's heads only
+            ... attention over self.qkv.heads.num_q_heads / num_kv_heads heads, this rank's KV cache ...
+            return self.o(out)  # all-reduced: every rank has the full hidden state
+
+    gate_up = MergedColumnParallelLinear(hidden, [inter, inter], state)  -> silu_mul (local)
+    down = RowParallelLinear(inter, hidden, state)                         -> all-reduced
+    embed = VocabParallelEmbedding(vocab, hidden, state)                  -> all-reduced
+    lm_head = ParallelLMHead(vocab, hidden, state)                         -> logits on rank 0 only
+
+    loading: ckpt = SafetensorsCheckpoint.from_dir(path)
+             attn.qkv.load_qkv(ckpt, f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj")
+             mlp.gate_up.load_merged(ckpt, [f"{p}.gate_proj", f"{p}.up_proj"]); attn.o.load_from(ckpt, f"{p}.o_proj")
+
+Norms, rotary tables and q/k norms are replicated (plain tensors). Everything between a column layer
+and the row layer after it (rotary, attention, SiLU·mul) is local to the rank's heads/features, so
+the existing kernels run unchanged on smaller shapes. Each rank sizes its own KV cache for its
+`num_kv_heads` heads from its own free memory.
+
+Left to wire (the lead, after the family seam and the step description land):
+- the family files build these layers with the runner's ParallelState instead of reading the HF
+  model's parameters (fused_weights.py views); the fused GEMM epilogues take the shard's shapes;
+- the model runner executes the engine's step description (`StepRunner.execute_step`); rank 0's
+  engine calls `StepDriver.run(step)` instead of the runner directly, samples from the gathered
+  logits, and the helpers' `target` builds the runner and calls `serve_forever`;
+- `--tensor-parallel-size` on `cbq worker`/`cbq run`/`bench engine`, `on_failure` stopping the
+  worker with exit 1, and `memory.check_fits` at load with each GPU's free memory;
+- CUDA: the NCCL group is built (group.py) but untested here; CUDA-graph capture of the all-reduce,
+  MoE experts (memory.py counts them; no expert layer yet), FP8 scales beyond per-channel.
+"""

@@ -1,0 +1,450 @@
+"""Tensor-parallel layers: each knows which part of the full weight it holds and loads only that part.
+
+Owns each layer's shard of its weights (and biases). The arithmetic of the split lives in the
+`*_shard` functions below, used by the loaders, by memory.py and by the tests, so all agree.
+
+- ColumnParallelLinear: output features split; each rank computes its slice of y (optionally
+  all-gathered). MergedColumnParallelLinear (gate/up) and QKVParallelLinear (q/k/v by head) are
+  column-parallel layers over several checkpoint tensors, each rank holding matching slices of each.
+- RowParallelLinear: input features split; partial products summed by an all-reduce; the bias is
+  replicated and added once, after the sum.
+- VocabParallelEmbedding: vocabulary rows split (padded to a multiple of the world size); a rank
+  looks up the ids it holds, zeros the rest, and an all-reduce fills in the others.
+- ParallelLMHead: the same vocabulary split; logits of each rank's rows are gathered on rank 0
+  (which samples) and trimmed to the real vocabulary; the other ranks get None.
+
+At world_size 1 every layer is a plain linear/embedding with no collective, so a model file written
+with these layers does not change with the number of GPUs.
+
+Quantization: a linear layer holds a `linear_method` that creates its weights and applies the GEMM
+(`apply(layer, x, bias)`); `UnquantizedLinearMethod` is F.linear. A quantized method registers its
+own parameters (e.g. FP8 weights and per-output-channel scales); the loaders shard every parameter
+along the layer's split dimension (dim 0 for column layers; dim 1 of 2-D and none of 1-D parameters
+for row layers), so per-channel scales follow their rows. Block-wise scales would need the method to
+say how its scale grid maps to rows: not built yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import SliceSource, TensorSlice
+from .group import ParallelState, all_gather, all_reduce, gather_to_first
+
+# --- the split, for any rank ------------------------------------------------------------------------
+
+
+def shard_for(size: int, rank: int, world_size: int, what: str = "size") -> slice:
+    """Rank `rank`'s contiguous part of `size` items split evenly over `world_size` ranks."""
+    if size % world_size:
+        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {world_size}")
+    n = size // world_size
+    return slice(rank * n, (rank + 1) * n)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds: its q heads and the KV heads they read."""
+
+    q_heads: slice
+    kv_heads: slice
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads.stop - self.q_heads.start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads.stop - self.kv_heads.start
+
+
+def head_shard(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> HeadShard:
+    """q heads split evenly; KV heads split too, or, when there are fewer KV heads than ranks,
+    replicated: each rank then holds the one KV head its q heads use (grouped-query attention)."""
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+        )
+    q_heads = shard_for(num_heads, rank, world_size, "num_attention_heads")
+    if num_kv_heads >= world_size:
+        kv_heads = shard_for(num_kv_heads, rank, world_size, "num_key_value_heads")
+    else:
+        if world_size % num_kv_heads:
+            raise ValueError(
+                f"tensor-parallel size {world_size} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
+        kv_head = rank * num_kv_heads // world_size
+        kv_heads = slice(kv_head, kv_head + 1)
+    group_size = num_heads // num_kv_heads
+    assert (
+        q_heads.start // group_size == kv_heads.start
+        and (q_heads.stop - 1) // group_size == kv_heads.stop - 1
+    ), f"rank {rank}'s q heads {q_heads} do not read exactly KV heads {kv_heads}"
+    return HeadShard(q_heads, kv_heads)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows one rank holds: [start, stop) of the real vocabulary, stored in
+    `num_rows` rows (the padded vocabulary over the world size; rows past `stop` are zeros)."""
+
+    start: int
+    stop: int
+    num_rows: int
+
+
+def vocab_shard(vocab_size: int, rank: int, world_size: int) -> VocabShard:
+    num_rows = -(-vocab_size // world_size)
+    start = rank * num_rows
+    return VocabShard(start, max(start, min(start + num_rows, vocab_size)), num_rows)
+
+
+# --- loading ----------------------------------------------------------------------------------------
+
+
+def _copy_into(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"{what}: the checkpoint's slice {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
+        )
+    param.copy_(loaded)
+
+
+def _check_dim(loaded: TensorSlice, dim: int, expected: int, what: str) -> None:
+    shape = loaded.get_shape()
+    if len(shape) <= dim or shape[dim] != expected:
+        raise ValueError(f"{what}: checkpoint shape {shape}, expected {expected} along dim {dim}")
+
+
+# --- linear layers ----------------------------------------------------------------------------------
+
+
+class LinearMethod(Protocol):
+    """How a linear layer's weights are stored and multiplied (one object per format)."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_size: int,
+        dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """Weights in the model dtype, F.linear."""
+
+    def create_weights(self, layer, input_size, output_size, dtype, device) -> None:
+        weight = torch.empty(output_size, input_size, dtype=dtype, device=device)
+        layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+class _ParallelLinear(nn.Module):
+    """A linear layer holding [output_size_per_rank, input_size_per_rank] of a bigger one."""
+
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        state: ParallelState,
+        input_size_per_rank: int,
+        output_size_per_rank: int,
+        bias_size: int | None,
+        dtype: torch.dtype | None,
+        device: torch.device | None,
+        linear_method: LinearMethod | None,
+    ):
+        super().__init__()
+        self.state = state
+        self.input_size_per_rank = input_size_per_rank
+        self.output_size_per_rank = output_size_per_rank
+        self.linear_method = linear_method or UNQUANTIZED
+        dtype = dtype or torch.get_default_dtype()
+        self.linear_method.create_weights(self, input_size_per_rank, output_size_per_rank, dtype, device)
+        bias = None
+        if bias_size is not None:
+            bias = nn.Parameter(torch.empty(bias_size, dtype=dtype, device=device), requires_grad=False)
+        self.register_parameter("bias", bias)
+
+    def _params_to_load(self, prefix: str) -> list[tuple[str, nn.Parameter]]:
+        """(checkpoint name, parameter) of every parameter the layer holds, weight first."""
+        return [(f"{prefix}.{name}", param) for name, param in self.named_parameters(recurse=False)]
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W's rows (output features) split; `gather_output` all-gathers y."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        state: ParallelState,
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        linear_method: LinearMethod | None = None,
+        output_size_per_rank: int | None = None,  # for the merged subclasses, which split differently
+    ):
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        if output_size_per_rank is None:
+            rows = shard_for(output_size, state.rank, state.world_size, "output features")
+            output_size_per_rank = rows.stop - rows.start
+        bias_size = output_size_per_rank if bias else None
+        super().__init__(state, input_size, output_size_per_rank, bias_size, dtype, device, linear_method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_method.apply(self, x, self.bias)
+        return all_gather(self.state, y, dim=-1) if self.gather_output else y
+
+    def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
+        """Copy this rank's rows of the full checkpoint tensor `loaded` into `param`."""
+        _check_dim(loaded, 0, self.output_size, what)
+        rows = shard_for(self.output_size, self.state.rank, self.state.world_size, what)
+        _copy_into(param.data, loaded[rows], what)
+
+    def load_from(self, source: SliceSource, prefix: str) -> None:
+        """Load `{prefix}.weight` (and `.bias`) from the checkpoint, reading only this rank's rows."""
+        for name, param in self._params_to_load(prefix):
+            self.weight_loader(param, source.get_slice(name), name)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs of one input as one GEMM (gate and up): each rank holds its
+    slice of each, stacked in order: [gate rows of this rank; up rows of this rank]."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        state: ParallelState,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        linear_method: LinearMethod | None = None,
+    ):
+        self.output_sizes = list(output_sizes)
+        self.row_shards = [
+            shard_for(size, state.rank, state.world_size, f"output {i} features")
+            for i, size in enumerate(output_sizes)
+        ]
+        self.output_sizes_per_rank = [rows.stop - rows.start for rows in self.row_shards]
+        super().__init__(
+            input_size, sum(output_sizes), state, bias=bias, dtype=dtype, device=device,
+            linear_method=linear_method, output_size_per_rank=sum(self.output_sizes_per_rank),
+        )  # fmt: skip
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight", shard_id: int = 0
+    ) -> None:
+        """Copy this rank's rows of output `shard_id` (0: gate, 1: up) into their place in `param`."""
+        _check_dim(loaded, 0, self.output_sizes[shard_id], what)
+        offset = sum(self.output_sizes_per_rank[:shard_id])
+        size = self.output_sizes_per_rank[shard_id]
+        _copy_into(param.data[offset : offset + size], loaded[self.row_shards[shard_id]], what)
+
+    def load_from(self, source: SliceSource, prefix: str) -> None:
+        raise TypeError("a merged layer loads several tensors: call load_merged(source, prefixes)")
+
+    def load_merged(self, source: SliceSource, prefixes: Sequence[str]) -> None:
+        """Load `{p}.weight` (and `.bias`) for each prefix p (gate_proj, up_proj) into its place."""
+        assert len(prefixes) == len(self.output_sizes), f"{len(self.output_sizes)} prefixes, got {prefixes}"
+        for shard_id, prefix in enumerate(prefixes):
+            for name, param in self._params_to_load(prefix):
+                self.weight_loader(param, source.get_slice(name), name, shard_id)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one GEMM, split by attention head (`head_shard`): each rank holds
+    [its q heads; its KV heads of k; its KV heads of v], with KV heads replicated when there are
+    fewer of them than ranks."""
+
+    SHARD_IDS = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        state: ParallelState,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        linear_method: LinearMethod | None = None,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.heads = head_shard(num_heads, num_kv_heads, state.rank, state.world_size)
+        self.q_size_per_rank = self.heads.num_q_heads * head_dim
+        self.kv_size_per_rank = self.heads.num_kv_heads * head_dim
+        super().__init__(
+            hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, state, bias=bias, dtype=dtype, device=device,
+            linear_method=linear_method, output_size_per_rank=self.q_size_per_rank + 2 * self.kv_size_per_rank,
+        )  # fmt: skip
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's q, k, v from the layer's output."""
+        kv = self.kv_size_per_rank
+        q, k, v = qkv.split([self.q_size_per_rank, kv, kv], dim=-1)
+        return q, k, v
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight", shard_id: str = "q"
+    ) -> None:
+        """Copy this rank's heads of q_proj, k_proj or v_proj (`shard_id`) into their place in `param`."""
+        heads = self.heads.q_heads if shard_id == "q" else self.heads.kv_heads
+        total_heads = self.num_heads if shard_id == "q" else self.num_kv_heads
+        _check_dim(loaded, 0, total_heads * self.head_dim, what)
+        offset = {"q": 0, "k": self.q_size_per_rank, "v": self.q_size_per_rank + self.kv_size_per_rank}[
+            shard_id
+        ]
+        size = (heads.stop - heads.start) * self.head_dim
+        rows = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
+        _copy_into(param.data[offset : offset + size], loaded[rows], what)
+
+    def load_from(self, source: SliceSource, prefix: str) -> None:
+        raise TypeError(
+            "a QKV layer loads three tensors: call load_qkv(source, q_prefix, k_prefix, v_prefix)"
+        )
+
+    def load_qkv(self, source: SliceSource, q_prefix: str, k_prefix: str, v_prefix: str) -> None:
+        """Load q/k/v `.weight` (and `.bias`, as Qwen2 has) reading only this rank's heads."""
+        for shard_id, prefix in zip(self.SHARD_IDS, (q_prefix, k_prefix, v_prefix), strict=True):
+            for name, param in self._params_to_load(prefix):
+                self.weight_loader(param, source.get_slice(name), name, shard_id)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W's columns (input features) split: each rank multiplies its slice of x
+    (the column-parallel layer before it left x split that way), an all-reduce sums the parts, and
+    the replicated bias is added once, after the sum. `reduce_results=False` leaves the sum to the
+    caller (e.g. to fuse it with others); the bias then goes on rank 0's part only."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        state: ParallelState,
+        *,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        linear_method: LinearMethod | None = None,
+    ):
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.cols = shard_for(input_size, state.rank, state.world_size, "input features")
+        bias_size = output_size if bias else None
+        super().__init__(
+            state, self.cols.stop - self.cols.start, output_size, bias_size, dtype, device, linear_method
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = x[..., self.cols]
+        if not self.reduce_results:
+            return self.linear_method.apply(self, x, self.bias if self.state.is_first_rank else None)
+        y = all_reduce(self.state, self.linear_method.apply(self, x, None))
+        return y if self.bias is None else y + self.bias
+
+    def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
+        """2-D parameters: this rank's columns; 1-D (bias): the whole tensor, replicated."""
+        if param.dim() == 1:
+            _check_dim(loaded, 0, self.output_size, what)
+            _copy_into(param.data, loaded[:], what)
+            return
+        _check_dim(loaded, 1, self.input_size, what)
+        _copy_into(param.data, loaded[:, self.cols], what)
+
+    def load_from(self, source: SliceSource, prefix: str) -> None:
+        """Load `{prefix}.weight` (this rank's columns) and `.bias` (whole)."""
+        for name, param in self._params_to_load(prefix):
+            self.weight_loader(param, source.get_slice(name), name)
+
+
+# --- vocabulary ----------------------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocabulary rows are split over the ranks (`vocab_shard`)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_dim: int,
+        state: ParallelState,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        self.state = state
+        self.vocab_size = vocab_size
+        self.embedding_dim = embedding_dim
+        self.shard = vocab_shard(vocab_size, state.rank, state.world_size)
+        weight = torch.zeros(
+            self.shard.num_rows, embedding_dim, dtype=dtype or torch.get_default_dtype(), device=device
+        )
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.state.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.shard.start
+        is_here = (local_ids >= 0) & (local_ids < self.shard.num_rows)
+        hidden = F.embedding(local_ids.masked_fill(~is_here, 0), self.weight)
+        hidden.masked_fill_(~is_here.unsqueeze(-1), 0)
+        return all_reduce(self.state, hidden)
+
+    def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
+        """This rank's vocabulary rows; padding rows stay zero."""
+        _check_dim(loaded, 0, self.vocab_size, what)
+        num_real = self.shard.stop - self.shard.start
+        param.data[num_real:].zero_()
+        if num_real > 0:
+            _copy_into(param.data[:num_real], loaded[self.shard.start : self.shard.stop], what)
+
+    def load_from(self, source: SliceSource, prefix: str) -> None:
+        self.weight_loader(self.weight, source.get_slice(f"{prefix}.weight"), f"{prefix}.weight")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over a vocabulary split like VocabParallelEmbedding's: [T, vocab_size] on rank 0 (the
+    rank that samples), None on the others. Plain F.linear: no linear_method (no quantized heads yet)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        logits = gather_to_first(self.state, F.linear(hidden, self.weight), dim=-1)
+        return None if logits is None else logits[..., : self.vocab_size]
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the input embedding's shard (tie_word_embeddings): same split, same rows."""
+        assert embedding.shard == self.shard and embedding.embedding_dim == self.embedding_dim, (
+            "tied shapes differ"
+        )
+        self.weight = embedding.weight

@@ -1,0 +1,128 @@
+"""Weight bytes per rank of a decoder at tensor-parallel size N, to refuse a load that cannot fit, and
+the KV-cache bytes a token takes on one rank.
+
+Owns nothing. Counts what layers.py holds on one rank: its shard of every split tensor (q/k/v by
+head, o, gate/up, down, experts by intermediate size, the padded vocabulary of the embedding and an
+untied lm_head) and a full copy of every replicated one (norms, row-parallel biases, the MoE router,
+and KV heads when there are fewer KV heads than ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layers import head_shard, shard_for, vocab_shard
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes that decide a decoder's weight bytes (read from a transformers config)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False  # Qwen2 (the family file says; transformers' Qwen2 config has no flag)
+    qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm weights
+    num_experts: int = 0  # > 0: every layer's MLP is that many experts plus a router
+    expert_intermediate_size: int = 0
+
+    @classmethod
+    def from_config(cls, config, *, qkv_bias: bool = False, qk_norm: bool = False) -> DecoderShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or bool(getattr(config, "attention_bias", False)),
+            qk_norm=qk_norm,
+            num_experts=getattr(config, "num_experts", 0) or 0,
+            expert_intermediate_size=getattr(config, "moe_intermediate_size", 0) or 0,
+        )
+
+
+@dataclass(frozen=True)
+class RankWeightBytes:
+    """One rank's weight bytes: its shards of split tensors, and its copies of replicated ones."""
+
+    sharded: int
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def weight_bytes_per_rank(shape: DecoderShape, world_size: int, bytes_per_param: float) -> RankWeightBytes:
+    """The bytes rank 0 holds (every rank holds as much: the splits are even up to vocab padding).
+    Raises ValueError when the shape cannot be split over `world_size` ranks."""
+    s, n = shape, world_size
+    heads = head_shard(s.num_heads, s.num_kv_heads, 0, n)
+
+    def part(size: int, what: str) -> int:
+        rows = shard_for(size, 0, n, what)
+        return rows.stop - rows.start
+
+    kv_rows = 2 * heads.num_kv_heads * s.head_dim
+    kv_split = s.num_kv_heads >= n
+    q_rows = heads.num_q_heads * s.head_dim
+    sharded = (q_rows + (kv_rows if kv_split else 0)) * s.hidden_size  # q (and k, v when split)
+    replicated = 0 if kv_split else kv_rows * s.hidden_size  # k, v copies when KV heads are replicated
+    if s.qkv_bias:
+        sharded += q_rows + (kv_rows if kv_split else 0)
+        replicated += 0 if kv_split else kv_rows
+    sharded += s.hidden_size * part(s.num_heads * s.head_dim, "num_attention_heads x head_dim")  # o
+    if s.num_experts:
+        sharded += (
+            s.num_experts * 3 * s.hidden_size * part(s.expert_intermediate_size, "moe_intermediate_size")
+        )
+        replicated += s.num_experts * s.hidden_size  # the router
+    else:
+        sharded += 3 * s.hidden_size * part(s.intermediate_size, "intermediate_size")  # gate, up, down
+    replicated += 2 * s.hidden_size + (2 * s.head_dim if s.qk_norm else 0)  # the two norms (+ q/k norms)
+    sharded *= s.num_layers
+    replicated *= s.num_layers
+    vocab_rows = vocab_shard(s.vocab_size, 0, n).num_rows
+    sharded += vocab_rows * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    replicated += s.hidden_size  # the final norm
+    return RankWeightBytes(round(sharded * bytes_per_param), round(replicated * bytes_per_param))
+
+
+def kv_bytes_per_token_per_rank(shape: DecoderShape, world_size: int, bytes_per_value: float) -> int:
+    """KV-cache bytes one token takes on one rank: k and v of the rank's KV heads in every layer
+    (a replicated KV head is cached on every rank that holds it)."""
+    heads = head_shard(shape.num_heads, shape.num_kv_heads, 0, world_size)
+    return round(2 * shape.num_layers * heads.num_kv_heads * shape.head_dim * bytes_per_value)
+
+
+def check_fits(
+    shape: DecoderShape,
+    world_size: int,
+    bytes_per_param: float,
+    free_bytes_per_rank: list[int],
+    model_name: str,
+) -> RankWeightBytes:
+    """The per-rank weight bytes, or ValueError naming the numbers when some rank lacks the room."""
+    need = weight_bytes_per_rank(shape, world_size, bytes_per_param)
+    short = [(rank, free) for rank, free in enumerate(free_bytes_per_rank) if free < need.total]
+    if short:
+        rank, free = short[0]
+        gpus = "1 GPU" if world_size == 1 else f"{world_size} GPUs"
+        raise ValueError(
+            f"{model_name} does not fit {gpus}: {need.total / GB:.1f} GB of weights per rank "
+            f"({need.sharded / GB:.1f} GB sharded + {need.replicated / GB:.1f} GB replicated), "
+            f"but rank {rank} has {free / GB:.1f} GB free; split it over more GPUs"
+        )
+    return need

@@ -1,0 +1,170 @@
+"""The control messages rank 0 sends the other ranks of a replica, and the loops on both ends.
+
+Owns each rank's ControlChannel (its reused frame buffers). Rank 0's `StepDriver.run(step)` broadcasts `RunStep(step)` over the
+control group and then runs the same step itself; a helper's `serve_forever` receives each message,
+dispatches on its type (isinstance, never a string tag), and runs the step on its shards. Every rank
+thus enters the forward's collectives in the same order.
+
+A step is data (`StepDescription`: a frozen dataclass of ids, counts and block ids, no live objects),
+so a helper can rebuild everything it needs from the message alone. The engine's real step
+description is the engine<->runner seam; anything that executes it satisfies `StepRunner`.
+
+Transport: a pickled message over gloo on loopback (ControlChannel), in one broadcast of 64 KiB (a
+second one for what does not fit). Rank 0 waits for its send: 0.05-0.7 ms a step measured on an
+overloaded 2-core CPU host, where every thread wake-up is slow; to be measured on the GPU host, and a
+shared-memory ring (rank 0 never waits) built only if that shows in the step time. Pickle is safe
+here: both ends are ranks of one replica that rank 0 started, over a group on 127.0.0.1; nothing
+from the queue is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .group import ParallelState, RankGroup
+
+
+class StepDescription(Protocol):
+    """What a step must be to cross processes: a (frozen) dataclass instance, i.e. data."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+StepT = TypeVar("StepT", bound=StepDescription)
+StepT_contra = TypeVar("StepT_contra", bound=StepDescription, contravariant=True)
+
+
+class StepRunner(Protocol[StepT_contra]):
+    """What runs a step on one rank: the model runner with that rank's shards."""
+
+    def execute_step(self, step: StepT_contra) -> object: ...
+
+
+@dataclass(frozen=True)
+class RunStep(Generic[StepT]):
+    """Run this step's forward on your shards."""
+
+    step: StepT
+
+    def __post_init__(self):
+        params = getattr(type(self.step), "__dataclass_params__", None)
+        if not dataclasses.is_dataclass(self.step) or params is None or not params.frozen:
+            raise TypeError(f"a step must be a frozen dataclass instance, got {type(self.step).__name__}")
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Leave the loop; the process then exits."""
+
+
+ControlMessage = RunStep | Shutdown
+
+
+class ControlChannel:
+    """One rank's end of the control group. Owns the frame buffers, which live as long as the channel:
+    gloo takes ~10 ms longer for a broadcast into a freshly allocated tensor than into a reused one.
+
+    A frame is the pickle's length (8 bytes) then the pickle. Its first FIRST_BYTES go in one
+    broadcast (a decode step's ids and block tables fit); a longer frame's rest takes a second."""
+
+    FIRST_BYTES = 64 * 1024
+    LENGTH_BYTES = 8
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+        self._opts = dist.BroadcastOptions()
+        self._opts.rootRank = 0
+        self._first = torch.zeros(self.FIRST_BYTES, dtype=torch.uint8)
+        self._rest = torch.zeros(0, dtype=torch.uint8)  # grown to a power of two when needed
+
+    def _broadcast(self, buffer: torch.Tensor) -> None:
+        self.state.control_group.broadcast([buffer], self._opts).wait()
+
+    def _rest_view(self, num_bytes: int) -> torch.Tensor:
+        if self._rest.numel() < num_bytes:
+            self._rest = torch.zeros(1 << (num_bytes - 1).bit_length(), dtype=torch.uint8)
+        return self._rest[:num_bytes]
+
+    def send(self, message: ControlMessage) -> None:
+        """Rank 0: every other rank's `receive` returns `message`."""
+        assert self.state.is_first_rank, "only rank 0 sends"
+        if self.state.world_size == 1:
+            return
+        payload = pickle.dumps(message)
+        frame = torch.frombuffer(
+            bytearray(len(payload).to_bytes(self.LENGTH_BYTES, "little") + payload), dtype=torch.uint8
+        )
+        num_first = min(frame.numel(), self.FIRST_BYTES)
+        self._first[:num_first] = frame[:num_first]
+        self._broadcast(self._first)
+        if frame.numel() > self.FIRST_BYTES:
+            rest = self._rest_view(frame.numel() - self.FIRST_BYTES)
+            rest.copy_(frame[self.FIRST_BYTES :])
+            self._broadcast(rest)
+
+    def receive(self) -> ControlMessage:
+        """Ranks other than 0: rank 0's next message."""
+        assert not self.state.is_first_rank, "rank 0 sends"
+        self._broadcast(self._first)
+        frame = self._first.numpy().tobytes()
+        frame_len = self.LENGTH_BYTES + int.from_bytes(frame[: self.LENGTH_BYTES], "little")
+        if frame_len > self.FIRST_BYTES:
+            rest = self._rest_view(frame_len - self.FIRST_BYTES)
+            self._broadcast(rest)
+            frame += rest.numpy().tobytes()
+        received = pickle.loads(frame[self.LENGTH_BYTES : frame_len])
+        assert isinstance(received, RunStep | Shutdown), (
+            f"unexpected control message {type(received).__name__}"
+        )
+        return received
+
+
+def serve_forever(state: ParallelState, runner: StepRunner) -> int:
+    """A helper rank's loop: run every step rank 0 sends until Shutdown. Returns the number of steps."""
+    channel = ControlChannel(state)
+    num_steps = 0
+    while True:
+        message = channel.receive()
+        if isinstance(message, Shutdown):
+            return num_steps
+        if isinstance(message, RunStep):
+            runner.execute_step(message.step)
+            num_steps += 1
+        else:  # unreachable while ControlMessage has two members; a new one must be handled above
+            raise TypeError(f"no handler for {type(message).__name__}")
+
+
+class StepDriver(Generic[StepT]):
+    """Rank 0's end: each step goes to every helper, then runs here. A step that fails (a helper died,
+    or hung past the collective timeout, or rank 0's forward raised) ends the group and is raised as
+    its RankFailure: the helper's death when there was one, whatever the backend said."""
+
+    def __init__(self, group: RankGroup, runner: StepRunner[StepT]):
+        self.group = group
+        self.runner = runner
+        self.channel = ControlChannel(group.state)
+
+    def run(self, step: StepT) -> object:
+        """Run `step` on every rank; returns rank 0's result (e.g. the gathered logits' samples)."""
+        self.group.check()
+        try:
+            self.channel.send(RunStep(step))
+            return self.runner.execute_step(step)
+        except Exception as error:  # whatever it was, the ranks are out of step: the group is over
+            raise self.group.failure_after(error) from error
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tell every helper to leave its loop, then wait for them (RankGroup.close)."""
+        self.group.stop_watching()  # the helpers' exits that follow are the point, not a failure
+        if self.group.failure is None:
+            try:
+                self.channel.send(Shutdown())
+            except RuntimeError:
+                pass  # a helper already gone: close() reports how it ended
+        self.group.close(timeout_s)
