@@ -43,7 +43,17 @@ COMMANDS = {
     "--max-num-batched-tokens 8192",
     "W2_constrained": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192 --variant plain --variant json --variant logprobs5",
+    # issue 25: mixtures of experts (random bf16 weights; floors count the experts each step's tokens hit)
+    "W1_moe": "python3 -m worker.bench engine --model qwen3-30b-a3b --workload W1 --mode both --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048",
+    "W2_moe": "python3 -m worker.bench engine --model qwen3-30b-a3b --workload W2 --mode both --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192",
+    "W1_gptoss": "python3 -m worker.bench engine --model gptoss-20b --workload W1 --mode both --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048",
+    "W2_gptoss": "python3 -m worker.bench engine --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192",
 }
+MOE_RUNS = {"W1_moe": "w1_moe.json", "W2_moe": "w2_moe.json", "W1_gptoss": "w1_gptoss.json", "W2_gptoss": "w2_gptoss.json"}
 
 
 def main(srcs: list[Path]) -> dict:
@@ -110,6 +120,13 @@ def main(srcs: list[Path]) -> dict:
         entry.update({f"{v}_over_plain": r["output_tok_s"] / plain for v, r in runs.items() if v != "plain"})
         entry["date"] = grammar["date"]
         out["W2_constrained"] = entry
+    for name, file in MOE_RUNS.items():  # issue 25: cbq's modes only, each with its MoE floor ratio
+        moe = load(file)
+        if moe:
+            entry = {mode: {k: r.get(k) for k in FIELDS} for mode, r in moe["results"].items()}
+            if "sync" in entry and "async" in entry:
+                entry["async_over_sync"] = entry["async"]["output_tok_s"] / entry["sync"]["output_tok_s"]
+            out[name] = {**entry, "model": moe["model"], "config": moe["config"], "date": moe["date"]}
     for src in srcs:  # notes.json: {entry: "what to know when reading it"}, from the folder of that run
         notes = src / "notes.json"
         for name, note in (json.loads(notes.read_text()) if notes.exists() else {}).items():
@@ -132,6 +149,6 @@ if __name__ == "__main__":
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained")}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", *MOE_RUNS)}, indent=1
         )[:3000]
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
+#   bash benchmarks/run_gpu.sh [enginetests] [moetests] [w1moe] [w2moe] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
@@ -28,6 +28,10 @@ if has enginetests; then
 fi
 if has tests; then
     timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/worker/engine -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if has moetests; then  # the MoE families on CUDA (owned decoder vs generate in fp32, graphs vs eager) and the MoE kernels
+    timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_moe_tests.log" | tail -25
 fi
 if has kernels; then
     timeout 120 python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -20
@@ -64,6 +68,18 @@ fi
 if has w2; then
     bench 480 --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2.json" 2>&1 | tail -12
+fi
+if has w1moe; then  # issue 25: the Qwen3-30B-A3B shape (W1_moe) and the gpt-oss-20b shape (W1_gptoss), random bf16 weights
+    bench 420 --model qwen3-30b-a3b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --json-out "$OUT/w1_moe.json" 2>&1 | tail -8
+    bench 420 --model gptoss-20b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --json-out "$OUT/w1_gptoss.json" 2>&1 | tail -8
+fi
+if has w2moe; then  # W2_moe and W2_gptoss
+    bench 540 --model qwen3-30b-a3b --workload W2 --mode both --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --json-out "$OUT/w2_moe.json" 2>&1 | tail -8
+    bench 540 --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --json-out "$OUT/w2_gptoss.json" 2>&1 | tail -8
 fi
 if has w2grammar; then
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \

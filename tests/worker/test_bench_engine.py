@@ -71,3 +71,34 @@ def test_the_serial_floor_adds_kv_reads_to_the_gemms_where_the_default_floor_hid
     decode = (weight_bytes + 24_576 * kv_per_token) / bandwidth
     assert floor([memory_bound], serial=False) == pytest.approx(decode) == floor([memory_bound], serial=True)
     assert bench_engine.floor_seconds([compute_bound], weight_bytes, params, kv_per_token, 0.0, serial=True) == 0.0
+
+
+def test_an_moe_model_takes_the_floor_that_counts_the_experts_its_steps_hit(tmp_path, monkeypatch):
+    """`bench engine` on a mixture of experts: the floor is moe/cost.py's (dense weights, the distinct experts a
+    step's tokens hit, the KV), not the dense one that reads every expert every step."""
+    import torch
+
+    from worker.engine.models import load_model
+    from worker.engine.moe.cost import MoeModelShape
+
+    model, _ = load_model("tiny-qwen3-moe", torch.device("cpu"), torch.float32)
+    shape, bandwidth = MoeModelShape.from_config(model.config), 1e12
+    decode = [(1, 1, 100, 0.0)]  # one token: 8 of the 16 experts in each layer
+    floor, serial = bench_engine.engine_floors(model, decode, bandwidth)
+    assert floor == pytest.approx(bench_engine.moe_floor_seconds(decode, shape, 4, bandwidth))
+    assert serial >= floor > 0
+    weight_bytes, params = bench_engine.model_bytes(model)
+    dense_floor = bench_engine.floor_seconds(decode, weight_bytes, params, 2 * 2 * 2 * 16 * 4, bandwidth)
+    expert_bytes = 2 * 16 * 3 * 64 * 32 * 4  # layers x experts x (gate, up, down) x hidden x intermediate x fp32
+    assert dense_floor - floor == pytest.approx(expert_bytes / 2 / bandwidth, rel=1e-6)  # half the experts unread
+
+    calls = []
+    real = bench_engine.moe_floor_seconds
+    monkeypatch.setattr(bench_engine, "measure_copy_bandwidth", lambda device: bandwidth)
+    monkeypatch.setattr(bench_engine, "moe_floor_seconds", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    out = tmp_path / "bench.json"
+    args = ["--model", "tiny-qwen3-moe", "--workload", "tiny", "--num-requests", "4", "--device", "cpu"]
+    result = CliRunner().invoke(bench_engine.engine_bench, [*args, "--mode", "async", "--json-out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert len(calls) == 2  # the floor and the serial floor of the one run
+    assert json.loads(out.read_text())["results"]["async"]["floor_ratio"] > 0

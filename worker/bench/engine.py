@@ -95,8 +95,48 @@ def floor_seconds(
     return total
 
 
-def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
+def moe_floor_seconds(step_log, shape, dtype_bytes: int, bandwidth: float, serial: bool = False) -> float:
+    """`floor_seconds` for a mixture of experts (`shape`: moe/cost.py's MoeModelShape): each step reads the dense
+    weights, only the experts its tokens hit (distinct experts per layer), and the KV its attention reads (sliding
+    windows bounded), and computes the FLOPs of the parameters its tokens activate (moe/cost.py's `step_cost`)."""
+    from worker.engine.moe.cost import step_cost
+
+    if bandwidth <= 0:
+        return 0.0
+    total = 0.0
+    for num_tokens, num_seqs, context_tokens, _dev in step_log:
+        cost = step_cost(shape, num_tokens, num_seqs, context_tokens, dtype_bytes)
+        weights = (cost.dense_bytes + cost.expert_bytes) / bandwidth
+        kv_reads = cost.kv_bytes / bandwidth
+        compute = cost.flops / PEAK_BF16_FLOPS
+        total += max(weights, compute) + kv_reads if serial else max(weights + kv_reads, compute)
+    return total
+
+
+def engine_floors(model, step_log, bandwidth: float) -> tuple[float, float]:
+    """(floor, serial floor) in seconds of the steps in `step_log`: a mixture of experts (its family declares a
+    sparse MLP) by `moe_floor_seconds`, a dense model by `floor_seconds` (every weight read every step)."""
     from worker.engine.kv_cache import kv_bytes_per_block
+    from worker.engine.models import family_for
+
+    if family_for(model.config)[0].moe is not None:
+        from worker.engine.moe.cost import MoeModelShape
+
+        shape = MoeModelShape.from_config(model.config)
+        dtype_bytes = model.dtype.itemsize
+        return (
+            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth),
+            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, serial=True),
+        )
+    weight_bytes, num_params = model_bytes(model)
+    kv_per_token = kv_bytes_per_block(model.config, 1, model.dtype)
+    return (
+        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth),
+        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True),
+    )
+
+
+def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
 
     engine.reset_stats()
     with triton_compiles() as compiled:
@@ -115,10 +155,7 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].error}")
     out_tokens = sum(len(s.token_ids) for r in results for s in r.all_samples)
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
-    weight_bytes, num_params = model_bytes(engine.model)
-    kv_per_token = kv_bytes_per_block(engine.model.config, 1, engine.model.dtype)
-    floor = floor_seconds(engine.step_log, weight_bytes, num_params, kv_per_token, bandwidth)
-    serial_floor = floor_seconds(engine.step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True)
+    floor, serial_floor = engine_floors(engine.model, engine.step_log, bandwidth)
     steps = max(stats.steps, 1)
     return ModeResult(
         mode=mode,
@@ -323,12 +360,16 @@ def engine_bench(
     import torch
 
     from worker.engine.engine import Engine
-    from worker.engine.models import load_model, resolve_device, resolve_dtype
+    from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
+    from worker.engine.models.loader import check_moe_fit
 
     dev = resolve_device(device)
+    free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
     t0 = time.perf_counter()
     hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
     load_seconds = time.perf_counter() - t0
+    if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
+        click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
     bandwidth = measure_copy_bandwidth(dev)
     vocab_limit = min(hf_model.config.vocab_size, 32000)
     if workload in CACHE_WORKLOADS:

@@ -48,9 +48,11 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int = 0,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of T ragged query rows over the paged cache (within `sliding_window` keys when it is
     not 0; scores soft-capped to cap * tanh(s / cap) when `softcap` is set, as Gemma 2 does before masking).
+    `sinks` [num_heads]: one more logit per head in the softmax's denominator, attending to nothing (gpt-oss).
     Returns [T, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -80,6 +82,9 @@ def paged_attention_ref(
         if sliding_window:
             hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores.masked_fill_(hidden[None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if sinks is not None:  # a column per head that no value row matches: softmax over it, then drop it
+            sink_column = sinks.to(scores.dtype)[:, None, None].expand(num_heads, q_len, 1)
+            scores = torch.cat((scores, sink_column), dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)[..., :ctx_len]
         out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1)
     return out

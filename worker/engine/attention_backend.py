@@ -73,10 +73,11 @@ class AttentionBackend:
         layer_idx: int,
         pdl: bool = False,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of this step's rows for layer `layer_idx` (which picks its sliding window). `pdl`: the
         decode kernels launch with programmatic dependent launch (kernels/pdl.py; ignored here). `softcap`:
-        scores become cap * tanh(scores / cap)."""
+        scores become cap * tanh(scores / cap). `sinks` [H]: each head's sink logit (gpt-oss)."""
         return paged_attention_ref(
             q,
             k_cache,
@@ -87,6 +88,7 @@ class AttentionBackend:
             scale,
             sliding_window=meta.sliding_window(layer_idx),
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -114,6 +116,7 @@ class TritonAttentionBackend(AttentionBackend):
         layer_idx: int,
         pdl: bool = False,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert softcap is None, "the Triton attention kernels have no soft-capping: the runner picks the torch backend"
         window = meta.sliding_window(layer_idx)
@@ -129,6 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_context_len=meta.max_context_len,
                 sliding_window=window,
                 pdl=pdl,
+                sinks=sinks,
             )
         # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
         # a varlen query tile each they would waste most of it; the rest through the varlen kernel.
@@ -145,6 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[:num_decode],
                 max_context_len=meta.max_context_len,
                 sliding_window=window,
+                sinks=sinks,
             )
         return self._k.paged_prefill_attention(
             q,
@@ -157,6 +162,7 @@ class TritonAttentionBackend(AttentionBackend):
             out=out,
             max_query_len=meta.max_query_len,
             sliding_window=window,
+            sinks=sinks,
         )
 
 
@@ -168,13 +174,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         window = kwargs.get("sliding_window") or 0
-        if kwargs.get("softcap") is not None:  # sdpa has no soft-capping: the model's own eager attention does
-            if attention_mask is None:  # eager has no is_causal: it needs the mask, as an additive one
-                visible = _sliding_window_mask(query.shape[2], key.shape[2], window, query.device)
-                attention_mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-                attention_mask.masked_fill_(~visible, torch.finfo(query.dtype).min)
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            # sdpa has neither soft-capping (Gemma 2) nor sinks (gpt-oss): the model's own eager attention does,
+            # given the causal (windowed) mask that transformers builds for no attention it does not know.
             eager = sys.modules[type(module).__module__].eager_attention_forward
-            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            mask = _additive_mask(attention_mask, query, key.shape[2], window)
+            return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         if window and attention_mask is None:
             # NOTE: transformers builds no mask for an attention it does not know, and sdpa's is_causal has no
             # window: mask it here (unpadded input; the keys end at the last query, even in a window cache).
@@ -193,8 +198,21 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v = value[0].transpose(0, 1)
     meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = meta.backend.attend(q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"))
+    out = meta.backend.attend(
+        q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
+    )
     return out[None], None  # [1, T, H, D], no attention weights
+
+
+def _additive_mask(attention_mask, query: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """What eager attention adds to its scores: 0 where a query sees a key, the dtype's minimum elsewhere. Without
+    a mask: causal (and within `window` when it is not 0), the keys ending at the last query."""
+    if attention_mask is None:
+        attention_mask = _sliding_window_mask(query.shape[2], num_keys, window or num_keys, query.device)
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    hidden = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+    return hidden.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
 
 
 def _sliding_window_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Tensor:

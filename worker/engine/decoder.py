@@ -22,6 +22,10 @@ norms and the KV write). On CPU the same structure runs through the torch refere
 `kernels/fused.py`, which compute transformers' functions exactly; fp32 greedy output equals
 `model.generate` token for token (tests/worker/engine/test_engine_exact.py).
 
+Mixture-of-experts families (the declaration's `Family.moe`) run `moe.moe_forward` in their sparse layers
+instead of the gate/up and down GEMMs: the PyTorch reference on the CPU, the Triton grouped GEMMs in one
+workspace (sized here from the largest step) on CUDA; the experts are the model's own stacked tensors.
+
 Rotary uses the model's own `inv_freq` and `attention_scaling` (default, llama3, yarn, linear, ...
 rope types stay exact; a table narrower than the head is partial rotary). Rope types that change their
 frequencies with the sequence length at run time ("dynamic", "longrope") are refused at load.
@@ -52,6 +56,8 @@ from .kernels import fused as fk
 from .kv_cache import head_dim_of
 from .models import ModelLoadError, family_for
 from .models.spec import RUNTIME_ROPE_TYPES, Activation, DecoderArgs, Family, NormKind, QKNormSpan
+from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
+from .moe.from_model import moe_layer_weights
 
 # What this file implements, as torch ops (the CPU path, and the CUDA path of families the Triton kernels lack).
 NORMS = {
@@ -150,7 +156,9 @@ def layer_ops(
 
 
 class OwnedDecoder:
-    def __init__(self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False):
+    def __init__(
+        self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False, max_num_tokens: int = 0
+    ):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
@@ -163,7 +171,13 @@ class OwnedDecoder:
         self.final_norm = submodule(model, self.family.final_norm_path).weight
         self.lm_head = model.get_output_embeddings().weight  # the embedding itself when tied
         layers = submodule(model, self.family.layers_path)
-        self.layers: list[LayerWeights] = [layer_weights(layer, self.family.layer) for layer in layers]
+        sparse = set(moe_layer_ids(config)) if self.family.moe is not None else set()
+        self.layers: list[LayerWeights] = [
+            layer_weights(layer, self.family.layer, dense_mlp=i not in sparse) for i, layer in enumerate(layers)
+        ]
+        self._init_moe(model, layers, sparse, max_num_tokens)
+        sinks = self.family.attention_sinks
+        self.layer_sinks = [None if sinks is None else submodule(layer, sinks) for layer in layers]
         num_positions = max(max_model_len, config.max_position_embeddings)
         rotary_emb = submodule(model, self.family.rotary_path)
         if self.family.rope_per_layer_type:
@@ -210,12 +224,18 @@ class OwnedDecoder:
             normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps)
             q = self._qkv_rope_write(normed, positions, w, self.layer_rope[layer_idx], k_cache, v_cache, attn, ops)
             out = attn.backend.attend(
-                q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap
-            )
+                q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
+                sinks=self.layer_sinks[layer_idx],
+            )  # fmt: skip
             hidden = self._block_out(ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias), w.attn_out_norm)
             normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps)
-            activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
-            hidden = self._block_out(ops.linear(activated, w.down_weight, w.down_bias), w.mlp_out_norm)
+            moe = self.moe_layers[layer_idx]
+            if moe is not None:
+                mlp_out = moe_forward(normed, moe, self.moe_spec, self.moe_workspace)
+            else:
+                activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
+                mlp_out = ops.linear(activated, w.down_weight, w.down_bias)
+            hidden = self._block_out(mlp_out, w.mlp_out_norm)
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
@@ -228,6 +248,23 @@ class OwnedDecoder:
         if args.final_softcap is not None:
             logits = torch.tanh(logits / args.final_softcap) * args.final_softcap
         return logits
+
+    def _init_moe(self, model, layers, sparse: set[int], max_num_tokens: int) -> None:
+        """The sparse layers' weights (views of the model's stacked experts), and on CUDA the grouped GEMMs'
+        workspace, sized for the largest step (`max_num_tokens`) and shared by every sparse layer."""
+        self.moe_layers: list[MoeLayerWeights | None] = [None] * len(layers)
+        self.moe_workspace: MoeWorkspace | None = None
+        if not sparse:
+            return
+        assert self.family.moe is not None
+        self.moe_spec = spec_from_config(model.config)
+        for i in sorted(sparse):
+            self.moe_layers[i] = moe_layer_weights(layers[i], self.family.moe, self.moe_spec)
+        if self.embed_weight.is_cuda:
+            assert max_num_tokens > 0, "the owned decoder of an MoE model on CUDA needs the largest step's tokens"
+            self.moe_workspace = MoeWorkspace.allocate(
+                self.moe_spec, max_num_tokens, self.embed_weight.dtype, self.embed_weight.device
+            )
 
     def _block_out(self, out: torch.Tensor, out_norm: torch.Tensor | None) -> torch.Tensor:
         """An attention or MLP block's output as it joins the residual: its post-norm, its multiplier."""
@@ -285,10 +322,17 @@ def rotary_tables(
 
 
 def build_decoder(
-    model, choice: str, device: torch.device, max_model_len: int, use_triton: bool, gemm: str = "cublas"
+    model,
+    choice: str,
+    device: torch.device,
+    max_model_len: int,
+    use_triton: bool,
+    gemm: str = "cublas",
+    max_num_tokens: int = 0,
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
-    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path."""
+    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path.
+    `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA)."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
@@ -298,7 +342,7 @@ def build_decoder(
         raise ValueError(
             "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights, and fused kernels on"
         )
-    decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm)
+    decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm, max_num_tokens)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the un-fused weights' blocks, so KV sizing sees them free
     return decoder

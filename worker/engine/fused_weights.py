@@ -30,9 +30,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # Qwen2 (and Llama with attention_bias)
     o_weight: torch.Tensor
     o_bias: torch.Tensor | None
-    gate_up_weight: torch.Tensor  # [2 * I, hidden]: gate rows, then up rows
+    gate_up_weight: torch.Tensor | None  # [2 * I, hidden]: gate rows, then up rows (None: a sparse layer)
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: torch.Tensor | None
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # per-head RMSNorm weights [D] (Qwen3)
     k_norm: torch.Tensor | None
@@ -98,12 +98,15 @@ def _norm_weight(layer: Any, path: str | None) -> torch.Tensor | None:
     return None if path is None else submodule(layer, path).weight
 
 
-def layer_weights(layer: Any, spec: LayerSpec) -> LayerWeights:
-    """Fused weights of one transformers decoder layer, read as its family's `spec` says."""
+def layer_weights(layer: Any, spec: LayerSpec, dense_mlp: bool = True) -> LayerWeights:
+    """Fused weights of one transformers decoder layer, read as its family's `spec` says. `dense_mlp` False: the
+    layer's MLP is sparse (`moe_layer_weights` reads it) and the dense MLP's weights are None."""
     qkv_weight, qkv_bias = linear_weights(layer, spec.qkv)
     o_weight, o_bias = linear_weights(layer, spec.o)
-    gate_up_weight, gate_up_bias = linear_weights(layer, spec.gate_up)
-    down_weight, down_bias = linear_weights(layer, spec.down)
+    gate_up_weight = gate_up_bias = down_weight = down_bias = None
+    if dense_mlp:
+        gate_up_weight, gate_up_bias = linear_weights(layer, spec.gate_up)
+        down_weight, down_bias = linear_weights(layer, spec.down)
     return LayerWeights(
         attn_in_norm=_norm_weight(layer, spec.attn_in_norm),
         attn_out_norm=_norm_weight(layer, spec.attn_out_norm),

@@ -145,6 +145,7 @@ class ModelRunner:
             max_model_len,
             self.is_cuda and config.fused_kernels,
             config.decode_gemm,
+            max(config.max_num_batched_tokens, max(graph_buckets_for(config), default=0)),  # the builder's capacity
         )
 
         self.num_kv_blocks = num_kv_blocks

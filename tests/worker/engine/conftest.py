@@ -31,6 +31,9 @@ TINY_FAMILIES = [
 TRANSFORMERS_ONLY = {"tiny-cohere2"}
 # (preset, decoder) pairs the exactness tests run.
 FAMILY_DECODERS = [(n, d) for n in TINY_FAMILIES for d in ("hf", "owned") if d == "hf" or n not in TRANSFORMERS_ONLY]
+# The mixtures of experts, checked the same way with fewer, shorter requests (test_engine_exact_moe.py):
+# transformers' expert loop makes their references and "hf" runs several times slower than a dense model's.
+TINY_MOE_FAMILIES = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-gpt-oss"]
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ Run the interpreter variant by hand with:  TRITON_INTERPRET=1 python tests/worke
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -81,19 +82,19 @@ def make_case(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, d
     )
 
 
-def _reference(*args, sliding_window=0):
+def _reference(*args, sliding_window=0, sinks=None):
     """paged_attention_ref with full-precision fp32 matmuls, whatever another test set globally (TF32)."""
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        return paged_attention_ref(*args, sliding_window=sliding_window)
+        return paged_attention_ref(*args, sliding_window=sliding_window, sinks=sinks)
     finally:
         torch.set_float32_matmul_precision(prev)
 
 
-def _reference_of_case(c: dict, q: torch.Tensor, sliding_window: int) -> torch.Tensor:
+def _reference_of_case(c: dict, q: torch.Tensor, sliding_window: int, sinks=None) -> torch.Tensor:
     cache_and_layout = (c[k] for k in ("k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens"))
-    return _reference(q, *cache_and_layout, c["scale"], sliding_window=sliding_window)
+    return _reference(q, *cache_and_layout, c["scale"], sliding_window=sliding_window, sinks=sinks)
 
 
 def _assert_close(out, ref, dtype, what):
@@ -107,7 +108,7 @@ def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
     c = make_case(
         ctx_lens, [1] * len(ctx_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed
     )
-    ref = _reference_of_case(c, c["q"], kw.get("sliding_window", 0))
+    ref = _reference_of_case(c, c["q"], kw.get("sliding_window", 0), kw.get("sinks"))
     out = torch.full_like(c["q"], float("nan"))
     res = at.paged_decode_attention(
         c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["context_lens"], c["scale"], out=out, **kw
@@ -128,7 +129,7 @@ def check_prefill(
     q = c["q"]
     if pad_rows:  # rows past cu_seqlens_q[-1] (padding of a graph bucket): must come back as zeros
         q = torch.cat([q, torch.randn(pad_rows, num_heads, head_dim).to(dtype).to(device)])
-    ref = _reference_of_case(c, q, kw.get("sliding_window", 0))
+    ref = _reference_of_case(c, q, kw.get("sliding_window", 0), kw.get("sinks"))
     out = torch.full_like(q, float("nan"))
     res = at.paged_prefill_attention(
         q,
@@ -217,6 +218,36 @@ def check_sliding_window(num_heads, num_kv_heads, head_dim, block_size, dtype, d
             )
         )  # fmt: skip
     return errs
+
+
+def check_sinks(num_heads, num_kv_heads, head_dim, block_size, dtype, device) -> list[float]:
+    """gpt-oss's attention sinks (a logit per head, some large enough to take most of the probability) through
+    the decode kernel with and without splits (the reduce adds the sink once) and the prefill kernel, with and
+    without a sliding window."""
+    sinks = (torch.randn(num_heads, generator=torch.Generator().manual_seed(1)) * 3).to(device)
+    errs = []
+    for window in (0, 17):
+        for max_num_splits in (1, 2, at.DEFAULT_MAX_NUM_SPLITS):
+            errs.append(check_decode(
+                _decode_ctx(block_size, long=150), num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                sliding_window=window, max_num_splits=max_num_splits, sinks=sinks,
+            ))  # fmt: skip
+        ctx, ql = _prefill_mix(block_size, long=90)
+        errs.append(check_prefill(
+            ctx, ql, num_heads, num_kv_heads, head_dim, block_size, dtype, device, pad_rows=3,
+            sliding_window=window, max_query_len=max(ql), sinks=sinks,
+        ))  # fmt: skip
+    return errs
+
+
+def test_reference_sinks_take_their_share_of_the_softmax():
+    """One key: without a sink the output is its value; a sink s scales it by e^0 / (e^0 + e^s) (scores 0)."""
+    k_cache = torch.zeros(2, 4, 1, 2)
+    v_cache = torch.ones(2, 4, 1, 2)
+    args = (torch.zeros(1, 1, 2), k_cache, v_cache, torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([1]), 1.0)
+    assert torch.equal(paged_attention_ref(*args), torch.ones(1, 1, 2))
+    out = paged_attention_ref(*args, sinks=torch.tensor([1.0]))
+    torch.testing.assert_close(out, torch.full((1, 1, 2), 1 / (1 + math.e)))
 
 
 def test_reference_sliding_window_sees_only_the_last_window_keys():
@@ -344,6 +375,13 @@ def test_gpu_sliding_window(dtype, head_dim, block_size):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_sinks(dtype):
+    check_sinks(64, 8, 64, 16, dtype, "cuda")  # gpt-oss-20b's heads
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_prefill_config_reads_the_devices_shared_memory():
     """The driver's figure is what the 5-stage rule compares: Hopper (227 KiB per program) pipelines deeper."""
     device = torch.device("cuda")
@@ -417,6 +455,7 @@ def _interpreter_checks() -> None:
     # sliding windows: narrower than a KV tile, about a block, wider than every context
     errs += check_sliding_window(4, 2, 16, 8, torch.float32, "cpu", windows=(1, 5, 17, 40, 1000))
     errs += check_sliding_window(6, 2, 24, 16, torch.bfloat16, "cpu", windows=(7, 33))
+    errs += check_sinks(8, 2, 16, 8, torch.float32, "cpu")
     print(f"interpreter checks passed: {len(errs)} attention checks, max relative error {max(errs):.3g}")
 
 

@@ -138,3 +138,14 @@ def test_decode_reads_few_experts_and_prefill_reads_all():
     lm_head_flops = 2 * shape.vocab_size * 2048  # a sequence's logits
     # FLOPs follow the active parameters per token, however many experts the step hits
     assert (prefill.flops - 4 * lm_head_flops) / 8192 == (decode.flops - 32 * lm_head_flops) / 32
+
+
+def test_the_loader_says_an_moe_models_numbers_and_refuses_one_that_does_not_fit():
+    """At load on CUDA (`models.loader._check_fit`): the weights from the config alone, before any allocation."""
+    from worker.engine.models.loader import ModelLoadError, check_moe_fit, preset_config
+
+    config = preset_config("qwen3-30b-a3b")
+    line = check_moe_fit(config, torch.bfloat16, 140 * 10**9)
+    assert line.startswith("qwen3_moe: weights 61.1 GB (experts 58.0 GB) in bfloat16, GPU free 140.0 GB, 78.9 GB")
+    with pytest.raises(ModelLoadError, match=r"does not fit: weights 61.1 GB \(experts 58.0 GB\), GPU 40.0 GB"):
+        check_moe_fit(config, torch.bfloat16, 40 * 10**9)

@@ -147,3 +147,47 @@ def test_load_errors_name_the_tensor():
     no_experts = {k: v for k, v in state.items() if "experts" not in k}
     with pytest.raises(ValueError, match="no expert weights under 'model.layers.0.mlp.experts'"):
         load_moe_layer(no_experts, "model.layers.0", spec, torch.float32, "cpu")
+
+
+def test_per_expert_modules_are_stacked_once_and_rebound_to_views_of_the_stack():
+    """A model whose experts are per-expert linears (older transformers, Mixtral's w1/w3/w2): the owned decoder's
+    weights are one stack, each expert's linears become views of it, and the layer computes what they did."""
+    from torch import nn
+
+    from worker.engine.models.spec import MoeMlpSpec
+    from worker.engine.moe.from_model import moe_layer_weights
+    from worker.engine.moe.reference import moe_forward_ref
+    from worker.engine.moe.spec import MoeSpec
+
+    num_experts, hidden, inter = 4, 8, 6
+    spec = MoeSpec(model_type="mixtral", num_experts=num_experts, top_k=2, hidden_size=hidden,
+                   expert_intermediate_size=inter, norm_topk_prob=True)  # fmt: skip
+
+    def expert() -> nn.Module:
+        m = nn.Module()
+        m.w1, m.w3 = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        m.w2 = nn.Linear(inter, hidden, bias=False)
+        return m
+
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.gate = nn.Linear(hidden, num_experts, bias=False)
+    layer.mlp.experts = nn.ModuleList(expert() for _ in range(num_experts))
+    x = torch.randn(5, hidden)
+    topk_weights, topk_ids = torch.topk(torch.softmax(layer.mlp.gate(x), -1), 2)
+    topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, e in zip(topk_weights[t], topk_ids[t].tolist(), strict=True):
+            m = layer.mlp.experts[e]
+            want[t] += weight * m.w2(torch.nn.functional.silu(m.w1(x[t])) * m.w3(x[t]))
+
+    weights = moe_layer_weights(layer, MoeMlpSpec(router="mlp.gate", experts="mlp.experts"), spec)
+    stack = weights.experts.gate_up
+    start, end = stack.data_ptr(), stack.data_ptr() + stack.numel() * stack.element_size()
+    for e, module in enumerate(layer.mlp.experts):
+        assert start <= module.w1.weight.data_ptr() < end and start <= module.w3.weight.data_ptr() < end
+        assert module.w2.weight.data_ptr() == weights.experts.down[e].data_ptr()
+    assert torch.equal(weights.experts.gate_up[1, inter:], layer.mlp.experts[1].w3.weight)
+    torch.testing.assert_close(moe_forward_ref(x, weights, spec), want)

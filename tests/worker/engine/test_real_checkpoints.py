@@ -28,6 +28,7 @@ FAMILIES = {
     "qwen3": dict(eot_row_from=392),
     "mistral": dict(max_position_embeddings=144),
     "gemma2": dict(eot_row_from=246),
+    "qwen3_moe": dict(eot_row_from=473),
 }
 MAX_NEW_TOKENS = 40
 NUM_PROMPTS, NUM_CHATS = 6, 4

@@ -5,6 +5,8 @@
   context_lens[B]: tokens in the cache *including* this step's
   block_tables[B, max_blocks]: block ids of each sequence, in order
   sliding_window: 0, or W: the row at position p sees only keys at positions > p - W
+  sinks: None, or [num_heads]: a logit per head in the softmax denominator that adds no value (gpt-oss); added
+    once, where the denominator is final (the one-split decode, the reduce, the prefill epilogue)
 
 Three public entry points:
   write_kv                 scatter this step's K/V rows into the cache (one launch for K and V)
@@ -306,6 +308,15 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
+    def _add_sink(l_i, m_i, sinks_ptr, heads, mask, HAS_SINKS: tl.constexpr):
+        """The softmax denominator `l_i` (relative to the running max `m_i`, log2 units) plus each head's sink
+        term exp(sink - max): a logit that takes probability and adds no value (gpt-oss)."""
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = l_i + tl.exp2(sink - m_i)
+        return l_i
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr,
         k_cache_ptr,
@@ -329,6 +340,7 @@ if HAVE_TRITON:
         stride_vs,
         stride_vh,
         stride_bt,
+        sinks_ptr,
         NUM_SPLITS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
@@ -338,6 +350,7 @@ if HAVE_TRITON:
         TILE_N: tl.constexpr,
         DOT_PREC: tl.constexpr,
         USE_PDL: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         pdl_wait_and_release(USE_PDL)
         b = tl.program_id(0)
@@ -381,7 +394,10 @@ if HAVE_TRITON:
             )  # fmt: skip
 
         has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        denom = l_i
+        if NUM_SPLITS == 1:  # with splits, the reduce adds the sink once
+            denom = _add_sink(denom, m_i, sinks_ptr, heads, g_mask, HAS_SINKS)
+        o = acc / tl.where(has, denom, 1.0)[:, None]
         o = tl.where(has[:, None], o, 0.0)
         if NUM_SPLITS == 1:
             tl.store(
@@ -408,11 +424,13 @@ if HAVE_TRITON:
         num_heads,
         stride_ob,
         stride_oh,
+        sinks_ptr,
         NUM_SPLITS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         USE_PDL: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         pdl_wait_and_release(USE_PDL)
         b = tl.program_id(0).to(tl.int64)
@@ -424,9 +442,14 @@ if HAVE_TRITON:
         row = (b * num_heads + h) * NUM_SPLITS + s
         lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
         m = tl.max(lse, 0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # log2(e): lse is in log2 units
+            m = tl.maximum(m, sink)
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(lse - m)  # 0 for empty splits
         denom = tl.sum(w, 0)
+        if HAS_SINKS:
+            denom += tl.exp2(sink - m)
         o = tl.load(
             part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
             mask=s_mask[:, None] & d_mask[None, :],
@@ -466,6 +489,7 @@ if HAVE_TRITON:
         stride_vs,
         stride_vh,
         stride_bt,
+        sinks_ptr,
         GROUP: tl.constexpr,
         Q_PER_TILE: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -475,6 +499,7 @@ if HAVE_TRITON:
         BLOCK_SIZE: tl.constexpr,
         SLIDING: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         b = tl.program_id(1)
@@ -568,7 +593,8 @@ if HAVE_TRITON:
             )  # fmt: skip
 
         has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        denom = _add_sink(l_i, m_i, sinks_ptr, heads, row_valid, HAS_SINKS)
+        o = acc / tl.where(has, denom, 1.0)[:, None]
         o = tl.where(has[:, None], o, 0.0)
         tl.store(
             out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -665,9 +691,10 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     sliding_window: int = 0,
     pdl: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q [B, H, D] at position context_lens[b] - 1 (seeing the last
-    `sliding_window` keys when that is not 0). Returns [B, H, D].
+    `sliding_window` keys when that is not 0). Returns [B, H, D]. `sinks` [H]: each head's sink logit.
 
     Sequences with context_lens 0 get zeros. `max_context_len` (host int, optional) only caps the number of
     splits (default bound: block_tables.shape[1] * block_size); results are correct even if a sequence is
@@ -723,6 +750,7 @@ def paged_decode_attention(
         sliding_window,
         num_heads,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
+        out if sinks is None else sinks,  # never read without HAS_SINKS
         NUM_SPLITS=num_splits,
         GROUP=group,
         GROUP_PAD=max(16, next_pow2(group)),
@@ -732,6 +760,7 @@ def paged_decode_attention(
         TILE_N=tile_n,
         DOT_PREC=dot_precision(q.dtype, "tf32"),
         USE_PDL=pdl,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -744,11 +773,13 @@ def paged_decode_attention(
             num_heads,
             out.stride(0),
             out.stride(1),
+            out if sinks is None else sinks,
             NUM_SPLITS=num_splits,
             BLOCK_S=next_pow2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             USE_PDL=pdl,
+            HAS_SINKS=sinks is not None,
             num_warps=_reduce_warps(block_d * next_pow2(num_splits)),
             launch_pdl=pdl,
         )
@@ -766,9 +797,10 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
-    `sliding_window` keys when that is not 0). Returns [T, H, D].
+    `sliding_window` keys when that is not 0). Returns [T, H, D]. `sinks` [H]: each head's sink logit.
 
     B = len(context_lens). Row j of sequence b sits at position context_lens[b] - q_len_b + j. Rows past
     cu_seqlens_q[B] and sequences with context_lens 0 get zeros. `max_query_len` (host int, optional) must be
@@ -815,6 +847,7 @@ def paged_prefill_attention(
         num_seqs,
         num_tokens,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
+        out if sinks is None else sinks,  # never read without HAS_SINKS
         GROUP=group,
         Q_PER_TILE=q_per_tile,
         BLOCK_M=block_m,
@@ -824,6 +857,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         SLIDING=sliding_window > 0,
         DOT_PREC=dot_precision(q.dtype, "tf32"),
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 
 import torch
@@ -20,6 +21,8 @@ from .registry import MODULES, family_of
 from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
+
+logger = logging.getLogger("cbq.models")
 
 _BYTE_VOCAB = 320  # the byte tokenizer needs 259 ids; a multiple of 64 is friendlier to kernels
 
@@ -113,6 +116,50 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "ministral",
         dict(_TINY, num_hidden_layers=4, sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2),
     ),
+    # Mixtures of experts, release-shaped in what routes: Qwen3-MoE's top-8 of many experts, renormalised (as
+    # 30B-A3B and 235B-A22B); Qwen2-MoE's top-4 not renormalised, q/k/v biases and a gated shared expert (as
+    # Qwen1.5-MoE-A2.7B), with layer 0 a dense MLP (`mlp_only_layers`, which the releases leave empty) so a
+    # model with both kinds runs; Mixtral's top-2 of 8, renormalised.
+    "tiny-qwen3-moe": (
+        "qwen3_moe",
+        dict(_TINY, num_experts=16, num_experts_per_tok=8, norm_topk_prob=True, moe_intermediate_size=32),
+    ),
+    "tiny-qwen2-moe": (
+        "qwen2_moe",
+        dict(
+            _TINY,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            qkv_bias=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "tiny-mixtral": ("mixtral", dict(_TINY, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    # gpt-oss's: top-4 of 16 experts (20b: of 32), expert biases, the clamped SwiGLU, attention sinks, q/k/v/o
+    # biases, a sliding window (shorter than the tests' sequences) in every other layer, its YaRN rotary.
+    "tiny-gpt-oss": (
+        "gpt_oss",
+        dict(
+            _TINY,
+            num_local_experts=16,
+            num_experts_per_tok=4,
+            intermediate_size=32,
+            sliding_window=32,
+            # the release's YaRN (factor 32 over 4,096 positions), scaled to the tiny context
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150_000.0,
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
     # Small but GPU-sized: for GPU correctness tests (fast to build, real head_dim).
     "small-llama": (
         "llama",
@@ -142,6 +189,49 @@ PRESETS: dict[str, tuple[str, dict]] = {
             head_dim=128,
             max_position_embeddings=8192,
             rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # The Qwen3-30B-A3B shape (48 layers, 128 experts of 768, top-8 renormalised), for benchmarks.
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            initializer_range=0.02,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # The gpt-oss-20b shape (24 layers, 32 experts of 2880, top-4, sinks, 128-token windows every other layer), for
+    # benchmarks; its experts in bf16 (the release's MXFP4 is dequantized at load).
+    "gptoss-20b": (
+        "gpt_oss",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            max_position_embeddings=131072,
             rms_norm_eps=1e-5,
             initializer_range=0.02,
             tie_word_embeddings=False,
@@ -194,6 +284,35 @@ class ModelLoadError(ValueError):
     """The model cannot be loaded; the message is one line that says why (the CLI prints it as is)."""
 
 
+def check_moe_fit(config, dtype: torch.dtype, gpu_free_bytes: int) -> str:
+    """For a mixture of experts: its weights' bytes in `dtype` against the GPU's free bytes, from the config alone
+    (before anything is allocated), the experts twice where the owned decoder copies them (`kernel_layout`).
+    Returns the line that says the numbers; a `ModelLoadError` with them when nothing is left for the KV cache."""
+    from ..moe.cost import MoeModelShape, check_weights_fit, weight_bytes
+
+    weights = weight_bytes(MoeModelShape.from_config(config), dtype.itemsize)
+    moe = family_for(config)[0].moe
+    copied = moe is not None and not moe.kernel_layout
+    if copied:
+        weights = dataclasses.replace(weights, experts=2 * weights.experts)
+    try:
+        check_weights_fit(weights, gpu_free_bytes, min_kv_bytes=1)
+    except ValueError as exc:
+        raise ModelLoadError(f"model type {config.model_type!r}: {exc}") from exc
+    gb = 1e9
+    return (
+        f"{config.model_type}: weights {weights.total / gb:.1f} GB (experts {weights.experts / gb:.1f} GB"
+        f"{', held twice: the owned decoder copies them' if copied else ''}) in "
+        f"{str(dtype).removeprefix('torch.')}, GPU free {gpu_free_bytes / gb:.1f} GB, "
+        f"{(gpu_free_bytes - weights.total) / gb:.1f} GB left for the KV cache"
+    )
+
+
+def _check_fit(config, family: Family, device: torch.device, dtype: torch.dtype) -> None:
+    if family.moe is not None and device.type == "cuda":
+        logger.info(check_moe_fit(config, dtype, torch.cuda.mem_get_info(device)[0]))
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
 
@@ -204,7 +323,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
 
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
-        family_for(config)
+        _check_fit(config, family_for(config)[0], device, dtype)
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -212,6 +331,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
     else:
         config = _load_config(name_or_path)
         family, _ = family_for(config)  # before reading any weights
+        _check_fit(config, family, device, dtype)
         text_config, key_mapping = _text_model(config, family)
         try:
             generation_config = _load_generation_config(name_or_path, config)

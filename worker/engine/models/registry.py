@@ -23,6 +23,10 @@ MODULES = {  # model_type -> family module
     "cohere2": "cohere2",
     "glm4": "glm4",
     "ministral": "ministral",
+    "qwen3_moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe",
+    "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
 }
 
 

@@ -89,6 +89,21 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class MoeMlpSpec:
+    """A sparse MLP (mixture of experts), by attribute path under the transformers layer. Which layers are sparse
+    and the routing math come from the config (`moe.moe_layer_ids`, `moe.spec_from_config`); the other layers'
+    MLP is the dense one `LayerSpec.gate_up`/`down` declare."""
+
+    router: str  # nn.Linear-like: .weight [E, H] (and .bias where the family has one)
+    experts: str  # stacked .gate_up_proj [E, 2I, H] / .down_proj [E, H, I], or a list of per-expert MLPs
+    shared_expert: str | None = None  # a dense MLP beside the routed experts (Qwen2-MoE)
+    shared_expert_gate: str | None = None  # sigmoid(x @ w^T) scales the shared expert's output
+    # transformers stacks the experts as the kernels read them ([E, 2I, H], [gate; up] rows): the decoder uses
+    # views. False (gpt-oss: [E, H, 2I], gate/up columns interleaved): copied once, so held twice.
+    kernel_layout: bool = True
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
     """The numbers a family reads from one config (`Family.read`); neutral values leave the math unchanged."""
 
@@ -127,6 +142,9 @@ class Family:
     # Multimodal checkpoints whose language model this family runs (text lines only): their model_type ->
     # regex renames of their weight names onto the text model's (the loader reads only those weights).
     wrappers: dict[str, dict[str, str]] = field(default_factory=dict)
+    moe: MoeMlpSpec | None = None  # the sparse MLP of the layers `moe.moe_layer_ids` names (None: all dense)
+    # Attention sinks: a learned logit per head in the softmax (gpt-oss), by path under the layer (None: none).
+    attention_sinks: str | None = None
 
 
 def is_neutral(value: Any) -> bool:

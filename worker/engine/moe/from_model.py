@@ -1,0 +1,66 @@
+"""An MoE layer's weights read from a loaded transformers decoder layer, for the owned decoder. Owns nothing
+after building: the transformers model keeps owning every parameter, so `model.generate` still runs.
+
+transformers 5.x already holds each layer's experts stacked, `experts.gate_up_proj` [E, 2I, H] ([gate; up] rows)
+and `experts.down_proj` [E, H, I], the layout the kernels read: those are used as they are, no copy. A model
+whose experts are per-expert modules (`experts.{e}.gate_proj/up_proj/down_proj` or Mixtral's `w1/w3/w2`, as
+older transformers built them) is stacked once with `load_moe_layer`, and each expert's linears are then rebound
+to views of the stack, so memory holds every expert once and no per-expert module is on the hot path.
+A stacked layout that is not the kernels' (gpt-oss's [E, H, 2I], interleaved) is copied once into theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..fused_weights import fuse_rows, submodule
+from ..models.spec import MoeMlpSpec
+from .spec import MoeSpec
+from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights, load_moe_layer
+
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def moe_layer_weights(layer: Any, mlp: MoeMlpSpec, spec: MoeSpec) -> MoeLayerWeights:
+    """The sparse MLP of one transformers decoder layer, as `mlp` (the family's declaration) places it."""
+    router = submodule(layer, mlp.router)
+    experts = submodule(layer, mlp.experts)
+    stacked = getattr(experts, "gate_up_proj", None)
+    num_experts, hidden, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
+    if mlp.kernel_layout and isinstance(stacked, torch.Tensor) and stacked.shape == (num_experts, 2 * inter, hidden):
+        expert_weights = ExpertWeights(stacked.detach(), experts.down_proj.detach())
+    else:
+        expert_weights = _stack_per_expert(layer, mlp, spec)
+    shared = None
+    if mlp.shared_expert is not None:
+        shared_mlp = submodule(layer, mlp.shared_expert)
+        shared_gate_up, _ = fuse_rows([shared_mlp.gate_proj, shared_mlp.up_proj])
+        gate = None if mlp.shared_expert_gate is None else submodule(layer, mlp.shared_expert_gate).weight
+        shared = SharedExpertWeights(shared_gate_up, shared_mlp.down_proj.weight, gate)
+    weights = MoeLayerWeights(router.weight, getattr(router, "bias", None), expert_weights, shared)
+    weights.check(spec)
+    return weights
+
+
+def _stack_per_expert(layer: Any, mlp: MoeMlpSpec, spec: MoeSpec) -> ExpertWeights:
+    """Per-expert modules -> one stack (allocated once, in the model's dtype), the modules rebound to its views."""
+    tensors = {name: param.detach() for name, param in layer.named_parameters()}
+    router = submodule(layer, mlp.router).weight
+    # load_moe_layer finds the router and the experts by their checkpoint names under the layer
+    stacked = load_moe_layer(tensors, "", spec, router.dtype, router.device).experts
+    experts = submodule(layer, mlp.experts)
+    if not isinstance(experts, nn.ModuleList):
+        # NOTE: a stacked layout other than the kernels' (gpt-oss's transposed, interleaved one) is a copy: the
+        # transformers parameters stay as they are, so the experts are held twice.
+        return stacked
+    names = next((n for n in _PER_EXPERT_NAMES if hasattr(experts[0], n[0])), None)
+    assert names is not None, "load_moe_layer read per-expert linears by one of these names"
+    gate, up, down = names
+    inter = spec.expert_intermediate_size
+    for e, expert in enumerate(experts):
+        for name, view in ((gate, stacked.gate_up[e, :inter]), (up, stacked.gate_up[e, inter:]), (down, stacked.down[e])):
+            submodule(expert, name).weight = nn.Parameter(view, requires_grad=False)
+    return stacked
