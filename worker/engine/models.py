@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from .quant import UnsupportedQuantization, checkpoint_quantization, load_dequantized_model, refuse_gguf
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -132,9 +133,18 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = ByteTokenizer()
     else:
-        _check_model_type(_load_config(name_or_path).model_type)  # before reading any weights
+        try:  # quant/ refuses what cbq does not run (AWQ, GPTQ, GGUF, ...) in one line, before any weights
+            refuse_gguf(name_or_path)
+            config = _load_config(name_or_path)
+            quant = checkpoint_quantization(getattr(config, "quantization_config", None))
+        except UnsupportedQuantization as exc:
+            raise ModelLoadError(str(exc)) from None
+        _check_model_type(config.model_type)  # before reading any weights
         try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+            if quant is None:
+                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+            else:  # FP8: dequantized to `dtype` (the CPU path; on CUDA until the decoder takes FP8 linears)
+                model = load_dequantized_model(name_or_path, config, quant, dtype).to(device)
             tokenizer = _load_tokenizer(name_or_path, model_eos_token_ids(model))
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
