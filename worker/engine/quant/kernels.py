@@ -66,8 +66,11 @@ def scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, layer: Fp8Linear, out_
     if x_scale.dim() == 0 and layer.scheme.weight is WeightScale.TENSOR:
         return torch._scaled_mm(x_fp8, w_t, scale_a=x_scale, scale_b=layer.weight_scale, out_dtype=out_dtype)
     m, n = x_fp8.shape[0], layer.out_features
-    scale_a = x_scale.expand(m).reshape(m, 1).contiguous()
-    scale_b = layer.weight_scale.expand(n).reshape(1, n).contiguous()
+    # A per-tensor scale on one side is repeated into that side's vector (repeat, not expand: cuBLASLt wants
+    # unit strides even where a dimension has size one).
+    w_scale = layer.weight_scale
+    scale_a = x_scale.reshape(m, 1) if x_scale.dim() == 1 else x_scale.reshape(1, 1).repeat(m, 1)
+    scale_b = w_scale.reshape(1, n) if w_scale.dim() == 1 else w_scale.reshape(1, 1).repeat(1, n)
     out = torch._scaled_mm(x_fp8, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     return out.to(out_dtype)
 
@@ -90,8 +93,8 @@ def per_token_quant(x: torch.Tensor, scale_ub: float | None = None) -> tuple[tor
     if m:
         block = min(_next_pow2(k), 1024)
         _per_token_quant_kernel[(m,)](
-            x, x_fp8, scale, k, 0.0 if scale_ub is None else float(scale_ub),
-            HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
+            x, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
+            K=k, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
         )
     return x_fp8, scale
 
@@ -138,9 +141,9 @@ def block_fp8_gemm(
     w_scale = layer.weight_scale
     _block_fp8_gemm_kernel[grid](
         x_fp8, x_scale, layer.weight, w_scale, out, bias if bias is not None else out,
-        m, n, k,
+        m, n,
         x_fp8.stride(0), x_scale.stride(0), layer.weight.stride(0), w_scale.stride(0), out.stride(0),
-        GROUP_N=bn, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+        K=k, GROUP_N=bn, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
     )
     return out
 
@@ -154,10 +157,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _per_token_quant_kernel(
-        x_ptr, q_ptr, s_ptr, K, scale_ub,
-        HAS_UB: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr,
+        x_ptr, q_ptr, s_ptr, scale_ub,
+        K: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr,
     ):
         # One program per row: a pass for the absmax, a pass to quantize (the row stays in L2 between them).
+        # K is a constexpr (one compile per hidden size): loop bounds must be scalars in the interpreter too.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         running = tl.zeros([BLOCK], dtype=tl.float32)
@@ -191,9 +195,9 @@ if HAVE_TRITON:
     @triton.jit
     def _block_fp8_gemm_kernel(
         a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
-        M, N, K,
+        M, N,
         stride_a, stride_a_s, stride_b, stride_b_s, stride_c,
-        GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+        K: tl.constexpr, GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # c[m, n] = sum over K groups g of (sum_{k in g} a[m, k] * b[n, k]) * a_s[m, g] * b_s[n // GROUP_N, g]
