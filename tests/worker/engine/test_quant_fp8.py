@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.quant import ActivationScale, Fp8CheckpointError, Fp8Linear, Fp8Scheme, WeightScale, linear_method
+from worker.engine.quant import (
+    ActivationScale,
+    Fp8CheckpointError,
+    Fp8Linear,
+    Fp8Scheme,
+    WeightScale,
+    linear_method,
+)
 from worker.engine.quant.config import BlockFp8Config, OnlineFp8Config, checkpoint_quantization
 from worker.engine.quant.fp8 import (
     FP8_DTYPE,

@@ -281,7 +281,8 @@ def _is_fp8(args: Mapping[str, Any]) -> bool:
 def _describe(args: Any) -> str:
     if not isinstance(args, Mapping):
         return repr(args)
-    dynamic = {True: "dynamic", False: "static"}.get(args.get("dynamic"), f"dynamic={args.get('dynamic')!r}")
+    flag = args.get("dynamic")
+    dynamic = "dynamic" if flag is True else "static" if flag is False else f"dynamic={flag!r}"
     return f"{args.get('type')} {args.get('num_bits')}-bit, {dynamic} per {args.get('strategy')}"
 
 
