@@ -1,6 +1,7 @@
 """Model loading: a named preset with random weights, or a checkpoint by local path or hub name.
 
-Owns nothing after loading: returns a transformers causal LM and a tokenizer.
+Owns nothing after loading: returns a transformers causal LM and a tokenizer. FP8 checkpoints load with their
+weights dequantized (quant/); other quantizations are refused in one line.
 Presets need no files and no network; they use the byte tokenizer.
 """
 

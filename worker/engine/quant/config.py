@@ -93,10 +93,12 @@ class Fp8Config:
         raise NotImplementedError
 
 
-def _is_listed(module_name: str, names: tuple[str, ...]) -> bool:
-    """transformers' `modules_to_not_convert` rule: a listed name matches the module or any module under it,
-    and a bare name ("lm_head") matches wherever it sits."""
-    parts = module_name.split(".")
+def _stays_dense(module_name: str, modules_to_not_convert: tuple[str, ...]) -> bool:
+    """The output head never is quantized; else transformers' `modules_to_not_convert` rule: a listed name
+    matches the module or any module under it, and a bare name ("gate") matches wherever it sits."""
+    if module_name.endswith("lm_head"):
+        return True
+    names, parts = modules_to_not_convert, module_name.split(".")
     for name in names:
         n = len(name.split("."))
         if any(".".join(parts[i : i + n]) == name for i in range(len(parts) - n + 1)):
@@ -113,7 +115,7 @@ class BlockFp8Config(Fp8Config):
     weight_scale_name = "weight_scale_inv"  # a multiplier despite its name: w = w_fp8 * weight_scale_inv
 
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
-        if module_name.endswith("lm_head") or _is_listed(module_name, self.modules_to_not_convert):
+        if _stays_dense(module_name, self.modules_to_not_convert):
             return None
         return Fp8Scheme(WeightScale.BLOCK, ActivationScale.TOKEN_GROUP, block_shape=self.block_shape)
 
@@ -126,7 +128,7 @@ class FbgemmFp8Config(Fp8Config):
     quant_method = "fbgemm_fp8"
 
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
-        if module_name.endswith("lm_head") or _is_listed(module_name, self.modules_to_not_convert):
+        if _stays_dense(module_name, self.modules_to_not_convert):
             return None
         return Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN, activation_scale_ub=self.activation_scale_ub)
 
@@ -165,7 +167,7 @@ class OnlineFp8Config(Fp8Config):
     is_serialized = False
 
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
-        if module_name.endswith("lm_head"):
+        if _stays_dense(module_name, ()):
             return None
         return Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN)
 
@@ -179,6 +181,8 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
     FP8 checkpoint in its own format (as vLLM does). Raises `UnsupportedQuantization` for anything else."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise _refuse(f"--quantization {requested!r}")
+    if hasattr(quantization_config, "to_dict"):  # a transformers QuantizationConfigMixin, not config.json's dict
+        quantization_config = quantization_config.to_dict()
     if not quantization_config:
         return OnlineFp8Config() if requested == "fp8" else None
     if not isinstance(quantization_config, Mapping):
@@ -297,19 +301,3 @@ def _names(value: Any) -> tuple[str, ...]:
         raise _refuse(f"{_FIELD}: a module list of {value!r} (a list of names expected)")
     return tuple(value)
 
-
-__all__ = [
-    "CBQ_RUNS",
-    "QUANTIZATIONS",
-    "ActivationScale",
-    "BlockFp8Config",
-    "CompressedTensorsFp8Config",
-    "FbgemmFp8Config",
-    "Fp8Config",
-    "Fp8Scheme",
-    "OnlineFp8Config",
-    "UnsupportedQuantization",
-    "WeightScale",
-    "checkpoint_quantization",
-    "refuse_gguf",
-]
