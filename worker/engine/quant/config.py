@@ -181,8 +181,9 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
     FP8 checkpoint in its own format (as vLLM does). Raises `UnsupportedQuantization` for anything else."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise _refuse(f"--quantization {requested!r}")
-    if hasattr(quantization_config, "to_dict"):  # a transformers QuantizationConfigMixin, not config.json's dict
-        quantization_config = quantization_config.to_dict()
+    to_dict = getattr(quantization_config, "to_dict", None)  # a transformers QuantizationConfigMixin
+    if callable(to_dict):
+        quantization_config = to_dict()
     if not quantization_config:
         return OnlineFp8Config() if requested == "fp8" else None
     if not isinstance(quantization_config, Mapping):
