@@ -49,6 +49,15 @@ def test_block_fp8_as_qwen3_and_deepseek_ship_it():
     assert quant.scheme_for("model.layers.10.self_attn.q_proj") is not None
 
 
+def test_transformers_config_objects_read_as_their_dicts():
+    from transformers import FbgemmFp8Config as HfFbgemm
+    from transformers import FineGrainedFP8Config
+
+    assert checkpoint_quantization(FineGrainedFP8Config(weight_block_size=(128, 64))) == BlockFp8Config((128, 64))
+    fbgemm = checkpoint_quantization(HfFbgemm(activation_scale_ub=900.0, modules_to_not_convert=["lm_head"]))
+    assert fbgemm == FbgemmFp8Config(900.0, ("lm_head",))
+
+
 def test_compressed_tensors_dynamic_static_and_block():
     dynamic = checkpoint_quantization(quantization_config("ct-channel-dynamic", 2))
     assert isinstance(dynamic, CompressedTensorsFp8Config)
@@ -151,6 +160,7 @@ REFUSED = {
     "FP8 static blocks": ({**QWEN3_FP8, "activation_scheme": "static"}, "activation_scheme 'static'"),
     "e5m2": ({**QWEN3_FP8, "fmt": "e5m2"}, "fmt 'e5m2'"),
     "bad block": ({**QWEN3_FP8, "weight_block_size": [128]}, "weight_block_size [128]"),
+    "FP8 embeddings": ({**QWEN3_FP8, "modules_to_convert": ["embed_tokens"]}, "modules_to_convert ['embed_tokens']"),
 }
 
 

@@ -197,3 +197,26 @@ def test_online_quantization_reads_a_dense_weight():
     assert ((dequantize_weight(layer, torch.float32) - w.float()).abs() <= FP8_REL * w.float().abs() + 1e-3).all()
     with pytest.raises(Fp8CheckpointError, match="quantizes a 2-D bf16, fp16 or fp32 weight"):
         method.load({f"{prefix}.weight": layer.weight}, prefix)
+
+
+def test_the_state_dict_skips_kv_scales_and_names_what_the_config_does_not_account_for():
+    from worker.engine.quant import dequantize_state_dict
+    from worker.engine.quant.config import CompressedTensorsFp8Config
+
+    channel = CompressedTensorsFp8Config(((("Linear",), CHANNEL),), ignore=("lm_head",))
+    w_fp8, scale = quantize_weight_per_channel(torch.randn(32, 16))
+    tensors = {
+        "model.layers.0.mlp.up_proj.weight": w_fp8,
+        "model.layers.0.mlp.up_proj.weight_scale": scale[:, None].bfloat16(),
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.1),  # a kv_cache_scheme's: skipped
+        "model.norm.weight": torch.ones(16, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(8, 16, dtype=torch.bfloat16),
+    }
+    linears = ["model.layers.0.mlp.up_proj", "lm_head"]
+    state = dequantize_state_dict(tensors, channel, torch.float32, linears)
+    assert sorted(state) == ["lm_head.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    assert all(t.dtype == torch.float32 for t in state.values())
+    assert torch.equal(state["model.layers.0.mlp.up_proj.weight"], w_fp8.float() * scale[:, None].bfloat16().float())
+    tensors["lm_head.weight"] = torch.zeros(8, 16, dtype=FP8_DTYPE)  # FP8, but the config ignores lm_head
+    with pytest.raises(Fp8CheckpointError, match="has lm_head.weight .*leaves lm_head unquantized"):
+        dequantize_state_dict(tensors, channel, torch.float32, linears)

@@ -216,6 +216,8 @@ def _parse_block_fp8(qc: Mapping[str, Any]) -> BlockFp8Config:
         raise _refuse(f"{_FIELD}: quant_method 'fp8' without weight_block_size (per-tensor FP8)")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(_is_pos_int(b) for b in block)):
         raise _refuse(f"{_FIELD}.weight_block_size {block!r} (two positive ints expected)")
+    if qc.get("modules_to_convert"):  # FP8 embedding tables (DeepSeek-V4 style)
+        raise _refuse(f"{_FIELD}.modules_to_convert {qc['modules_to_convert']!r} (FP8 embeddings)")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise _refuse(f"{_FIELD}.activation_scheme {scheme!r} with block-wise FP8 weights")
