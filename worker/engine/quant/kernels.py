@@ -1,7 +1,8 @@
 """FP8 GEMMs and activation quantization on the GPU. Owns nothing.
 
   fp8_linear                 the one entry point: x quantized as the layer's scheme says, then the GEMM;
-                             "auto" runs the kernels below on CUDA and the emulation (fp8.py) elsewhere
+                             "auto" runs the kernels below on sm89+ GPUs and the emulation (fp8.py)
+                             elsewhere
   per_token_quant            Triton: one fp32 scale per row (absmax / 448, optionally capped: fbgemm's ub)
   per_token_group_quant      Triton: one scale per row and per group of columns (the block-wise format)
   scaled_mm                  cuBLASLt through torch._scaled_mm: per-tensor scales (static activations and
@@ -16,6 +17,8 @@ Launches depend only on shapes: CUDA-graph capturable. Imports without triton (`
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -39,7 +42,7 @@ def fp8_linear(
     """x [..., K] @ w^T (+ bias) in x's dtype, w the layer's FP8 weight. "kernels" forces the GPU path
     (the tests run it on CPU tensors through Triton's interpreter and torch's CPU _scaled_mm)."""
     assert backend in BACKENDS, f"backend must be one of {BACKENDS}"
-    if backend == "emulated" or (backend == "auto" and not x.is_cuda):
+    if backend == "emulated" or (backend == "auto" and not (x.is_cuda and has_fp8_tensor_cores(x.device))):
         return fp8_linear_emulated(x, layer, bias)
     x2d = x.reshape(-1, layer.in_features)
     scheme = layer.scheme
@@ -56,6 +59,17 @@ def fp8_linear(
         if bias is not None:
             out = out + bias
     return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """sm89+ (Ada, Hopper and later) multiply FP8; older GPUs run the emulation (dequantized weights)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return HAVE_TRITON and _capability(index) >= (8, 9)
 
 
 def scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, layer: Fp8Linear, out_dtype: torch.dtype) -> torch.Tensor:
