@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from worker.engine.config import MODES, EngineConfig
+from worker.engine.config import KV_CACHE_DTYPES, MODES, QUANTIZATIONS, EngineConfig
 
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
@@ -87,6 +87,29 @@ GPU_MEMORY_FLAGS = (
 )
 gpu_memory_options = config_flags(*GPU_MEMORY_FLAGS)
 
+# How weights and KV are stored: vLLM's flag names and values.
+QUANTIZATION_FLAGS = (
+    ConfigFlag(
+        ("--quantization", "quantization"),
+        "quantization",
+        {
+            "type": click.Choice(QUANTIZATIONS),
+            "help": "fp8: quantize an unquantized checkpoint's linears at load (FP8 weights per output channel, "
+            "activations per token; FP8 GEMMs on sm89+ GPUs, the dequantized weights elsewhere). FP8 checkpoints "
+            "(block-wise fp8, compressed-tensors, fbgemm_fp8) run in their own format without it.",
+        },
+    ),
+    ConfigFlag(
+        ("--kv-cache-dtype", "kv_cache_dtype"),
+        "kv_cache_dtype",
+        {
+            "type": click.Choice(KV_CACHE_DTYPES),
+            "help": "KV cache dtype (default auto: the model dtype). fp8 is not supported yet and is refused.",
+        },
+    ),
+)
+quantization_options = config_flags(*QUANTIZATION_FLAGS)
+
 engine_tuning_options = config_flags(
     ConfigFlag(
         ("--max-num-seqs", "max_num_seqs"),
@@ -113,6 +136,7 @@ engine_tuning_options = config_flags(
         },
     ),
     *GPU_MEMORY_FLAGS,
+    *QUANTIZATION_FLAGS,
     ConfigFlag(
         ("--generation-config-defaults/--no-generation-config-defaults", "generation_config_defaults"),
         "generation_config_defaults",

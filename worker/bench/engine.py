@@ -16,7 +16,7 @@ import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import WORKLOADS, make_workload, triton_compiles, warmup_requests, with_variant
-from worker.cli_options import gpu_memory_options
+from worker.cli_options import gpu_memory_options, quantization_options
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -68,10 +68,15 @@ def measure_copy_bandwidth(device) -> float:
 
 
 def model_bytes(model) -> tuple[int, int]:
-    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup."""
+    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup. FP8
+    linears (quant/) hold their weights and scales as buffers: their bytes count, their scales are no parameters."""
+    from worker.engine.quant.linear import Fp8LinearModule
+
     embed = model.get_input_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    params = sum(p.numel() for p in model.parameters()) - embed.numel()
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8LinearModule)]
+    tensors = [*model.parameters(), *(b for m in fp8 for b in m.buffers(recurse=False))]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    params = sum(p.numel() for p in model.parameters()) + sum(m.weight.numel() for m in fp8) - embed.numel()
     return total - embed.numel() * embed.element_size(), params
 
 
@@ -254,6 +259,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens, show_default=True
 )
 @gpu_memory_options
+@quantization_options
 @click.option("--no-cuda-graphs", is_flag=True)
 @click.option(
     "--no-prefix-caching",
@@ -327,7 +333,7 @@ def engine_bench(
 
     dev = resolve_device(device)
     t0 = time.perf_counter()
-    hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
+    hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization"))
     load_seconds = time.perf_counter() - t0
     bandwidth = measure_copy_bandwidth(dev)
     vocab_limit = min(hf_model.config.vocab_size, 32000)
@@ -358,7 +364,7 @@ def engine_bench(
             enable_prefix_caching=not no_prefix_caching,
             decoder=decoder,
             decode_gemm=gemm,
-            **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks
+            **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
         )
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)

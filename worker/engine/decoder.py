@@ -7,7 +7,9 @@ kernels below on CUDA; the others (Gemma 2's (1 + w) norms, GELU-tanh, sandwich 
 torch ops everywhere: correct, not yet fused. NOTE: GPU epilogues still missing for those.
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
-rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
+rotary cos/sin tables. A linear the loader kept in FP8 (sm89+ CUDA; quant/) is multiplied by its method's FP8
+GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; the small-step path (bf16 GEMMs) is
+then off. Built from the transformers model that `models.load_model` returns, so every
 checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
 
 Per layer (CUDA, 8 launches + attention; 6 on the small-step path, where SiLU·mul is in the gate/up GEMM's
@@ -49,6 +51,7 @@ from .kernels import decode_gemm
 from .kernels import fused as fk
 from .models import ModelLoadError, family_for
 from .models.spec import Activation, DecoderArgs, Family, NormKind, QKNormSpan
+from .quant.linear import Fp8LinearModule, Fp8Weight
 
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -108,6 +111,16 @@ class LayerOps:
     qkv_rope_epilogue: bool = False
 
 
+def weight_linear(dense: Callable) -> Callable:
+    """`dense` (F.linear) for a plain weight, the FP8 GEMM for an FP8 one: each linear's quantization is its own
+    (fused_weights.Weight). The branch is on a Python type, so it costs no sync and graphs capture it."""
+
+    def linear(x, weight, bias):
+        return weight.apply(x, bias) if isinstance(weight, Fp8Weight) else dense(x, weight, bias)
+
+    return linear
+
+
 def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
     """The gate/up GEMM and act·mul as two launches (the large-step and torch paths)."""
 
@@ -135,12 +148,13 @@ def layer_ops(
             pdl=pdl,
             qkv_rope_epilogue=True,
         )
+    linear = weight_linear(F.linear)
     if use_triton:
-        return LayerOps(add_norm=fk.add_rmsnorm, linear=F.linear, gate_up_act=gate_up_then_act(F.linear, fk.silu_mul))
+        return LayerOps(add_norm=fk.add_rmsnorm, linear=linear, gate_up_act=gate_up_then_act(linear, fk.silu_mul))
     return LayerOps(
         add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[norm]),
-        linear=F.linear,
-        gate_up_act=gate_up_then_act(F.linear, ACTIVATIONS[activation]),
+        linear=linear,
+        gate_up_act=gate_up_then_act(linear, ACTIVATIONS[activation]),
     )
 
 
@@ -175,8 +189,11 @@ class OwnedDecoder:
         self.norm = NORMS[self.family.norm]
         self.use_triton = use_triton and fk.HAVE_TRITON and has_llama_layer(self.family, self.args)
         self.ops = layer_ops(self.use_triton, False, norm=self.family.norm, activation=self.args.activation)
-        # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too).
-        self.small_step_ops = layer_ops(True, small_step=True) if small_step_gemm and self.use_triton else None
+        # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too). Its GEMMs read bf16/fp16
+        # weights: FP8 layers keep the FP8 GEMM at every step size.
+        self.is_fp8 = any(w.is_fp8 for w in self.layers)
+        small_step = small_step_gemm and self.use_triton and not self.is_fp8
+        self.small_step_ops = layer_ops(True, small_step=True) if small_step else None
 
     def __call__(
         self,
@@ -229,6 +246,7 @@ class OwnedDecoder:
         q [T, H, D]."""
         cos_table, sin_table = rope
         if ops.qkv_rope_epilogue and w.q_norm is None:
+            assert isinstance(w.qkv_weight, torch.Tensor), "the small-step path multiplies bf16/fp16 weights"
             return decode_gemm.decode_qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
@@ -264,6 +282,10 @@ def rotary_tables(
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 
+def has_fp8_linears(model) -> bool:
+    return any(isinstance(m, Fp8LinearModule) for m in model.modules())
+
+
 def build_decoder(
     model, choice: str, device: torch.device, max_model_len: int, use_triton: bool, gemm: str = "cublas"
 ):
@@ -273,10 +295,12 @@ def build_decoder(
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
         return None
-    small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype)
+    small_step_gemm = (
+        gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype) and not has_fp8_linears(model)
+    )
     if gemm == "triton" and not small_step_gemm:
         raise ValueError(
-            "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights, and fused kernels on"
+            "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights (not FP8), and fused kernels on"
         )
     decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm)
     if device.type == "cuda":

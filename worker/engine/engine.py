@@ -134,7 +134,8 @@ class Engine:
         """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine."""
         config = EngineConfig(**config_overrides)
         device = resolve_device(config.device)
-        hf_model, tokenizer = load_model(model, device, resolve_dtype(config.dtype, device), seed=config.seed)
+        dtype = resolve_dtype(config.dtype, device)
+        hf_model, tokenizer = load_model(model, device, dtype, seed=config.seed, quantization=config.quantization)
         return cls(hf_model, tokenizer, config)
 
     # -- public API (thread-safe) -----------------------------------------------------------------

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from ..config import QUANTIZATIONS  # what `--quantization` accepts
+
 CBQ_RUNS = (
     "cbq runs bf16, fp16 and fp32 checkpoints and FP8 ones in the formats fp8 (block-wise), "
     "compressed-tensors (float-quantized FP8) and fbgemm_fp8"
@@ -172,7 +174,6 @@ class OnlineFp8Config(Fp8Config):
         return Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN)
 
 
-QUANTIZATIONS = ("fp8",)  # what `--quantization` accepts
 
 
 def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, requested: str | None = None) -> Fp8Config | None:

@@ -3,8 +3,8 @@ the module that takes a quantized `nn.Linear`'s place and holds its FP8 weight a
 
   Fp8LinearModule     an `nn.Linear`'s stand-in: FP8 weight, fp32 scales (buffers, so `.to(device)` moves
                       them), the bias, and the method whose `apply` runs it; transformers' forward still runs
-  Fp8Weight           one GEMM's FP8 weight as the owned decoder holds it (fused_weights.py): the method and
-                      its `Fp8Linear`, q/k/v or gate/up stacked by `fuse_fp8`
+  Fp8Weight           one GEMM's FP8 weight as the owned decoder holds it: the method and its `Fp8Linear`
+                      (q/k/v or gate/up stacked by fused_weights.fuse_fp8)
   quantize_linears    `--quantization fp8` on a model already in memory: each linear its config quantizes is
                       rounded to FP8 per output channel, kept as FP8 (`keep_fp8`) or dequantized back (CPU)
   keeps_fp8(device)   whether a model on `device` keeps FP8 weights (sm89+ CUDA) or runs them dequantized
@@ -27,6 +27,11 @@ from .methods import Fp8LinearMethod, linear_method
 
 class Fp8LinearModule(nn.Module):
     """A quantized linear: `forward(x)` is the method's FP8 GEMM (on the CPU, its emulation)."""
+
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    weight_scale: torch.Tensor  # fp32, Fp8Linear's layout
+    input_scale: torch.Tensor | None
+    bias: nn.Parameter | None
 
     def __init__(self, method: Fp8LinearMethod, layer: Fp8Linear, bias: torch.Tensor | None):
         super().__init__()
@@ -62,21 +67,6 @@ class Fp8Weight:
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.method.apply(self.layer, x, bias)
-
-
-def fuse_fp8(modules: list[Fp8LinearModule]) -> Fp8Weight:
-    """The modules' rows stacked into one FP8 GEMM (`Fp8Linear.concat`: the scales go with their rows). Each
-    module's weight is then rebound to a view of the fused weight's rows, so memory holds each FP8 weight once
-    and the transformers model keeps running on the same bytes."""
-    if len(modules) == 1:
-        return Fp8Weight(modules[0].method, modules[0].layer)
-    fused = Fp8Linear.concat([m.layer for m in modules])
-    offset = 0
-    for module in modules:
-        n = module.out_features
-        module.weight = fused.weight[offset : offset + n]
-        offset += n
-    return Fp8Weight(modules[0].method, fused)
 
 
 def keeps_fp8(device: torch.device) -> bool:
