@@ -104,7 +104,8 @@ QUANTIZATION_FLAGS = (
         "kv_cache_dtype",
         {
             "type": click.Choice(KV_CACHE_DTYPES),
-            "help": "KV cache dtype (default auto: the model dtype). fp8 is not supported yet and is refused.",
+            "help": "KV cache dtype (default auto: the model dtype). fp8: e4m3 with per-tensor scales, half "
+            "bf16's bytes; CPU (torch attention) only so far, refused on CUDA.",
         },
     ),
 )

@@ -37,7 +37,7 @@ def test_build_engine_applies_the_overrides():
     )
 
 
-def test_quantization_flags_reach_the_engine_and_an_fp8_kv_cache_is_refused_in_one_line():
+def test_quantization_flags_reach_the_engine():
     seen = {}
 
     @click.command()
@@ -45,16 +45,11 @@ def test_quantization_flags_reach_the_engine_and_an_fp8_kv_cache_is_refused_in_o
     def cmd(engine_config):
         seen.update(engine_config)
 
-    assert CliRunner().invoke(cmd, ["--quantization", "fp8"]).exit_code == 0
-    assert seen == {"quantization": "fp8"}
+    assert CliRunner().invoke(cmd, ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]).exit_code == 0
+    assert seen == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert CliRunner().invoke(cmd, ["--quantization", "awq"]).exit_code != 0  # click names the choices
-    engine = build_engine("tiny-llama", "sync", "cpu", False, {"quantization": "fp8", "num_kv_blocks": 64})
-    assert engine.config.quantization == "fp8"
-    try:
-        build_engine("tiny-llama", "sync", "cpu", False, {"kv_cache_dtype": "fp8"})
-    except click.ClickException as exc:
-        assert exc.message.splitlines() == [
-            "cannot start the engine: --kv-cache-dtype fp8 is not supported yet; the KV cache keeps the model dtype"
-        ]
-    else:
-        raise AssertionError("--kv-cache-dtype fp8 must be refused")
+    engine = build_engine(
+        "tiny-llama", "sync", "cpu", False, {"quantization": "fp8", "kv_cache_dtype": "fp8", "num_kv_blocks": 64}
+    )
+    assert (engine.config.quantization, engine.config.kv_cache_dtype) == ("fp8", "fp8")
+    assert str(engine.runner.kv_caches[0][0].dtype) == "torch.float8_e4m3fn"

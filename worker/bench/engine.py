@@ -101,7 +101,7 @@ def floor_seconds(
 
 
 def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
-    from worker.engine.kv_cache import kv_bytes_per_block
+    from worker.engine.kv_cache import kv_bytes_per_block, kv_cache_dtype
 
     engine.reset_stats()
     with triton_compiles() as compiled:
@@ -121,7 +121,7 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
     out_tokens = sum(len(s.token_ids) for r in results for s in r.all_samples)
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
     weight_bytes, num_params = model_bytes(engine.model)
-    kv_per_token = kv_bytes_per_block(engine.model.config, 1, engine.model.dtype)
+    kv_per_token = kv_bytes_per_block(engine.model.config, 1, kv_cache_dtype(engine.config, engine.model.dtype))
     floor = floor_seconds(engine.step_log, weight_bytes, num_params, kv_per_token, bandwidth)
     serial_floor = floor_seconds(engine.step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True)
     steps = max(stats.steps, 1)

@@ -6,7 +6,8 @@ an `Fp8LinearModule` and the owned decoder multiplies its fused q/k/v and gate/u
 with them, through the FP8 GEMM's emulation: greedy output equals `generate` on the same model (whose
 linears run the same emulation one by one), for `--quantization fp8` and every checkpoint format.
 
-GPU (`gpu`, run on the H200): the FP8 kernels in the owned decoder against the dequantized model.
+GPU (`gpu`, run on the H200): the FP8 kernels (kept FP8 weights, cuBLASLt / Triton GEMMs) against their
+emulation on the same model, and the owned decoder's greedy output against `generate`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model
+from worker.engine.quant import kernels
 from worker.engine.quant.linear import Fp8LinearModule, Fp8Weight
 
 CPU = torch.device("cpu")
@@ -126,17 +128,30 @@ needs_fp8_gpu = pytest.mark.skipif(
 )
 
 
+def _emulated_logits(monkeypatch, model, ids: torch.Tensor) -> torch.Tensor:
+    """The same model's logits with every FP8 GEMM run as its emulation (fp8.py: the same quantized activations,
+    dequantized weights, an fp32 GEMM), the reference issue 26 names for the GPU path."""
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "has_fp8_tensor_cores", lambda device: False)
+        return _logits(model, ids)
+
+
+# The FP8 kernels against their emulation on the same bf16 model: both accumulate in fp32 and round the output
+# to bf16, so they differ by the last bits of a GEMM, which the random-weight layers amplify a little.
+GPU_LOGITS_REL = 0.05
+GPU_TOP1 = 0.95
+
+
 @pytest.mark.gpu
 @needs_fp8_gpu
-def test_gpu_quantization_fp8_runs_fp8_gemms_close_to_the_dequantized_model():
+def test_gpu_quantization_fp8_runs_fp8_gemms_that_match_their_emulation(monkeypatch):
     cuda = torch.device("cuda")
     model, tokenizer = load_model("small-llama", cuda, torch.bfloat16, quantization="fp8")
     assert any(isinstance(m, Fp8LinearModule) for m in model.modules()), "sm89+ keeps FP8 weights"
-    emulated, _ = load_model("small-llama", cuda, torch.bfloat16, quantization="fp8", keep_fp8=False)
     ids = torch.randint(0, 256, (1, 256), device=cuda, generator=torch.Generator(cuda).manual_seed(0))
-    rel, top1 = _compare(_logits(model, ids), _logits(emulated, ids))
-    # The emulation keeps the activations in bf16: the difference is the activations' FP8 rounding.
-    assert rel < 0.1 and top1 >= 0.9, (rel, top1)
+    rel, top1 = _compare(_logits(model, ids), _emulated_logits(monkeypatch, model, ids))
+    print(f"small-llama --quantization fp8: logits rel {rel:.4f}, top-1 agreement {top1:.3f} vs the emulation")
+    assert rel < GPU_LOGITS_REL and top1 >= GPU_TOP1, (rel, top1)
     engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=512))
     assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
     reqs = _requests(tokenizer, 16, max_new_tokens=32)
@@ -148,15 +163,18 @@ def test_gpu_quantization_fp8_runs_fp8_gemms_close_to_the_dequantized_model():
 @pytest.mark.gpu
 @needs_fp8_gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_checkpoint_formats_run_fp8_gemms_in_the_owned_decoder(tmp_path, fmt):
+def test_gpu_checkpoint_formats_run_fp8_gemms_in_the_owned_decoder(tmp_path, monkeypatch, fmt):
     fp8 = build_fp8_checkpoint(tmp_path, fmt, FAMILY[fmt])
     cuda = torch.device("cuda")
     model, tokenizer = load_model(str(fp8.path), cuda, torch.bfloat16)
-    dequantized, _ = load_model(str(fp8.path), cuda, torch.bfloat16, keep_fp8=False)
+    assert any(isinstance(m, Fp8LinearModule) for m in model.modules()), "sm89+ keeps FP8 weights"
     ids = torch.randint(0, 256, (1, 128), device=cuda, generator=torch.Generator(cuda).manual_seed(0))
-    rel, top1 = _compare(_logits(model, ids), _logits(dequantized, ids))
-    assert rel < 0.1 and top1 >= 0.9, (fmt, rel, top1)
+    rel, top1 = _compare(_logits(model, ids), _emulated_logits(monkeypatch, model, ids))
+    print(f"{fmt}: logits rel {rel:.4f}, top-1 agreement {top1:.3f} vs the emulation")
+    assert rel < GPU_LOGITS_REL and top1 >= GPU_TOP1, (fmt, rel, top1)
     engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=256))
     assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
-    results = engine.generate(_requests(tokenizer, 8))
-    assert all(r.token_ids for r in results)
+    reqs = _requests(tokenizer, 8)
+    results = engine.generate(reqs)
+    firsts = [r.token_ids[:1] == _greedy(model, tokenizer, q)[:1] for q, r in zip(reqs, results, strict=True)]
+    assert sum(firsts) >= 7, f"{fmt}: first tokens agree with generate() on {sum(firsts)} of 8"
