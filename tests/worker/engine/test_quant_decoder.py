@@ -102,6 +102,11 @@ def test_owned_decoder_multiplies_fp8_linears_quantized_at_load():
     assert len(modules) == 7 * model.config.num_hidden_layers, "every decoder linear, not the output head"
     assert not isinstance(model.lm_head, Fp8LinearModule)
     _check_fp8_decoder(model, tokenizer)
+    first, second = (Engine(model, tokenizer, EngineConfig(decoder="owned", num_kv_blocks=8)) for _ in range(2))
+    fused = [e.runner.decoder.layers[0].gate_up_weight for e in (first, second)]
+    assert all(isinstance(w, Fp8Weight) for w in fused)
+    assert fused[0].layer.weight.data_ptr() == fused[1].layer.weight.data_ptr(), "a second engine reuses the rows"
+    torch.testing.assert_close(fused[0].layer.weight_scale, fused[1].layer.weight_scale)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
