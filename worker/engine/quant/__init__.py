@@ -7,27 +7,21 @@
               it loads the linear's tensors (`Fp8Linear`), dequantizes them, and applies the GEMM
   fp8.py      plain-torch quantize/dequantize, `Fp8Linear`, and the emulation the kernels are checked against
   kernels.py  `fp8_linear`: Triton activation quantization, cuBLASLt `_scaled_mm`, the Triton block GEMM
-  loader.py   the CPU path: the checkpoint's weights dequantized into a plain transformers model
+  loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
+              or dequantized into a plain transformers model (the CPU path)
+  linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
+              apply), `Fp8Weight` (what the owned decoder multiplies), `quantize_linears` (--quantization
+              fp8 on a model in memory), `keeps_fp8(device)` (sm89+ CUDA keeps FP8, elsewhere dequantized)
 
-How the loader calls it (models.py today, the model-family loader later):
+How it is wired: models/loader.py refuses GGUF and other quantizations in one line (`refuse_gguf`,
+`checkpoint_quantization`), reads an FP8 checkpoint with `load_quantized_model(..., keep_fp8)` and runs
+`quantize_linears` for `--quantization fp8`. On sm89+ CUDA each quantized linear is an `Fp8LinearModule`;
+fused_weights.py stacks q/k/v and gate/up FP8 rows with their scales (`Fp8Linear.concat`) into an `Fp8Weight`,
+and decoder.py multiplies it with `Fp8Weight.apply` (kernels.fp8_linear) where a plain weight takes F.linear.
+Elsewhere the weights are dequantized to the compute dtype. The per-token and per-token-group quantizations
+are separate kernels today; fusing them into the preceding RMSNorm/SiLU·mul epilogues is the next step.
 
-    refuse_gguf(name_or_path)                                  # before transformers reads the file
-    quant = checkpoint_quantization(getattr(config, "quantization_config", None), requested=quantization)
-    if quant is None: ...                                      # bf16/fp16/fp32 as before
-    else: model = load_dequantized_model(name_or_path, config, quant, dtype)   # CPU, and CUDA until the
-                                                               # decoder takes FP8 linears
-
-`requested` is the future `--quantization fp8` value (`QUANTIZATIONS`); both raise `UnsupportedQuantization`,
-which the loader turns into its one-line `ModelLoadError`.
-
-How the owned decoder will run FP8 on CUDA: for each linear module name, `method = linear_method(quant, name)`;
-where it is not None, `layer = method.load(tensors, name).to(device)` replaces the dense weight (q/k/v and
-gate/up fused with `Fp8Linear.concat`, as fused_weights.py fuses dense ones), and the decoder's
-`linear(x, weight, bias)` becomes `fp8_linear(x, layer, bias)` for those layers. The per-token and
-per-token-group quantizations are separate kernels today; fusing them into the preceding RMSNorm/SiLU·mul
-epilogues is the next step on the H200.
-
-`--kv-cache-dtype fp8` is not here: it belongs to the attention kernels and the KV cache.
+`--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """
 
 from __future__ import annotations
