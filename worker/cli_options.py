@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from worker.engine.config import MODES, EngineConfig
+from worker.engine.config import KV_CACHE_DTYPES, MODES, QUANTIZATIONS, EngineConfig
 
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
@@ -88,6 +88,30 @@ GPU_MEMORY_FLAGS = (
 )
 gpu_memory_options = config_flags(*GPU_MEMORY_FLAGS)
 
+# How weights and KV are stored: vLLM's flag names and values.
+QUANTIZATION_FLAGS = (
+    ConfigFlag(
+        ("--quantization", "quantization"),
+        "quantization",
+        {
+            "type": click.Choice(QUANTIZATIONS),
+            "help": "fp8: quantize an unquantized checkpoint's linears at load (FP8 weights per output channel, "
+            "activations per token; FP8 GEMMs on sm89+ GPUs, the dequantized weights elsewhere). FP8 checkpoints "
+            "(block-wise fp8, compressed-tensors, fbgemm_fp8) run in their own format without it.",
+        },
+    ),
+    ConfigFlag(
+        ("--kv-cache-dtype", "kv_cache_dtype"),
+        "kv_cache_dtype",
+        {
+            "type": click.Choice(KV_CACHE_DTYPES),
+            "help": "KV cache dtype (default auto: the model dtype). fp8: e4m3 with per-tensor scales, half "
+            "bf16's bytes; CPU (torch attention) only so far, refused on CUDA.",
+        },
+    ),
+)
+quantization_options = config_flags(*QUANTIZATION_FLAGS)
+
 engine_tuning_options = config_flags(
     ConfigFlag(
         ("--max-num-seqs", "max_num_seqs"),
@@ -114,6 +138,7 @@ engine_tuning_options = config_flags(
         },
     ),
     *GPU_MEMORY_FLAGS,
+    *QUANTIZATION_FLAGS,
     ConfigFlag(
         ("--generation-config-defaults/--no-generation-config-defaults", "generation_config_defaults"),
         "generation_config_defaults",

@@ -26,8 +26,8 @@ def check_model_name(name: str, presets: list[str]) -> None:
             "no model given: set CBQ_MODEL or pass --model: a checkpoint folder, a hub id (org/name) or a preset "
             f"({', '.join(presets)})"
         )
-    if name in presets or os.path.isdir(name):
-        return
+    if name in presets or os.path.isdir(name) or (name.lower().endswith(".gguf") and os.path.isfile(name)):
+        return  # a GGUF file exists: the loader refuses it in its own line
     parent = os.path.dirname(name.rstrip("/"))
     is_path = name.startswith((".", "/", "~")) or (parent != "" and os.path.isdir(parent))
     if is_path:

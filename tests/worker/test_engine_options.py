@@ -35,3 +35,21 @@ def test_build_engine_applies_the_overrides():
         3,
         64,
     )
+
+
+def test_quantization_flags_reach_the_engine():
+    seen = {}
+
+    @click.command()
+    @engine_tuning_options
+    def cmd(engine_config):
+        seen.update(engine_config)
+
+    assert CliRunner().invoke(cmd, ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]).exit_code == 0
+    assert seen == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    assert CliRunner().invoke(cmd, ["--quantization", "awq"]).exit_code != 0  # click names the choices
+    engine = build_engine(
+        "tiny-llama", "sync", "cpu", False, {"quantization": "fp8", "kv_cache_dtype": "fp8", "num_kv_blocks": 64}
+    )
+    assert (engine.config.quantization, engine.config.kv_cache_dtype) == ("fp8", "fp8")
+    assert str(engine.runner.kv_caches[0][0].dtype) == "torch.float8_e4m3fn"

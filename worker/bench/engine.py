@@ -16,7 +16,7 @@ import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import WORKLOADS, make_workload, triton_compiles, warmup_requests, with_variant
-from worker.cli_options import gpu_memory_options
+from worker.cli_options import gpu_memory_options, quantization_options
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -68,10 +68,15 @@ def measure_copy_bandwidth(device) -> float:
 
 
 def model_bytes(model) -> tuple[int, int]:
-    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup."""
+    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup. FP8
+    linears (quant/) hold their weights and scales as buffers: their bytes count, their scales are no parameters."""
+    from worker.engine.quant.linear import Fp8LinearModule
+
     embed = model.get_input_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    params = sum(p.numel() for p in model.parameters()) - embed.numel()
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8LinearModule)]
+    tensors = [*model.parameters(), *(b for m in fp8 for b in m.buffers(recurse=False))]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    params = sum(p.numel() for p in model.parameters()) + sum(m.weight.numel() for m in fp8) - embed.numel()
     return total - embed.numel() * embed.element_size(), params
 
 
@@ -113,9 +118,10 @@ def moe_floor_seconds(step_log, shape, dtype_bytes: int, bandwidth: float, seria
     return total
 
 
-def engine_floors(model, step_log, bandwidth: float) -> tuple[float, float]:
+def engine_floors(model, step_log, bandwidth: float, kv_dtype=None) -> tuple[float, float]:
     """(floor, serial floor) in seconds of the steps in `step_log`: a mixture of experts (its family declares a
-    sparse MLP) by `moe_floor_seconds`, a dense model by `floor_seconds` (every weight read every step)."""
+    sparse MLP) by `moe_floor_seconds`, a dense model by `floor_seconds` (every weight read every step).
+    `kv_dtype`: the KV cache's element type (default the model's; FP8 halves the KV bytes)."""
     from worker.engine.kv_cache import kv_bytes_per_block
     from worker.engine.models import family_for
 
@@ -129,7 +135,7 @@ def engine_floors(model, step_log, bandwidth: float) -> tuple[float, float]:
             moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, serial=True),
         )
     weight_bytes, num_params = model_bytes(model)
-    kv_per_token = kv_bytes_per_block(model.config, 1, model.dtype)
+    kv_per_token = kv_bytes_per_block(model.config, 1, kv_dtype or model.dtype)
     return (
         floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth),
         floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True),
@@ -137,6 +143,7 @@ def engine_floors(model, step_log, bandwidth: float) -> tuple[float, float]:
 
 
 def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
+    from worker.engine.kv_cache import kv_cache_dtype
 
     engine.reset_stats()
     with triton_compiles() as compiled:
@@ -155,7 +162,9 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].error}")
     out_tokens = sum(len(s.token_ids) for r in results for s in r.all_samples)
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
-    floor, serial_floor = engine_floors(engine.model, engine.step_log, bandwidth)
+    floor, serial_floor = engine_floors(
+        engine.model, engine.step_log, bandwidth, kv_cache_dtype(engine.config, engine.model.dtype)
+    )
     steps = max(stats.steps, 1)
     return ModeResult(
         mode=mode,
@@ -291,6 +300,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens, show_default=True
 )
 @gpu_memory_options
+@quantization_options
 @click.option("--no-cuda-graphs", is_flag=True)
 @click.option(
     "--no-prefix-caching",
@@ -366,7 +376,7 @@ def engine_bench(
     dev = resolve_device(device)
     free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
     t0 = time.perf_counter()
-    hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev))
+    hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization"))
     load_seconds = time.perf_counter() - t0
     if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
         click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
@@ -399,7 +409,7 @@ def engine_bench(
             enable_prefix_caching=not no_prefix_caching,
             decoder=decoder,
             decode_gemm=gemm,
-            **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks
+            **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
         )
         t1 = time.perf_counter()
         engine = Engine(hf_model, tokenizer, config)

@@ -17,11 +17,28 @@ Conventions (all index tensors int32 unless stated):
   sliding_window: 0, or W: a row at position p then sees only keys at positions > p - W (the last W,
     itself included), as transformers' sliding-window mask does (Mistral, Qwen2/3 sliding layers).
 A step's new K/V are written before attention runs, so attention only ever reads the cache.
+An FP8 cache (`--kv-cache-dtype fp8`, float8_e4m3fn) holds K / k_scale and V / v_scale, saturated at ±448;
+reads multiply the scale back. The per-tensor scales are 1.0 (vLLM's default without calibrated scales) until
+the loader reads a checkpoint's k_scale / v_scale.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .quant.fp8 import FP8_DTYPE, to_fp8
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """K or V as the cache stores it: e4m3 divided by the per-tensor scale (saturating: e4m3 has no infinity,
+    a plain cast of an overflow would be NaN), else a cast."""
+    return to_fp8(x.float() / scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    if x.dtype != FP8_DTYPE:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype) if scale != 1.0 else x.to(dtype)
 
 
 def write_kv_ref(
@@ -30,12 +47,14 @@ def write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """key/value: [T, num_kv_heads, head_dim], row t into flat slot slot_mapping[t]."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping[: key.shape[0]].long()
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key.to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value.to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache(key, k_cache.dtype, k_scale)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache(value, v_cache.dtype, v_scale)
 
 
 def paged_attention_ref(
@@ -49,6 +68,8 @@ def paged_attention_ref(
     sliding_window: int = 0,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of T ragged query rows over the paged cache (within `sliding_window` keys when it is
     not 0; scores soft-capped to cap * tanh(s / cap) when `softcap` is set, as Gemma 2 does before masking).
@@ -70,8 +91,8 @@ def paged_attention_ref(
         blocks = tables[b, :num_blocks]
         keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]  # [L, KVH, D]
         values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # [H, L, D]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
+        keys = from_cache(keys, q.dtype, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        values = from_cache(values, q.dtype, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
         queries = q[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
         scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [H, q_len, L]
         if softcap is not None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 MODES = ("sync", "async")
 DECODERS = ("auto", "owned", "hf")
 DECODE_GEMMS = ("auto", "triton", "cublas")
+QUANTIZATIONS = ("fp8",)  # --quantization: weights quantized at load (quant/config.py parses it)
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,12 @@ class EngineConfig:
     # Fields a request leaves unset (temperature, top_p, top_k, max_new_tokens) take the checkpoint's
     # generation_config.json values, as in `generate()` and vLLM; False: cbq's built-in defaults.
     generation_config_defaults: bool = True
+    # "fp8": an unquantized checkpoint's linears quantized at load (per-channel FP8 weights, dynamic per-token
+    # activations); an FP8 checkpoint runs its own format either way. None: the checkpoint's dtype.
+    quantization: str | None = None
+    # "auto": the KV cache in the model dtype. "fp8": e4m3 with per-tensor scales (half bf16's bytes), in the
+    # torch attention (CPU) only so far: the model runner refuses it on CUDA (kv_cache.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.
@@ -60,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -10,7 +10,9 @@ RMSNorm, GELU-tanh, sandwich/post norms, full-projection q/k norms, partial, int
 attention soft-capping (the runner then keeps the torch attention, uncaptured: attention_backend_for).
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
-rotary cos/sin tables. Built from the transformers model that `models.load_model` returns, so every
+rotary cos/sin tables. A linear the loader kept in FP8 (sm89+ CUDA; quant/) is multiplied by its method's FP8
+GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; the small-step path (bf16 GEMMs) is
+then off. Built from the transformers model that `models.load_model` returns, so every
 checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
 
 Per layer (CUDA, 8 launches + attention; 6 on the small-step path, where SiLU·mul is in the gate/up GEMM's
@@ -58,6 +60,7 @@ from .models import ModelLoadError, family_for
 from .models.spec import RUNTIME_ROPE_TYPES, Activation, DecoderArgs, Family, NormKind, QKNormSpan
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
 from .moe.from_model import moe_layer_weights
+from .quant.linear import Fp8LinearModule, Fp8Weight
 
 # What this file implements, as torch ops (the CPU path, and the CUDA path of families the Triton kernels lack).
 NORMS = {
@@ -119,6 +122,16 @@ class LayerOps:
     qkv_rope_epilogue: bool = False
 
 
+def weight_linear(dense: Callable) -> Callable:
+    """`dense` (F.linear) for a plain weight, the FP8 GEMM for an FP8 one: each linear's quantization is its own
+    (fused_weights.Weight). The branch is on a Python type, so it costs no sync and graphs capture it."""
+
+    def linear(x, weight, bias):
+        return weight.apply(x, bias) if isinstance(weight, Fp8Weight) else dense(x, weight, bias)
+
+    return linear
+
+
 def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
     """The gate/up GEMM and act·mul as two launches (the large-step and torch paths)."""
 
@@ -146,12 +159,13 @@ def layer_ops(
             pdl=pdl,
             qkv_rope_epilogue=True,
         )
+    linear = weight_linear(F.linear)
     if use_triton:
-        return LayerOps(add_norm=fk.add_rmsnorm, linear=F.linear, gate_up_act=gate_up_then_act(F.linear, fk.silu_mul))
+        return LayerOps(add_norm=fk.add_rmsnorm, linear=linear, gate_up_act=gate_up_then_act(linear, fk.silu_mul))
     return LayerOps(
         add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[norm]),
-        linear=F.linear,
-        gate_up_act=gate_up_then_act(F.linear, ACTIVATIONS[activation]),
+        linear=linear,
+        gate_up_act=gate_up_then_act(linear, ACTIVATIONS[activation]),
     )
 
 
@@ -200,8 +214,11 @@ class OwnedDecoder:
         self.norm = NORMS[self.family.norm]
         self.use_triton = use_triton and fk.HAVE_TRITON and has_llama_layer(self.family, self.args) and is_full_rotary
         self.ops = layer_ops(self.use_triton, False, norm=self.family.norm, activation=self.args.activation)
-        # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too).
-        self.small_step_ops = layer_ops(True, small_step=True) if small_step_gemm and self.use_triton else None
+        # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too). Its GEMMs read bf16/fp16
+        # weights: FP8 layers keep the FP8 GEMM at every step size.
+        self.is_fp8 = any(w.is_fp8 for w in self.layers)
+        small_step = small_step_gemm and self.use_triton and not self.is_fp8
+        self.small_step_ops = layer_ops(True, small_step=True) if small_step else None
 
     def __call__(
         self,
@@ -280,6 +297,7 @@ class OwnedDecoder:
         cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
         if ops.qkv_rope_epilogue and w.q_norm is None:
             assert cos_table is not None and sin_table is not None, "the Triton paths run only rotating layers"
+            assert isinstance(w.qkv_weight, torch.Tensor), "the small-step path multiplies bf16/fp16 weights"
             return decode_gemm.decode_qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
@@ -321,6 +339,10 @@ def rotary_tables(
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 
+def has_fp8_linears(model) -> bool:
+    return any(isinstance(m, Fp8LinearModule) for m in model.modules())
+
+
 def build_decoder(
     model,
     choice: str,
@@ -337,10 +359,12 @@ def build_decoder(
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
         return None
-    small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype)
+    small_step_gemm = (
+        gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype) and not has_fp8_linears(model)
+    )
     if gemm == "triton" and not small_step_gemm:
         raise ValueError(
-            "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights, and fused kernels on"
+            "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights (not FP8), and fused kernels on"
         )
     decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm, max_num_tokens)
     if device.type == "cuda":

@@ -45,7 +45,7 @@ from .api import (
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
-from .kv_cache import num_blocks_from_memory
+from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, PenaltyRow, SampleExtras, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
 from .sampler import sample_seed
@@ -98,8 +98,9 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         # Defaults for what a request leaves unset (SamplingParams fields that are None).
         self.sampling_defaults = generation_defaults(model) if config.generation_config_defaults else {}
+        check_kv_cache_dtype(config, self.device)
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(
-            model.config, model.dtype, self.device, config
+            model.config, kv_cache_dtype(config, model.dtype), self.device, config
         )
         model_len = config.max_model_len or model.config.max_position_embeddings
         # A lone sequence must always fit in the cache, or preemption could never make room for it.
@@ -134,7 +135,8 @@ class Engine:
         """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine."""
         config = EngineConfig(**config_overrides)
         device = resolve_device(config.device)
-        hf_model, tokenizer = load_model(model, device, resolve_dtype(config.dtype, device), seed=config.seed)
+        dtype = resolve_dtype(config.dtype, device)
+        hf_model, tokenizer = load_model(model, device, dtype, seed=config.seed, quantization=config.quantization)
         return cls(hf_model, tokenizer, config)
 
     # -- public API (thread-safe) -----------------------------------------------------------------

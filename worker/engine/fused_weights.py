@@ -7,17 +7,25 @@ bias), so each is one GEMM. `fuse_rows` does not copy: the fused tensor is alloc
 parameter is rebound to a view of its rows. So the transformers model keeps working (tests use it as the
 reference, `model.generate` still runs) and memory holds every weight once. Fusing a model a second time (a
 second engine on the same model) finds the views adjacent and allocates nothing.
+
+A linear the loader kept in FP8 (`quant.linear.Fp8LinearModule`, sm89+ CUDA) gives an `Fp8Weight`: its FP8 rows
+and scales stacked together (`Fp8Linear.concat`), which the decoder multiplies with the FP8 GEMM.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from .models.spec import LayerSpec, LinearSpec, Quant
+from .quant.fp8 import Fp8Linear
+from .quant.linear import Fp8LinearModule, Fp8Weight
+
+# A GEMM's weight: a plain tensor (F.linear), or FP8 with its scales (`Fp8Weight.apply`: the FP8 GEMM).
+Weight = torch.Tensor | Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -26,16 +34,21 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None  # on attention's output, before the residual add (Gemma)
     mlp_in_norm: torch.Tensor | None
     mlp_out_norm: torch.Tensor | None
-    qkv_weight: torch.Tensor  # [(H + 2 * KVH) * D, hidden]: rows of q, then k, then v
+    qkv_weight: Weight  # [(H + 2 * KVH) * D, hidden]: rows of q, then k, then v
     qkv_bias: torch.Tensor | None  # Qwen2 (and Llama with attention_bias)
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
-    gate_up_weight: torch.Tensor | None  # [2 * I, hidden]: gate rows, then up rows (None: a sparse layer)
+    gate_up_weight: Weight | None  # [2 * I, hidden]: gate rows, then up rows (None: a sparse layer)
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor | None
+    down_weight: Weight | None
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # per-head RMSNorm weights [D] (Qwen3)
     k_norm: torch.Tensor | None
+
+
+    @property
+    def is_fp8(self) -> bool:
+        return any(isinstance(w, Fp8Weight) for w in (self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight))
 
 
 def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -46,7 +59,25 @@ def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, (_fuse_param(linears, "bias") if has_bias[0] else None)
 
 
-def _fuse_param(linears: list[nn.Linear], name: str) -> torch.Tensor:
+def fuse_fp8(modules: list[Fp8LinearModule]) -> Fp8Weight:
+    """FP8 linears' rows stacked into one FP8 GEMM, their scales with them (`Fp8Linear.concat`). As `fuse_rows`,
+    each module's weight is then a view of the fused weight's rows, so memory holds each FP8 weight once."""
+    if len(modules) == 1:
+        return Fp8Weight(modules[0].method, modules[0].layer)
+    fused = Fp8Linear.concat([m.layer for m in modules])
+    weights = [m.weight for m in modules]
+    if _are_adjacent_rows(weights):  # fused before (a second engine on the model): view the same bytes
+        shape = tuple(fused.weight.shape)
+        fused = replace(fused, weight=weights[0].as_strided(shape, fused.weight.stride()))
+    else:
+        offset = 0
+        for module in modules:
+            module.weight = fused.weight[offset : offset + module.out_features]
+            offset += module.out_features
+    return Fp8Weight(modules[0].method, fused)
+
+
+def _fuse_param(linears: list[nn.Linear] | list[Fp8LinearModule], name: str) -> torch.Tensor:
     parts = [getattr(lin, name) for lin in linears]
     rows = sum(p.shape[0] for p in parts)
     shape = (rows, *parts[0].shape[1:])
@@ -85,10 +116,23 @@ def submodule(root: Any, path: str) -> Any:
     return root
 
 
-def linear_weights(layer: Any, spec: LinearSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The (weight, bias) of one GEMM as `spec` declares it: its parts' rows stacked (fused at load)."""
-    assert spec.quant == Quant.NONE, f"quantization {spec.quant} has no weight loader yet"
+def linear_quant(layer: Any, spec: LinearSpec) -> LinearSpec:
+    """`spec` with the quantization its linears were loaded with (the loader made them `Fp8LinearModule`s)."""
+    is_fp8 = [isinstance(submodule(layer, part), Fp8LinearModule) for part in spec.parts]
+    assert all(is_fp8) or not any(is_fp8), f"fused linears {spec.parts} must all be FP8 or none"
+    return replace(spec, quant=Quant.FP8 if is_fp8[0] else Quant.NONE)
+
+
+def linear_weights(layer: Any, spec: LinearSpec) -> tuple[Weight, torch.Tensor | None]:
+    """The (weight, bias) of one GEMM as `spec` declares it: its parts' rows stacked (fused at load); FP8
+    weights with their scales (`fuse_fp8`), plain ones as views (`fuse_rows`)."""
     linears = [submodule(layer, part) for part in spec.parts]
+    if spec.quant == Quant.FP8:
+        has_bias = [lin.bias is not None for lin in linears]
+        assert all(has_bias) or not any(has_bias), "fused linears must all have a bias or none"
+        bias = None if not has_bias[0] else linears[0].bias if len(linears) == 1 else _fuse_param(linears, "bias")
+        return fuse_fp8(linears), bias
+    assert spec.quant == Quant.NONE, f"quantization {spec.quant} has no weight loader"
     if len(linears) == 1:
         return linears[0].weight, linears[0].bias
     return fuse_rows(linears)
@@ -99,14 +143,15 @@ def _norm_weight(layer: Any, path: str | None) -> torch.Tensor | None:
 
 
 def layer_weights(layer: Any, spec: LayerSpec, dense_mlp: bool = True) -> LayerWeights:
-    """Fused weights of one transformers decoder layer, read as its family's `spec` says. `dense_mlp` False: the
-    layer's MLP is sparse (`moe_layer_weights` reads it) and the dense MLP's weights are None."""
-    qkv_weight, qkv_bias = linear_weights(layer, spec.qkv)
-    o_weight, o_bias = linear_weights(layer, spec.o)
+    """Fused weights of one transformers decoder layer, read as its family's `spec` says (each linear with its
+    quantization). `dense_mlp` False: the layer's MLP is sparse (`moe_layer_weights` reads it) and the dense
+    MLP's weights are None."""
+    qkv_weight, qkv_bias = linear_weights(layer, linear_quant(layer, spec.qkv))
+    o_weight, o_bias = linear_weights(layer, linear_quant(layer, spec.o))
     gate_up_weight = gate_up_bias = down_weight = down_bias = None
     if dense_mlp:
-        gate_up_weight, gate_up_bias = linear_weights(layer, spec.gate_up)
-        down_weight, down_bias = linear_weights(layer, spec.down)
+        gate_up_weight, gate_up_bias = linear_weights(layer, linear_quant(layer, spec.gate_up))
+        down_weight, down_bias = linear_weights(layer, linear_quant(layer, spec.down))
     return LayerWeights(
         attn_in_norm=_norm_weight(layer, spec.attn_in_norm),
         attn_out_norm=_norm_weight(layer, spec.attn_out_norm),

@@ -1,5 +1,9 @@
-"""The paged KV cache's shape and size: owns the head-dim formula, the bytes per block, the number of blocks
-that fit in memory, and the cache allocation (the model runner holds the tensors it returns).
+"""The paged KV cache's shape and size: owns the head-dim formula, the cache's element type, the bytes per block,
+the number of blocks that fit in memory, and the cache allocation (the model runner holds the tensors it returns).
+
+`--kv-cache-dtype fp8` stores K and V as float8_e4m3fn, divided by a per-tensor scale on write and multiplied by
+it on read (attention.py). Only the torch attention reads and writes it so far: on CUDA it is refused
+(`check_kv_cache_dtype`) until the Triton kernels do.
 
 Layout: one tensor [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i's (K, V) are views.
 """
@@ -16,6 +20,23 @@ from .config import EngineConfig
 ACTIVATION_RESERVE_BYTES = 6 << 30
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+KV_FP8_DTYPE = torch.float8_e4m3fn
+
+
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: the model dtype, or e4m3 for `--kv-cache-dtype fp8`."""
+    return KV_FP8_DTYPE if config.kv_cache_dtype == "fp8" else model_dtype
+
+
+def check_kv_cache_dtype(config: EngineConfig, device: torch.device) -> None:
+    """A ValueError (one line) for a cache dtype this device's attention cannot read."""
+    if config.kv_cache_dtype == "fp8" and device.type == "cuda":
+        raise ValueError(
+            "--kv-cache-dtype fp8 is not supported on CUDA yet (the Triton attention kernels read and write the "
+            "model dtype only); it runs with the torch attention on the CPU"
+        )
 
 
 def head_dim_of(model_config: Any) -> int:

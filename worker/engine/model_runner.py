@@ -37,7 +37,7 @@ from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
 from .decoder import build_decoder
 from .grammar import apply_token_bitmask
-from .kv_cache import allocate_kv_cache
+from .kv_cache import allocate_kv_cache, kv_cache_dtype
 from .models import family_for
 from .sampler import apply_penalties, sample
 from .scheduler import StepPlan
@@ -150,7 +150,7 @@ class ModelRunner:
 
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(
-            model.config, num_kv_blocks, config.block_size, model.dtype, device
+            model.config, num_kv_blocks, config.block_size, kv_cache_dtype(config, model.dtype), device
         )
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.max_model_len = max_model_len

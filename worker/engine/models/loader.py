@@ -1,8 +1,13 @@
 """Model loading: a named preset with random weights, or a checkpoint by local path or hub name.
 
 Owns nothing after loading: returns a transformers causal LM and a tokenizer. A checkpoint is read in one
-pass: config.json -> its family (registry.py; a config the family does not implement stops here, before any
-weights) -> generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
+pass: config.json -> its quantization (quant/: FP8 formats, `--quantization fp8`; any other is refused in one
+line) -> its family (registry.py; a config the family does not implement stops here, before any weights) ->
+generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
+
+Quantization is a property of each linear: on sm89+ CUDA a quantized linear is an `Fp8LinearModule` (FP8
+weight and scales, which the owned decoder multiplies with FP8 GEMMs); elsewhere its weight is dequantized to
+the compute dtype (the CPU path, exact against `generate` on the same dequantized model).
 Presets need no files and no network; they use the byte tokenizer.
 """
 
@@ -16,6 +21,9 @@ import os
 import torch
 
 from ..api import SamplingParams
+from ..quant import Fp8Config, UnsupportedQuantization, checkpoint_quantization, refuse_gguf
+from ..quant.linear import keeps_fp8, quantize_linears
+from ..quant.loader import load_quantized_model
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .registry import MODULES, family_of
 from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
@@ -313,16 +321,30 @@ def _check_fit(config, family: Family, device: torch.device, dtype: torch.dtype)
         logger.info(check_moe_fit(config, dtype, torch.cuda.mem_get_info(device)[0]))
 
 
-def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def load_model(
+    name_or_path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    quantization: str | None = None,
+    keep_fp8: bool | None = None,
+):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
+    `quantization`: "fp8" quantizes an unquantized model at load (`--quantization`; an FP8 checkpoint keeps its
+    own format). `keep_fp8`: quantized linears stay FP8 (`Fp8LinearModule`) rather than dequantized; None: where
+    FP8 tensor cores run them (sm89+ CUDA). The tests set it on the CPU, where the FP8 GEMM is emulated.
 
     Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
-    architecture or config value, custom code (`auto_map`), or files that cannot be read (a corrupt shard).
+    architecture, quantization or config value, custom code (`auto_map`), or files that cannot be read (a
+    corrupt shard, a missing FP8 scale).
     """
     from transformers import AutoModelForCausalLM
 
+    if keep_fp8 is None:
+        keep_fp8 = keeps_fp8(device)
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
+        quant = _quantization(config, quantization)
         _check_fit(config, family_for(config)[0], device, dtype)
         torch.manual_seed(seed)
         with torch.device(device):
@@ -330,24 +352,40 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed
         tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
     else:
         config = _load_config(name_or_path)
+        quant = _quantization(config, quantization)
         family, _ = family_for(config)  # before reading any weights
         _check_fit(config, family, device, dtype)
         text_config, key_mapping = _text_model(config, family)
         try:
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
-            model = AutoModelForCausalLM.from_pretrained(
-                name_or_path,
-                config=text_config,
-                key_mapping=key_mapping,
-                generation_config=generation_config,
-                dtype=dtype,
-                trust_remote_code=False,
-            ).to(device)
+            if quant is not None and quant.is_serialized:  # FP8 weights in the checkpoint: read by quant/
+                model = load_quantized_model(
+                    name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config
+                ).to(device)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    name_or_path,
+                    config=text_config,
+                    key_mapping=key_mapping,
+                    generation_config=generation_config,
+                    dtype=dtype,
+                    trust_remote_code=False,
+                ).to(device)
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
+    if quant is not None and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
+        quantize_linears(model, quant, keep_fp8)
     model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _quantization(config, requested: str | None) -> Fp8Config | None:
+    """The quantization the linears run: the checkpoint's own, or `requested` on an unquantized one."""
+    try:
+        return checkpoint_quantization(getattr(config, "quantization_config", None), requested=requested)
+    except UnsupportedQuantization as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def family_for(config) -> tuple[Family, DecoderArgs]:
@@ -386,6 +424,10 @@ def _require_family(model_type) -> Family:
 def _load_config(name_or_path: str):
     from transformers import AutoConfig, PretrainedConfig
 
+    try:  # before transformers tries to read it (and advises installing a package)
+        refuse_gguf(name_or_path)
+    except UnsupportedQuantization as exc:
+        raise ModelLoadError(str(exc)) from None
     if os.path.isdir(name_or_path) and not os.path.exists(os.path.join(name_or_path, "config.json")):
         raise ModelLoadError(f"{name_or_path} is not a checkpoint folder: it has no config.json")
     parent = os.path.dirname(name_or_path)

@@ -30,9 +30,11 @@ class Parallel(str, Enum):
 
 
 class Quant(str, Enum):
-    """How a linear's weights are stored and multiplied. Only plain weights exist so far."""
+    """How a linear's weights are stored and multiplied. A family declares NONE; the loaded model says FP8 where
+    the checkpoint's (or --quantization's) config quantized the linear (fused_weights.linear_quant)."""
 
     NONE = "none"
+    FP8 = "fp8"  # float8_e4m3fn weight with fp32 scales (quant/), multiplied by the FP8 GEMM
 
 
 @dataclass(frozen=True)

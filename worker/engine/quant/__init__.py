@@ -1,0 +1,72 @@
+"""FP8 quantization (issue 26): a linear layer's quantization is a property of the layer, as in vLLM.
+
+  config.py   `checkpoint_quantization(quantization_config, requested)`: the typed description of a
+              checkpoint's format (block-wise "fp8", compressed-tensors float-quantized, fbgemm_fp8) or of
+              `--quantization fp8`; the one-line refusal of everything else (`UnsupportedQuantization`)
+  methods.py  `linear_method(config, module_name)`: the method object of one linear (None: unquantized);
+              it loads the linear's tensors (`Fp8Linear`), dequantizes them, and applies the GEMM
+  fp8.py      plain-torch quantize/dequantize, `Fp8Linear`, and the emulation the kernels are checked against
+  kernels.py  `fp8_linear`: Triton activation quantization, cuBLASLt `_scaled_mm`, the Triton block GEMM
+  loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
+              or dequantized into a plain transformers model (the CPU path)
+  linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
+              apply), `Fp8Weight` (what the owned decoder multiplies), `quantize_linears` (--quantization
+              fp8 on a model in memory), `keeps_fp8(device)` (sm89+ CUDA keeps FP8, elsewhere dequantized)
+
+How it is wired: models/loader.py refuses GGUF and other quantizations in one line (`refuse_gguf`,
+`checkpoint_quantization`), reads an FP8 checkpoint with `load_quantized_model(..., keep_fp8)` and runs
+`quantize_linears` for `--quantization fp8`. On sm89+ CUDA each quantized linear is an `Fp8LinearModule`;
+fused_weights.py stacks q/k/v and gate/up FP8 rows with their scales (`Fp8Linear.concat`) into an `Fp8Weight`,
+and decoder.py multiplies it with `Fp8Weight.apply` (kernels.fp8_linear) where a plain weight takes F.linear.
+Elsewhere the weights are dequantized to the compute dtype. The per-token and per-token-group quantizations
+are separate kernels today; fusing them into the preceding RMSNorm/SiLU·mul epilogues is the next step.
+
+`--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
+"""
+
+from __future__ import annotations
+
+from .config import (
+    CBQ_RUNS,
+    QUANTIZATIONS,
+    ActivationScale,
+    BlockFp8Config,
+    CompressedTensorsFp8Config,
+    FbgemmFp8Config,
+    Fp8Config,
+    Fp8Scheme,
+    OnlineFp8Config,
+    UnsupportedQuantization,
+    WeightScale,
+    checkpoint_quantization,
+    refuse_gguf,
+)
+from .fp8 import Fp8Linear, dequantize_weight, fp8_linear_emulated
+from .kernels import fp8_linear
+from .loader import dequantize_state_dict, load_dequantized_model
+from .methods import Fp8CheckpointError, Fp8LinearMethod, linear_method
+
+__all__ = [
+    "CBQ_RUNS",
+    "QUANTIZATIONS",
+    "ActivationScale",
+    "BlockFp8Config",
+    "CompressedTensorsFp8Config",
+    "FbgemmFp8Config",
+    "Fp8CheckpointError",
+    "Fp8Config",
+    "Fp8Linear",
+    "Fp8LinearMethod",
+    "Fp8Scheme",
+    "OnlineFp8Config",
+    "UnsupportedQuantization",
+    "WeightScale",
+    "checkpoint_quantization",
+    "dequantize_state_dict",
+    "dequantize_weight",
+    "fp8_linear",
+    "fp8_linear_emulated",
+    "linear_method",
+    "load_dequantized_model",
+    "refuse_gguf",
+]
