@@ -115,12 +115,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.min_tokens < 0 or (self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens):
             raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
-        for token, bias in (self.logit_bias or {}).items():
-            if not isinstance(token, int) or token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(
-                    f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
-                    f"got {token!r}: {bias!r}"
-                )
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _token_biases(self.logit_bias))
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or min(self.allowed_token_ids) < 0
         ):
@@ -135,6 +131,23 @@ class SamplingParams:
         resolved: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         resolved.update({name: value for name, value in fallback.items() if resolved[name] is None})
         return ResolvedSampling(**resolved)
+
+
+def _token_biases(logit_bias: dict) -> dict[int, float]:
+    """logit_bias with int keys (JSON objects key token ids by strings: "50256" is accepted), checked."""
+    out = {}
+    for token, bias in logit_bias.items():
+        try:
+            token_id, value = int(token), float(bias)
+        except (TypeError, ValueError):
+            token_id, value = -1, 0.0
+        if isinstance(token, bool) or token_id < 0 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {token!r}: {bias!r}"
+            )
+        out[token_id] = value
+    return out
 
 
 @dataclass(frozen=True)

@@ -243,3 +243,50 @@ def test_generation_config_repetition_penalty_and_min_p_are_defaults(tmp_path):
     assert generation_defaults(model) == {"min_p": 0.2, "temperature": 0.7}
     defaults = SamplingParams().with_defaults(generation_defaults(model), 100)
     assert (defaults.min_p, defaults.repetition_penalty) == (0.2, 1.0)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"repetition_penalty": 0.0},
+        {"min_p": 1.5},
+        {"min_tokens": -1},
+        {"min_tokens": 5, "max_new_tokens": 4},
+        {"logit_bias": {"x": 1.0}},
+        {"logit_bias": {3: 100.5}},
+        {"allowed_token_ids": ()},
+        {"truncate_prompt_tokens": 0},
+    ],
+)
+def test_out_of_range_vllm_fields_raise(fields):
+    with pytest.raises(ValueError):
+        SamplingParams(**fields)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_models):
+    model, tok = tiny_models("tiny-llama")
+    engine = Engine(model, tok, EngineConfig(num_kv_blocks=16))
+    vocab = model.config.vocab_size
+    reqs = [
+        EngineRequest("a", [1, 2], SamplingParams(max_new_tokens=2, allowed_token_ids=(3, vocab))),
+        EngineRequest("b", [1, 2], SamplingParams(max_new_tokens=2, logit_bias={vocab: 1.0})),
+        EngineRequest("c", [1, 2], SamplingParams(max_new_tokens=2, logit_bias={"7": 1.0})),
+    ]
+    a, b, c = engine.generate(reqs)
+    assert "allowed_token_ids" in (a.error or "") and "logit_bias" in (b.error or "")
+    assert c.error is None and len(c.token_ids) == 2
+
+
+def test_bans_apply_only_where_the_input_token_matches_and_allowed_keeps_only_its_ids():
+    from worker.engine.sampler import apply_bans, apply_logit_bias, keep_only
+
+    logits = torch.zeros(3, 5)
+    rows, tokens = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([1, 1, 2, 3, 4])
+    required = torch.tensor([-1, 7, 9, 8, -1])  # row 1's ban needs input 9, row 2's first needs 8
+    apply_bans(logits, rows, tokens, required, inputs=torch.tensor([7, 7, 5, 8, 8]))
+    inf = float("-inf")
+    assert logits.tolist() == [[0, inf, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, inf, inf]]
+    apply_logit_bias(logits, torch.tensor([1, 1]), torch.tensor([0, 4]), torch.tensor([2.5, -1.0]))
+    assert logits[1].tolist() == [2.5, 0, 0, 0, -1.0]
+    keep_only(logits, torch.tensor([1]), torch.tensor([1, 1]), torch.tensor([0, 3]))
+    assert logits[1].tolist() == [2.5, inf, inf, 0, inf] and logits[0, 0] == 0
