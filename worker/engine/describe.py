@@ -24,27 +24,45 @@ def describe_step(
     `extras`: look for logprobs, penalties and masks (the engine says whether any unfinished sequence has one)."""
     chunks = plan.chunks
     num_seqs = len(chunks)
-    q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+    is_decode_only = plan.is_decode_only
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_seqs)
-    samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)
+    if is_decode_only:  # most steps: one token and one sample each
+        q_lens = np.ones(num_seqs, dtype=np.int64)
+        samples = np.ones(num_seqs, dtype=bool)
+        sample_seqs = [c.seq for c in chunks]
+    else:
+        q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+        samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)
+        sample_seqs = [c.seq for c in chunks if c.samples]
     # Token ids; a token still being sampled gets a placeholder and the row that samples it.
+    # NOTE: this loop runs for every sequence of every step: a decode's one token is read without a slice.
     ids: list[int] = []
     carry_seqs: list[int] = []
     carry_rows: list[int] = []
+    append = ids.append
     for b, c in enumerate(chunks):
-        seq = c.seq
-        num_known = len(seq.prompt_ids) + len(seq.output_ids)
-        end = c.start + c.num_tokens
-        if end <= num_known:
-            ids.extend(seq.token_ids_slice(c.start, end))
+        seq, start = c.seq, c.start
+        prompt, output = seq.prompt_ids, seq.output_ids
+        if c.num_tokens == 1:
+            i = start - len(prompt)  # the token's index in the output, if it is an output token
+            if i < 0:
+                append(prompt[start])
+            elif i < len(output):
+                append(output[i])
+            else:
+                row = prev_rows.get(seq)
+                assert i == len(output) and row is not None, (
+                    f"{seq.request_id}: only a decode's single input token can be in flight, from the step in flight"
+                )
+                append(0)
+                carry_seqs.append(b)
+                carry_rows.append(row)
         else:
-            assert end == num_known + 1 and c.num_tokens == 1 and seq in prev_rows, (
+            end = start + c.num_tokens
+            assert end <= len(prompt) + len(output), (
                 f"{seq.request_id}: only a decode's single input token can be in flight"
             )
-            ids.append(0)
-            carry_seqs.append(b)
-            carry_rows.append(prev_rows[seq])
-    sample_seqs = [c.seq for c in chunks if c.samples]
+            ids.extend(seq.token_ids_slice(start, end))
     params = [seq.sampling for seq in sample_seqs]
     description = StepDescription(
         q_lens=q_lens,
@@ -54,7 +72,7 @@ def describe_step(
         carry_seqs=carry_seqs,
         carry_rows=carry_rows,
         block_tables=[c.seq.block_table for c in chunks],
-        is_decode_only=plan.is_decode_only,
+        is_decode_only=is_decode_only,
         temperature=[p.temperature for p in params],
         top_p=[p.top_p for p in params],
         top_k=[p.top_k for p in params],
