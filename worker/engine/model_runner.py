@@ -307,10 +307,9 @@ class ModelRunner:
     def _process_logits(self, slot: IOSlot, extras: SamplingExtras, logits: torch.Tensor) -> None:
         """vLLM's order, in place: allowed tokens, bans (bad words, min_tokens), logit_bias, penalties."""
         if extras.allowed:
-            rows = [row for row, ids in extras.allowed for _ in ids]
-            ids = [i for _, ids in extras.allowed for i in ids]
-            keep_only(logits, self._to_device([row for row, _ in extras.allowed]), self._to_device(rows),
-                      self._to_device(ids))  # fmt: skip
+            allowed_rows = self._to_device([row for row, _ in extras.allowed])
+            pairs = self._to_device([(row, i) for row, ids in extras.allowed for i in ids])
+            keep_only(logits, allowed_rows, pairs[:, 0], pairs[:, 1])
         if extras.bans:
             bans = self._to_device([(b.row, b.token_id, b.required_input) for b in extras.bans])
             apply_bans(logits, bans[:, 0], bans[:, 1], bans[:, 2], self._input_ids_of_rows(slot, bans[:, 0]))
