@@ -57,8 +57,9 @@ def main() -> None:
     args = parser.parse_args()
 
     model_runner.ModelRunner._launch = _no_device_work
-    totals = dict.fromkeys(("schedule", "build", "apply tokens"), 0.0)
+    totals = dict.fromkeys(("schedule", "describe", "build", "apply tokens"), 0.0)
     _timed(scheduler.Scheduler, "schedule", totals, "schedule")
+    _timed(engine, "describe_step", totals, "describe")  # the plan's translation into a StepDescription
     _timed(batch.BatchBuilder, "build", totals, "build")
     _timed(engine.Engine, "_process", totals, "apply tokens")
     model, tokenizer = load_model("tiny-llama", torch.device("cpu"), torch.float32)

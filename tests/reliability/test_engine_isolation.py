@@ -58,11 +58,11 @@ def test_a_step_no_single_request_explains_still_fails_as_a_whole(tiny):
     engine = Engine(model, tok, EngineConfig(mode="sync"))
     real_build, calls = engine.runner.builder.build, []
 
-    def fails_once_for_the_whole_step(plan, *args):
-        calls.append(len(plan.chunks))
+    def fails_once_for_the_whole_step(step, *args):
+        calls.append(step.num_seqs)
         if len(calls) == 1:
             raise ValueError("transient")
-        return real_build(plan, *args)
+        return real_build(step, *args)
 
     engine.runner.builder.build = fails_once_for_the_whole_step
     reqs = [EngineRequest(f"r{i}", tok.encode(f"x{i}"), SamplingParams(max_new_tokens=3)) for i in range(3)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
-from schemas.limits import MAX_LOGPROBS, MAX_PENALTY, MAX_SAMPLES
+from schemas.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SAMPLES
 
 
 class FinishReason(str, Enum):
@@ -37,6 +37,8 @@ BUILTIN_SAMPLING_DEFAULTS = {
     "top_k": 0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
 }
 
 
@@ -77,6 +79,19 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     constraint: Constraint | None = None
+    # vLLM's SamplingParams, with vLLM's meaning. Applied on the device in vLLM's order (sampler.py): allowed
+    # tokens, bad words, min_tokens, logit_bias, then the repetition, frequency and presence penalties; min_p
+    # after the temperature, before top-k and top-p.
+    repetition_penalty: float | None = None  # > 0; over prompt and output tokens: positive logits / r, negative * r
+    min_p: float | None = None  # in [0, 1]: drop tokens less likely than min_p times the most likely one
+    min_tokens: int = 0  # EOS and stop_token_ids are banned (and stop strings ignored) until this many are out
+    logit_bias: dict[int, float] | None = None  # model token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be sampled
+    bad_words: tuple[str, ...] = ()  # never generated: a word's last token is banned after the rest of it
+    include_stop_str_in_output: bool = False  # the text keeps the stop string (or stop token) that ended it
+    skip_special_tokens: bool = True  # detokenization: special tokens are left out of the text
+    spaces_between_special_tokens: bool = True  # detokenization (tokenizers that support it)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (library callers build these directly): raise, never assert.
@@ -94,6 +109,20 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0 or (self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _token_biases(self.logit_bias))
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
 
     def with_defaults(self, model_defaults: dict[str, Any], rest_of_context: int) -> ResolvedSampling:
         """Every None replaced: by `model_defaults` (generation_config values, by cbq field name), then by
@@ -102,6 +131,23 @@ class SamplingParams:
         resolved: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         resolved.update({name: value for name, value in fallback.items() if resolved[name] is None})
         return ResolvedSampling(**resolved)
+
+
+def _token_biases(logit_bias: dict) -> dict[int, float]:
+    """logit_bias with int keys (JSON objects key token ids by strings: "50256" is accepted), checked."""
+    out = {}
+    for token, bias in logit_bias.items():
+        try:
+            token_id, value = int(token), float(bias)
+        except (TypeError, ValueError):
+            token_id, value = -1, 0.0
+        if isinstance(token, bool) or token_id < 0 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {token!r}: {bias!r}"
+            )
+        out[token_id] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -114,10 +160,27 @@ class ResolvedSampling(SamplingParams):
     top_k: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # bad_words as token id sequences, by the engine at admission (each word as is and after a space)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_extras(self) -> bool:
+        """Whether its sample rows need work beyond plain sampling (`step.SamplingExtras`) on some step."""
+        return (
+            self.logprobs is not None
+            or self.constraint is not None
+            or self.has_penalties
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
 
 
 MAX_SAMPLES_PER_REQUEST = MAX_SAMPLES  # bound on `EngineRequest.n` (schemas.limits: OpenAI's own limit)
@@ -258,7 +321,9 @@ class TokenizerProtocol(Protocol):
         options: ChatOptions = ...,
     ) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str: ...
 
     def special_token_id(self, text: str) -> int | None:
         """The id of the special token spelled `text` (one that `decode` drops), or None."""

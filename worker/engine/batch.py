@@ -1,5 +1,5 @@
 """Batch builder and IO slots. Owns the two IO slots (host buffers, pinned on CUDA, and their device
-twins) and writes each step's flattened ragged batch into one of them.
+twins) and writes each step's flattened ragged batch into one of them, from its `StepDescription`.
 
 The model runner alternates slots: while the device runs step N from slot A, the host writes step N+1
 into slot B. Every array sits at a fixed offset of one int32 and one float32 buffer, so a step is
@@ -15,8 +15,7 @@ import numpy as np
 import torch
 
 from .block_manager import NULL_BLOCK
-from .scheduler import StepPlan
-from .sequence import Sequence
+from .step import StepDescription
 
 # (name, length in units of: "tokens" = max_num_tokens, "seqs" = max_num_seqs, "seqs+1")
 _INT_FIELDS = (
@@ -31,7 +30,7 @@ _INT_FIELDS = (
     ("seeds", "seqs"),
     ("sample_positions", "seqs"),  # position of the token being sampled: the random stream's counter
 )
-_FLOAT_FIELDS = ("temperature", "top_p")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
 @dataclass
@@ -52,6 +51,7 @@ class BatchMeta:
     # Leading sequences with one query row each (in a mixed step, the decodes the scheduler puts first):
     # attention runs them through the split-K decode kernel and only the rest through the varlen kernel.
     num_decode_seqs: int = 0
+    any_min_p: bool = False  # a random row has min_p > 0
 
 
 class IOSlot:
@@ -148,47 +148,27 @@ class BatchBuilder:
                 return bucket
         return None
 
-    def build(self, plan: StepPlan, slot_index: int, prev_rows: dict[Sequence, int]) -> BatchMeta:
-        """Write `plan` into slot `slot_index`. `prev_rows` maps sequences whose newest token is still
-        being sampled by the previous step to that step's output row (the carry-over map)."""
+    def build(self, step: StepDescription, slot_index: int) -> BatchMeta:
+        """Write `step` into slot `slot_index`."""
         slot = self.slots[slot_index]
         h = slot.host
-        chunks = plan.chunks
-        num_real = len(chunks)
-        is_decode_only = plan.is_decode_only
-        bucket = self.bucket_for(num_real) if is_decode_only else None
+        num_real = step.num_seqs
+        bucket = self.bucket_for(num_real) if step.is_decode_only else None
         num_seqs = bucket or num_real
 
-        q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_real)
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_real)
-        samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_real)
+        q_lens, starts, samples = step.q_lens, step.starts, step.samples
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1 : num_real + 1])
         cu[num_real + 1 :] = cu[num_real] + np.arange(1, num_seqs - num_real + 1)  # padding: one row each
         num_real_tokens = int(cu[num_real])
         num_tokens = int(cu[num_seqs])
+        assert len(step.input_ids) == num_real_tokens, "one input id per computed token"
 
-        # 1. Token ids; a token still being sampled gets a placeholder and a carry-over source row.
+        # 1. Token ids; a token still being sampled has a placeholder and a carry-over source row.
         carry = h["carry_src"][:num_tokens]
         carry.fill(-1)
-        ids: list[int] = []
-        carried_seqs: list[int] = []  # which sequences' input is in flight, and the row that samples it
-        carried_from: list[int] = []
-        for b, c in enumerate(chunks):
-            seq = c.seq
-            num_known = len(seq.prompt_ids) + len(seq.output_ids)
-            end = c.start + c.num_tokens
-            if end <= num_known:
-                ids.extend(seq.token_ids_slice(c.start, end))
-            else:
-                assert end == num_known + 1 and c.num_tokens == 1 and seq in prev_rows, (
-                    f"{seq.request_id}: only a decode's single input token can be in flight"
-                )
-                ids.append(0)
-                carried_seqs.append(b)
-                carried_from.append(prev_rows[seq])
-        carry[cu[carried_seqs]] = carried_from
-        h["input_ids"][:num_real_tokens] = ids
+        carry[cu[step.carry_seqs]] = step.carry_rows
+        h["input_ids"][:num_real_tokens] = step.input_ids
         h["input_ids"][num_real_tokens:num_tokens] = 0
 
         # 2. Positions, block tables, slot mapping: vectorised over tokens.
@@ -198,7 +178,7 @@ class BatchBuilder:
         )
         h["positions"][:num_real_tokens] = positions
         h["positions"][num_real_tokens:num_tokens] = 0
-        slot.write_block_tables([c.seq.block_table for c in chunks], num_seqs)
+        slot.write_block_tables(step.block_tables, num_seqs)
         tables = h["block_tables"]
         bs = self.block_size
         h["slot_mapping"][:num_real_tokens] = tables[seq_of_token, positions // bs] * bs + positions % bs
@@ -208,20 +188,21 @@ class BatchBuilder:
         h["context_lens"][:num_real] = context_lens
         h["context_lens"][num_real:num_seqs] = 0
 
-        # 3. Sampling rows: one per sampling chunk, in order; padded decode rows sample garbage, ignored.
-        sample_chunks = [c for c in chunks if c.samples]
-        num_rows = num_seqs if bucket else len(sample_chunks)
-        h["logits_indices"][: len(sample_chunks)] = cu[1 : num_real + 1][samples] - 1
-        h["logits_indices"][len(sample_chunks) : num_rows] = cu[num_real + 1 : num_seqs + 1] - 1
-        params = [c.seq.sampling for c in sample_chunks]
-        temps = np.fromiter((p.temperature for p in params), dtype=np.float32, count=len(params))
-        h["temperature"][: len(params)] = temps
-        h["temperature"][len(params) : num_rows] = 0.0
-        top_p, top_k = h["top_p"][: len(params)], h["top_k"][: len(params)]
-        top_p[:] = [p.top_p for p in params]
-        top_k[:] = [p.top_k for p in params]
-        h["seeds"][: len(params)] = [c.seq.seed for c in sample_chunks]
-        h["sample_positions"][: len(params)] = context_lens[samples]  # the sampled token's position
+        # 3. Sampling rows: one per sampling sequence, in order; padded decode rows sample garbage, ignored.
+        num_samples = step.num_sample_rows
+        num_rows = num_seqs if bucket else num_samples
+        h["logits_indices"][:num_samples] = cu[1 : num_real + 1][samples] - 1
+        h["logits_indices"][num_samples:num_rows] = cu[num_real + 1 : num_seqs + 1] - 1
+        temps = h["temperature"][:num_rows]
+        temps[:num_samples] = step.temperature
+        temps[num_samples:] = 0.0
+        top_p, top_k, min_p = h["top_p"][:num_samples], h["top_k"][:num_samples], h["min_p"][:num_samples]
+        top_p[:] = step.top_p
+        top_k[:] = step.top_k
+        min_p[:] = step.min_p
+        h["seeds"][:num_samples] = step.seeds
+        h["sample_positions"][:num_samples] = context_lens[samples]  # the sampled token's position
+        random = temps[:num_samples] > 0
         return BatchMeta(
             slot=slot_index,
             num_tokens=num_tokens,
@@ -234,11 +215,12 @@ class BatchBuilder:
             max_context_len=self.max_model_len if bucket and self.max_model_len else (
                 int(context_lens.max()) if num_real else 0
             ),
-            is_decode_only=is_decode_only,
-            any_random=bool((temps > 0).any()),
-            any_top_k_top_p=bool(((temps > 0) & ((top_k > 0) | (top_p < 1.0))).any()),
-            has_carry=bool(prev_rows),
+            is_decode_only=step.is_decode_only,
+            any_random=bool(random.any()),
+            any_top_k_top_p=bool((random & ((top_k > 0) | (top_p < 1.0))).any()),
+            has_carry=bool(step.carry_seqs),
             num_decode_seqs=_num_leading_single_rows(q_lens),
+            any_min_p=bool((random & (min_p > 0)).any()),
         )
 
 

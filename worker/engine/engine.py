@@ -44,14 +44,16 @@ from .api import (
 )
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .describe import describe_step
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
-from .model_runner import ModelRunner, PenaltyRow, SampleExtras, StepBuildError, StepHandle
+from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
-from .stop import check_stop, final_text, num_text_tokens, special_stop_token_ids
+from .step import StepDescription
+from .stop import bad_words_token_ids, check_stop, final_text, num_text_tokens, special_stop_token_ids
 
 logger = logging.getLogger("cbq.engine")
 
@@ -85,6 +87,7 @@ class _LoopDied:
 class _InflightStep:
     plan: StepPlan
     handle: StepHandle
+    rows: dict[Sequence, int]  # each sampling sequence's output row: what the next step may carry over
     mask_seqs: list[Sequence] | None = None  # constrained rows' sequences, when sampling waits for masks
 
 
@@ -145,6 +148,9 @@ class Engine:
         with self._lock:
             self._num_unfinished += 1
             self._num_unfinished_samples += _num_samples(req)
+        keep = req.sampling.truncate_prompt_tokens
+        if keep is not None and len(req.prompt_ids) > keep:
+            req = replace(req, prompt_ids=req.prompt_ids[-keep:])  # vLLM's truncation: the last k tokens
         refusal = self._validate(req)
         matcher = None
         if not refusal and req.sampling.constraint is not None:
@@ -248,7 +254,7 @@ class Engine:
             self._drain_inbox(block=idle)
             try:
                 # 1. Plan and launch the next step (in async mode, while the previous one still runs).
-                launched = self._launch_next()
+                launched = self._launch_next(inflight)
                 # 2. Wait for the previous step's tokens and apply them.
                 if inflight is not None:
                     self._process(inflight)
@@ -278,11 +284,12 @@ class Engine:
         """Finish with ERROR every sequence a failed step may have touched; waiting ones carry on."""
         logger.exception("engine step failed; failing the running requests")
         message = f"engine step failed: {type(exc).__name__}: {exc}"
-        self.runner.discard_inflight()
         for seq in self.scheduler.on_step_failed():
             self._finish(seq, FinishReason.ERROR, error=message)
 
-    def _launch_next(self) -> _InflightStep | None:
+    def _launch_next(self, inflight: _InflightStep | None) -> _InflightStep | None:
+        """Schedule, describe and launch a step. `inflight`: the launched step whose tokens are not applied yet
+        (async mode): the new step's decodes take their input tokens from its output rows."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.chunks:
@@ -291,34 +298,20 @@ class Engine:
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = now
-        extras, mask_seqs = self._sample_extras(plan) if self._num_with_extras else (None, None)
+        prev_rows = inflight.rows if inflight is not None else {}
+        step, rows = describe_step(plan, prev_rows, self.eos_token_ids, extras=self._num_with_extras > 0)
+        mask_seqs = None
+        if step.extras is not None and step.extras.mask_rows:
+            sample_seqs = list(rows)  # in row order
+            mask_seqs = [sample_seqs[row] for row in step.extras.mask_rows]
         schedule_seconds = time.perf_counter() - t0
         try:
-            # The runner carries over tokens the step in flight still samples.
-            handle = self.runner.launch(plan, extras)
+            handle = self.runner.launch(step)
         except StepBuildError as exc:
-            self._fail_unpreparable(plan, exc)
+            self._fail_unpreparable(plan, step, exc)
             return None
         self._stats.cpu_prep_seconds += schedule_seconds + handle.build_seconds
-        return _InflightStep(plan, handle, mask_seqs)
-
-    def _sample_extras(self, plan: StepPlan) -> tuple[SampleExtras | None, list[Sequence] | None]:
-        """Which sample rows want logprobs, a token mask or penalties (only called while some request does)."""
-        extras = SampleExtras()
-        mask_seqs = []
-        for row, chunk in enumerate(plan.sampling_chunks()):
-            params = chunk.seq.sampling
-            if params.logprobs is not None:
-                extras.logprob_rows.append(row)
-                extras.num_top_logprobs = max(extras.num_top_logprobs, params.logprobs)
-            if params.constraint is not None:
-                extras.mask_rows.append(row)
-                mask_seqs.append(chunk.seq)
-            if params.has_penalties:
-                extras.penalty_rows.append(_penalty_row(row, chunk.seq))
-        if not extras.logprob_rows and not mask_seqs and not extras.penalty_rows:
-            return None, None
-        return extras, (mask_seqs or None)
+        return _InflightStep(plan, handle, rows, mask_seqs)
 
     def _launch_masked_sampling(self, step: _InflightStep) -> None:
         assert step.mask_seqs is not None
@@ -329,11 +322,11 @@ class Engine:
         self._stats.mask_seconds += time.perf_counter() - t0
         self.runner.launch_sampling(step.handle, bitmask)
 
-    def _fail_unpreparable(self, plan: StepPlan, error: StepBuildError) -> None:
+    def _fail_unpreparable(self, plan: StepPlan, step: StepDescription, error: StepBuildError) -> None:
         """A step could not be built: fail only the requests that cannot be built even alone (a value their
         step buffers cannot hold, say); the others are scheduled again next turn. If none is to blame alone,
         the step fails as a whole."""
-        bad = self.runner.unbuildable(plan)
+        bad = [(plan.chunks[b].seq, exc) for b, exc in self.runner.unbuildable(step)]
         if not bad:
             raise error
         self.scheduler.unschedule(plan)
@@ -421,6 +414,10 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
+        sampling = req.sampling
+        for name, ids in (("allowed_token_ids", sampling.allowed_token_ids), ("logit_bias", sampling.logit_bias)):
+            if ids and max(ids) >= vocab:
+                return f"{name}: token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
         if not isinstance(req.n, int) or not 1 <= req.n <= MAX_SAMPLES_PER_REQUEST:
             return f"n must be an integer in [1, {MAX_SAMPLES_PER_REQUEST}], got {req.n!r}", ErrorCode.INVALID_PROMPT
         return None
@@ -452,15 +449,17 @@ class Engine:
             )
             for i in range(req.n)
         ]
-        if _needs_extras(sampling, matcher):
+        if sampling.needs_extras:
             self._num_with_extras += len(samples)
         self._requests[req.request_id] = samples
         self.scheduler.add_group(samples)
 
     def _resolve_sampling(self, req: EngineRequest) -> ResolvedSampling:
         """The request's sampling with every default filled in, and stop strings that are special tokens
-        (which decode to nothing, so no text could match them) turned into stop token ids."""
+        (which decode to nothing, so no text could match them) turned into stop token ids; bad words as ids."""
         params = req.sampling.with_defaults(self.sampling_defaults, self.max_model_len - len(req.prompt_ids))
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
         special = special_stop_token_ids(params.stop, self.tokenizer)
         if not special:
             return params
@@ -482,7 +481,7 @@ class Engine:
             if not sample.is_finished:
                 self.scheduler.finish(sample)
                 sample.finish_reason, sample.finish_time = reason, now
-                if _needs_extras(sample.sampling, sample.matcher):
+                if sample.sampling.needs_extras:
                     self._num_with_extras -= 1
                 sample.matcher = None
         if all(sample.is_finished for sample in samples):  # always so after a group-wide finish
@@ -550,21 +549,3 @@ def _num_samples(req: EngineRequest) -> int:
     """What `req` counts against capacity; an invalid `n` (rejected at once) counts as 1."""
     valid = isinstance(req.n, int) and 1 <= req.n <= MAX_SAMPLES_PER_REQUEST
     return req.n if valid else 1
-
-
-def _needs_extras(sampling: ResolvedSampling, matcher) -> bool:
-    """Whether a sample's steps need sampling beyond plain (SampleExtras): logprobs, a grammar, penalties."""
-    return matcher is not None or sampling.logprobs is not None or sampling.has_penalties
-
-
-def _penalty_row(row: int, seq: Sequence) -> PenaltyRow:
-    """What the device needs to penalise `seq`'s sample row in the step being built (its scheduling already
-    counted this step's sample in `num_inflight_samples`)."""
-    generated_before = seq.num_generated - 1
-    # The row's input token is the newest of them (possibly still in flight); the rest are known here.
-    history = seq.output_ids[: max(generated_before - 1, 0)]
-    assert len(history) == max(generated_before - 1, 0), (
-        f"{seq.request_id}: {generated_before} generated tokens but only {len(seq.output_ids)} known"
-    )
-    params = seq.sampling
-    return PenaltyRow(row, params.presence_penalty, params.frequency_penalty, history, generated_before >= 1)

@@ -1,24 +1,25 @@
 """Model runner: owns the model, the paged KV cache, the CUDA streams and events, the CUDA graphs (and their
 batch buckets), the alternation of the two IO slots and the carry-over map.
 
-`launch(plan)` builds a scheduled step into the next IO slot, queues it on the device and returns at once
-with a `StepHandle`; `wait(handle)` blocks until that step's sampled tokens are on the host. A step launched
-while an earlier one is still in flight (async mode) takes the in-flight tokens from that step's output on
-the device (carry-over). On CUDA a step is:
+`launch(step)` builds a step's description (step.py: plain values, no live objects) into the next IO slot,
+queues it on the device and returns at once with a `StepHandle`; `wait(handle)` blocks until that step's
+sampled tokens are on the host. A step launched while an earlier one is still in flight (async mode) takes
+the in-flight tokens its description names from that step's output on the device (carry-over). On CUDA a
+step is:
   H2D stream:     wait until the slot's previous compute finished; copy the slot's host buffers up
   compute stream: wait for H2D; carry-over gather; forward (graph replay for decode); sample
   D2H stream:     wait for compute; copy sampled ids (and any logprobs) down; record `d2h_done`
 The default stream is never used in the loop. On CPU the streams and events are no-ops and the same
 code runs synchronously.
 
-A step with constrained rows (`SampleExtras.mask_rows`) stops after the forward: the engine calls
+A step with constrained rows (`SamplingExtras.mask_rows`) stops after the forward: the engine calls
 `launch_sampling(handle, bitmask)` once the masks are known (grammar.py explains the ordering).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,9 +40,8 @@ from .decoder import build_decoder
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache, kv_cache_dtype
 from .models import family_for
-from .sampler import apply_penalties, sample
-from .scheduler import StepPlan
-from .sequence import Sequence
+from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
+from .step import PenaltyRow, SamplingExtras, StepDescription
 
 # Decode batch sizes that get a CUDA graph; a decode step pads up to the next one. Dense where batches
 # are small (every padded row costs a full row of weights traffic), coarser where they are large.
@@ -51,30 +51,6 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 def graph_buckets_for(config: EngineConfig) -> tuple[int, ...]:
     """The buckets a decode step can fill: at most `max_num_seqs` rows and `max_num_batched_tokens` tokens."""
     return tuple(b for b in GRAPH_BUCKETS if b <= min(config.max_num_seqs, config.max_num_batched_tokens))
-
-
-@dataclass
-class SampleExtras:
-    """A step's sampling work beyond plain sampling, for the sample rows that ask for it."""
-
-    logprob_rows: list[int] = field(default_factory=list)
-    num_top_logprobs: int = 0  # the most any of those rows asked for
-    mask_rows: list[int] = field(default_factory=list)  # constrained rows: sampling waits for their bitmask
-    penalty_rows: list[PenaltyRow] = field(default_factory=list)
-
-
-@dataclass
-class PenaltyRow:
-    """A sample row with presence/frequency penalties, and what its sample generated before this step.
-
-    The newest generated token is the row's own input token, which in async mode may still be in flight
-    (not on the host yet): the host sends the ones before it and the device adds the input token."""
-
-    row: int
-    presence: float
-    frequency: float
-    history: list[int]  # generated ids before the input token
-    input_is_generated: bool  # False when the input token is the prompt's last (nothing generated yet)
 
 
 @dataclass
@@ -95,7 +71,7 @@ class StepHandle:
     events: _StepEvents | None  # CUDA; None on CPU, where the step ran synchronously
     build_seconds: float = 0.0  # host time spent writing the batch into its IO slot
     cpu_seconds: float = 0.0  # CPU path: the step's compute time, measured synchronously
-    extras: SampleExtras | None = None
+    extras: SamplingExtras | None = None
     logits: torch.Tensor | None = None  # between the forward and its sampling (held for `launch_sampling`)
     is_sampled: bool = False  # the sampling and its D2H copy are queued
     is_greedy_in_graph: bool = False  # a decode graph replayed, writing the argmax ids into the slot
@@ -166,11 +142,9 @@ class ModelRunner:
             buckets,
             max_model_len=max_model_len,
         )
-        # The slot the next step is built into, and the output rows of the launched step whose tokens the
-        # host has not seen yet (the carry-over map: the next step's placeholders are filled from them).
+        # The slot the next step is built into; the other one holds the launched step's sampled ids, which a
+        # step's carry-over rows name.
         self._next_slot = 0
-        self._inflight_rows: dict[Sequence, int] = {}
-        self._latest: StepHandle | None = None
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.compute_stream = torch.cuda.Stream(device)
@@ -187,31 +161,29 @@ class ModelRunner:
         return self.is_cuda and self.config.use_cuda_graphs and self.attn_backend.name == "triton"
 
     # -- one step ---------------------------------------------------------------------------------
-    def launch(self, plan: StepPlan, extras: SampleExtras | None = None) -> StepHandle:
-        """Build `plan` into the next IO slot and queue it on the device; returns without waiting. With
+    def launch(self, step: StepDescription) -> StepHandle:
+        """Build `step` into the next IO slot and queue it on the device; returns without waiting. With
         constrained rows only the forward is queued: `launch_sampling` queues the rest."""
         t0 = time.perf_counter()
         try:
-            meta = self.builder.build(plan, self._next_slot, self._inflight_rows)
+            meta = self.builder.build(step, self._next_slot)
         except Exception as exc:
             raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
         build_seconds = time.perf_counter() - t0
-        handle = self._launch(meta, extras)
+        handle = self._launch(meta, step.extras)
         handle.build_seconds = build_seconds
         self._next_slot ^= 1
-        self._inflight_rows = {c.seq: row for row, c in enumerate(plan.sampling_chunks())}
-        self._latest = handle
         return handle
 
-    def unbuildable(self, plan: StepPlan) -> list[tuple[Sequence, Exception]]:
-        """After a StepBuildError: the sequences of `plan` whose chunk cannot be built even alone, with why.
+    def unbuildable(self, step: StepDescription) -> list[tuple[int, Exception]]:
+        """After a StepBuildError: the sequences (by index in `step`) that cannot be built even alone, with why.
         Each is built into the next slot, which no launched step uses; nothing is launched."""
         bad = []
-        for chunk in plan.chunks:
+        for b in range(step.num_seqs):
             try:
-                self.builder.build(StepPlan([chunk]), self._next_slot, self._inflight_rows)
+                self.builder.build(step.only(b), self._next_slot)
             except Exception as exc:
-                bad.append((chunk.seq, exc))
+                bad.append((b, exc))
         return bad
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float]:
@@ -222,16 +194,9 @@ class ModelRunner:
             seconds = handle.events.start.elapsed_time(handle.events.end) / 1000.0
         else:
             seconds = handle.cpu_seconds
-        if handle is self._latest:
-            self.discard_inflight()  # its tokens are known now: the next step carries nothing over
         return handle.sampled_host[: handle.meta.num_sample_rows].tolist(), seconds
 
-    def discard_inflight(self) -> None:
-        """Forget the launched step (its tokens are known, or it failed and will never be waited for)."""
-        self._inflight_rows = {}
-        self._latest = None
-
-    def _launch(self, meta: BatchMeta, extras: SampleExtras | None) -> StepHandle:
+    def _launch(self, meta: BatchMeta, extras: SamplingExtras | None) -> StepHandle:
         slot = self.builder.slots[meta.slot]
         # Slots alternate on every launch, so the previous step's sampled ids live in the other slot.
         prev_sampled = self.builder.slots[1 - meta.slot].sampled_dev
@@ -317,21 +282,21 @@ class ModelRunner:
         assert logits is not None, "sampling a step twice"
         rows = meta.num_sample_rows
         wants_logprobs = extras is not None and bool(extras.logprob_rows)
-        penalties = extras.penalty_rows if extras is not None else []
-        plain = not meta.any_random and bitmask is None and not wants_logprobs and not penalties
+        processes = extras is not None and extras.has_logit_processing
+        plain = not meta.any_random and bitmask is None and not wants_logprobs and not processes
         if handle.is_greedy_in_graph and plain:
             return None  # the decode graph's argmax already is this step's sample
         lp_rows = None
-        if extras is not None and extras.logprob_rows:  # raw logits: before the mask rewrites them
-            lp_rows = logprobs.prepare(logits, self._to_device(extras.logprob_rows), extras.num_top_logprobs)
-        if penalties:
-            self._apply_penalties(slot, penalties, logits)
+        if extras is not None and extras.logprob_rows:  # raw logits: before anything rewrites them
+            lp_rows = logprobs.prepare(logits, self._to_device(list(extras.logprob_rows)), extras.num_top_logprobs)
+        if extras is not None and processes:
+            self._process_logits(slot, extras, logits)
         if bitmask is not None:
             assert extras is not None and len(extras.mask_rows) == bitmask.shape[0], (
                 "one bitmask row per mask row"
             )
             mask_dev = bitmask.to(self.device, non_blocking=True)
-            apply_token_bitmask(logits, self._to_device(extras.mask_rows), mask_dev)
+            apply_token_bitmask(logits, self._to_device(list(extras.mask_rows)), mask_dev)
         tokens = sample(
             logits,
             d["temperature"][:rows],
@@ -341,29 +306,56 @@ class ModelRunner:
             d["sample_positions"][:rows],
             meta.any_random,
             meta.any_top_k_top_p,
+            d["min_p"][:rows] if meta.any_min_p else None,
         )
         slot.sampled_dev[:rows].copy_(tokens)
         return None if lp_rows is None else logprobs.finish(lp_rows, tokens)
 
-    def _apply_penalties(self, slot: IOSlot, penalties: list[PenaltyRow], logits: torch.Tensor) -> None:
-        """Penalise `logits` in place. Each row's history is completed on the device with its input token
-        (the step's gathered ids at the row's logits index), so a token still in flight counts too."""
+    def _process_logits(self, slot: IOSlot, extras: SamplingExtras, logits: torch.Tensor) -> None:
+        """vLLM's order, in place: allowed tokens, bans (bad words, min_tokens), logit_bias, penalties."""
+        if extras.allowed:
+            allowed_rows = self._to_device([row for row, _ in extras.allowed])
+            pairs = self._to_device([(row, i) for row, ids in extras.allowed for i in ids])
+            keep_only(logits, allowed_rows, pairs[:, 0], pairs[:, 1])
+        if extras.bans:
+            bans = self._to_device([(b.row, b.token_id, b.required_input) for b in extras.bans])
+            apply_bans(logits, bans[:, 0], bans[:, 1], bans[:, 2], self._input_ids_of_rows(slot, bans[:, 0]))
+        if extras.bias:
+            rows_ids = self._to_device([(row, token) for row, token, _ in extras.bias])
+            values = self._to_device([value for _, _, value in extras.bias], torch.float32)
+            apply_logit_bias(logits, rows_ids[:, 0], rows_ids[:, 1], values)
+        if extras.penalty_rows:
+            self._apply_penalties(slot, extras.penalty_rows, logits)
+
+    def _input_ids_of_rows(self, slot: IOSlot, rows: torch.Tensor) -> torch.Tensor:
+        """Each sample row's input token (the step's gathered ids at its logits index: carried-over ones too)."""
         d = slot.dev
+        return d["input_ids"][d["logits_indices"][rows].long()].long()
+
+    def _apply_penalties(self, slot: IOSlot, penalties: tuple[PenaltyRow, ...], logits: torch.Tensor) -> None:
+        """Penalise `logits` in place. Each row's history is completed on the device with its input token, so a
+        token still in flight counts too."""
         rows = self._to_device([p.row for p in penalties])
-        # NOTE: host time grows with the penalised rows' output lengths (1,000 rows of 500 tokens: ~7 ms a
-        # step, hidden behind the GPU in async mode); numpy fills the padded rows ~5x faster than lists.
-        padded = np.full((len(penalties), max(len(p.history) for p in penalties)), -1, dtype=np.int64)
-        for i, p in enumerate(penalties):
-            padded[i, : len(p.history)] = p.history
-        history = torch.from_numpy(padded)
-        if self.is_cuda:
-            history = history.pin_memory()
-        history = history.to(self.device, non_blocking=True)
+        history = self._padded([p.history for p in penalties])
         generated = self._to_device([int(p.input_is_generated) for p in penalties]).bool()
-        input_ids = d["input_ids"][d["logits_indices"][rows].long()].long()
-        history = torch.cat([history, torch.where(generated, input_ids, -1)[:, None]], dim=1)
-        weights = self._to_device([[p.presence, p.frequency] for p in penalties], torch.float32)
-        apply_penalties(logits, rows, history, weights[:, 0], weights[:, 1])
+        history = torch.cat([history, torch.where(generated, self._input_ids_of_rows(slot, rows), -1)[:, None]], dim=1)
+        weights = self._to_device([[p.presence, p.frequency, p.repetition] for p in penalties], torch.float32)
+        prompts = None
+        if any(p.repetition != 1.0 for p in penalties):
+            prompts = self._padded([p.prompt_ids for p in penalties])
+        apply_penalties(logits, rows, history, weights[:, 0], weights[:, 1], weights[:, 2], prompts)
+
+    def _padded(self, rows: list[tuple[int, ...]]) -> torch.Tensor:
+        """Id lists as one [len(rows), longest] device tensor, -1 where a row is shorter."""
+        # NOTE: host time grows with the rows' lengths (1,000 rows of 500 tokens: ~7 ms a step, hidden behind
+        # the GPU in async mode); numpy fills the padded rows ~5x faster than lists.
+        padded = np.full((len(rows), max(1, max(map(len, rows)))), -1, dtype=np.int64)
+        for i, ids in enumerate(rows):
+            padded[i, : len(ids)] = ids
+        host = torch.from_numpy(padded)
+        if self.is_cuda:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _to_device(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         # NOTE: pinned through the caching host allocator, which keeps the block until the copy is done.

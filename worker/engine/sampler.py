@@ -1,4 +1,6 @@
-"""Sampler: greedy, temperature, top-k, top-p, OpenAI penalties, with a per-request seed. Owns no state.
+"""Sampler: greedy, temperature, min-p, top-k, top-p, penalties, token masks and biases, with a per-request
+seed. Owns no state. The model runner applies these in vLLM's order (`ModelRunner._process_logits`, then
+`sample`).
 
 Random draws come from a counter-based hash of (seed, position, vocab id), turned into Gumbel noise:
 argmax(logits / T + Gumbel) samples exactly from softmax(logits / T). So a request's tokens depend
@@ -40,22 +42,67 @@ def sample_seed(seed: int, sample_index: int) -> int:
     return _fmix32((seed * 0x9E3779B1 + sample_index * 0x85EBCA77) & _M32) & 0x7FFFFFFF
 
 
+def keep_only(logits: torch.Tensor, rows: torch.Tensor, pair_rows: torch.Tensor, pair_ids: torch.Tensor) -> None:
+    """allowed_token_ids, in place: in each of `rows`, every token but its (pair_rows, pair_ids) gets -inf."""
+    blocked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    blocked[rows] = True
+    blocked[pair_rows, pair_ids] = False
+    logits.masked_fill_(blocked, float("-inf"))
+
+
+def apply_bans(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, required: torch.Tensor, inputs: torch.Tensor
+) -> None:
+    """Bad words and min_tokens, in place: `logits[rows[i], token_ids[i]]` becomes -inf where `required[i]` is -1
+    or equals `inputs[i]` (that row's input token). Adds, so repeated pairs and a ban not in force (adding 0)
+    need no host-side filtering (a boolean index would sync with the host)."""
+    active = (required < 0) | (required == inputs)
+    add = torch.where(active, float("-inf"), 0.0).to(logits.dtype)
+    logits.index_put_((rows, token_ids), add, accumulate=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> None:
+    """logit_bias, in place: `values[i]` added to `logits[rows[i], token_ids[i]]`."""
+    logits.index_put_((rows, token_ids), values.to(logits.dtype), accumulate=True)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     rows: torch.Tensor,
     history: torch.Tensor,
     presence: torch.Tensor,
     frequency: torch.Tensor,
+    repetition: torch.Tensor | None = None,
+    prompts: torch.Tensor | None = None,
 ) -> None:
-    """OpenAI's presence and frequency penalties, in place on `logits[rows]`: with c the number of times a
-    token appears in the row's `history` [P, L] (generated ids, -1 = padding), its logit loses
-    frequency * c + presence * (c > 0). Computed in fp32, then rounded to the logits' dtype."""
-    counts = torch.zeros((rows.shape[0], logits.shape[-1]), dtype=torch.float32, device=logits.device)
+    """vLLM's penalties, in place on `logits[rows]`, in vLLM's order. First the repetition penalty (when
+    `prompts` is given): a token seen in the row's prompt `prompts` [P, L'] or its `history` [P, L] (generated
+    ids; -1 = padding) has a positive logit divided by r, a negative one multiplied by r. Then OpenAI's: with c
+    the number of times a token appears in `history`, its logit loses frequency * c + presence * (c > 0).
+    Computed in fp32, then rounded to the logits' dtype."""
+    vocab_size = logits.shape[-1]
+    counts = torch.zeros((rows.shape[0], vocab_size), dtype=torch.float32, device=logits.device)
     counts.scatter_add_(1, history.clamp(min=0), (history >= 0).float())
     seen = counts > 0
-    # In place, so a step of many penalised rows holds one [P, V] fp32 buffer: (c * f + p) where c > 0, else 0.
+    values = logits[rows].float()
+    if prompts is not None:
+        assert repetition is not None, "the repetition penalty's factors"
+        # One extra column takes the padding, so a -1 never marks token 0.
+        in_prompt = torch.zeros((rows.shape[0], vocab_size + 1), dtype=torch.bool, device=logits.device)
+        in_prompt.scatter_(1, torch.where(prompts >= 0, prompts, vocab_size), True)
+        r = repetition[:, None]
+        penalised = torch.where(values > 0, values / r, values * r)
+        values = torch.where(seen | in_prompt[:, :vocab_size], penalised, values)
+    # In place, so a step of many penalised rows holds one more [P, V] fp32 buffer: (c * f + p) where c > 0.
     penalty = counts.mul_(frequency[:, None]).add_(presence[:, None]).mul_(seen)
-    logits[rows] = (logits[rows].float() - penalty).to(logits.dtype)
+    logits[rows] = (values - penalty).to(logits.dtype)
+
+
+def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """min_p on temperature-scaled logits: a token less likely than min_p times the row's most likely one gets
+    -inf (min_p 0 keeps everything; the most likely token always stays)."""
+    probs = torch.softmax(scaled, dim=-1)
+    return scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -79,8 +126,10 @@ def sample(
     positions: torch.Tensor,
     any_random: bool,
     any_top_k_top_p: bool,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [R, V]; per-row params [R]. `any_*` are host-side flags so all-greedy steps stay cheap.
+    """logits [R, V]; per-row params [R] (`min_p` None: no row has one). `any_*` are host-side flags so
+    all-greedy steps stay cheap. After the temperature: min_p, then top-k and top-p (vLLM's order).
 
     Returns int32 token ids [R]. Rows with temperature 0 are greedy.
     """
@@ -88,6 +137,8 @@ def sample(
     if not any_random:
         return greedy
     scaled = logits.float() / temperature.clamp(min=1e-6)[:, None]
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
     if any_top_k_top_p:
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))

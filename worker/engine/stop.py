@@ -20,10 +20,12 @@ def check_stop(
     """Why `seq` must stop after its newest token, or None."""
     params = seq.sampling
     token = seq.output_ids[-1]
-    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-        return FinishReason.STOP
-    if params.stop and _tail_has_stop_string(seq, tokenizer):
-        return FinishReason.STOP
+    # min_tokens: the device banned EOS and stop tokens until then; stop strings wait too (as in vLLM)
+    if len(seq.output_ids) >= params.min_tokens:
+        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if params.stop and _tail_has_stop_string(seq, tokenizer):
+            return FinishReason.STOP
     # NOTE: known tokens only: `seq.num_tokens` also counts samples in flight (async) and would stop one early.
     num_known = len(seq.prompt_ids) + len(seq.output_ids)
     if len(seq.output_ids) >= params.max_new_tokens or num_known >= max_model_len:
@@ -34,13 +36,13 @@ def check_stop(
 def _tail_has_stop_string(seq: Sequence, tokenizer) -> bool:
     stop = seq.sampling.stop
     window = max(len(s.encode("utf-8")) for s in stop) + _WINDOW_SLACK_TOKENS
-    tail = tokenizer.decode(seq.output_ids[-window:])
+    tail = decode(seq.output_ids[-window:], seq.sampling, tokenizer)
     # NOTE: some ids decode to nothing (special tokens, the byte tokenizer's unused ids), so a window of
     # tokens can hold too little text: widen it until the tail is long enough or covers the whole output.
     min_chars = max(len(s) for s in stop) + _WINDOW_SLACK_TOKENS
     while len(tail) < min_chars and window < len(seq.output_ids):
         window *= 2
-        tail = tokenizer.decode(seq.output_ids[-window:])
+        tail = decode(seq.output_ids[-window:], seq.sampling, tokenizer)
     return any(s in tail for s in stop)
 
 
@@ -52,18 +54,47 @@ def special_stop_token_ids(stop: tuple[str, ...], tokenizer) -> dict[str, int]:
 
 
 def num_text_tokens(ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int]) -> int:
-    """How many output ids make the text: all but a final stop token (EOS or one of `stop_token_ids`)."""
-    if ids and ((ids[-1] in eos_token_ids and not params.ignore_eos) or ids[-1] in params.stop_token_ids):
+    """How many output ids make the text: all but a final stop token (EOS or one of `stop_token_ids`), which
+    `include_stop_str_in_output` keeps."""
+    if params.include_stop_str_in_output or len(ids) <= params.min_tokens:
+        return len(ids)
+    if (ids[-1] in eos_token_ids and not params.ignore_eos) or ids[-1] in params.stop_token_ids:
         return len(ids) - 1
     return len(ids)
 
 
 def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
-    """Decoded output without a final stop token, cut before the first stop string."""
+    """Decoded output without a final stop token, cut before the first stop string (after it, with
+    `include_stop_str_in_output`)."""
     params = seq.sampling
-    text = tokenizer.decode(seq.output_ids[: num_text_tokens(seq.output_ids, params, eos_token_ids)])
+    text = decode(seq.output_ids[: num_text_tokens(seq.output_ids, params, eos_token_ids)], params, tokenizer)
     if params.stop:
-        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-        if cuts:
-            text = text[: min(cuts)]
+        # NOTE: a stop string inside the first min_tokens tokens did not stop the output: search after them.
+        skip = len(decode(seq.output_ids[: params.min_tokens], params, tokenizer)) if params.min_tokens else 0
+        found = [(i, s) for i, s in ((text.find(s, skip), s) for s in params.stop) if i >= 0]
+        if found:
+            cut, stop = min(found)
+            text = text[: cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
     return text
+
+
+def decode(ids: list[int], params: SamplingParams, tokenizer) -> str:
+    """The text of `ids` with the request's detokenization options."""
+    return tokenizer.decode(
+        ids,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+    )
+
+
+def bad_words_token_ids(words: tuple[str, ...], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids (no special tokens), and also those of the word after a space where the
+    tokenizer folds the space into the word's first token (as vLLM bans both)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (plain, spaced):
+            if ids and ids not in out and (ids is plain or len(ids) == len(plain)):
+                out.append(ids)
+    return tuple(out)

@@ -56,8 +56,14 @@ class ByteTokenizer:
     def special_token_id(self, text: str) -> int | None:
         return None  # BOS, EOS and PAD have no text
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        """Bytes as text; BOS, EOS and PAD as their names unless `skip_special_tokens` (no spaces are put
+        between them: they are not words)."""
+        if skip_special_tokens:
+            return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         """A byte's id is that byte; a special token is its name (as in logprobs); other ids are empty."""
@@ -129,8 +135,12 @@ class HFTokenizer:
     def special_token_id(self, text: str) -> int | None:
         return self._special_ids.get(text)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        return self._tok.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's exact bytes (byte-level BPE pieces and sentencepiece byte tokens undone); a special

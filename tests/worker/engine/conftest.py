@@ -62,14 +62,23 @@ def make_requests(tokenizer, num: int, seed: int = 0, max_prompt: int = 400, max
 
 def hf_greedy(model, tokenizer, req: EngineRequest) -> list[int]:
     """`model.generate` greedy output for one request, alone (no padding)."""
+    return hf_generate(model, req, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def hf_generate(model, req: EngineRequest, eos=None, pad: int = 0, processors=(), **kwargs) -> list[int]:
+    """`model.generate` greedy output for one request, alone, with extra logits `processors` and arguments."""
+    from transformers import LogitsProcessorList
+
     ids = torch.tensor([req.prompt_ids])
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=req.sampling.max_new_tokens,
         do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        logits_processor=LogitsProcessorList(list(processors)),
+        **kwargs,
     )
     return out[0, ids.shape[1] :].tolist()
 

@@ -10,6 +10,7 @@ import torch
 from worker.engine.api import SamplingParams
 from worker.engine.batch import BatchBuilder
 from worker.engine.block_manager import BlockManager
+from worker.engine.describe import describe_step
 from worker.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from worker.engine.sequence import Sequence
 
@@ -31,6 +32,11 @@ def make_seq(request_id, prompt_ids, output_ids=(), block_table=(), seed=0, **sa
     return seq
 
 
+def build(builder: BatchBuilder, plan: StepPlan, slot: int, prev_rows: dict[Sequence, int]):
+    """The plan's description (what the runner gets) built into `slot`."""
+    return builder.build(describe_step(plan, prev_rows)[0], slot)
+
+
 def ints(array: np.ndarray, n: int) -> list[int]:
     return array[:n].tolist()
 
@@ -50,7 +56,7 @@ def mixed_plan():
 def test_mixed_plan_host_arrays(mixed_plan):
     plan, (a, b, c) = mixed_plan
     builder = make_builder()
-    meta = builder.build(plan, 0, prev_rows={})
+    meta = build(builder, plan, 0, prev_rows={})
     h = builder.slots[0].host
     assert ints(h["input_ids"], 7) == [15, 24, 25, 26, 30, 31, 32]
     assert ints(h["positions"], 7) == [5, 4, 5, 6, 0, 1, 2]
@@ -98,7 +104,7 @@ def test_slot_mapping_formula_on_scheduler_plans():
     builder = make_builder()
     for step in range(8):
         plan = sched.schedule()
-        meta = builder.build(plan, step % 2, prev_rows={})
+        meta = build(builder, plan, step % 2, prev_rows={})
         h = builder.slots[step % 2].host
         t = 0
         for b, chunk in enumerate(plan.chunks):
@@ -128,7 +134,7 @@ def test_in_flight_decode_input_is_carried_over_from_the_previous_step():
     plan = StepPlan(
         [ScheduledChunk(a, 5, 1, True), ScheduledChunk(c, 0, 3, True), ScheduledChunk(b, 2, 1, True)]
     )
-    meta = builder.build(plan, 1, prev_rows={a: 2, b: 0})
+    meta = build(builder, plan, 1, prev_rows={a: 2, b: 0})
     h = builder.slots[1].host
     assert ints(h["input_ids"], 5) == [0, 1, 2, 3, 9]  # placeholder 0 for a's in-flight token
     assert ints(h["carry_src"], 5) == [2, -1, -1, -1, -1]  # b's token is known: no carry even though listed
@@ -136,7 +142,7 @@ def test_in_flight_decode_input_is_carried_over_from_the_previous_step():
     # The next build into the same slot has no carry: stale entries must be cleared.
     plan = StepPlan([ScheduledChunk(c, 3, 1, True)])
     c.output_ids = [5]
-    meta = builder.build(plan, 1, prev_rows={})
+    meta = build(builder, plan, 1, prev_rows={})
     assert ints(h["carry_src"], 1) == [-1] and ints(h["input_ids"], 1) == [5] and not meta.has_carry
 
 
@@ -145,17 +151,17 @@ def test_in_flight_token_without_a_source_row_is_an_error():
     a = make_seq("a", [1, 2, 3], block_table=[1])
     a.num_inflight_samples = 1
     with pytest.raises(AssertionError, match="only a decode's single input token can be in flight"):
-        builder.build(StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
+        build(builder, StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
 
 
 def test_decode_only_plan_is_padded_to_the_graph_bucket():
     builder = make_builder(graph_buckets=(8, 4))
     # First fill the slot with a wider batch, so stale values would show in the padding rows.
     wide = [make_seq(f"w{i}", [i + 1] * 6, block_table=[i + 1, i + 9], temperature=0.9) for i in range(6)]
-    builder.build(StepPlan([ScheduledChunk(s, 0, 6, True) for s in wide]), 0, prev_rows={})
+    build(builder, StepPlan([ScheduledChunk(s, 0, 6, True) for s in wide]), 0, prev_rows={})
     seqs = [make_seq(f"s{i}", [1] * (3 + i), [40 + i], block_table=[10 + i, 20 + i]) for i in range(3)]
     plan = StepPlan([ScheduledChunk(s, s.num_prompt_tokens, 1, True) for s in seqs])
-    meta = builder.build(plan, 0, prev_rows={})
+    meta = build(builder, plan, 0, prev_rows={})
     h = builder.slots[0].host
     assert (meta.num_seqs, meta.num_tokens, meta.num_real_seqs, meta.num_sample_rows) == (4, 4, 3, 4)
     assert meta.is_decode_only and not meta.any_random
@@ -179,18 +185,16 @@ def test_bucket_choice_and_no_padding_for_mixed_steps():
     builder = make_builder(graph_buckets=(4, 8))
     assert [builder.bucket_for(n) for n in (1, 3, 4, 5, 8, 9)] == [4, 4, 4, 8, 8, None]
     decodes = [make_seq(f"s{i}", [1, 2], [3], block_table=[i + 1]) for i in range(5)]
-    meta = builder.build(StepPlan([ScheduledChunk(s, 2, 1, True) for s in decodes]), 0, prev_rows={})
+    meta = build(builder, StepPlan([ScheduledChunk(s, 2, 1, True) for s in decodes]), 0, prev_rows={})
     assert (meta.num_seqs, meta.num_tokens, meta.num_sample_rows) == (8, 8, 8)
     assert ints(builder.slots[0].host["context_lens"], 8) == [3] * 5 + [0] * 3
     # A step with a prefill chunk is never padded (no graph replay for it).
     prefill = make_seq("p", [1, 2], block_table=[9])
     plan = StepPlan([ScheduledChunk(decodes[0], 2, 1, True), ScheduledChunk(prefill, 0, 2, True)])
-    meta = builder.build(plan, 0, prev_rows={})
+    meta = build(builder, plan, 0, prev_rows={})
     assert (meta.num_seqs, meta.num_tokens, meta.num_sample_rows) == (2, 3, 2) and not meta.is_decode_only
     # Without buckets (CPU), decode-only steps are not padded either.
-    meta = make_builder().build(
-        StepPlan([ScheduledChunk(s, 2, 1, True) for s in decodes[:3]]), 0, prev_rows={}
-    )
+    meta = build(make_builder(), StepPlan([ScheduledChunk(s, 2, 1, True) for s in decodes[:3]]), 0, {})
     assert (meta.num_seqs, meta.num_sample_rows) == (3, 3)
 
 
@@ -198,10 +202,10 @@ def test_the_two_slots_are_independent_buffers(mixed_plan):
     plan, _ = mixed_plan
     builder = make_builder()
     s0, s1 = builder.slots
-    builder.build(plan, 0, prev_rows={})
+    build(builder, plan, 0, prev_rows={})
     before = {name: array.copy() for name, array in s0.host.items()}
     other = make_seq("o", [99, 98], block_table=[11], temperature=1.0, seed=3)
-    builder.build(StepPlan([ScheduledChunk(other, 0, 2, True)]), 1, prev_rows={})
+    build(builder, StepPlan([ScheduledChunk(other, 0, 2, True)]), 1, prev_rows={})
     for name, array in s0.host.items():
         np.testing.assert_array_equal(
             array, before[name], err_msg=f"slot 0 {name} changed by a build into slot 1"
@@ -221,7 +225,7 @@ def test_fields_of_a_slot_do_not_overlap_and_device_views_match_host_offsets(mix
     for i, x in enumerate(names):
         for y in names[i + 1 :]:
             assert not np.shares_memory(slot.host[x], slot.host[y]), (x, y)
-    builder.build(plan, 0, prev_rows={})
+    build(builder, plan, 0, prev_rows={})
     slot.int_dev.copy_(slot.int_host)
     slot.float_dev.copy_(slot.float_host)
     slot.tables_dev.copy_(slot.tables_host)
@@ -237,30 +241,30 @@ def test_block_table_rows_follow_appends_replacements_and_row_changes():
     a = make_seq("a", [1, 2, 3], [4], block_table=[7])
     b = make_seq("b", [5, 6, 7], [8], block_table=[9])
 
-    def build(*seqs):
+    def build_tables(*seqs):
         chunks = [ScheduledChunk(s, len(s.prompt_ids) + len(s.output_ids) - 1, 1, True) for s in seqs]
-        builder.build(StepPlan(chunks), 0, prev_rows={})
+        build(builder, StepPlan(chunks), 0, prev_rows={})
         return builder.slots[0].host["block_tables"]
 
-    tables = build(a, b)
+    tables = build_tables(a, b)
     assert tables[0, :1].tolist() == [7] and tables[1, :1].tolist() == [9]
     assert tables[2, 0] == 0 and tables[3, 0] == 0  # padding rows: the scratch block
     a.block_table.append(11)  # a decode crossed a block boundary: the same list, one entry longer
     a.output_ids += [5, 6, 7, 8]
-    tables = build(a, b)
+    tables = build_tables(a, b)
     assert tables[0, :2].tolist() == [7, 11] and tables[1, :1].tolist() == [9]
     a.block_table = [12, 13]  # preempted and re-admitted on other blocks: a new list of the same length
-    tables = build(a, b)
+    tables = build_tables(a, b)
     assert tables[0, :2].tolist() == [12, 13]
-    tables = build(b, a)  # a finished sequence before them: rows shift
+    tables = build_tables(b, a)  # a finished sequence before them: rows shift
     assert tables[0, :1].tolist() == [9] and tables[1, :2].tolist() == [12, 13]
     tables[2, 0] = 99  # scribble a padding row; the next build writes the scratch block again
     c = make_seq("c", [1], [2], block_table=[14])
-    tables = build(b, a, c)
+    tables = build_tables(b, a, c)
     assert tables[2, :1].tolist() == [14] and tables[3, 0] == 0
-    tables = build(b, a)
+    tables = build_tables(b, a)
     assert tables[2, 0] == 0, "a row that became padding is not left with c's block"
-    tables = build(b, a, c)
+    tables = build_tables(b, a, c)
     assert tables[2, :1].tolist() == [14], "c's row is rewritten after padding overwrote it"
 
 
@@ -269,11 +273,11 @@ def test_a_failed_block_table_write_forgets_the_slots_rows():
     a = make_seq("a", [1, 2, 3], [4], block_table=[7])
     c = make_seq("c", [1, 2, 3], [4], block_table=[8])
     bad = make_seq("bad", [1, 2, 3], [4], block_table=[2**40])  # does not fit the int32 table
-    builder.build(StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
+    build(builder, StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
     # c's table goes into row 0, then bad's fails in row 1: the slot must not still believe row 0 holds a's
     with pytest.raises(OverflowError):
-        builder.build(StepPlan([ScheduledChunk(c, 3, 1, True), ScheduledChunk(bad, 3, 1, True)]), 0, prev_rows={})
-    builder.build(StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
+        build(builder, StepPlan([ScheduledChunk(c, 3, 1, True), ScheduledChunk(bad, 3, 1, True)]), 0, prev_rows={})
+    build(builder, StepPlan([ScheduledChunk(a, 3, 1, True)]), 0, prev_rows={})
     assert builder.slots[0].host["block_tables"][0, 0] == 7, "row 0 was rewritten, not trusted from before"
 
 

@@ -31,11 +31,11 @@ def test_a_failing_step_fails_only_its_requests(tiny, mode):
     engine = Engine(model, tok, EngineConfig(mode=mode, max_num_seqs=2))
     real_launch, calls = engine.runner.launch, []
 
-    def flaky_launch(meta, extras=None):
-        calls.append(meta)
+    def flaky_launch(step):
+        calls.append(step)
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return real_launch(meta, extras)
+        return real_launch(step)
 
     engine.runner.launch = flaky_launch
     results = engine.generate(reqs)

@@ -31,7 +31,7 @@ def llama():
 class MarkTokenizer:
     """Every id decodes to a visible mark, so the tests see exactly which ids reach the text."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], **options) -> str:
         return "".join(f"<{i}>" for i in ids)
 
 

@@ -493,16 +493,20 @@ GENERATION_CONFIG_FIELDS = tuple(
 )
 
 
+# What `generate()` applies in greedy decoding too (do_sample: false keeps them).
+_GREEDY_FIELDS = ("max_new_tokens", "repetition_penalty")
+
+
 def generation_defaults(model) -> dict[str, int | float]:
     """The defaults the checkpoint's generation_config.json sets for `GENERATION_CONFIG_FIELDS` (only the
     values written there). With `do_sample: false` the file asks for greedy decoding, as in `generate()`,
-    so its temperature, top_p and top_k are left out and temperature is 0."""
+    so its temperature, top_p, top_k and min_p are left out and temperature is 0."""
     generation_config = getattr(model, "generation_config", None)
     if generation_config is None:
         return {}
     given = generation_config.to_diff_dict()  # only what differs from GenerationConfig's defaults
     if given.get("do_sample") is False:  # greedy, said explicitly: a line's own default must not sample
-        given = {k: v for k, v in given.items() if k == "max_new_tokens"} | {"temperature": 0.0}
+        given = {k: v for k, v in given.items() if k in _GREEDY_FIELDS} | {"temperature": 0.0}
     return {name: given[name] for name in GENERATION_CONFIG_FIELDS if given.get(name) is not None}
 
 
