@@ -41,6 +41,9 @@ class EngineConfig:
     # Fields a request leaves unset (temperature, top_p, top_k, max_new_tokens) take the checkpoint's
     # generation_config.json values, as in `generate()` and vLLM; False: cbq's built-in defaults.
     generation_config_defaults: bool = True
+    # Batch-invariant arithmetic (deterministic.py): a request's tokens are bitwise the same alone or in any
+    # batch, sync or async, with any token budget, prefix cache on or off. Costs speed; needs the owned decoder.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.

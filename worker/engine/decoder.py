@@ -44,6 +44,8 @@ import torch.nn.functional as F
 
 from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
+from . import deterministic as invariant
+from .attention_backend import AttentionMetadata
 from .fused_weights import LayerWeights, layer_weights, submodule
 from .kernels import decode_gemm
 from .kernels import fused as fk
@@ -106,6 +108,7 @@ class LayerOps:
     pdl: bool = False
     # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
     qkv_rope_epilogue: bool = False
+    qkv_rope_write: Callable = decode_gemm.decode_qkv_rope_write  # that GEMM
 
 
 def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
@@ -145,7 +148,9 @@ def layer_ops(
 
 
 class OwnedDecoder:
-    def __init__(self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False):
+    def __init__(
+        self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False, deterministic: bool = False
+    ):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
@@ -177,6 +182,9 @@ class OwnedDecoder:
         self.ops = layer_ops(self.use_triton, False, norm=self.family.norm, activation=self.args.activation)
         # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too).
         self.small_step_ops = layer_ops(True, small_step=True) if small_step_gemm and self.use_triton else None
+        if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
+            self.ops = invariant.layer_ops(self, pdl=small_step_gemm)
+            self.small_step_ops = None
 
     def __call__(
         self,
@@ -229,7 +237,7 @@ class OwnedDecoder:
         q [T, H, D]."""
         cos_table, sin_table = rope
         if ops.qkv_rope_epilogue and w.q_norm is None:
-            return decode_gemm.decode_qkv_rope_write(
+            return ops.qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
             )  # fmt: skip
@@ -265,12 +273,26 @@ def rotary_tables(
 
 
 def build_decoder(
-    model, choice: str, device: torch.device, max_model_len: int, use_triton: bool, gemm: str = "cublas"
+    model,
+    choice: str,
+    device: torch.device,
+    max_model_len: int,
+    use_triton: bool,
+    gemm: str = "cublas",
+    deterministic: bool = False,
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
-    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path."""
+    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path.
+    `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py)."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
+    if deterministic:
+        use_triton = use_triton and decode_gemm.HAVE_TRITON
+        invariant.check_supported(model, choice)
+        decoder = OwnedDecoder(model, max_model_len, use_triton, decode_gemm.pdl_usable(device), deterministic=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return decoder
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
         return None
     small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import logprobs
+from . import deterministic, logprobs
 from .attention_backend import (
     ATTN_IMPLEMENTATION,
     AttentionBackend,
@@ -137,6 +137,11 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.attn_backend = attention_backend_for(model, config.attention_backend, self.is_cuda)
         self.sliding_windows = sliding_windows_of(model.config)
+        if config.deterministic:
+            reason = deterministic.unsupported_reason(model, self.is_cuda, self.sliding_windows, self.attn_backend)
+            if reason is not None:
+                raise ValueError(f"deterministic mode: {reason}")
+            self.attn_backend = deterministic.attention_backend(self.attn_backend)
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,
@@ -145,6 +150,7 @@ class ModelRunner:
             max_model_len,
             self.is_cuda and config.fused_kernels,
             config.decode_gemm,
+            config.deterministic,
         )
 
         self.num_kv_blocks = num_kv_blocks

@@ -766,6 +766,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     sliding_window: int = 0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
     `sliding_window` keys when that is not 0). Returns [T, H, D].
@@ -775,6 +776,13 @@ def paged_prefill_attention(
     >= the longest q_len (rows past it are not computed): it sizes the grid and picks smaller query tiles
     for decode-heavy batches; without it the grid is sized for T rows per sequence (correct, but many
     programs exit at once).
+
+    `batch_invariant`: one query tile shape and warp count whatever the step (no shrinking for decode-heavy
+    steps), so a row's arithmetic depends only on its own position and the cache: its KV tiles are aligned
+    from position 0 and visited in order, tiles past it add exact zeros, and its tile-mates change nothing
+    (a masked score is -inf whichever phase masks it). Chunked or whole, cached prefix or not, one row or
+    many: the same bits (deterministic.py). Not with a sliding window: its first tiles start at the tile's
+    first row.
     """
     require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
@@ -794,11 +802,12 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype, q.device)
     max_q = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
-    # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
-    block_m = min(block_m, max(16, next_pow2(max_q * group)))
-    block_m = max(block_m, next_pow2(group))
-    if block_m <= 32:
-        num_warps = min(num_warps, 4)
+    if not batch_invariant:
+        # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
+        block_m = min(block_m, max(16, next_pow2(max_q * group)))
+        block_m = max(block_m, next_pow2(group))
+        if block_m <= 32:
+            num_warps = min(num_warps, 4)
     q_per_tile = block_m // group
     n_q_tiles = cdiv(max_q, q_per_tile)
 
