@@ -2,7 +2,8 @@
 
 python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
-    # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, notes.json; a file in a later DIR replaces
+    # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
+    # w1_deterministic.json, notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
@@ -43,7 +44,27 @@ COMMANDS = {
     "--max-num-batched-tokens 8192",
     "W2_constrained": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192 --variant plain --variant json --variant logprobs5",
+    "W2_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192 --deterministic",
+    "W1_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048 --deterministic",
 }
+
+
+def determinism_entry(run: dict) -> dict:
+    """`bench engine --deterministic`'s two async runs: {deterministic, default, deterministic_over_default}."""
+    by_kind = {
+        "deterministic" if r["extra"].get("deterministic") else "default": r
+        for mode, r in run["results"].items()
+        if mode.startswith("async")
+    }
+    entry: dict = {k: {f: r.get(f) for f in FIELDS} for k, r in by_kind.items()}
+    if len(by_kind) == 2:
+        entry["deterministic_over_default"] = (
+            by_kind["deterministic"]["output_tok_s"] / by_kind["default"]["output_tok_s"]
+        )
+    entry["config"], entry["date"] = run["config"], run["date"]
+    return entry
 
 
 def main(srcs: list[Path]) -> dict:
@@ -110,6 +131,10 @@ def main(srcs: list[Path]) -> dict:
         entry.update({f"{v}_over_plain": r["output_tok_s"] / plain for v, r in runs.items() if v != "plain"})
         entry["date"] = grammar["date"]
         out["W2_constrained"] = entry
+    for name in ("W2_deterministic", "W1_deterministic"):  # issue 32: the price of batch invariance
+        run = load(f"{name.split('_')[0].lower()}_deterministic.json")
+        if run:
+            out[name] = determinism_entry(run)
     for src in srcs:  # notes.json: {entry: "what to know when reading it"}, from the folder of that run
         notes = src / "notes.json"
         for name, note in (json.loads(notes.read_text()) if notes.exists() else {}).items():
@@ -132,6 +157,6 @@ if __name__ == "__main__":
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained")}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic")}, indent=1
         )[:3000]
     )

@@ -88,6 +88,19 @@ GPU_MEMORY_FLAGS = (
 )
 gpu_memory_options = config_flags(*GPU_MEMORY_FLAGS)
 
+DETERMINISTIC_FLAG = ConfigFlag(
+    ("--deterministic", "deterministic"),
+    "deterministic",
+    {
+        "is_flag": True,
+        "default": False,
+        "help": "Batch-invariant kernels: a request's tokens are bitwise the same alone or in any batch, sync or "
+        "async, with any --max-num-batched-tokens, prefix cache on or off (slower; docs/operations.md).",
+    },
+    to_config=lambda on: True if on else None,
+)
+deterministic_option = config_flags(DETERMINISTIC_FLAG)
+
 engine_tuning_options = config_flags(
     ConfigFlag(
         ("--max-num-seqs", "max_num_seqs"),
@@ -133,6 +146,7 @@ engine_tuning_options = config_flags(
         },
         to_config=lambda no_caching: False if no_caching else None,
     ),
+    DETERMINISTIC_FLAG,
 )
 
 
