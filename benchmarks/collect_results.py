@@ -75,13 +75,14 @@ def main(srcs: list[Path]) -> dict:
     w1, w1_hf, w2, w2_hf, queue = (
         load(n) for n in ("w1.json", "w1_hf.json", "w2.json", "w2_hf.json", "w2_queue.json")
     )
-    first = w1 or w2
+    determinism_runs = {n: load(f"{n.split('_')[0].lower()}_deterministic.json") for n in ("W2_deterministic", "W1_deterministic")}
+    first = w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
     if first is None:
         return {}
     out = {
         "device": first["device"],
         "torch": first["torch"],
-        "date": max(r["date"] for r in (w1, w2) if r),  # of the newest run; each entry has its own
+        "date": max(r["date"] for r in (w1, w2, *determinism_runs.values()) if r),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
         "commands": COMMANDS,
         "note": "Whole-workload runs of cbq's engine (random-weight Llama-3-8B shape, bf16, EOS ignored). "
@@ -131,8 +132,7 @@ def main(srcs: list[Path]) -> dict:
         entry.update({f"{v}_over_plain": r["output_tok_s"] / plain for v, r in runs.items() if v != "plain"})
         entry["date"] = grammar["date"]
         out["W2_constrained"] = entry
-    for name in ("W2_deterministic", "W1_deterministic"):  # issue 32: the price of batch invariance
-        run = load(f"{name.split('_')[0].lower()}_deterministic.json")
+    for name, run in determinism_runs.items():  # issue 32: the price of batch invariance
         if run:
             out[name] = determinism_entry(run)
     for src in srcs:  # notes.json: {entry: "what to know when reading it"}, from the folder of that run
@@ -153,7 +153,7 @@ if __name__ == "__main__":
     srcs = [Path(a) for a in sys.argv[1:]] or [Path("benchmarks/h200")]
     result = main(srcs)
     if not result:
-        sys.exit(f"no w1.json or w2.json in {', '.join(map(str, srcs))}: nothing to collect")
+        sys.exit(f"no w1.json, w2.json or w*_deterministic.json in {', '.join(map(str, srcs))}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(

@@ -42,10 +42,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from .attention_backend import AttentionMetadata
-from .config import DECODE_GEMMS, DECODERS
 from . import deterministic as invariant
 from .attention_backend import AttentionMetadata
+from .config import DECODE_GEMMS, DECODERS
 from .fused_weights import LayerWeights, layer_weights, submodule
 from .kernels import decode_gemm
 from .kernels import fused as fk

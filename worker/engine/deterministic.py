@@ -103,7 +103,9 @@ def attention_backend(default: AttentionBackend) -> AttentionBackend:
     return RowAttentionBackend()
 
 
-def unsupported_reason(model, is_cuda: bool, sliding_windows: tuple[int, ...], backend: AttentionBackend) -> str | None:
+def unsupported_reason(
+    model, is_cuda: bool, sliding_windows: tuple[int, ...], backend: AttentionBackend
+) -> str | None:
     """Why deterministic mode cannot keep its promise for this model here (None: it can)."""
     if is_cuda and not isinstance(backend, TritonAttentionBackend):
         return "the torch attention backend on CUDA (soft-capping families) has no batch-invariant kernel yet"
@@ -120,7 +122,9 @@ def check_supported(model, choice: str) -> None:
         raise ValueError("deterministic mode needs the owned decoder (decoder 'auto' or 'owned'), not 'hf'")
     reason = decoder.unsupported_reason(model)
     if reason is not None:
-        raise ValueError(f"deterministic mode needs the owned decoder, which does not support this model: {reason}")
+        raise ValueError(
+            f"deterministic mode needs the owned decoder, which does not support this model: {reason}"
+        )
 
 
 def layer_ops(owned, pdl: bool):
@@ -139,7 +143,9 @@ def layer_ops(owned, pdl: bool):
             weights.update({f"layer {i} gate_up": w.gate_up_weight, f"layer {i} down": w.down_weight})
         bad = invariant_gemm.untiled(weights)
         if bad:
-            raise ValueError(f"deterministic mode: these weights do not tile for the invariant GEMM: {bad[:4]}")
+            raise ValueError(
+                f"deterministic mode: these weights do not tile for the invariant GEMM: {bad[:4]}"
+            )
         return decoder.LayerOps(
             add_norm=partial(fk.add_rmsnorm, pdl=pdl),
             linear=partial(invariant_gemm.linear, pdl=pdl),

@@ -27,7 +27,9 @@ def requests(vocab: int, seed: int, num: int, prefix: str, max_new: int = 12) ->
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 33))]
         if i % 2:
             ids = shared + ids
-        reqs.append(EngineRequest(f"{prefix}{i}", ids, SamplingParams(max_new_tokens=rng.randint(1, max_new))))
+        reqs.append(
+            EngineRequest(f"{prefix}{i}", ids, SamplingParams(max_new_tokens=rng.randint(1, max_new)))
+        )
     return reqs
 
 
@@ -35,7 +37,11 @@ def requests(vocab: int, seed: int, num: int, prefix: str, max_new: int = 12) ->
 SCENARIOS: dict[str, tuple[dict, bool, bool]] = {
     "full batch": ({}, False, False),
     "other traffic, budget 40": (dict(max_num_batched_tokens=40), True, False),
-    "late arrivals, budget 23, cache off": (dict(max_num_batched_tokens=23, enable_prefix_caching=False), True, True),
+    "late arrivals, budget 23, cache off": (
+        dict(max_num_batched_tokens=23, enable_prefix_caching=False),
+        True,
+        True,
+    ),
     "preemption": (dict(num_kv_blocks=12, max_num_batched_tokens=64), True, False),
 }
 
@@ -51,7 +57,9 @@ def compare_scenarios(model, tok, mode: str, deterministic: bool, **config) -> t
     del alone_engine
     agreement = {}
     for name, (fields, with_others, late) in SCENARIOS.items():
-        engine = Engine(model, tok, EngineConfig(mode=mode, deterministic=deterministic, **{**config, **fields}))
+        engine = Engine(
+            model, tok, EngineConfig(mode=mode, deterministic=deterministic, **{**config, **fields})
+        )
         reqs = targets + others if with_others else targets
         if with_others:
             random.Random(name).shuffle(reqs)
@@ -92,4 +100,6 @@ def test_deterministic_mode_needs_the_owned_decoder(bf16_llama):
     engine = Engine(model, tok, EngineConfig(deterministic=True))
     assert engine.runner.decoder is not None and engine.runner.attn_backend.name == "torch-rows"
     default = Engine(model, tok, EngineConfig())
-    assert default.runner.decoder is None and default.runner.attn_backend.name == "torch", "default path unchanged"
+    assert default.runner.decoder is None and default.runner.attn_backend.name == "torch", (
+        "default path unchanged"
+    )

@@ -29,10 +29,14 @@ def test_gpu_deterministic_tokens_do_not_depend_on_the_batch(small_llama, mode):
     model, tok = small_llama
     agreement, alone = compare_scenarios(model, tok, mode, deterministic=True, **GPU_CONFIG)
     assert agreement == dict.fromkeys(SCENARIOS, 1.0), agreement
-    eager, eager_alone = compare_scenarios(model, tok, mode, deterministic=True, use_cuda_graphs=False, **GPU_CONFIG)
+    eager, eager_alone = compare_scenarios(
+        model, tok, mode, deterministic=True, use_cuda_graphs=False, **GPU_CONFIG
+    )
     assert eager == dict.fromkeys(SCENARIOS, 1.0), eager
     assert eager_alone == alone, "graph and eager give the same tokens"
     default, default_alone = compare_scenarios(model, tok, mode, deterministic=False, **GPU_CONFIG)
     same_as_deterministic = sum(default_alone[k] == v for k, v in alone.items()) / len(alone)
-    print(f"\n{mode}: default mode's agreement with its own alone runs {default}; "
-          f"default alone vs deterministic alone: {same_as_deterministic:.2f} of requests identical")
+    print(
+        f"\n{mode}: default mode's agreement with its own alone runs {default}; "
+        f"default alone vs deterministic alone: {same_as_deterministic:.2f} of requests identical"
+    )

@@ -29,7 +29,9 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 H, KVH, D, BS = 4, 2, 16, 16  # attention shapes: a group of 2 query heads per KV head
 
 
-def _pick(c: dict, q_rows: list[torch.Tensor], step, pad_seqs: int = 0, pad_rows: int = 0, max_q: int | None = None):
+def _pick(
+    c: dict, q_rows: list[torch.Tensor], step, pad_seqs: int = 0, pad_rows: int = 0, max_q: int | None = None
+):
     """Run the batch-invariant prefill kernel on `step` [(sequence, context now, query rows)], plus `pad_seqs`
     padding sequences (context 0, one row) and `pad_rows` rows past the last sequence. Returns each step entry's
     output rows."""
@@ -172,7 +174,13 @@ class _Steps:
             cu.append(cu[-1] + n)
             ctx.append(start + n)
         for _ in range(pad_seqs):  # a graph bucket's padding: context 0, the scratch block
-            ids, positions, slots, cu, ctx = ids + [0], positions + [0], slots + [0], cu + [cu[-1] + 1], ctx + [0]
+            ids, positions, slots, cu, ctx = (
+                ids + [0],
+                positions + [0],
+                slots + [0],
+                cu + [cu[-1] + 1],
+                ctx + [0],
+            )
         tables = [[1 + 4 * s + i for i in range(4)] for s, _, _ in chunks] + [[0] * 4] * pad_seqs
         i32 = dict(dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
@@ -192,7 +200,9 @@ class _Steps:
         return list(logits)
 
 
-def check_decoder_rows(device: str, use_triton: bool, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> None:
+def check_decoder_rows(
+    device: str, use_triton: bool, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> None:
     """A prompt's logits whole and alone vs chunked among other prompts; a decode alone vs in a padded batch."""
     rng = random.Random(seed)
     model = tiny_llama(device, dtype)
@@ -264,7 +274,12 @@ def test_kernels_are_row_invariant_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")  # tiny ops: threads only cost
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_CHECKS], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", INTERPRETER_CHECKS],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "row-invariant" in proc.stdout

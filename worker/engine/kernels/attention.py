@@ -475,6 +475,7 @@ if HAVE_TRITON:
         BLOCK_SIZE: tl.constexpr,
         SLIDING: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        ONE_PATH: tl.constexpr = False,  # batch-invariant: every KV tile through the masked loop (phase 2)
     ):
         pid_q = tl.program_id(0)
         b = tl.program_id(1)
@@ -537,6 +538,11 @@ if HAVE_TRITON:
             full_lo = tl.minimum(tl.maximum(kv_end - window, 0), kv_end)
         full_end = full_lo + (tl.maximum(first_pos + 1 - full_lo, 0) // BLOCK_N) * BLOCK_N
         full_end = tl.minimum(full_end, kv_end)
+        if ONE_PATH:
+            # NOTE: the unmasked loop may contract `score * scale - max` into one FMA where the masked one cannot
+            # (a select sits between them), so a key scored in phase 1 under one query tiling and in phase 2 under
+            # another could round differently. One path for every tile: the tiling no longer matters.
+            full_end = full_lo
 
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
         k_base = k_cache_ptr + kvh * stride_kh
@@ -778,9 +784,9 @@ def paged_prefill_attention(
     programs exit at once).
 
     `batch_invariant`: one query tile shape and warp count whatever the step (no shrinking for decode-heavy
-    steps), so a row's arithmetic depends only on its own position and the cache: its KV tiles are aligned
-    from position 0 and visited in order, tiles past it add exact zeros, and its tile-mates change nothing
-    (a masked score is -inf whichever phase masks it). Chunked or whole, cached prefix or not, one row or
+    steps) and one code path for every KV tile (the masked one), so a row's arithmetic depends only on its own
+    position and the cache: its KV tiles are aligned from position 0 and visited in order, tiles past it add
+    exact zeros, and its tile-mates change nothing. Chunked or whole, cached prefix or not, one row or
     many: the same bits (deterministic.py). Not with a sliding window: its first tiles start at the tile's
     first row.
     """
@@ -833,6 +839,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         SLIDING=sliding_window > 0,
         DOT_PREC=dot_precision(q.dtype, "tf32"),
+        ONE_PATH=batch_invariant,
         num_warps=num_warps,
         num_stages=num_stages,
     )

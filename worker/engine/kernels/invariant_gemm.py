@@ -39,11 +39,15 @@ def untiled(weights: dict[str, torch.Tensor]) -> list[str]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False):
     """x [M, K] @ weight [N, K]^T (+ bias), batch-invariant."""
     config = gemm_config(weight.shape[0], x.shape[1], x.dtype)
-    assert config is not None, f"weight {tuple(weight.shape)} does not tile (checked when the decoder is built)"
+    assert config is not None, (
+        f"weight {tuple(weight.shape)} does not tile (checked when the decoder is built)"
+    )
     return dg.decode_linear(x.contiguous(), weight, bias, pdl=pdl, config=config, block_m=BLOCK_M)
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False):
+def gate_up_silu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+):
     """silu(x @ gate^T) * (x @ up^T) for the fused [gate; up] weight, batch-invariant (fused when the
     intermediate size tiles, else the GEMM then the row-local silu_mul kernel)."""
     x = x.contiguous()
