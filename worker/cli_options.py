@@ -95,7 +95,8 @@ DETERMINISTIC_FLAG = ConfigFlag(
         "is_flag": True,
         "default": False,
         "help": "Batch-invariant kernels: a request's tokens are bitwise the same alone or in any batch, sync or "
-        "async, with any --max-num-batched-tokens, prefix cache on or off (slower; docs/operations.md).",
+        "async, with any --max-num-batched-tokens, prefix cache on or off (slower; docs/operations.md). "
+        "bench engine: runs every setup in deterministic and in default mode.",
     },
     to_config=lambda on: True if on else None,
 )
