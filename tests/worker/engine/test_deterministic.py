@@ -18,48 +18,54 @@ from worker.engine.models import load_model
 from .conftest import generate_with_late_arrivals
 
 
-def requests(vocab: int, seed: int, num: int, prefix: str, max_new: int = 12) -> list[EngineRequest]:
-    """Prompts of 1-70 tokens, half of them behind one shared 37-token prefix (prefix-cache hits)."""
+def requests(
+    vocab: int, seed: int, num: int, prefix: str, max_suffix: int = 33, max_new: int = 12
+) -> list[EngineRequest]:
+    """Prompts of 1 to 37 + max_suffix tokens, half of them behind one shared 37-token prefix (cache hits)."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(37)]
     reqs = []
     for i in range(num):
-        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 33))]
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, max_suffix))]
         if i % 2:
             ids = shared + ids
-        reqs.append(
-            EngineRequest(f"{prefix}{i}", ids, SamplingParams(max_new_tokens=rng.randint(1, max_new)))
-        )
+        params = SamplingParams(max_new_tokens=rng.randint(1, max_new))
+        reqs.append(EngineRequest(f"{prefix}{i}", ids, params))
     return reqs
 
 
-# name -> (EngineConfig fields, other traffic?, late arrivals?)
-SCENARIOS: dict[str, tuple[dict, bool, bool]] = {
-    "full batch": ({}, False, False),
-    "other traffic, budget 40": (dict(max_num_batched_tokens=40), True, False),
-    "late arrivals, budget 23, cache off": (
-        dict(max_num_batched_tokens=23, enable_prefix_caching=False),
-        True,
-        True,
-    ),
-    "preemption": (dict(num_kv_blocks=12, max_num_batched_tokens=64), True, False),
-}
+def scenarios(preempt_blocks: int) -> dict[str, tuple[dict, bool, bool]]:
+    """name -> (EngineConfig fields, other traffic?, late arrivals?); `preempt_blocks`: a KV cache that preempts."""
+    return {
+        "full batch": ({}, False, False),
+        "other traffic, budget 40": (dict(max_num_batched_tokens=40), True, False),
+        "late arrivals, budget 23, cache off": (
+            dict(max_num_batched_tokens=23, enable_prefix_caching=False),
+            True,
+            True,
+        ),
+        "preemption": (dict(num_kv_blocks=preempt_blocks, max_num_batched_tokens=64), True, False),
+    }
 
 
-def compare_scenarios(model, tok, mode: str, deterministic: bool, **config) -> tuple[dict[str, float], dict]:
-    """Each scenario's agreement with the targets run alone, one at a time (fraction of requests whose tokens are
-    identical), and the tokens alone; `config` adds EngineConfig fields to every engine (device, graphs)."""
+SCENARIOS = scenarios(12)
+
+
+def compare_scenarios(
+    model, tok, mode: str, deterministic: bool, num: int = 8, max_suffix: int = 33, max_new: int = 12,
+    preempt_blocks: int = 12, **config,
+) -> tuple[dict[str, float], dict]:  # fmt: skip
+    """Each scenario's agreement with `num` targets run alone, one at a time (fraction of requests whose tokens
+    are identical), and the tokens alone; `config` adds EngineConfig fields to every engine (device, graphs)."""
     vocab = min(model.config.vocab_size, 256)
-    targets = requests(vocab, 0, 8, "t")
-    others = requests(vocab, 1, 8, "o")
+    targets = requests(vocab, 0, num, "t", max_suffix, max_new)
+    others = requests(vocab, 1, num, "o", max_suffix, max_new)
     alone_engine = Engine(model, tok, EngineConfig(mode="sync", deterministic=deterministic, **config))
     alone = {r.request_id: alone_engine.generate([r])[0].token_ids for r in targets}
     del alone_engine
     agreement = {}
-    for name, (fields, with_others, late) in SCENARIOS.items():
-        engine = Engine(
-            model, tok, EngineConfig(mode=mode, deterministic=deterministic, **{**config, **fields})
-        )
+    for name, (fields, with_others, late) in scenarios(preempt_blocks).items():
+        engine = Engine(model, tok, EngineConfig(mode=mode, deterministic=deterministic, **{**config, **fields}))
         reqs = targets + others if with_others else targets
         if with_others:
             random.Random(name).shuffle(reqs)
@@ -68,6 +74,7 @@ def compare_scenarios(model, tok, mode: str, deterministic: bool, **config) -> t
         agreement[name] = sum(got[k] == v for k, v in alone.items()) / len(alone)
         if name == "preemption":
             assert engine.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
+        del engine
     return agreement, alone
 
 

@@ -15,8 +15,11 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-# A bounded cache and few graph buckets: every scenario builds an engine.
-GPU_CONFIG = dict(device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_seqs=32)
+# A bounded cache and few graph buckets (every scenario builds an engine); generations long enough for the
+# default mode's near-ties to show: 16 targets of up to 237 prompt tokens and 48 new ones, among 16 others.
+GPU_CONFIG = dict(
+    device="cuda", num_kv_blocks=512, max_num_seqs=32, num=16, max_suffix=200, max_new=48, preempt_blocks=40
+)
 
 
 @pytest.fixture(scope="module")
