@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det]
+#   bash benchmarks/run_gpu.sh [enginetests] [dettests] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each). About 15 minutes in all on the H200:
@@ -26,6 +26,10 @@ bench() { timeout "$1" python3 -m worker.bench engine "${@:2}"; }
 
 if has enginetests; then
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -25
+fi
+if has dettests; then  # issue 32: deterministic mode's GPU tests alone, -s for the default mode's agreement report
+    timeout 420 python3 -m pytest -q -s -m gpu tests/worker/engine/test_deterministic_gpu.py \
+        tests/worker/engine/test_deterministic_kernels.py -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_deterministic_tests.log" | tail -25
 fi
 if has tests; then
     timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/worker/engine -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25

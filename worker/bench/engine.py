@@ -412,7 +412,9 @@ def engine_bench(
             max_model_len=engine.max_model_len,
             graphs=len(engine.runner.graphs),
             decoder="owned" if engine.runner.decoder is not None else "hf",
-            small_step_gemm="triton"
+            small_step_gemm="invariant"  # every step's GEMMs: kernels/invariant_gemm.py
+            if config.deterministic
+            else "triton"
             if getattr(engine.runner.decoder, "small_step_ops", None) is not None
             else "cublas",
         )

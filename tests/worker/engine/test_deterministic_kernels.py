@@ -8,8 +8,8 @@ shapes, KV tile alignment, reduction order, masking. The torch path (CPU determi
              traffic, with padding rows and larger max_query_len hints: the same bits
   GEMMs:     a row of x alone or among 3, 17, 40 or 100 rows (past one 64-row tile): the same bits, for the plain,
              gated (SiLU·mul) and QKV-with-rotary-and-KV-write products
-  decoder:   the logits of a prompt computed whole vs chunked among other prompts, and of a decode alone vs in a
-             padded batch of decodes: the same bits (bf16)
+  decoder:   the logits of a prompt computed whole vs chunked among other prompts, of a decode alone vs in a
+             padded batch of decodes, and of that decode vs its token recomputed inside the prompt: the same bits
 """
 
 from __future__ import annotations
@@ -218,6 +218,10 @@ def check_decoder_rows(
     decodes = [(3, 9, 1), (1, 40, 1), (0, 20, 1), (5, 30, 1), (2, 1, 1)]
     got_decode = busy.run(decodes, tokens, pad_seqs=3)[2]
     assert torch.equal(got_decode, want_decode), "a decode in a padded batch of decodes"
+    # The decoded token recomputed inside a longer prompt (a preemption's recompute, a prompt that continues
+    # an earlier output and so hits its cached blocks): the same bits as computed as a decode.
+    recompute = _Steps(model, device, use_triton)
+    assert torch.equal(recompute.run([(0, 0, 21)], tokens)[0], want_decode), "a decode recomputed with its prompt"
 
 
 @pytest.fixture(autouse=True)
