@@ -103,10 +103,9 @@ def attention_backend(default: AttentionBackend) -> AttentionBackend:
     return RowAttentionBackend()
 
 
-def unsupported_reason(
-    model, is_cuda: bool, sliding_windows: tuple[int, ...], backend: AttentionBackend
-) -> str | None:
-    """Why deterministic mode cannot keep its promise for this model here (None: it can)."""
+def unsupported_reason(is_cuda: bool, sliding_windows: tuple[int, ...], backend: AttentionBackend) -> str | None:
+    """Why deterministic mode cannot keep its promise for a model with these layer windows and this attention
+    backend here (None: it can)."""
     if is_cuda and not isinstance(backend, TritonAttentionBackend):
         return "the torch attention backend on CUDA (soft-capping families) has no batch-invariant kernel yet"
     if is_cuda and any(sliding_windows):

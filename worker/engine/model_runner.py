@@ -138,7 +138,7 @@ class ModelRunner:
         self.attn_backend = attention_backend_for(model, config.attention_backend, self.is_cuda)
         self.sliding_windows = sliding_windows_of(model.config)
         if config.deterministic:
-            reason = deterministic.unsupported_reason(model, self.is_cuda, self.sliding_windows, self.attn_backend)
+            reason = deterministic.unsupported_reason(self.is_cuda, self.sliding_windows, self.attn_backend)
             if reason is not None:
                 raise ValueError(f"deterministic mode: {reason}")
             self.attn_backend = deterministic.attention_backend(self.attn_backend)
