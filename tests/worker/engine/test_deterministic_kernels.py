@@ -134,16 +134,19 @@ def check_gemm_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
             assert torch.equal(g, f[5 : 5 + m]), (dtype, "qkv_rope_write", part, m)
 
 
-def tiny_llama(device: str, dtype: torch.dtype = torch.bfloat16):
-    """A Llama whose shapes tile for the invariant GEMMs (head_dim 64: the QKV GEMM's rotary epilogue runs)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(device: str, dtype: torch.dtype = torch.bfloat16, family: str = "llama"):
+    """A Llama or Qwen3 (q/k norms: rotary outside the GEMM) whose shapes tile for the invariant GEMMs (head_dim
+    64: Llama's QKV GEMM runs its rotary epilogue)."""
+    import transformers
 
     torch.manual_seed(3)
-    config = LlamaConfig(
+    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    config_cls, model_cls = (getattr(transformers, n) for n in names[family])
+    config = config_cls(
         vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=64, max_position_embeddings=256, initializer_range=0.25,
     )  # fmt: skip
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return model_cls(config).to(device=device, dtype=dtype).eval()
 
 
 class _Steps:
@@ -201,11 +204,11 @@ class _Steps:
 
 
 def check_decoder_rows(
-    device: str, use_triton: bool, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    device: str, use_triton: bool, dtype: torch.dtype = torch.bfloat16, seed: int = 0, family: str = "llama"
 ) -> None:
     """A prompt's logits whole and alone vs chunked among other prompts; a decode alone vs in a padded batch."""
     rng = random.Random(seed)
-    model = tiny_llama(device, dtype)
+    model = tiny_model(device, dtype, family)
     tokens = {s: [rng.randrange(320) for _ in range(60)] for s in range(8)}  # sequence 0 is the target
     alone = _Steps(model, device, use_triton)
     want_prompt = alone.run([(0, 0, 20)], tokens)[0]
@@ -268,7 +271,8 @@ _patch_triton_interpreter()
 t.check_attention_rows("cpu", torch.bfloat16)
 for dtype in (torch.float32, torch.bfloat16):
     t.check_gemm_rows("cpu", dtype)
-t.check_decoder_rows("cpu", use_triton=True)
+for family in ("llama", "qwen3"):
+    t.check_decoder_rows("cpu", use_triton=True, family=family)
 print("deterministic kernels are row-invariant")
 """
 
@@ -295,4 +299,5 @@ def test_gpu_kernels_are_row_invariant():
     for dtype in (torch.bfloat16, torch.float32):
         check_attention_rows("cuda", dtype)
         check_gemm_rows("cuda", dtype)
-    check_decoder_rows("cuda", use_triton=True)
+    for family in ("llama", "qwen3"):
+        check_decoder_rows("cuda", use_triton=True, family=family)
