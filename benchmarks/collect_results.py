@@ -2,7 +2,8 @@
 
 python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
-    # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, notes.json; a file in a later DIR replaces
+    # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
+    # w1_deterministic.json, notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
@@ -52,8 +53,28 @@ COMMANDS = {
     "--max-num-batched-tokens 2048",
     "W2_gptoss": "python3 -m worker.bench engine --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",
+    "W2_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192 --deterministic",
+    "W1_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048 --deterministic",
 }
 MOE_RUNS = {"W1_moe": "w1_moe.json", "W2_moe": "w2_moe.json", "W1_gptoss": "w1_gptoss.json", "W2_gptoss": "w2_gptoss.json"}
+
+
+def determinism_entry(run: dict) -> dict:
+    """`bench engine --deterministic`'s two async runs: {deterministic, default, deterministic_over_default}."""
+    by_kind = {
+        "deterministic" if r["extra"].get("deterministic") else "default": r
+        for mode, r in run["results"].items()
+        if mode.startswith("async")
+    }
+    entry: dict = {k: {f: r.get(f) for f in FIELDS} for k, r in by_kind.items()}
+    if len(by_kind) == 2:
+        entry["deterministic_over_default"] = (
+            by_kind["deterministic"]["output_tok_s"] / by_kind["default"]["output_tok_s"]
+        )
+    entry["config"], entry["date"] = run["config"], run["date"]
+    return entry
 
 
 def main(srcs: list[Path]) -> dict:
@@ -64,13 +85,14 @@ def main(srcs: list[Path]) -> dict:
     w1, w1_hf, w2, w2_hf, queue = (
         load(n) for n in ("w1.json", "w1_hf.json", "w2.json", "w2_hf.json", "w2_queue.json")
     )
-    first = w1 or w2
+    determinism_runs = {n: load(f"{n.split('_')[0].lower()}_deterministic.json") for n in ("W2_deterministic", "W1_deterministic")}
+    first = w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
     if first is None:
         return {}
     out = {
         "device": first["device"],
         "torch": first["torch"],
-        "date": max(r["date"] for r in (w1, w2) if r),  # of the newest run; each entry has its own
+        "date": max(r["date"] for r in (w1, w2, *determinism_runs.values()) if r),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
         "commands": COMMANDS,
         "note": "Whole-workload runs of cbq's engine (random-weight Llama-3-8B shape, bf16, EOS ignored). "
@@ -127,6 +149,9 @@ def main(srcs: list[Path]) -> dict:
             if "sync" in entry and "async" in entry:
                 entry["async_over_sync"] = entry["async"]["output_tok_s"] / entry["sync"]["output_tok_s"]
             out[name] = {**entry, "model": moe["model"], "config": moe["config"], "date": moe["date"]}
+    for name, run in determinism_runs.items():  # issue 32: the price of batch invariance
+        if run:
+            out[name] = determinism_entry(run)
     for src in srcs:  # notes.json: {entry: "what to know when reading it"}, from the folder of that run
         notes = src / "notes.json"
         for name, note in (json.loads(notes.read_text()) if notes.exists() else {}).items():
@@ -145,10 +170,10 @@ if __name__ == "__main__":
     srcs = [Path(a) for a in sys.argv[1:]] or [Path("benchmarks/h200")]
     result = main(srcs)
     if not result:
-        sys.exit(f"no w1.json or w2.json in {', '.join(map(str, srcs))}: nothing to collect")
+        sys.exit(f"no w1.json, w2.json or w*_deterministic.json in {', '.join(map(str, srcs))}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", *MOE_RUNS)}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS)}, indent=1
         )[:3000]
     )

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [moetests] [w1moe] [w2moe] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar]
+#   bash benchmarks/run_gpu.sh [enginetests] [moetests] [dettests] [w1moe] [w2moe] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
-# constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes). About 15 minutes in all on the H200:
+# constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
+# vs default mode, async, one process each). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
 # Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
 # (see benchmarks/README.md). Results and logs go to $OUT (the device tool) or benchmarks/out.
@@ -25,6 +26,10 @@ bench() { timeout "$1" python3 -m worker.bench engine "${@:2}"; }
 
 if has enginetests; then
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -25
+fi
+if has dettests; then  # issue 32: deterministic mode's GPU tests alone, -s for the default mode's agreement report
+    timeout 420 python3 -m pytest -q -s -m gpu tests/worker/engine/test_deterministic_gpu.py \
+        tests/worker/engine/test_deterministic_kernels.py -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_deterministic_tests.log" | tail -25
 fi
 if has tests; then
     timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/worker/engine -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
@@ -84,6 +89,14 @@ fi
 if has w2grammar; then
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --variant plain --variant json --variant logprobs5 --json-out "$OUT/w2_grammar.json" 2>&1 | tail -12
+fi
+if has w2det; then  # issue 32: deterministic (batch-invariant) vs default mode, async, one process
+    bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --deterministic --json-out "$OUT/w2_deterministic.json" 2>&1 | tail -12
+fi
+if has w1det; then
+    bench 400 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --deterministic --json-out "$OUT/w1_deterministic.json" 2>&1 | tail -12
 fi
 if has queue; then
     bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 --max-num-batched-tokens 8192 \

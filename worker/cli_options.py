@@ -112,6 +112,20 @@ QUANTIZATION_FLAGS = (
 )
 quantization_options = config_flags(*QUANTIZATION_FLAGS)
 
+DETERMINISTIC_FLAG = ConfigFlag(
+    ("--deterministic", "deterministic"),
+    "deterministic",
+    {
+        "is_flag": True,
+        "default": False,
+        "help": "Batch-invariant kernels: a request's tokens are bitwise the same alone or in any batch, sync or "
+        "async, with any --max-num-batched-tokens, prefix cache on or off (slower; docs/operations.md). "
+        "bench engine: runs every setup in deterministic and in default mode.",
+    },
+    to_config=lambda on: True if on else None,
+)
+deterministic_option = config_flags(DETERMINISTIC_FLAG)
+
 engine_tuning_options = config_flags(
     ConfigFlag(
         ("--max-num-seqs", "max_num_seqs"),
@@ -158,6 +172,7 @@ engine_tuning_options = config_flags(
         },
         to_config=lambda no_caching: False if no_caching else None,
     ),
+    DETERMINISTIC_FLAG,
 )
 
 

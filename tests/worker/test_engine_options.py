@@ -24,6 +24,9 @@ def test_tuning_flags_are_gathered_into_engine_config():
     seen.clear()
     assert CliRunner().invoke(cmd, ["--no-prefix-caching"]).exit_code == 0
     assert seen == {"enable_prefix_caching": False}
+    seen.clear()
+    assert CliRunner().invoke(cmd, ["--deterministic"]).exit_code == 0
+    assert seen == {"deterministic": True}
 
 
 def test_build_engine_applies_the_overrides():
@@ -53,3 +56,11 @@ def test_quantization_flags_reach_the_engine():
     )
     assert (engine.config.quantization, engine.config.kv_cache_dtype) == ("fp8", "fp8")
     assert str(engine.runner.kv_caches[0][0].dtype) == "torch.float8_e4m3fn"
+
+
+def test_deterministic_reaches_the_engine_and_bench_engine_runs_both_modes():
+    from worker.bench.engine import engine_bench
+
+    engine = build_engine("tiny-llama", "sync", "cpu", False, {"deterministic": True})
+    assert engine.config.deterministic and engine.runner.decoder is not None
+    assert "--deterministic" in CliRunner().invoke(engine_bench, ["--help"]).output

@@ -2,11 +2,13 @@
 
 Prints a table and writes JSON with every number, including the memory/compute floor of every step.
 Variants run the same requests constrained to a small JSON schema and/or asking for top logprobs
-(`--variant plain --variant json --variant logprobs5`), each in every mode, in one process.
+(`--variant plain --variant json --variant logprobs5`), each in every mode, in one process; `--deterministic`
+runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
@@ -16,7 +18,7 @@ import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import WORKLOADS, make_workload, triton_compiles, warmup_requests, with_variant
-from worker.cli_options import gpu_memory_options, quantization_options
+from worker.cli_options import deterministic_option, gpu_memory_options, quantization_options
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -184,8 +186,22 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
         serial_floor_ratio=serial_floor / wall if serial_floor else 0.0,
         num_preemptions=stats.num_preemptions,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-        extra={"triton_compiles": compiled, "slowest_steps": slowest_steps(engine.step_log)},
+        extra={
+            "triton_compiles": compiled,
+            "slowest_steps": slowest_steps(engine.step_log),
+            "tokens_digest": tokens_digest(results),
+        },
     )
+
+
+def tokens_digest(results) -> str:
+    """A hash of every request's tokens in request order: two runs of the same requests agree on every token
+    iff their digests are equal (sync vs async in deterministic mode)."""
+    digest = hashlib.sha256()
+    for r in sorted(results, key=lambda r: r.request_id):
+        for sample in r.all_samples:
+            digest.update(f"{r.request_id}:{sample.token_ids}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def slowest_steps(step_log, count: int = 3) -> list[dict]:
@@ -301,6 +317,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 )
 @gpu_memory_options
 @quantization_options
+@deterministic_option
 @click.option("--no-cuda-graphs", is_flag=True)
 @click.option(
     "--no-prefix-caching",
@@ -390,15 +407,26 @@ def engine_bench(
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
-    runs = [(d, g, m, v) for d in decoders for g in decode_gemms for v in parsed for m in modes]
+    # --deterministic runs every setup twice in this process, deterministic then default (named MODE-...-
+    # deterministic and MODE-...-default), so that the cost of the mode is measured on one warm device.
+    determinisms = ["deterministic", "default"] if engine_config.pop("deterministic", False) else ["default"]
+    runs = [
+        (d, g, k, m, v) for d in decoders for g in decode_gemms for k in determinisms for v in parsed for m in modes
+    ]
 
-    def setup_suffix(decoder: str, gemm: str) -> str:
+    def setup_suffix(decoder: str, gemm: str, determinism: str) -> str:
         """What names a run's engine setup in its label, where more than one was asked for."""
         return "".join(
-            f"-{value}" for value, many in ((decoder, len(decoders) > 1), (gemm, len(decode_gemms) > 1)) if many
+            f"-{value}"
+            for value, many in (
+                (decoder, len(decoders) > 1),
+                (gemm, len(decode_gemms) > 1),
+                (determinism, len(determinisms) > 1),
+            )
+            if many
         )
 
-    for decoder, gemm, m, (is_json, num_top) in runs:
+    for decoder, gemm, determinism, m, (is_json, num_top) in runs:
         config = EngineConfig(
             mode=m,
             device=str(dev),
@@ -409,6 +437,7 @@ def engine_bench(
             enable_prefix_caching=not no_prefix_caching,
             decoder=decoder,
             decode_gemm=gemm,
+            deterministic=determinism == "deterministic",
             **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
         )
         t1 = time.perf_counter()
@@ -424,16 +453,19 @@ def engine_bench(
             # shifted token ids (the real ones would stay in the prefix cache), so that any other variant the
             # workload needs (e.g. a decode split count only its mixed steps reach) is compiled before timing.
             engine.generate(with_variant(warmup_requests(reqs, vocab_limit, full_length=True), is_json, num_top))
-        label = m + setup_suffix(decoder, gemm) + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
+        label = m + setup_suffix(decoder, gemm, determinism) + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
         result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
         result.extra.update(
             variant=variant_name(is_json, num_top),
+            deterministic=determinism == "deterministic",
             setup_seconds=setup,
             num_kv_blocks=engine.runner.num_kv_blocks,
             max_model_len=engine.max_model_len,
             graphs=len(engine.runner.graphs),
             decoder="owned" if engine.runner.decoder is not None else "hf",
-            small_step_gemm="triton"
+            small_step_gemm="invariant"  # every step's GEMMs: kernels/invariant_gemm.py
+            if config.deterministic
+            else "triton"
             if getattr(engine.runner.decoder, "small_step_ops", None) is not None
             else "cublas",
         )
@@ -450,10 +482,17 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    for suffix in (setup_suffix(d, g) for d in decoders for g in decode_gemms):
+    for suffix in (setup_suffix(d, g, k) for d in decoders for g in decode_gemms for k in determinisms):
         if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
             ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
             click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
+            same = by_mode[f"async{suffix}"].extra["tokens_digest"] == by_mode[f"sync{suffix}"].extra["tokens_digest"]
+            click.echo(f"async and sync tokens{suffix}: {'identical' if same else 'differ'}")
+    if len(determinisms) > 1:
+        for r in results:
+            other = by_mode.get(r.mode.replace("-deterministic", "-default"))
+            if "-deterministic" in r.mode and other is not None:
+                click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
     plain = [r for r in results if r.extra.get("variant") == "plain"]
     for r in results:
         if "variant" not in r.extra:  # transformers' run
@@ -480,6 +519,7 @@ def engine_bench(
             "decoders": list(decoders),
             "decode_gemms": list(decode_gemms),
             "variants": [variant_name(*v) for v in parsed],
+            "determinisms": determinisms,
         },
         "results": {r.mode: asdict(r) for r in results},
         "hf_error": hf_error,

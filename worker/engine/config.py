@@ -49,6 +49,9 @@ class EngineConfig:
     # "auto": the KV cache in the model dtype. "fp8": e4m3 with per-tensor scales (half bf16's bytes), in the
     # torch attention (CPU) only so far: the model runner refuses it on CUDA (kv_cache.py).
     kv_cache_dtype: str = "auto"
+    # Batch-invariant arithmetic (deterministic.py): a request's tokens are bitwise the same alone or in any
+    # batch, sync or async, with any token budget, prefix cache on or off. Costs speed; needs the owned decoder.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.

@@ -50,6 +50,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from . import deterministic as invariant
 from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
 from .fused_weights import LayerWeights, layer_weights, submodule
@@ -120,6 +121,7 @@ class LayerOps:
     pdl: bool = False
     # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
     qkv_rope_epilogue: bool = False
+    qkv_rope_write: Callable = decode_gemm.decode_qkv_rope_write  # that GEMM
 
 
 def weight_linear(dense: Callable) -> Callable:
@@ -171,7 +173,8 @@ def layer_ops(
 
 class OwnedDecoder:
     def __init__(
-        self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False, max_num_tokens: int = 0
+        self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False, max_num_tokens: int = 0,
+        deterministic: bool = False,
     ):
         reason = unsupported_reason(model)
         if reason is not None:
@@ -219,6 +222,9 @@ class OwnedDecoder:
         self.is_fp8 = any(w.is_fp8 for w in self.layers)
         small_step = small_step_gemm and self.use_triton and not self.is_fp8
         self.small_step_ops = layer_ops(True, small_step=True) if small_step else None
+        if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
+            self.ops = invariant.layer_ops(self, pdl=small_step_gemm)
+            self.small_step_ops = None
 
     def __call__(
         self,
@@ -298,7 +304,7 @@ class OwnedDecoder:
         if ops.qkv_rope_epilogue and w.q_norm is None:
             assert cos_table is not None and sin_table is not None, "the Triton paths run only rotating layers"
             assert isinstance(w.qkv_weight, torch.Tensor), "the small-step path multiplies bf16/fp16 weights"
-            return decode_gemm.decode_qkv_rope_write(
+            return ops.qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
             )  # fmt: skip
@@ -351,12 +357,23 @@ def build_decoder(
     use_triton: bool,
     gemm: str = "cublas",
     max_num_tokens: int = 0,
+    deterministic: bool = False,
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
     `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path.
-    `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA)."""
+    `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA).
+    `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py)."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
+    if deterministic:
+        use_triton = use_triton and decode_gemm.HAVE_TRITON
+        invariant.check_supported(model, choice)
+        decoder = OwnedDecoder(
+            model, max_model_len, use_triton, decode_gemm.pdl_usable(device), max_num_tokens, deterministic=True
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return decoder
     if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
         return None
     small_step_gemm = (

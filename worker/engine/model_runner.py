@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import logprobs
+from . import deterministic, logprobs
 from .attention_backend import (
     ATTN_IMPLEMENTATION,
     AttentionBackend,
@@ -113,6 +113,11 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.attn_backend = attention_backend_for(model, config.attention_backend, self.is_cuda)
         self.sliding_windows = sliding_windows_of(model.config)
+        if config.deterministic:
+            reason = deterministic.unsupported_reason(self.is_cuda, self.sliding_windows, self.attn_backend)
+            if reason is not None:
+                raise ValueError(f"deterministic mode: {reason}")
+            self.attn_backend = deterministic.attention_backend(self.attn_backend)
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,
@@ -122,6 +127,7 @@ class ModelRunner:
             self.is_cuda and config.fused_kernels,
             config.decode_gemm,
             max(config.max_num_batched_tokens, max(graph_buckets_for(config), default=0)),  # the builder's capacity
+            config.deterministic,
         )
 
         self.num_kv_blocks = num_kv_blocks

@@ -140,7 +140,10 @@ def sample(
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
     if any_top_k_top_p:
-        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        # NOTE: rows that ask for neither keep their logits as they are: top_p 1.0 would otherwise still drop a
+        # tail token whose rounded cumulative probability reaches 1, and only in steps where another row filters.
+        filters = (top_k > 0) | (top_p < 1.0)
+        scaled = torch.where(filters[:, None], apply_top_k_top_p(scaled, top_k, top_p), scaled)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
     sampled = (scaled + gumbel).argmax(dim=-1).to(torch.int32)
     return torch.where(temperature > 0, sampled, greedy)

@@ -500,6 +500,7 @@ if HAVE_TRITON:
         SLIDING: tl.constexpr,
         DOT_PREC: tl.constexpr,
         HAS_SINKS: tl.constexpr,
+        ONE_PATH: tl.constexpr = False,  # batch-invariant: every KV tile through the masked loop (phase 2)
     ):
         pid_q = tl.program_id(0)
         b = tl.program_id(1)
@@ -562,6 +563,11 @@ if HAVE_TRITON:
             full_lo = tl.minimum(tl.maximum(kv_end - window, 0), kv_end)
         full_end = full_lo + (tl.maximum(first_pos + 1 - full_lo, 0) // BLOCK_N) * BLOCK_N
         full_end = tl.minimum(full_end, kv_end)
+        if ONE_PATH:
+            # NOTE: the unmasked loop may contract `score * scale - max` into one FMA where the masked one cannot
+            # (a select sits between them), so a key scored in phase 1 under one query tiling and in phase 2 under
+            # another could round differently. One path for every tile: the tiling no longer matters.
+            full_end = full_lo
 
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
         k_base = k_cache_ptr + kvh * stride_kh
@@ -798,6 +804,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     sliding_window: int = 0,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
     `sliding_window` keys when that is not 0). Returns [T, H, D]. `sinks` [H]: each head's sink logit.
@@ -807,6 +814,13 @@ def paged_prefill_attention(
     >= the longest q_len (rows past it are not computed): it sizes the grid and picks smaller query tiles
     for decode-heavy batches; without it the grid is sized for T rows per sequence (correct, but many
     programs exit at once).
+
+    `batch_invariant`: one query tile shape and warp count whatever the step (no shrinking for decode-heavy
+    steps) and one code path for every KV tile (the masked one), so a row's arithmetic depends only on its own
+    position and the cache: its KV tiles are aligned from position 0 and visited in order, tiles past it add
+    exact zeros, and its tile-mates change nothing. Chunked or whole, cached prefix or not, one row or
+    many: the same bits (deterministic.py). Not with a sliding window: its first tiles start at the tile's
+    first row.
     """
     require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
@@ -826,11 +840,12 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype, q.device)
     max_q = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
-    # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
-    block_m = min(block_m, max(16, next_pow2(max_q * group)))
-    block_m = max(block_m, next_pow2(group))
-    if block_m <= 32:
-        num_warps = min(num_warps, 4)
+    if not batch_invariant:
+        # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
+        block_m = min(block_m, max(16, next_pow2(max_q * group)))
+        block_m = max(block_m, next_pow2(group))
+        if block_m <= 32:
+            num_warps = min(num_warps, 4)
     q_per_tile = block_m // group
     n_q_tiles = cdiv(max_q, q_per_tile)
 
@@ -858,6 +873,7 @@ def paged_prefill_attention(
         SLIDING=sliding_window > 0,
         DOT_PREC=dot_precision(q.dtype, "tf32"),
         HAS_SINKS=sinks is not None,
+        ONE_PATH=batch_invariant,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -243,14 +243,16 @@ def decode_linear(
     *,
     pdl: bool = False,
     config: Config | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias); the decoder calls it for M <= MAX_TOKENS (any M computes, in
-    row blocks of up to 64). Falls back to cuBLAS when there is no `config` and `config_for` gives none."""
+    row blocks of up to 64). Falls back to cuBLAS when there is no `config` and `config_for` gives none.
+    `block_m`: rows of x per program whatever M is (kernels/invariant_gemm.py); None: `_block_m(M)`."""
     n = weight.shape[0]
     config = config or config_for(n, x.shape[1], x.dtype)
     if config is None or not HAVE_TRITON:
         return F.linear(x, weight, bias)
-    return _launch(x, weight, bias, n, config, gated=False, pdl=pdl)
+    return _launch(x, weight, bias, n, config, gated=False, pdl=pdl, block_m=block_m)
 
 
 def decode_gate_up_silu(
@@ -260,6 +262,7 @@ def decode_gate_up_silu(
     *,
     pdl: bool = False,
     config: Config | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) [M, I] for the fused weight [gate; up] ([2I, K], bias [2I]) in one
     kernel. Without a `config` (or one from `gated_config_for`) it is decode_linear, then silu_mul."""
@@ -267,7 +270,7 @@ def decode_gate_up_silu(
     config = config or gated_config_for(inter, x.shape[1], x.dtype)
     if config is None or not HAVE_TRITON:
         return fk.silu_mul(decode_linear(x, weight, bias, pdl=pdl), pdl=pdl)
-    return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl)
+    return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl, block_m=block_m)
 
 
 def decode_qkv_rope_write(
@@ -284,15 +287,19 @@ def decode_qkv_rope_write(
     slot_mapping: torch.Tensor,
     *,
     pdl: bool = False,
+    config: Config | None = None,
+    linear_config: Config | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """q [M, H, D] of x @ qkv^T (+ bias) with rotary at `positions`; k (rotated) and v written into the paged
     caches at `slot_mapping`. For models without q/k norms. A shape `rope_config_for` refuses takes the two
-    launches (decode_linear, then fused.qkv_rope_write), which compute the same bits."""
+    launches (decode_linear, then fused.qkv_rope_write), which compute the same bits. `config`, `linear_config`
+    (the two launches' GEMM) and `block_m` override the defaults (kernels/invariant_gemm.py)."""
     m, k = x.shape
     head_dim = cos_table.shape[-1]
-    config = rope_config_for(num_heads, num_kv_heads, head_dim, k, x.dtype)
+    config = config or rope_config_for(num_heads, num_kv_heads, head_dim, k, x.dtype)
     if config is None or not HAVE_TRITON:
-        qkv = decode_linear(x, weight, bias, pdl=pdl)
+        qkv = decode_linear(x, weight, bias, pdl=pdl, config=linear_config, block_m=block_m)
         return fk.qkv_rope_write(
             qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
             k_cache, v_cache, slot_mapping, pdl=pdl,
@@ -305,7 +312,7 @@ def decode_qkv_rope_write(
     if m == 0:
         return q
     block_n, block_k, num_warps, num_stages = config
-    block_m = _block_m(m)
+    block_m = block_m or _block_m(m)
     _qkv_rope_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,
@@ -341,7 +348,7 @@ def decode_qkv_rope_write(
     return q
 
 
-def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool) -> torch.Tensor:
+def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool, block_m: int | None = None) -> torch.Tensor:
     """out [M, n]: the first n rows of `weight` (gated: paired with the n rows after them)."""
     m, k = x.shape
     assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
@@ -351,7 +358,7 @@ def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool) -> 
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    block_m = _block_m(m)
+    block_m = block_m or _block_m(m)
     _decode_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,

@@ -1,0 +1,166 @@
+"""Deterministic mode (EngineConfig.deterministic): the kernels with which a request's tokens are bitwise the same
+alone or in any batch. Owns nothing; the runner and the decoder ask it for their attention backend and layer ops.
+
+A row's arithmetic must depend only on its own token, its position and the KV cache, never on the step: not on
+the batch size, the step's longest context, graph or eager, how a prompt was chunked (`--max-num-batched-tokens`),
+whether a prefix came from the cache, or whether the token was computed with the prompt or as a decode. Every
+reduction whose order could follow the step is therefore fixed:
+
+  weight GEMMs   CUDA: one Triton kernel and launch configuration for every M (kernels/invariant_gemm.py),
+                 never cuBLAS. CPU: one F.linear per row (`row_linear`): torch's CPU GEMMs in fp32 gave
+                 different bits for a row at M = 1 and M = 40 (bf16 agreed on this machine, but nothing
+                 promises it), so each row takes the same M = 1 call wherever it sits.
+  attention      one kernel for every row, prompt or decode: CUDA, the varlen prefill kernel with a fixed query
+                 tile (kernels/attention.py `batch_invariant`): its KV tiles are aligned from position 0, so
+                 the reduction order over keys depends only on the row's position; the split-K decode kernel
+                 (whose split count follows the batch) is not used. A token computed inside a prompt chunk
+                 and the same token computed as a decode, or recomputed after a preemption, or read back
+                 from the prefix cache, then have the same bits. CPU: the torch reference, one row at a time
+                 over exactly its visible keys (`RowAttentionBackend`).
+  row-local      RMSNorm (one program or torch reduction per row), rotary, SiLU·mul, the embedding, the final
+                 norm, log-softmax and sampling (per row; the random stream depends on (seed, token index))
+                 already compute each row alone: unchanged.
+
+What does not hold yet: sliding-window layers on CUDA (the prefill kernel's first window tile starts at the query
+tile's first row), the torch attention backend on CUDA (soft-capping families), and a different tensor-parallel
+size (the all-reduce order changes with it). The price: decode attention loses split-K and large steps lose
+cuBLAS; `bench engine --deterministic` measures it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from .attention import paged_attention_ref
+from .attention_backend import AttentionBackend, AttentionMetadata, TritonAttentionBackend
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight^T (+ bias), one M = 1 product per row (the CPU's batch-invariant GEMM). Each row is
+    copied into a fresh tensor, so its alignment does not follow its place in x either."""
+    rows = [F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])]
+    if not rows:
+        return x.new_empty(0, weight.shape[0])
+    return torch.cat(rows)
+
+
+class RowAttentionBackend(AttentionBackend):
+    """The torch reference, one query row at a time over exactly the keys it sees (CPU, tests)."""
+
+    name = "torch-rows"
+
+    def attend(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale, layer_idx, pdl=False, softcap=None, sinks=None
+    ):
+        out = torch.zeros_like(q)
+        cu = meta.cu_seqlens_q.tolist()
+        ctx = meta.context_lens.tolist()
+        one_row = torch.tensor([0, 1], dtype=meta.cu_seqlens_q.dtype)
+        for b, ctx_len in enumerate(ctx):
+            q_start, q_end = cu[b], cu[b + 1]
+            for t in range(q_start, q_end):
+                position = ctx_len - (q_end - q_start) + (t - q_start)
+                out[t : t + 1] = paged_attention_ref(
+                    q[t : t + 1].clone(),
+                    k_cache,
+                    v_cache,
+                    meta.block_tables[b : b + 1],
+                    one_row,
+                    torch.tensor([position + 1]),
+                    scale,
+                    sliding_window=meta.sliding_window(layer_idx),
+                    softcap=softcap,
+                    sinks=sinks,
+                )
+        return out
+
+
+class InvariantTritonBackend(TritonAttentionBackend):
+    """Every row of every step through the varlen prefill kernel with its fixed query tile (CUDA)."""
+
+    name = "triton"  # capturable like the default Triton backend
+
+    def attend(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale, layer_idx, pdl=False, softcap=None, sinks=None
+    ):
+        assert softcap is None, "the Triton attention kernels have no soft-capping"
+        return self._k.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            scale,
+            max_query_len=meta.max_query_len,
+            sliding_window=meta.sliding_window(layer_idx),
+            sinks=sinks,
+            batch_invariant=True,
+        )
+
+
+def attention_backend(default: AttentionBackend) -> AttentionBackend:
+    """The deterministic twin of the backend the runner picked."""
+    if isinstance(default, TritonAttentionBackend):
+        return InvariantTritonBackend()
+    return RowAttentionBackend()
+
+
+def unsupported_reason(is_cuda: bool, sliding_windows: tuple[int, ...], backend: AttentionBackend) -> str | None:
+    """Why deterministic mode cannot keep its promise for a model with these layer windows and this attention
+    backend here (None: it can)."""
+    if is_cuda and not isinstance(backend, TritonAttentionBackend):
+        return "the torch attention backend on CUDA (soft-capping families) has no batch-invariant kernel yet"
+    if is_cuda and any(sliding_windows):
+        return "sliding-window layers have no batch-invariant Triton attention yet"
+    return None
+
+
+def check_supported(model, choice: str) -> None:
+    """Raise ValueError where deterministic mode cannot run this model with `choice` of decoder."""
+    from . import decoder
+
+    if choice == "hf":
+        raise ValueError("deterministic mode needs the owned decoder (decoder 'auto' or 'owned'), not 'hf'")
+    reason = decoder.unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(
+            f"deterministic mode needs the owned decoder, which does not support this model: {reason}"
+        )
+
+
+def layer_ops(owned, pdl: bool):
+    """The LayerOps of the owned decoder `owned` for every step size (built here so that the dispatch there
+    stays one line). Triton (Llama-layer families): the invariant GEMMs with their fused epilogues and the
+    row-local Triton element-wise kernels. Otherwise the torch references with `row_linear` (correct and
+    batch-invariant everywhere, slow on CUDA)."""
+    from . import decoder
+    from .kernels import fused as fk
+    from .kernels import invariant_gemm
+
+    if owned.use_triton:
+        weights = {"lm_head": owned.lm_head}
+        for i, w in enumerate(owned.layers):
+            weights.update({f"layer {i} qkv": w.qkv_weight, f"layer {i} o": w.o_weight})
+            weights.update({f"layer {i} gate_up": w.gate_up_weight, f"layer {i} down": w.down_weight})
+        bad = invariant_gemm.untiled(weights)
+        if bad:
+            raise ValueError(
+                f"deterministic mode: these weights do not tile for the invariant GEMM: {bad[:4]}"
+            )
+        return decoder.LayerOps(
+            add_norm=partial(fk.add_rmsnorm, pdl=pdl),
+            linear=partial(invariant_gemm.linear, pdl=pdl),
+            gate_up_act=partial(invariant_gemm.gate_up_silu, pdl=pdl),
+            pdl=pdl,
+            qkv_rope_epilogue=True,
+            qkv_rope_write=partial(invariant_gemm.qkv_rope_write, pdl=pdl),
+        )
+    return decoder.LayerOps(
+        add_norm=partial(fk.add_rmsnorm_ref, norm=decoder.NORMS[owned.family.norm]),
+        linear=row_linear,
+        gate_up_act=decoder.gate_up_then_act(row_linear, decoder.ACTIVATIONS[owned.args.activation]),
+    )
