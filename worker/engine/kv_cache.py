@@ -56,7 +56,12 @@ def num_blocks_from_memory(
     on the CPU `kv_cache_bytes_cpu`. Raises ValueError when not even two blocks fit."""
     per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
     if device.type == "cuda":
+        import gc
+
+        gc.collect()  # an engine this process dropped may still hold its KV cache until collected
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        # Blocks PyTorch's allocator keeps cached (freed by an earlier engine of this process) are reusable here.
+        free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = kv_budget_bytes(total_bytes, free_bytes, config.gpu_memory_utilization)
     else:
         budget = config.kv_cache_bytes_cpu
