@@ -151,7 +151,9 @@ def spec_from_config(config: Any) -> MoeSpec:
             has_router_bias=True,
             has_expert_bias=True,
             activation=Activation.CLAMPED_SWIGLU,
-            swiglu_alpha=float(config.swiglu_alpha),
+            # transformers 5.17's GptOssConfig has no swiglu_alpha (its experts hard-code the release's 1.702);
+            # later versions name it in the config. The value is the release's either way.
+            swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
             swiglu_limit=float(config.swiglu_limit),
         )
     return MoeSpec(
