@@ -287,7 +287,9 @@ def test_an_invalid_file_fails_the_batch_with_openai_shaped_errors(stack, client
 def test_an_invalid_request_fails_alone_and_the_others_run(stack, client, tmp_path):
     lines = openai_lines(4)
     lines[1]["body"]["temperature"] = -1
-    lines[2]["body"]["logit_bias"] = {"50256": -100}  # OpenAI's token ids: unsupported, that line alone
+    # logit_bias takes the model's token ids (as vLLM reads it): 50256 is not one of tiny-llama's 320, and that
+    # request alone fails when the worker checks it against the vocabulary.
+    lines[2]["body"]["logit_bias"] = {"50256": -100}
     uploaded = client.files.create(file=write_jsonl(tmp_path / "mixed.jsonl", lines).open("rb"), purpose="batch")
     created = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -303,9 +305,10 @@ def test_an_invalid_request_fails_alone_and_the_others_run(stack, client, tmp_pa
     errors = [line["response"]["body"]["error"] for line in failed]
     assert [(e["type"], e["param"], e["code"]) for e in errors] == [
         ("invalid_request_error", "temperature", "invalid_value"),
-        ("invalid_request_error", "logit_bias", "unsupported_parameter"),
+        ("invalid_request_error", None, "invalid_prompt"),
     ]
     assert "greater than or equal to 0" in errors[0]["message"]
+    assert "logit_bias: token ids must be in [0, 320)" in errors[1]["message"]
 
 
 def test_list_batches_pages_with_after_and_limit(client):
