@@ -37,9 +37,11 @@ def test_workers_get_hf_token_and_refuse_to_start_without_a_model():
         assert command[command.index("--model") + 1] == "${CBQ_MODEL:-}"  # empty when unset
     result = CliRunner().invoke(main, ["worker", "--model", "", "--redis-url", "redis://127.0.0.1:1/0"])
     assert result.exit_code == 1
+    from worker.engine.models import PRESETS
+
     assert result.stderr.strip().splitlines() == [
         "Error: no model given: set CBQ_MODEL or pass --model: a checkpoint folder, a hub id (org/name) or a "
-        "preset (tiny-llama, tiny-qwen3, tiny-mistral, tiny-qwen2, small-llama, llama3-8b)"
+        f"preset ({', '.join(PRESETS)})"
     ]
 
 
