@@ -20,6 +20,7 @@ from tests.fixtures.fp8_checkpoints import FORMATS, build_fp8_checkpoint
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.kv_cache import check_kv_cache_dtype
 from worker.engine.models import load_model
 from worker.engine.quant import kernels
 from worker.engine.quant.linear import Fp8LinearModule, Fp8Weight
@@ -117,11 +118,15 @@ def test_owned_decoder_multiplies_each_checkpoint_format_in_fp8(tmp_path, fmt):
     _check_fp8_decoder(model, tokenizer, num_requests=4)
 
 
-def test_engine_config_takes_quantization_and_refuses_an_fp8_kv_cache():
+def test_engine_config_takes_quantization_and_an_fp8_kv_cache_only_where_it_runs():
     engine = Engine.from_model("tiny-llama", device="cpu", quantization="fp8", num_kv_blocks=64)
     assert engine.config.quantization == "fp8"
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported yet"):
-        EngineConfig(kv_cache_dtype="fp8")
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"  # the torch attention reads it (CPU)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported on CUDA yet"):
+        check_kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8"), torch.device("cuda"))
+    check_kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="awq")
 
