@@ -182,7 +182,7 @@ def test_a_worker_logs_its_engine_then_summaries_and_chunk_lines_only_at_debug(
         timeout=60,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stderr.startswith("engine: FakeEngine (no model), served as fake")
+    assert done.stderr.startswith("engine: FakeEngine (no model), served as tiny-llama")  # the fake engine serves --model's name
     log = done.stdout + done.stderr
     summaries = re.findall(r"last \d+ s: (\d+) requests in (\d+) chunks finished", log)
     assert summaries and sum(int(n) for n, _ in summaries) <= 24

@@ -236,9 +236,10 @@ def test_generation_config_repetition_penalty_and_min_p_are_defaults(tmp_path):
     plain = Engine.from_model(str(tmp_path), device="cpu", dtype="float32", generation_config_defaults=False)
     assert [r.token_ids for r in got] == refs
     assert [r.token_ids for r in plain.generate(reqs)] != refs, "the penalty must change something"
-    # do_sample false: greedy as generate() decodes it, which still applies the repetition penalty
+    # do_sample false: greedy as generate() decodes it (temperature 0, said explicitly so that an OpenAI body's
+    # own default of 1 does not apply), which still applies the repetition penalty
     model.generation_config = GenerationConfig(do_sample=False, repetition_penalty=1.1, min_p=0.2, temperature=0.7)
-    assert generation_defaults(model) == {"repetition_penalty": 1.1}
+    assert generation_defaults(model) == {"repetition_penalty": 1.1, "temperature": 0.0}
     model.generation_config = GenerationConfig(do_sample=True, min_p=0.2, temperature=0.7)
     assert generation_defaults(model) == {"min_p": 0.2, "temperature": 0.7}
     defaults = SamplingParams().with_defaults(generation_defaults(model), 100)

@@ -95,7 +95,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
             logits_scaling=4.0,
         ),
     ),
-    "tiny-olmo2": ("olmo2", dict(_TINY)),
+    "tiny-olmo2": ("olmo2", dict(_TINY, initializer_range=0.4)),  # at 0.02 its greedy output repeats one token
     # Phi-4-mini's partial rotary (3/4 of each head); q/k/v and gate/up ship fused.
     "tiny-phi3": (
         "phi3",
