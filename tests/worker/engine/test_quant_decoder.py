@@ -146,10 +146,38 @@ def _emulated_logits(monkeypatch, model, ids: torch.Tensor) -> torch.Tensor:
         return _logits(model, ids)
 
 
-# The FP8 kernels against their emulation on the same bf16 model: both accumulate in fp32 and round the output
-# to bf16, so they differ by the last bits of a GEMM, which the random-weight layers amplify a little.
-GPU_LOGITS_REL = 0.05
-GPU_TOP1 = 0.95
+# The FP8 kernels against their emulation. Per linear, on the same input, both accumulate in fp32 and round the
+# output to bf16: they differ by the last bits (GPU_LINEAR_REL). End to end the difference cannot stay that small:
+# each linear re-quantizes its input to e4m3 (3 mantissa bits), so a last-bit difference upstream flips some
+# roundings by 1/16 downstream, and the random-weight layers carry that on (measured on the H200, 2026-12-01:
+# logits rel 0.07 to 0.15, top-1 0.75 to 0.88 vs the emulation; the same order as FP8 itself vs bf16 on the CPU,
+# test_quantization_fp8_on_the_cpu_is_within_fp8_tolerance_of_the_dense_model). So the model-level bounds are
+# FP8's own tolerance, and exactness is asked of each GEMM.
+GPU_LINEAR_REL = 0.01
+GPU_LOGITS_REL = 0.3
+GPU_TOP1 = 0.6
+
+
+def _check_each_linear_matches_its_emulation(model, ids: torch.Tensor) -> int:
+    """Runs the model once, capturing every FP8 linear's input, then compares the kernels with the emulation on
+    exactly that input. Returns how many linears were checked."""
+    captured: list[tuple[str, Fp8LinearModule, torch.Tensor]] = []
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args, name=name: captured.append((name, m, args[0].detach())))
+        for name, module in model.named_modules()
+        if isinstance(module, Fp8LinearModule)
+    ]
+    try:
+        _logits(model, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for name, module, x in captured:
+        got = kernels.fp8_linear(x, module.layer, module.bias, backend="kernels").float()
+        want = kernels.fp8_linear(x, module.layer, module.bias, backend="emulated").float()
+        rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
+        assert rel < GPU_LINEAR_REL, (name, module.scheme, rel)
+    return len(captured)
 
 
 @pytest.mark.gpu
@@ -159,6 +187,7 @@ def test_gpu_quantization_fp8_runs_fp8_gemms_that_match_their_emulation(monkeypa
     model, tokenizer = load_model("small-llama", cuda, torch.bfloat16, quantization="fp8")
     assert any(isinstance(m, Fp8LinearModule) for m in model.modules()), "sm89+ keeps FP8 weights"
     ids = torch.randint(0, 256, (1, 256), device=cuda, generator=torch.Generator(cuda).manual_seed(0))
+    assert _check_each_linear_matches_its_emulation(model, ids) == 7 * model.config.num_hidden_layers
     rel, top1 = _compare(_logits(model, ids), _emulated_logits(monkeypatch, model, ids))
     print(f"small-llama --quantization fp8: logits rel {rel:.4f}, top-1 agreement {top1:.3f} vs the emulation")
     assert rel < GPU_LOGITS_REL and top1 >= GPU_TOP1, (rel, top1)
@@ -179,6 +208,7 @@ def test_gpu_checkpoint_formats_run_fp8_gemms_in_the_owned_decoder(tmp_path, mon
     model, tokenizer = load_model(str(fp8.path), cuda, torch.bfloat16)
     assert any(isinstance(m, Fp8LinearModule) for m in model.modules()), "sm89+ keeps FP8 weights"
     ids = torch.randint(0, 256, (1, 128), device=cuda, generator=torch.Generator(cuda).manual_seed(0))
+    assert _check_each_linear_matches_its_emulation(model, ids) > 0
     rel, top1 = _compare(_logits(model, ids), _emulated_logits(monkeypatch, model, ids))
     print(f"{fmt}: logits rel {rel:.4f}, top-1 agreement {top1:.3f} vs the emulation")
     assert rel < GPU_LOGITS_REL and top1 >= GPU_TOP1, (fmt, rel, top1)

@@ -151,10 +151,11 @@ def spec_from_config(config: Any) -> MoeSpec:
             has_router_bias=True,
             has_expert_bias=True,
             activation=Activation.CLAMPED_SWIGLU,
-            # transformers 5.17's GptOssConfig has no swiglu_alpha (its experts hard-code the release's 1.702);
-            # later versions name it in the config. The value is the release's either way.
+            # transformers 5.17's GptOssConfig has neither swiglu_alpha nor swiglu_limit (its experts hard-code
+            # the release's 1.702 and 7.0); later versions name them in the config. The values are the
+            # release's either way.
             swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
-            swiglu_limit=float(config.swiglu_limit),
+            swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)),
         )
     return MoeSpec(
         model_type=model_type, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size, **family
