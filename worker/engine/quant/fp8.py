@@ -216,10 +216,18 @@ def dequantize_input(x_fp8: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme
 def fp8_linear_emulated(
     x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """The reference for the FP8 GEMMs: x quantized per the scheme, both operands dequantized, fp32 GEMM."""
+    """The reference for the FP8 GEMMs: x quantized per the scheme, both operands dequantized, then the GEMM.
+
+    On the CPU the GEMM runs in fp64 and is rounded to fp32 once: the sum no longer depends on how the BLAS
+    blocks it, so a fused q/k/v GEMM (the owned decoder) and three separate ones (transformers' modules) give
+    the same bits on every machine. In fp32 they differed in the last bit on some CPUs, and the next layer's
+    e4m3 re-quantization turned that into different greedy tokens. On a GPU (the path of pre-sm89 devices and
+    the kernels' reference) it stays fp32."""
     x2d = x.reshape(-1, layer.in_features)
     x_fp8, x_scale = quantize_input(x2d, layer)
-    out = dequantize_input(x_fp8, x_scale, layer.scheme) @ dequantize_weight(layer, torch.float32).t()
+    acc = torch.float64 if x.device.type == "cpu" else torch.float32
+    x_deq = dequantize_input(x_fp8, x_scale, layer.scheme).to(acc)
+    out = (x_deq @ dequantize_weight(layer, torch.float32).to(acc).t()).float()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], layer.out_features)
