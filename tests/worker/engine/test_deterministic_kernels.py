@@ -301,3 +301,18 @@ def test_gpu_kernels_are_row_invariant():
         check_gemm_rows("cuda", dtype)
     for family in ("llama", "qwen3"):
         check_decoder_rows("cuda", use_triton=True, family=family)
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [  # [N, K] of the weights of the models `bench engine` runs; the down projections are deeper than MAX_K
+        ("llama3-8b qkv", (6144, 4096)), ("llama3-8b o", (4096, 4096)), ("llama3-8b gate_up", (28672, 4096)),
+        ("llama3-8b down", (4096, 14336)), ("llama3-8b lm_head", (128256, 4096)),
+        ("qwen2.5-7b down", (3584, 18944)),
+    ],
+)  # fmt: skip
+def test_release_shaped_weights_tile_for_the_invariant_gemm(name, shape):
+    from worker.engine.kernels import invariant_gemm
+
+    weight = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    assert invariant_gemm.untiled({name: weight}) == [], f"deterministic mode would refuse {name} {shape}"

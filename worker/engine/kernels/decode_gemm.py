@@ -86,8 +86,9 @@ def _block_m(m: int) -> int:
     return max(16, next_pow2(min(m, 64)))
 
 
-def _fitted(config: Config, n: int, k: int, dtype: torch.dtype) -> Config | None:
-    if k > MAX_K or n % config[0] or k % config[1]:
+def _fitted(config: Config, n: int, k: int, dtype: torch.dtype, max_k: int | None = MAX_K) -> Config | None:
+    """`config` where [n, k] tiles by it (and k is at most `max_k`: None for any depth), else None."""
+    if (max_k is not None and k > max_k) or n % config[0] or k % config[1]:
         return None
     if dtype == torch.float32:  # tests only: fp32 tiles take twice the shared memory per stage
         return (*config[:3], 2)

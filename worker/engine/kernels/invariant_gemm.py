@@ -24,11 +24,13 @@ BLOCK_M = 64
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> dg.Config | None:
     """decode_gemm's configuration for a [*, k] x [n, k]^T product at any depth (its MAX_K only routes deep
     products to cuBLAS for speed), or None when the shape does not tile."""
-    return dg._fitted(dg.WIDE_CONFIG if n > 8192 else dg.NARROW_CONFIG, n, k, dtype)
+    # max_k=None: Llama-3-8B's down projection (K = 14,336) is deeper than decode_gemm's MAX_K; the H200 run of
+    # W2 --deterministic found deterministic mode refusing it (2026-12-01).
+    return dg._fitted(dg.WIDE_CONFIG if n > 8192 else dg.NARROW_CONFIG, n, k, dtype, max_k=None)
 
 
 def gated_config(inter: int, k: int, dtype: torch.dtype) -> dg.Config | None:
-    return dg._fitted(dg.GATED_CONFIG, inter, k, dtype)
+    return dg._fitted(dg.GATED_CONFIG, inter, k, dtype, max_k=None)
 
 
 def untiled(weights: dict[str, torch.Tensor]) -> list[str]:
