@@ -45,11 +45,11 @@ COMMANDS = {
     "W2_constrained": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192 --variant plain --variant json --variant logprobs5",
     # issue 25: mixtures of experts (random bf16 weights; floors count the experts each step's tokens hit)
-    "W1_moe": "python3 -m worker.bench engine --model qwen3-30b-a3b --workload W1 --mode both --max-num-seqs 32 "
+    "W1_moe": "python3 -m worker.bench engine --model qwen3-30b-a3b --workload W1 --mode async --max-num-seqs 32 "
     "--max-num-batched-tokens 2048",
-    "W2_moe": "python3 -m worker.bench engine --model qwen3-30b-a3b --workload W2 --mode both --max-num-seqs 1024 "
+    "W2_moe": "python3 -m worker.bench engine --model qwen3-30b-a3b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",
-    "W1_gptoss": "python3 -m worker.bench engine --model gptoss-20b --workload W1 --mode both --max-num-seqs 32 "
+    "W1_gptoss": "python3 -m worker.bench engine --model gptoss-20b --workload W1 --mode async --max-num-seqs 32 "
     "--max-num-batched-tokens 2048",
     "W2_gptoss": "python3 -m worker.bench engine --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",

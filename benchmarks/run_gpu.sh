@@ -75,13 +75,13 @@ if has w2; then
         --json-out "$OUT/w2.json" 2>&1 | tail -12
 fi
 if has w1moe; then  # issue 25: the Qwen3-30B-A3B shape (W1_moe) and the gpt-oss-20b shape (W1_gptoss), random bf16 weights
-    bench 420 --model qwen3-30b-a3b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
+    bench 420 --model qwen3-30b-a3b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --json-out "$OUT/w1_moe.json" 2>&1 | tail -8
-    bench 420 --model gptoss-20b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
+    bench 420 --model gptoss-20b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --json-out "$OUT/w1_gptoss.json" 2>&1 | tail -8
 fi
 if has w2moe; then  # W2_moe and W2_gptoss
-    bench 540 --model qwen3-30b-a3b --workload W2 --mode both --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+    bench 540 --model qwen3-30b-a3b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_moe.json" 2>&1 | tail -8
     bench 540 --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_gptoss.json" 2>&1 | tail -8
