@@ -123,7 +123,9 @@ class MoeWorkspace:
 
 if HAVE_TRITON:
 
-    @triton.jit
+    # The pair and block counts change every step; specialised (Triton's == 1 and multiple-of-16 variants) they
+    # made W1 on the Qwen3-30B-A3B shape compile 4 kernels inside the measured run (H200, 2026-12-01).
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _count_kernel(expert_ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
         expert = tl.program_id(0)
         total = 0
@@ -133,7 +135,7 @@ if HAVE_TRITON:
             total += tl.sum((ids == expert).to(tl.int32), axis=0)
         tl.store(counts_ptr + expert, total)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_experts"])
     def _align_kernel(
         expert_ids_ptr,
         counts_ptr,
@@ -171,7 +173,7 @@ if HAVE_TRITON:
             tl.store(sorted_pairs_ptr + start + written + rank - 1, offs, mask=is_mine)
             written += tl.sum(is_mine.to(tl.int32), axis=0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _expert_gemm_kernel(
         a_ptr,  # [rows, K]: hidden (gate/up, row = pair // TOP_K) or the activated pairs (down, row = pair)
         w_ptr,  # [E, N (x2 for gate/up), K]
