@@ -22,8 +22,8 @@ reduction whose order could follow the step is therefore fixed:
                  already compute each row alone: unchanged.
 
 What does not hold yet: sliding-window layers on CUDA (the prefill kernel's first window tile starts at the query
-tile's first row), the torch attention backend on CUDA (`--attention-backend torch`), and a different tensor-parallel
-size (the all-reduce order changes with it). The price: decode attention loses split-K and large steps lose
+tile's first row), the torch attention backend on CUDA (EngineConfig.attention_backend "torch"), and a different
+tensor-parallel size (the all-reduce order changes with it). The price: decode attention loses split-K and large steps lose
 cuBLAS; `bench engine --deterministic` measures it.
 """
 

@@ -182,7 +182,7 @@ if HAVE_TRITON:
             return g / (1.0 + tl.exp(-g))
 
     @triton.jit
-    def rms_weight(x, inv_rms, w, dtype, WEIGHT_FP32: tl.constexpr):
+    def rms_weight(x, inv_rms, w, dtype: tl.constexpr, WEIGHT_FP32: tl.constexpr):
         """The normed row times its weight, rounded as the norm kind rounds: Llama rounds x * inv_rms to the dtype
         before the weight multiply; OLMo 2 and Gemma (fp32 (1 + w), folded at load) multiply in fp32."""
         if WEIGHT_FP32:
