@@ -250,6 +250,31 @@ print("family decoders match")
 """
 
 
+def test_every_family_takes_the_triton_path_on_cuda(tiny_models):
+    """The gate and the runner, asked for CUDA: the Triton attention for every family (soft-capping ones too), and the
+    owned decoder's kernels; the stages no kernel computes yet are per layer (`rope_kernel`), not per family."""
+    from worker.engine.attention_backend import TritonAttentionBackend
+    from worker.engine.decoder import OwnedDecoder, unsupported_reason
+    from worker.engine.model_runner import attention_backend_for
+
+    for name in FUSED_FAMILIES:
+        model, _ = tiny_models(name)
+        assert unsupported_reason(model) is None, name
+        assert isinstance(attention_backend_for(model, "auto", is_cuda=True), TritonAttentionBackend), name
+        decoder = OwnedDecoder(model, 64, use_triton=fk.HAVE_TRITON)
+        assert decoder.use_triton == fk.HAVE_TRITON, name
+        rotates_in_kernel = {
+            "tiny-olmo2": False,  # q/k norms over the whole projection
+            "tiny-phi3": False,  # partial rotary
+            "tiny-glm4": False,  # interleaved partial rotary
+            "tiny-smollm3": None,  # every fourth layer has no rotary
+        }.get(name, True)
+        if rotates_in_kernel is None:
+            assert decoder.rope_kernel == [i % 4 != 3 for i in range(4)], name
+        else:
+            assert all(k == rotates_in_kernel for k in decoder.rope_kernel), name
+
+
 def _interpret(code: str, marker: str, args=()) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
