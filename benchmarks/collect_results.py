@@ -3,7 +3,7 @@
 python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
-    # w1_deterministic.json, notes.json; a file in a later DIR replaces
+    # w1_deterministic.json, w1_families.json, w2_families.json, notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
@@ -58,6 +58,35 @@ COMMANDS = {
     "W1_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
     "--max-num-batched-tokens 2048 --deterministic",
 }
+# issue 24: the Gemma 3 12B and Phi-4 14B shapes, each against Llama-3-8B run in the same process
+FAMILIES = "--model llama3-8b --model gemma3-12b --model phi4-14b --mode async --max-model-len 8192"
+COMMANDS.update({
+    "W1_families": f"python3 -m worker.bench engine {FAMILIES} --workload W1 --max-num-seqs 32 --max-num-batched-tokens 2048",
+    "W2_families": f"python3 -m worker.bench engine {FAMILIES} --workload W2 --max-num-seqs 1024 --max-num-batched-tokens 8192",
+})
+FAMILY_RUNS = {"gemma3": "gemma3-12b", "phi4": "phi4-14b"}  # entry suffix -> preset; the reference is llama3-8b
+
+
+def family_entries(workload: str, run: dict) -> dict:
+    """`W1_gemma3`, `W1_phi4`, ... from one several-model `bench engine` run: each model's async numbers, the
+    Llama-3-8B run of the same process, and the floor ratio over Llama's (issue 24 asks within 10%)."""
+    by_model = {r["extra"].get("model"): r for r in run["results"].values()}
+    llama = by_model.get("llama3-8b")
+    out = {}
+    for suffix, preset in FAMILY_RUNS.items():
+        r = by_model.get(preset)
+        if r is None:
+            continue
+        entry: dict = {"model": preset, "async": {f: r.get(f) for f in FIELDS}}
+        entry["triton_compiles_in_measured_run"] = len(r["extra"].get("triton_compiles", []))
+        if llama:
+            entry["llama3_8b_same_call"] = {f: llama.get(f) for f in FIELDS}
+            entry["floor_ratio_over_llama3_8b"] = r["floor_ratio"] / llama["floor_ratio"]
+        entry["config"], entry["date"] = run["config"], run["date"]
+        out[f"{workload}_{suffix}"] = entry
+    return out
+
+
 MOE_RUNS = {"W1_moe": "w1_moe.json", "W2_moe": "w2_moe.json", "W1_gptoss": "w1_gptoss.json", "W2_gptoss": "w2_gptoss.json"}
 
 
@@ -86,13 +115,15 @@ def main(srcs: list[Path]) -> dict:
         load(n) for n in ("w1.json", "w1_hf.json", "w2.json", "w2_hf.json", "w2_queue.json")
     )
     determinism_runs = {n: load(f"{n.split('_')[0].lower()}_deterministic.json") for n in ("W2_deterministic", "W1_deterministic")}
+    family_runs = {w: load(f"{w.lower()}_families.json") for w in ("W1", "W2")}
     first = w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
+    first = first or family_runs["W1"] or family_runs["W2"]
     if first is None:
         return {}
     out = {
         "device": first["device"],
         "torch": first["torch"],
-        "date": max(r["date"] for r in (w1, w2, *determinism_runs.values()) if r),  # of the newest run; each entry has its own
+        "date": max(r["date"] for r in (w1, w2, *determinism_runs.values(), *family_runs.values()) if r),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
         "commands": COMMANDS,
         "note": "Whole-workload runs of cbq's engine (random-weight Llama-3-8B shape, bf16, EOS ignored). "
@@ -149,6 +180,9 @@ def main(srcs: list[Path]) -> dict:
             if "sync" in entry and "async" in entry:
                 entry["async_over_sync"] = entry["async"]["output_tok_s"] / entry["sync"]["output_tok_s"]
             out[name] = {**entry, "model": moe["model"], "config": moe["config"], "date": moe["date"]}
+    for workload, families in family_runs.items():  # issue 24
+        if families:
+            out.update(family_entries(workload, families))
     for name, run in determinism_runs.items():  # issue 32: the price of batch invariance
         if run:
             out[name] = determinism_entry(run)
@@ -174,6 +208,6 @@ if __name__ == "__main__":
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS)}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS))}, indent=1
         )[:3000]
     )

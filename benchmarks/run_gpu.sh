@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [moetests] [dettests] [w1moe] [w2moe] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det]
+#   bash benchmarks/run_gpu.sh [enginetests] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each). About 15 minutes in all on the H200:
@@ -85,6 +85,19 @@ if has w2moe; then  # W2_moe and W2_gptoss
         --json-out "$OUT/w2_moe.json" 2>&1 | tail -8
     bench 540 --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_gptoss.json" 2>&1 | tail -8
+fi
+if has families || has w1families; then  # issue 24: the Gemma 3 12B and Phi-4 14B shapes against Llama-3-8B (floor
+    # ratios within 10%), async, the three models in one process per workload (W1_gemma3, W1_phi4; about 2 minutes)
+    bench 240 --model llama3-8b --model gemma3-12b --model phi4-14b --workload W1 --mode async --max-num-seqs 32 \
+        --max-num-batched-tokens 2048 --max-model-len 8192 --json-out "$OUT/w1_families.json" 2>&1 | tail -12
+fi
+if has families || has w2families; then  # W2_gemma3, W2_phi4: about 6 minutes
+    bench 480 --model llama3-8b --model gemma3-12b --model phi4-14b --workload W2 --mode async --max-num-seqs 1024 \
+        --max-num-batched-tokens 8192 --max-model-len 8192 --json-out "$OUT/w2_families.json" 2>&1 | tail -12
+fi
+if has familytests; then  # issue 24: the families on the owned decoder's Triton path (kernels, fp32 vs generate, graphs)
+    timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_family_kernels.py tests/worker/engine/test_fused_kernels.py \
+        tests/worker/engine/test_attention_triton.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_family_tests.log" | tail -25
 fi
 if has w2grammar; then
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \

@@ -102,3 +102,42 @@ def test_an_moe_model_takes_the_floor_that_counts_the_experts_its_steps_hit(tmp_
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert len(calls) == 2  # the floor and the serial floor of the one run
     assert json.loads(out.read_text())["results"]["async"]["floor_ratio"] > 0
+
+
+def test_the_dense_floor_reads_a_tied_head_and_bounds_sliding_layers_by_their_window():
+    """A tied LM head (Gemma) is read whole every step, though the input embedding is a lookup; a sliding layer
+    reads at most `num_seqs * window` cached tokens (Gemma 3's five local layers in six)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def tiny(tied: bool):
+        config = LlamaConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=tied,
+        )  # fmt: skip
+        return LlamaForCausalLM(config).to(torch.float32)
+
+    untied_bytes, untied_params = bench_engine.model_bytes(tiny(False))
+    tied_bytes, tied_params = bench_engine.model_bytes(tiny(True))
+    assert tied_bytes == untied_bytes and tied_params == untied_params  # the head's 320 x 64 either way
+    assert untied_params == sum(p.numel() for p in tiny(False).parameters()) - 320 * 64
+    step = [(2, 2, 100, 0.0)]  # two decodes reading 100 cached tokens in all
+    full = bench_engine.floor_seconds(step, 0, 0, 1000, 1.0)
+    windowed = bench_engine.floor_seconds(step, 0, 0, 1000, 1.0, windows=(4, 0))
+    assert full == pytest.approx(100 * 1000) and windowed == pytest.approx((8 + 100) / 2 * 1000)
+
+
+def test_several_models_in_one_call(tmp_path, monkeypatch):
+    """`--model` repeated: each model loaded, run and freed in turn in one process; results named MODE-MODEL,
+    each model's floor ratio printed against the first's."""
+    monkeypatch.setattr(bench_engine, "measure_copy_bandwidth", lambda device: 1e12)
+    out = tmp_path / "bench.json"
+    args = ["--model", "tiny-llama", "--model", "tiny-gemma3", "--workload", "tiny", "--num-requests", "4"]
+    args += ["--device", "cpu", "--mode", "async", "--json-out", str(out)]
+    result = CliRunner().invoke(bench_engine.engine_bench, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads(out.read_text())
+    assert report["models"] == ["tiny-llama", "tiny-gemma3"]
+    assert set(report["results"]) == {"async-tiny-llama", "async-tiny-gemma3"}
+    assert {r["extra"]["model"] for r in report["results"].values()} == {"tiny-llama", "tiny-gemma3"}
+    assert "async-tiny-gemma3 floor ratio / async-tiny-llama's" in result.output

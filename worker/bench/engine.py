@@ -70,33 +70,49 @@ def measure_copy_bandwidth(device) -> float:
 
 
 def model_bytes(model) -> tuple[int, int]:
-    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup. FP8
+    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup, unless
+    it is tied to the LM head (Gemma), which reads it whole every step (`model.parameters()` holds it once). FP8
     linears (quant/) hold their weights and scales as buffers: their bytes count, their scales are no parameters."""
     from worker.engine.quant.linear import Fp8LinearModule
 
     embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    lookup_only = head is None or head.weight is not embed
     fp8 = [m for m in model.modules() if isinstance(m, Fp8LinearModule)]
     tensors = [*model.parameters(), *(b for m in fp8 for b in m.buffers(recurse=False))]
     total = sum(t.numel() * t.element_size() for t in tensors)
-    params = sum(p.numel() for p in model.parameters()) + sum(m.weight.numel() for m in fp8) - embed.numel()
-    return total - embed.numel() * embed.element_size(), params
+    params = sum(p.numel() for p in model.parameters()) + sum(m.weight.numel() for m in fp8)
+    if lookup_only:
+        return total - embed.numel() * embed.element_size(), params - embed.numel()
+    return total, params
 
 
 def floor_seconds(
-    step_log, weight_bytes: int, num_params: int, kv_bytes_per_token: int, bandwidth: float, serial: bool = False
+    step_log,
+    weight_bytes: int,
+    num_params: int,
+    kv_bytes_per_token: int,
+    bandwidth: float,
+    serial: bool = False,
+    windows: tuple[int, ...] = (),
 ) -> float:
     """Sum over the steps cbq ran of the least time each could take: max(bytes / bandwidth, flops / peak).
 
     `serial`: the weight GEMMs (bound by streaming their weights or by their FLOPs, whichever is slower) and then
     the KV reads, one after the other, as kernels on one stream run. The default floor lets a step's KV reads
     hide under its GEMMs' compute; no engine that runs them back to back can reach it in a step where both are
-    large (W2's: benchmarks/archive/HISTORY.md, "why W2 stops at the serial bound")."""
+    large (W2's: benchmarks/archive/HISTORY.md, "why W2 stops at the serial bound").
+    `windows`: each layer's sliding window (0: full attention; () none slides): a sliding layer reads at most
+    `num_seqs * window` of the step's cached tokens (Gemma 3's five local layers in six; moe/cost.py alike)."""
     if bandwidth <= 0:
         return 0.0
     total = 0.0
-    for num_tokens, _num_seqs, context_tokens, _dev in step_log:
+    for num_tokens, num_seqs, context_tokens, _dev in step_log:
         weights = weight_bytes / bandwidth
-        kv_reads = context_tokens * kv_bytes_per_token / bandwidth
+        tokens_read = context_tokens
+        if windows:  # the mean over layers of what each reads
+            tokens_read = sum(min(context_tokens, num_seqs * w) if w else context_tokens for w in windows) / len(windows)
+        kv_reads = tokens_read * kv_bytes_per_token / bandwidth
         compute = 2 * num_params * num_tokens / PEAK_BF16_FLOPS
         total += max(weights, compute) + kv_reads if serial else max(weights + kv_reads, compute)
     return total
@@ -124,6 +140,7 @@ def engine_floors(model, step_log, bandwidth: float, kv_dtype=None) -> tuple[flo
     """(floor, serial floor) in seconds of the steps in `step_log`: a mixture of experts (its family declares a
     sparse MLP) by `moe_floor_seconds`, a dense model by `floor_seconds` (every weight read every step).
     `kv_dtype`: the KV cache's element type (default the model's; FP8 halves the KV bytes)."""
+    from worker.engine.attention_backend import sliding_windows_of
     from worker.engine.kv_cache import kv_bytes_per_block
     from worker.engine.models import family_for
 
@@ -138,9 +155,10 @@ def engine_floors(model, step_log, bandwidth: float, kv_dtype=None) -> tuple[flo
         )
     weight_bytes, num_params = model_bytes(model)
     kv_per_token = kv_bytes_per_block(model.config, 1, kv_dtype or model.dtype)
+    windows = sliding_windows_of(model.config)
     return (
-        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth),
-        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True),
+        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, windows=windows),
+        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True, windows=windows),
     )
 
 
@@ -296,7 +314,15 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 
 
 @click.command("engine")
-@click.option("--model", default="llama3-8b", show_default=True, help="Preset name or checkpoint path.")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    default=("llama3-8b",),
+    show_default=True,
+    help="Preset name or checkpoint path (repeat to run several models one after another in one process, each "
+    "loaded and freed in turn; results are then named MODE-...-MODEL).",
+)
 @click.option(
     "--workload", type=click.Choice(list(WORKLOADS) + list(CACHE_WORKLOADS)), default="W1", show_default=True
 )
@@ -362,7 +388,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def engine_bench(
-    model,
+    models,
     workload,
     num_requests,
     mode,
@@ -391,19 +417,6 @@ def engine_bench(
     from worker.engine.models.loader import check_moe_fit
 
     dev = resolve_device(device)
-    free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
-    t0 = time.perf_counter()
-    hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization"))
-    load_seconds = time.perf_counter() - t0
-    if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
-        click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
-    bandwidth = measure_copy_bandwidth(dev)
-    vocab_limit = min(hf_model.config.vocab_size, 32000)
-    if workload in CACHE_WORKLOADS:
-        reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
-    else:
-        reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
-    warmup = warmup_requests(reqs, vocab_limit)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
@@ -414,7 +427,7 @@ def engine_bench(
         (d, g, k, m, v) for d in decoders for g in decode_gemms for k in determinisms for v in parsed for m in modes
     ]
 
-    def setup_suffix(decoder: str, gemm: str, determinism: str) -> str:
+    def setup_suffix(decoder: str, gemm: str, determinism: str, model: str = "") -> str:
         """What names a run's engine setup in its label, where more than one was asked for."""
         return "".join(
             f"-{value}"
@@ -422,57 +435,91 @@ def engine_bench(
                 (decoder, len(decoders) > 1),
                 (gemm, len(decode_gemms) > 1),
                 (determinism, len(determinisms) > 1),
+                (model, len(models) > 1),
             )
             if many
         )
 
-    for decoder, gemm, determinism, m, (is_json, num_top) in runs:
-        config = EngineConfig(
-            mode=m,
-            device=str(dev),
-            dtype=dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            use_cuda_graphs=not no_cuda_graphs,
-            enable_prefix_caching=not no_prefix_caching,
-            decoder=decoder,
-            decode_gemm=gemm,
-            deterministic=determinism == "deterministic",
-            **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
+    bandwidth = 0.0
+    load_seconds: dict[str, float] = {}
+    for model in models:
+        free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+        t0 = time.perf_counter()
+        hf_model, tokenizer = load_model(
+            model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization")
         )
-        t1 = time.perf_counter()
-        engine = Engine(hf_model, tokenizer, config)
-        setup = time.perf_counter() - t1
-        # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained run).
-        engine.generate(with_variant(warmup, is_json, num_top))
-        if not results and dev.type == "cuda":
-            # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The cause
-            # was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts, 1.4 s,
-            # which the step's device events count); the prefill kernel no longer specialises on those
-            # (kernels/attention.py). The first engine still runs the whole workload once, unmeasured, on
-            # shifted token ids (the real ones would stay in the prefix cache), so that any other variant the
-            # workload needs (e.g. a decode split count only its mixed steps reach) is compiled before timing.
-            engine.generate(with_variant(warmup_requests(reqs, vocab_limit, full_length=True), is_json, num_top))
-        label = m + setup_suffix(decoder, gemm, determinism) + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
-        result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
-        result.extra.update(
-            variant=variant_name(is_json, num_top),
-            deterministic=determinism == "deterministic",
-            setup_seconds=setup,
-            num_kv_blocks=engine.runner.num_kv_blocks,
-            max_model_len=engine.max_model_len,
-            graphs=len(engine.runner.graphs),
-            decoder="owned" if engine.runner.decoder is not None else "hf",
-            small_step_gemm="invariant"  # every step's GEMMs: kernels/invariant_gemm.py
-            if config.deterministic
-            else "triton"
-            if getattr(engine.runner.decoder, "small_step_ops", None) is not None
-            else "cublas",
-        )
-        results.append(result)
-        del engine
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        load_seconds[model] = time.perf_counter() - t0
+        if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
+            click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
+        bandwidth = bandwidth or measure_copy_bandwidth(dev)
+        vocab_limit = min(hf_model.config.vocab_size, 32000)
+        if workload in CACHE_WORKLOADS:
+            reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
+        else:
+            reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
+        warmup = warmup_requests(reqs, vocab_limit)
+        model_results: list[ModeResult] = []
+        for decoder, gemm, determinism, m, (is_json, num_top) in runs:
+            config = EngineConfig(
+                mode=m,
+                device=str(dev),
+                dtype=dtype,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                use_cuda_graphs=not no_cuda_graphs,
+                enable_prefix_caching=not no_prefix_caching,
+                decoder=decoder,
+                decode_gemm=gemm,
+                deterministic=determinism == "deterministic",
+                **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
+            )
+            t1 = time.perf_counter()
+            engine = Engine(hf_model, tokenizer, config)
+            setup = time.perf_counter() - t1
+            # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained run).
+            engine.generate(with_variant(warmup, is_json, num_top))
+            if not model_results and dev.type == "cuda":
+                # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The cause
+                # was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts, 1.4 s,
+                # which the step's device events count); the prefill kernel no longer specialises on those
+                # (kernels/attention.py). The process's first engine still runs the whole workload once,
+                # unmeasured, on shifted token ids (the real ones would stay in the prefix cache), so that any
+                # other variant the workload needs (e.g. a decode split count only its mixed steps reach) is
+                # compiled before timing. A later model (its own shapes: every kernel compiles anew) runs a
+                # quarter of it at full length, which reaches the same contexts and step mixes in a quarter of
+                # the time; `triton_compiles` in each result says if any compile was still left.
+                full = warmup_requests(reqs, vocab_limit, full_length=True)
+                engine.generate(with_variant(full if not results else full[: max(1, len(full) // 4)], is_json, num_top))
+            label = (
+                m
+                + setup_suffix(decoder, gemm, determinism, model)
+                + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
+            )
+            result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
+            result.extra.update(
+                model=model,
+                variant=variant_name(is_json, num_top),
+                deterministic=determinism == "deterministic",
+                setup_seconds=setup,
+                num_kv_blocks=engine.runner.num_kv_blocks,
+                max_model_len=engine.max_model_len,
+                graphs=len(engine.runner.graphs),
+                decoder="owned" if engine.runner.decoder is not None else "hf",
+                small_step_gemm="invariant"  # every step's GEMMs: kernels/invariant_gemm.py
+                if config.deterministic
+                else "triton"
+                if getattr(engine.runner.decoder, "small_step_ops", None) is not None
+                else "cublas",
+            )
+            model_results.append(result)
+            del engine
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        results += model_results
+        if model != models[-1]:  # the next model needs the memory (--compare-hf runs on the last one)
+            del hf_model
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     hf_error = None
     if compare_hf:
         hf_reqs = reqs[:hf_num_requests] if hf_num_requests else reqs
@@ -482,7 +529,8 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    for suffix in (setup_suffix(d, g, k) for d in decoders for g in decode_gemms for k in determinisms):
+    suffixes = (setup_suffix(d, g, k, n) for d in decoders for g in decode_gemms for k in determinisms for n in models)
+    for suffix in suffixes:
         if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
             ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
             click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
@@ -500,15 +548,21 @@ def engine_bench(
         base = next((p for p in plain if r.mode.replace(r.extra["variant"], "plain") == p.mode), None)
         if base is not None and r is not base:
             click.echo(f"{r.mode} / {base.mode} output tok/s: {r.output_tok_s / base.output_tok_s:.3f}")
-    print_table(workload, model, results)
+    if len(models) > 1:  # each model's floor ratio against the first's, run by run (issue 24: within 10%)
+        for r in results:
+            first = by_mode.get(r.mode.replace(r.extra.get("model", ""), models[0]))
+            if first is not None and r is not first and r.extra.get("model") and first.floor_ratio:
+                click.echo(f"{r.mode} floor ratio / {first.mode}'s: {r.floor_ratio / first.floor_ratio:.3f}")
+    print_table(workload, ", ".join(models), results)
     report = {
         "workload": workload,
-        "model": model,
+        "model": models[0] if len(models) == 1 else list(models),
+        "models": list(models),
         "num_requests": len(reqs),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "copy_bandwidth_bytes_s": bandwidth,
-        "load_seconds": load_seconds,
+        "load_seconds": load_seconds[models[0]] if len(models) == 1 else load_seconds,
         "date": time.strftime("%Y-%m-%d"),
         "config": {
             "max_num_seqs": max_num_seqs,

@@ -60,7 +60,7 @@ class AttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    # Whether `attend` computes soft-capped scores (Gemma 2). NOTE: the Triton kernels do not yet.
+    # Whether `attend` computes soft-capped scores (Gemma 2): both backends do.
     has_softcap = True
 
     def attend(
@@ -96,7 +96,6 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton kernels on CUDA: split-K decode for decode-only steps, varlen prefill otherwise."""
 
     name = "triton"
-    has_softcap = False
 
     def __init__(self):
         from .kernels import attention
@@ -118,7 +117,6 @@ class TritonAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        assert softcap is None, "the Triton attention kernels have no soft-capping: the runner picks the torch backend"
         window = meta.sliding_window(layer_idx)
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
@@ -133,6 +131,7 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=window,
                 pdl=pdl,
                 sinks=sinks,
+                softcap=softcap,
             )
         # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
         # a varlen query tile each they would waste most of it; the rest through the varlen kernel.
@@ -150,6 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_context_len=meta.max_context_len,
                 sliding_window=window,
                 sinks=sinks,
+                softcap=softcap,
             )
         return self._k.paged_prefill_attention(
             q,
@@ -163,6 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=meta.max_query_len,
             sliding_window=window,
             sinks=sinks,
+            softcap=softcap,
         )
 
 

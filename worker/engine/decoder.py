@@ -2,12 +2,16 @@
 (models/spec.py) it implements. `unimplemented` checks each declared property against what this file
 computes, so a family that declares anything else keeps transformers' forward ("auto") or is refused ("owned").
 
-Families whose layer is Llama's (`has_llama_layer`: RMSNorm, SiLU, pre-norms only, per-head q/k norms, full
-Llama rotary in every layer: Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Phi-3/4 with full rotary) take
-the Triton kernels below on CUDA; the others run the torch ops (`NORMS`, `ACTIVATIONS`, the references in
-kernels/fused.py) on CUDA too: correct, not fused. NOTE: GPU epilogues still missing: (1 + w) and fp32-weight
-RMSNorm, GELU-tanh, sandwich/post norms, full-projection q/k norms, partial, interleaved and NoPE rotary, and
-attention soft-capping (the runner then keeps the torch attention, uncaptured: attention_backend_for).
+Every family the gate passes takes the Triton kernels below on CUDA, the declaration read as kernel flags (no
+family is named): the norm's arithmetic (`NORM_MATH`: Llama's rounding, or the weight multiplied in fp32, OLMo 2's
+and Gemma's, whose (1 + w) is folded into an fp32 weight at load, exactly: `fused.fold_one_plus`), the activation
+(`ACT_CODES`: SiLU or GELU-tanh, in the act·mul kernel and the gate/up GEMM's epilogue), a block's post-norm and
+residual multiplier (Gemma's sandwich norms, OLMo 2's post-norms, Granite) and the embedding scale as epilogues of
+the next add+norm launch, attention soft-capping in the attention kernels (SOFTCAP), and the final logits' divisor,
+scale and soft-cap in one launch. The q/k scale (Gemma's query_pre_attn_scalar, Granite's attention multiplier) is
+the attention kernels' scale. What no kernel computes yet runs as torch ops inside the same forward, for that
+stage only: the q/k norm + rotary + KV-write stage of layers with q/k norms over the whole projection (OLMo 2),
+partial, interleaved (GLM-4, Phi-4-mini) or no rotary (SmolLM3's NoPE layers) (`rope_kernel`).
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. A linear the loader kept in FP8 (sm89+ CUDA; quant/) is multiplied by its method's FP8
@@ -16,7 +20,8 @@ then off. Built from the transformers model that `models.load_model` returns, so
 checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
 
 Per layer (CUDA, 8 launches + attention; 6 on the small-step path, where SiLU·mul is in the gate/up GEMM's
-epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's q/k norms, which need a whole head)):
+epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's and Gemma 3's q/k norms, which need a whole
+head); Gemma's sandwich norms add no launch):
     add_rmsnorm -> QKV GEMM -> qkv_rope_write (q/k norm, rotary, KV write) -> attention -> O GEMM
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
@@ -53,7 +58,7 @@ import torch.nn.functional as F
 from . import deterministic as invariant
 from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
-from .fused_weights import LayerWeights, layer_weights, submodule
+from .fused_weights import LayerWeights, fold_norms, layer_weights, submodule
 from .kernels import decode_gemm
 from .kernels import fused as fk
 from .kv_cache import head_dim_of
@@ -63,13 +68,29 @@ from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec
 from .moe.from_model import moe_layer_weights
 from .quant.linear import Fp8LinearModule, Fp8Weight
 
-# What this file implements, as torch ops (the CPU path, and the CUDA path of families the Triton kernels lack).
-NORMS = {
-    NormKind.RMS: fk.rmsnorm_ref,
-    NormKind.RMS_ONE_PLUS: fk.rmsnorm_one_plus_ref,
-    NormKind.RMS_FP32_WEIGHT: fk.rmsnorm_fp32_weight_ref,
+
+@dataclass(frozen=True)
+class NormMath:
+    """How the decoder computes one norm kind: `fold` turns a checkpoint norm weight into the weight the ops
+    read (once, at load; None: as it is), `ref` is the torch op on that weight, `weight_fp32` the kernels' flag
+    (the weight multiply in fp32, the normed value not rounded first)."""
+
+    ref: Callable
+    weight_fp32: bool
+    fold: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+NORM_MATH = {
+    NormKind.RMS: NormMath(fk.rmsnorm_ref, weight_fp32=False),
+    # Gemma's ((x * r) * (1 + w.float())).to(dtype) is the fp32-weight norm of the fp32 weight 1 + w, bit for bit
+    NormKind.RMS_ONE_PLUS: NormMath(fk.rmsnorm_fp32_weight_ref, weight_fp32=True, fold=fk.fold_one_plus),
+    NormKind.RMS_FP32_WEIGHT: NormMath(fk.rmsnorm_fp32_weight_ref, weight_fp32=True),
 }
+# What this file implements, as torch ops (the CPU path): NORMS read folded weights (`NormMath.fold`).
+NORMS = {kind: math.ref for kind, math in NORM_MATH.items()}
 ACTIVATIONS = {Activation.SILU: fk.silu_mul_ref, Activation.GELU_TANH: fk.gelu_tanh_mul_ref}
+# The kernels' ACT flag of each activation.
+ACT_CODES = {Activation.SILU: fk.ACT_SILU, Activation.GELU_TANH: fk.ACT_GELU_TANH}
 QK_NORM_SPANS = (QKNormSpan.HEAD, QKNormSpan.FULL)
 
 
@@ -100,24 +121,26 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
     return None
 
 
-def has_llama_layer(family: Family, args: DecoderArgs) -> bool:
-    """Whether the Triton element-wise kernels and small-step GEMMs compute this family's layer."""
+def rope_kernel(family: Family, rope: tuple[torch.Tensor, torch.Tensor] | None, head_dim: int) -> bool:
+    """Whether the Triton q/k-norm + rotary + KV-write kernels compute a layer with rotary tables `rope` (None: a
+    NoPE layer): full Llama-style rotary, q/k norms (if any) per head. Else that stage runs as torch ops."""
     layer = family.layer
-    plain_layer = family.norm == NormKind.RMS and args.activation == Activation.SILU
-    pre_norms_only = None not in (layer.attn_in_norm, layer.mlp_in_norm) and layer.attn_out_norm is None
     head_qk_norms = layer.q_norm is None or layer.qk_norm_span == QKNormSpan.HEAD
-    every_layer_rotates = not args.nope_layers
-    llama_rotary = every_layer_rotates and not family.rotary_interleaved
-    return plain_layer and pre_norms_only and layer.mlp_out_norm is None and head_qk_norms and llama_rotary
+    full_rotary = rope is not None and rope[0].shape[-1] == head_dim and not family.rotary_interleaved
+    return head_qk_norms and full_rotary
 
 
 @dataclass(frozen=True)
 class LayerOps:
     """The kernels one forward runs: which GEMM, which element-wise twins, launched with PDL or not."""
 
-    add_norm: Callable  # (x, residual, weight, eps) -> (norm(residual + x), residual + x)
+    # (x, residual, weight, eps, x_weight=, x_scale=) -> (norm(s), s), s = residual + x', x' = x post-normed by
+    # x_weight, times x_scale (fused.add_rmsnorm_ref)
+    add_norm: Callable
     linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
     gate_up_act: Callable  # (x, fused [gate; up] weight, bias) -> act(x @ gate^T) * (x @ up^T)
+    # (logits, divisor, scale, softcap) -> the final logits (in place on CUDA)
+    logits_epilogue: Callable = fk.logits_epilogue_ref
     pdl: bool = False
     # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
     qkv_rope_epilogue: bool = False
@@ -152,18 +175,25 @@ def layer_ops(
 ) -> LayerOps:
     """The torch ops (`norm`, `activation`), the Triton element-wise kernels with cuBLAS, or the small-step path
     (kernels/decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests).
-    The Triton paths compute Llama's layer only (`has_llama_layer`)."""
+    The Triton paths read `norm` and `activation` as their kernels' flags (`NORM_MATH`, `ACT_CODES`)."""
+    weight_fp32, act = NORM_MATH[norm].weight_fp32, ACT_CODES[activation]
     if small_step:
         return LayerOps(
-            add_norm=partial(fk.add_rmsnorm, pdl=pdl),
+            add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=weight_fp32),
             linear=partial(decode_gemm.decode_linear, pdl=pdl),
-            gate_up_act=partial(decode_gemm.decode_gate_up_silu, pdl=pdl),
+            gate_up_act=partial(decode_gemm.decode_gate_up_silu, pdl=pdl, act=act),
+            logits_epilogue=fk.logits_epilogue,
             pdl=pdl,
             qkv_rope_epilogue=True,
         )
     linear = weight_linear(F.linear)
     if use_triton:
-        return LayerOps(add_norm=fk.add_rmsnorm, linear=linear, gate_up_act=gate_up_then_act(linear, fk.silu_mul))
+        return LayerOps(
+            add_norm=partial(fk.add_rmsnorm, weight_fp32=weight_fp32),
+            linear=linear,
+            gate_up_act=gate_up_then_act(linear, partial(fk.act_mul, act=act)),
+            logits_epilogue=fk.logits_epilogue,
+        )
     return LayerOps(
         add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[norm]),
         linear=linear,
@@ -184,13 +214,17 @@ class OwnedDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.eps = getattr(config, self.family.norm_eps_field)
+        self.norm_math = NORM_MATH[self.family.norm]
+        fold = self.norm_math.fold
         self.embed_weight = submodule(model, self.family.embed_path).weight
         self.final_norm = submodule(model, self.family.final_norm_path).weight
+        self.final_norm = fold(self.final_norm) if fold is not None else self.final_norm
         self.lm_head = model.get_output_embeddings().weight  # the embedding itself when tied
         layers = submodule(model, self.family.layers_path)
         sparse = set(moe_layer_ids(config)) if self.family.moe is not None else set()
         self.layers: list[LayerWeights] = [
-            layer_weights(layer, self.family.layer, dense_mlp=i not in sparse) for i, layer in enumerate(layers)
+            fold_norms(layer_weights(layer, self.family.layer, dense_mlp=i not in sparse), fold)
+            for i, layer in enumerate(layers)
         ]
         self._init_moe(model, layers, sparse, max_num_tokens)
         sinks = self.family.attention_sinks
@@ -207,21 +241,23 @@ class OwnedDecoder:
         self.layer_rope: list[tuple[torch.Tensor, torch.Tensor] | None] = [
             None if i in self.args.nope_layers else tables[t] for i, t in enumerate(layer_types)
         ]
-        self.cos_table, self.sin_table = tables[layer_types[0]]  # the Llama-layer kernels' (one for all layers)
         self.head_dim = head_dim_of(config)
-        is_full_rotary = self.cos_table.shape[-1] == self.head_dim  # else partial: the torch ops rotate a prefix
-        # A 0-dim tensor in the model dtype multiplies as Gemma's rounded scale does; a float as Granite's.
+        # Per layer: whether the Triton q/k-norm + rotary + KV-write kernels compute it (else torch ops, that stage).
+        self.rope_kernel = [rope_kernel(self.family, rope, self.head_dim) for rope in self.layer_rope]
+        # A 0-dim CPU tensor in the model dtype multiplies as Gemma's rounded scale does (as transformers makes
+        # it; the kernels read its value on the host, no sync); a float as Granite's.
         scale = self.args.embed_scale
         in_dtype = scale is not None and self.args.embed_scale_in_dtype
-        self.embed_scale = torch.tensor(scale).to(self.embed_weight) if in_dtype else scale
-        self.norm = NORMS[self.family.norm]
-        self.use_triton = use_triton and fk.HAVE_TRITON and has_llama_layer(self.family, self.args) and is_full_rotary
-        self.ops = layer_ops(self.use_triton, False, norm=self.family.norm, activation=self.args.activation)
+        self.embed_scale = torch.tensor(scale, dtype=self.embed_weight.dtype) if in_dtype else scale
+        self.norm = self.norm_math.ref
+        self.use_triton = use_triton and fk.HAVE_TRITON
+        norm, act = self.family.norm, self.args.activation
+        self.ops = layer_ops(self.use_triton, False, norm=norm, activation=act)
         # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too). Its GEMMs read bf16/fp16
         # weights: FP8 layers keep the FP8 GEMM at every step size.
         self.is_fp8 = any(w.is_fp8 for w in self.layers)
         small_step = small_step_gemm and self.use_triton and not self.is_fp8
-        self.small_step_ops = layer_ops(True, small_step=True) if small_step else None
+        self.small_step_ops = layer_ops(True, small_step=True, norm=norm, activation=act) if small_step else None
         if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
             self.ops = invariant.layer_ops(self, pdl=small_step_gemm)
             self.small_step_ops = None
@@ -239,38 +275,34 @@ class OwnedDecoder:
             ops = self.small_step_ops
         args, eps = self.args, self.eps
         hidden = F.embedding(input_ids, self.embed_weight)
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
         residual = None
+        # What the next add+norm applies to `hidden` before adding it to the residual: the post-norm of the block
+        # that made it and the residual multiplier (the embedding scale, before the first layer).
+        post_norm, scale = None, self.embed_scale
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
-            normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps)
-            q = self._qkv_rope_write(normed, positions, w, self.layer_rope[layer_idx], k_cache, v_cache, attn, ops)
+            normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
+            q = self._qkv_rope_write(normed, positions, w, layer_idx, k_cache, v_cache, attn, ops)
             out = attn.backend.attend(
                 q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
                 sinks=self.layer_sinks[layer_idx],
             )  # fmt: skip
-            hidden = self._block_out(ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias), w.attn_out_norm)
-            normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps)
+            hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
+            post_norm, scale = w.attn_out_norm, args.residual_scale
+            normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)
             moe = self.moe_layers[layer_idx]
             if moe is not None:
-                mlp_out = moe_forward(normed, moe, self.moe_spec, self.moe_workspace)
+                hidden = moe_forward(normed, moe, self.moe_spec, self.moe_workspace)
             else:
                 activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
-                mlp_out = ops.linear(activated, w.down_weight, w.down_bias)
-            hidden = self._block_out(mlp_out, w.mlp_out_norm)
+                hidden = ops.linear(activated, w.down_weight, w.down_bias)
+            post_norm = w.mlp_out_norm
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        normed, _ = ops.add_norm(hidden, residual, self.final_norm, eps)
+        normed, _ = ops.add_norm(hidden, residual, self.final_norm, eps, x_weight=post_norm, x_scale=scale)
         logits = ops.linear(normed, self.lm_head, None)
-        if args.logits_divisor is not None:
-            logits = logits / args.logits_divisor
-        if args.logits_scale is not None:
-            logits = logits * args.logits_scale
-        if args.final_softcap is not None:
-            logits = torch.tanh(logits / args.final_softcap) * args.final_softcap
-        return logits
+        return ops.logits_epilogue(logits, args.logits_divisor, args.logits_scale, args.final_softcap)
 
     def _init_moe(self, model, layers, sparse: set[int], max_num_tokens: int) -> None:
         """The sparse layers' weights (views of the model's stacked experts), and on CUDA the grouped GEMMs'
@@ -289,20 +321,14 @@ class OwnedDecoder:
                 self.moe_spec, max_num_tokens, self.embed_weight.dtype, self.embed_weight.device
             )
 
-    def _block_out(self, out: torch.Tensor, out_norm: torch.Tensor | None) -> torch.Tensor:
-        """An attention or MLP block's output as it joins the residual: its post-norm, its multiplier."""
-        if out_norm is not None:
-            out = self.norm(out, out_norm, self.eps)
-        if self.args.residual_scale is not None:
-            out = out * self.args.residual_scale
-        return out
-
-    def _qkv_rope_write(self, normed, positions, w: LayerWeights, rope, k_cache, v_cache, attn: AttentionMetadata, ops):
-        """The QKV projection, q/k norms, rotary (`rope`: the layer's cos/sin tables) and the KV write; returns
+    def _qkv_rope_write(self, normed, positions, w: LayerWeights, layer_idx: int, k_cache, v_cache, attn, ops):
+        """The QKV projection, q/k norms, rotary (the layer's cos/sin tables) and the KV write; returns
         q [T, H, D]."""
+        rope = self.layer_rope[layer_idx]
         cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
-        if ops.qkv_rope_epilogue and w.q_norm is None:
-            assert cos_table is not None and sin_table is not None, "the Triton paths run only rotating layers"
+        kernel = self.use_triton and self.rope_kernel[layer_idx]
+        if ops.qkv_rope_epilogue and w.q_norm is None and kernel:
+            assert cos_table is not None and sin_table is not None, "rope_kernel: a rotating layer"
             assert isinstance(w.qkv_weight, torch.Tensor), "the small-step path multiplies bf16/fp16 weights"
             return ops.qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
@@ -310,10 +336,11 @@ class OwnedDecoder:
             )  # fmt: skip
         qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
         args = (qkv, positions, cos_table, sin_table, w.q_norm, w.k_norm, self.eps)
-        if self.use_triton:
+        if kernel:
             return fk.qkv_rope_write(
-                *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl
-            )
+                *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
+                norm_fp32_weight=self.norm_math.weight_fp32,
+            )  # fmt: skip
 
         def write_kv(k, v):
             attn.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)

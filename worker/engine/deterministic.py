@@ -22,8 +22,8 @@ reduction whose order could follow the step is therefore fixed:
                  already compute each row alone: unchanged.
 
 What does not hold yet: sliding-window layers on CUDA (the prefill kernel's first window tile starts at the query
-tile's first row), the torch attention backend on CUDA (soft-capping families), and a different tensor-parallel
-size (the all-reduce order changes with it). The price: decode attention loses split-K and large steps lose
+tile's first row), the torch attention backend on CUDA (EngineConfig.attention_backend "torch"), and a different
+tensor-parallel size (the all-reduce order changes with it). The price: decode attention loses split-K and large steps lose
 cuBLAS; `bench engine --deterministic` measures it.
 """
 
@@ -86,7 +86,6 @@ class InvariantTritonBackend(TritonAttentionBackend):
     def attend(
         self, q, k_cache, v_cache, meta: AttentionMetadata, scale, layer_idx, pdl=False, softcap=None, sinks=None
     ):
-        assert softcap is None, "the Triton attention kernels have no soft-capping"
         return self._k.paged_prefill_attention(
             q,
             k_cache,
@@ -98,6 +97,7 @@ class InvariantTritonBackend(TritonAttentionBackend):
             max_query_len=meta.max_query_len,
             sliding_window=meta.sliding_window(layer_idx),
             sinks=sinks,
+            softcap=softcap,
             batch_invariant=True,
         )
 
@@ -113,7 +113,7 @@ def unsupported_reason(is_cuda: bool, sliding_windows: tuple[int, ...], backend:
     """Why deterministic mode cannot keep its promise for a model with these layer windows and this attention
     backend here (None: it can)."""
     if is_cuda and not isinstance(backend, TritonAttentionBackend):
-        return "the torch attention backend on CUDA (soft-capping families) has no batch-invariant kernel yet"
+        return "the torch attention backend on CUDA has no batch-invariant kernel"
     if is_cuda and any(sliding_windows):
         return "sliding-window layers have no batch-invariant Triton attention yet"
     return None
@@ -134,9 +134,9 @@ def check_supported(model, choice: str) -> None:
 
 def layer_ops(owned, pdl: bool):
     """The LayerOps of the owned decoder `owned` for every step size (built here so that the dispatch there
-    stays one line). Triton (Llama-layer families): the invariant GEMMs with their fused epilogues and the
-    row-local Triton element-wise kernels. Otherwise the torch references with `row_linear` (correct and
-    batch-invariant everywhere, slow on CUDA)."""
+    stays one line). Triton: the invariant GEMMs with their fused epilogues and the row-local Triton
+    element-wise kernels, with the family's norm and activation flags. Otherwise the torch references with
+    `row_linear` (correct and batch-invariant everywhere, slow on CUDA)."""
     from . import decoder
     from .kernels import fused as fk
     from .kernels import invariant_gemm
@@ -151,10 +151,12 @@ def layer_ops(owned, pdl: bool):
             raise ValueError(
                 f"deterministic mode: these weights do not tile for the invariant GEMM: {bad[:4]}"
             )
+        act = decoder.ACT_CODES[owned.args.activation]
         return decoder.LayerOps(
-            add_norm=partial(fk.add_rmsnorm, pdl=pdl),
+            add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=owned.norm_math.weight_fp32),
             linear=partial(invariant_gemm.linear, pdl=pdl),
-            gate_up_act=partial(invariant_gemm.gate_up_silu, pdl=pdl),
+            gate_up_act=partial(invariant_gemm.gate_up_silu, pdl=pdl, act=act),
+            logits_epilogue=fk.logits_epilogue,
             pdl=pdl,
             qkv_rope_epilogue=True,
             qkv_rope_write=partial(invariant_gemm.qkv_rope_write, pdl=pdl),

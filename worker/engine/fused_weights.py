@@ -14,6 +14,7 @@ and scales stacked together (`Fp8Linear.concat`), which the decoder multiplies w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,7 +45,6 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # per-head RMSNorm weights [D] (Qwen3)
     k_norm: torch.Tensor | None
-
 
     @property
     def is_fp8(self) -> bool:
@@ -140,6 +140,21 @@ def linear_weights(layer: Any, spec: LinearSpec) -> tuple[Weight, torch.Tensor |
 
 def _norm_weight(layer: Any, path: str | None) -> torch.Tensor | None:
     return None if path is None else submodule(layer, path).weight
+
+
+NORM_FIELDS = ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm", "k_norm")
+
+
+def fold_norms(weights: LayerWeights, fold: Callable[[torch.Tensor], torch.Tensor] | None) -> LayerWeights:
+    """`weights` with every norm weight passed through `fold` (Gemma's 1 + w, kept as new fp32 tensors: the HF
+    model's parameters are not touched); None: unchanged."""
+    if fold is None:
+        return weights
+    folded: dict[str, Any] = {}
+    for name in NORM_FIELDS:
+        weight = getattr(weights, name)
+        folded[name] = None if weight is None else fold(weight)
+    return replace(weights, **folded)
 
 
 def layer_weights(layer: Any, spec: LayerSpec, dense_mlp: bool = True) -> LayerWeights:

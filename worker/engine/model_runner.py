@@ -39,7 +39,6 @@ from .config import EngineConfig
 from .decoder import build_decoder
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache, kv_cache_dtype
-from .models import family_for
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, SamplingExtras, StepDescription
 
@@ -79,13 +78,10 @@ class StepHandle:
 
 
 def attention_backend_for(model: Any, choice: str, is_cuda: bool) -> AttentionBackend:
-    """The Triton kernels on CUDA ("auto"), unless the family soft-caps attention scores, which only the torch
-    reference computes so far (correct, uncaptured, slow: the missing GPU epilogue)."""
-    softcap = family_for(model.config)[1].attn_softcap is not None
+    """The Triton kernels on CUDA ("auto"; soft-capping families too: the kernels' SOFTCAP), else the torch
+    reference. `model` is unused: every family's attention runs in both."""
     if choice == "auto":
-        choice = "triton" if is_cuda and not softcap else "torch"
-    if choice == "triton" and softcap:
-        raise ValueError(f"attention_backend 'triton' has no soft-capping ({model.config.model_type}): use 'auto'")
+        choice = "triton" if is_cuda else "torch"
     return TritonAttentionBackend() if choice == "triton" else AttentionBackend()
 
 

@@ -113,7 +113,7 @@ def test_deterministic_mode_needs_the_owned_decoder(bf16_llama):
 
 
 def test_what_deterministic_mode_refuses_on_cuda():
-    """On CUDA: sliding-window layers and the torch attention backend (soft-capping families) have no batch-
+    """On CUDA: sliding-window layers and the torch attention backend (`--attention-backend torch`) have no batch-
     invariant kernel yet, so the engine refuses to start rather than promise what it cannot keep."""
     from worker.engine import deterministic
     from worker.engine.attention_backend import AttentionBackend, TritonAttentionBackend
@@ -121,5 +121,5 @@ def test_what_deterministic_mode_refuses_on_cuda():
     triton = TritonAttentionBackend.__new__(TritonAttentionBackend)  # no kernels needed to ask
     assert deterministic.unsupported_reason(True, (), triton) is None
     assert "sliding-window" in (deterministic.unsupported_reason(True, (0, 4096), triton) or "")
-    assert "soft-capping" in (deterministic.unsupported_reason(True, (), AttentionBackend()) or "")
+    assert "torch attention backend" in (deterministic.unsupported_reason(True, (), AttentionBackend()) or "")
     assert deterministic.unsupported_reason(False, (0, 4096), AttentionBackend()) is None, "CPU: row by row"

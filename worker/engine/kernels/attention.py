@@ -7,6 +7,8 @@
   sliding_window: 0, or W: the row at position p sees only keys at positions > p - W
   sinks: None, or [num_heads]: a logit per head in the softmax denominator that adds no value (gpt-oss); added
     once, where the denominator is final (the one-split decode, the reduce, the prefill epilogue)
+  softcap: None, or C: scores become C * tanh(scores / C) before masking (Gemma 2); the kernels then take
+    scale / C as their score scale and C * log2(e) as the cap (SOFTCAP), so it costs one tanh per score
 
 Three public entry points:
   write_kv                 scatter this step's K/V rows into the cache (one launch for K and V)
@@ -37,6 +39,7 @@ import torch
 from .common import HAVE_TRITON, cdiv, dot_precision, next_pow2, require_triton, tl, triton
 
 if HAVE_TRITON:
+    from .fused import tanh
     from .pdl import pdl_wait_and_release
 
 __all__ = [
@@ -271,6 +274,8 @@ if HAVE_TRITON:
         CAUSAL: tl.constexpr,
         SLIDING: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        softcap_log2=1.0,
+        SOFTCAP: tl.constexpr = False,
     ):
         """One online-softmax step of the rows `q` over the KV positions `pos` of a paged sequence.
 
@@ -289,6 +294,8 @@ if HAVE_TRITON:
         k_ptrs = k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :]
         k = _load_rows(k_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        if SOFTCAP:  # scale_log2 is scale / cap here: cap * tanh(scores / cap), in log2 units
+            s = tanh(s) * softcap_log2
         if CAUSAL:
             keep = pos[None, :] <= q_pos[:, None]
             if SLIDING:
@@ -351,6 +358,8 @@ if HAVE_TRITON:
         DOT_PREC: tl.constexpr,
         USE_PDL: tl.constexpr,
         HAS_SINKS: tl.constexpr,
+        softcap_log2=1.0,
+        SOFTCAP: tl.constexpr = False,
     ):
         pdl_wait_and_release(USE_PDL)
         b = tl.program_id(0)
@@ -391,6 +400,7 @@ if HAVE_TRITON:
                 q, m_i, l_i, acc, n0 + offs_n, end, end, bt_row, k_base, v_base, d, d_mask,
                 stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, False, False, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
+                softcap_log2, SOFTCAP,
             )  # fmt: skip
 
         has = l_i > 0.0
@@ -501,6 +511,8 @@ if HAVE_TRITON:
         DOT_PREC: tl.constexpr,
         HAS_SINKS: tl.constexpr,
         ONE_PATH: tl.constexpr = False,  # batch-invariant: every KV tile through the masked loop (phase 2)
+        softcap_log2=1.0,
+        SOFTCAP: tl.constexpr = False,
     ):
         pid_q = tl.program_id(0)
         b = tl.program_id(1)
@@ -582,6 +594,7 @@ if HAVE_TRITON:
                     q, m_i, l_i, acc, n0 + offs_n, full_lo, q_pos, bt_row, k_base, v_base, d, d_mask,
                     stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
                     HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, True, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
+                    softcap_log2, SOFTCAP,
                 )  # fmt: skip
         # Phase 1: KV tiles every row sees; no score masking.
         for n0 in range(full_lo, full_end, BLOCK_N):
@@ -589,6 +602,7 @@ if HAVE_TRITON:
                 q, m_i, l_i, acc, n0 + offs_n, full_end, q_pos, bt_row, k_base, v_base, d, d_mask,
                 stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, False, False, False, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
+                softcap_log2, SOFTCAP,
             )  # fmt: skip
         # Phase 2: tiles crossing the causal diagonal; mask key > row position (and keys out of a window).
         for n0 in range(full_end, kv_end, BLOCK_N):
@@ -596,6 +610,7 @@ if HAVE_TRITON:
                 q, m_i, l_i, acc, n0 + offs_n, kv_end, q_pos, bt_row, k_base, v_base, d, d_mask,
                 stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, SLIDING, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
+                softcap_log2, SOFTCAP,
             )  # fmt: skip
 
         has = l_i > 0.0
@@ -635,6 +650,12 @@ def _attention_strides(
         *v_cache.stride()[:3],
         block_tables.stride(0),
     )
+
+
+def _score_scale(scale: float, softcap: float | None) -> float:
+    """What the kernels multiply q.k by: scale in log2 units, or scale / cap under soft-capping (the cap's
+    tanh comes first, then cap * log2(e))."""
+    return float(scale) / softcap if softcap is not None else float(scale) * LOG2E
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -698,6 +719,7 @@ def paged_decode_attention(
     sliding_window: int = 0,
     pdl: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q [B, H, D] at position context_lens[b] - 1 (seeing the last
     `sliding_window` keys when that is not 0). Returns [B, H, D]. `sinks` [H]: each head's sink logit.
@@ -752,7 +774,7 @@ def paged_decode_attention(
         out,
         part_o,
         part_lse,
-        float(scale) * LOG2E,
+        _score_scale(scale, softcap),
         sliding_window,
         num_heads,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
@@ -767,6 +789,8 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype, "tf32"),
         USE_PDL=pdl,
         HAS_SINKS=sinks is not None,
+        softcap_log2=(softcap or 1.0) * LOG2E,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -805,6 +829,7 @@ def paged_prefill_attention(
     sliding_window: int = 0,
     sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
     `sliding_window` keys when that is not 0). Returns [T, H, D]. `sinks` [H]: each head's sink logit.
@@ -857,7 +882,7 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         out,
-        float(scale) * LOG2E,
+        _score_scale(scale, softcap),
         sliding_window,
         num_seqs,
         num_tokens,
@@ -874,6 +899,8 @@ def paged_prefill_attention(
         DOT_PREC=dot_precision(q.dtype, "tf32"),
         HAS_SINKS=sinks is not None,
         ONE_PATH=batch_invariant,
+        softcap_log2=(softcap or 1.0) * LOG2E,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

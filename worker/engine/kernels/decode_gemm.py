@@ -11,7 +11,7 @@ Each program owns BLOCK_N whole weight rows over all of K (no split-K, so no red
 and computes W_tile @ x^T, the weight rows being the MMA's long side. A row's result depends only on its own
 input row and K's fixed tile order, not on how many rows the step has.
 
-`decode_gate_up_silu` runs the gate/up projection with SiLU·mul in its epilogue: a program owns BLOCK_N gate
+`decode_gate_up_silu` runs the gate/up projection with SiLU·mul (or GELU-tanh·mul: Gemma) in its epilogue: a program owns BLOCK_N gate
 rows and the BLOCK_N up rows that pair with them (the fused [gate; up] weight, no new layout), so the [M, 2I]
 gate/up output and the silu_mul kernel that read it are gone. It rounds as the unfused pair does (each
 product to the model dtype, SiLU rounded, then the multiply), so the two agree bit for bit.
@@ -39,7 +39,7 @@ from .common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 from .pdl import pdl_usable
 
 if HAVE_TRITON:
-    from .fused import rotate_halves
+    from .fused import activation, rotate_halves
     from .pdl import pdl_wait_and_release
 
 MAX_TOKENS = 32  # steps with more rows keep cuBLAS (at M = 64 cuBLAS won on O, gate/up and down)
@@ -115,12 +115,13 @@ if HAVE_TRITON:
         stride_om,
         K_TILES: tl.constexpr,  # K // BLOCK_K: a fixed trip count per weight shape
         HAS_BIAS: tl.constexpr,
-        GATED: tl.constexpr,  # out = silu(x @ gate^T) * (x @ up^T)
+        GATED: tl.constexpr,  # out = act(x @ gate^T) * (x @ up^T)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        ACT: tl.constexpr = 0,  # fused.ACT_SILU or ACT_GELU_TANH
     ):
         pdl_wait_and_release(USE_PDL)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,11 +146,11 @@ if HAVE_TRITON:
             acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
             if GATED:
                 acc_up += tl.load(bias_ptr + up_rows + rn).to(tl.float32)[:, None]
-        if GATED:  # rounded as the unfused GEMM + silu_mul kernel round
+        if GATED:  # rounded as the unfused GEMM + act_mul kernel round
             dtype = out_ptr.dtype.element_ty
             gate = acc.to(dtype).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            acc = silu * acc_up.to(dtype).to(tl.float32)
+            act = activation(gate, ACT).to(dtype).to(tl.float32)
+            acc = act * acc_up.to(dtype).to(tl.float32)
         out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
 
@@ -264,14 +265,16 @@ def decode_gate_up_silu(
     pdl: bool = False,
     config: Config | None = None,
     block_m: int | None = None,
+    act: int = fk.ACT_SILU,
 ) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) [M, I] for the fused weight [gate; up] ([2I, K], bias [2I]) in one
-    kernel. Without a `config` (or one from `gated_config_for`) it is decode_linear, then silu_mul."""
+    """act(x @ gate^T) * (x @ up^T) [M, I] for the fused weight [gate; up] ([2I, K], bias [2I]) in one
+    kernel; `act` SiLU (the default) or GELU-tanh (fused.ACT_*). Without a `config` (or one from
+    `gated_config_for`) it is decode_linear, then act_mul."""
     inter = weight.shape[0] // 2
     config = config or gated_config_for(inter, x.shape[1], x.dtype)
     if config is None or not HAVE_TRITON:
-        return fk.silu_mul(decode_linear(x, weight, bias, pdl=pdl), pdl=pdl)
-    return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl, block_m=block_m)
+        return fk.act_mul(decode_linear(x, weight, bias, pdl=pdl), pdl=pdl, act=act)
+    return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl, block_m=block_m, act=act)
 
 
 def decode_qkv_rope_write(
@@ -349,7 +352,9 @@ def decode_qkv_rope_write(
     return q
 
 
-def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool, block_m: int | None = None) -> torch.Tensor:
+def _launch(
+    x, weight, bias, n: int, config: Config, gated: bool, pdl: bool, block_m: int | None = None, act: int = 0
+) -> torch.Tensor:
     """out [M, n]: the first n rows of `weight` (gated: paired with the n rows after them)."""
     m, k = x.shape
     assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
@@ -373,6 +378,7 @@ def _launch(x, weight, bias, n: int, config: Config, gated: bool, pdl: bool, blo
         K_TILES=k // block_k,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        ACT=act,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -4,15 +4,21 @@ Each op has a Triton kernel (CUDA) and a plain-torch twin (`*_ref`, CPU and test
 function as transformers' Llama/Qwen layer, with the same roundings to the model dtype where transformers
 rounds:
   add_rmsnorm      residual += x (rounded to the dtype), then RMSNorm of the new residual; one launch
-                   returns both, and writes the residual in place
-  silu_mul         silu(gate) * up over a fused [T, 2 * I] gate/up GEMM output
+                   returns both, and writes the residual in place. Epilogue flags for the other families:
+                   x first normed by its own weight (the post-norm of the block that made it: Gemma's sandwich,
+                   OLMo 2) and/or scaled (Granite's residual multiplier; the embedding scale on the first call);
+                   the weight multiplied in fp32 without rounding the normed value first (`weight_fp32`: OLMo 2's
+                   norm, and Gemma's (1 + w) with the 1 + w folded into an fp32 weight at load, `fold_one_plus`)
+  act_mul          act(gate) * up over a fused [T, 2 * I] gate/up GEMM output (SiLU or GELU-tanh)
+  logits_epilogue  the final logits divided, scaled and soft-capped (Granite, Cohere, Gemma 2) in one launch
   qkv_rope_write   from one fused [T, (H + 2 * KVH) * D] QKV GEMM output: Qwen3's per-head q/k RMSNorm,
                    rotary on q and k (cos/sin tables indexed by position), q out as [T, H, D], and k/v
                    scattered into the paged cache at `slot_mapping` (padding rows write scratch block 0): one launch per layer
-                   instead of norm, rotary and KV-write kernels
-The torch twins also cover what only the other families need and no kernel computes yet (Gemma's (1 + w)
-and OLMo 2's fp32-weight RMSNorm, GELU-tanh, q/k norms over the whole projection, partial, interleaved and
-absent rotary): the owned decoder runs those families through them on every device.
+                   instead of norm, rotary and KV-write kernels (the q/k norm in Gemma's fp32-weight form too)
+The torch twins also cover what no kernel computes yet (q/k norms over the whole projection, partial,
+interleaved and absent rotary): the owned decoder runs that stage of those families through them on every
+device, and the rest of their layer through the kernels.
+The kernels read flags (which norm arithmetic, which activation, which epilogue), never a family's name.
 All launches depend only on shapes, so they are CUDA-graph capturable. The module imports without
 triton (`HAVE_TRITON`).
 """
@@ -26,6 +32,9 @@ from .common import HAVE_TRITON, next_pow2, tl, triton
 if HAVE_TRITON:
     from .pdl import pdl_wait_and_release
 
+
+# The kernels' ACT constexpr: which activation `act_mul` and decode_gemm's gated epilogue compute.
+ACT_SILU, ACT_GELU_TANH = 0, 1
 
 # -- torch references (CPU path) ------------------------------------------------------------------------
 
@@ -49,9 +58,20 @@ def rmsnorm_fp32_weight_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
-def add_rmsnorm_ref(x, residual, weight, eps, norm=rmsnorm_ref):
-    """Returns (norm(x + residual), x + residual); residual None means the sum is x itself; weight None
-    (a layer without that pre-norm) returns the sum un-normed."""
+def fold_one_plus(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's (1 + w) as an fp32 weight, so that its RMSNorm is `rmsnorm_fp32_weight_ref` (and the kernels'
+    `weight_fp32`). Exact in every dtype: Gemma computes 1 + w.float() in fp32, and so does this, once."""
+    return 1.0 + weight.float()
+
+
+def add_rmsnorm_ref(x, residual, weight, eps, norm=rmsnorm_ref, x_weight=None, x_scale=None):
+    """Returns (norm(s), s) for s = residual + x' (x itself when residual is None), x' = x normed by `x_weight`
+    (a block's post-norm) then times `x_scale` (a float or 0-dim tensor); weight None (a layer without that
+    pre-norm) returns the sum un-normed."""
+    if x_weight is not None:
+        x = norm(x, x_weight, eps)
+    if x_scale is not None:
+        x = x * x_scale
     residual = x if residual is None else residual + x
     return (residual if weight is None else norm(residual, weight, eps)), residual
 
@@ -65,6 +85,20 @@ def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """transformers' gelu_pytorch_tanh(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def logits_epilogue_ref(
+    logits: torch.Tensor, divisor: float | None, scale: float | None, softcap: float | None
+) -> torch.Tensor:
+    """As transformers computes them, each op rounded to the logits' dtype: / divisor (Granite's logits_scaling),
+    * scale (Cohere's logit_scale), then cap * tanh(logits / cap) (Gemma 2's final soft-cap)."""
+    if divisor is not None:
+        logits = logits / divisor
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -131,42 +165,113 @@ def _rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 if HAVE_TRITON:
 
     @triton.jit
+    def tanh(x):
+        """tanh in fp32 from one exp2 (no libdevice, so the interpreter runs it too): sign(x) (1 - e) / (1 + e),
+        e = exp(-2 |x|), which neither overflows nor loses x's sign."""
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def activation(g, ACT: tl.constexpr):
+        """act(g) in fp32: ACT 0 SiLU, 1 GELU-tanh (transformers' gelu_pytorch_tanh). Shared with decode_gemm's
+        gated epilogue, which must round alike."""
+        if ACT == 1:
+            return 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        else:
+            return g / (1.0 + tl.exp(-g))
+
+    @triton.jit
+    def rms_weight(x, inv_rms, w, dtype: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+        """The normed row times its weight, rounded as the norm kind rounds: Llama rounds x * inv_rms to the dtype
+        before the weight multiply; OLMo 2 and Gemma (fp32 (1 + w), folded at load) multiply in fp32."""
+        if WEIGHT_FP32:
+            return (w * (x * inv_rms)).to(dtype)
+        else:
+            return (w * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+
+    @triton.jit
     def _add_rmsnorm_kernel(
         x_ptr,
         res_ptr,
         w_ptr,
         out_ptr,
+        xw_ptr,
         n_cols,
         eps,
+        x_scale,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
         USE_PDL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr = True,  # False: out is the sum itself (a layer without that pre-norm)
+        X_NORM: tl.constexpr = False,  # x is first normed by xw (the post-norm of the block that made it)
+        X_SCALE: tl.constexpr = False,  # then times x_scale (rounded), before the add
+        WRITE_SUM: tl.constexpr = False,  # no residual, but x was changed: store the sum into res_ptr
+        WEIGHT_FP32: tl.constexpr = False,
     ):
         pdl_wait_and_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64) * n_cols
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        dtype = out_ptr.dtype.element_ty
         x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        if X_NORM:
+            xw = tl.load(xw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x_inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            x = rms_weight(x, x_inv_rms, xw, dtype, WEIGHT_FP32).to(tl.float32)
+        if X_SCALE:
+            x = (x * x_scale).to(dtype).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
             x = (x + r).to(res_ptr.dtype.element_ty)  # transformers adds in the model dtype
             tl.store(res_ptr + row + cols, x, mask=mask)
             x = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        elif WRITE_SUM:
+            tl.store(res_ptr + row + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row + cols, rms_weight(x, inv_rms, w, dtype, WEIGHT_FP32), mask=mask)
+        else:
+            tl.store(out_ptr + row + cols, x.to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _act_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr = 0):
         pdl_wait_and_release(USE_PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         g = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # silu rounds, then mul
-        tl.store(out_ptr + t * inter + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+        a = activation(g, ACT).to(out_ptr.dtype.element_ty).to(tl.float32)  # the activation rounds, then mul
+        tl.store(out_ptr + t * inter + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _logits_epilogue_kernel(
+        x_ptr,
+        n_cols,
+        divisor,
+        scale,
+        softcap,
+        BLOCK: tl.constexpr,
+        DIVIDE: tl.constexpr,
+        SCALE: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64) * n_cols
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dtype = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        if DIVIDE:
+            x = (x / divisor).to(dtype).to(tl.float32)
+        if SCALE:
+            x = (x * scale).to(dtype).to(tl.float32)
+        if SOFTCAP:  # each op rounded, as transformers' three
+            x = (x / softcap).to(dtype).to(tl.float32)
+            x = tanh(x).to(dtype).to(tl.float32)
+            x = x * softcap
+        tl.store(x_ptr + row + cols, x.to(dtype), mask=mask)
 
     @triton.jit
     def rotate_halves(x1, x2, cos_ptr, sin_ptr, offsets, mask, HALF: tl.constexpr):
@@ -210,6 +315,7 @@ if HAVE_TRITON:
         BLOCK_SIZE: tl.constexpr,
         HAS_QK_NORM: tl.constexpr,
         USE_PDL: tl.constexpr,
+        NORM_FP32_WEIGHT: tl.constexpr = False,  # the q/k norms' weight multiply in fp32 (Gemma 3, folded 1 + w)
     ):
         pdl_wait_and_release(USE_PDL)
         # One program: token t, HEADS_PER_PROG consecutive heads of the [q heads | k heads | v heads] row.
@@ -224,7 +330,7 @@ if HAVE_TRITON:
         x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
         dtype = q_out_ptr.dtype.element_ty
-        if HAS_QK_NORM:  # Qwen3: RMSNorm over each q and k head (not v), rounded like transformers
+        if HAS_QK_NORM:  # Qwen3, Gemma 3: RMSNorm over each q and k head (not v), rounded like transformers
             inv_rms = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)
             wm = (i < HALF)[None, :]
             w1 = tl.where(
@@ -237,8 +343,8 @@ if HAVE_TRITON:
                 tl.load(qw_ptr + HALF + i[None, :], mask=wm, other=0.0),
                 tl.load(kw_ptr + HALF + i[None, :], mask=wm, other=0.0),
             ).to(tl.float32)
-            n1 = (w1 * (x1 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            n2 = (w2 * (x2 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            n1 = rms_weight(x1, inv_rms[:, None], w1, dtype, NORM_FP32_WEIGHT).to(tl.float32)
+            n2 = rms_weight(x2, inv_rms[:, None], w2, dtype, NORM_FP32_WEIGHT).to(tl.float32)
             x1 = tl.where(is_v[:, None], x1, n1)
             x2 = tl.where(is_v[:, None], x2, n2)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -265,40 +371,91 @@ if HAVE_TRITON:
         tl.store(v_dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=vm)
 
 
-def add_rmsnorm(x, residual, weight, eps, pdl: bool = False):
-    """Triton twin of `add_rmsnorm_ref`: x [T, N] contiguous; `residual` (if given) is updated in place.
-    `pdl`: launch with programmatic dependent launch (pdl.py)."""
+def add_rmsnorm(
+    x,
+    residual,
+    weight,
+    eps,
+    pdl: bool = False,
+    *,
+    weight_fp32: bool = False,
+    x_weight: torch.Tensor | None = None,
+    x_scale: float | torch.Tensor | None = None,
+):
+    """Triton twin of `add_rmsnorm_ref` (norm `rmsnorm_ref`, or `rmsnorm_fp32_weight_ref` with `weight_fp32`):
+    x [T, N] contiguous; `residual` (if given) is updated in place. `pdl`: launch with programmatic dependent
+    launch (pdl.py). `x_scale` may be a 0-dim tensor (read once on the host, at build time: the decoder's
+    embedding scale), so that the ref and the kernel are called alike."""
     assert x.is_contiguous() and (residual is None or residual.shape == x.shape and residual.is_contiguous())
     out = torch.empty_like(x)
     num_rows, num_cols = x.shape
+    changes_x = x_weight is not None or x_scale is not None
+    total = residual if residual is not None else torch.empty_like(x) if changes_x else x
     if num_rows:
         block = next_pow2(num_cols)
         _add_rmsnorm_kernel[(num_rows,)](
             x,
-            x if residual is None else residual,
-            weight,
+            total,
+            x if weight is None else weight,  # never read without HAS_WEIGHT
             out,
+            x if x_weight is None else x_weight,
             num_cols,
             eps,
+            1.0 if x_scale is None else float(x_scale),
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             USE_PDL=pdl,
+            HAS_WEIGHT=weight is not None,
+            X_NORM=x_weight is not None,
+            X_SCALE=x_scale is not None,
+            WRITE_SUM=residual is None and changes_x,
+            WEIGHT_FP32=weight_fp32,
             num_warps=4 if block <= 2048 else 8,
             launch_pdl=pdl,
         )
-    return out, (x if residual is None else residual)
+    return out, total
 
 
-def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def act_mul(gate_up: torch.Tensor, pdl: bool = False, act: int = 0) -> torch.Tensor:
+    """act(gate) * up of a fused [T, 2I] gate/up output; `act` 0 SiLU, 1 GELU-tanh (ACT_CODES)."""
     assert gate_up.is_contiguous()
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = min(1024, next_pow2(inter))
-        _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up, out, inter, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl
+        _act_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            gate_up, out, inter, BLOCK=block, USE_PDL=pdl, ACT=act, num_warps=4, launch_pdl=pdl
         )
     return out
+
+
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    return act_mul(gate_up, pdl, ACT_SILU)
+
+
+def logits_epilogue(
+    logits: torch.Tensor, divisor: float | None, scale: float | None, softcap: float | None
+) -> torch.Tensor:
+    """Triton twin of `logits_epilogue_ref`, in place on logits [R, V] (contiguous); one launch."""
+    if divisor is None and scale is None and softcap is None:
+        return logits
+    assert logits.is_contiguous()
+    num_rows, num_cols = logits.shape
+    if num_rows:
+        block = min(4096, next_pow2(num_cols))
+        _logits_epilogue_kernel[(num_rows, triton.cdiv(num_cols, block))](
+            logits,
+            num_cols,
+            divisor or 1.0,
+            scale or 1.0,
+            softcap or 1.0,
+            BLOCK=block,
+            DIVIDE=divisor is not None,
+            SCALE=scale is not None,
+            SOFTCAP=softcap is not None,
+            num_warps=8,
+        )
+    return logits
 
 
 def qkv_rope_write(
@@ -315,8 +472,10 @@ def qkv_rope_write(
     v_cache,
     slot_mapping,
     pdl: bool = False,
+    norm_fp32_weight: bool = False,
 ) -> torch.Tensor:
-    """Triton twin of `qkv_rope_write_ref` writing straight into the paged caches; returns q [T, H, D]."""
+    """Triton twin of `qkv_rope_write_ref` writing straight into the paged caches; returns q [T, H, D].
+    `norm_fp32_weight`: the q/k norms as `rmsnorm_fp32_weight_ref` (Gemma 3's, 1 + w folded)."""
     num_tokens = qkv.shape[0]
     head_dim = cos_table.shape[-1]
     block_size = k_cache.shape[1]
@@ -358,6 +517,7 @@ def qkv_rope_write(
         BLOCK_SIZE=block_size,
         HAS_QK_NORM=has_norm,
         USE_PDL=pdl,
+        NORM_FP32_WEIGHT=norm_fp32_weight,
         num_warps=4 if heads_per_prog * block_half >= 512 else 2,
         launch_pdl=pdl,
     )

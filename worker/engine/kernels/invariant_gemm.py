@@ -48,15 +48,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def gate_up_silu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False, act: int = 0
 ):
-    """silu(x @ gate^T) * (x @ up^T) for the fused [gate; up] weight, batch-invariant (fused when the
-    intermediate size tiles, else the GEMM then the row-local silu_mul kernel)."""
+    """act(x @ gate^T) * (x @ up^T) (SiLU, or fused.ACT_GELU_TANH) for the fused [gate; up] weight,
+    batch-invariant (fused when the intermediate size tiles, else the GEMM then the row-local act_mul kernel)."""
     x = x.contiguous()
     config = gated_config(weight.shape[0] // 2, x.shape[1], x.dtype)
     if config is None:
-        return dg.fk.silu_mul(linear(x, weight, bias, pdl=pdl), pdl=pdl)
-    return dg.decode_gate_up_silu(x, weight, bias, pdl=pdl, config=config, block_m=BLOCK_M)
+        return dg.fk.act_mul(linear(x, weight, bias, pdl=pdl), pdl=pdl, act=act)
+    return dg.decode_gate_up_silu(x, weight, bias, pdl=pdl, config=config, block_m=BLOCK_M, act=act)
 
 
 def qkv_rope_write(x, weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads, k_cache, v_cache,

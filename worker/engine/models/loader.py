@@ -202,6 +202,50 @@ PRESETS: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # The Gemma 3 12B text shape (the language model of google/gemma-3-12b-it), for benchmarks: 48 layers, five
+    # sliding (1,024-token window, rotary base 10k) to one global (base 1M, linear scaling 8), head_dim 256,
+    # GELU-tanh, (1 + w) sandwich norms, q/k norms, sqrt(hidden) embedding scale, tied embeddings.
+    "gemma3-12b": (
+        "gemma3_text",
+        dict(
+            vocab_size=262208,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=1024,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+            },
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-6,
+            initializer_range=0.02,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # The Phi-4 shape (microsoft/phi-4, Phi3ForCausalLM, 14.7B): fused qkv_proj and gate_up_proj, full rotary.
+    "phi4-14b": (
+        "phi3",
+        dict(
+            vocab_size=100352,
+            hidden_size=5120,
+            intermediate_size=17920,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=10,
+            max_position_embeddings=16384,
+            original_max_position_embeddings=16384,
+            rope_parameters={"rope_type": "default", "rope_theta": 250_000.0},
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
+            tie_word_embeddings=False,
+        ),
+    ),
     # The Qwen3-30B-A3B shape (48 layers, 128 experts of 768, top-8 renormalised), for benchmarks.
     "qwen3-30b-a3b": (
         "qwen3_moe",
