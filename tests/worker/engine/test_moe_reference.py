@@ -92,7 +92,9 @@ def test_reference_equals_transformers_block(model_type, num_tokens):
             moe_forward(hidden, layer, spec), got
         )  # on the CPU the dispatcher is the reference
     assert _rel(got, want) < 1e-6, _rel(got, want)
-    assert (got - want).abs().max().item() < 1e-5
+    # fp32 sums in another order than transformers' (per-expert GEMMs of other shapes): last bits, relative to
+    # the output's scale (gpt-oss's outputs reach ~10; an absolute 1e-5 failed at 1.14e-5 on one CPU)
+    assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item())
 
 
 def test_gpt_oss_swiglu_clamp_is_exercised():
