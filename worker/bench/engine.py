@@ -3,7 +3,9 @@
 Prints a table and writes JSON with every number, including the memory/compute floor of every step.
 Variants run the same requests constrained to a small JSON schema and/or asking for top logprobs
 (`--variant plain --variant json --variant logprobs5`), each in every mode, in one process; `--deterministic`
-runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process.
+runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process;
+`--precision bf16 --precision fp8` runs the model in bf16 and with FP8 weights and KV (`--quantization fp8
+--kv-cache-dtype fp8`), one model after the other, in one process.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
 PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
+# FP8 tensor cores: twice the bf16 rate on Hopper (the spec sheets' ratio; not measured here). The floor of a
+# model with FP8 linears computes its weight GEMMs at this rate, and reads its weights and KV at 1 byte each.
+PEAK_FP8_FLOPS = 2 * PEAK_BF16_FLOPS
+# `--precision`: what each name sets (EngineConfig fields; the model loads with its quantization)
+PRECISIONS: dict[str, dict[str, str | None]] = {
+    "bf16": {"quantization": None, "kv_cache_dtype": "auto"},
+    "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+}
 
 
 @dataclass
@@ -83,7 +93,13 @@ def model_bytes(model) -> tuple[int, int]:
 
 
 def floor_seconds(
-    step_log, weight_bytes: int, num_params: int, kv_bytes_per_token: int, bandwidth: float, serial: bool = False
+    step_log,
+    weight_bytes: int,
+    num_params: int,
+    kv_bytes_per_token: int,
+    bandwidth: float,
+    serial: bool = False,
+    peak_flops: float = PEAK_BF16_FLOPS,
 ) -> float:
     """Sum over the steps cbq ran of the least time each could take: max(bytes / bandwidth, flops / peak).
 
@@ -97,7 +113,7 @@ def floor_seconds(
     for num_tokens, _num_seqs, context_tokens, _dev in step_log:
         weights = weight_bytes / bandwidth
         kv_reads = context_tokens * kv_bytes_per_token / bandwidth
-        compute = 2 * num_params * num_tokens / PEAK_BF16_FLOPS
+        compute = 2 * num_params * num_tokens / peak_flops
         total += max(weights, compute) + kv_reads if serial else max(weights + kv_reads, compute)
     return total
 
@@ -136,11 +152,15 @@ def engine_floors(model, step_log, bandwidth: float, kv_dtype=None) -> tuple[flo
             moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth),
             moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, serial=True),
         )
+    from worker.engine.quant.linear import Fp8LinearModule
+
     weight_bytes, num_params = model_bytes(model)
     kv_per_token = kv_bytes_per_block(model.config, 1, kv_dtype or model.dtype)
+    is_fp8 = any(isinstance(m, Fp8LinearModule) for m in model.modules())
+    peak = PEAK_FP8_FLOPS if is_fp8 else PEAK_BF16_FLOPS
     return (
-        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth),
-        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True),
+        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, peak_flops=peak),
+        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True, peak_flops=peak),
     )
 
 
@@ -358,6 +378,15 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "(repeat to compare in one process; results are then named MODE-VARIANT). Default: the one "
     "--constrain-json and --top-logprobs give.",
 )
+@click.option(
+    "--precision",
+    "precisions",
+    type=click.Choice(list(PRECISIONS)),
+    multiple=True,
+    help="bf16: the model as is; fp8: FP8 weights and KV cache (--quantization fp8 --kv-cache-dtype fp8). Repeat "
+    "to compare in one process (the models load one after the other); results are then named MODE-...-PRECISION. "
+    "Overrides --quantization and --kv-cache-dtype.",
+)
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
@@ -379,6 +408,7 @@ def engine_bench(
     constrain_json,
     top_logprobs,
     variants,
+    precisions,
     device,
     dtype,
     json_out,
@@ -390,11 +420,22 @@ def engine_bench(
     from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
     from worker.engine.models.loader import check_moe_fit
 
+    if len(precisions) > 1 and compare_hf:
+        raise click.UsageError("--compare-hf runs one model: give at most one --precision with it")
     dev = resolve_device(device)
     free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
-    t0 = time.perf_counter()
-    hf_model, tokenizer = load_model(model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization"))
-    load_seconds = time.perf_counter() - t0
+
+    def load(precision: str | None):
+        """The model (and tokenizer) of `precision` (None: --quantization as given), and its load time."""
+        settings = PRECISIONS[precision] if precision else {}
+        engine_config.update({k: v for k, v in settings.items() if v is not None})
+        if precision and settings["quantization"] is None:
+            engine_config.pop("quantization", None)
+        t0 = time.perf_counter()
+        loaded = load_model(model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization"))
+        return loaded, time.perf_counter() - t0
+
+    (hf_model, tokenizer), load_seconds = load(precisions[0] if precisions else None)
     if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
         click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
     bandwidth = measure_copy_bandwidth(dev)
@@ -411,10 +452,16 @@ def engine_bench(
     # deterministic and MODE-...-default), so that the cost of the mode is measured on one warm device.
     determinisms = ["deterministic", "default"] if engine_config.pop("deterministic", False) else ["default"]
     runs = [
-        (d, g, k, m, v) for d in decoders for g in decode_gemms for k in determinisms for v in parsed for m in modes
+        (p, d, g, k, m, v)
+        for p in (precisions or [None])
+        for d in decoders
+        for g in decode_gemms
+        for k in determinisms
+        for v in parsed
+        for m in modes
     ]
 
-    def setup_suffix(decoder: str, gemm: str, determinism: str) -> str:
+    def setup_suffix(decoder: str, gemm: str, determinism: str, precision: str | None = None) -> str:
         """What names a run's engine setup in its label, where more than one was asked for."""
         return "".join(
             f"-{value}"
@@ -422,11 +469,21 @@ def engine_bench(
                 (decoder, len(decoders) > 1),
                 (gemm, len(decode_gemms) > 1),
                 (determinism, len(determinisms) > 1),
+                (precision, len(precisions) > 1),
             )
             if many
         )
 
-    for decoder, gemm, determinism, m, (is_json, num_top) in runs:
+    loaded_precision = precisions[0] if precisions else None
+    load_times = {str(loaded_precision): load_seconds}
+    first_of_model = True  # the first engine of each model runs the whole workload once, unmeasured
+    for precision, decoder, gemm, determinism, m, (is_json, num_top) in runs:
+        if precision != loaded_precision:  # the next --precision: drop this model, then load that one
+            del hf_model
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            (hf_model, tokenizer), load_times[str(precision)] = load(precision)
+            loaded_precision, first_of_model = precision, True
         config = EngineConfig(
             mode=m,
             device=str(dev),
@@ -445,7 +502,7 @@ def engine_bench(
         setup = time.perf_counter() - t1
         # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained run).
         engine.generate(with_variant(warmup, is_json, num_top))
-        if not results and dev.type == "cuda":
+        if first_of_model and dev.type == "cuda":
             # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The cause
             # was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts, 1.4 s,
             # which the step's device events count); the prefill kernel no longer specialises on those
@@ -453,10 +510,15 @@ def engine_bench(
             # shifted token ids (the real ones would stay in the prefix cache), so that any other variant the
             # workload needs (e.g. a decode split count only its mixed steps reach) is compiled before timing.
             engine.generate(with_variant(warmup_requests(reqs, vocab_limit, full_length=True), is_json, num_top))
-        label = m + setup_suffix(decoder, gemm, determinism) + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
+        first_of_model = False
+        label = m + setup_suffix(decoder, gemm, determinism, precision)
+        label += f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else ""
         result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
         result.extra.update(
             variant=variant_name(is_json, num_top),
+            precision=precision,
+            quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
             deterministic=determinism == "deterministic",
             setup_seconds=setup,
             num_kv_blocks=engine.runner.num_kv_blocks,
@@ -482,7 +544,14 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    for suffix in (setup_suffix(d, g, k) for d in decoders for g in decode_gemms for k in determinisms):
+    suffixes = (
+        setup_suffix(d, g, k, p)
+        for p in (precisions or [None])
+        for d in decoders
+        for g in decode_gemms
+        for k in determinisms
+    )
+    for suffix in suffixes:
         if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
             ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
             click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
@@ -492,6 +561,11 @@ def engine_bench(
         for r in results:
             other = by_mode.get(r.mode.replace("-deterministic", "-default"))
             if "-deterministic" in r.mode and other is not None:
+                click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
+    if len(precisions) > 1:
+        for r in results:
+            other = by_mode.get(r.mode.replace("-fp8", "-bf16"))
+            if r.mode.endswith("-fp8") and other is not None:
                 click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
     plain = [r for r in results if r.extra.get("variant") == "plain"]
     for r in results:
@@ -508,18 +582,20 @@ def engine_bench(
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "copy_bandwidth_bytes_s": bandwidth,
-        "load_seconds": load_seconds,
+        "load_seconds": load_seconds if not precisions else load_times,
         "date": time.strftime("%Y-%m-%d"),
         "config": {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "cuda_graphs": not no_cuda_graphs,
             "prefix_caching": not no_prefix_caching,
-            **engine_config,
+            # with --precision, each run's quantization and KV dtype are in its result's extra
+            **{k: v for k, v in engine_config.items() if not (precisions and k in PRECISIONS["fp8"])},
             "decoders": list(decoders),
             "decode_gemms": list(decode_gemms),
             "variants": [variant_name(*v) for v in parsed],
             "determinisms": determinisms,
+            "precisions": list(precisions),
         },
         "results": {r.mode: asdict(r) for r in results},
         "hf_error": hf_error,

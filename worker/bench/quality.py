@@ -122,7 +122,6 @@ def teacher_forced_logits(model, kv_cache_dtype: str, prompts, decode_len: int, 
             rows = [step(prompt[:split], 0, False)]
             rows += [step(prompt[t : t + 1], t, True) for t in range(split, len(prompt))]
             out.append(torch.cat(rows))
-    del runner
     return out
 
 

@@ -19,12 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.worker.engine.test_attention_triton import (
+    _decode_ctx,
+    _prefill_mix,
+    _rel_err,
+    _triton_installed,
+    make_case,
+)
 from worker.engine.attention import paged_attention_ref, to_cache, write_kv_ref
 from worker.engine.attention_backend import AttentionMetadata, TritonAttentionBackend
 from worker.engine.kernels import attention as at
 from worker.engine.kv_cache import KV_FP8_DTYPE
-
-from tests.worker.engine.test_attention_triton import _decode_ctx, _prefill_mix, _rel_err, _triton_installed, make_case
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # Relative error of the kernels vs the reference over the same e4m3 cache: the rounding of q (bf16) and of the

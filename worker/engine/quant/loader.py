@@ -144,7 +144,8 @@ def load_quantized_model(
 
     model = plain_model(config, dtype)
     tensors = checkpoint_tensors(name_or_path)
-    kv_scales = read_kv_scales(tensors, model.config.num_hidden_layers)
+    model_config: Any = model.config
+    kv_scales = read_kv_scales(tensors, model_config.num_hidden_layers)
     if kv_scales:
         setattr(model, KV_SCALES_ATTR, kv_scales)
     linear_names = linear_module_names(model)
