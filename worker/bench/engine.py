@@ -32,6 +32,8 @@ PEAK_FP8_FLOPS = 2 * PEAK_BF16_FLOPS
 PRECISIONS: dict[str, dict[str, str | None]] = {
     "bf16": {"quantization": None, "kv_cache_dtype": "auto"},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "fp8-weights": {"quantization": "fp8", "kv_cache_dtype": "auto"},  # the two halves of "fp8", to tell them apart
+    "fp8-kv": {"quantization": None, "kv_cache_dtype": "fp8"},
 }
 
 
@@ -383,9 +385,9 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "precisions",
     type=click.Choice(list(PRECISIONS)),
     multiple=True,
-    help="bf16: the model as is; fp8: FP8 weights and KV cache (--quantization fp8 --kv-cache-dtype fp8). Repeat "
-    "to compare in one process (the models load one after the other); results are then named MODE-...-PRECISION. "
-    "Overrides --quantization and --kv-cache-dtype.",
+    help="bf16: the model as is; fp8: FP8 weights and KV cache (--quantization fp8 --kv-cache-dtype fp8); "
+    "fp8-weights, fp8-kv: one of the two. Repeat to compare in one process (the models load one after the other); "
+    "results are then named MODE-...-PRECISION. Overrides --quantization and --kv-cache-dtype.",
 )
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
@@ -564,8 +566,9 @@ def engine_bench(
                 click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
     if len(precisions) > 1:
         for r in results:
-            other = by_mode.get(r.mode.replace("-fp8", "-bf16"))
-            if r.mode.endswith("-fp8") and other is not None:
+            precision = r.extra.get("precision")
+            other = by_mode.get(r.mode.replace(f"-{precision}", "-bf16"))
+            if precision not in (None, "bf16") and other is not None:
                 click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
     plain = [r for r in results if r.extra.get("variant") == "plain"]
     for r in results:

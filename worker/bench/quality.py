@@ -13,10 +13,20 @@ Each prompt's first `prompt_len - decode_len` tokens run as one prefill step, th
 single-token decode steps, so both the prefill and the decode attention read the cache. For every position it
 compares the setup's next-token distribution with the reference's: KL(reference || setup) in nats, and whether
 the top-1 token agrees; the table gives their means over every position of every prompt, and the JSON every
-number. The reference's mean entropy and top-1 probability say how peaked the logits are: random weights at
-the usual 0.02 init give near-flat logits over a 128k vocabulary (any change flips near-ties), so the output
-head is scaled until the reference's logits have a standard deviation of `--logit-std` (default 4, about what
-trained models show), in every setup alike (the head is not quantized).
+number. The reference's mean entropy and top-1 probability say how peaked the logits are.
+
+The random model's init (`--init scaled`, the default) is the preset's normal(0.02) with two changes, so that
+its residual stream and logits are shaped like a trained model's. (1) Unit-variance embeddings, and each residual
+projection (o_proj, down_proj) scaled so its output's RMS on the first prompt is 1 / sqrt(2 x layers) (GPT-2's
+rule): each block then adds a small update to the residual stream, as trained blocks do. At the plain init each
+block adds ~100x the embedding's magnitude, every block's FP8 error (W8A8: ~5% of a GEMM's output) lands in
+the stream at full size, and on the H200, 8 layers of the Llama-3-8B shape gave FP8 weights a mean KL of 0.88
+and 37% top-1 agreement. (2) The output head scaled until the reference's logits have a standard deviation of
+`--logit-std` (default 4, about what trained models show): 0.02 gives near-flat logits over a 128k
+vocabulary, where any change flips near-ties. Both apply to every setup alike (the head is not quantized).
+`--init plain` keeps the preset's init (only the head is scaled). NOTE: a random model is a proxy: the numbers
+follow the init (a trained checkpoint's own numbers are the ones to quote); they compare setups and catch
+regressions.
 """
 
 from __future__ import annotations
@@ -46,9 +56,12 @@ class SetupQuality:
     positions: int
 
 
-def build_models(preset: str, num_layers: int | None, dtype, device, seed: int, logit_std: float, probe):
-    """(reference model, FP8-weight copy): the preset's architecture with random weights (seeded), its output
-    head scaled so the reference's logits on `probe` (token ids) have std `logit_std` (0: unscaled)."""
+def build_models(
+    preset: str, num_layers: int | None, dtype, device, seed: int, logit_std: float, probe, init: str = "scaled"
+):
+    """(reference model, FP8-weight copy): the preset's architecture with random weights (seeded), at the
+    `init` the module docstring describes, its output head scaled so the reference's logits on `probe` (token
+    ids) have std `logit_std` (0: unscaled)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -66,6 +79,11 @@ def build_models(preset: str, num_layers: int | None, dtype, device, seed: int, 
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval().requires_grad_(False)
     with torch.inference_mode():
+        if init == "scaled":
+            gen = torch.Generator(device=device).manual_seed(seed + 1)
+            embed = model.get_input_embeddings().weight
+            embed.copy_(torch.randn(embed.shape, generator=gen, device=device, dtype=torch.float32))
+            _scale_residual_projections(model, probe.to(device), (2 * config.num_hidden_layers) ** -0.5)
         if logit_std > 0:
             std = float(model(input_ids=probe[None].to(device)).logits.float().std())
             model.get_output_embeddings().weight.mul_(logit_std / std)
@@ -76,9 +94,34 @@ def build_models(preset: str, num_layers: int | None, dtype, device, seed: int, 
     return model, fp8
 
 
-def teacher_forced_logits(model, kv_cache_dtype: str, prompts, decode_len: int, block_size: int = 16):
+def _scale_residual_projections(model, probe, target_rms: float) -> None:
+    """Scale every o_proj and down_proj weight so its output on `probe` has RMS `target_rms`. One forward
+    measures them all: each block's input is RMS-normed, so its output scale hardly depends on the others'."""
+    rms: dict[str, float] = {}
+    modules = {n: m for n, m in model.named_modules() if n.endswith(("o_proj", "down_proj"))}
+
+    def hook(name):
+        def record(_module, _inputs, output):
+            rms[name] = float(output.float().pow(2).mean().sqrt())
+
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+    try:
+        model(input_ids=probe[None])
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, module in modules.items():
+        module.weight.mul_(target_rms / max(rms[name], 1e-12))
+
+
+def teacher_forced_logits(
+    model, kv_cache_dtype: str, prompts, decode_len: int, block_size: int = 16, attention_backend: str = "auto"
+):
     """The logits [len(prompt), vocab] of each prompt through a ModelRunner of `model` (owned decoder where the
-    engine would use it): a prefill of all but the last `decode_len` tokens, then one decode step per token."""
+    engine would use it): a prefill of all but the last `decode_len` tokens, then one decode step per token.
+    `attention_backend`: EngineConfig's (auto: the Triton kernels on CUDA)."""
     import torch
 
     from worker.engine.attention_backend import AttentionMetadata
@@ -91,6 +134,7 @@ def teacher_forced_logits(model, kv_cache_dtype: str, prompts, decode_len: int, 
     config = EngineConfig(
         device=str(device), mode="sync", use_cuda_graphs=False, kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max(max_len, 256),
+        attention_backend=attention_backend,
     )  # fmt: skip
     runner = ModelRunner(model, config, device, num_blocks, max_len)
     table = torch.arange(1, num_blocks, dtype=torch.int32, device=device)[None]
@@ -162,11 +206,18 @@ def peakedness(reference) -> dict:
     "--logit-std", type=float, default=4.0, show_default=True,
     help="Scale the output head to this logit std on the reference (0: the init as is).",
 )  # fmt: skip
+@click.option(
+    "--init", type=click.Choice(["scaled", "plain"]), default="scaled", show_default=True,
+    help="scaled: unit embeddings and residual projections / sqrt(2 x layers) (a stable random model); "
+    "plain: the preset's init.",
+)  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-def quality_bench(model, num_layers, num_prompts, prompt_len, decode_len, logit_std, seed, device, dtype, json_out):
+def quality_bench(
+    model, num_layers, num_prompts, prompt_len, decode_len, logit_std, init, seed, device, dtype, json_out
+):
     """Teacher-forced logits of FP8 weights, FP8 KV and both vs the model dtype: mean KL and top-1 agreement."""
     import torch
 
@@ -180,7 +231,8 @@ def quality_bench(model, num_layers, num_prompts, prompt_len, decode_len, logit_
     t0 = time.perf_counter()
     vocab = min(_vocab_size(model), 32000)
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_prompts)]
-    reference_model, fp8_model = build_models(model, num_layers, dt, dev, seed, logit_std, torch.tensor(prompts[0]))
+    probe = torch.tensor(prompts[0])
+    reference_model, fp8_model = build_models(model, num_layers, dt, dev, seed, logit_std, probe, init)
     logits = {}
     for name, (fp8_weights, fp8_kv) in SETUPS.items():
         logits[name] = teacher_forced_logits(
@@ -206,6 +258,7 @@ def quality_bench(model, num_layers, num_prompts, prompt_len, decode_len, logit_
         "prompt_len": prompt_len,
         "decode_len": decode_len,
         "logit_std": logit_std,
+        "init": init,
         "reference_dtype": reference_name,
         "reference": peaked,
         "setups": {name: asdict(q) for name, q in results.items()},
