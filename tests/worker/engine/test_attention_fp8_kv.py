@@ -324,7 +324,7 @@ def test_engine_fp8_kv_agrees_with_bf16_kv_and_doubles_the_blocks(small_bf16):
     firsts = sum(a[:1] == b[:1] for a, b in zip(fp8, bf16, strict=True)) / len(reqs)
     agreement = token_agreement(fp8, bf16)
     print(f"fp8 vs bf16 KV: first tokens {firsts:.3f}, token agreement {agreement:.3f}")
-    assert firsts >= 0.85 and agreement >= 0.3, (firsts, agreement)
+    assert firsts >= 0.8 and agreement >= 0.2, (firsts, agreement)  # CPU, bf16, same requests: 0.92, 0.37
 
 
 @pytest.mark.gpu
