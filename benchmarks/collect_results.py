@@ -3,7 +3,8 @@
 python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
-    # w1_deterministic.json, w1_families.json, w2_families.json, notes.json; a file in a later DIR replaces
+    # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, fp8_quality.json,
+    # notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
@@ -57,6 +58,12 @@ COMMANDS = {
     "--max-num-batched-tokens 8192 --deterministic",
     "W1_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
     "--max-num-batched-tokens 2048 --deterministic",
+    # issue 26: FP8 weights and KV (--quantization fp8 --kv-cache-dtype fp8) vs bf16, one process, async
+    "W1_fp8": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048 --precision bf16 --precision fp8",
+    "W2_fp8": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192 --precision bf16 --precision fp8",
+    "FP8_quality": "python3 -m worker.bench quality --model llama3-8b --num-prompts 4 --prompt-len 512 --decode-len 32",
 }
 # issue 24: the Gemma 3 12B and Phi-4 14B shapes, each against Llama-3-8B run in the same process
 FAMILIES = "--model llama3-8b --model gemma3-12b --model phi4-14b --mode async --max-model-len 8192"
@@ -87,6 +94,7 @@ def family_entries(workload: str, run: dict) -> dict:
     return out
 
 
+FP8_RUNS = {"W1_fp8": "w1_fp8.json", "W2_fp8": "w2_fp8.json"}
 MOE_RUNS = {"W1_moe": "w1_moe.json", "W2_moe": "w2_moe.json", "W1_gptoss": "w1_gptoss.json", "W2_gptoss": "w2_gptoss.json"}
 
 
@@ -106,6 +114,19 @@ def determinism_entry(run: dict) -> dict:
     return entry
 
 
+def precision_entry(run: dict) -> dict:
+    """`bench engine --precision bf16 --precision fp8`'s async runs: {fp8, bf16, fp8_over_bf16}. Each floor_ratio is
+    against its own floor: the fp8 run's reads weights and KV at 1 byte and computes at the FP8 tensor-core rate."""
+    by_precision = {
+        r["extra"]["precision"]: r for mode, r in run["results"].items() if mode.startswith("async") and r["extra"].get("precision")
+    }
+    entry: dict = {p: {f: r.get(f) for f in FIELDS} for p, r in by_precision.items()}
+    if "fp8" in by_precision and "bf16" in by_precision:
+        entry["fp8_over_bf16"] = by_precision["fp8"]["output_tok_s"] / by_precision["bf16"]["output_tok_s"]
+    entry["config"], entry["date"] = run["config"], run["date"]
+    return entry
+
+
 def main(srcs: list[Path]) -> dict:
     def load(name):
         found = [src / name for src in srcs if (src / name).exists()]
@@ -116,14 +137,19 @@ def main(srcs: list[Path]) -> dict:
     )
     determinism_runs = {n: load(f"{n.split('_')[0].lower()}_deterministic.json") for n in ("W2_deterministic", "W1_deterministic")}
     family_runs = {w: load(f"{w.lower()}_families.json") for w in ("W1", "W2")}
-    first = w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
-    first = first or family_runs["W1"] or family_runs["W2"]
+    fp8_runs = {name: load(file) for name, file in FP8_RUNS.items()}
+    first = (
+        w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
+        or family_runs["W1"] or family_runs["W2"] or fp8_runs["W1_fp8"] or fp8_runs["W2_fp8"]
+    )  # fmt: skip
     if first is None:
         return {}
     out = {
         "device": first["device"],
         "torch": first["torch"],
-        "date": max(r["date"] for r in (w1, w2, *determinism_runs.values(), *family_runs.values()) if r),  # of the newest run; each entry has its own
+        "date": max(
+            r["date"] for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values()) if r
+        ),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
         "commands": COMMANDS,
         "note": "Whole-workload runs of cbq's engine (random-weight Llama-3-8B shape, bf16, EOS ignored). "
@@ -186,6 +212,12 @@ def main(srcs: list[Path]) -> dict:
     for name, run in determinism_runs.items():  # issue 32: the price of batch invariance
         if run:
             out[name] = determinism_entry(run)
+    for name, run in fp8_runs.items():  # issue 26: FP8 weights and KV vs bf16 in one process
+        if run:
+            out[name] = precision_entry(run)
+    quality = load("fp8_quality.json")  # issue 26: what FP8 costs in accuracy, next to what it gains
+    if quality:
+        out["FP8_quality"] = quality
     for src in srcs:  # notes.json: {entry: "what to know when reading it"}, from the folder of that run
         notes = src / "notes.json"
         for name, note in (json.loads(notes.read_text()) if notes.exists() else {}).items():
@@ -204,10 +236,10 @@ if __name__ == "__main__":
     srcs = [Path(a) for a in sys.argv[1:]] or [Path("benchmarks/h200")]
     result = main(srcs)
     if not result:
-        sys.exit(f"no w1.json, w2.json or w*_deterministic.json in {', '.join(map(str, srcs))}: nothing to collect")
+        sys.exit(f"no w1.json, w2.json, w*_deterministic.json or w*_fp8.json in {', '.join(map(str, srcs))}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS))}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS), *FP8_RUNS)}, indent=1
         )[:3000]
     )

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det]
+#   bash benchmarks/run_gpu.sh [enginetests] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [fp8tests] [fp8quality] [w1fp8] [w2fp8]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
-# vs default mode, async, one process each). About 15 minutes in all on the H200:
+# vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
+# tests, FP8 quality (KL, top-1) and FP8 weights + KV vs bf16 in one process). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
 # Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
 # (see benchmarks/README.md). Results and logs go to $OUT (the device tool) or benchmarks/out.
@@ -110,6 +111,22 @@ fi
 if has w1det; then
     bench 400 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --deterministic --json-out "$OUT/w1_deterministic.json" 2>&1 | tail -12
+fi
+if has fp8tests; then  # issue 26: the FP8 KV cache's kernels (vs the torch reference) and engine (vs a bf16 cache)
+    timeout 420 python3 -m pytest -q -s -m gpu tests/worker/engine/test_attention_fp8_kv.py tests/worker/engine/test_kv_cache_fp8.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_fp8_kv_tests.log" | tail -25
+fi
+if has fp8quality; then  # issue 26: teacher-forced KL and top-1 agreement, FP8 weights / KV / both vs bf16 (Llama-3-8B shape)
+    timeout 300 python3 -m worker.bench quality --model llama3-8b --num-prompts 4 --prompt-len 512 --decode-len 32 \
+        --json-out "$OUT/fp8_quality.json" 2>&1 | tail -8
+fi
+if has w1fp8; then  # issue 26: W1 with FP8 weights and KV vs bf16, async, one process (W1_fp8)
+    bench 420 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --precision bf16 --precision fp8 --json-out "$OUT/w1_fp8.json" 2>&1 | tail -8
+fi
+if has w2fp8; then  # W2_fp8
+    bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --precision bf16 --precision fp8 --json-out "$OUT/w2_fp8.json" 2>&1 | tail -8
 fi
 if has queue; then
     bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 --max-num-batched-tokens 8192 \

@@ -105,8 +105,8 @@ QUANTIZATION_FLAGS = (
         "kv_cache_dtype",
         {
             "type": click.Choice(KV_CACHE_DTYPES),
-            "help": "KV cache dtype (default auto: the model dtype). fp8: e4m3 with per-tensor scales, half "
-            "bf16's bytes; CPU (torch attention) only so far, refused on CUDA.",
+            "help": "KV cache dtype (default auto: the model dtype). fp8: e4m3 with per-layer scales (1.0, or the "
+            "checkpoint's k_scale/v_scale), half bf16's bytes, so twice the blocks; sm89+ GPUs and the CPU.",
         },
     ),
 )

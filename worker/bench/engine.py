@@ -3,7 +3,9 @@
 Prints a table and writes JSON with every number, including the memory/compute floor of every step.
 Variants run the same requests constrained to a small JSON schema and/or asking for top logprobs
 (`--variant plain --variant json --variant logprobs5`), each in every mode, in one process; `--deterministic`
-runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process.
+runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process;
+`--precision bf16 --precision fp8` runs the model in bf16 and with FP8 weights and KV (`--quantization fp8
+--kv-cache-dtype fp8`), one model after the other, in one process.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
 PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
+# FP8 tensor cores: twice the bf16 rate on Hopper (the spec sheets' ratio; not measured here). The floor of a
+# model with FP8 linears computes its weight GEMMs at this rate, and reads its weights and KV at 1 byte each.
+PEAK_FP8_FLOPS = 2 * PEAK_BF16_FLOPS
+# `--precision`: what each name sets (EngineConfig fields; the model loads with its quantization)
+PRECISIONS: dict[str, dict[str, str | None]] = {
+    "bf16": {"quantization": None, "kv_cache_dtype": "auto"},
+    "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "fp8-weights": {"quantization": "fp8", "kv_cache_dtype": "auto"},  # the two halves of "fp8", to tell them apart
+    "fp8-kv": {"quantization": None, "kv_cache_dtype": "fp8"},
+}
 
 
 @dataclass
@@ -95,6 +107,7 @@ def floor_seconds(
     bandwidth: float,
     serial: bool = False,
     windows: tuple[int, ...] = (),
+    peak_flops: float = PEAK_BF16_FLOPS,
 ) -> float:
     """Sum over the steps cbq ran of the least time each could take: max(bytes / bandwidth, flops / peak).
 
@@ -113,7 +126,7 @@ def floor_seconds(
         if windows:  # the mean over layers of what each reads
             tokens_read = sum(min(context_tokens, num_seqs * w) if w else context_tokens for w in windows) / len(windows)
         kv_reads = tokens_read * kv_bytes_per_token / bandwidth
-        compute = 2 * num_params * num_tokens / PEAK_BF16_FLOPS
+        compute = 2 * num_params * num_tokens / peak_flops
         total += max(weights, compute) + kv_reads if serial else max(weights + kv_reads, compute)
     return total
 
@@ -153,12 +166,18 @@ def engine_floors(model, step_log, bandwidth: float, kv_dtype=None) -> tuple[flo
             moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth),
             moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, serial=True),
         )
+    from worker.engine.quant.linear import Fp8LinearModule
+
     weight_bytes, num_params = model_bytes(model)
     kv_per_token = kv_bytes_per_block(model.config, 1, kv_dtype or model.dtype)
     windows = sliding_windows_of(model.config)
+    is_fp8 = any(isinstance(m, Fp8LinearModule) for m in model.modules())
+    peak = PEAK_FP8_FLOPS if is_fp8 else PEAK_BF16_FLOPS
     return (
-        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, windows=windows),
-        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True, windows=windows),
+        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, windows=windows, peak_flops=peak),
+        floor_seconds(
+            step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True, windows=windows, peak_flops=peak
+        ),
     )
 
 
@@ -384,6 +403,15 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "(repeat to compare in one process; results are then named MODE-VARIANT). Default: the one "
     "--constrain-json and --top-logprobs give.",
 )
+@click.option(
+    "--precision",
+    "precisions",
+    type=click.Choice(list(PRECISIONS)),
+    multiple=True,
+    help="bf16: the model as is; fp8: FP8 weights and KV cache (--quantization fp8 --kv-cache-dtype fp8); "
+    "fp8-weights, fp8-kv: one of the two. Repeat to compare in one process (the models load one after the other); "
+    "results are then named MODE-...-PRECISION. Overrides --quantization and --kv-cache-dtype.",
+)
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
@@ -405,6 +433,7 @@ def engine_bench(
     constrain_json,
     top_logprobs,
     variants,
+    precisions,
     device,
     dtype,
     json_out,
@@ -416,6 +445,8 @@ def engine_bench(
     from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
     from worker.engine.models.loader import check_moe_fit
 
+    if len(precisions) > 1 and compare_hf:
+        raise click.UsageError("--compare-hf runs one model: give at most one --precision with it")
     dev = resolve_device(device)
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
@@ -423,11 +454,18 @@ def engine_bench(
     # --deterministic runs every setup twice in this process, deterministic then default (named MODE-...-
     # deterministic and MODE-...-default), so that the cost of the mode is measured on one warm device.
     determinisms = ["deterministic", "default"] if engine_config.pop("deterministic", False) else ["default"]
-    runs = [
-        (d, g, k, m, v) for d in decoders for g in decode_gemms for k in determinisms for v in parsed for m in modes
+    runs = [  # every setup, run for each (model, precision) in turn
+        (d, g, k, m, v)
+        for d in decoders
+        for g in decode_gemms
+        for k in determinisms
+        for v in parsed
+        for m in modes
     ]
 
-    def setup_suffix(decoder: str, gemm: str, determinism: str, model: str = "") -> str:
+    def setup_suffix(
+        decoder: str, gemm: str, determinism: str, model: str = "", precision: str | None = None
+    ) -> str:
         """What names a run's engine setup in its label, where more than one was asked for."""
         return "".join(
             f"-{value}"
@@ -436,6 +474,7 @@ def engine_bench(
                 (gemm, len(decode_gemms) > 1),
                 (determinism, len(determinisms) > 1),
                 (model, len(models) > 1),
+                (precision, len(precisions) > 1),
             )
             if many
         )
@@ -443,83 +482,93 @@ def engine_bench(
     bandwidth = 0.0
     load_seconds: dict[str, float] = {}
     for model in models:
-        free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
-        t0 = time.perf_counter()
-        hf_model, tokenizer = load_model(
-            model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization")
-        )
-        load_seconds[model] = time.perf_counter() - t0
-        if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
-            click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
-        bandwidth = bandwidth or measure_copy_bandwidth(dev)
-        vocab_limit = min(hf_model.config.vocab_size, 32000)
-        if workload in CACHE_WORKLOADS:
-            reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
-        else:
-            reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
-        warmup = warmup_requests(reqs, vocab_limit)
-        model_results: list[ModeResult] = []
-        for decoder, gemm, determinism, m, (is_json, num_top) in runs:
-            config = EngineConfig(
-                mode=m,
-                device=str(dev),
-                dtype=dtype,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                use_cuda_graphs=not no_cuda_graphs,
-                enable_prefix_caching=not no_prefix_caching,
-                decoder=decoder,
-                decode_gemm=gemm,
-                deterministic=determinism == "deterministic",
-                **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
+        for precision in precisions or [None]:
+            # one model at one precision in memory at a time: each (model, precision) is loaded, run, freed
+            settings = PRECISIONS[precision] if precision else {}
+            engine_config.update({k: v for k, v in settings.items() if v is not None})
+            if precision and settings["quantization"] is None:
+                engine_config.pop("quantization", None)
+            free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+            t0 = time.perf_counter()
+            hf_model, tokenizer = load_model(
+                model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization")
             )
-            t1 = time.perf_counter()
-            engine = Engine(hf_model, tokenizer, config)
-            setup = time.perf_counter() - t1
-            # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained run).
-            engine.generate(with_variant(warmup, is_json, num_top))
-            if not model_results and dev.type == "cuda":
-                # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The cause
-                # was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts, 1.4 s,
-                # which the step's device events count); the prefill kernel no longer specialises on those
-                # (kernels/attention.py). The process's first engine still runs the whole workload once,
-                # unmeasured, on shifted token ids (the real ones would stay in the prefix cache), so that any
-                # other variant the workload needs (e.g. a decode split count only its mixed steps reach) is
-                # compiled before timing. A later model (its own shapes: every kernel compiles anew) runs a
-                # quarter of it at full length, which reaches the same contexts and step mixes in a quarter of
-                # the time; `triton_compiles` in each result says if any compile was still left.
-                full = warmup_requests(reqs, vocab_limit, full_length=True)
-                engine.generate(with_variant(full if not results else full[: max(1, len(full) // 4)], is_json, num_top))
-            label = (
-                m
-                + setup_suffix(decoder, gemm, determinism, model)
-                + (f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else "")
-            )
-            result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
-            result.extra.update(
-                model=model,
-                variant=variant_name(is_json, num_top),
-                deterministic=determinism == "deterministic",
-                setup_seconds=setup,
-                num_kv_blocks=engine.runner.num_kv_blocks,
-                max_model_len=engine.max_model_len,
-                graphs=len(engine.runner.graphs),
-                decoder="owned" if engine.runner.decoder is not None else "hf",
-                small_step_gemm="invariant"  # every step's GEMMs: kernels/invariant_gemm.py
-                if config.deterministic
-                else "triton"
-                if getattr(engine.runner.decoder, "small_step_ops", None) is not None
-                else "cublas",
-            )
-            model_results.append(result)
-            del engine
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        results += model_results
-        if model != models[-1]:  # the next model needs the memory (--compare-hf runs on the last one)
-            del hf_model
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            load_seconds[model if precision is None else f"{model}-{precision}"] = time.perf_counter() - t0
+            if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
+                click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
+            bandwidth = bandwidth or measure_copy_bandwidth(dev)
+            vocab_limit = min(hf_model.config.vocab_size, 32000)
+            if workload in CACHE_WORKLOADS:
+                reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
+            else:
+                reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
+            warmup = warmup_requests(reqs, vocab_limit)
+            first_of_load = True
+            for decoder, gemm, determinism, m, (is_json, num_top) in runs:
+                config = EngineConfig(
+                    mode=m,
+                    device=str(dev),
+                    dtype=dtype,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    use_cuda_graphs=not no_cuda_graphs,
+                    enable_prefix_caching=not no_prefix_caching,
+                    decoder=decoder,
+                    decode_gemm=gemm,
+                    deterministic=determinism == "deterministic",
+                    **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
+                )
+                t1 = time.perf_counter()
+                engine = Engine(hf_model, tokenizer, config)
+                setup = time.perf_counter() - t1
+                # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained
+                # run).
+                engine.generate(with_variant(warmup, is_json, num_top))
+                if first_of_load and dev.type == "cuda":
+                    # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The
+                    # cause was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts,
+                    # 1.4 s, which the step's device events count); the prefill kernel no longer specialises on
+                    # those (kernels/attention.py). The first engine of each load still runs the workload once,
+                    # unmeasured, on shifted token ids (the real ones would stay in the prefix cache), so that any
+                    # other variant the workload needs (e.g. a decode split count only its mixed steps reach) is
+                    # compiled before timing. Later loads (their own shapes or dtypes: kernels compile anew) run a
+                    # quarter of it at full length, which reaches the same contexts and step mixes in a quarter of
+                    # the time; `triton_compiles` in each result says if any compile was still left.
+                    full = warmup_requests(reqs, vocab_limit, full_length=True)
+                    engine.generate(
+                        with_variant(full if not results else full[: max(1, len(full) // 4)], is_json, num_top)
+                    )
+                first_of_load = False
+                label = m + setup_suffix(decoder, gemm, determinism, model, precision)
+                label += f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else ""
+                result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
+                result.extra.update(
+                    model=model,
+                    variant=variant_name(is_json, num_top),
+                    precision=precision,
+                    quantization=config.quantization,
+                    kv_cache_dtype=config.kv_cache_dtype,
+                    deterministic=determinism == "deterministic",
+                    setup_seconds=setup,
+                    num_kv_blocks=engine.runner.num_kv_blocks,
+                    max_model_len=engine.max_model_len,
+                    graphs=len(engine.runner.graphs),
+                    decoder="owned" if engine.runner.decoder is not None else "hf",
+                    small_step_gemm="invariant"  # every step's GEMMs: kernels/invariant_gemm.py
+                    if config.deterministic
+                    else "triton"
+                    if getattr(engine.runner.decoder, "small_step_ops", None) is not None
+                    else "cublas",
+                )
+                results.append(result)
+                del engine
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            last = model == models[-1] and precision == (precisions or [None])[-1]
+            if not last:  # the next load needs the memory (--compare-hf runs on the last one)
+                del hf_model
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
     hf_error = None
     if compare_hf:
         hf_reqs = reqs[:hf_num_requests] if hf_num_requests else reqs
@@ -529,7 +578,14 @@ def engine_bench(
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
     by_mode = {r.mode: r for r in results}
-    suffixes = (setup_suffix(d, g, k, n) for d in decoders for g in decode_gemms for k in determinisms for n in models)
+    suffixes = (
+        setup_suffix(d, g, k, n, p)
+        for n in models
+        for p in (precisions or [None])
+        for d in decoders
+        for g in decode_gemms
+        for k in determinisms
+    )
     for suffix in suffixes:
         if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
             ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
@@ -540,6 +596,12 @@ def engine_bench(
         for r in results:
             other = by_mode.get(r.mode.replace("-deterministic", "-default"))
             if "-deterministic" in r.mode and other is not None:
+                click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
+    if len(precisions) > 1:
+        for r in results:
+            precision = r.extra.get("precision")
+            other = by_mode.get(r.mode.replace(f"-{precision}", "-bf16"))
+            if precision not in (None, "bf16") and other is not None:
                 click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
     plain = [r for r in results if r.extra.get("variant") == "plain"]
     for r in results:
@@ -562,18 +624,20 @@ def engine_bench(
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "copy_bandwidth_bytes_s": bandwidth,
-        "load_seconds": load_seconds[models[0]] if len(models) == 1 else load_seconds,
+        "load_seconds": next(iter(load_seconds.values())) if len(load_seconds) == 1 else load_seconds,
         "date": time.strftime("%Y-%m-%d"),
         "config": {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "cuda_graphs": not no_cuda_graphs,
             "prefix_caching": not no_prefix_caching,
-            **engine_config,
+            # with --precision, each run's quantization and KV dtype are in its result's extra
+            **{k: v for k, v in engine_config.items() if not (precisions and k in PRECISIONS["fp8"])},
             "decoders": list(decoders),
             "decode_gemms": list(decode_gemms),
             "variants": [variant_name(*v) for v in parsed],
             "determinisms": determinisms,
+            "precisions": list(precisions),
         },
         "results": {r.mode: asdict(r) for r in results},
         "hf_error": hf_error,

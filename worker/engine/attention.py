@@ -18,8 +18,8 @@ Conventions (all index tensors int32 unless stated):
     itself included), as transformers' sliding-window mask does (Mistral, Qwen2/3 sliding layers).
 A step's new K/V are written before attention runs, so attention only ever reads the cache.
 An FP8 cache (`--kv-cache-dtype fp8`, float8_e4m3fn) holds K / k_scale and V / v_scale, saturated at ±448;
-reads multiply the scale back. The per-tensor scales are 1.0 (vLLM's default without calibrated scales) until
-the loader reads a checkpoint's k_scale / v_scale.
+reads multiply the scale back. The scales are per tensor (one pair per layer, host floats): 1.0, vLLM's default
+without calibrated scales, or the checkpoint's k_scale / v_scale (kv_cache.kv_scales_of).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from .quant.fp8 import FP8_DTYPE, to_fp8
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """K or V as the cache stores it: e4m3 divided by the per-tensor scale (saturating: e4m3 has no infinity,
     a plain cast of an overflow would be NaN), else a cast."""
-    return to_fp8(x.float() / scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+    # NOTE: times the inverse, as the Triton writers compute it, so both round the same fp32 value
+    return to_fp8(x.float() * (1.0 / scale)) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
 
 
 def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

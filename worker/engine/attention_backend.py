@@ -33,9 +33,14 @@ class AttentionMetadata:
     # Per layer: 0 (full causal attention) or the sliding window W (`sliding_windows_of`); () when no
     # layer slides. Host ints, so a captured graph keeps them.
     sliding_windows: tuple[int, ...] = ()
+    # Per layer: (k_scale, v_scale) of an FP8 cache (kv_cache.kv_scales_of); () when every scale is 1.0.
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     def sliding_window(self, layer_idx: int) -> int:
         return self.sliding_windows[layer_idx] if self.sliding_windows else 0
+
+    def kv_scale(self, layer_idx: int) -> tuple[float, float]:
+        return self.kv_scales[layer_idx] if self.kv_scales else (1.0, 1.0)
 
 
 def sliding_windows_of(config) -> tuple[int, ...]:
@@ -57,8 +62,9 @@ class AttentionBackend:
 
     name = "torch"
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=(1.0, 1.0)) -> None:
+        """`kv_scale`: (k_scale, v_scale) of an FP8 cache (attention.py)."""
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, *kv_scale)
 
     # Whether `attend` computes soft-capped scores (Gemma 2): both backends do.
     has_softcap = True
@@ -78,6 +84,7 @@ class AttentionBackend:
         """Attention of this step's rows for layer `layer_idx` (which picks its sliding window). `pdl`: the
         decode kernels launch with programmatic dependent launch (kernels/pdl.py; ignored here). `softcap`:
         scores become cap * tanh(scores / cap). `sinks` [H]: each head's sink logit (gpt-oss)."""
+        k_scale, v_scale = meta.kv_scale(layer_idx)
         return paged_attention_ref(
             q,
             k_cache,
@@ -89,6 +96,8 @@ class AttentionBackend:
             sliding_window=meta.sliding_window(layer_idx),
             softcap=softcap,
             sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
@@ -102,8 +111,8 @@ class TritonAttentionBackend(AttentionBackend):
 
         self._k = attention
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._k.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=(1.0, 1.0)) -> None:
+        self._k.write_kv(key, value, k_cache, v_cache, slot_mapping, *kv_scale)
 
     def attend(
         self,
@@ -118,6 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         window = meta.sliding_window(layer_idx)
+        k_scale, v_scale = meta.kv_scale(layer_idx)
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
             return self._k.paged_decode_attention(
@@ -132,6 +142,8 @@ class TritonAttentionBackend(AttentionBackend):
                 pdl=pdl,
                 sinks=sinks,
                 softcap=softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
         # a varlen query tile each they would waste most of it; the rest through the varlen kernel.
@@ -150,6 +162,8 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=window,
                 sinks=sinks,
                 softcap=softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return self._k.paged_prefill_attention(
             q,
@@ -164,6 +178,8 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window=window,
             sinks=sinks,
             softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
@@ -197,7 +213,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q = query[0].transpose(0, 1)  # [T, H, D], strided: the kernels take any strides but the last
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.kv_scale(layer_idx))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = meta.backend.attend(
         q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")

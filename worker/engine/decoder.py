@@ -282,7 +282,9 @@ class OwnedDecoder:
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
             normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
-            q = self._qkv_rope_write(normed, positions, w, layer_idx, k_cache, v_cache, attn, ops)
+            q = self._qkv_rope_write(
+                normed, positions, w, layer_idx, k_cache, v_cache, attn, ops, attn.kv_scale(layer_idx)
+            )
             out = attn.backend.attend(
                 q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
                 sinks=self.layer_sinks[layer_idx],
@@ -321,9 +323,12 @@ class OwnedDecoder:
                 self.moe_spec, max_num_tokens, self.embed_weight.dtype, self.embed_weight.device
             )
 
-    def _qkv_rope_write(self, normed, positions, w: LayerWeights, layer_idx: int, k_cache, v_cache, attn, ops):
-        """The QKV projection, q/k norms, rotary (the layer's cos/sin tables) and the KV write; returns
-        q [T, H, D]."""
+    def _qkv_rope_write(
+        self, normed, positions, w: LayerWeights, layer_idx: int, k_cache, v_cache, attn: AttentionMetadata, ops,
+        kv_scale,
+    ):
+        """The QKV projection, q/k norms, rotary (the layer's cos/sin tables) and the KV write (`kv_scale`: an FP8
+        cache's (k_scale, v_scale)); returns q [T, H, D]."""
         rope = self.layer_rope[layer_idx]
         cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
         kernel = self.use_triton and self.rope_kernel[layer_idx]
@@ -332,18 +337,18 @@ class OwnedDecoder:
             assert isinstance(w.qkv_weight, torch.Tensor), "the small-step path multiplies bf16/fp16 weights"
             return ops.qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
-                self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
+                self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl, kv_scale=kv_scale,
             )  # fmt: skip
         qkv = ops.linear(normed, w.qkv_weight, w.qkv_bias)
         args = (qkv, positions, cos_table, sin_table, w.q_norm, w.k_norm, self.eps)
         if kernel:
             return fk.qkv_rope_write(
                 *args, self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl,
-                norm_fp32_weight=self.norm_math.weight_fp32,
+                norm_fp32_weight=self.norm_math.weight_fp32, kv_scale=kv_scale,
             )  # fmt: skip
 
         def write_kv(k, v):
-            attn.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            attn.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, kv_scale)
 
         qk_norm_full = self.family.layer.qk_norm_span == QKNormSpan.FULL
         return fk.qkv_rope_write_ref(

@@ -74,6 +74,8 @@ class RowAttentionBackend(AttentionBackend):
                     sliding_window=meta.sliding_window(layer_idx),
                     softcap=softcap,
                     sinks=sinks,
+                    k_scale=meta.kv_scale(layer_idx)[0],
+                    v_scale=meta.kv_scale(layer_idx)[1],
                 )
         return out
 
@@ -99,6 +101,8 @@ class InvariantTritonBackend(TritonAttentionBackend):
             sinks=sinks,
             softcap=softcap,
             batch_invariant=True,
+            k_scale=meta.kv_scale(layer_idx)[0],
+            v_scale=meta.kv_scale(layer_idx)[1],
         )
 
 

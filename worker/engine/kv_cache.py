@@ -2,8 +2,13 @@
 the number of blocks that fit in memory, and the cache allocation (the model runner holds the tensors it returns).
 
 `--kv-cache-dtype fp8` stores K and V as float8_e4m3fn, divided by a per-tensor scale on write and multiplied by
-it on read (attention.py). Only the torch attention reads and writes it so far: on CUDA it is refused
-(`check_kv_cache_dtype`) until the Triton kernels do.
+it on read: the torch attention (attention.py) and every Triton writer and attention kernel (kernels/attention.py,
+the fused QKV epilogues). One byte per element, so the same memory holds twice the blocks of a bf16 cache. The
+scales are static, one (k_scale, v_scale) pair per layer (`kv_scales_of`): 1.0, as vLLM without calibrated
+scales, or a checkpoint's. Static per-tensor scales keep a cached prefix block valid for any later request
+(dynamic or per-block scales would have to travel with the block) and cost nothing in the kernels (folded into
+the softmax scale and the output); bf16 K/V of a Llama-shaped model sit well inside e4m3's ±448, and e4m3's
+relative precision (2^-4) does not depend on the magnitude within its normal range.
 
 Layout: one tensor [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i's (K, V) are views.
 """
@@ -31,12 +36,26 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
 
 
 def check_kv_cache_dtype(config: EngineConfig, device: torch.device) -> None:
-    """A ValueError (one line) for a cache dtype this device's attention cannot read."""
+    """A ValueError (one line) for a cache dtype this device's attention cannot read: Triton converts to and
+    from e4m3 on sm89+ (Ada, Hopper) only."""
     if config.kv_cache_dtype == "fp8" and device.type == "cuda":
-        raise ValueError(
-            "--kv-cache-dtype fp8 is not supported on CUDA yet (the Triton attention kernels read and write the "
-            "model dtype only); it runs with the torch attention on the CPU"
-        )
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(
+                f"--kv-cache-dtype fp8 needs an sm89+ GPU (Ada, Hopper); this one is sm{capability[0]}{capability[1]}"
+            )
+
+
+# A model's per-layer FP8 KV scales, set by the checkpoint loader (quant/loader.py) when the checkpoint has them.
+KV_SCALES_ATTR = "cbq_kv_scales"
+
+
+def kv_scales_of(model: Any, config: EngineConfig) -> tuple[tuple[float, float], ...]:
+    """Each layer's (k_scale, v_scale) for an FP8 cache: the checkpoint's (its kv_cache_scheme), else () (every
+    scale 1.0). A cache in the model dtype is never scaled."""
+    if config.kv_cache_dtype != "fp8":
+        return ()
+    return tuple(getattr(model, KV_SCALES_ATTR, ()))
 
 
 def head_dim_of(model_config: Any) -> int:

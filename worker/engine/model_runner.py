@@ -38,7 +38,7 @@ from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig
 from .decoder import build_decoder
 from .grammar import apply_token_bitmask
-from .kv_cache import allocate_kv_cache, kv_cache_dtype
+from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, SamplingExtras, StepDescription
 
@@ -109,6 +109,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.attn_backend = attention_backend_for(model, config.attention_backend, self.is_cuda)
         self.sliding_windows = sliding_windows_of(model.config)
+        self.kv_scales = kv_scales_of(model, config)
         if config.deterministic:
             reason = deterministic.unsupported_reason(self.is_cuda, self.sliding_windows, self.attn_backend)
             if reason is not None:
@@ -394,6 +395,7 @@ class ModelRunner:
             is_decode_only=meta.is_decode_only,
             backend=self.attn_backend,
             sliding_windows=self.sliding_windows,
+            kv_scales=self.kv_scales,
             num_decode_seqs=meta.num_decode_seqs,
         )
         return self._forward(input_ids, d["positions"][:num_tokens], attn, logits_indices)

@@ -9,6 +9,10 @@
     once, where the denominator is final (the one-split decode, the reduce, the prefill epilogue)
   softcap: None, or C: scores become C * tanh(scores / C) before masking (Gemma 2); the kernels then take
     scale / C as their score scale and C * log2(e) as the cap (SOFTCAP), so it costs one tanh per score
+  k_scale, v_scale: an e4m3 cache (`--kv-cache-dtype fp8`) holds K / k_scale and V / v_scale (per-tensor host
+    floats, 1.0 unless the checkpoint has calibrated ones). The kernels widen each K/V tile to q's dtype right
+    after its load and fold the scales into the softmax scale (K) and the final normalisation (V), so the
+    inner loop is the bf16 one plus a convert; the cache's bytes per token are halved.
 
 Three public entry points:
   write_kv                 scatter this step's K/V rows into the cache (one launch for K and V)
@@ -39,6 +43,7 @@ import torch
 from .common import HAVE_TRITON, cdiv, dot_precision, next_pow2, require_triton, tl, triton
 
 if HAVE_TRITON:
+    from .common import to_kv_cache
     from .fused import tanh
     from .pdl import pdl_wait_and_release
 
@@ -202,6 +207,8 @@ if HAVE_TRITON:
         k_cache_ptr,
         v_cache_ptr,
         slot_ptr,
+        k_scale_inv,
+        v_scale_inv,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -229,8 +236,8 @@ if HAVE_TRITON:
         v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
         v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, to_kv_cache(k, k_scale_inv, k_cache_ptr, key_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, to_kv_cache(v, v_scale_inv, v_cache_ptr, value_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _load_rows(ptrs, valid, d_mask, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr):
@@ -292,7 +299,8 @@ if HAVE_TRITON:
             page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
         in_page = pos % BLOCK_SIZE
         k_ptrs = k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :]
-        k = _load_rows(k_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D)
+        # An e4m3 cache's K and V widen to q's dtype (its scales are folded into scale_log2 and the output)
+        k = _load_rows(k_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if SOFTCAP:  # scale_log2 is scale / cap here: cap * tanh(scores / cap), in log2 units
             s = tanh(s) * softcap_log2
@@ -310,7 +318,7 @@ if HAVE_TRITON:
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :]
-        v = _load_rows(v_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D)
+        v = _load_rows(v_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return m_new, l_i, acc
 
@@ -334,6 +342,7 @@ if HAVE_TRITON:
         part_o_ptr,
         part_lse_ptr,
         scale_log2,
+        v_scale,
         window,
         num_heads,
         stride_qb,
@@ -360,6 +369,7 @@ if HAVE_TRITON:
         HAS_SINKS: tl.constexpr,
         softcap_log2=1.0,
         SOFTCAP: tl.constexpr = False,
+        KV_FP8: tl.constexpr = False,
     ):
         pdl_wait_and_release(USE_PDL)
         b = tl.program_id(0)
@@ -408,6 +418,8 @@ if HAVE_TRITON:
         if NUM_SPLITS == 1:  # with splits, the reduce adds the sink once
             denom = _add_sink(denom, m_i, sinks_ptr, heads, g_mask, HAS_SINKS)
         o = acc / tl.where(has, denom, 1.0)[:, None]
+        if KV_FP8:  # V was read unscaled: P @ (V_fp8 * v_scale) = (P @ V_fp8) * v_scale
+            o = o * v_scale
         o = tl.where(has[:, None], o, 0.0)
         if NUM_SPLITS == 1:
             tl.store(
@@ -485,6 +497,7 @@ if HAVE_TRITON:
         context_lens_ptr,
         out_ptr,
         scale_log2,
+        v_scale,
         window,
         num_seqs,
         num_tokens,
@@ -513,6 +526,7 @@ if HAVE_TRITON:
         ONE_PATH: tl.constexpr = False,  # batch-invariant: every KV tile through the masked loop (phase 2)
         softcap_log2=1.0,
         SOFTCAP: tl.constexpr = False,
+        KV_FP8: tl.constexpr = False,
     ):
         pid_q = tl.program_id(0)
         b = tl.program_id(1)
@@ -616,6 +630,8 @@ if HAVE_TRITON:
         has = l_i > 0.0
         denom = _add_sink(l_i, m_i, sinks_ptr, heads, row_valid, HAS_SINKS)
         o = acc / tl.where(has, denom, 1.0)[:, None]
+        if KV_FP8:
+            o = o * v_scale
         o = tl.where(has[:, None], o, 0.0)
         tl.store(
             out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -634,6 +650,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
         "caches must be [num_blocks, block_size, KVH, D]"
     )
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
+    assert k_cache.dtype == v_cache.dtype, f"K cache {k_cache.dtype}, V cache {v_cache.dtype}"
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
     return block_size, num_kv_heads, head_dim
@@ -668,8 +685,11 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """key/value [T, KVH, D] (any row/head strides) into the paged caches at slot_mapping[:T]."""
+    """key/value [T, KVH, D] (any row/head strides) into the paged caches at slot_mapping[:T]. An e4m3 cache
+    stores key / k_scale and value / v_scale, saturated (attention.to_cache); other caches ignore the scales."""
     require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_tokens = key.shape[0]
@@ -687,6 +707,8 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -720,6 +742,8 @@ def paged_decode_attention(
     pdl: bool = False,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query row per sequence: q [B, H, D] at position context_lens[b] - 1 (seeing the last
     `sliding_window` keys when that is not 0). Returns [B, H, D]. `sinks` [H]: each head's sink logit.
@@ -729,6 +753,7 @@ def paged_decode_attention(
     longer, since each program splits its sequence's actual context on the device. For CUDA graphs pass the
     model's max length at capture so the baked-in split count suits any context. With more than one split, an
     fp32 workspace of `decode_workspace_numel(...)` elements is allocated (its size depends on host ints only).
+    An e4m3 cache (`--kv-cache-dtype fp8`) is read as K * k_scale and V * v_scale (host floats, per tensor).
     """
     require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
@@ -774,7 +799,8 @@ def paged_decode_attention(
         out,
         part_o,
         part_lse,
-        _score_scale(scale, softcap),
+        _score_scale(float(scale) * k_scale, softcap),  # q . (K_fp8 * k_scale) = (q . K_fp8) * k_scale
+        float(v_scale),
         sliding_window,
         num_heads,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
@@ -791,6 +817,7 @@ def paged_decode_attention(
         HAS_SINKS=sinks is not None,
         softcap_log2=(softcap or 1.0) * LOG2E,
         SOFTCAP=softcap is not None,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -830,6 +857,8 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
     `sliding_window` keys when that is not 0). Returns [T, H, D]. `sinks` [H]: each head's sink logit.
@@ -846,6 +875,8 @@ def paged_prefill_attention(
     exact zeros, and its tile-mates change nothing. Chunked or whole, cached prefix or not, one row or
     many: the same bits (deterministic.py). Not with a sliding window: its first tiles start at the tile's
     first row.
+
+    An e4m3 cache is read as K * k_scale and V * v_scale, as in `paged_decode_attention`.
     """
     require_triton("kernels.attention (use worker.engine.attention on CPU)")
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
@@ -882,7 +913,8 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         out,
-        _score_scale(scale, softcap),
+        _score_scale(float(scale) * k_scale, softcap),  # q . (K_fp8 * k_scale) = (q . K_fp8) * k_scale
+        float(v_scale),
         sliding_window,
         num_seqs,
         num_tokens,
@@ -901,6 +933,7 @@ def paged_prefill_attention(
         ONE_PATH=batch_invariant,
         softcap_log2=(softcap or 1.0) * LOG2E,
         SOFTCAP=softcap is not None,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -39,3 +39,19 @@ def dot_precision(dtype: torch.dtype, low_precision: str | None) -> str | None:
     `low_precision` for bf16/fp16 operands, where Triton ignores the setting. Callers name theirs: the
     attention kernels pass "tf32", the weight GEMMs None (Triton's default); both compute the same."""
     return "ieee" if dtype == torch.float32 else low_precision
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def to_kv_cache(x, inv_scale, cache_ptr, model_dtype):
+        """`x` as the paged cache at `cache_ptr` stores it. An e4m3 cache (`--kv-cache-dtype fp8`) holds x rounded
+        to `model_dtype` (as the unfused path's K/V tensors are), times 1 / scale in fp32, saturated at ±448: e4m3
+        has no infinity, and a cast of an overflow may give NaN. Any other cache: a cast (`inv_scale` unused).
+        The same math as attention.to_cache, so every writer stores the same bits."""
+        dtype = cache_ptr.dtype.element_ty
+        if dtype == tl.float8e4nv:
+            y = tl.clamp(x.to(model_dtype).to(tl.float32) * inv_scale, -448.0, 448.0).to(dtype)
+        else:
+            y = x.to(dtype)
+        return y

@@ -36,6 +36,9 @@ import torch.nn.functional as F
 
 from . import fused as fk
 from .common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+
+if HAVE_TRITON:
+    from .common import to_kv_cache
 from .pdl import pdl_usable
 
 if HAVE_TRITON:
@@ -167,6 +170,8 @@ if HAVE_TRITON:
         k_cache_ptr,
         v_cache_ptr,
         M,
+        k_scale_inv,
+        v_scale_inv,
         stride_xm,
         stride_wn,
         stride_cos,
@@ -231,11 +236,13 @@ if HAVE_TRITON:
             if head < NUM_HEADS + NUM_KV_HEADS:
                 kv_head = head - NUM_HEADS
                 dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kv_head * stride_kch + j[:, None]
+                scale_inv = k_scale_inv
             else:
                 kv_head = head - NUM_HEADS - NUM_KV_HEADS
                 dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kv_head * stride_vch + j[:, None]
-            tl.store(dst, y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                scale_inv = v_scale_inv
+            tl.store(dst, to_kv_cache(y1, scale_inv, k_cache_ptr, dtype), mask=mask)
+            tl.store(dst + HALF, to_kv_cache(y2, scale_inv, k_cache_ptr, dtype), mask=mask)
 
 
 def decode_linear(
@@ -294,11 +301,13 @@ def decode_qkv_rope_write(
     config: Config | None = None,
     linear_config: Config | None = None,
     block_m: int | None = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q [M, H, D] of x @ qkv^T (+ bias) with rotary at `positions`; k (rotated) and v written into the paged
     caches at `slot_mapping`. For models without q/k norms. A shape `rope_config_for` refuses takes the two
     launches (decode_linear, then fused.qkv_rope_write), which compute the same bits. `config`, `linear_config`
-    (the two launches' GEMM) and `block_m` override the defaults (kernels/invariant_gemm.py)."""
+    (the two launches' GEMM) and `block_m` override the defaults (kernels/invariant_gemm.py). `kv_scale`:
+    (k_scale, v_scale) of an e4m3 cache (kernels/attention.py)."""
     m, k = x.shape
     head_dim = cos_table.shape[-1]
     config = config or rope_config_for(num_heads, num_kv_heads, head_dim, k, x.dtype)
@@ -306,7 +315,7 @@ def decode_qkv_rope_write(
         qkv = decode_linear(x, weight, bias, pdl=pdl, config=linear_config, block_m=block_m)
         return fk.qkv_rope_write(
             qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
-            k_cache, v_cache, slot_mapping, pdl=pdl,
+            k_cache, v_cache, slot_mapping, pdl=pdl, kv_scale=kv_scale,
         )  # fmt: skip
     n = (num_heads + 2 * num_kv_heads) * head_dim
     assert weight.shape == (n, k) and x.stride(1) == 1 and weight.stride(1) == 1
@@ -329,6 +338,8 @@ def decode_qkv_rope_write(
         k_cache,
         v_cache,
         m,
+        1.0 / kv_scale[0],
+        1.0 / kv_scale[1],
         x.stride(0),
         weight.stride(0),
         cos_table.stride(0),

@@ -30,6 +30,9 @@ import torch
 from .common import HAVE_TRITON, next_pow2, tl, triton
 
 if HAVE_TRITON:
+    from .common import to_kv_cache
+
+if HAVE_TRITON:
     from .pdl import pdl_wait_and_release
 
 
@@ -297,6 +300,8 @@ if HAVE_TRITON:
         k_cache_ptr,
         v_cache_ptr,
         slot_ptr,
+        k_scale_inv,
+        v_scale_inv,
         stride_qkv,
         stride_cos,
         stride_kcb,
@@ -362,13 +367,13 @@ if HAVE_TRITON:
         kh = (hh - NUM_HEADS)[:, None]
         k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + i[None, :]
         km = m & is_k[:, None]
-        tl.store(k_dst, y1.to(k_cache_ptr.dtype.element_ty), mask=km)
-        tl.store(k_dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=km)
+        tl.store(k_dst, to_kv_cache(y1, k_scale_inv, k_cache_ptr, dtype), mask=km)
+        tl.store(k_dst + HALF, to_kv_cache(y2, k_scale_inv, k_cache_ptr, dtype), mask=km)
         vh = (hh - NUM_HEADS - NUM_KV_HEADS)[:, None]
         v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh * stride_vch + i[None, :]
         vm = m & is_v[:, None]
-        tl.store(v_dst, y1.to(v_cache_ptr.dtype.element_ty), mask=vm)
-        tl.store(v_dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=vm)
+        tl.store(v_dst, to_kv_cache(y1, v_scale_inv, v_cache_ptr, dtype), mask=vm)
+        tl.store(v_dst + HALF, to_kv_cache(y2, v_scale_inv, v_cache_ptr, dtype), mask=vm)
 
 
 def add_rmsnorm(
@@ -473,9 +478,11 @@ def qkv_rope_write(
     slot_mapping,
     pdl: bool = False,
     norm_fp32_weight: bool = False,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Triton twin of `qkv_rope_write_ref` writing straight into the paged caches; returns q [T, H, D].
-    `norm_fp32_weight`: the q/k norms as `rmsnorm_fp32_weight_ref` (Gemma 3's, 1 + w folded)."""
+    `norm_fp32_weight`: the q/k norms as `rmsnorm_fp32_weight_ref` (Gemma 3's, 1 + w folded).
+    `kv_scale`: (k_scale, v_scale) of an e4m3 cache (kernels/attention.py)."""
     num_tokens = qkv.shape[0]
     head_dim = cos_table.shape[-1]
     block_size = k_cache.shape[1]
@@ -499,6 +506,8 @@ def qkv_rope_write(
         k_cache,
         v_cache,
         slot_mapping,
+        1.0 / kv_scale[0],
+        1.0 / kv_scale[1],
         qkv.stride(0),
         cos_table.stride(0),
         k_cache.stride(0),

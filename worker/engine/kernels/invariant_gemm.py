@@ -60,7 +60,7 @@ def gate_up_silu(
 
 
 def qkv_rope_write(x, weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads, k_cache, v_cache,
-                   slot_mapping, *, pdl: bool = False) -> torch.Tensor:  # fmt: skip
+                   slot_mapping, *, pdl: bool = False, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
     """decode_gemm.decode_qkv_rope_write at any depth, batch-invariant (the two launches when the heads do
     not hold whole groups of rotary pairs)."""
     m, k = x.shape
@@ -70,6 +70,6 @@ def qkv_rope_write(x, weight, bias, positions, cos_table, sin_table, num_heads, 
         rope = dg._fitted(dg.ROPE_CONFIG, (num_heads + 2 * num_kv_heads) * head_dim, k, x.dtype)
     return dg.decode_qkv_rope_write(
         x.contiguous(), weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads,
-        k_cache, v_cache, slot_mapping, pdl=pdl, config=rope,
+        k_cache, v_cache, slot_mapping, pdl=pdl, config=rope, kv_scale=kv_scale,
         linear_config=gemm_config(weight.shape[0], k, x.dtype), block_m=BLOCK_M,
     )  # fmt: skip

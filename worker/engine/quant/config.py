@@ -233,7 +233,7 @@ def _parse_fbgemm(qc: Mapping[str, Any]) -> FbgemmFp8Config:
 
 
 def _parse_compressed_tensors(qc: Mapping[str, Any]) -> CompressedTensorsFp8Config:
-    # A kv_cache_scheme's k_scale/v_scale tensors are skipped (loader.py): cbq's cache keeps the compute dtype.
+    # A kv_cache_scheme's k_scale/v_scale are no weights: loader.read_kv_scales gives them to --kv-cache-dtype fp8.
     groups_in = qc.get("config_groups") or {}
     if not isinstance(groups_in, Mapping) or not groups_in:
         raise _refuse(f"{_FIELD}: compressed-tensors without config_groups")

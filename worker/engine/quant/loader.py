@@ -10,8 +10,9 @@ the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU. Owns no
                               the FP8 weights and scales), generation_config.json read as from_pretrained does
   load_dequantized_model(...) the same with every weight dequantized (the CPU path)
 
-FP8 KV-cache scales a checkpoint may carry (`k_scale`, `v_scale`, `kv_scale`) are skipped: the cache keeps
-the compute dtype. A tensor the quantization_config does not account for (an FP8 weight or a scale of a
+FP8 KV-cache scales a checkpoint may carry (`k_scale`, `v_scale`, `kv_scale`: a kv_cache_scheme's) are not
+weights: `read_kv_scales` collects them per layer and the model carries them (kv_cache.KV_SCALES_ATTR) for
+`--kv-cache-dtype fp8`. A tensor the quantization_config does not account for (an FP8 weight or a scale of a
 linear it leaves unquantized) is an error that names it.
 """
 
@@ -20,12 +21,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..kv_cache import KV_SCALES_ATTR
 from .config import Fp8Config
 from .fp8 import FP8_DTYPE
 from .linear import Fp8LinearModule, replace_module
@@ -141,6 +144,10 @@ def load_quantized_model(
 
     model = plain_model(config, dtype)
     tensors = checkpoint_tensors(name_or_path)
+    model_config: Any = model.config
+    kv_scales = read_kv_scales(tensors, model_config.num_hidden_layers)
+    if kv_scales:
+        setattr(model, KV_SCALES_ATTR, kv_scales)
     linear_names = linear_module_names(model)
     kept_fp8 = _load_fp8_modules(model, linear_names, tensors, quant, dtype) if keep_fp8 else frozenset()
     loaded = {f"{module}.{name}" for module in kept_fp8 for name in ("weight", "weight_scale", "input_scale", "bias")}
@@ -167,6 +174,29 @@ def load_quantized_model(
     elif os.path.exists(os.path.join(name_or_path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(name_or_path)
     return model.eval()
+
+
+def read_kv_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> tuple[tuple[float, float], ...]:
+    """Each layer's (k_scale, v_scale) from the checkpoint's `layers.N.self_attn.{k,v}_scale` (compressed-tensors'
+    kv_cache_scheme) or `kv_scale` (one for both, AutoFP8); a layer without them 1.0; () when there are none."""
+    scales = [[1.0, 1.0] for _ in range(num_layers)]
+    found = False
+    for name in tensors:
+        if not name.endswith(_KV_SCALE_SUFFIXES):
+            continue
+        match = re.search(r"layers\.(\d+)\.", name)
+        if match is None or int(match.group(1)) >= num_layers:
+            raise Fp8CheckpointError(f"the checkpoint has {name}, a KV-cache scale of no layer cbq knows")
+        value = float(tensors[name].float().reshape(-1).max())  # per tensor (a per-head one: its largest)
+        if not value > 0:
+            raise Fp8CheckpointError(f"the checkpoint's {name} is {value} (a positive scale expected)")
+        layer, which = scales[int(match.group(1))], name.rsplit(".", 1)[1]
+        if which in ("k_scale", "kv_scale"):
+            layer[0] = value
+        if which in ("v_scale", "kv_scale"):
+            layer[1] = value
+        found = True
+    return tuple((k, v) for k, v in scales) if found else ()
 
 
 def _load_fp8_modules(
