@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
-from schemas.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SAMPLES
+from schemas.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_PROMPT_LOGPROBS, MAX_SAMPLES
 
 
 class FinishReason(str, Enum):
@@ -107,10 +107,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name, bound in (("logprobs", MAX_LOGPROBS), ("prompt_logprobs", MAX_PROMPT_LOGPROBS)):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+            if value is not None and not 0 <= value <= bound:
+                raise ValueError(f"{name} must be in [0, {bound}] or None, got {value}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -267,6 +267,7 @@ class EngineResult:
     # When `SamplingParams.prompt_logprobs` is set and the request did not fail: one per prompt token, None for
     # the first (nothing precedes it), as vLLM's `RequestOutput.prompt_logprobs`.
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    prompt_ids: list[int] | None = None  # with prompt_logprobs: the prompt they score (after any truncation)
 
     @property
     def all_samples(self) -> list[SampleOutput]:

@@ -557,6 +557,7 @@ class Engine:
             logprobs=out.logprobs,
             samples=outputs if len(samples) > 1 else [],
             prompt_logprobs=prompt_logprobs,
+            prompt_ids=list(first.prompt_ids) if prompt_logprobs is not None else None,
         )
 
     def _emit_error(self, req: EngineRequest, error: str, code: ErrorCode | None = None) -> None:
