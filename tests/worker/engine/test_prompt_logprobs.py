@@ -169,7 +169,9 @@ def test_requests_that_do_not_ask_are_unchanged(llama):
     mixed = run(llama, plain + scoring)
     for req in plain:
         a, b = alone[req.request_id], mixed[req.request_id]
-        assert (a.token_ids, a.logprobs, a.prompt_logprobs) == (b.token_ids, b.logprobs, None)
+        assert (a.token_ids, a.prompt_logprobs, b.prompt_logprobs) == (b.token_ids, None, None)
+        # the values within float rounding: another batch composition may round the last bits otherwise
+        assert all(abs(x.logprob - y.logprob) < 1e-5 for x, y in zip(a.logprobs, b.logprobs, strict=True))
 
 
 def test_prompt_logprobs_bound_is_checked():
