@@ -156,7 +156,8 @@ class Scheduler:
     def _reusable_prefix(self, seq: Sequence) -> list[int]:
         """Written blocks `seq` can start from: cached ones, or its leader's prompt blocks if longer."""
         prefix = self.blocks.match_prefix(seq)
-        if seq.wants_prompt_logprobs:  # computing from block k needs the entry of position k * block_size known
+        if seq.wants_prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            # computing from block k needs the entry of position k * block_size known already
             prefix = prefix[: (len(seq.prompt_logprobs) - 1) // self.blocks.block_size]
         leader = self._leader_of.get(seq)
         if leader is not None and leader.status == SeqStatus.RUNNING:
