@@ -374,13 +374,13 @@ class Engine:
             self.scheduler.on_token(seq)
             if seq.is_finished:
                 continue  # finished (or aborted) at an earlier step; this token was speculative
-            if seq.sampling.max_new_tokens == 0:  # scoring: the prompt is computed, its sample is not kept
-                self._finish(seq, FinishReason.LENGTH)
-                continue
+            if seq.first_token_time is None:  # its first token (checked here: the hot path is the others)
+                if seq.sampling.max_new_tokens == 0:  # scoring: the prompt is computed, its sample is not kept
+                    self._finish(seq, FinishReason.LENGTH)
+                    continue
+                seq.first_token_time = now
             seq.output_ids.append(tokens[row])
             stats.output_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             if seq.matcher is not None and not seq.matcher.consume_token(tokens[row]):
                 self._finish(seq, FinishReason.ERROR, error=f"constraint: {seq.matcher.get_error()}")
                 continue
