@@ -229,3 +229,37 @@ def test_description_names_the_rows_not_recorded_yet():
     assert rows.target_ids == (105, 106, 107, 108, 109, 305, 306)
     assert [(g.seq_index, g.first_position, g.num_rows, g.num_top) for g in rows.groups] == [(0, 5, 5, 2), (2, 5, 2, 0)]
     assert describe_step(plan, {}, prompt_logprobs=False)[0].prompt_rows is None
+
+
+def test_rows_in_flight_at_a_preemption_are_recorded_once(llama, tiny_models, monkeypatch):
+    """Async mode with the CPU runner computing at `wait`, as a GPU does: a sequence preempted while its prompt
+    rows are in flight computes some of them again; each position keeps one entry, and the values are right."""
+    from worker.engine import engine as engine_module
+    from worker.engine.prompt_logprobs import record
+
+    from .test_engine_prefix_cache import defer_compute
+
+    ref_model, _ = tiny_models("tiny-llama")
+    model, tok = llama
+    dropped = []
+
+    def counting_record(known, first_position, entries):
+        dropped.append(max(0, len(known) - first_position))
+        record(known, first_position, entries)
+
+    monkeypatch.setattr(engine_module, "record_prompt_logprobs", counting_record)
+    rng = random.Random(14)
+    reqs = [
+        EngineRequest(
+            f"r{i}", [1] + [rng.randrange(3, 256) for _ in range(30 + 11 * i)],
+            SamplingParams(20, ignore_eos=True, prompt_logprobs=1),
+        )
+        for i in range(6)
+    ]  # fmt: skip
+    engine = Engine(model, tok, EngineConfig(mode="async", num_kv_blocks=14, max_num_batched_tokens=24))
+    violations = defer_compute(engine)
+    results = {r.request_id: r for r in engine.generate(reqs)}
+    assert not violations and engine.stats().num_preemptions > 0
+    assert sum(dropped) > 0  # positions computed twice reached the record, which kept the first
+    for req in reqs:
+        check_prompt_logprobs(ref_model, req, results[req.request_id])
