@@ -263,3 +263,14 @@ def test_rows_in_flight_at_a_preemption_are_recorded_once(llama, tiny_models, mo
     assert sum(dropped) > 0  # positions computed twice reached the record, which kept the first
     for req in reqs:
         check_prompt_logprobs(ref_model, req, results[req.request_id])
+
+
+@pytest.mark.parametrize("family", ["tiny-gemma2", "tiny-qwen3", "tiny-phi3"])
+def test_other_families_through_the_owned_decoder(tiny_models, family):
+    """Soft-capped (Gemma 2), q/k-normed (Qwen3) and fused-projection (Phi-3) logits score the prompt alike."""
+    ref_model, _ = tiny_models(family)
+    model, tok = load_model(family, torch.device("cpu"), torch.float32)
+    req = EngineRequest("r", prompt(40, 45, bos=tok.bos_token_id or 1), SamplingParams(3, prompt_logprobs=3))
+    engine = Engine(model, tok, EngineConfig(decoder="owned", num_kv_blocks=64, max_num_batched_tokens=16))
+    [result] = engine.generate([req])
+    check_prompt_logprobs(ref_model, req, result)
