@@ -28,7 +28,8 @@ def _rows() -> dict[str, tuple[str, str]]:
     return {
         "`max_new_tokens` (OpenAI body: `max_tokens` or `max_completion_tokens`; `null` = not given)": (
             "generation_config's `max_new_tokens`, else the rest of the context (context length minus prompt)",
-            f"1 to {_num(L.MAX_NEW_TOKENS_LIMIT)}",
+            f"0 to {_num(L.MAX_NEW_TOKENS_LIMIT)}; 0 (score the prompt, generate nothing) only with `prompt_logprobs` "
+            "or a completions body's `echo`",
         ),
         "`temperature`": (
             "generation_config's, else 1 for an OpenAI body (OpenAI's and vLLM's default) and 0 (greedy) for a "
@@ -47,6 +48,15 @@ def _rows() -> dict[str, tuple[str, str]]:
         "`logprobs` (chat body: `logprobs: true` + `top_logprobs`)": (
             "none",
             f"0 to {L.MAX_LOGPROBS} alternatives per token",
+        ),
+        "`prompt_logprobs`": (
+            "none",
+            f"0 to {L.MAX_PROMPT_LOGPROBS} alternatives per prompt token (each token's logprob and rank come with "
+            "them; the first token's entry is null)",
+        ),
+        "`echo` (completions body only)": (
+            "false",
+            "true or false: the choice's text starts with the prompt; with `logprobs`, so do its logprobs",
         ),
         "`presence_penalty`": (
             "0",

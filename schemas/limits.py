@@ -25,6 +25,7 @@ MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary has tokens
 MAX_BAD_WORDS = 256
 MAX_BAD_WORD_CHARS = 256
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat bound)
+MAX_PROMPT_LOGPROBS = 20  # top alternatives per prompt token (vLLM's default `max_logprobs`)
 MAX_CHOICES = 1024  # strings in a `choice` list
 MAX_SAMPLES = 128  # `n`: parallel samples per request (OpenAI's bound)
 MAX_TOOLS = 128  # tools in a chat body (OpenAI's bound)

@@ -8,7 +8,8 @@ Owns the input contract of `cbq submit`:
 
 An output constraint is spelled `json_schema`, `regex` or `choice` on simple and chat lines, and
 `response_format` in OpenAI bodies; logprobs are `logprobs: k` on simple and chat lines and in completions
-bodies, `logprobs: true` + `top_logprobs: k` in chat bodies. A constraint that does not compile fails its line.
+bodies, `logprobs: true` + `top_logprobs: k` in chat bodies; prompt logprobs are `prompt_logprobs: k` on every
+shape, and a completions body's `echo` (with `logprobs: k`, the prompt's logprobs lead the choice's). A constraint that does not compile fails its line.
 A chat body that forces a tool call runs as a constraint on the function's arguments (schemas/tools.py).
 
 `parse_request_line` turns one JSONL line into a `ParsedRequest` (sampling fields only where the line gave
@@ -43,6 +44,7 @@ from schemas.sampling import (
     Sampling,
     SharedSampling,
     check_min_tokens,
+    check_scoring,
     json_text,
 )
 from schemas.strict import StrictModel
@@ -93,6 +95,7 @@ class _NativeLine(SharedSampling, NativeSpelling, _NativeConstraint):
     @model_validator(mode="after")
     def _min_tokens_within_max(self):
         check_min_tokens(self.min_tokens, self.max_new_tokens, "max_new_tokens")
+        check_scoring(self.max_new_tokens, self.prompt_logprobs is not None, "max_new_tokens", "prompt_logprobs")
         return self
 
     def overrides(self) -> Sampling:
@@ -148,6 +151,7 @@ class Request(StrictModel):
     sampling: Sampling = Sampling()
     n: NumSamples = 1
     return_token_ids: bool = False
+    echo: bool = False  # completions bodies: the output text (and logprobs) start with the prompt's
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self):
@@ -179,6 +183,7 @@ class ParsedRequest(StrictModel):
     tool_call: ForcedToolCall | None = None
     overrides: Sampling = Sampling()
     n: NumSamples = 1
+    echo: bool = False
 
     def members(self) -> list[ParsedRequest]:
         """The requests this line stores: itself, or one per prompt of a completions request with several."""
@@ -223,6 +228,7 @@ class ParsedRequest(StrictModel):
             sampling=Sampling(**merged),
             n=self.n,
             return_token_ids=return_token_ids,
+            echo=self.echo,
         )
 
 
@@ -305,6 +311,7 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
         body = _validate(CompletionBody, envelope.body, line_no, ("body",), fails_alone)
         prompts = body.prompt
         of_endpoint: dict[str, Any] = _one_prompt(prompts[0]) if len(prompts) == 1 else {"group_prompts": prompts}
+        of_endpoint["echo"] = bool(body.echo)
     else:
         body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {

@@ -2,14 +2,16 @@
 
 Owns how an OpenAI body maps onto cbq's fields: the sampling fields by their own name (`SharedSampling`),
 `max_tokens`/`max_completion_tokens` as `max_new_tokens`, `response_format` and forced tool calls as the output
-constraint, and each endpoint's spelling of logprobs. Fields that cbq cannot honour are refused with the reason;
+constraint, and each endpoint's spelling of logprobs. Scoring: completions' `echo` (with `logprobs`, the prompt's
+tokens and logprobs lead the choice's, as OpenAI's legacy completions give them) and vLLM's `prompt_logprobs`
+on both endpoints; a token limit of 0 only with one of them. Fields that cbq cannot honour are refused with the reason;
 fields that change nothing at their accepted value are taken, so an unedited OpenAI batch file runs.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -26,6 +28,7 @@ from schemas.sampling import (
     Sampling,
     SharedSampling,
     check_min_tokens,
+    check_scoring,
     json_text,
 )
 from schemas.strict import StrictModel
@@ -161,6 +164,18 @@ class _OpenAIBody(SharedSampling, _BodyFields):
         return self
 
     @model_validator(mode="after")
+    def _zero_tokens_only_to_score(self):
+        for name in OPENAI_RENAMES:
+            check_scoring(getattr(self, name), self.scores_prompt(), name, self._scoring_fields)
+        return self
+
+    _scoring_fields: ClassVar[str] = "prompt_logprobs"
+
+    def scores_prompt(self) -> bool:
+        """Whether the body asks for its prompt's logprobs (or, completions, its echo)."""
+        return self.prompt_logprobs is not None
+
+    @model_validator(mode="after")
     def _one_name_per_field(self):
         for target in set(OPENAI_RENAMES.values()):
             given = [name for name, to in OPENAI_RENAMES.items() if to == target and getattr(self, name) is not None]
@@ -184,6 +199,13 @@ class _OpenAIBody(SharedSampling, _BodyFields):
 
 class CompletionBody(CompletionPrompt, PromptSpelling, _OpenAIBody):
     logprobs: NumLogprobs | None = None  # top alternatives per token (OpenAI allows 5; cbq up to 20)
+    # The choice's text starts with the prompt; with `logprobs`, so do its logprobs (the first token's is null).
+    echo: bool | None = None
+
+    _scoring_fields: ClassVar[str] = "echo or prompt_logprobs"
+
+    def scores_prompt(self) -> bool:
+        return bool(self.echo) or super().scores_prompt()
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

@@ -70,6 +70,36 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]  # most likely first; as many as the request asked for
 
 
+class PromptToken(_Model):
+    """A prompt token: its text (as `TopLogprob.token`), its exact bytes and its id."""
+
+    token: str
+    bytes: list[int]
+    token_id: int
+
+
+class PromptTopLogprob(PromptToken):
+    """A token at a prompt position, with its log-probability there and its rank (1: the most likely)."""
+
+    logprob: float
+    rank: int
+
+
+class PromptTokenLogprob(PromptTopLogprob):
+    """A prompt token's entry of `prompt_logprobs` (vLLM's field): its log-probability given the tokens before
+    it, its rank, and the most likely alternatives at its position (most likely first; ranks 1, 2, ...)."""
+
+    top_logprobs: list[PromptTopLogprob]
+
+
+class EchoedPrompt(_Model):
+    """What a completions `echo` puts before the output: the prompt's text and, when logprobs were asked, its
+    first token (which has no logprob; the others are `ResultLine.prompt_logprobs`)."""
+
+    text: str
+    first_token: PromptToken | None = None
+
+
 class CalledFunction(_Model):
     name: str
     arguments: str  # JSON text of an object, as OpenAI's
@@ -124,6 +154,10 @@ class ResultLine(ParsedParts):
     # Only for a request with n > 1 that did not fail: every sample in index order. `text`, `token_ids`,
     # `finish_reason` and `logprobs` above are sample 0's, so n = 1 readers keep working.
     samples: list[Sample] | None = None
+    # When asked (`prompt_logprobs`, or `echo` with `logprobs`) and the request did not fail: one per prompt token,
+    # null for the first (nothing precedes it), as vLLM's `prompt_logprobs`.
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
+    echo: EchoedPrompt | None = None  # completions bodies with `echo`, when the request did not fail
 
     @model_validator(mode="after")
     def _error_iff_failed(self):
@@ -246,16 +280,23 @@ def to_openai_output(
             for sample in result.all_samples
         ]
         body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "choices": choices, **common}
+        if request.sampling.prompt_logprobs is not None:  # vLLM's chat responses carry them beside the choices
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(result.prompt_logprobs)
     else:
+        echo = _echo_logprobs(result, request) if result.echo is not None else None
+        prefix = result.echo.text if result.echo is not None else ""
         choices = [
             {
                 "index": sample.index,
-                "text": sample.text,
-                "logprobs": _completion_logprobs(sample.logprobs),
+                "text": prefix + sample.text,
+                "logprobs": _completion_logprobs(sample.logprobs, echo, len(prefix)),
                 "finish_reason": sample.finish_reason,
             }
             for sample in result.all_samples
         ]
+        if request.sampling.prompt_logprobs is not None:  # vLLM's completions give them on each choice
+            for choice in choices:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(result.prompt_logprobs)
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": choices, **common}
     response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
     return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
@@ -318,19 +359,64 @@ def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None
     return {"content": [lp.model_dump() for lp in logprobs], "refusal": None}
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    """Completions' `choices[].logprobs`: parallel lists; `text_offset` counts characters of the output text
-    before each token (from 0: the prompt is not echoed)."""
+def _char_offsets(token_bytes: list[list[int]], start: int) -> tuple[list[int], int]:
+    """Characters of text before each token, from `start` (a character may span tokens), and after the last."""
+    offsets, num_chars = [], start
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for raw in token_bytes:
+        offsets.append(num_chars)
+        num_chars += len(decoder.decode(bytes(raw)))
+    return offsets, num_chars + len(decoder.decode(b"", final=True))
+
+
+def _completion_logprobs(
+    logprobs: list[TokenLogprob] | None, echo: dict[str, list[Any]] | None = None, prompt_chars: int = 0
+) -> dict[str, Any] | None:
+    """Completions' `choices[].logprobs`: parallel lists; `text_offset` counts characters of the choice's text
+    before each token. With `echo` (the prompt's lists, `_echo_logprobs`) they lead, and the output's offsets
+    start after the `prompt_chars` characters of the echoed prompt."""
     if logprobs is None:
         return None
-    offsets, num_chars = [], 0
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
-    for lp in logprobs:
-        offsets.append(num_chars)
-        num_chars += len(decoder.decode(bytes(lp.bytes)))
-    return {
+    out: dict[str, list[Any]] = {
         "tokens": [lp.token for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{top.token: top.logprob for top in lp.top_logprobs} for lp in logprobs],
-        "text_offset": offsets,
+        "text_offset": _char_offsets([lp.bytes for lp in logprobs], prompt_chars)[0],
     }
+    return {name: echo[name] + values for name, values in out.items()} if echo else out
+
+
+def _echo_logprobs(result: ResultLine, request: Request) -> dict[str, list[Any]] | None:
+    """The prompt's part of an echoed choice's logprobs, as OpenAI's legacy completions give it: every prompt
+    token, the first with a null logprob and null alternatives; each alternatives' dict holds the token itself
+    too (OpenAI: up to logprobs + 1 entries). Offsets index the choice's text: they are aligned at the end of the
+    echoed prompt, so that a token the tokenizer added in front (BOS) gets offset 0."""
+    echo, entries = result.echo, result.prompt_logprobs
+    if echo is None or echo.first_token is None or entries is None or request.sampling.logprobs is None:
+        return None
+    num_top = request.sampling.logprobs
+    tokens: list[PromptToken] = [echo.first_token, *(e for e in entries[1:] if e is not None)]
+    offsets, num_chars = _char_offsets([t.bytes for t in tokens], 0)
+    shift = len(echo.text) - num_chars
+    tops: list[dict[str, float] | None] = [None]
+    for e in entries[1:]:
+        assert e is not None, "only the first prompt token has no entry"
+        tops.append({top.token: top.logprob for top in e.top_logprobs[:num_top]} | {e.token: e.logprob})
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [None, *(e.logprob for e in entries[1:] if e is not None)],
+        "top_logprobs": tops,
+        "text_offset": [max(0, offset + shift) for offset in offsets],
+    }
+
+
+def _vllm_prompt_logprobs(entries: list[PromptTokenLogprob | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` in its OpenAI server's responses: null for the first token, then per token a map
+    from token id to its logprob, rank and text, for the top alternatives and the prompt's token itself."""
+    if entries is None:
+        return None
+
+    def item(t: PromptTopLogprob) -> tuple[str, dict[str, Any]]:
+        return str(t.token_id), {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.token}
+
+    return [None if e is None else dict(map(item, [*e.top_logprobs, e])) for e in entries]

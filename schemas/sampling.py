@@ -30,6 +30,7 @@ from schemas.limits import (
     MAX_LOGPROBS,
     MAX_NEW_TOKENS_LIMIT,
     MAX_PENALTY,
+    MAX_PROMPT_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_SAMPLES,
     MAX_SEED,
@@ -55,8 +56,11 @@ StopStrings = Annotated[
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
-MaxNewTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)]
+# 0 scores the prompt and generates nothing: a line may give it only with prompt_logprobs (or `echo`,
+# completions bodies), `check_scoring` says so.
+MaxNewTokens = Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS_LIMIT)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NumPromptLogprobs = Annotated[int, Field(ge=0, le=MAX_PROMPT_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
@@ -180,6 +184,12 @@ class SharedSampling(StrictModel):
     spaces_between_special_tokens: bool | None = Field(
         None, description="Put spaces around special tokens kept in the text (default: true)."
     )
+    prompt_logprobs: NumPromptLogprobs | None = Field(
+        None,
+        description="Return each prompt token's log-probability given the tokens before it (the first token has "
+        "none), its rank, and this many most likely alternatives (vLLM's field; with max_new_tokens 0 the request "
+        "only scores its prompt).",
+    )
     truncate_prompt_tokens: int | None = Field(
         None,
         ge=1,
@@ -202,6 +212,12 @@ NEUTRAL_VALUES: dict[str, Any] = {
 }
 
 
+def check_scoring(max_tokens: int | None, scores_prompt: bool, max_name: str, scoring_fields: str) -> None:
+    """A token limit of 0 generates nothing: only a request that scores its prompt may give it."""
+    if max_tokens == 0 and not scores_prompt:
+        raise ValueError(f"{max_name} 0 generates nothing: it is for scoring the prompt, with {scoring_fields}")
+
+
 def check_min_tokens(min_tokens: int | None, max_tokens: int | None, max_name: str) -> None:
     """vLLM's rule, for a line that gives both: min_tokens may not exceed the token limit."""
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
@@ -213,7 +229,8 @@ class NativeSpelling(StrictModel):
 
     max_new_tokens: MaxNewTokens | None = Field(
         None,
-        description="Most tokens to generate (default: the model's generation_config, else the rest of the context).",
+        description="Most tokens to generate (default: the model's generation_config, else the rest of the "
+        "context); 0 with prompt_logprobs scores the prompt only.",
     )
     logprobs: NumLogprobs | None = Field(
         None, description="Return each output token's log-probability and this many most likely alternatives."

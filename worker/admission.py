@@ -24,7 +24,17 @@ from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.lines import Request
 from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
 from schemas.prompt import PromptOptions
-from schemas.result import ResultLine, Sample, TokenLogprob, TopLogprob, Usage
+from schemas.result import (
+    EchoedPrompt,
+    PromptToken,
+    PromptTokenLogprob,
+    PromptTopLogprob,
+    ResultLine,
+    Sample,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from schemas.sampling import NEUTRAL_VALUES, OutputConstraint, Sampling
 from worker.engine.api import (
     ChatOptions,
@@ -35,6 +45,7 @@ from worker.engine.api import (
     SamplingParams,
     TokenizerProtocol,
 )
+from worker.engine.api import PromptLogprob as EnginePromptLogprob
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
 from worker.engine.tokenizer import NoChatTemplate
 from worker.output_parsers import (
@@ -202,7 +213,7 @@ def to_engine_request(
         prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
     if request.sampling.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last k tokens
         prompt_ids = prompt_ids[-request.sampling.truncate_prompt_tokens :]
-    sampling = to_sampling_params(with_line_defaults(request, model_defaults))
+    sampling = to_sampling_params(with_echo(request, with_line_defaults(request, model_defaults)))
     if parsing is not None and request.is_chat:  # a reasoning model's answer is constrained, not its thinking
         sampling = parsing.constrain_after_reasoning(sampling, prompt_ids, tokenizer)
     return EngineRequest(
@@ -236,6 +247,14 @@ def with_line_defaults(request: Request, model_defaults: Mapping[str, Any]) -> S
         if getattr(request.sampling, name) is None and name not in model_defaults
     }
     return request.sampling.model_copy(update=missing) if missing else request.sampling
+
+
+def with_echo(request: Request, sampling: Sampling) -> Sampling:
+    """A completions `echo` with `logprobs: k` scores the prompt too: its prompt logprobs, k alternatives each
+    (at least: an explicit `prompt_logprobs` may ask for more)."""
+    if not request.echo or sampling.logprobs is None:
+        return sampling
+    return sampling.model_copy(update={"prompt_logprobs": max(sampling.prompt_logprobs or 0, sampling.logprobs)})
 
 
 def to_sampling_params(sampling: Sampling, params_type: type[SamplingParams] = SamplingParams) -> SamplingParams:
@@ -273,6 +292,7 @@ def to_result_line(
     """The result line of one engine result. A failed request reports no completion tokens: it returns no text
     (the engine counts the token a grammar rejected, the one that failed it)."""
     reason = result.finish_reason.value
+    succeeded = reason in ("stop", "length")
     usage = dataclasses.asdict(result.usage)
     if reason == "error":
         usage["completion_tokens"] = 0
@@ -310,6 +330,8 @@ def to_result_line(
         error_code=result.error_code.value if result.error_code and reason == "error" else None,
         logprobs=_logprob_lines(result.logprobs, tokenizer) if reason != "error" else None,
         samples=samples,
+        prompt_logprobs=_prompt_logprob_lines(result.prompt_logprobs, tokenizer) if succeeded else None,
+        echo=_echoed_prompt(request, result, tokenizer) if succeeded and request.echo else None,
         **parsed(0, result.text, result.token_ids),
     )
 
@@ -346,6 +368,42 @@ def _logprob_lines(
         TokenLogprob(**top(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**top(*t)) for t in lp.top])
         for lp in logprobs
     ]
+
+
+def _token_fields(token_id: int, tokenizer: TokenizerProtocol) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw), "token_id": token_id}
+
+
+def _prompt_logprob_lines(
+    entries: list[EnginePromptLogprob | None] | None, tokenizer: TokenizerProtocol
+) -> list[PromptTokenLogprob | None] | None:
+    """A result line's prompt logprobs (null for the first token), each token with its text, bytes and id."""
+    if entries is None:
+        return None
+
+    def line(e: EnginePromptLogprob) -> PromptTokenLogprob:
+        top = [
+            PromptTopLogprob(**_token_fields(token_id, tokenizer), logprob=max(value, _MIN_LOGPROB), rank=rank)
+            for rank, (token_id, value) in enumerate(e.top, start=1)
+        ]
+        return PromptTokenLogprob(
+            **_token_fields(e.token_id, tokenizer), logprob=max(e.logprob, _MIN_LOGPROB), rank=e.rank, top_logprobs=top
+        )
+
+    return [None if e is None else line(e) for e in entries]
+
+
+def _echoed_prompt(request: Request, result: EngineResult, tokenizer: TokenizerProtocol) -> EchoedPrompt:
+    """The prompt a completions `echo` puts first: as the body gave it (token ids: decoded), and its first token
+    when the engine scored the prompt (echo with logprobs)."""
+    if request.prompt is not None:
+        text = request.prompt
+    else:
+        assert request.prompt_token_ids is not None, "an echo is for a completions prompt"
+        text = tokenizer.decode(request.prompt_token_ids)
+    first = _token_fields(result.prompt_ids[0], tokenizer) if result.prompt_ids else None
+    return EchoedPrompt(text=text, first_token=PromptToken(**first) if first else None)
 
 
 def error_line(index: int, custom_id: str | None, message: str) -> ResultLine:

@@ -182,7 +182,8 @@ class FakeEngine:
         sampling = req.sampling
         room = self.max_model_len - len(req.prompt_ids)
         output_ids: list[int] = []
-        for k in range(min(sampling.max_new_tokens or room, room)):  # None: the rest of the context
+        limit = room if sampling.max_new_tokens is None else min(sampling.max_new_tokens, room)  # None: the rest
+        for k in range(limit):
             token = req.prompt_ids[k % len(req.prompt_ids)]
             if token in sampling.stop_token_ids:
                 return output_ids, FinishReason.STOP

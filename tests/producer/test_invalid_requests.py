@@ -25,11 +25,13 @@ FILES = {
         },
     ),
     "vllm_mixed_batch.jsonl": (
-        ["vllm-1", "vllm-3"],
+        ["vllm-1", "vllm-3", "vllm-6"],
         {
             "vllm-2": ("use_beam_search", "unknown_parameter"),
             "vllm-4": ("top_p", "invalid_value"),
             "vllm-5": ("skip_special_tokens", None),  # before the field existed: unknown; after: a bad value
+            "vllm-7": (None, "invalid_value"),  # max_tokens 0 without echo or prompt_logprobs
+            "vllm-8": ("prompt_logprobs", "invalid_value"),  # above vLLM's 20
         },
     ),
 }
@@ -94,7 +96,7 @@ def test_cbq_results_reads_the_failures_back_in_both_formats(cbq, tmp_path, name
     assert [line["custom_id"] for line in failed] == list(bad)
     for line in failed:
         param, code = bad[line["custom_id"]]
-        assert line["finish_reason"] == "error" and line["error_param"] == param
+        assert line["finish_reason"] == "error" and line.get("error_param") == param  # None: left out
         assert code is None or line["error_code"] == code
 
     assert cbq("results", batch_id, "-o", out, "--errors", err, "--format", "openai").exit_code == 0

@@ -213,7 +213,7 @@ def test_completion_lines_take_no_chat_template_kwargs():
         ),
         (
             {"prompt": "x", "max_new_tokens": 0},
-            "line 7: max_new_tokens: Input should be greater than or equal to 1",
+            "line 7: max_new_tokens 0 generates nothing: it is for scoring the prompt, with prompt_logprobs",
         ),
         ({"prompt": "x", "top_p": 0}, "line 7: top_p: Input should be greater than 0"),
         ({"prompt": "x", "top_p": 1.5}, "line 7: top_p: Input should be less than or equal to 1"),

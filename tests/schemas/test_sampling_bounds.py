@@ -45,6 +45,9 @@ def openai(body):
         ({"allowed_token_ids": []}, "line 7: allowed_token_ids: List should have at least 1 item"),
         ({"bad_words": [""]}, "line 7: bad_words[0]: String should have at least 1 character"),
         ({"truncate_prompt_tokens": 0}, "line 7: truncate_prompt_tokens: Input should be greater than or equal to 1"),
+        ({"prompt_logprobs": 21}, "line 7: prompt_logprobs: Input should be less than or equal to 20"),
+        ({"prompt_logprobs": -1}, "line 7: prompt_logprobs: Input should be greater than or equal to 0"),
+        ({"max_new_tokens": -1}, "line 7: max_new_tokens: Input should be greater than or equal to 0"),
         ({"stop": ["s"] * 17}, "line 7: stop: List should have at most 16 items after validation, not 17"),
         ({"stop": "s" * 257}, "line 7: stop[0]: String should have at most 256 characters"),
         ({"stop_token_ids": list(range(257))}, "line 7: stop_token_ids: List should have at most 256 items"),
@@ -68,7 +71,8 @@ def test_out_of_bounds_values_name_the_line_and_the_field(fields, expected):
         ({"max_tokens": 2**20 + 1}, "line 7: body.max_tokens: Input should be less than or equal to 1048576"),
         (
             {"max_completion_tokens": 0},
-            "line 7: body.max_completion_tokens: Input should be greater than or equal to 1",
+            "line 7: body: max_completion_tokens 0 generates nothing: it is for scoring the prompt, with echo or "
+            "prompt_logprobs",
         ),
         ({"top_k": 10**7}, "line 7: body.top_k: Input should be less than or equal to 1000000"),
         (
@@ -105,6 +109,7 @@ def test_values_at_the_bounds_are_accepted():
         "skip_special_tokens": False,
         "spaces_between_special_tokens": False,
         "truncate_prompt_tokens": 2**20,
+        "prompt_logprobs": 20,
     }
     choices = [f"c{i}" for i in range(1024)]
     parsed = parse_request_line(json.dumps({"prompt": "x", **at_bounds, "choice": choices}), 1)

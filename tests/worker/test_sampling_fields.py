@@ -62,6 +62,7 @@ LINE_VALUES = {
     "skip_special_tokens": False,
     "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 1,
+    "prompt_logprobs": 2,
 }
 _SPELLED = {"constraint"}  # a line spells its constraint as json_schema, regex or choice
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
-from schemas.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SAMPLES
+from schemas.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_PROMPT_LOGPROBS, MAX_SAMPLES
 
 
 class FinishReason(str, Enum):
@@ -74,6 +74,9 @@ class SamplingParams:
     # Per output token: the chosen token's log-probability and this many top alternatives (0..20), from
     # the model's raw distribution (logits before the constraint mask, temperature, top-k and top-p).
     logprobs: int | None = None  # None: no logprobs
+    # Per prompt token (vLLM's `prompt_logprobs`): its log-probability given the tokens before it, its rank and
+    # this many top alternatives (0..20), computed in the prefill (prompt_logprobs.py). None: not computed.
+    prompt_logprobs: int | None = None
     # OpenAI's penalties, over the tokens this sample has generated (not the prompt): a token's logit loses
     # presence_penalty once it has appeared, and frequency_penalty per appearance (sampler.apply_penalties).
     presence_penalty: float | None = None
@@ -95,16 +98,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (library callers build these directly): raise, never assert.
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # 0: the prompt is only computed (scoring, with prompt_logprobs); the request finishes with no token.
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        for name, bound in (("logprobs", MAX_LOGPROBS), ("prompt_logprobs", MAX_PROMPT_LOGPROBS)):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= bound:
+                raise ValueError(f"{name} must be in [0, {bound}] or None, got {value}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -219,6 +225,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (vLLM's `prompt_logprobs` entry): its rank
+    in that distribution (1: the most likely) and the top alternatives, whose ranks are 1, 2, ... in order."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class SampleOutput:
     """One of a request's n parallel samples."""
@@ -247,6 +264,10 @@ class EngineResult:
     error_code: ErrorCode | None = None  # set for requests refused before they ran
     logprobs: list[TokenLogprob] | None = None  # sample 0's (see `SampleOutput.logprobs`)
     samples: list[SampleOutput] = field(default_factory=list)
+    # When `SamplingParams.prompt_logprobs` is set and the request did not fail: one per prompt token, None for
+    # the first (nothing precedes it), as vLLM's `RequestOutput.prompt_logprobs`.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    prompt_ids: list[int] | None = None  # with prompt_logprobs: the prompt they score (after any truncation)
 
     @property
     def all_samples(self) -> list[SampleOutput]:

@@ -10,18 +10,24 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .scheduler import StepPlan
+from .prompt_logprobs import rows_of_chunk
+from .scheduler import ScheduledChunk, StepPlan
 from .sequence import Sequence
-from .step import PenaltyRow, SamplingExtras, StepDescription, TokenBan
+from .step import PenaltyRow, PromptRowGroup, PromptRows, SamplingExtras, StepDescription, TokenBan
 
 
 def describe_step(
-    plan: StepPlan, prev_rows: Mapping[Sequence, int], eos_token_ids: frozenset[int] = frozenset(), extras: bool = False
+    plan: StepPlan,
+    prev_rows: Mapping[Sequence, int],
+    eos_token_ids: frozenset[int] = frozenset(),
+    extras: bool = False,
+    prompt_logprobs: bool = False,
 ) -> tuple[StepDescription, dict[Sequence, int]]:
     """The description of `plan`, and each sampling sequence's output row in it (the next step's `prev_rows`).
 
     `prev_rows`: sequences whose newest token the step in flight still samples, with its output row there.
-    `extras`: look for logprobs, penalties and masks (the engine says whether any unfinished sequence has one)."""
+    `extras`: look for logprobs, penalties and masks (the engine says whether any unfinished sequence has one).
+    `prompt_logprobs`: look for prompt rows (likewise; a decode-only step never has any)."""
     chunks = plan.chunks
     num_seqs = len(chunks)
     is_decode_only = plan.is_decode_only
@@ -79,8 +85,29 @@ def describe_step(
         min_p=[p.min_p for p in params],
         seeds=[seq.seed for seq in sample_seqs],
         extras=sampling_extras(sample_seqs, eos_token_ids) if extras else None,
+        prompt_rows=prompt_rows(chunks) if prompt_logprobs and not is_decode_only else None,
     )
     return description, {seq: row for row, seq in enumerate(sample_seqs)}
+
+
+def prompt_rows(chunks: list[ScheduledChunk]) -> PromptRows | None:
+    """The rows whose logits score prompt tokens of sequences that want prompt logprobs, or None if none."""
+    token_indices: list[int] = []
+    target_ids: list[int] = []
+    groups: list[PromptRowGroup] = []
+    offset = 0  # the chunk's first token among the step's
+    for b, c in enumerate(chunks):
+        seq = c.seq
+        if seq.wants_prompt_logprobs:
+            first, end = rows_of_chunk(c.start, c.num_tokens, len(seq.prompt_ids), len(seq.prompt_logprobs))
+            if first < end:
+                token_indices.extend(range(offset + first - c.start, offset + end - c.start))
+                target_ids.extend(seq.prompt_ids[first + 1 : end + 1])
+                num_top = seq.sampling.prompt_logprobs
+                assert num_top is not None
+                groups.append(PromptRowGroup(b, first + 1, end - first, num_top))
+        offset += c.num_tokens
+    return PromptRows(tuple(token_indices), tuple(target_ids), tuple(groups)) if groups else None
 
 
 def sampling_extras(sample_seqs: list[Sequence], eos_token_ids: frozenset[int]) -> SamplingExtras | None:

@@ -49,6 +49,7 @@ from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
+from .prompt_logprobs import record as record_prompt_logprobs
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
@@ -131,6 +132,7 @@ class Engine:
             model.config.vocab_size, config.max_num_seqs, self.device.type == "cuda"
         )
         self._num_with_extras = 0  # unfinished sequences with a constraint or logprobs (loop thread only)
+        self._num_with_prompt_logprobs = 0  # unfinished sequences that want prompt logprobs (likewise)
         self.runner.capture_graphs()
 
     @classmethod
@@ -299,7 +301,13 @@ class Engine:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = now
         prev_rows = inflight.rows if inflight is not None else {}
-        step, rows = describe_step(plan, prev_rows, self.eos_token_ids, extras=self._num_with_extras > 0)
+        step, rows = describe_step(
+            plan,
+            prev_rows,
+            self.eos_token_ids,
+            extras=self._num_with_extras > 0,
+            prompt_logprobs=self._num_with_prompt_logprobs > 0,
+        )
         mask_seqs = None
         if step.extras is not None and step.extras.mask_rows:
             sample_seqs = list(rows)  # in row order
@@ -353,6 +361,11 @@ class Engine:
                 stats.prompt_tokens += num_tokens
         self.step_log.append((num_step_tokens, len(step.plan.chunks), context_tokens, device_seconds))
         now = time.time()
+        if step.handle.prompt_logprobs is not None:  # before the tokens, which may finish a sequence
+            for group, entries in step.handle.prompt_logprobs.records():
+                seq = step.plan.chunks[group.seq_index].seq
+                if not seq.is_finished:
+                    record_prompt_logprobs(seq.prompt_logprobs, group.first_position, entries)
         sampling_chunks = step.plan.sampling_chunks()
         if step.handle.logprobs is not None:
             self._append_logprobs(step.handle, sampling_chunks, tokens)
@@ -361,10 +374,13 @@ class Engine:
             self.scheduler.on_token(seq)
             if seq.is_finished:
                 continue  # finished (or aborted) at an earlier step; this token was speculative
+            if seq.first_token_time is None:  # its first token (checked here: the hot path is the others)
+                if seq.sampling.max_new_tokens == 0:  # scoring: the prompt is computed, its sample is not kept
+                    self._finish(seq, FinishReason.LENGTH)
+                    continue
+                seq.first_token_time = now
             seq.output_ids.append(tokens[row])
             stats.output_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             if seq.matcher is not None and not seq.matcher.consume_token(tokens[row]):
                 self._finish(seq, FinishReason.ERROR, error=f"constraint: {seq.matcher.get_error()}")
                 continue
@@ -451,6 +467,9 @@ class Engine:
         ]
         if sampling.needs_extras:
             self._num_with_extras += len(samples)
+        if samples[0].wants_prompt_logprobs:
+            samples[0].prompt_logprobs = [None]  # the first token has none: nothing precedes it
+            self._num_with_prompt_logprobs += 1
         self._requests[req.request_id] = samples
         self.scheduler.add_group(samples)
 
@@ -483,6 +502,8 @@ class Engine:
                 sample.finish_reason, sample.finish_time = reason, now
                 if sample.sampling.needs_extras:
                     self._num_with_extras -= 1
+                if sample.wants_prompt_logprobs:
+                    self._num_with_prompt_logprobs -= 1
                 sample.matcher = None
         if all(sample.is_finished for sample in samples):  # always so after a group-wide finish
             del self._requests[seq.request_id]
@@ -520,6 +541,12 @@ class Engine:
             latency_seconds=max(0.0, finish_time - first.arrival_time),
         )
         out = outputs[0]
+        prompt_logprobs = None
+        if first.wants_prompt_logprobs and not failed:
+            prompt_logprobs = list(first.prompt_logprobs)
+            assert len(prompt_logprobs) == len(first.prompt_ids), (
+                f"{first.request_id}: {len(prompt_logprobs)} prompt logprobs for {len(first.prompt_ids)} tokens"
+            )
         return EngineResult(
             first.request_id,
             out.text,
@@ -529,6 +556,8 @@ class Engine:
             error,
             logprobs=out.logprobs,
             samples=outputs if len(samples) > 1 else [],
+            prompt_logprobs=prompt_logprobs,
+            prompt_ids=list(first.prompt_ids) if prompt_logprobs is not None else None,
         )
 
     def _emit_error(self, req: EngineRequest, error: str, code: ErrorCode | None = None) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import deterministic, logprobs
+from . import deterministic, logprobs, prompt_logprobs
 from .attention_backend import (
     ATTN_IMPLEMENTATION,
     AttentionBackend,
@@ -40,7 +40,7 @@ from .decoder import build_decoder
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
-from .step import PenaltyRow, SamplingExtras, StepDescription
+from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
 
 # Decode batch sizes that get a CUDA graph; a decode step pads up to the next one. Dense where batches
 # are small (every padded row costs a full row of weights traffic), coarser where they are large.
@@ -75,6 +75,9 @@ class StepHandle:
     is_sampled: bool = False  # the sampling and its D2H copy are queued
     is_greedy_in_graph: bool = False  # a decode graph replayed, writing the argmax ids into the slot
     logprobs: logprobs.StepLogprobs | None = None  # readable after `wait`
+    prompt_rows: PromptRows | None = None
+    prompt_device: prompt_logprobs.DeviceResults | None = None  # computed with the forward, until copied down
+    prompt_logprobs: prompt_logprobs.HostResults | None = None  # readable after `wait`
 
 
 def attention_backend_for(model: Any, choice: str, is_cuda: bool) -> AttentionBackend:
@@ -173,7 +176,7 @@ class ModelRunner:
         except Exception as exc:
             raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
         build_seconds = time.perf_counter() - t0
-        handle = self._launch(meta, step.extras)
+        handle = self._launch(meta, step.extras, step.prompt_rows)
         handle.build_seconds = build_seconds
         self._next_slot ^= 1
         return handle
@@ -199,7 +202,7 @@ class ModelRunner:
             seconds = handle.cpu_seconds
         return handle.sampled_host[: handle.meta.num_sample_rows].tolist(), seconds
 
-    def _launch(self, meta: BatchMeta, extras: SamplingExtras | None) -> StepHandle:
+    def _launch(self, meta: BatchMeta, extras: SamplingExtras | None, prompt_rows: PromptRows | None) -> StepHandle:
         slot = self.builder.slots[meta.slot]
         # Slots alternate on every launch, so the previous step's sampled ids live in the other slot.
         prev_sampled = self.builder.slots[1 - meta.slot].sampled_dev
@@ -207,7 +210,8 @@ class ModelRunner:
         if not self.is_cuda:
             t0 = time.perf_counter()
             self._copy_inputs(slot, meta)
-            logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled)
+            logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled, prompt_rows)
+            logits, prompt_device = self._split_prompt_rows(logits, meta, prompt_rows)
             handle = StepHandle(meta, slot.sampled_host, None, cpu_seconds=time.perf_counter() - t0)
         else:
             h2d_done = torch.cuda.Event()
@@ -221,12 +225,14 @@ class ModelRunner:
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(h2d_done)
                 events.start.record()
-                logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled)
+                logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled, prompt_rows)
+                logits, prompt_device = self._split_prompt_rows(logits, meta, prompt_rows)
                 if defer_sampling:  # guards the slot's inputs even if the sampling is never launched
                     self.slot_compute_done[meta.slot] = torch.cuda.Event()
                     self.slot_compute_done[meta.slot].record()
             handle = StepHandle(meta, slot.sampled_host, events)
         handle.extras, handle.logits, handle.is_greedy_in_graph = extras, logits, is_greedy_in_graph
+        handle.prompt_rows, handle.prompt_device = prompt_rows, prompt_device
         if not defer_sampling:
             self.launch_sampling(handle)
         return handle
@@ -243,6 +249,7 @@ class ModelRunner:
             slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows])
             if lp_results is not None:
                 handle.logprobs = logprobs.copy_to_host(self._logprob_buffer(meta.slot), lp_results, False)
+            self._copy_prompt_logprobs(handle, non_blocking=False)
             handle.cpu_seconds += time.perf_counter() - t0
         else:
             compute_done = torch.cuda.Event()
@@ -256,6 +263,7 @@ class ModelRunner:
                 slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows], non_blocking=True)
                 if lp_results is not None:
                     handle.logprobs = logprobs.copy_to_host(self._logprob_buffer(meta.slot), lp_results, True)
+                self._copy_prompt_logprobs(handle, non_blocking=True)
                 handle.events.d2h_done.record()
         handle.logits, handle.is_sampled = None, True
 
@@ -266,15 +274,32 @@ class ModelRunner:
         slot.tables_dev[: meta.num_seqs].copy_(slot.tables_host[: meta.num_seqs], non_blocking=nb)
 
     def _forward_logits(
-        self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor
+        self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor, prompt_rows: PromptRows | None = None
     ) -> tuple[torch.Tensor, bool]:
-        """The step's logits, and whether a decode graph already wrote their greedy ids into the slot."""
+        """The step's logits (its sample rows', then any prompt rows'), and whether a decode graph already wrote
+        their greedy ids into the slot."""
         key = (meta.slot, meta.num_seqs)
         if meta.is_decode_only and key in self.graphs:
+            assert prompt_rows is None, "a decode-only step has no prompt rows"
             self.graphs[key].replay()  # also writes the logits' argmax into slot.sampled_dev
             return self.graph_logits[key], True
         indices = slot.dev["logits_indices"][: meta.num_sample_rows]
+        if prompt_rows is not None:  # the LM head runs on these extra rows only
+            indices = torch.cat([indices, self._to_device(list(prompt_rows.token_indices), indices.dtype)])
         return self._forward_slot(slot, meta, prev_sampled, logits_indices=indices), False
+
+    def _split_prompt_rows(
+        self, logits: torch.Tensor, meta: BatchMeta, prompt_rows: PromptRows | None
+    ) -> tuple[torch.Tensor, prompt_logprobs.DeviceResults | None]:
+        """The sample rows' logits, and the prompt rows' logprobs computed from the rest (in the compute stream)."""
+        if prompt_rows is None:
+            return logits, None
+        return prompt_logprobs.split_logits(logits, meta.num_sample_rows, prompt_rows)
+
+    def _copy_prompt_logprobs(self, handle: StepHandle, non_blocking: bool) -> None:
+        if handle.prompt_device is not None and handle.prompt_rows is not None:
+            handle.prompt_logprobs = prompt_logprobs.copy_to_host(handle.prompt_rows, handle.prompt_device, non_blocking)
+            handle.prompt_device = None  # the host results hold it until the copy is done
 
     def _sample(
         self, slot: IOSlot, handle: StepHandle, bitmask: torch.Tensor | None

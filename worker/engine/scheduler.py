@@ -16,6 +16,11 @@ computed. Parallel samples (n > 1) are a leader and followers: the followers wai
 until the leader's prompt is written (`on_step_processed`), then share its full prompt blocks by
 reference and compute only the partial last block (at most one block of tokens) themselves.
 A waiting sequence never holds blocks, so preemption can always make room for the oldest one.
+
+A sequence that wants prompt logprobs (prompt_logprobs.py) starts from cached blocks only up to the prompt
+positions whose logprobs it has recorded, and its prefill chunks are shortened so that a step computes at most
+`prompt_logprobs.MAX_ROWS_PER_STEP` such rows. `max_new_tokens` 0 (scoring) samples once, at the prompt's end,
+and the engine drops that token.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .prompt_logprobs import MAX_ROWS_PER_STEP, rows_of_chunk
 from .sequence import SeqStatus, Sequence
 
 
@@ -67,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._prompt_rows_left = MAX_ROWS_PER_STEP  # in the step being scheduled
         # Parallel samples: leader -> followers not yet queued; follower -> leader until it is admitted.
         self._followers: dict[Sequence, list[Sequence]] = {}
         self._leader_of: dict[Sequence, Sequence] = {}
@@ -90,11 +97,13 @@ class Scheduler:
         return self._is_done_generating(seq, seq.num_tokens)
 
     def _is_done_generating(self, seq: Sequence, num_tokens: int) -> bool:
-        return num_tokens >= self.max_model_len or seq.num_generated >= seq.sampling.max_new_tokens
+        # `or 1`: a scoring request (max_new_tokens 0) still samples once, which ends its prefill
+        return num_tokens >= self.max_model_len or seq.num_generated >= (seq.sampling.max_new_tokens or 1)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
+        self._prompt_rows_left = MAX_ROWS_PER_STEP
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
         # NOTE: this loop runs once per running sequence per step (1,000 in W2), so it reads each sequence's
         # length once and skips the block manager while the sequence's table already covers the chunk.
@@ -107,6 +116,10 @@ class Scheduler:
             if self._is_done_generating(seq, num_tokens):
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            if num_new > 1 and seq.wants_prompt_logprobs:
+                num_new = self._within_prompt_rows(seq, seq.num_computed_tokens, num_new)
+                if not num_new:
+                    continue
             end = seq.num_computed_tokens + num_new
             if end > len(seq.block_table) * block_size:  # needs a new block (else can_allocate is True)
                 while not self.blocks.can_allocate(seq, end):
@@ -125,7 +138,9 @@ class Scheduler:
             prefix = self._reusable_prefix(seq)
             start = len(prefix) * self.blocks.block_size
             num_new = min(seq.num_tokens - start, budget)
-            if not self.blocks.can_allocate(seq, start + num_new, prefix):
+            if seq.wants_prompt_logprobs:
+                num_new = self._within_prompt_rows(seq, start, num_new)
+            if not num_new or not self.blocks.can_allocate(seq, start + num_new, prefix):
                 break
             self.waiting.popleft()
             self._leader_of.pop(seq, None)
@@ -141,12 +156,26 @@ class Scheduler:
     def _reusable_prefix(self, seq: Sequence) -> list[int]:
         """Written blocks `seq` can start from: cached ones, or its leader's prompt blocks if longer."""
         prefix = self.blocks.match_prefix(seq)
+        if seq.wants_prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            # computing from block k needs the entry of position k * block_size known already
+            prefix = prefix[: (len(seq.prompt_logprobs) - 1) // self.blocks.block_size]
         leader = self._leader_of.get(seq)
         if leader is not None and leader.status == SeqStatus.RUNNING:
             num_blocks = min((seq.num_tokens - 1) // self.blocks.block_size, leader.num_committed_blocks)
             if num_blocks > len(prefix):
                 prefix = leader.block_table[:num_blocks]
         return prefix
+
+    def _within_prompt_rows(self, seq: Sequence, start: int, num_new: int) -> int:
+        """`num_new` positions from `start`, shortened so that this step's prompt rows stay within the bound (0:
+        none fit); the rows are counted as taken."""
+        first, end = rows_of_chunk(start, num_new, seq.num_prompt_tokens, len(seq.prompt_logprobs))
+        num_rows = max(0, end - first)
+        if num_rows > self._prompt_rows_left:
+            num_new = max(0, first + self._prompt_rows_left - start)
+            num_rows = self._prompt_rows_left if num_new else 0
+        self._prompt_rows_left -= num_rows
+        return num_new
 
     def _schedule_chunk(self, plan: StepPlan, seq: Sequence, num_new: int, num_tokens: int) -> int:
         """Schedule positions [computed, computed + num_new) of `seq` (`num_tokens` long); blocks checked."""

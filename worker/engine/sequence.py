@@ -2,8 +2,8 @@
 
 - scheduler: `status`, `num_computed_tokens`, `num_inflight_samples`, `num_cached_tokens`
 - block manager: `block_table`, `block_hashes`, `num_committed_blocks`
-- engine (when a step's tokens arrive): `output_ids`, `output_logprobs`, `matcher`, `finish_reason`,
-  timestamps, accounting counters
+- engine (when a step's tokens arrive): `output_ids`, `output_logprobs`, `prompt_logprobs`, `matcher`,
+  `finish_reason`, timestamps, accounting counters
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import FinishReason, ResolvedSampling, TokenLogprob
+from .api import FinishReason, PromptLogprob, ResolvedSampling, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -35,6 +35,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling.logprobs is set
+    # When `wants_prompt_logprobs`: the prompt's leading positions whose entry is known, [None] at admission
+    # (the first token has none). Positions are recorded once each, in order (prompt_logprobs.py).
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     matcher: Any = None  # grammar matcher (grammar.py) when sampling.constraint is set
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V are in the cache or will be written by steps already launched.
@@ -58,6 +61,11 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Computes the prompt's logprobs: sample 0 of a request that asks (the others share its prompt)."""
+        return self.sampling.prompt_logprobs is not None and self.sample_index == 0
 
     @property
     def num_tokens(self) -> int:

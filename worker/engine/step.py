@@ -62,6 +62,33 @@ class SamplingExtras:
 
 
 @dataclass(frozen=True)
+class PromptRowGroup:
+    """The consecutive rows of one sequence of the step."""
+
+    seq_index: int  # b: the sequence's place in the step
+    first_position: int  # prompt position of the token the first row scores (>= 1)
+    num_rows: int
+    num_top: int  # alternatives this sequence asked for
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A step's prompt rows, as plain values (part of the step description; prompt_logprobs.py says which)."""
+
+    token_indices: tuple[int, ...]  # each row's index among the step's computed tokens
+    target_ids: tuple[int, ...]  # the token each row scores: the prompt's next token
+    groups: tuple[PromptRowGroup, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_indices)
+
+    @property
+    def num_top(self) -> int:
+        return max(g.num_top for g in self.groups)
+
+
+@dataclass(frozen=True)
 class StepDescription:
     """One step, as plain values (see the module docstring for the numbering)."""
 
@@ -82,6 +109,7 @@ class StepDescription:
     min_p: list[float]
     seeds: list[int]
     extras: SamplingExtras | None = None
+    prompt_rows: PromptRows | None = None  # rows whose logits score prompt tokens (prompt_logprobs.py)
 
     @property
     def num_seqs(self) -> int:

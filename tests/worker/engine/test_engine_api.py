@@ -245,7 +245,7 @@ def test_usage_queue_time_counts_from_arrival(llama):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be >= 0"),  # 0: score the prompt only
         ({"temperature": -0.5}, "temperature must be >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be >= 0"),

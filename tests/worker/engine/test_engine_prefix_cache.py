@@ -127,9 +127,10 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
     )
     num_steps = 0
 
-    def launch(meta, extras=None):
+    def launch(meta, extras=None, prompt_rows=None):
         return StepHandle(
-            meta, runner.builder.slots[meta.slot].sampled_host, None, extras=extras, is_sampled=True
+            meta, runner.builder.slots[meta.slot].sampled_host, None, extras=extras, is_sampled=True,
+            prompt_rows=prompt_rows,
         )
 
     def wait(handle):
@@ -143,7 +144,7 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
                     flat = cache.view(-1, *cache.shape[2:])
                     flat[slots] = torch.randn_like(flat[slots])
             raise RuntimeError("step died")
-        computed = real_launch(meta, handle.extras)  # computes now
+        computed = real_launch(meta, handle.extras, handle.prompt_rows)  # computes now
         for field in dataclasses.fields(computed):
             setattr(handle, field.name, getattr(computed, field.name))
         written.update(slots)
