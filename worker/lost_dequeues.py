@@ -72,6 +72,14 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def forget_sighting(conn: redis.Redis, queue: Queue, job_id: str) -> None:
+    """A worker registered `job_id`: clear the mark of a sighting in the intermediate list (maintenance may
+    have seen it there in the instant between the dequeue and the registration). The mark outlives the stay
+    otherwise (rq keeps it a day), and the next time the job passes through the list (a retry) it would count
+    as stuck at once: put back in its queue while a worker admits it, and run twice."""
+    conn.delete(queue.intermediate_queue.get_first_seen_key(job_id))
+
+
 def requeue_lost_dequeues(conn: redis.Redis, queue: Queue, stuck_after: float) -> list[str]:
     """Put back at the head of `queue` the jobs lost between dequeue and reply. Returns their ids.
 

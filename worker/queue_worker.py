@@ -57,6 +57,7 @@ from worker.admission import error_line, load_chunk_job
 from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
+from worker.lost_dequeues import forget_sighting
 from worker.maintenance import REDIS_ERRORS, Outage, clean_queue_registries, touch
 from worker.output_parsers import OutputParsing
 from worker.result_writer import Outcome, ResultWriter
@@ -300,6 +301,7 @@ class CbqWorker(BaseWorker):
             # CbqQueue moved it into the intermediate list, whatever the number of queues: it leaves it here,
             # in the transaction that marks it STARTED.
             self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+            forget_sighting(self.connection, queue, job.id)
             try:
                 work = load_chunk_job(
                     self.connection,

@@ -135,3 +135,23 @@ def run_burst_worker_on(conn, names) -> None:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def test_a_sighting_of_an_earlier_stay_in_the_intermediate_list_does_not_count(conn, cbq, write_jsonl, burst_worker):
+    """Maintenance saw the job in the instant between a dequeue and its registration (the clock starts); the
+    job ran, and later passes through the list again (a retry). That stay's clock starts afresh: the job is
+    not pushed back while a worker admits it, which would run it twice."""
+    submit(cbq, write_jsonl, 4)
+    queue = Queue("cbq", connection=conn, serializer=JSONSerializer)
+    job_id = lose_one_dequeue(conn, queue)
+    assert requeue_lost_dequeues(conn, queue, stuck_after=30) == []  # the sighting, in that instant
+    conn.set(queue.intermediate_queue.get_first_seen_key(job_id), time.time() - 60)  # ... a minute ago
+    conn.lrem(queue.intermediate_queue_key, 0, job_id)
+    conn.lpush(queue.key, job_id)
+    burst_worker()  # a worker takes it and runs it
+    # Retried later: queued again, and a worker has just dequeued it.
+    Job.fetch(job_id, connection=conn, serializer=JSONSerializer).set_status(JobStatus.QUEUED)
+    conn.rpush(queue.key, job_id)
+    lose_one_dequeue(conn, queue)
+    assert requeue_lost_dequeues(conn, queue, stuck_after=30) == []
+    assert queue.count == 0
