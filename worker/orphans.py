@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 WAITING = {JobStatus.QUEUED.value.encode(), JobStatus.STARTED.value.encode()}  # statuses someone must act on
 SEEN_TTL_SECONDS = 24 * 3600
-_COUNTERS = [BatchField.NUM_REQUESTS, BatchField.NUM_COMPLETED, BatchField.NUM_FAILED, BatchField.NUM_CANCELLED]
 
 
 def sweep_orphans(
@@ -83,9 +82,12 @@ def find_orphans(conn: redis.Redis, queue: Queue) -> list[str]:
     batch_ids = _texts(conn.zrange(keys.BATCHES, 0, -1))
     with conn.pipeline(transaction=False) as pipe:
         for batch_id in batch_ids:
-            pipe.hmget(keys.batch(batch_id), [f.value for f in _COUNTERS])
-        counters = pipe.execute()
-    unfinished = [b for b, values in zip(batch_ids, counters, strict=True) if _is_unfinished(values)]
+            pipe.hget(keys.batch(batch_id), BatchField.NUM_REQUESTS.value)
+            pipe.hlen(keys.batch_results(batch_id))  # one field per request written: exact, unlike counters
+        replies = pipe.execute()
+    unfinished = [
+        b for b, total, written in zip(batch_ids, replies[0::2], replies[1::2], strict=True) if _is_below(written, total)
+    ]
     with conn.pipeline(transaction=False) as pipe:
         for batch_id in unfinished:
             pipe.hkeys(keys.batch_jobs(batch_id))
@@ -130,13 +132,12 @@ def requeue_orphan(conn: redis.Redis, queue: Queue, job_id: str) -> bool:
             return False
 
 
-def _is_unfinished(values: list[bytes | None]) -> bool:
-    """Whether a batch's counters (`_COUNTERS`) say requests are left; False for a batch gone or unreadable."""
+def _is_below(written: int, total: bytes | None) -> bool:
+    """Whether fewer results are written than the batch has requests; False for a batch gone or unreadable."""
     try:
-        total, *done = (int(v) if v is not None else 0 for v in values)
+        return total is not None and written < int(total)
     except ValueError:
         return False
-    return sum(done) < total
 
 
 def _texts(raw: Any) -> list[str]:

@@ -92,9 +92,9 @@ def test_finished_batches_and_other_queues_are_not_looked_at(conn, cbq, write_js
     batch_id = submit(cbq, write_jsonl, 8)
     job_id = orphan_one(conn, queue)
     assert find_orphans(conn, Queue("other", connection=conn)) == []
-    conn.hset(keys.batch(batch_id), "num_completed", 8)
+    conn.hset(keys.batch_results(batch_id), mapping={i: "{}" for i in range(8)})  # every result written
     assert find_orphans(conn, queue) == []
-    conn.hset(keys.batch(batch_id), "num_completed", 3)
+    conn.hdel(keys.batch_results(batch_id), 0)
     assert find_orphans(conn, queue) == [job_id]
 
 
