@@ -46,6 +46,8 @@ def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | Non
     """Move the next job id of the first non-empty queue of `queue_keys` (in order) into that queue's
     intermediate list; returns (queue key, job id). `timeout` None: return None at once when all are empty;
     else block up to `timeout` seconds, then raise rq's DequeueTimeout (as rq's dequeue does)."""
+    if not queue_keys:
+        return None
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         for key in queue_keys:
