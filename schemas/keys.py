@@ -18,6 +18,8 @@ Global:
     cbq:flush:{writer_id}     string the last results write a worker process applied (its sequence number);
                                      set in that write's transaction, so a write whose reply was lost is
                                      recognised instead of applied again (`worker.result_writer`)
+    cbq:orphans:{queue}:seen  hash   chunk job id -> when the orphan sweep first saw it held by nothing
+    cbq:orphans:{queue}:swept string held while one worker's sweep of that queue is recent (`worker.orphans`)
 
 OpenAI-compatible server (`cbq serve`; expire with the batch's result TTL):
 
@@ -119,6 +121,14 @@ def worker_stats(worker_name: str) -> str:
 
 def flush_marker(writer_id: str) -> str:
     return f"{PREFIX}flush:{writer_id}"
+
+
+def orphans_seen(queue: str) -> str:
+    return f"{PREFIX}orphans:{queue}:seen"
+
+
+def orphan_sweep(queue: str) -> str:
+    return f"{PREFIX}orphans:{queue}:swept"
 
 
 API_BATCHES = f"{PREFIX}api:batches"

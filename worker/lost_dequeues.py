@@ -1,11 +1,20 @@
-"""Chunk jobs whose dequeue reached Redis but whose reply never reached a worker. Owns nothing.
+"""Dequeues that no crash can lose: every dequeue moves the job into rq's intermediate list, and jobs left
+there by a dequeue whose worker never learnt of it go back to their queue. Owns nothing.
 
-rq dequeues with LMOVE from the queue into its intermediate list. If Redis dies after executing the LMOVE
-(with `appendfsync always` it is on disk) but before the reply is sent, no worker knows it holds the job:
-the id sits in the intermediate list with the job still QUEUED. rq's own cleanup fails such a job after a
-minute (`Job was stuck in intermediate queue`), which costs a retry, or the whole chunk where retries are
-off (`cbq run`). Seen in `tests/reliability/test_redis_outage.py` about once in 40 runs: a batch stuck at
-110 of 120 requests for that minute.
+rq dequeues with LMOVE from a queue into its intermediate list only when a worker listens on one queue; over
+several queues (a `cbq worker` listens on its model's queue and the shared one) it uses plain LPOPs. A job
+popped that way is held by the popping worker's memory alone until that worker registers it: a worker
+SIGKILLed in that instant, Redis killed after executing the LPOP but before replying, or a lost reply that
+redis-py answers by re-sending the LPOP (popping a second job), leaves a QUEUED job in no queue, no
+intermediate list and no registry, which nothing ever runs (issue 31: the soak lost one 15-request chunk this
+way in one of two CI runs). So `take_next` always moves, whatever the number of queues (LMOVE needs Redis
+6.2).
+
+If the worker never registers a moved job (killed, or the reply lost), the id sits in the intermediate list
+with the job still QUEUED. rq's own cleanup fails such a job after a minute (`Job was stuck in intermediate
+queue`), which costs a retry, or the whole chunk where retries are off (`cbq run`). Seen in
+`tests/reliability/test_redis_outage.py` about once in 40 runs: a batch stuck at 110 of 120 requests for that
+minute.
 
 Here a job is put back at the head of its queue instead, as if never dequeued, once it has sat in the
 intermediate list, QUEUED and in no StartedJobRegistry, for `stuck_after` seconds (a live worker registers a
@@ -16,14 +25,61 @@ both push it back.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 
 import redis
 from rq import Queue
+from rq.exceptions import DequeueTimeout
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.utils import now as rq_now
 
 log = logging.getLogger(__name__)
 QUEUED = JobStatus.QUEUED.value.encode()
+# A blocking dequeue over several queues blocks on the first for this long at a time, then looks at all of
+# them again: Redis has no blocking move from several lists. A job on another queue waits at most this long.
+BLOCK_SLICE_SECONDS = 0.2
+
+
+def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | None) -> tuple[str, str] | None:
+    """Move the next job id of the first non-empty queue of `queue_keys` (in order) into that queue's
+    intermediate list; returns (queue key, job id). `timeout` None: return None at once when all are empty;
+    else block up to `timeout` seconds, then raise rq's DequeueTimeout (as rq's dequeue does)."""
+    if not queue_keys:
+        return None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for key in queue_keys:
+            job_id = conn.lmove(key, IntermediateQueue.get_intermediate_queue_key(key))
+            if job_id is not None:
+                return key, _text(job_id)
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DequeueTimeout(timeout, queue_keys)
+        key = queue_keys[0]
+        block = left if len(queue_keys) == 1 else min(left, BLOCK_SLICE_SECONDS)
+        blocked_from = time.monotonic()
+        # Redis takes fractional seconds (redis-py types it int)
+        job_id = conn.blmove(key, IntermediateQueue.get_intermediate_queue_key(key), block)  # type: ignore[arg-type]
+        if job_id is not None:
+            return key, _text(job_id)
+        # fakeredis answers BLMOVE at once instead of blocking: wait here rather than spin
+        time.sleep(max(0.0, blocked_from + block - time.monotonic()))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def forget_sighting(conn: redis.Redis, queue: Queue, job_id: str) -> None:
+    """A worker registered `job_id`: clear the mark of a sighting in the intermediate list (maintenance may
+    have seen it there in the instant between the dequeue and the registration). The mark outlives the stay
+    otherwise (rq keeps it a day), and the next time the job passes through the list (a retry) it would count
+    as stuck at once: put back in its queue while a worker admits it, and run twice."""
+    conn.delete(queue.intermediate_queue.get_first_seen_key(job_id))
 
 
 def requeue_lost_dequeues(conn: redis.Redis, queue: Queue, stuck_after: float) -> list[str]:

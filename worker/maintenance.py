@@ -18,6 +18,7 @@ from rq.worker_registration import clean_worker_registry
 
 from worker.job_quarantine import quarantine_undecodable
 from worker.lost_dequeues import requeue_lost_dequeues
+from worker.orphans import sweep_orphans
 
 # rq's cleaning lock lasts 899 s: a worker killed while cleaning (or Redis restarted before the lock was
 # released) must not block cleanup that long. The lock lasts as long as a chunk takes to be taken for abandoned
@@ -40,7 +41,9 @@ def clean_queue_registries(
 ) -> None:
     """rq's cleanup of one queue's registries (it re-enqueues or fails the chunks of dead workers), made safe to
     run every few seconds: undecodable jobs are quarantined first, a failure is logged instead of killing the
-    worker, and the per-queue lock is released, or expires soon (rq's would block cleanup for 15 min)."""
+    worker, and the per-queue lock is released, or expires soon (rq's would block cleanup for 15 min). Then
+    cbq's own: lost dequeues go back to their queue, and (every `stale_after_seconds`) so do orphaned chunks
+    (`worker.orphans`)."""
     conn = worker.connection
     shortest, longest = MAINTENANCE_LOCK_SECONDS
     lock_seconds = int(min(longest, max(shortest, stale_after_seconds)))
@@ -53,6 +56,7 @@ def clean_queue_registries(
         # Before rq's intermediate cleanup, which would fail such a job after a minute (a retry lost).
         requeue_lost_dequeues(conn, queue, lost_dequeue_after_seconds)
         queue.intermediate_queue.cleanup(worker, queue)
+        sweep_orphans(conn, queue, worker.name, stale_after_seconds, stale_after_seconds)
     except REDIS_ERRORS:
         raise
     except Exception:

@@ -20,8 +20,9 @@ Failure handling (issue 10):
   admitted), Redis is retried with backoff, and the buffered results are written once it answers (the writer
   makes sure a write whose reply was lost is not applied twice). Past `redis_outage_limit_seconds` the worker
   gives up and exits non-zero; rq's cleanup then retries its chunks.
-- A dequeue that Redis executed but never answered (it died in between) leaves a QUEUED job in rq's intermediate
-  list that no worker holds; maintenance puts it back at the head of its queue (`worker.lost_dequeues`).
+- Every dequeue moves the job into its queue's intermediate list (also over several queues, where rq pops it
+  outright), so a dequeue whose worker died or whose reply was lost leaves a QUEUED job there that no worker
+  holds; maintenance puts it back at the head of its queue (`worker.lost_dequeues`).
 - A job that cannot be decoded goes to the FailedJobRegistry with the reason (`worker.job_quarantine`).
 - The same chunk dequeued again while it runs here (re-enqueued by a person or by cleanup) is adopted: its
   requests keep running once, under the new execution.
@@ -56,6 +57,7 @@ from worker.admission import error_line, load_chunk_job
 from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
+from worker.lost_dequeues import forget_sighting
 from worker.maintenance import REDIS_ERRORS, Outage, clean_queue_registries, touch
 from worker.output_parsers import OutputParsing
 from worker.result_writer import Outcome, ResultWriter
@@ -296,7 +298,10 @@ class CbqWorker(BaseWorker):
             return
         execution = self._redis_step(job, queue, None, lambda: self.prepare_execution(job))
         try:
-            self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+            # CbqQueue moved it into the intermediate list, whatever the number of queues: it leaves it here,
+            # in the transaction that marks it STARTED.
+            self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+            forget_sighting(self.connection, queue, job.id)
             try:
                 work = load_chunk_job(
                     self.connection,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from redis import Redis
 from rq.job import Job
 from rq.queue import Queue
 from rq.utils import now as rq_now
@@ -27,6 +28,28 @@ PRIVATE_WORKER_ATTRIBUTES = (
 )
 PRIVATE_WORKER_METHODS = ("_install_signal_handlers", "_pubsub_exception_handler")
 PRIVATE_JOB_ATTRIBUTES = ("_result",)  # what `handle_job_success` stores as the job's return value
+PRIVATE_QUEUE_METHODS = ("_fetch_dequeued_job",)  # `dequeue_any`'s job lookup after the pop
+
+
+def fetch_dequeued_job(
+    queue_class: type[Queue],
+    connection: Redis,
+    queue_key: str,
+    job_id: str,
+    job_class: type[Job] | None,
+    serializer: Any,
+    death_penalty_class: Any,
+) -> tuple[Job, Queue] | None:
+    """What rq's `dequeue_any` does with an id it popped: the job and its queue; None when the job hash is gone.
+    An error loading the job carries `job_id` and `queue` (`worker.job_quarantine` reads them)."""
+    return queue_class._fetch_dequeued_job(
+        connection,
+        queue_key,
+        job_id,
+        job_class=job_class,
+        serializer=serializer,
+        death_penalty_class=death_penalty_class,
+    )
 
 
 def set_dequeue_strategy(worker: BaseWorker, strategy: DequeueStrategy) -> None:

@@ -11,16 +11,25 @@ repeats (the job enqueued again). cbq's jobs carry none of these (`producer.stor
   the worker run code or open a connection, whatever path (the worker's, rq's cleanup's) loads it.
 - `CbqQueue` never enqueues dependents: a forged `dependents` set steers nothing.
 
+`CbqQueue` also dequeues by moving each job into its queue's intermediate list, over any number of queues
+(`worker.lost_dequeues.take_next`), where rq pops plain LPOPs over several: no job is ever held by a worker's
+memory alone.
+
 A job with an `untrusted_reason` is quarantined by the worker (`worker.job_quarantine`), never run.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
+from redis import Redis
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+
+from worker import rq_adapter
+from worker.lost_dequeues import take_next
 
 MAX_FIELD_BYTES = 64 * 1024  # of each field of a job hash; a cbq chunk job's largest is about 200 bytes
 MAX_DATA_BYTES = 1024 * 1024  # of its `data` once decompressed (a zlib bomb stops here)
@@ -81,6 +90,30 @@ class CbqJob(Job):
 
 class CbqQueue(Queue):
     job_class = CbqJob
+
+    @classmethod
+    def dequeue_any(
+        cls,
+        queues: Iterable[Queue],
+        timeout: int | None,
+        connection: Redis,
+        job_class: type[Job] | None = None,
+        serializer: Any = None,
+        death_penalty_class: Any = None,
+    ) -> tuple[Job, Queue] | None:
+        """rq's `dequeue_any`, except that the job is always moved into its queue's intermediate list (rq moves
+        it only for a single queue): a worker killed, or a reply lost, right after the pop leaves the job where
+        maintenance finds it (`worker.lost_dequeues`), not in no list at all."""
+        queue_keys = [queue.key for queue in queues]
+        while True:
+            taken = take_next(connection, queue_keys, timeout)
+            if taken is None:
+                return None
+            fetched = rq_adapter.fetch_dequeued_job(
+                cls, connection, *taken, job_class or cls.job_class, serializer, death_penalty_class
+            )
+            if fetched is not None:  # else the job hash is gone; rq's intermediate cleanup drops the id
+                return fetched
 
     def enqueue_dependents(
         self, job: Job, exclude_job_id: str | None = None, refresh_job_status: bool = True

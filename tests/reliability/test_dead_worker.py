@@ -93,3 +93,17 @@ def test_cancel_while_the_worker_is_dead_is_final_at_once(redis_server, start_wo
 
 def _running(conn, batch_id: str) -> int:
     return store.get_status(conn, batch_id).num_running
+
+
+def test_a_chunk_in_no_queue_list_or_registry_runs_again(redis_server, start_worker, cbq, tmp_path):
+    """Issue 31: a QUEUED chunk that nothing holds (a write Redis lost, a worker killed as it popped the job the
+    way rq pops over several queues) was never run again, and its batch never finished."""
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 40, "--chunk-size", "10")
+    orphan = conn.lindex("rq:queue:cbq", 0)
+    assert conn.lrem("rq:queue:cbq", 0, orphan) == 1  # in no list now, still QUEUED
+    worker = start_worker("--fake-engine", *FAST_RECOVERY_FLAGS)
+    # Swept every --stale-after (4 s), requeued at the second sighting: about 8 s.
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=30, context=worker.output)
+    assert_exactly_once(conn, batch_id, 40)
+    assert f"chunk job {orphan.decode()} was in no queue" in worker.output()

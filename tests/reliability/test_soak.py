@@ -10,11 +10,6 @@ import pytest
 from tests.reliability.soak import FAULTS, Soak, SoakConfig
 
 
-# NOTE: a known, intermittent defect: in one of two clean CI runs on 2026-12-01 (and in a run on a loaded box) one
-# chunk (15 requests) of a batch was never recovered after the faults (unfinished_batches 1, lost 15, nothing duplicated, counters exact), while
-# the 180-second soaks recorded in benchmarks/reliability.md lost nothing. Kept running so that it shows; the
-# fix is open in the reliability issue.
-@pytest.mark.xfail(reason="a chunk can stay unrecovered after worker kills and Redis restarts (open defect)", strict=False)
 def test_a_short_fault_soak_loses_nothing_and_counts_exactly(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")

@@ -38,6 +38,18 @@ def test_the_private_members_exist(rq_worker):
     job = Job.create("f", connection=rq_worker.connection, serializer=JSONSerializer)
     for name in rq_adapter.PRIVATE_JOB_ATTRIBUTES:
         assert hasattr(job, name), f"rq's Job no longer has {name}"
+    for name in rq_adapter.PRIVATE_QUEUE_METHODS:
+        assert callable(getattr(Queue, name, None)), f"rq's Queue no longer has a method {name}"
+
+
+def test_fetching_a_dequeued_job_gives_the_job_and_its_queue(rq_worker):
+    [queue] = rq_worker.queues
+    job = queue.enqueue_call("worker.chunk_job.run_chunk", kwargs={})
+    fetched = rq_adapter.fetch_dequeued_job(
+        Queue, rq_worker.connection, queue.key, job.id, Job, JSONSerializer, None
+    )
+    assert fetched is not None and fetched[0].id == job.id and fetched[1].name == queue.name
+    assert rq_adapter.fetch_dequeued_job(Queue, rq_worker.connection, queue.key, "gone", Job, None, None) is None
 
 
 def test_reading_and_setting_them(rq_worker):
@@ -115,6 +127,7 @@ RQ_SIGNATURES: list[tuple[Callable[..., Any], list[str]]] = [
     (Job.dependents_key_for, ["job_id"]),
     (Queue.enqueue_dependents, ["job", "exclude_job_id", "refresh_job_status"]),
     (Queue.move_dependents_to_ready, ["job", "pipeline", "exclude_job_id", "refresh_job_status"]),
+    (Queue._fetch_dequeued_job, ["connection", "queue_key", "job_id", "job_class", "serializer", "death_penalty_class"]),
 ]
 
 
