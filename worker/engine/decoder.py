@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,9 @@ from .models.spec import RUNTIME_ROPE_TYPES, Activation, DecoderArgs, Family, No
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
 from .moe.from_model import moe_layer_weights
 from .quant.linear import Fp8LinearModule, Fp8Weight
+
+if TYPE_CHECKING:
+    from .parallel.shard_model import TensorParallel
 
 # What this file implements, as torch ops (the CPU path, and the CUDA path of families the Triton kernels lack).
 NORMS = {
@@ -174,12 +178,15 @@ def layer_ops(
 class OwnedDecoder:
     def __init__(
         self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False, max_num_tokens: int = 0,
-        deterministic: bool = False,
+        deterministic: bool = False, tp: TensorParallel | None = None,
     ):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
         config = model.config
+        # A tensor-parallel shard (parallel/shard_model.py): `model` holds this rank's heads and columns, and `tp`
+        # sums or gathers between them. None: the whole model is here (TP=1), and no collective runs.
+        self.tp = tp
         self.family, self.args = family_for(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -238,7 +245,7 @@ class OwnedDecoder:
         if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
             ops = self.small_step_ops
         args, eps = self.args, self.eps
-        hidden = F.embedding(input_ids, self.embed_weight)
+        hidden = F.embedding(input_ids, self.embed_weight) if self.tp is None else self.tp.embed(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         residual = None
@@ -250,7 +257,8 @@ class OwnedDecoder:
                 q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
                 sinks=self.layer_sinks[layer_idx],
             )  # fmt: skip
-            hidden = self._block_out(ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias), w.attn_out_norm)
+            attn_out = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
+            hidden = self._block_out(attn_out if self.tp is None else self.tp.reduce(attn_out), w.attn_out_norm)
             normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps)
             moe = self.moe_layers[layer_idx]
             if moe is not None:
@@ -258,12 +266,14 @@ class OwnedDecoder:
             else:
                 activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
                 mlp_out = ops.linear(activated, w.down_weight, w.down_bias)
-            hidden = self._block_out(mlp_out, w.mlp_out_norm)
+            hidden = self._block_out(mlp_out if self.tp is None else self.tp.reduce(mlp_out), w.mlp_out_norm)
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         normed, _ = ops.add_norm(hidden, residual, self.final_norm, eps)
         logits = ops.linear(normed, self.lm_head, None)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
         if args.logits_divisor is not None:
             logits = logits / args.logits_divisor
         if args.logits_scale is not None:
@@ -358,11 +368,13 @@ def build_decoder(
     gemm: str = "cublas",
     max_num_tokens: int = 0,
     deterministic: bool = False,
+    tp: TensorParallel | None = None,
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
     `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path.
     `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA).
-    `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py)."""
+    `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py).
+    `tp`: `model` is one rank's shard (parallel/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if deterministic:
@@ -374,7 +386,7 @@ def build_decoder(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return decoder
-    if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
+    if tp is None and (choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model)))):
         return None
     small_step_gemm = (
         gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype) and not has_fp8_linears(model)
@@ -383,7 +395,7 @@ def build_decoder(
         raise ValueError(
             "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights (not FP8), and fused kernels on"
         )
-    decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm, max_num_tokens)
+    decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm, max_num_tokens, tp=tp)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the un-fused weights' blocks, so KV sizing sees them free
     return decoder

@@ -104,6 +104,15 @@ def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
+def broadcast_from_first(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place; returns `x`."""
+    if state.world_size > 1:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        state.group.broadcast([x], opts).wait()
+    return x
+
+
 def gather_to_first(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Every rank's `x` concatenated along `dim` on rank 0; None on the other ranks."""
     if state.world_size == 1:
@@ -122,10 +131,12 @@ def gather_to_first(state: ParallelState, x: torch.Tensor, dim: int = -1) -> tor
 # --- building the groups (every rank) ---------------------------------------------------------------
 
 
-def _connect(store, rank: int, world_size: int, device: torch.device, timeout_s: float) -> ParallelState:
+def _connect(
+    store, rank: int, world_size: int, device: torch.device, timeout_s: float, backend: str | None = None
+) -> ParallelState:
     timeout = datetime.timedelta(seconds=timeout_s)
     group: Any
-    if device.type == "cuda":
+    if (backend or default_backend(device.type)) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         group = dist.ProcessGroupNCCL(dist.PrefixStore("forward", store), rank, world_size, opts)
@@ -142,6 +153,12 @@ def _loopback_gloo(store, rank: int, world_size: int, timeout: datetime.timedelt
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     opts._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
+
+
+def default_backend(device_type: str) -> str:
+    """NCCL on CUDA, gloo on the CPU. Gloo also runs CUDA tensors (through the host), which lets several
+    ranks share one GPU in the tests, where NCCL refuses two ranks on one device."""
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def _rank_device(device_type: str, rank: int, device_ids: Sequence[int] | None) -> torch.device:
@@ -167,6 +184,7 @@ def _helper_main(
     timeout_s: float,
     target: Callable[..., object],
     args: tuple,
+    backend: str | None = None,
 ) -> None:
     """A helper rank's whole life: watch the parent, join the group, run `target(state, *args)`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -176,7 +194,7 @@ def _helper_main(
         torch.cuda.set_device(device)
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=CONTROL_TIMEOUT)
     store.set(f"ready/{rank}", "1")
-    state = _connect(store, rank, world_size, device, timeout_s)
+    state = _connect(store, rank, world_size, device, timeout_s, backend)
     target(state, *args)  # an exception exits non-zero with its traceback on stderr (multiprocessing)
 
 
@@ -332,6 +350,7 @@ def launch_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_timeout_s: float = 120.0,
     on_failure: Callable[[RankFailure], None] | None = None,
+    backend: str | None = None,
 ) -> RankGroup:
     """Start ranks 1..world_size-1 as spawned processes running `target(state, *args)` (a picklable,
     module-level callable, typically building the model's shards and calling messages.serve_forever),
@@ -339,10 +358,14 @@ def launch_ranks(
 
     `timeout_s` bounds every forward collective; `start_timeout_s` bounds the helpers' start-up
     (importing torch and reaching the store). `on_failure` is called from the watchdog thread when a
-    helper dies (e.g. to stop the worker's loop); the failure is raised on rank 0 in any case."""
+    helper dies (e.g. to stop the worker's loop); the failure is raised on rank 0 in any case.
+    `backend`: the forward group's, "nccl" or "gloo" (None: `default_backend`); `device_ids` may then name
+    one GPU for several ranks (gloo only)."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"backend must be nccl or gloo, got {backend!r}")
+    if device_type == "cuda" and device_ids is None and torch.cuda.device_count() < world_size:
         raise ValueError(
             f"tensor parallel size {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} visible"
         )
@@ -374,13 +397,14 @@ def launch_ranks(
             timeout_s,
             target,
             args,
+            backend,
         )
         process = ctx.Process(target=_helper_main, args=helper_args, name=f"cbq-rank{rank}", daemon=True)
         process.start()
         processes.append(process)
     try:
         _wait_for_helpers(store, processes, start_timeout_s)
-        state = _connect(store, 0, world_size, device, timeout_s)
+        state = _connect(store, 0, world_size, device, timeout_s, backend)
     except BaseException:
         for process in processes:
             process.kill()
