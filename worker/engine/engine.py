@@ -77,7 +77,14 @@ class _Wake:
     """Nothing to do: wakes a loop blocked on an empty inbox so it sees the stop flag."""
 
 
-_InboxMessage = _Add | _Abort | _Wake
+@dataclass(frozen=True)
+class _Fail:
+    """Another thread saw an error the loop must not survive (a tensor-parallel rank died): the loop raises it."""
+
+    error: BaseException
+
+
+_InboxMessage = _Add | _Abort | _Wake | _Fail
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,10 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def fail(self, error: BaseException) -> None:
+        """End the loop with `error`, from any thread (an idle loop too): `generate` or `get_results` raises it."""
+        self._inbox.put(_Fail(error))
 
     def get_results(self, timeout: float | None = 0) -> list[EngineResult]:
         """Results finished since the last call; waits up to `timeout` seconds for the first one
@@ -409,6 +420,8 @@ class Engine:
             while True:
                 if isinstance(message, _Add):
                     self._admit(message.request, message.matcher)
+                elif isinstance(message, _Fail):
+                    raise message.error
                 elif isinstance(message, _Abort):
                     samples = self._requests.get(message.request_id)
                     if samples is not None:

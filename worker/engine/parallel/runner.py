@@ -167,10 +167,14 @@ def serve_rank(state: ParallelState, model_name: str, config: EngineConfig) -> N
         serve_forever(state, runner)
 
 
+def sharded_model_config(model_name: str) -> Any:
+    """The transformers config of a preset or checkpoint, read without its weights."""
+    return preset_config(model_name) if model_name in PRESETS else loader._load_config(model_name)
+
+
 def check_supported(model_name: str, config: EngineConfig) -> None:
     """Refuse (ModelLoadError, one line) what the sharded path does not run, before any rank starts."""
-    model_config = preset_config(model_name) if model_name in PRESETS else loader._load_config(model_name)
-    family, _ = family_for(model_config)
+    family, _ = family_for(sharded_model_config(model_name))
     reason = unsupported_reason(family, config)
     if reason is not None:
         raise ModelLoadError(f"tensor parallelism: {reason}")
@@ -198,9 +202,16 @@ def build_sharded_engine(
     if device_ids is None and device.type == "cuda":
         first = device.index or 0
         device_ids = list(range(first, first + world_size))
+    engines: list[Engine] = []  # the engine, once built: a helper's death ends its loop even while it idles
+
+    def end_the_loop(failure: RankFailure) -> None:
+        logger.error("%s", failure)
+        for engine in engines:
+            engine.fail(failure)
+
     group = launch_ranks(
         world_size, serve_rank, (model_name, config), device_type=device.type, device_ids=device_ids,
-        timeout_s=timeout_s, backend=backend,
+        timeout_s=timeout_s, backend=backend, on_failure=end_the_loop,
     )  # fmt: skip
     try:
         model, tp, tokenizer = load_shard(model_name, group.state, config)
@@ -219,7 +230,8 @@ def build_sharded_engine(
         return ShardRunner(model, config, device, num_kv_blocks, max_model_len, tp, group)
 
     try:
-        return Engine(model, tokenizer, config, make_runner=make_runner)
+        engines.append(Engine(model, tokenizer, config, make_runner=make_runner))
     except BaseException:
         group.close(timeout_s=0)
         raise
+    return engines[0]
