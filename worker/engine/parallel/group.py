@@ -85,11 +85,19 @@ class ParallelState:
 
 
 # --- collectives: no-ops at world_size 1 -----------------------------------------------------------
+# NOTE: gloo's CUDA support varies by collective and build; with gloo over CUDA tensors (several ranks on one
+# GPU, in tests) each collective runs on a host copy instead (`_host_staged`).
+
+
+def _host_staged(state: ParallelState, x: torch.Tensor) -> bool:
+    return x.is_cuda and isinstance(state.group, dist.ProcessGroupGloo)
 
 
 def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the ranks, in place; returns `x`."""
     if state.world_size > 1:
+        if _host_staged(state, x):
+            return x.copy_(all_reduce(state, x.cpu()))
         state.group.allreduce([x]).wait()
     return x
 
@@ -98,6 +106,8 @@ def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Te
     """Every rank's `x` concatenated along `dim`, in rank order, on every rank."""
     if state.world_size == 1:
         return x
+    if _host_staged(state, x):
+        return all_gather(state, x.cpu(), dim).to(x.device)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(state.world_size)]
     state.group.allgather([parts], [x]).wait()
@@ -107,6 +117,8 @@ def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Te
 def broadcast_from_first(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     """Rank 0's `x` on every rank, in place; returns `x`."""
     if state.world_size > 1:
+        if _host_staged(state, x):
+            return x.copy_(broadcast_from_first(state, x.cpu()))
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         state.group.broadcast([x], opts).wait()
@@ -117,6 +129,9 @@ def gather_to_first(state: ParallelState, x: torch.Tensor, dim: int = -1) -> tor
     """Every rank's `x` concatenated along `dim` on rank 0; None on the other ranks."""
     if state.world_size == 1:
         return x
+    if _host_staged(state, x):
+        gathered = gather_to_first(state, x.cpu(), dim)
+        return None if gathered is None else gathered.to(x.device)
     x = x.contiguous()
     opts = dist.GatherOptions()
     opts.rootRank = 0
