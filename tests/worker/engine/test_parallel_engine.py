@@ -1,7 +1,8 @@
 """The engine at --tensor-parallel-size 2 over gloo on the CPU: greedy output equals `model.generate` (fp32)
-token for token, for a Llama-3-shaped checkpoint (one KV head: replicated on both ranks) and a Qwen3 one (two KV
-heads: one per rank; tied embeddings), sync and async, with chunked prefill, preemption and the prefix cache; a
-killed helper rank ends the run with a RankFailure. Each rank reads its shards from the checkpoint's sharded
+token for token, for a Llama-3-shaped checkpoint (one KV head: replicated on both ranks), a Qwen3 one (two KV
+heads: one per rank; tied embeddings), sync and async, and a Qwen3-MoE one (experts split by intermediate size,
+read from the release's per-expert tensors), with chunked prefill, preemption and the prefix cache; a killed
+helper rank ends the run with a RankFailure. Each rank reads its shards from the checkpoint's sharded
 safetensors files.
 
 Each engine spawns one helper process (seconds on a loaded CPU): one engine per (checkpoint, mode), shared by
@@ -31,7 +32,8 @@ from .conftest import hf_generate
 # Small steps and a small cache: prompts are computed in chunks, and sequences are preempted.
 CONFIG = dict(max_num_batched_tokens=32, num_kv_blocks=16, max_num_seqs=8)
 # Llama-3's layout with one KV head: at TP=2 both ranks hold it (and their own q heads of it).
-SHAPES = {"llama3": dict(num_key_value_heads=1), "qwen3": {}}
+SHAPES = {"llama3": dict(num_key_value_heads=1), "qwen3": {}, "qwen3_moe": {}}
+CASES = [("llama3", "sync"), ("llama3", "async"), ("qwen3", "sync"), ("qwen3", "async"), ("qwen3_moe", "async")]
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +79,7 @@ def sharded_engine(checkpoints):
     _ENGINES.clear()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize(("name", "mode"), CASES)
 def test_greedy_equals_generate_at_tp2(checkpoints, sharded_engine, name, mode):
     _, requests, reference = checkpoints[name]
     engine = sharded_engine(name, mode)
@@ -103,6 +104,13 @@ def test_each_rank_holds_its_heads(checkpoints, sharded_engine):
     assert embed.shape[0] == config.vocab_size // 2
 
 
+def test_moe_experts_are_split_by_intermediate_size(sharded_engine):
+    engine = sharded_engine("qwen3_moe", "async")
+    gate_up = engine.model.model.layers[0].mlp.experts.gate_up_proj
+    assert tuple(gate_up.shape) == (16, 2 * 32 // 2, 64), "every expert, half of its columns"
+    assert engine.runner.decoder.moe_layers[0] is not None
+
+
 def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     """World size 1 runs the same sharded code in this process (no helper): what the GPU test runs on CUDA."""
     path, requests, reference = checkpoints["qwen3"]
@@ -116,7 +124,8 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
 @pytest.mark.parametrize(
     ("model", "overrides", "match"),
     [
-        ("tiny-qwen3-moe", {}, "mixture-of-experts"),
+        ("tiny-mixtral", {}, "mixture-of-experts"),
+        ("tiny-gpt-oss", {}, "mixture-of-experts"),
         ("tiny-phi3", {}, "fused q/k/v"),
         ("tiny-olmo2", {}, "whole projection"),
         ("tiny-llama", {"quantization": "fp8"}, "--quantization"),

@@ -26,7 +26,7 @@ import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from ..config import EngineConfig
 from ..fused_weights import submodule
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family, QKNormSpan
+from ..moe import moe_layer_ids
 from .checkpoint import SafetensorsCheckpoint, SliceSource, TensorSlice
 from .group import ParallelState, all_reduce, gather_to_first
 from .layers import (
@@ -72,6 +73,12 @@ class TensorParallel:
         return logits if full is None else full[..., : self.vocab_size]
 
 
+class Checkpoint(SliceSource, Protocol):
+    """A SliceSource that also says which names it holds (checkpoints differ in their experts' names)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+
 class ModelSource:
     """Tensors by checkpoint name from a state dict (a preset built in memory), read like a checkpoint."""
 
@@ -98,13 +105,18 @@ class _TensorSlice:
 
 # --- what is sharded, and what is refused ---------------------------------------------------------------
 
+# Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
+# columns; the router is replicated, so every rank routes alike): transformers' stacked experts, or the
+# releases' per-expert `gate_proj/up_proj/down_proj` under the same names.
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
 
 def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
     """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
     path does not split correctly, refused rather than computed wrong."""
     layer = family.layer
-    if family.moe is not None:
-        return f"{family.name}: mixture-of-experts layers are not sharded yet"
+    if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
+        return f"{family.name}: its mixture-of-experts layers are not sharded yet"
     if len(layer.qkv.parts) != 3 or len(layer.gate_up.parts) != 2:
         return f"{family.name}: checkpoints with fused q/k/v or gate/up linears are not sharded yet"
     if layer.parallel_blocks:
@@ -133,6 +145,11 @@ def shard_config(config: Any, state: ParallelState) -> Any:
     shard.num_attention_heads = heads.num_q_heads
     shard.num_key_value_heads = heads.num_kv_heads
     shard.intermediate_size = mlp.stop - mlp.start
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts, shared expert
+        size = getattr(config, field, None)
+        if size:
+            part = shard_for(size, state.rank, state.world_size, field)
+            setattr(shard, field, part.stop - part.start)
     return shard
 
 
@@ -164,7 +181,7 @@ def _set_param(root: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
 
 
 def build_shard(
-    config: Any, family: Family, source: SliceSource, state: ParallelState, dtype: torch.dtype
+    config: Any, family: Family, source: Checkpoint, state: ParallelState, dtype: torch.dtype
 ) -> tuple[nn.Module, TensorParallel]:
     """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names)."""
     from transformers import AutoModelForCausalLM
@@ -181,6 +198,7 @@ def build_shard(
     num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
     spec = family.layer
     layers = submodule(model, family.layers_path)
+    sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
     kw: dict[str, Any] = dict(dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         prefix = f"{family.layers_path}.{i}"
@@ -197,13 +215,17 @@ def build_shard(
         qkv.load_qkv(source, *map(name, spec.qkv.parts))
         sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
         _bind_rows(model, [name(p) for p in spec.qkv.parts], qkv, sizes)
-        gate_up = MergedColumnParallelLinear(
-            hidden, [config.intermediate_size] * 2, state, bias=has_bias(spec.gate_up.parts[0]), **kw
-        )
-        gate_up.load_merged(source, [name(p) for p in spec.gate_up.parts])
-        _bind_rows(model, [name(p) for p in spec.gate_up.parts], gate_up, gate_up.output_sizes_per_rank)
-        for linear_spec, input_size in ((spec.o, num_heads * head_dim), (spec.down, config.intermediate_size)):
-            (part,) = linear_spec.parts
+        rows = [(spec.o.parts[0], num_heads * head_dim)]
+        if family.moe is not None and i in sparse:
+            _load_moe(model, prefix, family, source, state, config, kw)
+        else:
+            rows.append((spec.down.parts[0], config.intermediate_size))
+            gate_up = MergedColumnParallelLinear(
+                hidden, [config.intermediate_size] * 2, state, bias=has_bias(spec.gate_up.parts[0]), **kw
+            )
+            gate_up.load_merged(source, [name(p) for p in spec.gate_up.parts])
+            _bind_rows(model, [name(p) for p in spec.gate_up.parts], gate_up, gate_up.output_sizes_per_rank)
+        for part, input_size in rows:
             row = RowParallelLinear(input_size, hidden, state, bias=has_bias(part), **kw)
             row.load_from(source, name(part))
             _set_param(model, f"{name(part)}.weight", row.get_parameter("weight"))
@@ -225,6 +247,45 @@ def build_shard(
             _set_param(model, param_name, source.get_slice(param_name)[:].to(device=device, dtype=dtype))
     model.eval().requires_grad_(False)
     return model, TensorParallel(state, embedding, config.vocab_size)
+
+
+def _load_moe(
+    model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
+) -> None:
+    """A sparse layer's experts, each rank reading its columns of every expert: gate/up rows and down columns
+    of the intermediate size (its shared expert likewise); the router and the shared expert's gate replicated
+    (left to the generic pass)."""
+    assert family.moe is not None
+    experts = f"{prefix}.{family.moe.experts}"
+    inter = config.moe_intermediate_size
+    part = shard_for(inter, state.rank, state.world_size, "moe_intermediate_size")
+    up = slice(inter + part.start, inter + part.stop)
+    if f"{experts}.gate_up_proj" in source:  # transformers' stacked layout: [E, 2I, H] and [E, H, I]
+        gate_up_full = source.get_slice(f"{experts}.gate_up_proj")
+        gate_up = torch.cat([gate_up_full[:, part], gate_up_full[:, up]], dim=1)
+        down = source.get_slice(f"{experts}.down_proj")[:, :, part]
+    else:  # the releases' per-expert linears
+        num_experts = config.num_experts
+
+        def rows(e: int, linear: str, index: Any) -> torch.Tensor:
+            return source.get_slice(f"{experts}.{e}.{linear}.weight")[index]
+
+        gate_up = torch.stack(
+            [torch.cat([rows(e, "gate_proj", part), rows(e, "up_proj", part)]) for e in range(num_experts)]
+        )
+        down = torch.stack([rows(e, "down_proj", (slice(None), part)) for e in range(num_experts)])
+    _set_param(model, f"{experts}.gate_up_proj", gate_up.to(**kw).contiguous())
+    _set_param(model, f"{experts}.down_proj", down.to(**kw).contiguous())
+    if family.moe.shared_expert is not None:
+        shared = f"{prefix}.{family.moe.shared_expert}"
+        size = config.shared_expert_intermediate_size
+        gate_up_layer = MergedColumnParallelLinear(config.hidden_size, [size, size], state, **kw)
+        names = [f"{shared}.gate_proj", f"{shared}.up_proj"]
+        gate_up_layer.load_merged(source, names)
+        _bind_rows(model, names, gate_up_layer, gate_up_layer.output_sizes_per_rank)
+        down_layer = RowParallelLinear(size, config.hidden_size, state, **kw)
+        down_layer.load_from(source, f"{shared}.down_proj")
+        _set_param(model, f"{shared}.down_proj.weight", down_layer.get_parameter("weight"))
 
 
 def _param_name(model: nn.Module, module: nn.Module) -> str:
@@ -256,7 +317,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
         full, tokenizer = load_model(name_or_path, device, dtype, seed=engine_config.seed)
         config, generation_config = full.config, full.generation_config
         _check(config, engine_config)
-        source: SliceSource = ModelSource(dict(full.state_dict()))
+        source: Checkpoint = ModelSource(dict(full.state_dict()))
     else:
         config = loader._load_config(name_or_path)
         _check(config, engine_config)
