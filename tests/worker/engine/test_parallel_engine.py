@@ -31,8 +31,9 @@ from .conftest import hf_generate
 
 # Small steps and a small cache: prompts are computed in chunks, and sequences are preempted.
 CONFIG = dict(max_num_batched_tokens=32, num_kv_blocks=16, max_num_seqs=8)
-# Llama-3's layout with one KV head: at TP=2 both ranks hold it (and their own q heads of it).
-SHAPES = {"llama3": dict(num_key_value_heads=1), "qwen3": {}, "qwen3_moe": {}}
+# Llama-3's layout with one KV head (at TP=2 both ranks hold it, and their own q heads of it) and biases on every
+# linear (random, see `randomize_biases`: the row-parallel ones are added once, after the all-reduce).
+SHAPES = {"llama3": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True), "qwen3": {}, "qwen3_moe": {}}
 CASES = [("llama3", "sync"), ("llama3", "async"), ("qwen3", "sync"), ("qwen3", "async"), ("qwen3_moe", "async")]
 
 
@@ -43,11 +44,22 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(name)
         checkpoint = build_checkpoint(path, name, shape=shape)
         model, tokenizer = load_model(str(path), torch.device("cpu"), torch.float32)
+        if randomize_biases(model):
+            model.save_pretrained(path, max_shard_size="60KB")
         requests = make_requests(checkpoint.token_ids.get(checkpoint.family.bos or ""))
         eos = sorted(tokenizer.eos_token_ids)
         reference = {r.request_id: hf_generate(model, r, eos, eos[0]) for r in requests}
         built[name] = (str(path), requests, reference)
     return built
+
+
+def randomize_biases(model) -> bool:
+    """transformers initialises biases to zero, which would hide a bias added on the wrong rank."""
+    biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+    with torch.no_grad():
+        for bias in biases:
+            bias.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(bias.numel()))
+    return bool(biases)
 
 
 def make_requests(bos: int | None, num: int = 10) -> list[EngineRequest]:

@@ -132,6 +132,9 @@ class ShardRunner(ModelRunner):
         self.group.close()
 
     # -- helpers ----------------------------------------------------------------------------------
+    # NOTE: a helper never waits for its steps. Reusing an IO slot's host buffers is still safe: rank 0 sends
+    # step N+2 (the next one in this slot) only after it waited for step N's samples, which needed every rank's
+    # collectives of step N, which this rank's stream ran after the slot's host-to-device copy.
     def execute_step(self, step: StepDescription) -> None:
         """Run the step rank 0 sent: the same build, forward and (received) samples."""
         handle = ModelRunner.launch(self, step)
