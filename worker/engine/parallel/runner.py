@@ -222,10 +222,10 @@ def build_sharded_engine(
     except RankFailure:
         group.close(timeout_s=0)
         raise
+    except ModelLoadError:  # rank 0's own, clearer than a helper's exit for the same reason
+        group.close(timeout_s=0)
+        raise
     except Exception as error:
-        if isinstance(error, ModelLoadError) and group.failure is None:
-            group.close(timeout_s=0)
-            raise
         raise group.failure_after(error) from error
     config = dataclasses.replace(config, num_kv_blocks=num_blocks)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,6 +49,7 @@ from .layers import (
     head_shard,
     shard_for,
 )
+from .memory import DecoderShape, check_fits
 
 
 @dataclass(frozen=True)
@@ -339,12 +341,25 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {exc}") from exc
     family, _ = family_for(config)
+    if device.type == "cuda":
+        _check_fits(config, family, state, dtype, name_or_path)
     model, tp = build_shard(config, family, source, state, dtype)
     model.generation_config = generation_config
     del source
     if device.type == "cuda":
         torch.cuda.empty_cache()  # a preset's whole model is gone: its blocks are free for the KV cache
     return model, tp, tokenizer
+
+
+def _check_fits(config: Any, family: Family, state: ParallelState, dtype: torch.dtype, model_name: str) -> None:
+    """A ModelLoadError with the numbers when this rank's GPU cannot hold its shard (memory.py)."""
+    shape = DecoderShape.from_config(config, qk_norm=family.layer.q_norm is not None)
+    free_bytes = torch.cuda.mem_get_info(state.device)[0]
+    try:
+        # the other ranks check their own GPUs: only this rank's free bytes count here (its place names it)
+        check_fits(shape, state.world_size, dtype.itemsize, [sys.maxsize] * state.rank + [free_bytes], model_name)
+    except ValueError as exc:
+        raise ModelLoadError(f"{exc} ({state.device})") from None
 
 
 def _check(config: Any, engine_config: EngineConfig) -> None:
