@@ -32,7 +32,7 @@ def requests():
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, mode):
-    config = EngineConfig(mode=mode, max_num_batched_tokens=256, num_kv_blocks=1024)
+    config = EngineConfig(mode=mode, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=1024)
     engine = Engine.from_model(MODEL, **vars(config))
     expected = [r.token_ids for r in engine.generate(requests)]
     graphs = len(engine.runner.graphs)
@@ -50,7 +50,7 @@ def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, mode)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_ranks_over_gloo_on_one_gpu_agree_with_one(requests, mode):
     """fp32: the row-parallel sums round differently from one GEMM, so agreement is near, not exact."""
-    config = EngineConfig(mode=mode, dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512)
+    config = EngineConfig(mode=mode, dtype="float32", max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=512)
     one = build_sharded_engine(MODEL, config, world_size=1)
     expected = [r.token_ids for r in one.generate(requests)]
     one.close()
