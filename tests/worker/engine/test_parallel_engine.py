@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import build_checkpoint
-from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.api import Constraint, ConstraintKind, EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import ModelLoadError, load_model
@@ -121,6 +122,31 @@ def test_moe_experts_are_split_by_intermediate_size(sharded_engine):
     gate_up = engine.model.model.layers[0].mlp.experts.gate_up_proj
     assert tuple(gate_up.shape) == (16, 2 * 32 // 2, 64), "every expert, half of its columns"
     assert engine.runner.decoder.moe_layers[0] is not None
+
+
+def test_sampling_logprobs_penalties_and_constraints_at_tp2_equal_tp1(checkpoints, sharded_engine):
+    """Rank 0 samples from the gathered logits: seeded sampling, logprobs, penalties and a constraint (whose
+    sampling waits for its mask while the helper waits for the samples) give what one process gives."""
+    path, requests, _ = checkpoints["qwen3"]
+    extras = [
+        SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=11, logprobs=3),
+        SamplingParams(max_new_tokens=8, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(max_new_tokens=8, temperature=1.0, seed=5, constraint=Constraint(ConstraintKind.REGEX, "[ab]+c")),
+    ]
+    reqs = [EngineRequest(f"x{i}", r.prompt_ids, p) for i, (r, p) in enumerate(zip(requests, extras * 3))]
+    one = build_sharded_engine(path, EngineConfig(mode="async", **CONFIG), world_size=1)  # type: ignore[arg-type]
+    expected = one.generate(reqs)
+    one.close()
+    got = sharded_engine("qwen3", "async").generate(reqs)
+    for want, have in zip(expected, got, strict=True):
+        assert have.finish_reason != "error", have.error
+        assert have.token_ids == want.token_ids, have.request_id
+        if have.request_id in ("x2", "x5", "x8"):  # the constrained ones
+            assert re.fullmatch("[ab]+c", have.text), have.text
+        if want.logprobs is not None:
+            assert have.logprobs is not None
+            for a, b in zip(want.logprobs, have.logprobs, strict=True):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
 def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
