@@ -133,7 +133,7 @@ def test_sampling_logprobs_penalties_and_constraints_at_tp2_equal_tp1(checkpoint
         SamplingParams(max_new_tokens=8, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
         SamplingParams(max_new_tokens=8, temperature=1.0, seed=5, constraint=Constraint(ConstraintKind.REGEX, "[ab]+c")),
     ]
-    reqs = [EngineRequest(f"x{i}", r.prompt_ids, p) for i, (r, p) in enumerate(zip(requests, extras * 3))]
+    reqs = [EngineRequest(f"x{i}", r.prompt_ids, p) for i, (r, p) in enumerate(zip(requests[:9], extras * 3, strict=True))]
     one = build_sharded_engine(path, EngineConfig(mode="async", **CONFIG), world_size=1)  # type: ignore[arg-type]
     expected = one.generate(reqs)
     one.close()
