@@ -134,7 +134,7 @@ def test_sampling_logprobs_penalties_and_constraints_at_tp2_equal_tp1(checkpoint
         SamplingParams(max_new_tokens=8, temperature=1.0, seed=5, constraint=Constraint(ConstraintKind.REGEX, "[ab]+c")),
     ]
     reqs = [EngineRequest(f"x{i}", r.prompt_ids, p) for i, (r, p) in enumerate(zip(requests[:9], extras * 3, strict=True))]
-    one = build_sharded_engine(path, EngineConfig(mode="async", **CONFIG), world_size=1)  # type: ignore[arg-type]
+    one = build_sharded_engine(path, EngineConfig(mode="async", **CONFIG), world_size=1)
     expected = one.generate(reqs)
     one.close()
     got = sharded_engine("qwen3", "async").generate(reqs)
@@ -152,7 +152,7 @@ def test_sampling_logprobs_penalties_and_constraints_at_tp2_equal_tp1(checkpoint
 def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     """World size 1 runs the same sharded code in this process (no helper): what the GPU test runs on CUDA."""
     path, requests, reference = checkpoints["qwen3"]
-    engine = build_sharded_engine(path, EngineConfig(mode="async", **CONFIG), world_size=1)  # type: ignore[arg-type]
+    engine = build_sharded_engine(path, EngineConfig(mode="async", **CONFIG), world_size=1)
     assert engine.runner.decoder is not None and engine.runner.decoder.tp is not None
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == [reference[r.request_id] for r in requests]
