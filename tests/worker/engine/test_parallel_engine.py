@@ -199,3 +199,22 @@ def test_killed_helper_ends_the_run_with_a_rank_failure():
     with pytest.raises(RankFailure, match="SIGKILL"):
         engine.generate([EngineRequest("b", [1, 2], SamplingParams(max_new_tokens=2))])
     engine.close()
+
+
+def test_hung_helper_ends_the_step_within_the_collective_timeout():
+    timeout_s = 3
+    engine = build_sharded_engine(
+        "tiny-llama", EngineConfig(mode="sync", num_kv_blocks=32, tensor_parallel_size=2), timeout_s=timeout_s
+    )
+    assert isinstance(engine.runner, ShardRunner) and engine.runner.group is not None
+    (pid,) = engine.runner.group.helper_pids
+    os.kill(pid, signal.SIGSTOP)  # alive, but never answers
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankFailure, match="the tensor-parallel step failed on rank 0"):
+            engine.generate([EngineRequest("a", [1, 2, 3], SamplingParams(max_new_tokens=4))])
+        assert timeout_s <= time.monotonic() - start < timeout_s + 15
+    finally:
+        engine.close()  # the failure killed the helper (SIGKILL ends a stopped process too)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
