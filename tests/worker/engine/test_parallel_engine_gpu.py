@@ -30,15 +30,16 @@ def requests():
     return make_requests(tokenizer, 24, seed=3, max_prompt=300, max_new=24, temperature=0.0)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, mode):
+@pytest.mark.parametrize(("model", "mode"), [(MODEL, "sync"), (MODEL, "async"), ("tiny-qwen3-moe", "async")])
+def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, model, mode):
+    """The MoE model: its experts through the shard model's stacked tensors and the Triton grouped GEMMs."""
     config = EngineConfig(mode=mode, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=1024)
-    engine = Engine.from_model(MODEL, **vars(config))
+    engine = Engine.from_model(model, **vars(config))
     expected = [r.token_ids for r in engine.generate(requests)]
     graphs = len(engine.runner.graphs)
     del engine
     torch.cuda.empty_cache()
-    sharded = build_sharded_engine(MODEL, config, world_size=1)
+    sharded = build_sharded_engine(model, config, world_size=1)
     assert isinstance(sharded.runner, ShardRunner) and sharded.runner.decoder is not None
     assert sharded.runner.decoder.tp is not None
     assert len(sharded.runner.graphs) == graphs > 0, "decode steps replay CUDA graphs at world size 1"
