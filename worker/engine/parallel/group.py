@@ -69,6 +69,9 @@ class ParallelState:
     device: torch.device
     group: Any = None  # a torch.distributed Backend (ProcessGroupGloo or ProcessGroupNCCL)
     control_group: Any = None  # ProcessGroupGloo, for messages.py
+    # The collective timeout (the forward group's); rank 0's control messages are bounded by it too, so that a
+    # helper that hangs before it reads the next message cannot hold rank 0 (messages.py).
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self):
         assert 0 <= self.rank < self.world_size, f"rank {self.rank} outside world_size {self.world_size}"
@@ -158,7 +161,7 @@ def _connect(
     else:
         group = _loopback_gloo(dist.PrefixStore("forward", store), rank, world_size, timeout)
     control = _loopback_gloo(dist.PrefixStore("control", store), rank, world_size, CONTROL_TIMEOUT)
-    return ParallelState(rank, world_size, device, group, control)
+    return ParallelState(rank, world_size, device, group, control, timeout_s)
 
 
 def _loopback_gloo(store, rank: int, world_size: int, timeout: datetime.timedelta):
