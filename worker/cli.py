@@ -70,6 +70,7 @@ def build_engine(
     else:
         from worker.engine.engine import Engine  # imports torch: only here
         from worker.engine.models import ModelLoadError
+        from worker.engine.parallel.group import RankFailure
 
         check_model(model)
         overrides = {"mode": mode, **engine_config}
@@ -80,6 +81,8 @@ def build_engine(
         except ModelLoadError as exc:
             raise click.ClickException(str(exc)) from None
         except ValueError as exc:  # EngineConfig's checks, KV cache sizing
+            raise click.ClickException(f"cannot start the engine: {exc}") from None
+        except RankFailure as exc:  # a tensor-parallel helper failed to start (its traceback is above)
             raise click.ClickException(f"cannot start the engine: {exc}") from None
     if chat_template is not None:
         use_chat_template = getattr(engine.tokenizer, "use_chat_template", None)

@@ -126,6 +126,18 @@ DETERMINISTIC_FLAG = ConfigFlag(
 )
 deterministic_option = config_flags(DETERMINISTIC_FLAG)
 
+TENSOR_PARALLEL_FLAG = ConfigFlag(
+    ("--tensor-parallel-size", "-tp", "tensor_parallel_size"),
+    "tensor_parallel_size",
+    {
+        "type": click.IntRange(min=1),
+        "help": "GPUs of this host one model is split over (default 1), for a model too big for one GPU: the "
+        "worker starts one process per extra GPU. More throughput from a model that fits one GPU comes from "
+        "more workers instead (docs/operations.md).",
+    },
+)
+tensor_parallel_option = config_flags(TENSOR_PARALLEL_FLAG)
+
 engine_tuning_options = config_flags(
     ConfigFlag(
         ("--max-num-seqs", "max_num_seqs"),
@@ -173,6 +185,7 @@ engine_tuning_options = config_flags(
         to_config=lambda no_caching: False if no_caching else None,
     ),
     DETERMINISTIC_FLAG,
+    TENSOR_PARALLEL_FLAG,
 )
 
 

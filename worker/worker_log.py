@@ -38,6 +38,9 @@ def describe_engine(engine: Any, model: str, served_name: str) -> str:
         device_text = f"{device} ({torch.cuda.get_device_name(device)})"
     else:
         device_text = str(device)
+    tp = getattr(config, "tensor_parallel_size", 1)
+    if tp > 1:
+        device_text += f" and {tp - 1} more ranks (tensor parallel {tp}; KV blocks per rank)"
     return (
         f"engine: model {model}, served as {served_name}, {device_text}, {str(engine.model.dtype).removeprefix('torch.')}, "
         f"{decoder_path}, {config.mode} loop, {len(runner.graphs)} CUDA graphs; KV cache {num_blocks} blocks = "

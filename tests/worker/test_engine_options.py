@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from worker.cli import build_engine
@@ -64,3 +65,18 @@ def test_deterministic_reaches_the_engine_and_bench_engine_runs_both_modes():
     engine = build_engine("tiny-llama", "sync", "cpu", False, {"deterministic": True})
     assert engine.config.deterministic and engine.runner.decoder is not None
     assert "--deterministic" in CliRunner().invoke(engine_bench, ["--help"]).output
+
+
+def test_tensor_parallel_size_reaches_the_engine_config_and_what_it_cannot_run_is_one_line():
+    seen = {}
+
+    @click.command()
+    @engine_tuning_options
+    def cmd(engine_config):
+        seen.update(engine_config)
+
+    assert CliRunner().invoke(cmd, ["-tp", "2"]).exit_code == 0
+    assert seen == {"tensor_parallel_size": 2}
+    assert CliRunner().invoke(cmd, ["--tensor-parallel-size", "0"]).exit_code != 0
+    with pytest.raises(click.ClickException, match="tensor parallelism: tiny-phi3|tensor parallelism: phi3"):
+        build_engine("tiny-phi3", "sync", "cpu", False, {"tensor_parallel_size": 2})

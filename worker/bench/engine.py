@@ -15,12 +15,18 @@ import json
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import WORKLOADS, make_workload, triton_compiles, warmup_requests, with_variant
-from worker.cli_options import deterministic_option, gpu_memory_options, quantization_options
+from worker.cli_options import (
+    deterministic_option,
+    gpu_memory_options,
+    quantization_options,
+    tensor_parallel_option,
+)
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -363,6 +369,7 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 @gpu_memory_options
 @quantization_options
 @deterministic_option
+@tensor_parallel_option
 @click.option("--no-cuda-graphs", is_flag=True)
 @click.option(
     "--no-prefix-caching",
@@ -444,10 +451,15 @@ def engine_bench(
     from worker.engine.engine import Engine
     from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
     from worker.engine.models.loader import check_moe_fit
+    from worker.engine.parallel.runner import build_sharded_engine, sharded_model_config
 
     if len(precisions) > 1 and compare_hf:
         raise click.UsageError("--compare-hf runs one model: give at most one --precision with it")
     dev = resolve_device(device)
+    # Tensor parallelism: each run's engine loads its own shards on every rank (no whole model here).
+    is_sharded = engine_config.get("tensor_parallel_size", 1) > 1
+    if is_sharded and compare_hf:
+        raise click.ClickException("--compare-hf runs the whole model in one process: not with --tensor-parallel-size")
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
@@ -490,14 +502,20 @@ def engine_bench(
                 engine_config.pop("quantization", None)
             free_bytes = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
             t0 = time.perf_counter()
-            hf_model, tokenizer = load_model(
-                model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization")
-            )
+            hf_model: Any = None
+            tokenizer: Any = None
+            if is_sharded:
+                model_config = sharded_model_config(model)
+            else:
+                hf_model, tokenizer = load_model(
+                    model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization")
+                )
+                model_config = hf_model.config
+                if free_bytes and family_for(model_config)[0].moe is not None:  # the numbers the load checked
+                    click.echo(check_moe_fit(model_config, hf_model.dtype, free_bytes), err=True)
             load_seconds[model if precision is None else f"{model}-{precision}"] = time.perf_counter() - t0
-            if free_bytes and family_for(hf_model.config)[0].moe is not None:  # the numbers the load checked
-                click.echo(check_moe_fit(hf_model.config, hf_model.dtype, free_bytes), err=True)
             bandwidth = bandwidth or measure_copy_bandwidth(dev)
-            vocab_limit = min(hf_model.config.vocab_size, 32000)
+            vocab_limit = min(model_config.vocab_size, 32000)
             if workload in CACHE_WORKLOADS:
                 reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
             else:
@@ -519,7 +537,7 @@ def engine_bench(
                     **engine_config,  # --gpu-memory-utilization, --max-model-len, --num-kv-blocks, --quantization
                 )
                 t1 = time.perf_counter()
-                engine = Engine(hf_model, tokenizer, config)
+                engine = build_sharded_engine(model, config) if is_sharded else Engine(hf_model, tokenizer, config)
                 setup = time.perf_counter() - t1
                 # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained
                 # run).
@@ -561,6 +579,7 @@ def engine_bench(
                     else "cublas",
                 )
                 results.append(result)
+                engine.close()  # a sharded engine's helper processes end here
                 del engine
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()

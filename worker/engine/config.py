@@ -52,6 +52,9 @@ class EngineConfig:
     # Batch-invariant arithmetic (deterministic.py): a request's tokens are bitwise the same alone or in any
     # batch, sync or async, with any token budget, prefix cache on or off. Costs speed; needs the owned decoder.
     deterministic: bool = False
+    # Ranks (GPUs of one host) one model replica is split over (parallel/): each holds its share of the heads,
+    # the MLP and the vocabulary. 1: the whole model in this process (data parallelism is more workers).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # NOTE: user-reachable (`cbq worker` options, `Engine.from_model(**overrides)`): raise, never assert.
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,9 @@ from .models.spec import RUNTIME_ROPE_TYPES, Activation, DecoderArgs, Family, No
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
 from .moe.from_model import moe_layer_weights
 from .quant.linear import Fp8LinearModule, Fp8Weight
+
+if TYPE_CHECKING:
+    from .parallel.shard_model import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -204,12 +208,15 @@ def layer_ops(
 class OwnedDecoder:
     def __init__(
         self, model, max_model_len: int, use_triton: bool, small_step_gemm: bool = False, max_num_tokens: int = 0,
-        deterministic: bool = False,
+        deterministic: bool = False, tp: TensorParallel | None = None,
     ):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
         config = model.config
+        # A tensor-parallel shard (parallel/shard_model.py): `model` holds this rank's heads and columns, and `tp`
+        # sums or gathers between them. None: the whole model is here (TP=1), and no collective runs.
+        self.tp = tp
         self.family, self.args = family_for(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -274,7 +281,7 @@ class OwnedDecoder:
         if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
             ops = self.small_step_ops
         args, eps = self.args, self.eps
-        hidden = F.embedding(input_ids, self.embed_weight)
+        hidden = F.embedding(input_ids, self.embed_weight) if self.tp is None else self.tp.embed(input_ids)
         residual = None
         # What the next add+norm applies to `hidden` before adding it to the residual: the post-norm of the block
         # that made it and the residual multiplier (the embedding scale, before the first layer).
@@ -290,6 +297,8 @@ class OwnedDecoder:
                 sinks=self.layer_sinks[layer_idx],
             )  # fmt: skip
             hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
+            if self.tp is not None:  # row-parallel o: each rank holds a partial sum (the bias on rank 0 only)
+                hidden = self.tp.reduce(hidden)
             post_norm, scale = w.attn_out_norm, args.residual_scale
             normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)
             moe = self.moe_layers[layer_idx]
@@ -298,12 +307,16 @@ class OwnedDecoder:
             else:
                 activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
                 hidden = ops.linear(activated, w.down_weight, w.down_bias)
+            if self.tp is not None:  # row-parallel down (and experts split by intermediate size)
+                hidden = self.tp.reduce(hidden)
             post_norm = w.mlp_out_norm
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         normed, _ = ops.add_norm(hidden, residual, self.final_norm, eps, x_weight=post_norm, x_scale=scale)
         logits = ops.linear(normed, self.lm_head, None)
+        if self.tp is not None:  # this rank's vocabulary columns -> the full logits on rank 0
+            logits = self.tp.gather_logits(logits).contiguous()
         return ops.logits_epilogue(logits, args.logits_divisor, args.logits_scale, args.final_softcap)
 
     def _init_moe(self, model, layers, sparse: set[int], max_num_tokens: int) -> None:
@@ -390,11 +403,13 @@ def build_decoder(
     gemm: str = "cublas",
     max_num_tokens: int = 0,
     deterministic: bool = False,
+    tp: TensorParallel | None = None,
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
     `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path.
     `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA).
-    `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py)."""
+    `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py).
+    `tp`: `model` is one rank's shard (parallel/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if deterministic:
@@ -406,7 +421,7 @@ def build_decoder(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return decoder
-    if choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model))):
+    if tp is None and (choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model)))):
         return None
     small_step_gemm = (
         gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype) and not has_fp8_linears(model)
@@ -415,7 +430,7 @@ def build_decoder(
         raise ValueError(
             "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights (not FP8), and fused kernels on"
         )
-    decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm, max_num_tokens)
+    decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm, max_num_tokens, tp=tp)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the un-fused weights' blocks, so KV sizing sees them free
     return decoder

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,6 +50,7 @@ from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
+from .parallel.group import RankFailure
 from .prompt_logprobs import record as record_prompt_logprobs
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
@@ -76,7 +78,14 @@ class _Wake:
     """Nothing to do: wakes a loop blocked on an empty inbox so it sees the stop flag."""
 
 
-_InboxMessage = _Add | _Abort | _Wake
+@dataclass(frozen=True)
+class _Fail:
+    """Another thread saw an error the loop must not survive (a tensor-parallel rank died): the loop raises it."""
+
+    error: BaseException
+
+
+_InboxMessage = _Add | _Abort | _Wake | _Fail
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,13 @@ class _InflightStep:
 
 
 class Engine:
-    def __init__(self, model: Any, tokenizer: TokenizerProtocol, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: TokenizerProtocol,
+        config: EngineConfig | None = None,
+        make_runner: Callable[..., ModelRunner] = ModelRunner,  # a tensor-parallel rank 0's (parallel/runner.py)
+    ):
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -106,10 +121,8 @@ class Engine:
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(
             model.config, kv_cache_dtype(config, model.dtype), self.device, config
         )
-        model_len = config.max_model_len or model.config.max_position_embeddings
-        # A lone sequence must always fit in the cache, or preemption could never make room for it.
-        self.max_model_len: int = min(model_len, (num_blocks - 1) * config.block_size)
-        self.runner = ModelRunner(model, config, self.device, num_blocks, self.max_model_len)
+        self.max_model_len: int = context_len(config, model.config, num_blocks)
+        self.runner = make_runner(model, config, self.device, num_blocks, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
@@ -139,6 +152,10 @@ class Engine:
     def from_model(cls, model: str = "tiny-llama", **config_overrides: Any) -> Engine:
         """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine."""
         config = EngineConfig(**config_overrides)
+        if config.tensor_parallel_size > 1:
+            from .parallel.runner import build_sharded_engine
+
+            return build_sharded_engine(model, config)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         hf_model, tokenizer = load_model(model, device, dtype, seed=config.seed, quantization=config.quantization)
@@ -167,6 +184,10 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def fail(self, error: BaseException) -> None:
+        """End the loop with `error`, from any thread (an idle loop too): `generate` or `get_results` raises it."""
+        self._inbox.put(_Fail(error))
 
     def get_results(self, timeout: float | None = 0) -> list[EngineResult]:
         """Results finished since the last call; waits up to `timeout` seconds for the first one
@@ -233,6 +254,11 @@ class Engine:
             self._thread.join()
             self._thread = None
 
+    def close(self) -> None:
+        """Stop the loop and release the runner (a tensor-parallel engine's helper processes)."""
+        self.shutdown()
+        self.runner.close()
+
     def generate(self, requests: list[EngineRequest]) -> list[EngineResult]:
         """Run `requests` to completion in the calling thread; results in input order."""
         if self._thread is not None:
@@ -268,6 +294,8 @@ class Engine:
                 if not self.config.is_async and inflight is not None:
                     self._process(inflight)
                     inflight = None
+            except RankFailure:  # a tensor-parallel replica lost a rank: nothing can run on it any more
+                raise
             except Exception as exc:  # a failed step fails the requests it touched, not the engine
                 self._fail_scheduled(exc)
                 inflight = None
@@ -408,6 +436,8 @@ class Engine:
             while True:
                 if isinstance(message, _Add):
                     self._admit(message.request, message.matcher)
+                elif isinstance(message, _Fail):
+                    raise message.error
                 elif isinstance(message, _Abort):
                     samples = self._requests.get(message.request_id)
                     if samples is not None:
@@ -572,6 +602,13 @@ class Engine:
             self._num_unfinished -= 1
             self._num_unfinished_samples -= num_samples
         self._results.put(result)
+
+
+def context_len(config: EngineConfig, model_config: Any, num_kv_blocks: int) -> int:
+    """The context length: the configured one (else the model's), capped so that a lone sequence always fits in
+    the cache (or preemption could never make room for it)."""
+    model_len = config.max_model_len or model_config.max_position_embeddings
+    return min(model_len, (num_kv_blocks - 1) * config.block_size)
 
 
 def _num_samples(req: EngineRequest) -> int:

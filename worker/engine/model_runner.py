@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
+
+if TYPE_CHECKING:
+    from .parallel.shard_model import TensorParallel
 
 # Decode batch sizes that get a CUDA graph; a decode step pads up to the next one. Dense where batches
 # are small (every padded row costs a full row of weights traffic), coarser where they are large.
@@ -103,6 +106,7 @@ class ModelRunner:
         device: torch.device,
         num_kv_blocks: int,
         max_model_len: int,
+        tp: TensorParallel | None = None,  # `model` is one rank's shard (parallel/shard_model.py)
     ):
         self.model = model
         self.config = config
@@ -128,6 +132,7 @@ class ModelRunner:
             config.decode_gemm,
             max(config.max_num_batched_tokens, max(graph_buckets_for(config), default=0)),  # the builder's capacity
             config.deterministic,
+            tp=tp,
         )
 
         self.num_kv_blocks = num_kv_blocks
@@ -446,6 +451,9 @@ class ModelRunner:
             cbq=attn,
         )
         return out.logits[0]
+
+    def close(self) -> None:
+        """Release what the runner holds besides memory (nothing here; a tensor-parallel rank 0's helpers)."""
 
     # -- CUDA graphs ------------------------------------------------------------------------------
     @torch.inference_mode()

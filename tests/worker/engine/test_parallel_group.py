@@ -56,6 +56,11 @@ def serve_sums(state: ParallelState, expected_steps: int = -1) -> None:
         raise SystemExit(f"rank {state.rank} ran {num_steps} steps, expected {expected_steps}")
 
 
+def serve_sums_late(state: ParallelState) -> None:
+    time.sleep(60)  # hangs before it reads its first message
+    serve_forever(state, SumRunner(state))
+
+
 def fail_at_start(state: ParallelState) -> None:
     raise RuntimeError("no weights here")
 
@@ -148,6 +153,20 @@ def test_hung_helper_is_bounded_by_the_collective_timeout():
     assert timeout_s <= time.monotonic() - start < timeout_s + 10
     with pytest.raises(RankFailure):
         group.check()  # the group is over
+    group.close()
+    wait_gone([pid], 5)
+
+
+def test_helper_hung_before_reading_a_message_is_bounded_by_the_collective_timeout():
+    """Rank 0's message send waits for its receiver: bounded by the collective timeout too, not held for ever."""
+    timeout_s = 3
+    group = launch_ranks(2, serve_sums_late, timeout_s=timeout_s)
+    (pid,) = group.helper_pids
+    driver = StepDriver(group, SumRunner(group.state))
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="the tensor-parallel step failed on rank 0: .*[Tt]imed out"):
+        driver.run(AddStep(1.0))
+    assert timeout_s <= time.monotonic() - start < timeout_s + 10
     group.close()
     wait_gone([pid], 5)
 

@@ -51,14 +51,14 @@ and the row layer after it (rotary, attention, SiLU·mul) is local to the rank's
 the existing kernels run unchanged on smaller shapes. Each rank sizes its own KV cache for its
 `num_kv_heads` heads from its own free memory.
 
-Left to wire (the lead, after the family seam and the step description land):
-- the family files build these layers with the runner's ParallelState instead of reading the HF
-  model's parameters (fused_weights.py views); the fused GEMM epilogues take the shard's shapes;
-- the model runner executes the engine's step description (`StepRunner.execute_step`); rank 0's
-  engine calls `StepDriver.run(step)` instead of the runner directly, samples from the gathered
-  logits, and the helpers' `target` builds the runner and calls `serve_forever`;
-- `--tensor-parallel-size` on `cbq worker`/`cbq run`/`bench engine`, `on_failure` stopping the
-  worker with exit 1, and `memory.check_fits` at load with each GPU's free memory;
-- CUDA: the NCCL group is built (group.py) but untested here; CUDA-graph capture of the all-reduce,
-  MoE experts (memory.py counts them; no expert layer yet), FP8 scales beyond per-channel.
+Wired (runner.py, shard_model.py): `--tensor-parallel-size N` / `EngineConfig.tensor_parallel_size` makes
+`Engine.from_model` call `runner.build_sharded_engine`: rank 0 spawns ranks 1..N-1 (`serve_rank`), every rank
+builds its shard model (`shard_model.load_shard`: the family's transformers model at the rank's sizes, its
+parameters views of the layers above, loaded by slice), the ranks agree on the KV blocks, and rank 0's
+`ShardRunner` sends each step's `StepDescription` before running it. The owned decoder calls
+`TensorParallel.embed/reduce/gather_logits` (decoder.py; None at TP=1, where nothing here is built).
+
+Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), FP8 (layers.py's linear methods are
+not used by the shard model), Mixtral/gpt-oss experts, fused q/k/v checkpoints (Phi-3, GLM-4), OLMo 2's q/k
+norms; each is refused in one line (`shard_model.unsupported_reason`).
 """

@@ -69,6 +69,9 @@ class ParallelState:
     device: torch.device
     group: Any = None  # a torch.distributed Backend (ProcessGroupGloo or ProcessGroupNCCL)
     control_group: Any = None  # ProcessGroupGloo, for messages.py
+    # The collective timeout (the forward group's); rank 0's control messages are bounded by it too, so that a
+    # helper that hangs before it reads the next message cannot hold rank 0 (messages.py).
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self):
         assert 0 <= self.rank < self.world_size, f"rank {self.rank} outside world_size {self.world_size}"
@@ -85,11 +88,19 @@ class ParallelState:
 
 
 # --- collectives: no-ops at world_size 1 -----------------------------------------------------------
+# NOTE: gloo's CUDA support varies by collective and build; with gloo over CUDA tensors (several ranks on one
+# GPU, in tests) each collective runs on a host copy instead (`_host_staged`).
+
+
+def _host_staged(state: ParallelState, x: torch.Tensor) -> bool:
+    return x.is_cuda and isinstance(state.group, dist.ProcessGroupGloo)
 
 
 def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the ranks, in place; returns `x`."""
     if state.world_size > 1:
+        if _host_staged(state, x):
+            return x.copy_(all_reduce(state, x.cpu()))
         state.group.allreduce([x]).wait()
     return x
 
@@ -98,16 +109,32 @@ def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Te
     """Every rank's `x` concatenated along `dim`, in rank order, on every rank."""
     if state.world_size == 1:
         return x
+    if _host_staged(state, x):
+        return all_gather(state, x.cpu(), dim).to(x.device)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(state.world_size)]
     state.group.allgather([parts], [x]).wait()
     return torch.cat(parts, dim=dim)
 
 
+def broadcast_from_first(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place; returns `x`."""
+    if state.world_size > 1:
+        if _host_staged(state, x):
+            return x.copy_(broadcast_from_first(state, x.cpu()))
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        state.group.broadcast([x], opts).wait()
+    return x
+
+
 def gather_to_first(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Every rank's `x` concatenated along `dim` on rank 0; None on the other ranks."""
     if state.world_size == 1:
         return x
+    if _host_staged(state, x):
+        gathered = gather_to_first(state, x.cpu(), dim)
+        return None if gathered is None else gathered.to(x.device)
     x = x.contiguous()
     opts = dist.GatherOptions()
     opts.rootRank = 0
@@ -122,17 +149,19 @@ def gather_to_first(state: ParallelState, x: torch.Tensor, dim: int = -1) -> tor
 # --- building the groups (every rank) ---------------------------------------------------------------
 
 
-def _connect(store, rank: int, world_size: int, device: torch.device, timeout_s: float) -> ParallelState:
+def _connect(
+    store, rank: int, world_size: int, device: torch.device, timeout_s: float, backend: str | None = None
+) -> ParallelState:
     timeout = datetime.timedelta(seconds=timeout_s)
     group: Any
-    if device.type == "cuda":
+    if (backend or default_backend(device.type)) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         group = dist.ProcessGroupNCCL(dist.PrefixStore("forward", store), rank, world_size, opts)
     else:
         group = _loopback_gloo(dist.PrefixStore("forward", store), rank, world_size, timeout)
     control = _loopback_gloo(dist.PrefixStore("control", store), rank, world_size, CONTROL_TIMEOUT)
-    return ParallelState(rank, world_size, device, group, control)
+    return ParallelState(rank, world_size, device, group, control, timeout_s)
 
 
 def _loopback_gloo(store, rank: int, world_size: int, timeout: datetime.timedelta):
@@ -142,6 +171,12 @@ def _loopback_gloo(store, rank: int, world_size: int, timeout: datetime.timedelt
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     opts._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
+
+
+def default_backend(device_type: str) -> str:
+    """NCCL on CUDA, gloo on the CPU. Gloo also runs CUDA tensors (through the host), which lets several
+    ranks share one GPU in the tests, where NCCL refuses two ranks on one device."""
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def _rank_device(device_type: str, rank: int, device_ids: Sequence[int] | None) -> torch.device:
@@ -167,6 +202,7 @@ def _helper_main(
     timeout_s: float,
     target: Callable[..., object],
     args: tuple,
+    backend: str | None = None,
 ) -> None:
     """A helper rank's whole life: watch the parent, join the group, run `target(state, *args)`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -176,7 +212,7 @@ def _helper_main(
         torch.cuda.set_device(device)
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=CONTROL_TIMEOUT)
     store.set(f"ready/{rank}", "1")
-    state = _connect(store, rank, world_size, device, timeout_s)
+    state = _connect(store, rank, world_size, device, timeout_s, backend)
     target(state, *args)  # an exception exits non-zero with its traceback on stderr (multiprocessing)
 
 
@@ -332,6 +368,7 @@ def launch_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_timeout_s: float = 120.0,
     on_failure: Callable[[RankFailure], None] | None = None,
+    backend: str | None = None,
 ) -> RankGroup:
     """Start ranks 1..world_size-1 as spawned processes running `target(state, *args)` (a picklable,
     module-level callable, typically building the model's shards and calling messages.serve_forever),
@@ -339,10 +376,14 @@ def launch_ranks(
 
     `timeout_s` bounds every forward collective; `start_timeout_s` bounds the helpers' start-up
     (importing torch and reaching the store). `on_failure` is called from the watchdog thread when a
-    helper dies (e.g. to stop the worker's loop); the failure is raised on rank 0 in any case."""
+    helper dies (e.g. to stop the worker's loop); the failure is raised on rank 0 in any case.
+    `backend`: the forward group's, "nccl" or "gloo" (None: `default_backend`); `device_ids` may then name
+    one GPU for several ranks (gloo only)."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"backend must be nccl or gloo, got {backend!r}")
+    if device_type == "cuda" and device_ids is None and torch.cuda.device_count() < world_size:
         raise ValueError(
             f"tensor parallel size {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} visible"
         )
@@ -374,13 +415,14 @@ def launch_ranks(
             timeout_s,
             target,
             args,
+            backend,
         )
         process = ctx.Process(target=_helper_main, args=helper_args, name=f"cbq-rank{rank}", daemon=True)
         process.start()
         processes.append(process)
     try:
         _wait_for_helpers(store, processes, start_timeout_s)
-        state = _connect(store, 0, world_size, device, timeout_s)
+        state = _connect(store, 0, world_size, device, timeout_s, backend)
     except BaseException:
         for process in processes:
             process.kill()

@@ -20,6 +20,7 @@ from the queue is unpickled.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import pickle
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -84,7 +85,13 @@ class ControlChannel:
         self._rest = torch.zeros(0, dtype=torch.uint8)  # grown to a power of two when needed
 
     def _broadcast(self, buffer: torch.Tensor) -> None:
-        self.state.control_group.broadcast([buffer], self._opts).wait()
+        work = self.state.control_group.broadcast([buffer], self._opts)
+        if self.state.is_first_rank:
+            # NOTE: a send can wait for its receiver (gloo); bounded, as a collective is, so that a helper that
+            # hangs before reading the message ends the step with an error instead of holding rank 0 for ever.
+            work.wait(datetime.timedelta(seconds=self.state.timeout_s))
+        else:
+            work.wait()  # a helper waits as long as rank 0 is idle
 
     def _rest_view(self, num_bytes: int) -> torch.Tensor:
         if self._rest.numel() < num_bytes:

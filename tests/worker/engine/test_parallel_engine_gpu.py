@@ -1,0 +1,65 @@
+"""The tensor-parallel code path on one GPU: at world size 1 it runs in this process (CUDA graphs, the Triton
+kernels, the small-step GEMMs) and gives the engine's own tokens; at world size 2, two ranks over gloo share
+the GPU (NCCL refuses two ranks on one device) and agree with world size 1. The multi-GPU runs over NCCL are
+for a host with several GPUs. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.models import load_model
+from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
+
+from .conftest import make_requests
+from .test_engine_gpu import token_agreement
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MODEL = "small-llama"
+
+
+@pytest.fixture(scope="module")
+def requests():
+    _, tokenizer = load_model("tiny-llama", torch.device("cpu"), torch.float32)  # the byte tokenizer's ids
+    return make_requests(tokenizer, 24, seed=3, max_prompt=300, max_new=24, temperature=0.0)
+
+
+@pytest.mark.parametrize(("model", "mode"), [(MODEL, "sync"), (MODEL, "async"), ("tiny-qwen3-moe", "async")])
+def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, model, mode):
+    """The MoE model: its experts through the shard model's stacked tensors and the Triton grouped GEMMs."""
+    config = EngineConfig(mode=mode, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=1024)
+    engine = Engine.from_model(model, **vars(config))
+    expected = [r.token_ids for r in engine.generate(requests)]
+    graphs = len(engine.runner.graphs)
+    del engine
+    torch.cuda.empty_cache()
+    sharded = build_sharded_engine(model, config, world_size=1)
+    assert isinstance(sharded.runner, ShardRunner) and sharded.runner.decoder is not None
+    assert sharded.runner.decoder.tp is not None
+    assert len(sharded.runner.graphs) == graphs > 0, "decode steps replay CUDA graphs at world size 1"
+    got = [r.token_ids for r in sharded.generate(requests)]
+    sharded.close()
+    assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_ranks_over_gloo_on_one_gpu_agree_with_one(requests, mode):
+    """fp32: the row-parallel sums round differently from one GEMM, so agreement is near, not exact."""
+    config = EngineConfig(mode=mode, dtype="float32", max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=512)
+    one = build_sharded_engine(MODEL, config, world_size=1)
+    expected = [r.token_ids for r in one.generate(requests)]
+    one.close()
+    del one
+    torch.cuda.empty_cache()
+    two = build_sharded_engine(MODEL, config, world_size=2, backend="gloo", device_ids=[0, 0])
+    assert two.model.config.num_attention_heads == 4 and two.runner.kv_caches[0][0].shape[2] == 1
+    got = [r.token_ids for r in two.generate(requests)]
+    two.close()
+    agreement = token_agreement(got, expected)
+    assert agreement > 0.9, f"token agreement {agreement:.3f}"

@@ -1,0 +1,240 @@
+"""The model runner of one rank of a tensor-parallel replica, and the engine built over it.
+
+Owns, on rank 0, the replica's `RankGroup` (through its `ShardRunner`) and the control channel; on a helper,
+nothing beyond its runner. The engine, its scheduler, block manager, tokenizer and grammar matchers live on rank
+0 only; the helpers hold a model shard, a KV cache for their heads and a batch builder, nothing else.
+
+Each step (rank 0, `ShardRunner.launch`): build the step into the next IO slot (a step that cannot be built is
+refused here, before any rank sees it), send its `StepDescription` to the helpers (messages.py), then run the
+same forward as they do: every rank enters the layers' collectives (shard_model.TensorParallel) in one order.
+Rank 0 alone samples, from the logits gathered on it. In async mode a step's decode inputs are the previous
+step's sampled ids, read on the device (carry-over), so rank 0 broadcasts each step's sampled ids to the
+helpers' own IO slots, and every rank fills the placeholders the same way.
+
+A helper (`serve_rank`, spawned by group.launch_ranks) loads its shard, agrees with the others on the number of
+KV blocks (the smallest any rank has room for: block ids are shared), and runs `serve_forever` over a
+`ShardRunner` until rank 0 sends Shutdown; a helper exits when rank 0 does.
+
+Failure: a step that fails on rank 0 after its description went out (a helper died, a collective timed out,
+rank 0's own forward raised) leaves the ranks out of step, so it ends the group and is raised as a
+`RankFailure`, which the engine's loop does not survive (the worker then exits 1).
+
+NOTE: decode steps do not replay CUDA graphs at world size > 1 yet (capturing the NCCL all-reduce is untested
+here); at world size 1 they do, as without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..batch import IOSlot
+from ..config import EngineConfig
+from ..kv_cache import kv_cache_dtype, num_blocks_from_memory
+from ..model_runner import ModelRunner, StepBuildError, StepHandle
+from ..models import PRESETS, ModelLoadError, family_for, loader, preset_config, resolve_device
+from ..step import StepDescription
+from .group import (
+    DEFAULT_TIMEOUT_S,
+    ParallelState,
+    RankFailure,
+    RankGroup,
+    broadcast_from_first,
+    launch_ranks,
+)
+from .messages import ControlChannel, RunStep, Shutdown, serve_forever
+from .shard_model import TensorParallel, load_shard, unsupported_reason
+
+logger = logging.getLogger("cbq.parallel")
+
+
+class ShardRunner(ModelRunner):
+    """A ModelRunner over one rank's shard. On rank 0 (`group` given) `launch` also sends each step to the
+    helpers; on a helper `execute_step` runs what rank 0 sent. Only rank 0 samples."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig,
+        device: torch.device,
+        num_kv_blocks: int,
+        max_model_len: int,
+        tp: TensorParallel,
+        group: RankGroup | None = None,
+    ):
+        super().__init__(model, config, device, num_kv_blocks, max_model_len, tp=tp)
+        self.state: ParallelState = tp.state
+        self.group = group
+        assert (group is not None) == self.state.is_first_rank, "rank 0 holds the group"
+        self.channel = ControlChannel(self.state)
+        # Async mode: the next step's decode inputs are this step's samples, read on every rank.
+        self._shares_samples = config.is_async and self.state.world_size > 1
+
+    @property
+    def _use_graphs(self) -> bool:
+        return self.state.world_size == 1 and ModelRunner._use_graphs.fget(self)  # type: ignore[attr-defined]
+
+    # -- rank 0 -----------------------------------------------------------------------------------
+    def launch(self, step: StepDescription) -> StepHandle:
+        """ModelRunner.launch, with the step sent to every helper once it is known to build."""
+        assert self.group is not None, "helpers run execute_step"
+        t0 = time.perf_counter()
+        try:
+            meta = self.builder.build(step, self._next_slot)
+        except Exception as exc:  # nothing was sent: the helpers never see this step
+            raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
+        build_seconds = time.perf_counter() - t0
+        self.group.check()
+        try:
+            self.channel.send(RunStep(step))
+            handle = self._launch(meta, step.extras, step.prompt_rows)
+        except Exception as error:  # the ranks are out of step: the group is over
+            raise self.group.failure_after(error) from error
+        handle.build_seconds = build_seconds
+        self._next_slot ^= 1
+        return handle
+
+    def launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
+        if self.group is None:
+            super().launch_sampling(handle, bitmask)
+            return
+        try:
+            super().launch_sampling(handle, bitmask)
+        except Exception as error:  # the samples' broadcast failed: a helper is gone
+            raise self.group.failure_after(error) from error
+
+    def _sample(self, slot: IOSlot, handle: StepHandle, bitmask: torch.Tensor | None):
+        rows = handle.meta.num_sample_rows
+        if not self.state.is_first_rank:  # the helper's logits are its vocabulary part: rank 0's samples come
+            if self._shares_samples:
+                broadcast_from_first(self.state, slot.sampled_dev[:rows])
+            return None
+        results = super()._sample(slot, handle, bitmask)
+        if self._shares_samples:
+            broadcast_from_first(self.state, slot.sampled_dev[:rows])
+        return results
+
+    def close(self) -> None:
+        """Tell the helpers to stop and wait for them (rank 0)."""
+        if self.group is None:
+            return
+        self.group.stop_watching()
+        if self.group.failure is None:
+            try:
+                self.channel.send(Shutdown())
+            except RuntimeError:
+                pass  # a helper already gone: close() reports how it ended
+        self.group.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    # NOTE: a helper never waits for its steps. Reusing an IO slot's host buffers is still safe: rank 0 sends
+    # step N+2 (the next one in this slot) only after it waited for step N's samples, which needed every rank's
+    # collectives of step N, which this rank's stream ran after the slot's host-to-device copy.
+    def execute_step(self, step: StepDescription) -> None:
+        """Run the step rank 0 sent: the same build, forward and (received) samples."""
+        handle = ModelRunner.launch(self, step)
+        if not handle.is_sampled:  # rank 0 samples constrained rows later; its samples still come
+            self.launch_sampling(handle)
+
+
+def agree_num_kv_blocks(state: ParallelState, model: Any, config: EngineConfig) -> int:
+    """The KV blocks every rank has room for (the smallest rank's count): a block id names the same block on
+    every rank, each holding its own heads' K and V."""
+    num_blocks = config.num_kv_blocks or num_blocks_from_memory(
+        model.config, kv_cache_dtype(config, model.dtype), state.device, config
+    )
+    if state.world_size == 1:
+        return num_blocks
+    counts = torch.tensor([num_blocks], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # the stubs type the member, not the op
+    state.control_group.allreduce([counts], opts).wait()
+    return int(counts.item())
+
+
+def serve_rank(state: ParallelState, model_name: str, config: EngineConfig) -> None:
+    """A helper rank's whole life (launch_ranks' target): its shard, its runner, rank 0's steps."""
+    from ..engine import context_len
+
+    torch.set_grad_enabled(False)
+    model, tp, _ = load_shard(model_name, state, config)
+    num_blocks = agree_num_kv_blocks(state, model, config)
+    max_model_len = context_len(config, model.config, num_blocks)
+    runner = ShardRunner(model, config, state.device, num_blocks, max_model_len, tp)
+    with torch.inference_mode():
+        serve_forever(state, runner)
+
+
+def sharded_model_config(model_name: str) -> Any:
+    """The transformers config of a preset or checkpoint, read without its weights."""
+    return preset_config(model_name) if model_name in PRESETS else loader._load_config(model_name)
+
+
+def check_supported(model_name: str, config: EngineConfig) -> None:
+    """Refuse (ModelLoadError, one line) what the sharded path does not run, before any rank starts."""
+    family, _ = family_for(sharded_model_config(model_name))
+    reason = unsupported_reason(family, config)
+    if reason is not None:
+        raise ModelLoadError(f"tensor parallelism: {reason}")
+
+
+def build_sharded_engine(
+    model_name: str,
+    config: EngineConfig,
+    *,
+    world_size: int | None = None,
+    backend: str | None = None,
+    device_ids: list[int] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+):
+    """An Engine whose model is split over `world_size` ranks (default `config.tensor_parallel_size`): this
+    process is rank 0, the others are spawned here. World size 1 runs the same sharded code in this process
+    (the tests' way to run it on one GPU). `backend` / `device_ids`: group.launch_ranks'; gloo lets several
+    ranks share one GPU (tests)."""
+    from ..engine import Engine
+
+    world_size = world_size or config.tensor_parallel_size
+    config = dataclasses.replace(config, tensor_parallel_size=world_size)
+    check_supported(model_name, config)
+    device = resolve_device(config.device)
+    if device_ids is None and device.type == "cuda":
+        first = device.index or 0
+        device_ids = list(range(first, first + world_size))
+    engines: list[Engine] = []  # the engine, once built: a helper's death ends its loop even while it idles
+
+    def end_the_loop(failure: RankFailure) -> None:
+        logger.error("%s", failure)
+        for engine in engines:
+            engine.fail(failure)
+
+    group = launch_ranks(
+        world_size, serve_rank, (model_name, config), device_type=device.type, device_ids=device_ids,
+        timeout_s=timeout_s, backend=backend, on_failure=end_the_loop,
+    )  # fmt: skip
+    try:
+        model, tp, tokenizer = load_shard(model_name, group.state, config)
+        num_blocks = agree_num_kv_blocks(group.state, model, config)
+    except RankFailure:
+        group.close(timeout_s=0)
+        raise
+    except ModelLoadError:  # rank 0's own, clearer than a helper's exit for the same reason
+        group.close(timeout_s=0)
+        raise
+    except Exception as error:
+        raise group.failure_after(error) from error
+    config = dataclasses.replace(config, num_kv_blocks=num_blocks)
+
+    def make_runner(model, config, device, num_kv_blocks, max_model_len) -> ShardRunner:
+        return ShardRunner(model, config, device, num_kv_blocks, max_model_len, tp, group)
+
+    try:
+        engines.append(Engine(model, tokenizer, config, make_runner=make_runner))
+    except BaseException:
+        group.close(timeout_s=0)
+        raise
+    return engines[0]

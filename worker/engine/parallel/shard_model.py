@@ -1,0 +1,379 @@
+"""One rank's shard of a model: a transformers model built at the rank's sizes, its weights loaded through the
+parallel layers (layers.py), each reading only its slice of the checkpoint.
+
+Owns nothing after building: returns the shard model (which owns its parameters) and its `TensorParallel`.
+
+The shard model is the family's own transformers class built from a per-rank config (`shard_config`: the
+rank's q heads, KV heads and intermediate size; head_dim written out so it does not change), so the owned
+decoder (decoder.py) reads it as it reads any model and runs the existing kernels on the smaller shapes. Its
+parameters are views of the parallel layers' weights: q/k/v rows of one `QKVParallelLinear`, gate/up rows of
+one `MergedColumnParallelLinear` (so fused_weights.py finds them adjacent and copies nothing), o and down the
+columns of a `RowParallelLinear` (their bias on rank 0 only: the all-reduce then adds it once), the embedding
+and LM head a `VocabParallelEmbedding`'s padded vocabulary rows. Norms and q/k norms are replicated. Its
+transformers forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s
+collectives, runs it.
+
+The config's `vocab_size` stays the full vocabulary (the engine validates ids and builds grammars with it).
+
+A preset (random weights) has no files: each rank builds the whole model with the same seed on its device,
+as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..config import EngineConfig
+from ..fused_weights import submodule
+from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
+from ..models.spec import Family, QKNormSpan
+from ..moe import moe_layer_ids
+from .checkpoint import SafetensorsCheckpoint, SliceSource, TensorSlice
+from .group import ParallelState, all_reduce, gather_to_first
+from .layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_shard,
+    shard_for,
+)
+from .memory import DecoderShape, check_fits
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The owned decoder's collectives on a sharded model (decoder.py calls these; None there at TP=1)."""
+
+    state: ParallelState
+    embedding: VocabParallelEmbedding  # the rank's vocabulary rows; the decoder's embed_weight is its weight
+    vocab_size: int
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of `input_ids` [T] -> [T, hidden], every rank's rows filled in by an all-reduce."""
+        return self.embedding(input_ids)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel GEMM's partial output summed over the ranks (the attention's o, the MLP's down)."""
+        return all_reduce(self.state, x)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns [R, V/N] -> the full logits [R, V] on rank 0, which samples; the other
+        ranks get their own part back (never sampled from)."""
+        full = gather_to_first(self.state, logits, dim=-1)
+        return logits if full is None else full[..., : self.vocab_size]
+
+
+class Checkpoint(SliceSource, Protocol):
+    """A SliceSource that also says which names it holds (checkpoints differ in their experts' names)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+
+class ModelSource:
+    """Tensors by checkpoint name from a state dict (a preset built in memory), read like a checkpoint."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return _TensorSlice(self.tensors[name])
+
+
+class _TensorSlice:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+# --- what is sharded, and what is refused ---------------------------------------------------------------
+
+# Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
+# columns; the router is replicated, so every rank routes alike): transformers' stacked experts, or the
+# releases' per-expert `gate_proj/up_proj/down_proj` under the same names.
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
+
+def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
+    """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
+    path does not split correctly, refused rather than computed wrong."""
+    layer = family.layer
+    if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
+        return f"{family.name}: its mixture-of-experts layers are not sharded yet"
+    if len(layer.qkv.parts) != 3 or len(layer.gate_up.parts) != 2:
+        return f"{family.name}: checkpoints with fused q/k/v or gate/up linears are not sharded yet"
+    if layer.parallel_blocks:
+        return f"{family.name}: parallel attention and MLP blocks are not sharded yet"
+    if layer.q_norm is not None and layer.qk_norm_span != QKNormSpan.HEAD:
+        return f"{family.name}: q/k norms over the whole projection need a cross-rank sum, not built yet"
+    if family.attention_sinks is not None:
+        return f"{family.name}: attention sinks are not sharded yet"
+    if engine_config.quantization is not None:
+        return "--quantization is not supported with tensor parallelism yet"
+    if engine_config.kv_cache_dtype != "auto":
+        return "--kv-cache-dtype fp8 is not supported with tensor parallelism yet"
+    if engine_config.deterministic:
+        return "--deterministic is not supported with tensor parallelism yet"
+    if engine_config.decoder == "hf":
+        return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
+    return None
+
+
+def shard_config(config: Any, state: ParallelState) -> Any:
+    """The config of one rank's shard: its q heads, KV heads and MLP width; head_dim kept as the full model's."""
+    heads = head_shard(config.num_attention_heads, config.num_key_value_heads, state.rank, state.world_size)
+    mlp = shard_for(config.intermediate_size, state.rank, state.world_size, "intermediate_size")
+    shard = copy.deepcopy(config)
+    shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shard.num_attention_heads = heads.num_q_heads
+    shard.num_key_value_heads = heads.num_kv_heads
+    shard.intermediate_size = mlp.stop - mlp.start
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts, shared expert
+        size = getattr(config, field, None)
+        if size:
+            part = shard_for(size, state.rank, state.world_size, field)
+            setattr(shard, field, part.stop - part.start)
+    return shard
+
+
+# --- building the shard --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no init); buffers (rotary
+    tables, Gemma's embedding scale) are made as usual, on the CPU."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        if param is not None:
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _set_param(root: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    module_path, _, attr = name.rpartition(".")
+    module = submodule(root, module_path) if module_path else root
+    module._parameters[attr] = None if tensor is None else nn.Parameter(tensor, requires_grad=False)
+
+
+def build_shard(
+    config: Any, family: Family, source: Checkpoint, state: ParallelState, dtype: torch.dtype
+) -> tuple[nn.Module, TensorParallel]:
+    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = shard_config(config, state)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    device = state.device
+    for module in model.modules():  # the buffers (rotary tables); the parameters are still on meta
+        for buffer_name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[buffer_name] = buffer.to(device)
+    hidden, head_dim = config.hidden_size, cfg.head_dim
+    num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+    spec = family.layer
+    layers = submodule(model, family.layers_path)
+    sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
+    kw: dict[str, Any] = dict(dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        prefix = f"{family.layers_path}.{i}"
+
+        def has_bias(part: str, layer: Any = layer) -> bool:
+            return submodule(layer, part).bias is not None
+
+        def name(part: str, prefix: str = prefix) -> str:
+            return f"{prefix}.{part}"
+
+        qkv = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_kv_heads, state, bias=has_bias(spec.qkv.parts[0]), **kw
+        )
+        qkv.load_qkv(source, *map(name, spec.qkv.parts))
+        sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
+        _bind_rows(model, [name(p) for p in spec.qkv.parts], qkv, sizes)
+        rows = [(spec.o.parts[0], num_heads * head_dim)]
+        if family.moe is not None and i in sparse:
+            _load_moe(model, prefix, family, source, state, config, kw)
+        else:
+            rows.append((spec.down.parts[0], config.intermediate_size))
+            gate_up = MergedColumnParallelLinear(
+                hidden, [config.intermediate_size] * 2, state, bias=has_bias(spec.gate_up.parts[0]), **kw
+            )
+            gate_up.load_merged(source, [name(p) for p in spec.gate_up.parts])
+            _bind_rows(model, [name(p) for p in spec.gate_up.parts], gate_up, gate_up.output_sizes_per_rank)
+        for part, input_size in rows:
+            row = RowParallelLinear(input_size, hidden, state, bias=has_bias(part), **kw)
+            row.load_from(source, name(part))
+            _set_param(model, f"{name(part)}.weight", row.get_parameter("weight"))
+            # the bias on rank 0 only: the all-reduce after the GEMM adds it once
+            _set_param(model, f"{name(part)}.bias", row.bias if state.is_first_rank else None)
+    embed_name = f"{family.embed_path}.weight"
+    embedding = VocabParallelEmbedding(config.vocab_size, hidden, state, **kw)
+    embedding.load_from(source, family.embed_path)
+    _set_param(model, embed_name, embedding.weight)
+    head_name = _param_name(model, model.get_output_embeddings())
+    if bool(getattr(config, "tie_word_embeddings", False)):
+        model.get_output_embeddings().weight = submodule(model, family.embed_path).weight
+    else:
+        head = ParallelLMHead(config.vocab_size, hidden, state, **kw)
+        head.load_from(source, head_name)
+        _set_param(model, f"{head_name}.weight", head.weight)
+    for param_name, param in list(model.named_parameters()):  # what is left is replicated: the norms
+        if param.is_meta:
+            _set_param(model, param_name, source.get_slice(param_name)[:].to(device=device, dtype=dtype))
+    model.eval().requires_grad_(False)
+    return model, TensorParallel(state, embedding, config.vocab_size)
+
+
+def _load_moe(
+    model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
+) -> None:
+    """A sparse layer's experts, each rank reading its columns of every expert: gate/up rows and down columns
+    of the intermediate size (its shared expert likewise); the router and the shared expert's gate replicated
+    (left to the generic pass)."""
+    assert family.moe is not None
+    experts = f"{prefix}.{family.moe.experts}"
+    inter = config.moe_intermediate_size
+    part = shard_for(inter, state.rank, state.world_size, "moe_intermediate_size")
+    up = slice(inter + part.start, inter + part.stop)
+    if f"{experts}.gate_up_proj" in source:  # transformers' stacked layout: [E, 2I, H] and [E, H, I]
+        gate_up_full = source.get_slice(f"{experts}.gate_up_proj")
+        gate_up = torch.cat([gate_up_full[:, part], gate_up_full[:, up]], dim=1)
+        down = source.get_slice(f"{experts}.down_proj")[:, :, part]
+    else:  # the releases' per-expert linears
+        num_experts = config.num_experts
+
+        def rows(e: int, linear: str, index: Any) -> torch.Tensor:
+            return source.get_slice(f"{experts}.{e}.{linear}.weight")[index]
+
+        gate_up = torch.stack(
+            [torch.cat([rows(e, "gate_proj", part), rows(e, "up_proj", part)]) for e in range(num_experts)]
+        )
+        down = torch.stack([rows(e, "down_proj", (slice(None), part)) for e in range(num_experts)])
+    _set_param(model, f"{experts}.gate_up_proj", gate_up.to(**kw).contiguous())
+    _set_param(model, f"{experts}.down_proj", down.to(**kw).contiguous())
+    if family.moe.shared_expert is not None:
+        shared = f"{prefix}.{family.moe.shared_expert}"
+        size = config.shared_expert_intermediate_size
+        gate_up_layer = MergedColumnParallelLinear(config.hidden_size, [size, size], state, **kw)
+        names = [f"{shared}.gate_proj", f"{shared}.up_proj"]
+        gate_up_layer.load_merged(source, names)
+        _bind_rows(model, names, gate_up_layer, gate_up_layer.output_sizes_per_rank)
+        down_layer = RowParallelLinear(size, config.hidden_size, state, **kw)
+        down_layer.load_from(source, f"{shared}.down_proj")
+        _set_param(model, f"{shared}.down_proj.weight", down_layer.get_parameter("weight"))
+
+
+def _param_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, sizes: list[int]) -> None:
+    """The linears `names` become views of consecutive row blocks of the column-parallel `layer`."""
+    offset = 0
+    for linear, size in zip(names, sizes, strict=True):
+        _set_param(model, f"{linear}.weight", layer.get_parameter("weight")[offset : offset + size])
+        if layer.bias is not None:
+            _set_param(model, f"{linear}.bias", layer.bias[offset : offset + size])
+        offset += size
+
+
+# --- loading (every rank) ----------------------------------------------------------------------------
+
+
+def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineConfig):
+    """(shard model, TensorParallel, tokenizer) of rank `state.rank`. The tokenizer is rank 0's only (None on
+    the others). Raises ModelLoadError (one line) for what the sharded path does not run."""
+    device = state.device
+    dtype = resolve_dtype(engine_config.dtype, device)
+    tokenizer = None
+    if name_or_path in PRESETS:
+        # NOTE: every rank builds the whole random model (the same seed, as load_model does) and keeps its
+        # shards; a checkpoint is read by slice instead.
+        full, tokenizer = load_model(name_or_path, device, dtype, seed=engine_config.seed)
+        config, generation_config = full.config, full.generation_config
+        _check(config, engine_config)
+        source: Checkpoint = ModelSource(dict(full.state_dict()))
+    else:
+        config = loader._load_config(name_or_path)
+        _check(config, engine_config)
+        if loader._quantization(config, engine_config.quantization) is not None:
+            raise ModelLoadError("quantized checkpoints are not supported with tensor parallelism yet")
+        family, _ = family_for(config)
+        if family.wrappers.get(config.model_type) is not None:
+            raise ModelLoadError(
+                f"model type {config.model_type!r}: multimodal checkpoints are not supported with tensor "
+                "parallelism yet"
+            )
+        path = name_or_path if os.path.isdir(name_or_path) else _download(name_or_path)
+        generation_config = loader._load_generation_config(path, config)
+        if state.is_first_rank:
+            eos = loader.checkpoint_eos_token_ids(config, generation_config)
+            tokenizer = loader._load_tokenizer(path, eos)
+        try:
+            source = SafetensorsCheckpoint.from_dir(path)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {exc}") from exc
+    family, _ = family_for(config)
+    if device.type == "cuda":
+        _check_fits(config, family, state, dtype, name_or_path)
+    model, tp = build_shard(config, family, source, state, dtype)
+    model.generation_config = generation_config
+    del source
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # a preset's whole model is gone: its blocks are free for the KV cache
+    return model, tp, tokenizer
+
+
+def _check_fits(config: Any, family: Family, state: ParallelState, dtype: torch.dtype, model_name: str) -> None:
+    """A ModelLoadError with the numbers when this rank's GPU cannot hold its shard (memory.py)."""
+    shape = DecoderShape.from_config(config, qk_norm=family.layer.q_norm is not None)
+    free_bytes = torch.cuda.mem_get_info(state.device)[0]
+    try:
+        # the other ranks check their own GPUs: only this rank's free bytes count here (its place names it)
+        check_fits(shape, state.world_size, dtype.itemsize, [sys.maxsize] * state.rank + [free_bytes], model_name)
+    except ValueError as exc:
+        raise ModelLoadError(f"{exc} ({state.device})") from None
+
+
+def _check(config: Any, engine_config: EngineConfig) -> None:
+    family, _ = family_for(config)
+    reason = unsupported_reason(family, engine_config)
+    if reason is not None:
+        raise ModelLoadError(f"tensor parallelism: {reason}")
+
+
+def _download(name: str) -> str:
+    """A hub checkpoint's local folder (the hub cache), for reading by slice."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as exc:  # no network, no such repo
+        raise ModelLoadError(f"cannot download {name!r}: {loader._one_line(exc)}") from exc
