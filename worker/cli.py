@@ -68,7 +68,7 @@ def build_engine(
             max_num_running=engine_config.get("max_num_seqs", FakeEngine().max_num_running),
         )
     else:
-        from worker.engine.engine import Engine  # imports torch: only here
+        from worker.engine.engine_builder import build_engine  # imports torch: only here
         from worker.engine.models import ModelLoadError
         from worker.engine.parallel.group import RankFailure
 
@@ -77,7 +77,7 @@ def build_engine(
         if device:
             overrides["device"] = device
         try:
-            engine = Engine.from_model(model, **overrides)
+            engine = build_engine(model, **overrides)
         except ModelLoadError as exc:
             raise click.ClickException(str(exc)) from None
         except ValueError as exc:  # EngineConfig's checks, KV cache sizing

@@ -58,13 +58,13 @@ class LLM:
         """`model`: a preset, a local checkpoint folder or a hub id (org/name). `tool_call_parser`,
         `reasoning_parser`: as `cbq run`'s flags (worker/output_parsers). `engine_options`: `EngineConfig`
         fields (`device`, `dtype`, `max_model_len`, `gpu_memory_utilization`, `num_kv_blocks`, ...)."""
-        from worker.engine.engine import Engine
+        from worker.engine.engine_builder import build_engine
         from worker.engine.models import PRESETS
         from worker.model_names import check_model_name
 
         check_model_name(model, list(PRESETS))
         self.model = model
-        self.engine: EngineProtocol = Engine.from_model(model, **engine_options)
+        self.engine: EngineProtocol = build_engine(model, **engine_options)
         template = chat_template_text(self.engine.tokenizer)
         self.output_parsing = OutputParsing.choose(tool_call_parser, reasoning_parser, template)
         self._calls = itertools.count()

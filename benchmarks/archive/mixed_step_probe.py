@@ -163,7 +163,7 @@ class Probe:
 
         base = self.dec.ops
         if "gate_up" in names:  # the large-step path: the GEMM, then silu_mul
-            from worker.engine.decoder import gate_up_then_act
+            from worker.engine.layer_ops import gate_up_then_act
             from worker.engine.kernels import fused as fk
 
             return dataclasses.replace(base, linear=linear, gate_up_act=gate_up_then_act(linear, fk.silu_mul))

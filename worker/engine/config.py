@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MODES = ("sync", "async")
 DECODERS = ("auto", "owned", "hf")
@@ -86,3 +87,10 @@ class EngineConfig:
     @property
     def is_async(self) -> bool:
         return self.mode == "async"
+
+
+def context_len(config: EngineConfig, model_config: Any, num_kv_blocks: int) -> int:
+    """The context length: the configured one (else the model's), capped so that a lone sequence always fits in
+    the cache (or preemption could never make room for it)."""
+    model_len = config.max_model_len or model_config.max_position_embeddings
+    return min(model_len, (num_kv_blocks - 1) * config.block_size)

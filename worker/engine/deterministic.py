@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from .attention import paged_attention_ref
 from .attention_backend import AttentionBackend, AttentionMetadata, TritonAttentionBackend
+from .layer_ops import ACT_CODES, ACTIVATIONS, NORMS, LayerOps, gate_up_then_act
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,13 +124,11 @@ def unsupported_reason(is_cuda: bool, sliding_windows: tuple[int, ...], backend:
     return None
 
 
-def check_supported(model, choice: str) -> None:
-    """Raise ValueError where deterministic mode cannot run this model with `choice` of decoder."""
-    from . import decoder
-
+def check_supported(choice: str, reason: str | None) -> None:
+    """Raise ValueError where deterministic mode cannot run a model with `choice` of decoder (`reason`: why the
+    owned decoder cannot run the model, decoder.unsupported_reason; None: it can)."""
     if choice == "hf":
         raise ValueError("deterministic mode needs the owned decoder (decoder 'auto' or 'owned'), not 'hf'")
-    reason = decoder.unsupported_reason(model)
     if reason is not None:
         raise ValueError(
             f"deterministic mode needs the owned decoder, which does not support this model: {reason}"
@@ -141,7 +140,6 @@ def layer_ops(owned, pdl: bool):
     stays one line). Triton: the invariant GEMMs with their fused epilogues and the row-local Triton
     element-wise kernels, with the family's norm and activation flags. Otherwise the torch references with
     `row_linear` (correct and batch-invariant everywhere, slow on CUDA)."""
-    from . import decoder
     from .kernels import fused as fk
     from .kernels import invariant_gemm
 
@@ -155,8 +153,8 @@ def layer_ops(owned, pdl: bool):
             raise ValueError(
                 f"deterministic mode: these weights do not tile for the invariant GEMM: {bad[:4]}"
             )
-        act = decoder.ACT_CODES[owned.args.activation]
-        return decoder.LayerOps(
+        act = ACT_CODES[owned.args.activation]
+        return LayerOps(
             add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=owned.norm_math.weight_fp32),
             linear=partial(invariant_gemm.linear, pdl=pdl),
             gate_up_act=partial(invariant_gemm.gate_up_silu, pdl=pdl, act=act),
@@ -165,8 +163,8 @@ def layer_ops(owned, pdl: bool):
             qkv_rope_epilogue=True,
             qkv_rope_write=partial(invariant_gemm.qkv_rope_write, pdl=pdl),
         )
-    return decoder.LayerOps(
-        add_norm=partial(fk.add_rmsnorm_ref, norm=decoder.NORMS[owned.family.norm]),
+    return LayerOps(
+        add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[owned.family.norm]),
         linear=row_linear,
-        gate_up_act=decoder.gate_up_then_act(row_linear, decoder.ACTIVATIONS[owned.args.activation]),
+        gate_up_act=gate_up_then_act(row_linear, ACTIVATIONS[owned.args.activation]),
     )

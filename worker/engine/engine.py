@@ -44,7 +44,7 @@ from .api import (
     Usage,
 )
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, context_len
 from .describe import describe_step
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
@@ -150,12 +150,11 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: str = "tiny-llama", **config_overrides: Any) -> Engine:
-        """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine."""
+        """Load a preset (random weights) or a checkpoint by local path / hub name and build an engine in this
+        process (engine_builder.build_engine also builds tensor-parallel replicas)."""
         config = EngineConfig(**config_overrides)
-        if config.tensor_parallel_size > 1:
-            from .parallel.runner import build_sharded_engine
-
-            return build_sharded_engine(model, config)
+        if config.tensor_parallel_size > 1:  # the replica's ranks are built above the engine (engine_builder.py)
+            raise ValueError("Engine.from_model runs one process: build a tensor-parallel engine with build_engine")
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         hf_model, tokenizer = load_model(model, device, dtype, seed=config.seed, quantization=config.quantization)
@@ -602,13 +601,6 @@ class Engine:
             self._num_unfinished -= 1
             self._num_unfinished_samples -= num_samples
         self._results.put(result)
-
-
-def context_len(config: EngineConfig, model_config: Any, num_kv_blocks: int) -> int:
-    """The context length: the configured one (else the model's), capped so that a lone sequence always fits in
-    the cache (or preemption could never make room for it)."""
-    model_len = config.max_model_len or model_config.max_position_embeddings
-    return min(model_len, (num_kv_blocks - 1) * config.block_size)
 
 
 def _num_samples(req: EngineRequest) -> int:

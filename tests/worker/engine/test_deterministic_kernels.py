@@ -246,7 +246,7 @@ def test_the_check_catches_the_default_torch_path(monkeypatch):
     """The same check on the default CPU ops (one GEMM per step, attention per sequence): in fp32 torch's CPU
     GEMMs round a row differently at different M, so it must fail (bf16 happened to agree on this machine)."""
     from worker.engine.attention_backend import AttentionBackend
-    from worker.engine.decoder import layer_ops
+    from worker.engine.layer_ops import layer_ops
 
     init = _Steps.__init__
 

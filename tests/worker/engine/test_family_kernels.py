@@ -175,7 +175,8 @@ def check_family_decoders(device: str, names=FUSED_FAMILIES) -> None:
         TritonAttentionBackend,
         sliding_windows_of,
     )
-    from worker.engine.decoder import OwnedDecoder, layer_ops
+    from worker.engine.decoder import OwnedDecoder
+    from worker.engine.layer_ops import layer_ops
     from worker.engine.model_runner import allocate_kv_cache
     from worker.engine.models import load_model
 

@@ -200,7 +200,8 @@ def check_decoder(device: str) -> None:
     """The whole owned forward with the Triton element-wise kernels, and with the small-step path (Triton
     GEMMs; PDL on CUDA), equals its torch twin."""
     from worker.engine.attention_backend import AttentionBackend, AttentionMetadata
-    from worker.engine.decoder import OwnedDecoder, layer_ops
+    from worker.engine.decoder import OwnedDecoder
+    from worker.engine.layer_ops import layer_ops
     from worker.engine.model_runner import allocate_kv_cache
     from worker.engine.models import load_model
 

@@ -24,6 +24,7 @@ from tests.fixtures.checkpoints import build_checkpoint
 from worker.engine.api import Constraint, ConstraintKind, EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.engine_builder import build_engine
 from worker.engine.models import ModelLoadError, load_model
 from worker.engine.parallel.group import RankFailure
 from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
@@ -83,7 +84,7 @@ _ENGINES: dict[tuple[str, str], Engine] = {}
 def sharded_engine(checkpoints):
     def get(name: str, mode: str) -> Engine:
         if (name, mode) not in _ENGINES:
-            _ENGINES[name, mode] = Engine.from_model(checkpoints[name][0], mode=mode, tensor_parallel_size=2, **CONFIG)
+            _ENGINES[name, mode] = build_engine(checkpoints[name][0], mode=mode, tensor_parallel_size=2, **CONFIG)
         return _ENGINES[name, mode]
 
     yield get
@@ -174,7 +175,7 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
 def test_what_is_not_sharded_yet_is_refused_before_any_rank_starts(model, overrides, match):
     start = time.monotonic()
     with pytest.raises(ModelLoadError, match=f"tensor parallelism: .*{match}"):
-        Engine.from_model(model, tensor_parallel_size=2, **overrides)
+        build_engine(model, tensor_parallel_size=2, **overrides)
     assert time.monotonic() - start < 5, "refused from the config, before spawning"
 
 

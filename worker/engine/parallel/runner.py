@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..batch import IOSlot
 from ..config import EngineConfig
+from ..engine import Engine
 from ..kv_cache import kv_cache_dtype, num_blocks_from_memory
 from ..model_runner import ModelRunner, StepBuildError, StepHandle
 from ..models import PRESETS, ModelLoadError, family_for, loader, preset_config, resolve_device
@@ -159,7 +160,7 @@ def agree_num_kv_blocks(state: ParallelState, model: Any, config: EngineConfig) 
 
 def serve_rank(state: ParallelState, model_name: str, config: EngineConfig) -> None:
     """A helper rank's whole life (launch_ranks' target): its shard, its runner, rank 0's steps."""
-    from ..engine import context_len
+    from ..config import context_len
 
     torch.set_grad_enabled(False)
     model, tp, _ = load_shard(model_name, state, config)
@@ -196,8 +197,6 @@ def build_sharded_engine(
     process is rank 0, the others are spawned here. World size 1 runs the same sharded code in this process
     (the tests' way to run it on one GPU). `backend` / `device_ids`: group.launch_ranks'; gloo lets several
     ranks share one GPU (tests)."""
-    from ..engine import Engine
-
     world_size = world_size or config.tensor_parallel_size
     config = dataclasses.replace(config, tensor_parallel_size=world_size)
     check_supported(model_name, config)

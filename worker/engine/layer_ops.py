@@ -1,0 +1,114 @@
+"""The ops one owned-decoder forward runs (`LayerOps`) and the math each norm kind and activation means (torch
+twins and the kernels' flags). Owns nothing. Split from decoder.py so that deterministic.py, which builds its own
+batch-invariant LayerOps, and the decoder both read it without importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import decode_gemm
+from .kernels import fused as fk
+from .models.spec import Activation, NormKind, QKNormSpan
+from .quant.linear import Fp8Weight
+
+
+@dataclass(frozen=True)
+class NormMath:
+    """How the decoder computes one norm kind: `fold` turns a checkpoint norm weight into the weight the ops
+    read (once, at load; None: as it is), `ref` is the torch op on that weight, `weight_fp32` the kernels' flag
+    (the weight multiply in fp32, the normed value not rounded first)."""
+
+    ref: Callable
+    weight_fp32: bool
+    fold: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+NORM_MATH = {
+    NormKind.RMS: NormMath(fk.rmsnorm_ref, weight_fp32=False),
+    # Gemma's ((x * r) * (1 + w.float())).to(dtype) is the fp32-weight norm of the fp32 weight 1 + w, bit for bit
+    NormKind.RMS_ONE_PLUS: NormMath(fk.rmsnorm_fp32_weight_ref, weight_fp32=True, fold=fk.fold_one_plus),
+    NormKind.RMS_FP32_WEIGHT: NormMath(fk.rmsnorm_fp32_weight_ref, weight_fp32=True),
+}
+# What this file implements, as torch ops (the CPU path): NORMS read folded weights (`NormMath.fold`).
+NORMS = {kind: math.ref for kind, math in NORM_MATH.items()}
+ACTIVATIONS = {Activation.SILU: fk.silu_mul_ref, Activation.GELU_TANH: fk.gelu_tanh_mul_ref}
+# The kernels' ACT flag of each activation.
+ACT_CODES = {Activation.SILU: fk.ACT_SILU, Activation.GELU_TANH: fk.ACT_GELU_TANH}
+QK_NORM_SPANS = (QKNormSpan.HEAD, QKNormSpan.FULL)
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The kernels one forward runs: which GEMM, which element-wise twins, launched with PDL or not."""
+
+    # (x, residual, weight, eps, x_weight=, x_scale=) -> (norm(s), s), s = residual + x', x' = x post-normed by
+    # x_weight, times x_scale (fused.add_rmsnorm_ref)
+    add_norm: Callable
+    linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
+    gate_up_act: Callable  # (x, fused [gate; up] weight, bias) -> act(x @ gate^T) * (x @ up^T)
+    # (logits, divisor, scale, softcap) -> the final logits (in place on CUDA)
+    logits_epilogue: Callable = fk.logits_epilogue_ref
+    pdl: bool = False
+    # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
+    qkv_rope_epilogue: bool = False
+    qkv_rope_write: Callable = decode_gemm.decode_qkv_rope_write  # that GEMM
+
+
+def weight_linear(dense: Callable) -> Callable:
+    """`dense` (F.linear) for a plain weight, the FP8 GEMM for an FP8 one: each linear's quantization is its own
+    (fused_weights.Weight). The branch is on a Python type, so it costs no sync and graphs capture it."""
+
+    def linear(x, weight, bias):
+        return weight.apply(x, bias) if isinstance(weight, Fp8Weight) else dense(x, weight, bias)
+
+    return linear
+
+
+def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
+    """The gate/up GEMM and act·mul as two launches (the large-step and torch paths)."""
+
+    def gate_up_act(x, weight, bias):
+        return act_mul(linear(x, weight, bias))
+
+    return gate_up_act
+
+
+def layer_ops(
+    use_triton: bool,
+    small_step: bool,
+    pdl: bool = True,
+    norm: NormKind = NormKind.RMS,
+    activation: Activation = Activation.SILU,
+) -> LayerOps:
+    """The torch ops (`norm`, `activation`), the Triton element-wise kernels with cuBLAS, or the small-step path
+    (kernels/decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests).
+    The Triton paths read `norm` and `activation` as their kernels' flags (`NORM_MATH`, `ACT_CODES`)."""
+    weight_fp32, act = NORM_MATH[norm].weight_fp32, ACT_CODES[activation]
+    if small_step:
+        return LayerOps(
+            add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=weight_fp32),
+            linear=partial(decode_gemm.decode_linear, pdl=pdl),
+            gate_up_act=partial(decode_gemm.decode_gate_up_silu, pdl=pdl, act=act),
+            logits_epilogue=fk.logits_epilogue,
+            pdl=pdl,
+            qkv_rope_epilogue=True,
+        )
+    linear = weight_linear(F.linear)
+    if use_triton:
+        return LayerOps(
+            add_norm=partial(fk.add_rmsnorm, weight_fp32=weight_fp32),
+            linear=linear,
+            gate_up_act=gate_up_then_act(linear, partial(fk.act_mul, act=act)),
+            logits_epilogue=fk.logits_epilogue,
+        )
+    return LayerOps(
+        add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[norm]),
+        linear=linear,
+        gate_up_act=gate_up_then_act(linear, ACTIVATIONS[activation]),
+    )
