@@ -150,6 +150,26 @@ def test_sampling_logprobs_penalties_and_constraints_at_tp2_equal_tp1(checkpoint
                 assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
+def test_prompt_logprobs_at_tp2_equal_one_process(checkpoints, sharded_engine):
+    """Scoring rows ride in every rank's step (StepDescription.prompt_rows): the vocab-parallel LM head gathers
+    them on rank 0 like the sampled rows, so the prompt logprobs equal one process's (chunked prefill and the
+    prefix cache included: half the prompts share a prefix)."""
+    path, requests, _ = checkpoints["qwen3"]
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=2)
+    reqs = [EngineRequest(f"p{i}", r.prompt_ids, params) for i, r in enumerate(requests[:6])]
+    one = Engine.from_model(path, mode="async", **CONFIG)
+    expected = one.generate(reqs)
+    got = sharded_engine("qwen3", "async").generate(reqs)
+    for want, have in zip(expected, got, strict=True):
+        assert have.finish_reason != "error", have.error
+        assert want.prompt_logprobs is not None and have.prompt_logprobs is not None
+        assert len(have.prompt_logprobs) == len(want.prompt_logprobs) == len(have.prompt_ids or [])
+        for a, b in zip(want.prompt_logprobs[1:], have.prompt_logprobs[1:], strict=True):
+            assert a is not None and b is not None
+            assert a.token_id == b.token_id and a.rank == b.rank and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     """World size 1 runs the same sharded code in this process (no helper): what the GPU test runs on CUDA."""
     path, requests, reference = checkpoints["qwen3"]
