@@ -169,48 +169,14 @@ def _check_attention_softcap(device: str) -> None:
 def check_family_decoders(device: str, names=FUSED_FAMILIES) -> None:
     """Each family's owned forward on the Triton path (element-wise kernels; small-step GEMMs; Triton attention)
     equals its torch path (torch ops and attention) in fp32: one mixed step of two prompts."""
-    from worker.engine.attention_backend import (
-        AttentionBackend,
-        AttentionMetadata,
-        TritonAttentionBackend,
-        sliding_windows_of,
-    )
-    from worker.engine.decoder import OwnedDecoder
-    from worker.engine.layer_ops import layer_ops
-    from worker.engine.model_runner import allocate_kv_cache
+    from tests.worker.engine.test_fused_kernels import mixed_step_three_ways
     from worker.engine.models import load_model
 
     dev = torch.device(device)
     models = [(name, load_model(name, dev, torch.float32)[0]) for name in names]
     models.append(("gemma2, head_dim 64", _gemma2_head_dim_64(dev)))  # the QKV GEMM's rotary and GELU epilogues
     for name, model in models:
-        outs = []
-        for use_triton, small_step in ((False, False), (True, False), (True, True)):
-            decoder = OwnedDecoder(model, 64, use_triton=use_triton)
-            assert decoder.use_triton == use_triton
-            if small_step:  # all 7 rows fit a small step; the interpreter cannot run PDL's intrinsics
-                decoder.small_step_ops = layer_ops(
-                    True, small_step=True, pdl=device != "cpu", norm=decoder.family.norm,
-                    activation=decoder.args.activation,
-                )  # fmt: skip
-            caches = allocate_kv_cache(model.config, 8, 16, torch.float32, dev)
-            i32 = dict(dtype=torch.int32, device=dev)
-            meta = AttentionMetadata(
-                kv_caches=caches,
-                slot_mapping=torch.tensor([16, 17, 18, 19, 32, 33, 34], **i32),
-                block_tables=torch.tensor([[1], [2]], **i32),
-                cu_seqlens_q=torch.tensor([0, 4, 7], **i32),
-                context_lens=torch.tensor([4, 3], **i32),
-                max_query_len=4,
-                max_context_len=4,
-                is_decode_only=False,
-                backend=TritonAttentionBackend() if use_triton else AttentionBackend(),
-                sliding_windows=sliding_windows_of(model.config),
-            )
-            ids = torch.tensor([1, 5, 9, 77, 4, 8, 2], **i32)
-            positions = torch.tensor([0, 1, 2, 3, 0, 1, 2], **i32)
-            with torch.inference_mode():
-                outs.append(decoder(ids, positions, meta, torch.tensor([3, 6], device=dev)))
+        outs = mixed_step_three_ways(model, dev, triton_attention=True)
         assert outs[0].shape == (2, model.config.vocab_size), name
         for variant, out in zip(("triton element-wise", "small-step path"), outs[1:], strict=True):
             err = (outs[0] - out).abs().max().item()

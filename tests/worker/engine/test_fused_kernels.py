@@ -196,42 +196,61 @@ print("decoder matches")
 """
 
 
-def check_decoder(device: str) -> None:
-    """The whole owned forward with the Triton element-wise kernels, and with the small-step path (Triton
-    GEMMs; PDL on CUDA), equals its torch twin."""
-    from worker.engine.attention_backend import AttentionBackend, AttentionMetadata
+def mixed_step_three_ways(model, dev: torch.device, triton_attention: bool = False) -> list[torch.Tensor]:
+    """The owned forward's logits for one mixed step (two prompts, 7 rows, 2 sampled) on the torch path, with the
+    Triton element-wise kernels, and on the small-step path (Triton GEMMs; PDL on CUDA), each decoder reading
+    the family's norm and activation. `triton_attention`: the Triton paths attend with the Triton kernels (else
+    every path uses the torch attention)."""
+    from worker.engine.attention_backend import (
+        AttentionBackend,
+        AttentionMetadata,
+        TritonAttentionBackend,
+        sliding_windows_of,
+    )
     from worker.engine.decoder import OwnedDecoder
     from worker.engine.layer_ops import layer_ops
     from worker.engine.model_runner import allocate_kv_cache
+
+    outs = []
+    for use_triton, small_step in ((False, False), (True, False), (True, True)):
+        decoder = OwnedDecoder(model, 64, use_triton=use_triton)
+        assert decoder.use_triton == use_triton
+        if small_step:  # all 7 rows fit a small step; the interpreter cannot run PDL's intrinsics
+            decoder.small_step_ops = layer_ops(
+                True, small_step=True, pdl=dev.type != "cpu", norm=decoder.family.norm,
+                activation=decoder.args.activation,
+            )  # fmt: skip
+        caches = allocate_kv_cache(model.config, 8, 16, torch.float32, dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            kv_caches=caches,
+            slot_mapping=torch.tensor([16, 17, 18, 19, 32, 33, 34], **i32),
+            block_tables=torch.tensor([[1], [2]], **i32),
+            cu_seqlens_q=torch.tensor([0, 4, 7], **i32),
+            context_lens=torch.tensor([4, 3], **i32),
+            max_query_len=4,
+            max_context_len=4,
+            is_decode_only=False,
+            backend=TritonAttentionBackend() if use_triton and triton_attention else AttentionBackend(),
+            sliding_windows=sliding_windows_of(model.config),
+        )
+        ids = torch.tensor([1, 5, 9, 77, 4, 8, 2], **i32)
+        positions = torch.tensor([0, 1, 2, 3, 0, 1, 2], **i32)
+        with torch.inference_mode():
+            outs.append(decoder(ids, positions, meta, torch.tensor([3, 6], device=dev)))
+    return outs
+
+
+def check_decoder(device: str) -> None:
+    """The whole owned forward with the Triton element-wise kernels, and with the small-step path (Triton
+    GEMMs; PDL on CUDA), equals its torch twin."""
     from worker.engine.models import load_model
 
     dev = torch.device(device)
     for name in ("tiny-qwen3", "tiny-qwen2", "llama, head_dim 64"):
         # head_dim 64: the QKV GEMM's rotary epilogue runs (the tiny presets' 16 takes the two launches)
         model = _llama_head_dim_64(dev) if name.startswith("llama") else load_model(name, dev, torch.float32)[0]
-        outs = []
-        for use_triton, small_step in ((False, False), (True, False), (True, True)):
-            decoder = OwnedDecoder(model, 64, use_triton=use_triton)
-            assert decoder.use_triton == use_triton
-            if small_step:  # all 7 rows fit a small step; the interpreter cannot run PDL's intrinsics
-                decoder.small_step_ops = layer_ops(True, small_step=True, pdl=device != "cpu")
-            caches = allocate_kv_cache(model.config, 8, 16, torch.float32, dev)
-            i32 = dict(dtype=torch.int32, device=dev)
-            meta = AttentionMetadata(
-                kv_caches=caches,
-                slot_mapping=torch.tensor([16, 17, 18, 19, 32, 33, 34], **i32),
-                block_tables=torch.tensor([[1], [2]], **i32),
-                cu_seqlens_q=torch.tensor([0, 4, 7], **i32),
-                context_lens=torch.tensor([4, 3], **i32),
-                max_query_len=4,
-                max_context_len=4,
-                is_decode_only=False,
-                backend=AttentionBackend(),
-            )
-            ids = torch.tensor([1, 5, 9, 77, 4, 8, 2], **i32)
-            positions = torch.tensor([0, 1, 2, 3, 0, 1, 2], **i32)
-            with torch.inference_mode():
-                outs.append(decoder(ids, positions, meta, torch.tensor([3, 6], device=dev)))
+        outs = mixed_step_three_ways(model, dev)
         assert outs[0].shape == (2, model.config.vocab_size), name
         for variant, out in zip(("triton element-wise", "small-step path"), outs[1:], strict=True):
             err = (outs[0] - out).abs().max().item()
