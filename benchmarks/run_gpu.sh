@@ -43,12 +43,12 @@ CORE_GPU_TESTS="tests/worker/engine/test_engine_gpu.py tests/worker/engine/test_
     tests/worker/engine/test_constrained_gpu.py tests/worker/engine/test_family_kernels.py"
 if has testsA; then
     # shellcheck disable=SC2086  # the list is word-split on purpose
-    timeout 560 python3 -m pytest -q -m gpu $CORE_GPU_TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_a.log" | tail -25
+    timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $CORE_GPU_TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_a.log" | tail -25
 fi
 if has testsB; then
     ignores=$(for f in $CORE_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
     # shellcheck disable=SC2086
-    timeout 560 python3 -m pytest -q -m gpu tests/worker/engine $ignores -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_b.log" | tail -25
+    timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu tests/worker/engine $ignores -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_b.log" | tail -25
 fi
 if has moetests; then  # the MoE families on CUDA (owned decoder vs generate in fp32, graphs vs eager) and the MoE kernels
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py \

@@ -21,4 +21,7 @@ FAMILY = Family(
     norm=NormKind.RMS,
     read=read,
     rotary_interleaved=True,
+    # transformers up to 5.17 also sets it at the top level (later versions inside rope_parameters only): the
+    # rotary module's inv_freq covers only the rotated dimensions, and the decoder rotates as many as it has.
+    handles=frozenset({"partial_rotary_factor"}),
 )

@@ -20,4 +20,5 @@ FAMILY = Family(
     ),
     norm=NormKind.RMS,
     read=read,
+    handles=frozenset({"partial_rotary_factor"}),  # as glm4.py: the rotary table's width is the rotated part
 )
