@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [fp8tests] [fp8quality] [w1fp8] [w2fp8]
+#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -122,6 +122,9 @@ fi
 if has w2det; then  # issue 32: deterministic (batch-invariant) vs default mode, async, one process
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --deterministic --json-out "$OUT/w2_deterministic.json" 2>&1 | tail -12
+fi
+if has invsweep; then  # issue 32: deterministic mode's one GEMM configuration for every M, chosen by measurement
+    timeout 300 python3 benchmarks/invariant_gemm_sweep.py --json-out "$OUT/invariant_gemm_sweep.json" 2>&1 | tee "$OUT/invariant_gemm_sweep.log" | tail -40
 fi
 if has w1det; then
     bench 400 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
