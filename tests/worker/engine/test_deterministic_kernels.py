@@ -264,9 +264,13 @@ def test_the_check_catches_the_default_torch_path(monkeypatch):
 
 INTERPRETER_CHECKS = r"""
 from tests.worker.engine.test_attention_triton import _patch_triton_interpreter
+from tests.worker.engine.test_fused_kernels import order_independent_interpreter_dots
 from tests.worker.engine import test_deterministic_kernels as t
 import torch
 
+# The host's sgemm may round a row by where it sits in the tile (AMD EPYC, numpy 2.4): dots sum in float64. Patched
+# first, so that _patch_triton_interpreter's bf16 widening runs before it and bf16 tiles take it too.
+order_independent_interpreter_dots()
 _patch_triton_interpreter()
 t.check_attention_rows("cpu", torch.bfloat16)
 for dtype in (torch.float32, torch.bfloat16):
