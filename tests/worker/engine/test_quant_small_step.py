@@ -20,7 +20,12 @@ from tests.worker.engine.test_fused_kernels import _interpret, _llama_head_dim_6
 from tests.worker.engine.test_quant_kernels import _layers
 from worker.engine.kernels import fused as fk
 from worker.engine.quant.config import ActivationScale, Fp8Scheme, OnlineFp8Config, WeightScale
-from worker.engine.quant.fp8 import Fp8Linear, fp8_linear_emulated, quantize_input, quantize_weight_per_channel
+from worker.engine.quant.fp8 import (
+    Fp8Linear,
+    fp8_linear_emulated,
+    quantize_input,
+    quantize_weight_per_channel,
+)
 
 STEP_SCHEMES = ("channel-token", "channel-token-ub", "tensor-static", "channel-static", "tensor-token")
 
