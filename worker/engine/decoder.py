@@ -16,8 +16,9 @@ partial, interleaved (GLM-4, Phi-4-mini) or no rotary (SmolLM3's NoPE layers) (`
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. A linear the loader kept in FP8 (sm89+ CUDA; quant/) is multiplied by its method's FP8
 GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; on the small-step path (opted in with
-decode_gemm "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, x quantized inside it. Built from the transformers model that `models.load_model` returns, so every
-checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
+decode_gemm "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, x quantized inside it. Built from
+the transformers model that `models.load_model` returns, so every checkpoint that loads runs here; the HF model
+stays usable (the tests' reference, `model.generate`).
 
 Per layer (CUDA, 8 launches + attention; 6 on the small-step path, where SiLU·mul is in the gate/up GEMM's
 epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's and Gemma 3's q/k norms, which need a whole
