@@ -4,7 +4,7 @@ python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
     # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, fp8_quality.json,
-    # notes.json; a file in a later DIR replaces
+    # w1_fp8_step.json, notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
@@ -63,6 +63,8 @@ COMMANDS = {
     "--max-num-batched-tokens 2048 --precision bf16 --precision fp8",
     "W2_fp8": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192 --precision bf16 --precision fp8",
+    "W1_fp8_step": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048 --precision fp8 --decode-gemm cublas --decode-gemm triton",
     "FP8_quality": "python3 -m worker.bench quality --model llama3-8b --num-prompts 4 --prompt-len 512 --decode-len 32",
 }
 # issue 24: the Gemma 3 12B and Phi-4 14B shapes, each against Llama-3-8B run in the same process
@@ -95,6 +97,7 @@ def family_entries(workload: str, run: dict) -> dict:
 
 
 FP8_RUNS = {"W1_fp8": "w1_fp8.json", "W2_fp8": "w2_fp8.json"}
+FP8_STEP_RUN = ("W1_fp8_step", "w1_fp8_step.json")  # FP8 small-step GEMMs (decode_gemm triton) vs cublas
 MOE_RUNS = {"W1_moe": "w1_moe.json", "W2_moe": "w2_moe.json", "W1_gptoss": "w1_gptoss.json", "W2_gptoss": "w2_gptoss.json"}
 
 
@@ -127,6 +130,17 @@ def precision_entry(run: dict) -> dict:
     return entry
 
 
+def decode_gemm_entry(run: dict) -> dict:
+    """`bench engine --decode-gemm cublas --decode-gemm triton`'s async runs of one precision: {cublas, triton,
+    triton_over_cublas}."""
+    by_gemm = {mode.split("-", 1)[1]: r for mode, r in run["results"].items() if mode.startswith("async-")}
+    entry: dict = {g: {f: r.get(f) for f in FIELDS} for g, r in by_gemm.items()}
+    if "cublas" in by_gemm and "triton" in by_gemm:
+        entry["triton_over_cublas"] = by_gemm["triton"]["output_tok_s"] / by_gemm["cublas"]["output_tok_s"]
+    entry["config"], entry["date"] = run["config"], run["date"]
+    return entry
+
+
 def main(srcs: list[Path]) -> dict:
     def load(name):
         found = [src / name for src in srcs if (src / name).exists()]
@@ -138,9 +152,10 @@ def main(srcs: list[Path]) -> dict:
     determinism_runs = {n: load(f"{n.split('_')[0].lower()}_deterministic.json") for n in ("W2_deterministic", "W1_deterministic")}
     family_runs = {w: load(f"{w.lower()}_families.json") for w in ("W1", "W2")}
     fp8_runs = {name: load(file) for name, file in FP8_RUNS.items()}
+    fp8_step = load(FP8_STEP_RUN[1])
     first = (
         w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
-        or family_runs["W1"] or family_runs["W2"] or fp8_runs["W1_fp8"] or fp8_runs["W2_fp8"]
+        or family_runs["W1"] or family_runs["W2"] or fp8_runs["W1_fp8"] or fp8_runs["W2_fp8"] or fp8_step
     )  # fmt: skip
     if first is None:
         return {}
@@ -148,7 +163,9 @@ def main(srcs: list[Path]) -> dict:
         "device": first["device"],
         "torch": first["torch"],
         "date": max(
-            r["date"] for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values()) if r
+            r["date"]
+            for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values(), fp8_step)
+            if r
         ),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
         "commands": COMMANDS,
@@ -215,6 +232,8 @@ def main(srcs: list[Path]) -> dict:
     for name, run in fp8_runs.items():  # issue 26: FP8 weights and KV vs bf16 in one process
         if run:
             out[name] = precision_entry(run)
+    if fp8_step:
+        out[FP8_STEP_RUN[0]] = decode_gemm_entry(fp8_step)
     quality = load("fp8_quality.json")  # issue 26: what FP8 costs in accuracy, next to what it gains
     if quality:
         out["FP8_quality"] = quality

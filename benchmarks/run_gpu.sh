@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8]
+#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
-# tests, FP8 quality (KL, top-1) and FP8 weights + KV vs bf16 in one process). About 15 minutes in all on the H200:
+# tests, FP8 quality (KL, top-1) and FP8 weights + KV vs bf16 in one process; fp8steptests/fp8stepgemm/w1fp8step: the
+# FP8 small-step GEMM's GPU tests, its microbenchmark and W1_fp8 with decode_gemm cublas vs triton). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
 # Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
 # (see benchmarks/README.md). Results and logs go to $OUT (the device tool) or benchmarks/out.
@@ -141,6 +142,18 @@ fi
 if has w1fp8; then  # issue 26: W1 with FP8 weights and KV vs bf16, async, one process (W1_fp8)
     bench 420 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --precision bf16 --precision fp8 --json-out "$OUT/w1_fp8.json" 2>&1 | tail -8
+fi
+if has fp8steptests; then  # issue 26: the FP8 small-step GEMM (quant/small_step.py) on CUDA, its decoder and engine opt-in
+    timeout 300 python3 -m pytest -q -s -m gpu tests/worker/engine/test_quant_small_step.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_fp8_step_tests.log" | tail -25
+fi
+if has fp8stepgemm; then  # FP8 small-step kernel vs quantization + _scaled_mm vs the bf16 small-step kernel, M = 32
+    timeout 200 python3 benchmarks/fp8_step_gemm.py --m 32 --sweep 2>&1 | tee "$OUT/fp8_step_gemm.log" | grep -v "^    "
+    timeout 120 python3 benchmarks/fp8_step_gemm.py --chain --m 32 2>&1 | tee "$OUT/fp8_step_chain.log"
+fi
+if has w1fp8step; then  # W1_fp8 (FP8 weights and KV) with the FP8 small-step path (decode_gemm triton) vs without, one process
+    bench 420 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --precision fp8 --decode-gemm cublas --decode-gemm triton --json-out "$OUT/w1_fp8_step.json" 2>&1 | tail -8
 fi
 if has w2fp8; then  # W2_fp8
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \

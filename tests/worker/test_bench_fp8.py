@@ -82,6 +82,25 @@ def test_engine_bench_runs_bf16_and_fp8_in_one_process_and_collects_w1_fp8(tmp_p
     assert collected["FP8_quality"]["setups"]["fp8_weights_kv"]["top1_agreement"] == 0.98
 
 
+def test_engine_bench_ab_tests_decode_gemms_at_one_precision_and_collects_w1_fp8_step(tmp_path):
+    """run_gpu.sh's w1fp8step: several --decode-gemm with one --precision run in one process, named
+    MODE-GEMM. ("triton" needs an sm90 GPU: here "auto" runs, and the report is renamed as the H200's would be.)"""
+    out = tmp_path / "run.json"
+    args = ["--model", "tiny-llama", "--workload", "tiny", "--num-requests", "3", "--device", "cpu", "--mode", "async"]
+    args += ["--precision", "fp8", "--decode-gemm", "cublas", "--decode-gemm", "auto", "--json-out", str(out)]
+    result = CliRunner().invoke(bench_engine.engine_bench, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"async-cublas", "async-auto"}
+    assert all(r["extra"]["quantization"] == "fp8" for r in report["results"].values())
+    report["results"]["async-triton"] = report["results"].pop("async-auto")
+    (tmp_path / "w1_fp8_step.json").write_text(json.dumps(report))
+    entry = _collect_results().main([tmp_path])["W1_fp8_step"]
+    assert set(entry) >= {"cublas", "triton", "triton_over_cublas", "date"}
+    want = entry["triton"]["output_tok_s"] / entry["cublas"]["output_tok_s"]
+    assert entry["triton_over_cublas"] == want > 0
+
+
 def test_the_fp8_floor_reads_weights_and_kv_at_one_byte():
     from worker.engine.models import load_model
 

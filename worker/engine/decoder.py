@@ -15,13 +15,14 @@ partial, interleaved (GLM-4, Phi-4-mini) or no rotary (SmolLM3's NoPE layers) (`
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. A linear the loader kept in FP8 (sm89+ CUDA; quant/) is multiplied by its method's FP8
-GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; the small-step path (bf16 GEMMs) is
-then off. Built from the transformers model that `models.load_model` returns, so every
-checkpoint that loads runs here; the HF model stays usable (the tests' reference, `model.generate`).
+GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; on the small-step path (opted in with
+decode_gemm "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, x quantized inside it. Built from
+the transformers model that `models.load_model` returns, so every checkpoint that loads runs here; the HF model
+stays usable (the tests' reference, `model.generate`).
 
 Per layer (CUDA, 8 launches + attention; 6 on the small-step path, where SiLU·mul is in the gate/up GEMM's
 epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's and Gemma 3's q/k norms, which need a whole
-head); Gemma's sandwich norms add no launch):
+head, and with FP8 weights, whose QKV GEMM has no rotary epilogue yet); Gemma's sandwich norms add no launch):
     add_rmsnorm -> QKV GEMM -> qkv_rope_write (q/k norm, rotary, KV write) -> attention -> O GEMM
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
@@ -168,10 +169,11 @@ class OwnedDecoder:
         self.use_triton = use_triton and fk.HAVE_TRITON
         norm, act = self.family.norm, self.args.activation
         self.ops = layer_ops(self.use_triton, False, norm=norm, activation=act)
-        # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too). Its GEMMs read bf16/fp16
-        # weights: FP8 layers keep the FP8 GEMM at every step size.
+        # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too). Its GEMMs take each weight as
+        # it is: bf16/fp16 (kernels/decode_gemm.py) or FP8 (quant/small_step.py); `build_decoder` decides whether
+        # an FP8 model takes this path.
         self.is_fp8 = any(w.is_fp8 for w in self.layers)
-        small_step = small_step_gemm and self.use_triton and not self.is_fp8
+        small_step = small_step_gemm and self.use_triton
         self.small_step_ops = layer_ops(True, small_step=True, norm=norm, activation=act) if small_step else None
         if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
             self.ops = invariant.layer_ops(self, pdl=small_step_gemm)
@@ -253,9 +255,9 @@ class OwnedDecoder:
         rope = self.layer_rope[layer_idx]
         cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
         kernel = self.use_triton and self.rope_kernel[layer_idx]
-        if ops.qkv_rope_epilogue and w.q_norm is None and kernel:
+        # The rotary + KV-write epilogue is decode_gemm's (bf16/fp16 weights); an FP8 QKV takes the two launches.
+        if ops.qkv_rope_epilogue and w.q_norm is None and kernel and isinstance(w.qkv_weight, torch.Tensor):
             assert cos_table is not None and sin_table is not None, "rope_kernel: a rotating layer"
-            assert isinstance(w.qkv_weight, torch.Tensor), "the small-step path multiplies bf16/fp16 weights"
             return ops.qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,
                 self.num_heads, self.num_kv_heads, k_cache, v_cache, attn.slot_mapping, pdl=ops.pdl, kv_scale=kv_scale,
@@ -314,7 +316,9 @@ def build_decoder(
     tp: TensorParallel | None = None,
 ):
     """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
-    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path.
+    `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path. A model with FP8
+    linears takes it with "triton" only (their GEMMs then quant/small_step.py's); "auto" keeps its FP8 GEMMs
+    (quantization kernel + cuBLASLt) until the H200 has measured the FP8 small-step path faster.
     `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA).
     `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py).
     `tp`: `model` is one rank's shard (parallel/shard_model.py): always the owned decoder, with its collectives."""
@@ -331,12 +335,11 @@ def build_decoder(
         return decoder
     if tp is None and (choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model)))):
         return None
-    small_step_gemm = (
-        gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype) and not has_fp8_linears(model)
-    )
+    fp8_opted_in = gemm == "triton" or not has_fp8_linears(model)
+    small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype) and fp8_opted_in
     if gemm == "triton" and not small_step_gemm:
         raise ValueError(
-            "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 weights (not FP8), and fused kernels on"
+            "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 (or FP8) weights, and fused kernels on"
         )
     decoder = OwnedDecoder(model, max_model_len, use_triton, small_step_gemm, max_num_tokens, tp=tp)
     if device.type == "cuda":

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .kernels import decode_gemm
 from .kernels import fused as fk
 from .models.spec import Activation, NormKind, QKNormSpan
+from .quant import small_step as fp8_step
 from .quant.linear import Fp8Weight
 
 
@@ -70,6 +71,29 @@ def weight_linear(dense: Callable) -> Callable:
     return linear
 
 
+def small_step_linear(pdl: bool) -> Callable:
+    """decode_gemm's Triton GEMM for a plain weight, quant/small_step.py's for an FP8 one (each falls back to its
+    large-step GEMM where its kernel does not tile the shape or, FP8, the scheme is block-wise)."""
+
+    def linear(x, weight, bias):
+        if isinstance(weight, Fp8Weight):
+            return fp8_step.fp8_step_linear(x, weight.layer, bias, pdl=pdl)
+        return decode_gemm.decode_linear(x, weight, bias, pdl=pdl)
+
+    return linear
+
+
+def small_step_gate_up_act(pdl: bool, act: int) -> Callable:
+    """The gate/up GEMM with act·mul in its epilogue, for a plain or an FP8 weight (as `small_step_linear`)."""
+
+    def gate_up_act(x, weight, bias):
+        if isinstance(weight, Fp8Weight):
+            return fp8_step.fp8_step_gate_up_act(x, weight.layer, bias, pdl=pdl, act=act)
+        return decode_gemm.decode_gate_up_silu(x, weight, bias, pdl=pdl, act=act)
+
+    return gate_up_act
+
+
 def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
     """The gate/up GEMM and act·mul as two launches (the large-step and torch paths)."""
 
@@ -87,14 +111,15 @@ def layer_ops(
     activation: Activation = Activation.SILU,
 ) -> LayerOps:
     """The torch ops (`norm`, `activation`), the Triton element-wise kernels with cuBLAS, or the small-step path
-    (kernels/decode_gemm.py; `pdl` False only where PDL cannot run, e.g. Triton's interpreter in the tests).
+    (kernels/decode_gemm.py, and quant/small_step.py for FP8 weights; `pdl` False only where PDL cannot run, e.g.
+    Triton's interpreter in the tests).
     The Triton paths read `norm` and `activation` as their kernels' flags (`NORM_MATH`, `ACT_CODES`)."""
     weight_fp32, act = NORM_MATH[norm].weight_fp32, ACT_CODES[activation]
     if small_step:
         return LayerOps(
             add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=weight_fp32),
-            linear=partial(decode_gemm.decode_linear, pdl=pdl),
-            gate_up_act=partial(decode_gemm.decode_gate_up_silu, pdl=pdl, act=act),
+            linear=small_step_linear(pdl),
+            gate_up_act=small_step_gate_up_act(pdl, act),
             logits_epilogue=fk.logits_epilogue,
             pdl=pdl,
             qkv_rope_epilogue=True,

@@ -84,7 +84,7 @@ def rope_config_for(num_heads: int, num_kv_heads: int, head_dim: int, k: int, dt
     return _fitted(ROPE_CONFIG, (num_heads + 2 * num_kv_heads) * head_dim, k, dtype)
 
 
-def _block_m(m: int) -> int:
+def block_m_for(m: int) -> int:
     """Rows of x per program: M rounded up to a power of two, at least 16 (the MMA's minimum), at most 64."""
     return max(16, next_pow2(min(m, 64)))
 
@@ -256,7 +256,7 @@ def decode_linear(
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias); the decoder calls it for M <= MAX_TOKENS (any M computes, in
     row blocks of up to 64). Falls back to cuBLAS when there is no `config` and `config_for` gives none.
-    `block_m`: rows of x per program whatever M is (kernels/invariant_gemm.py); None: `_block_m(M)`."""
+    `block_m`: rows of x per program whatever M is (kernels/invariant_gemm.py); None: `block_m_for(M)`."""
     n = weight.shape[0]
     config = config or config_for(n, x.shape[1], x.dtype)
     if config is None or not HAVE_TRITON:
@@ -325,7 +325,7 @@ def decode_qkv_rope_write(
     if m == 0:
         return q
     block_n, block_k, num_warps, num_stages = config
-    block_m = block_m or _block_m(m)
+    block_m = block_m or block_m_for(m)
     _qkv_rope_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,
@@ -375,7 +375,7 @@ def _launch(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    block_m = block_m or _block_m(m)
+    block_m = block_m or block_m_for(m)
     _decode_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,

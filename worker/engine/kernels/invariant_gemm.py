@@ -17,7 +17,7 @@ import torch
 
 from . import decode_gemm as dg
 
-# Rows of x per program for every M: decode_gemm's largest (its `_block_m` gives 16-64 by M).
+# Rows of x per program for every M: decode_gemm's largest (its `block_m_for` gives 16-64 by M).
 BLOCK_M = 64
 
 

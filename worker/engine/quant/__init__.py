@@ -7,6 +7,8 @@
               it loads the linear's tensors (`Fp8Linear`), dequantizes them, and applies the GEMM
   fp8.py      plain-torch quantize/dequantize, `Fp8Linear`, and the emulation the kernels are checked against
   kernels.py  `fp8_linear`: Triton activation quantization, cuBLASLt `_scaled_mm`, the Triton block GEMM
+  small_step.py  the small decode steps' FP8 GEMM (<= 32 rows): x quantized per token inside one PDL kernel,
+              act·mul in the gate/up variant's epilogue; the decoder's path with decode_gemm "triton"
   loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
               or dequantized into a plain transformers model (the CPU path)
   linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
@@ -18,8 +20,9 @@ How it is wired: models/loader.py refuses GGUF and other quantizations in one li
 `quantize_linears` for `--quantization fp8`. On sm89+ CUDA each quantized linear is an `Fp8LinearModule`;
 fused_weights.py stacks q/k/v and gate/up FP8 rows with their scales (`Fp8Linear.concat`) into an `Fp8Weight`,
 and decoder.py multiplies it with `Fp8Weight.apply` (kernels.fp8_linear) where a plain weight takes F.linear.
-Elsewhere the weights are dequantized to the compute dtype. The per-token and per-token-group quantizations
-are separate kernels today; fusing them into the preceding RMSNorm/SiLU·mul epilogues is the next step.
+Elsewhere the weights are dequantized to the compute dtype. On the large-step path the per-token and
+per-token-group quantizations are separate kernels; small steps with decode_gemm "triton" quantize inside the
+GEMM (small_step.py).
 
 `--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """

@@ -165,7 +165,9 @@ def block_fp8_gemm(
 if HAVE_TRITON:
 
     @triton.jit
-    def _quantize(x, scale, FP8_MAX: tl.constexpr):
+    def quantize_to_fp8(x, scale, FP8_MAX: tl.constexpr):
+        """fp8.to_fp8(x / scale): clamped first (e4m3 has no infinity), then the round-to-nearest-even cast.
+        Shared with small_step.py, whose in-kernel quantization must round as this file's kernels do."""
         q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
         return q.to(tl.float8e4nv)
 
@@ -190,7 +192,7 @@ if HAVE_TRITON:
         for start in range(0, K, BLOCK):
             mask = start + cols < K
             x = tl.load(x_ptr + row * K + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * K + start + cols, _quantize(x, scale, FP8_MAX), mask=mask)
+            tl.store(q_ptr + row * K + start + cols, quantize_to_fp8(x, scale, FP8_MAX), mask=mask)
 
     @triton.jit
     def _per_token_group_quant_kernel(
@@ -204,7 +206,7 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_ABSMAX) / FP8_MAX
         tl.store(s_ptr + row * tl.num_programs(1) + group, scale)
-        tl.store(q_ptr + row * K + cols, _quantize(x, scale, FP8_MAX), mask=mask)
+        tl.store(q_ptr + row * K + cols, quantize_to_fp8(x, scale, FP8_MAX), mask=mask)
 
     @triton.jit
     def _block_fp8_gemm_kernel(

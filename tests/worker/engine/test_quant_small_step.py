@@ -1,0 +1,304 @@
+"""The FP8 small-step GEMM (worker/engine/quant/small_step.py) and the decoder's opt-in to it.
+
+On the CPU the kernel runs through Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton
+is imported), with its fp8 cast fixed (test_quant_kernels.exact_interpreter_fp8_casts) and its fp8 tl.dot summed in
+float64 (`exact_interpreter_fp8_dots`). A K tile's e4m3 products then sum exactly (their exponents span < 53 bits),
+so the kernel has one rounding per K tile and the torch twin `step_gemm_twin` (fp8.py's quantization, the same
+per-tile fp32 accumulation, x_scale then w_scale, the bias) must equal it bit for bit: that checks the in-kernel
+quantization against fp8.py's to the bit. Against fp8_linear_emulated (dequantized operands, one fp64 sum) the
+kernel agrees to fp32 summation order. The `gpu` tests run the same checks on CUDA (the H200) with tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.worker.engine.test_fused_kernels import _interpret, _llama_head_dim_64, mixed_step_three_ways
+from tests.worker.engine.test_quant_kernels import _layers
+from worker.engine.kernels import fused as fk
+from worker.engine.quant.config import ActivationScale, Fp8Scheme, OnlineFp8Config, WeightScale
+from worker.engine.quant.fp8 import (
+    Fp8Linear,
+    fp8_linear_emulated,
+    quantize_input,
+    quantize_weight_per_channel,
+)
+
+STEP_SCHEMES = ("channel-token", "channel-token-ub", "tensor-static", "channel-static", "tensor-token")
+
+CHECK = r"""
+from tests.worker.engine.test_quant_kernels import exact_interpreter_fp8_casts
+from tests.worker.engine.test_quant_small_step import check_step_kernel, exact_interpreter_fp8_dots
+
+exact_interpreter_fp8_casts()
+exact_interpreter_fp8_dots()
+check_step_kernel("cpu")
+print("fp8 step kernel matches")
+"""
+
+DECODER_CHECK = r"""
+from tests.worker.engine.test_quant_kernels import exact_interpreter_fp8_casts
+from tests.worker.engine.test_quant_small_step import check_decoder_opt_in, exact_interpreter_fp8_dots
+
+exact_interpreter_fp8_casts()
+exact_interpreter_fp8_dots()
+check_decoder_opt_in("cpu")
+print("fp8 step decoder matches")
+"""
+
+
+def exact_interpreter_fp8_dots() -> None:
+    """Make the interpreter's fp8 tl.dot sum each tile in float64, then round to fp32 once (this process only).
+    Its own dot widens e4m3 to fp16 (exact) and runs numpy's sgemm, whose summation order is the host BLAS's."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    original = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *rest):
+        if not (a.dtype == tl.float8e4nv and b.dtype == tl.float8e4nv and d.data.dtype == np.float32):
+            return original(self, a, b, d, *rest)
+
+        def wide(t):
+            return interp._convert_float(t.data, t.dtype, tl.float16, None).view(np.float16).astype(np.float64)
+
+        product = np.matmul(wide(a), wide(b)).astype(np.float32)
+        return interp.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+def step_gemm_twin(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None, block_k: int) -> torch.Tensor:
+    """The kernel's arithmetic in torch: fp8.py's quantized x, each K tile's products summed exactly and added to an
+    fp32 accumulator, times x_scale, times w_scale, plus the bias, rounded to x's dtype."""
+    m, k = x.shape
+    x_fp8, x_scale = quantize_input(x, layer)
+    w = layer.weight.double()
+    acc = torch.zeros(m, layer.out_features, dtype=torch.float32, device=x.device)
+    for start in range(0, k, block_k):
+        tile = slice(start, start + block_k)
+        acc = acc + (x_fp8[:, tile].double() @ w[:, tile].t()).float()
+    out = acc * x_scale.expand(m)[:, None] * layer.weight_scale.expand(layer.out_features)[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _rel_to_scale(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.float().abs().amax().clamp(min=1)
+    return ((got.float() - want.float()).abs() / scale).max().item()
+
+
+def check_step_kernel(device: str) -> None:
+    """fp8_step_linear against its twin (the interpreter: bit for bit) and the emulation, every scheme the kernel
+    runs, M in {1, 5, 32}, with and without bias; the gated variant against the unfused pair (bit for bit);
+    shapes and schemes the kernel refuses against kernels.fp8_linear."""
+    from worker.engine.quant import small_step
+
+    exact = device == "cpu"
+    block_k = small_step.STEP_CONFIG[1]
+    # fp16 stands in for bf16 in the interpreter, whose fp32 -> bf16 store is not round-to-nearest-even
+    dtypes = (torch.float32, torch.float16) if exact else (torch.bfloat16, torch.float32)
+    for n, k in ((128, 256), (192, 384)):
+        layers = _layers(n, k, device)
+        for name in STEP_SCHEMES:
+            layer = layers[name]
+            assert small_step.step_config(layer) is not None, name
+            for m in (1, 5, 32):
+                for dtype in dtypes:
+                    torch.manual_seed(m)
+                    x = (torch.randn(m, k) * torch.logspace(-2, 1, m)[:, None]).to(device, dtype)
+                    x[0, :5] = 0.0
+                    for bias in (None, torch.randn(n).to(device, dtype)):
+                        what = f"{name} m={m} n={n} k={k} {dtype} bias={bias is not None}"
+                        got = small_step.fp8_step_linear(x, layer, bias, pdl=not exact)
+                        assert got.shape == (m, n) and got.dtype == dtype, what
+                        twin = step_gemm_twin(x, layer, bias, block_k)
+                        if exact:
+                            assert torch.equal(got, twin), f"{what}: {(got.float() - twin.float()).abs().max()}"
+                        want = fp8_linear_emulated(x, layer, bias)
+                        # the GPU's fp32 division may tip an e4m3 rounding of x: one step of one element
+                        tol = 2e-5 if dtype == torch.float32 else (2**-10 if dtype == torch.float16 else 2**-7)
+                        err = _rel_to_scale(got, want)
+                        assert err <= (tol if exact else 2**-7), f"{what}: {err}"
+        _check_gated(layers, device, dtypes)
+    _check_fallbacks(device)
+
+
+def _check_gated(layers: dict[str, Fp8Linear], device: str, dtypes) -> None:
+    from worker.engine.quant import small_step
+
+    for name in ("channel-token", "tensor-static"):
+        layer = layers[name]  # n rows: [gate; up] with I = n / 2
+        inter = layer.out_features // 2
+        if small_step.step_config(layer, gated=True) is None:
+            continue
+        for act in (fk.ACT_SILU, fk.ACT_GELU_TANH):
+            for m in (1, 5, 32):
+                for dtype in dtypes:
+                    x = torch.randn(m, layer.in_features).to(device, dtype)
+                    bias = torch.randn(2 * inter).to(device, dtype) if m == 5 else None
+                    pdl = device != "cpu"
+                    got = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act)
+                    # the same K tiles as the gated kernel: the same sums
+                    unfused = small_step.fp8_step_linear(x, layer, bias, pdl=pdl, config=small_step.GATED_STEP_CONFIG)
+                    pair = fk.act_mul(unfused, pdl=pdl, act=act)
+                    assert got.shape == (m, inter) and torch.equal(got, pair), (name, act, m, dtype)
+
+
+def _check_fallbacks(device: str) -> None:
+    """Where `step_config` says None (N = 112: a multiple of 16, as cuBLASLt wants, not of BLOCK_N; block-wise
+    scales) the result is kernels.fp8_linear's (the emulation off CUDA)."""
+    from worker.engine.quant import kernels, small_step
+
+    torch.manual_seed(3)
+    untiled = Fp8Linear(
+        *quantize_weight_per_channel(torch.randn(112, 256)), Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN)
+    ).to(device)
+    block = _layers(128, 256, device)["block"]
+    for layer, what in ((untiled, "N=112"), (block, "block-wise")):
+        assert small_step.step_config(layer) is None, what
+        x = torch.randn(5, 256, device=device)
+        assert torch.equal(small_step.fp8_step_linear(x, layer), kernels.fp8_linear(x, layer)), what
+        want = fk.act_mul(kernels.fp8_linear(x, layer))
+        assert torch.equal(small_step.fp8_step_gate_up_act(x, layer), want), what
+
+
+def _fp8_llama(dev: torch.device):
+    """The head_dim-64 Llama (every GEMM tiles by the step kernel's blocks) with --quantization fp8, kept FP8."""
+    from worker.engine.quant.linear import quantize_linears
+
+    model = _llama_head_dim_64(dev)
+    quantize_linears(model, OnlineFp8Config(), keep_fp8=True)
+    return model
+
+
+def check_decoder_opt_in(device: str) -> None:
+    """One mixed step (7 rows, a small step) of a tiny FP8 model: the small-step path, whose FP8 GEMMs are
+    quant/small_step.py's (the gated one included), gives the logits of the path without it (FP8 GEMMs through
+    kernels.fp8_linear, made the emulation on CUDA too: cuBLASLt's row-wise output is bf16), to fp32 summation
+    order (on CUDA also the fp32 division's last bit, which may tip an e4m3 rounding downstream)."""
+    from worker.engine.quant import kernels, small_step
+
+    dev = torch.device(device)
+    model = _fp8_llama(dev)
+    launches: list[bool] = []
+    original_launch, original_linear = small_step._launch, kernels.fp8_linear
+
+    def counting_launch(*args, **kwargs):
+        launches.append(kwargs["gated"])
+        return original_launch(*args, **kwargs)
+
+    small_step._launch = counting_launch
+    kernels.fp8_linear = lambda x, layer, bias=None, backend="auto": original_linear(x, layer, bias, "emulated")
+    try:
+        torch_path, elementwise, step = mixed_step_three_ways(model, dev)
+    finally:
+        small_step._launch, kernels.fp8_linear = original_launch, original_linear
+    layers = model.config.num_hidden_layers
+    # per layer: QKV, O and down plain, gate/up gated (the other two paths launch none)
+    assert sorted(launches) == [False] * 3 * layers + [True] * layers, launches
+    for variant, out in (("triton element-wise", elementwise), ("fp8 small step", step)):
+        err = ((out - torch_path).abs().max() / torch_path.abs().max()).item()
+        assert err < (1e-4 if device == "cpu" else 1e-2), (variant, err)
+
+
+needs_triton = pytest.mark.skipif(not fk.HAVE_TRITON, reason="triton is not installed")
+# FP8 tensor cores (sm89+) and programmatic dependent launch (sm90+): the H200
+needs_sm90 = pytest.mark.skipif(
+    not (fk.HAVE_TRITON and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+    reason="needs an sm90+ GPU and triton",
+)
+
+
+@needs_triton
+def test_fp8_step_kernel_matches_its_twin_and_the_emulation_in_the_interpreter():
+    _interpret(CHECK, "fp8 step kernel matches")
+
+
+@needs_triton
+def test_fp8_small_step_decoder_matches_the_fp8_gemm_path_in_the_interpreter():
+    _interpret(DECODER_CHECK, "fp8 step decoder matches")
+
+
+def test_decode_gemm_triton_opts_fp8_models_in_and_auto_keeps_them_out(monkeypatch):
+    """build_decoder: FP8 linears take the small-step path with decode_gemm "triton" only ("auto" keeps today's
+    FP8 GEMMs until the H200 says otherwise); a bf16 model takes it with "auto" as before."""
+    from worker.engine import decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod.decode_gemm, "usable", lambda device, dtype: True)  # as on an H200
+    cpu = torch.device("cpu")
+    fp8_model, dense_model = _fp8_llama(cpu), _llama_head_dim_64(cpu)
+    assert decoder_mod.has_fp8_linears(fp8_model) and not decoder_mod.has_fp8_linears(dense_model)
+    for model, gemm, takes_it in (
+        (fp8_model, "triton", True), (fp8_model, "auto", False), (fp8_model, "cublas", False),
+        (dense_model, "auto", True), (dense_model, "triton", True),
+    ):  # fmt: skip
+        decoder = decoder_mod.build_decoder(model, "owned", cpu, 64, use_triton=fk.HAVE_TRITON, gemm=gemm)
+        assert decoder is not None
+        assert (decoder.small_step_ops is not None) == (takes_it and fk.HAVE_TRITON), (gemm, decoder.is_fp8)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp8_step_kernel_and_decoder():
+    """The same checks on CUDA (PDL on): the kernel within the emulation's tolerance, gated == unfused bit for
+    bit, the fallbacks; the decoder's mixed step with the FP8 small-step path against the path without it."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # the emulation's fp32 GEMM must not run in TF32
+    try:
+        check_step_kernel("cuda")
+        check_decoder_opt_in("cuda")
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp8_step_kernel_at_the_llama_3_8b_shapes():
+    """bf16 outputs within 1% of the output's scale of the emulation (test_quant_kernels' H200 bound) at M = 32
+    for each Llama-3-8B projection, the down projection (K = 14,336) included."""
+    from worker.engine.quant import small_step
+
+    torch.manual_seed(0)
+    token = Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN)
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        w = torch.randn(n, k, device="cuda") * 0.02
+        layer = Fp8Linear(*quantize_weight_per_channel(w), token)
+        x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+        assert small_step.step_config(layer) is not None, (n, k)
+        got, want = small_step.fp8_step_linear(x, layer, pdl=True).float(), fp8_linear_emulated(x, layer).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-2, ((n, k), err)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_engine_with_decode_gemm_triton_runs_fp8_small_steps_in_cuda_graphs():
+    """small-llama --quantization fp8 with decode_gemm "triton" (CUDA graphs on) against "cublas": the prefill (all
+    16 prompts in one step of far more than 32 rows) takes the same GEMMs, so first tokens are equal; the second
+    token comes from a small decode step, where the two FP8 GEMMs differ in summation order and the fp32 division's
+    last bit: most agree (GPU_TOP1's bound, as the FP8 tests)."""
+    from tests.worker.engine.test_quant_decoder import GPU_TOP1, _requests
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.models import load_model
+
+    model, tokenizer = load_model("small-llama", torch.device("cuda"), torch.bfloat16, quantization="fp8")
+    reqs = _requests(tokenizer, 16, max_new_tokens=8)
+    outputs = {}
+    for gemm in ("cublas", "triton"):
+        engine = Engine(model, tokenizer, EngineConfig(decoder="owned", decode_gemm=gemm, max_num_batched_tokens=2048))
+        assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
+        assert (engine.runner.decoder.small_step_ops is not None) == (gemm == "triton")
+        outputs[gemm] = [r.token_ids for r in engine.generate(reqs)]
+        del engine
+    pairs = list(zip(outputs["cublas"], outputs["triton"], strict=True))
+    assert all(a[:1] == b[:1] for a, b in pairs), "prefill takes the same FP8 GEMMs either way"
+    seconds = sum(a[:2] == b[:2] for a, b in pairs)
+    print(f"small-llama fp8: second tokens of decode_gemm triton and cublas agree on {seconds} of 16")
+    assert seconds >= math.ceil(GPU_TOP1 * 16), seconds

@@ -1,0 +1,237 @@
+"""FP8 weight GEMMs of small decode steps (at most decode_gemm.MAX_TOKENS rows) as one Triton kernel per linear
+that takes part in programmatic dependent launch (kernels/pdl.py). Owns nothing.
+
+Why: on the large-step path every FP8 linear is two launches, the per-token quantization kernel and cuBLASLt's
+_scaled_mm (kernels.py), and neither is chained by PDL, while the bf16 small-step path runs one PDL kernel per
+linear (kernels/decode_gemm.py). Here x (bf16/fp16; a decode step's few rows stay in L2) is quantized inside the
+GEMM: every program first takes the absmax of its rows over all of K, then quantizes each K tile to e4m3 just
+before the FP8 x FP8 MMA, with fp8.py's formula and rounding (kernels.quantize_to_fp8). No x_fp8 tensor is
+written and no quantization kernel runs; the price is that each program reads its x rows twice, from L2.
+
+The layout is decode_gemm's: a program owns BLOCK_N whole weight rows over all of K (no split-K), the weight rows
+are the MMA's long side (W_tile [BLOCK_N, BLOCK_K] @ x_tile^T), fp32 accumulation. The epilogue multiplies by
+x_scale[m], then by w_scale[n], adds the bias and rounds to x's dtype, so it computes fp8_linear_emulated up to
+fp32 summation order (the emulation sums the dequantized products in fp64 on the CPU); the quantized x is
+fp8.py's bit for bit. `fp8_step_gate_up_act` is the same kernel with act·mul in its epilogue, rounded as the
+unfused GEMM then fused.act_mul round (decode_gemm.decode_gate_up_silu's rule): the two agree bit for bit.
+
+Schemes: weights per tensor or per output channel; activations dynamic per token (fbgemm's absmax cap included)
+or static per tensor (the checkpoint's input_scale, read on the device: no absmax pass). Block-wise FP8
+(per-token-group activations) and shapes that do not tile keep kernels.fp8_linear (its Triton block GEMM, or
+quantization + _scaled_mm): `step_config` gives None for them. The QKV projection has no FP8 twin of
+decode_qkv_rope_write's rotary + KV-write epilogue yet: the decoder runs this GEMM, then fused.qkv_rope_write.
+
+Not measured on the H200 yet (benchmarks/fp8_step_gemm.py; run_gpu.sh stages fp8stepgemm, w1fp8step): the tile
+configuration is decode_gemm's weight bytes per tile, a guess, and the decoder takes this path only when
+decode_gemm is "triton" (config.py). Launches depend only on shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import fused as fk
+from ..kernels.common import HAVE_TRITON, tl, triton
+from ..kernels.decode_gemm import Config, block_m_for
+from .config import ActivationScale, WeightScale
+from .fp8 import FP8_MAX, MIN_ABSMAX, Fp8Linear
+from .kernels import fp8_linear
+
+if HAVE_TRITON:
+    from ..kernels.fused import activation
+    from ..kernels.pdl import pdl_wait_and_release
+    from .kernels import quantize_to_fp8
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). 64 x 128 e4m3 weight rows are decode_gemm's NARROW_CONFIG tile in
+# bytes (64 x 64 bf16); BLOCK_K of 128 is also four of the FP8 MMA's K steps (32). To be swept on the H200
+# (`benchmarks/fp8_step_gemm.py --sweep`).
+STEP_CONFIG: Config = (64, 128, 4, 4)
+GATED_STEP_CONFIG: Config = (64, 128, 4, 4)  # 64 gate rows and the 64 up rows that pair with them
+# Unlike bf16 (decode_gemm.MAX_K keeps the K = 14,336 down projection on cuBLAS), the down projection takes this
+# kernel too: its alternative is two launches outside the PDL chain, not one. None: any depth. The H200 decides
+# (the microbenchmark times down both ways).
+MAX_K: int | None = None
+
+
+def step_config(layer: Fp8Linear, gated: bool = False, config: Config | None = None) -> Config | None:
+    """The launch configuration of this file's kernel for `layer` (`gated`: its rows are [gate; up]), or None
+    where kernels.fp8_linear keeps it: block-wise or per-token-group scales, or a shape that does not tile."""
+    scheme = layer.scheme
+    if scheme.weight is WeightScale.BLOCK or scheme.activation is ActivationScale.TOKEN_GROUP:
+        return None
+    config = config or (GATED_STEP_CONFIG if gated else STEP_CONFIG)
+    n, k = layer.weight.shape
+    rows = n // 2 if gated else n
+    if (gated and n % 2) or rows % config[0] or k % config[1] or (MAX_K is not None and k > MAX_K):
+        return None
+    return config
+
+
+def fp8_step_linear(
+    x: torch.Tensor,
+    layer: Fp8Linear,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
+    config: Config | None = None,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ w^T (+ bias) in x's dtype, x quantized as the layer's scheme says inside the GEMM; the decoder
+    calls it for M <= decode_gemm.MAX_TOKENS. Where `step_config` gives None: kernels.fp8_linear."""
+    config = step_config(layer, config=config)
+    if config is None or not HAVE_TRITON:
+        return fp8_linear(x, layer, bias)
+    return _launch(x, layer, bias, layer.out_features, config, gated=False, pdl=pdl, block_m=block_m)
+
+
+def fp8_step_gate_up_act(
+    x: torch.Tensor,
+    layer: Fp8Linear,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
+    act: int = fk.ACT_SILU,
+    config: Config | None = None,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) [M, I] for the fused FP8 weight [gate; up] ([2I, K], scales and bias [2I]) in
+    one kernel; `act` fused.ACT_*. Where `step_config` gives None: the GEMM (fp8_step_linear), then act_mul."""
+    config = step_config(layer, gated=True, config=config)
+    if config is None or not HAVE_TRITON:
+        return fk.act_mul(fp8_step_linear(x, layer, bias, pdl=pdl), pdl=pdl, act=act)
+    inter = layer.out_features // 2
+    return _launch(x, layer, bias, inter, config, gated=True, pdl=pdl, block_m=block_m, act=act)
+
+
+def _launch(
+    x: torch.Tensor,
+    layer: Fp8Linear,
+    bias: torch.Tensor | None,
+    n: int,
+    config: Config,
+    gated: bool,
+    pdl: bool,
+    block_m: int | None = None,
+    act: int = 0,
+) -> torch.Tensor:
+    """out [M, n]: the first n rows of the layer's weight (gated: paired with the n rows after them)."""
+    m, k = x.shape
+    weight, scheme = layer.weight, layer.scheme
+    assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
+    block_n, block_k, num_warps, num_stages = config
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    is_static = scheme.activation is ActivationScale.STATIC
+    assert not is_static or layer.input_scale is not None, "static activations come with an input scale"
+    ub = scheme.activation_scale_ub
+    block_m = block_m or block_m_for(m)
+    _fp8_step_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
+        x,
+        weight,
+        layer.weight_scale,
+        layer.input_scale if is_static else layer.weight_scale,  # unread without static activations
+        bias if bias is not None else x,
+        out,
+        m,
+        n,
+        0.0 if ub is None else float(ub),
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        W_SCALE_STRIDE=1 if scheme.weight is WeightScale.CHANNEL else 0,  # 0: one scale, read by every row
+        STATIC_X=is_static,
+        HAS_UB=ub is not None,
+        K_TILES=k // block_k,
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        ACT=act,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        USE_PDL=pdl,
+        FP8_MAX=FP8_MAX,
+        MIN_ABSMAX=MIN_ABSMAX,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+    )
+    return out
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _fp8_step_gemm_kernel(
+        x_ptr,
+        w_ptr,  # e4m3 [N or 2I, K]
+        w_scale_ptr,  # fp32 [N] or [] (W_SCALE_STRIDE 0)
+        x_scale_ptr,  # fp32 []: STATIC_X's input scale
+        bias_ptr,
+        out_ptr,
+        M,
+        up_rows,  # GATED: the up rows start this many rows after the gate rows (I)
+        scale_ub,  # HAS_UB: a row's absmax is capped here (fbgemm's activation_scale_ub)
+        stride_xm,
+        stride_wn,
+        stride_om,
+        W_SCALE_STRIDE: tl.constexpr,
+        STATIC_X: tl.constexpr,
+        HAS_UB: tl.constexpr,
+        K_TILES: tl.constexpr,  # K // BLOCK_K: a fixed trip count per weight shape
+        HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
+        ACT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        MIN_ABSMAX: tl.constexpr,
+    ):
+        pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_mask = rm < M
+        x_rows = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
+        if STATIC_X:
+            x_scale = tl.load(x_scale_ptr + rm * 0)  # the one scale, per row so that both branches broadcast alike
+        else:
+            # fp8.quantize_per_token: the row's absmax over all of K first (max is exact in any order), the row
+            # scale from it; padding rows (masked to 0) get MIN_ABSMAX's and are never stored.
+            running = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
+            for t in range(K_TILES):
+                x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
+                running = tl.maximum(running, tl.abs(x))
+            absmax = tl.max(running, axis=0)
+            if HAS_UB:
+                absmax = tl.minimum(absmax, scale_ub)
+            x_scale = tl.maximum(absmax, MIN_ABSMAX) / FP8_MAX
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        up_ptrs = w_ptr + (rn[:, None] + up_rows).to(tl.int64) * stride_wn + rk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for t in range(K_TILES):
+            x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
+            x_fp8 = quantize_to_fp8(x, x_scale[None, :], FP8_MAX)
+            acc = tl.dot(tl.load(w_ptrs), x_fp8, acc)
+            if GATED:
+                acc_up = tl.dot(tl.load(up_ptrs), x_fp8, acc_up)
+                up_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        # (sum of e4m3 products) * x_scale * w_scale: the emulation's dequantized operands, one product each
+        acc = acc * x_scale[None, :] * tl.load(w_scale_ptr + rn * W_SCALE_STRIDE)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+        if GATED:  # rounded as the unfused GEMM + act_mul kernel round
+            acc_up = acc_up * x_scale[None, :] * tl.load(w_scale_ptr + (rn + up_rows) * W_SCALE_STRIDE)[:, None]
+            if HAS_BIAS:
+                acc_up += tl.load(bias_ptr + up_rows + rn).to(tl.float32)[:, None]
+            dtype = out_ptr.dtype.element_ty
+            gate = acc.to(dtype).to(tl.float32)
+            act = activation(gate, ACT).to(dtype).to(tl.float32)
+            acc = act * acc_up.to(dtype).to(tl.float32)
+        out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
