@@ -26,7 +26,7 @@ from ..quant.linear import keeps_fp8, quantize_linears
 from ..quant.loader import load_quantized_model
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .registry import MODULES, family_of
-from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
+from .spec import DecoderArgs, Family, UnsupportedConfig, longrope_original_len, runtime_rope_fields, unhandled_fields
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
 
@@ -100,6 +100,24 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-phi3": (
         "phi3",
         dict(_TINY, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75}),
+    ),
+    # Phi-4-mini's longrope (Phi-3.5-mini's too, with full rotary) at tiny size: the short factors up to 64 positions
+    # (the releases' 4,096), the long ones past it (max_position_embeddings 1,024: the releases' 131,072), so the
+    # tests' prompts sit on either side and their decodes cross it. Factors of distinct sizes per frequency, as the
+    # releases' (1 to ~1.3 short, 1 to ~50 long), so the two tables differ in every column pair.
+    "tiny-phi3-longrope": (
+        "phi3",
+        dict(
+            _TINY,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10_000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3],  # head_dim 16 * 0.75 / 2 frequencies
+                "long_factor": [1.0, 1.5, 3.0, 8.0, 20.0, 48.0],
+            },
+        ),
     ),
     # SmolLM3's NoPE: every fourth layer has no rotary.
     "tiny-smollm3": ("smollm3", dict(_TINY, num_hidden_layers=4, no_rope_layer_interval=4)),
@@ -437,10 +455,11 @@ def family_for(config) -> tuple[Family, DecoderArgs]:
     model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
     family = _require_family(config.model_type)
     config, _ = _text_model(config, family)
-    unhandled = unhandled_fields(config, family) + runtime_rope_fields(config)
+    unhandled = unhandled_fields(config, family) + runtime_rope_fields(config, family)
     try:
         if unhandled:
             raise UnsupportedConfig(", ".join(unhandled))
+        longrope_original_len(config)  # its two lengths agree
         return family, family.read(config)
     except UnsupportedConfig as exc:
         raise ModelLoadError(f"model type {config.model_type!r}: config.json sets {exc}, which cbq does not implement") from exc
