@@ -26,7 +26,7 @@ from ..quant.linear import keeps_fp8, quantize_linears
 from ..quant.loader import load_quantized_model
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .registry import MODULES, family_of
-from .spec import DecoderArgs, Family, UnsupportedConfig, longrope_original_len, runtime_rope_fields, unhandled_fields
+from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
 
@@ -459,7 +459,6 @@ def family_for(config) -> tuple[Family, DecoderArgs]:
     try:
         if unhandled:
             raise UnsupportedConfig(", ".join(unhandled))
-        longrope_original_len(config)  # its two lengths agree
         return family, family.read(config)
     except UnsupportedConfig as exc:
         raise ModelLoadError(f"model type {config.model_type!r}: config.json sets {exc}, which cbq does not implement") from exc

@@ -218,13 +218,9 @@ def longrope_original_len(config: Any) -> int | None:
     sequence: the scheduler restarts a sequence that grows past it (scheduler.py), the decoder keeps both tables."""
     if rope_types(config) != ["longrope"]:
         return None
-    original = config.rope_parameters["original_max_position_embeddings"]
-    top_level = getattr(config, "original_max_position_embeddings", original)
-    if top_level != original:  # generate's cache reset reads this one, the rotary the other: cbq cannot match both
-        raise UnsupportedConfig(
-            f"original_max_position_embeddings={top_level} and rope_parameters' {original} (longrope needs one length)"
-        )
-    return int(original)
+    # NOTE: Phi-3's cache reset reads the config's top-level field, the rotary this copy: the config's init copies the
+    # top-level value here (standardize_rope_params, 5.17 and 5.24), so the two agree.
+    return int(config.rope_parameters["original_max_position_embeddings"])
 
 
 def activation_of(config: Any, field: str) -> Activation:
