@@ -183,6 +183,24 @@ def test_greedy_equals_generate_alone(phi3_longrope, scenario, mode, caching):
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_prompt_logprobs_are_the_prompts_own_forward(phi3_longrope, mode):
+    """A prompt's logprobs come from the table of its own forward (short up to 64 tokens, long past it), also for a
+    request recomputed long once it crosses (its prompt's entries are recorded once, from the short forward)."""
+    from .test_prompt_logprobs import check_prompt_logprobs, prompt
+
+    model, tok = phi3_longrope
+    reqs = [
+        EngineRequest("crossing", prompt(1, 40, tok.bos_token_id), SamplingParams(40, prompt_logprobs=2)),
+        EngineRequest("long", prompt(2, 90, tok.bos_token_id), SamplingParams(3, prompt_logprobs=2)),
+    ]
+    engine = Engine(model, tok, EngineConfig(mode=mode, max_num_batched_tokens=16))
+    results = engine.generate(reqs)
+    for req, result in zip(reqs, results, strict=True):
+        check_prompt_logprobs(model, req, result)
+        assert result.token_ids == longrope_greedy(model, tok, req), req.request_id
+
+
 # -- the scheduler and the prefix cache -------------------------------------------------------------------------
 
 
