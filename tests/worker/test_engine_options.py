@@ -83,6 +83,7 @@ def test_tensor_parallel_size_reaches_the_engine_config_and_what_it_cannot_run_i
 
 
 def test_decoder_hf_with_a_longrope_model_is_one_line():
-    with pytest.raises(click.ClickException, match="cannot start the engine: decoder 'hf' cannot run longrope") as info:
+    refusal = "cannot start the engine: decoder 'hf' cannot run longrope"
+    with pytest.raises(click.ClickException, match=refusal) as info:
         build_engine("tiny-phi3-longrope", "sync", "cpu", False, {"decoder": "hf"})
     assert "\n" not in info.value.message

@@ -10,8 +10,9 @@ so kernels never need a "skip" branch on the decode path. It is never handed out
 Prefix caching. A full block is named by a hash chain: the hash of its parent block's hash and its own
 token ids; the chain's root is `Sequence.kv_namespace` (empty today; an adapter id would go there, or
 anything else that changes a block's K/V for the same tokens), marked apart for a sequence that rotates with
-longrope's long factors (`Sequence.long_rope`): the same tokens' K/V differ between the two tables. Blocks are shared by reference count,
-never copied: a sequence only ever writes positions past its shared prefix, so shared blocks are read-only.
+longrope's long factors (`Sequence.long_rope`): the same tokens' K/V differ between the two tables. Blocks are
+shared by reference count, never copied: a sequence only ever writes positions past its shared prefix, so shared
+blocks are read-only.
 
 Every usable block is in exactly one state:
     in use    ref count > 0; in one or more block tables; hashed or not

@@ -326,7 +326,7 @@ def longrope_tables(
 def cos_sin_table(
     inv_freq: torch.Tensor, scaling: float, num_positions: int, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [num_positions, 2 * len(inv_freq)] of positions 0 .. num_positions - 1, as transformers' rotary forward."""
+    """cos/sin [num_positions, 2 * len(inv_freq)] of positions 0 .. num_positions - 1, as transformers' forward."""
     inv_freq = inv_freq.to(device=like.device, dtype=torch.float32)
     positions = torch.arange(num_positions, device=like.device)
     freqs = positions[:, None].float() * inv_freq

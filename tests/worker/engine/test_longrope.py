@@ -64,12 +64,12 @@ def longrope_greedy(model, tok, req: EngineRequest) -> list[int]:
     first = hf_greedy(model, tok, _replace(req, max_new_tokens=k))
     if len(first) < k or tok.eos_token_id in first:
         return first
-    rest = EngineRequest(req.request_id, req.prompt_ids + first, SamplingParams(max_new_tokens=req.sampling.max_new_tokens - k))
+    rest = _replace(req, req.sampling.max_new_tokens - k, prompt_ids=req.prompt_ids + first)
     return first + hf_greedy(model, tok, rest)
 
 
-def _replace(req: EngineRequest, max_new_tokens: int) -> EngineRequest:
-    return EngineRequest(req.request_id, req.prompt_ids, SamplingParams(max_new_tokens=max_new_tokens))
+def _replace(req: EngineRequest, max_new_tokens: int, prompt_ids: list[int] | None = None) -> EngineRequest:
+    return EngineRequest(req.request_id, prompt_ids or req.prompt_ids, SamplingParams(max_new_tokens=max_new_tokens))
 
 
 def longrope_requests(tok, seed: int = 0) -> list[EngineRequest]:
@@ -171,7 +171,7 @@ def test_greedy_equals_generate_alone(phi3_longrope, scenario, mode, caching):
     assert len({t for ids in ref.values() for t in ids}) >= 40, "random weights must give varied text"
     config = EngineConfig(mode=mode, decoder="auto", enable_prefix_caching=caching, **SCENARIOS[scenario])
     engine = Engine(model, tok, config)
-    assert isinstance(engine.runner.decoder, OwnedDecoder), "auto takes the owned decoder for longrope, on the CPU too"
+    assert isinstance(engine.runner.decoder, OwnedDecoder), "auto: the owned decoder for longrope, on the CPU too"
     results = engine.generate(reqs)
     for req, res in zip(reqs, results, strict=True):
         assert res.token_ids == ref[req.request_id], f"{req.request_id} (prompt {len(req.prompt_ids)} tokens)"
@@ -292,7 +292,7 @@ def test_long_sequences_read_the_long_rows_and_write_their_true_slots():
     h = builder.slots[0].host
     assert h["positions"][:18].tolist() == list(range(5)) + [10 + p for p in range(13)]
     tables = [short.block_table, long.block_table]
-    want_slots = [tables[0][p // 4] * 4 + p % 4 for p in range(5)] + [tables[1][p // 4] * 4 + p % 4 for p in range(13)]
+    want_slots = [tables[b][p // 4] * 4 + p % 4 for b, n in ((0, 5), (1, 13)) for p in range(n)]
     assert h["slot_mapping"][:18].tolist() == want_slots
     # a short sequence past the original context would read a long row: refused
     bad = describe_step(plan, {}, long_rope=True)[0]
@@ -370,7 +370,8 @@ def check_longrope_decoders(device: str) -> None:
     from tests.worker.engine.test_fused_kernels import mixed_step_three_ways
 
     dev = torch.device(device)
-    for name, model in (("full rotary", full_rotary_longrope(dev)), ("partial", load_model(PRESET, dev, torch.float32)[0])):
+    partial = load_model(PRESET, dev, torch.float32)[0]
+    for name, model in (("full rotary", full_rotary_longrope(dev)), ("partial", partial)):
         long_rows = [ORIGINAL + p for p in range(4)] + [0, 1, 2]
         outs = mixed_step_three_ways(model, dev, triton_attention=True, positions=long_rows)
         for variant, out in zip(("triton element-wise", "small-step path"), outs[1:], strict=True):
