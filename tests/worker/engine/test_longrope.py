@@ -14,6 +14,7 @@ whose prefill is the recomputing forward; `test_the_reference_is_generate` check
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -35,7 +36,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.tokenizer import ByteTokenizer
 
-from .conftest import hf_greedy
+from .conftest import generate_with_late_arrivals, hf_greedy
 
 CPU = torch.device("cpu")
 PRESET = "tiny-phi3-longrope"
@@ -181,6 +182,27 @@ def test_greedy_equals_generate_alone(phi3_longrope, scenario, mode, caching):
         assert engine.stats().prefix_cache_hits > 0
     engine.blocks.check_integrity([])
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_parallel_samples_and_late_arrivals(phi3_longrope, mode):
+    """n = 3 greedy samples of crossing and long prompts (the followers share their leader's prompt blocks, and may
+    still wait while it crosses), half the requests added while the others run: every sample equals `generate`."""
+    model, tok = phi3_longrope
+    reqs, ref = references(model, tok)
+    grouped = [dataclasses.replace(r, n=3) for r in reqs[:4]] + reqs[4:]
+    config = EngineConfig(mode=mode, max_num_batched_tokens=40, num_kv_blocks=40, max_num_seqs=5)
+    results = generate_with_late_arrivals(Engine(model, tok, config), grouped, 6)
+    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in reqs)
+    for res in results:
+        assert [s.token_ids for s in res.all_samples] == [ref[res.request_id]] * (3 if res.samples else 1)
+
+
+def test_deterministic_mode(phi3_longrope):
+    model, tok = phi3_longrope
+    reqs, ref = references(model, tok)
+    engine = Engine(model, tok, EngineConfig(mode="async", deterministic=True, max_num_batched_tokens=40))
+    assert {r.request_id: r.token_ids for r in engine.generate(reqs)} == ref
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
