@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step]
+#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -54,6 +54,10 @@ fi
 if has moetests; then  # the MoE families on CUDA (owned decoder vs generate in fp32, graphs vs eager) and the MoE kernels
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_moe_tests.log" | tail -25
+fi
+if has longropetests; then  # phi3's longrope (testsB runs them too): Triton path on long rows, fp32 owned vs generate
+    timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_longrope.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_longrope_tests.log" | tail -25
 fi
 if has kernels; then
     timeout 120 python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -20

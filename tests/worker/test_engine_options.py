@@ -80,3 +80,10 @@ def test_tensor_parallel_size_reaches_the_engine_config_and_what_it_cannot_run_i
     assert CliRunner().invoke(cmd, ["--tensor-parallel-size", "0"]).exit_code != 0
     with pytest.raises(click.ClickException, match="tensor parallelism: tiny-phi3|tensor parallelism: phi3"):
         build_engine("tiny-phi3", "sync", "cpu", False, {"tensor_parallel_size": 2})
+
+
+def test_decoder_hf_with_a_longrope_model_is_one_line():
+    refusal = "cannot start the engine: decoder 'hf' cannot run longrope"
+    with pytest.raises(click.ClickException, match=refusal) as info:
+        build_engine("tiny-phi3-longrope", "sync", "cpu", False, {"decoder": "hf"})
+    assert "\n" not in info.value.message

@@ -132,11 +132,14 @@ class BatchBuilder:
         device: torch.device,
         graph_buckets: tuple[int, ...] = (),
         max_model_len: int = 0,
+        long_rope_row_offset: int = 0,
     ):
         """`graph_buckets`: decode-only steps pad up to one of these row counts (on CUDA, with or without
         graphs). `max_model_len`: the context bound such a padded step tells its kernels, as its graph was
-        captured with (0: the step's own longest context)."""
+        captured with (0: the step's own longest context). `long_rope_row_offset`: a longrope model's original
+        context, where its long rows start in the decoder's rotary tables (decoder.py `longrope_tables`)."""
         self.block_size = block_size
+        self.long_rope_row_offset = long_rope_row_offset
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.slots = [IOSlot(max_num_tokens, max_num_seqs, max_blocks_per_seq, device) for _ in range(2)]
@@ -176,7 +179,15 @@ class BatchBuilder:
         positions = (np.arange(num_real_tokens) - np.repeat(cu[:num_real], q_lens)) + np.repeat(
             starts, q_lens
         )
+        # The forward reads `positions` only as rotary table rows: a longrope sequence in its long regime reads the
+        # long rows (the slot mapping below keeps the true positions).
         h["positions"][:num_real_tokens] = positions
+        if step.long_rope is not None:  # a longrope model
+            is_long = np.repeat(step.long_rope, q_lens)
+            assert positions[~is_long].max(initial=-1) < self.long_rope_row_offset, (
+                "a token rotating with the short table lies past longrope's original context"
+            )
+            h["positions"][:num_real_tokens] += is_long * self.long_rope_row_offset
         h["positions"][num_real_tokens:num_tokens] = 0
         slot.write_block_tables(step.block_tables, num_seqs)
         tables = h["block_tables"]

@@ -9,8 +9,10 @@ so kernels never need a "skip" branch on the decode path. It is never handed out
 
 Prefix caching. A full block is named by a hash chain: the hash of its parent block's hash and its own
 token ids; the chain's root is `Sequence.kv_namespace` (empty today; an adapter id would go there, or
-anything else that changes a block's K/V for the same tokens). Blocks are shared by reference count,
-never copied: a sequence only ever writes positions past its shared prefix, so shared blocks are read-only.
+anything else that changes a block's K/V for the same tokens), marked apart for a sequence that rotates with
+longrope's long factors (`Sequence.long_rope`): the same tokens' K/V differ between the two tables. Blocks are
+shared by reference count, never copied: a sequence only ever writes positions past its shared prefix, so shared
+blocks are read-only.
 
 Every usable block is in exactly one state:
     in use    ref count > 0; in one or more block tables; hashed or not
@@ -34,6 +36,7 @@ from collections.abc import Sequence as Seq
 from .sequence import Sequence
 
 NULL_BLOCK = 0
+LONG_ROPE_ROOT = b"\x00longrope-long"  # appended to the namespace of a sequence rotating with the long factors
 
 
 def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
@@ -185,6 +188,11 @@ class BlockManager:
                     self._hash_of[block] = h
         seq.num_committed_blocks = num_full
 
+    def forget_hashes(self, seq: Sequence) -> None:
+        """`seq`'s K/V namespace changed (longrope's long table): its memo names blocks of the old one."""
+        assert not seq.block_table, f"{seq.request_id}: renamed while holding blocks"
+        seq.block_hashes = []
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The hash chain of `seq`'s first `num_blocks` full blocks (extends the memo on `seq`)."""
         hashes, bs = seq.block_hashes, self.block_size
@@ -192,7 +200,7 @@ class BlockManager:
         assert num_blocks * bs <= num_known, f"{seq.request_id}: naming a block of unknown tokens"
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else seq.kv_namespace
+            parent = hashes[-1] if hashes else seq.kv_namespace + (LONG_ROPE_ROOT if seq.long_rope else b"")
             hashes.append(block_hash(parent, seq.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]
 

@@ -32,7 +32,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     fused_kernels: bool = True  # CUDA: the owned decoder's Triton element-wise kernels (kernels/fused.py)
     attention_backend: str = "auto"  # "auto" -> triton on cuda, torch reference on cpu
-    decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda
+    decoder: str = "auto"  # "owned": cbq's fused decoder.py; "hf": transformers'; "auto": owned on cuda (and longrope)
     # The owned decoder's steps of at most 32 tokens: "triton" runs their weight GEMMs as Triton kernels
     # with SiLU·mul fused and every kernel of the layer chained by programmatic dependent launch
     # (kernels/decode_gemm.py; sm90+, bf16/fp16), FP8 linears too (quant/small_step.py: x quantized inside the

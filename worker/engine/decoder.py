@@ -35,8 +35,11 @@ instead of the gate/up and down GEMMs: the PyTorch reference on the CPU, the Tri
 workspace (sized here from the largest step) on CUDA; the experts are the model's own stacked tensors.
 
 Rotary uses the model's own `inv_freq` and `attention_scaling` (default, llama3, yarn, linear, ...
-rope types stay exact; a table narrower than the head is partial rotary). Rope types that change their
-frequencies with the sequence length at run time ("dynamic", "longrope") are refused at load.
+rope types stay exact; a table narrower than the head is partial rotary). "dynamic" rope, whose frequencies change
+with the sequence length at run time, is refused at load. longrope (Phi-3/Phi-4 128k) keeps two tables in one
+(`longrope_tables`): each token's `positions` entry is its row there, which the batch builder offsets into the long
+part for a sequence longer than the original context (every kernel reads a position only as a table row; the KV
+slots come from the slot mapping). So each sequence rotates as it would alone in `generate`, whatever the batch.
 
 Steps of at most `decode_gemm.MAX_TOKENS` tokens (small decode batches, W1) take the small-step path
 on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up GEMM's epilogue, rotary and the KV
@@ -69,7 +72,7 @@ from .layer_ops import (
     layer_ops,
 )
 from .models import ModelLoadError, family_for
-from .models.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan
+from .models.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan, longrope_original_len
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
 from .moe.from_model import moe_layer_weights
 from .quant.linear import Fp8LinearModule
@@ -86,7 +89,8 @@ def unsupported_reason(model) -> str | None:
         return str(exc)
     rope_types = getattr(submodule(model, family.rotary_path), "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:  # per layer type
-        if rope_type in RUNTIME_ROPE_TYPES:  # a model changed after loading (the loader refuses these)
+        runs_it = rope_type == "longrope" and family.longrope and not isinstance(rope_types, dict)
+        if rope_type in RUNTIME_ROPE_TYPES and not runs_it:  # a model changed after loading (the loader refuses it)
             return f"rope type {rope_type!r} changes its frequencies at run time"
     return unimplemented(family, args)
 
@@ -147,7 +151,11 @@ class OwnedDecoder:
         self.layer_sinks = [None if sinks is None else submodule(layer, sinks) for layer in layers]
         num_positions = max(max_model_len, config.max_position_embeddings)
         rotary_emb = submodule(model, self.family.rotary_path)
-        if self.family.rope_per_layer_type:
+        longrope_len = longrope_original_len(config)
+        if longrope_len is not None:  # one table, read at rows the batch builder offsets per sequence
+            layer_types = [None] * len(self.layers)
+            tables = {None: longrope_tables(rotary_emb, num_positions, self.embed_weight, longrope_len)}
+        elif self.family.rope_per_layer_type:
             layer_types = config.layer_types
             tables = {t: rotary_tables(rotary_emb, num_positions, self.embed_weight, t) for t in set(layer_types)}
         else:
@@ -186,7 +194,8 @@ class OwnedDecoder:
         attn: AttentionMetadata,
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [R, V] for the rows `logits_indices` (None: all T)."""
+        """input_ids, positions [T] -> logits [R, V] for the rows `logits_indices` (None: all T). `positions`: each
+        token's row of the rotary tables, its position (longrope: offset per sequence, see `longrope_tables`)."""
         ops = self.ops
         if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
             ops = self.small_step_ops
@@ -292,11 +301,38 @@ def rotary_tables(
     (fp32 position x inv_freq, cat, cos/sin, times attention_scaling, cast), so lookups are bit-equal.
     `layer_type`: the table of that layer type, for rotary modules that keep one per type (Gemma 3)."""
     prefix = f"{layer_type}_" if layer_type is not None else ""
-    inv_freq = getattr(rotary_emb, f"{prefix}inv_freq").to(device=like.device, dtype=torch.float32)
+    inv_freq = getattr(rotary_emb, f"{prefix}inv_freq")
+    return cos_sin_table(inv_freq, getattr(rotary_emb, f"{prefix}attention_scaling"), num_positions, like)
+
+
+def longrope_tables(
+    rotary_emb, num_positions: int, like: torch.Tensor, original_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """longrope's two tables in one, cos/sin [original_len + num_positions, D]: rows [0, original_len) rotate with the
+    short factors (a sequence at most `original_len` long reads its positions there), rows original_len + p with the
+    long ones (a longer sequence reads position p there: batch.py offsets its rows). Each as transformers' forward
+    makes it: the short inv_freq from the rotary's init (`original_inv_freq`: `inv_freq` holds whichever table the
+    last forward picked), the long one from the longrope init at original_len + 1 positions on the model's device
+    (as `dynamic_rope_update` computes it), and one attention_scaling for both (longrope's depends on the lengths
+    only, never on the sequence)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    short_inv_freq = getattr(rotary_emb, "original_inv_freq", rotary_emb.inv_freq)
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary_emb.config, like.device, seq_len=original_len + 1)
+    scaling = rotary_emb.attention_scaling
+    short_cos, short_sin = cos_sin_table(short_inv_freq, scaling, original_len, like)
+    long_cos, long_sin = cos_sin_table(long_inv_freq, scaling, num_positions, like)
+    return torch.cat((short_cos, long_cos)), torch.cat((short_sin, long_sin))
+
+
+def cos_sin_table(
+    inv_freq: torch.Tensor, scaling: float, num_positions: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [num_positions, 2 * len(inv_freq)] of positions 0 .. num_positions - 1, as transformers' forward."""
+    inv_freq = inv_freq.to(device=like.device, dtype=torch.float32)
     positions = torch.arange(num_positions, device=like.device)
     freqs = positions[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    scaling = getattr(rotary_emb, f"{prefix}attention_scaling")
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 
@@ -315,7 +351,8 @@ def build_decoder(
     deterministic: bool = False,
     tp: TensorParallel | None = None,
 ):
-    """The owned decoder for `choice` ("auto": owned on CUDA when supported), or None for transformers'.
+    """The owned decoder for `choice` ("auto": owned on CUDA when supported, and for longrope on any device), or None
+    for transformers'.
     `gemm` is EngineConfig.decode_gemm: whether small steps take kernels/decode_gemm.py's path. A model with FP8
     linears takes it with "triton" only (their GEMMs then quant/small_step.py's); "auto" keeps its FP8 GEMMs
     (quantization kernel + cuBLASLt) until the H200 has measured the FP8 small-step path faster.
@@ -333,6 +370,13 @@ def build_decoder(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return decoder
+    if longrope_original_len(model.config) is not None:  # per-sequence tables: the owned decoder on every device
+        if choice == "hf":
+            raise ValueError(
+                "decoder 'hf' cannot run longrope exactly (transformers' forward picks one rotary table for the whole "
+                "batch): use decoder 'auto' or 'owned'"
+            )
+        choice = "owned"
     if tp is None and (choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model)))):
         return None
     fp8_opted_in = gemm == "triton" or not has_fp8_linears(model)

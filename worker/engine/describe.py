@@ -22,12 +22,14 @@ def describe_step(
     eos_token_ids: frozenset[int] = frozenset(),
     extras: bool = False,
     prompt_logprobs: bool = False,
+    long_rope: bool = False,
 ) -> tuple[StepDescription, dict[Sequence, int]]:
     """The description of `plan`, and each sampling sequence's output row in it (the next step's `prev_rows`).
 
     `prev_rows`: sequences whose newest token the step in flight still samples, with its output row there.
     `extras`: look for logprobs, penalties and masks (the engine says whether any unfinished sequence has one).
-    `prompt_logprobs`: look for prompt rows (likewise; a decode-only step never has any)."""
+    `prompt_logprobs`: look for prompt rows (likewise; a decode-only step never has any).
+    `long_rope`: the model runs longrope: say which sequences rotate with its long table."""
     chunks = plan.chunks
     num_seqs = len(chunks)
     is_decode_only = plan.is_decode_only
@@ -86,6 +88,7 @@ def describe_step(
         seeds=[seq.seed for seq in sample_seqs],
         extras=sampling_extras(sample_seqs, eos_token_ids) if extras else None,
         prompt_rows=prompt_rows(chunks) if prompt_logprobs and not is_decode_only else None,
+        long_rope=np.fromiter((c.seq.long_rope for c in chunks), dtype=bool, count=num_seqs) if long_rope else None,
     )
     return description, {seq: row for row, seq in enumerate(sample_seqs)}
 

@@ -50,6 +50,7 @@ from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
+from .models.spec import longrope_original_len
 from .parallel.group import RankFailure
 from .prompt_logprobs import record as record_prompt_logprobs
 from .sampler import sample_seed
@@ -125,8 +126,9 @@ class Engine:
         self.runner = make_runner(model, config, self.device, num_blocks, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
-        )
+            self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
+            long_rope_after=longrope_original_len(model.config),
+        )  # fmt: skip
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its samples, in index order
         self._inbox: queue.SimpleQueue[_InboxMessage] = queue.SimpleQueue()
         self._results: queue.Queue[EngineResult | _LoopDied] = queue.Queue()
@@ -334,6 +336,7 @@ class Engine:
             self.eos_token_ids,
             extras=self._num_with_extras > 0,
             prompt_logprobs=self._num_with_prompt_logprobs > 0,
+            long_rope=self.scheduler.long_rope_after is not None,
         )
         mask_seqs = None
         if step.extras is not None and step.extras.mask_rows:

@@ -39,6 +39,7 @@ from .config import EngineConfig
 from .decoder import build_decoder
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of
+from .models.spec import longrope_original_len
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
 
@@ -152,6 +153,7 @@ class ModelRunner:
             device,
             buckets,
             max_model_len=max_model_len,
+            long_rope_row_offset=longrope_original_len(model.config) or 0,
         )
         # The slot the next step is built into; the other one holds the launched step's sampled ids, which a
         # step's carry-over rows name.

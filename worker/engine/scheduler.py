@@ -21,6 +21,14 @@ A sequence that wants prompt logprobs (prompt_logprobs.py) starts from cached bl
 positions whose logprobs it has recorded, and its prefill chunks are shortened so that a step computes at most
 `prompt_logprobs.MAX_ROWS_PER_STEP` such rows. `max_new_tokens` 0 (scoring) samples once, at the prompt's end,
 and the engine drops that token.
+
+longrope (`long_rope_after`: the model's original context, models/spec.py `longrope_original_len`). In Phi-3's
+`generate` a sequence's K/V all rotate with one table: the short factors while it is at most that long, the long
+ones once longer (its prompt is one forward, so a long prompt is long from its first chunk; and the step that makes
+a sequence longer recomputes its whole cache). Here a sequence's table is a function of its length as the scheduler
+sees it (`num_tokens`, which counts the token its next step samples after): admission sets `long_rope` from it, and a
+running sequence whose length passes the bound is put back at the front of the queue, its blocks freed as in a
+preemption, and recomputed from its first token with the long table (the prefix cache names long blocks apart).
 """
 
 from __future__ import annotations
@@ -64,9 +72,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        long_rope_after: int | None = None,
     ):
         self.blocks = block_manager
+        self.long_rope_after = long_rope_after  # longrope: sequences longer than this rotate with the long table
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -115,6 +129,10 @@ class Scheduler:
             num_tokens = seq.num_tokens
             if self._is_done_generating(seq, num_tokens):
                 continue
+            if self._passes_long_rope(seq, num_tokens):
+                self._requeue(seq)  # recomputed with the long table, from step 2 on (its blocks are short ones)
+                i -= 1
+                continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
             if num_new > 1 and seq.wants_prompt_logprobs:
                 num_new = self._within_prompt_rows(seq, seq.num_computed_tokens, num_new)
@@ -135,6 +153,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_inflight_samples:
                 break  # preempted with a token still in flight: admit once it is known
+            if self._passes_long_rope(seq, seq.num_tokens):
+                seq.long_rope = True
+                self.blocks.forget_hashes(seq)  # before any prefix lookup: its cached blocks are the long ones
             prefix = self._reusable_prefix(seq)
             start = len(prefix) * self.blocks.block_size
             num_new = min(seq.num_tokens - start, budget)
@@ -160,7 +181,8 @@ class Scheduler:
             # computing from block k needs the entry of position k * block_size known already
             prefix = prefix[: (len(seq.prompt_logprobs) - 1) // self.blocks.block_size]
         leader = self._leader_of.get(seq)
-        if leader is not None and leader.status == SeqStatus.RUNNING:
+        # (a leader that has grown past longrope's bound holds long blocks; its followers' prompts rotate short)
+        if leader is not None and leader.status == SeqStatus.RUNNING and leader.long_rope == seq.long_rope:
             num_blocks = min((seq.num_tokens - 1) // self.blocks.block_size, leader.num_committed_blocks)
             if num_blocks > len(prefix):
                 prefix = leader.block_table[:num_blocks]
@@ -198,13 +220,22 @@ class Scheduler:
             seq.num_inflight_samples += 1
         return num_new
 
+    def _passes_long_rope(self, seq: Sequence, num_tokens: int) -> bool:
+        """`seq`, `num_tokens` long, is longer than longrope's original context but rotates with the short table."""
+        return self.long_rope_after is not None and not seq.long_rope and num_tokens > self.long_rope_after
+
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and put it first in the queue, to be recomputed from its known tokens. Its epoch
+        (`num_preemptions`) moves on, so chunks scheduled before never commit the freed blocks."""
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def on_step_processed(self, plan: StepPlan) -> None:

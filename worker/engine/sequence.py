@@ -1,6 +1,6 @@
 """`Sequence`: the one piece of state shared by the engine's owners. Each owner changes only its fields:
 
-- scheduler: `status`, `num_computed_tokens`, `num_inflight_samples`, `num_cached_tokens`
+- scheduler: `status`, `num_computed_tokens`, `num_inflight_samples`, `num_cached_tokens`, `long_rope`
 - block manager: `block_table`, `block_hashes`, `num_committed_blocks`
 - engine (when a step's tokens arrive): `output_ids`, `output_logprobs`, `prompt_logprobs`, `matcher`,
   `finish_reason`, timestamps, accounting counters
@@ -50,12 +50,15 @@ class Sequence:
     # Leading blocks of `block_table` whose K/V is known written (processed steps, cache hits, forks).
     num_committed_blocks: int = 0
     finish_reason: FinishReason | None = None
+    # A longrope model's sequence longer than its original context: its K/V rotate with the long factors (the
+    # scheduler sets it once, with no blocks held; it names the blocks' hash chain apart from the short ones').
+    long_rope: bool = False
     # accounting
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     gpu_seconds: float = 0.0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # also the epoch of its blocks: a longrope restart (scheduler.py) counts here too
     num_cached_tokens: int = 0  # prompt tokens reused (cache hit or fork) at first admission
 
     @property

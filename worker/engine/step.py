@@ -110,6 +110,8 @@ class StepDescription:
     seeds: list[int]
     extras: SamplingExtras | None = None
     prompt_rows: PromptRows | None = None  # rows whose logits score prompt tokens (prompt_logprobs.py)
+    # [B] bool, for a longrope model: the sequence rotates with the long table (Sequence.long_rope); None: none does.
+    long_rope: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -139,4 +141,5 @@ class StepDescription:
             self.top_k[rows],
             self.min_p[rows],
             self.seeds[rows],
+            long_rope=None if self.long_rope is None else self.long_rope[b : b + 1],
         )

@@ -196,11 +196,13 @@ print("decoder matches")
 """
 
 
-def mixed_step_three_ways(model, dev: torch.device, triton_attention: bool = False) -> list[torch.Tensor]:
+def mixed_step_three_ways(
+    model, dev: torch.device, triton_attention: bool = False, positions: list[int] | None = None
+) -> list[torch.Tensor]:
     """The owned forward's logits for one mixed step (two prompts, 7 rows, 2 sampled) on the torch path, with the
     Triton element-wise kernels, and on the small-step path (Triton GEMMs; PDL on CUDA), each decoder reading
     the family's norm and activation. `triton_attention`: the Triton paths attend with the Triton kernels (else
-    every path uses the torch attention)."""
+    every path uses the torch attention). `positions`: the 7 rows' rotary rows (default: their positions)."""
     from worker.engine.attention_backend import (
         AttentionBackend,
         AttentionMetadata,
@@ -235,9 +237,9 @@ def mixed_step_three_ways(model, dev: torch.device, triton_attention: bool = Fal
             sliding_windows=sliding_windows_of(model.config),
         )
         ids = torch.tensor([1, 5, 9, 77, 4, 8, 2], **i32)
-        positions = torch.tensor([0, 1, 2, 3, 0, 1, 2], **i32)
+        rows = torch.tensor(positions or [0, 1, 2, 3, 0, 1, 2], **i32)
         with torch.inference_mode():
-            outs.append(decoder(ids, positions, meta, torch.tensor([3, 6], device=dev)))
+            outs.append(decoder(ids, rows, meta, torch.tensor([3, 6], device=dev)))
     return outs
 
 

@@ -101,6 +101,24 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "phi3",
         dict(_TINY, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75}),
     ),
+    # Phi-4-mini's longrope (Phi-3.5-mini's too, with full rotary) at tiny size: the short factors up to 64 positions
+    # (the releases' 4,096), the long ones past it (max_position_embeddings 1,024: the releases' 131,072), so the
+    # tests' prompts sit on either side and their decodes cross it. Factors of distinct sizes per frequency, as the
+    # releases' (1 to ~1.3 short, 1 to ~50 long), so the two tables differ in every column pair.
+    "tiny-phi3-longrope": (
+        "phi3",
+        dict(
+            _TINY,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10_000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3],  # head_dim 16 * 0.75 / 2 frequencies
+                "long_factor": [1.0, 1.5, 3.0, 8.0, 20.0, 48.0],
+            },
+        ),
+    ),
     # SmolLM3's NoPE: every fourth layer has no rotary.
     "tiny-smollm3": ("smollm3", dict(_TINY, num_hidden_layers=4, no_rope_layer_interval=4)),
     # Command R7B's pattern: three sliding (rotary) layers, then a global NoPE one; its logit scale.
@@ -437,7 +455,7 @@ def family_for(config) -> tuple[Family, DecoderArgs]:
     model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
     family = _require_family(config.model_type)
     config, _ = _text_model(config, family)
-    unhandled = unhandled_fields(config, family) + runtime_rope_fields(config)
+    unhandled = unhandled_fields(config, family) + runtime_rope_fields(config, family)
     try:
         if unhandled:
             raise UnsupportedConfig(", ".join(unhandled))

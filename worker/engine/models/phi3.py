@@ -1,7 +1,9 @@
 """Phi-3 and Phi-4 (Phi3ForCausalLM: Phi-3-mini/medium 4k, Phi-4 14B, Phi-4-mini): Llama's math with q/k/v
 and gate/up shipped fused (qkv_proj, gate_up_proj, gate rows first), and partial rotary where
-rope_parameters set partial_rotary_factor (Phi-4-mini's). NOTE: the 128k releases (Phi-3-mini-128k,
-Phi-3.5-mini, Phi-4-mini) set longrope, which the loader refuses (spec.RUNTIME_ROPE_TYPES says why)."""
+rope_parameters set partial_rotary_factor (Phi-4-mini's). NOTE: the 128k releases (Phi-3-mini-128k, Phi-3.5-mini,
+Phi-4-mini) set longrope: a sequence longer than original_max_position_embeddings rotates with the long factors, and
+Phi-3's `generate` recomputes a sequence's whole cache when it grows past that length. cbq does the same per
+sequence (spec.longrope_original_len), on the owned decoder only: transformers' forward picks one table per batch."""
 
 from __future__ import annotations
 
@@ -21,4 +23,5 @@ FAMILY = Family(
     norm=NormKind.RMS,
     read=read,
     handles=frozenset({"partial_rotary_factor"}),  # as glm4.py: the rotary table's width is the rotated part
+    longrope=True,
 )

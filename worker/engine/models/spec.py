@@ -147,6 +147,10 @@ class Family:
     moe: MoeMlpSpec | None = None  # the sparse MLP of the layers `moe.moe_layer_ids` names (None: all dense)
     # Attention sinks: a learned logit per head in the softmax (gpt-oss), by path under the layer (None: none).
     attention_sinks: str | None = None
+    # The family's `generate` recomputes a sequence's whole cache with the long factors when the sequence grows past
+    # original_max_position_embeddings (Phi3ForCausalLM.prepare_inputs_for_generation), so cbq runs "longrope"
+    # exactly: per sequence, see `longrope_original_len`. False: longrope is refused at load.
+    longrope: bool = False
 
 
 def is_neutral(value: Any) -> bool:
@@ -186,7 +190,8 @@ def unhandled_fields(config: Any, family: Family) -> list[str]:
 
 # Rope types whose frequencies change with the sequence length at run time. transformers switches them on the
 # longest position of the whole forward, so in a continuous batch a sequence's rotary would depend on the
-# others': cbq refuses them rather than differ from `generate` (vLLM caps or rescales them instead).
+# others': cbq refuses them rather than differ from `generate` (vLLM caps or rescales them instead), except longrope
+# in a family that declares `Family.longrope`: there each sequence picks its own table (`longrope_original_len`).
 RUNTIME_ROPE_TYPES = ("dynamic", "longrope")
 
 
@@ -198,8 +203,24 @@ def rope_types(config: Any) -> list[str]:
     return [params.get("rope_type", "default")]
 
 
-def runtime_rope_fields(config: Any) -> list[str]:
-    return [f"rope_type={t!r}" for t in rope_types(config) if t in RUNTIME_ROPE_TYPES]
+def runtime_rope_fields(config: Any, family: Family) -> list[str]:
+    """The run-time rope types `config` sets that `family` cannot run exactly (one table of longrope it can)."""
+    types = rope_types(config)
+    runs_longrope = family.longrope and types == ["longrope"]
+    return [f"rope_type={t!r}" for t in types if t in RUNTIME_ROPE_TYPES and not (t == "longrope" and runs_longrope)]
+
+
+def longrope_original_len(config: Any) -> int | None:
+    """A longrope model's original_max_position_embeddings: the longest sequence that rotates with the short factors
+    (None: not longrope). transformers' rotary takes the long factors when a forward's largest position + 1 exceeds it,
+    and Phi-3's `generate` then recomputes the whole cache (all its K/V with the long factors), so in `generate` a
+    sequence's K/V all rotate with one table: the long one iff its length exceeds this. cbq applies that per
+    sequence: the scheduler restarts a sequence that grows past it (scheduler.py), the decoder keeps both tables."""
+    if rope_types(config) != ["longrope"]:
+        return None
+    # NOTE: Phi-3's cache reset reads the config's top-level field, the rotary this copy: the config's init copies the
+    # top-level value here (standardize_rope_params, 5.17 and 5.24), so the two agree.
+    return int(config.rope_parameters["original_max_position_embeddings"])
 
 
 def activation_of(config: Any, field: str) -> Activation:
