@@ -7,8 +7,8 @@ with one configuration per weight shape for every row count M, so that a row's b
 2026-12-01 W2 --deterministic ran at 0.461x the default (88.0 vs 40.5 GPU ms per 8,192-token step): the
 configuration is decode_gemm's, tuned for M = 32 (BLOCK_M 64, 64-row weight tiles), and at M = 8,192 every
 64-row block of x rereads its whole weight. This script measures, per Llama-3-8B projection and per M, the
-microseconds of each candidate configuration (BLOCK_N, BLOCK_K, num_warps, num_stages, BLOCK_M) against cuBLAS, and
-sums a decoder step's GEMMs (32 layers + lm_head) per candidate, so the choice is made by measurement.
+microseconds of each candidate configuration (BLOCK_N, BLOCK_K, num_warps, num_stages, BLOCK_M, GROUP_N) against
+cuBLAS, and sums a decoder step's GEMMs (32 layers + lm_head) per candidate, so the choice is made by measurement.
 
 It also answers the question that decides the design: are a row's output bits the same under two configurations
 that share BLOCK_K (the K tile order), i.e. does only the reduction over K fix the bits? It computes the same
@@ -32,18 +32,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, BLOCK_M). The first two are today's (invariant_gemm.py: decode_gemm's
-# NARROW and WIDE configurations at BLOCK_M 64); the rest trade decode-step efficiency for large-M reuse.
-CANDIDATES: list[tuple[int, int, int, int, int]] = [
-    (64, 64, 4, 8, 64),
-    (64, 128, 4, 4, 64),
-    (128, 64, 4, 4, 64),
-    (128, 64, 8, 3, 128),
-    (128, 64, 4, 4, 128),
-    (128, 128, 8, 3, 128),
-    (256, 64, 8, 3, 128),
-    (128, 64, 8, 3, 256),
-    (64, 64, 4, 4, 128),
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, BLOCK_M, GROUP_N). The first two are today's (invariant_gemm.py:
+# decode_gemm's NARROW and WIDE configurations at BLOCK_M 64, a 2-D grid); GROUP_N > 0 launches the same programs
+# grouped (decode_gemm `_grouped_tile`: same bits, L2 reuse at large M); the rest trade decode-step efficiency for
+# large-M tiles.
+CANDIDATES: list[tuple[int, int, int, int, int, int]] = [
+    (64, 64, 4, 8, 64, 0),
+    (64, 128, 4, 4, 64, 0),
+    (64, 64, 4, 8, 64, 8),
+    (64, 128, 4, 4, 64, 8),
+    (128, 64, 4, 4, 64, 8),
+    (128, 64, 8, 3, 128, 0),
+    (128, 64, 8, 3, 128, 8),
+    (128, 64, 4, 4, 128, 8),
+    (128, 128, 8, 3, 128, 8),
+    (256, 64, 8, 3, 128, 8),
+    (128, 64, 8, 3, 256, 8),
+    (64, 64, 4, 4, 128, 8),
 ]
 # Llama-3-8B's weight products per layer (name, N, K, gated) and the lm_head, in bf16.
 SHAPES = [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 14336, 4096, True),
@@ -68,10 +73,10 @@ def _time_us(fn, iters: int) -> float:
 
 
 def _product(dg, x, w, gated: bool, cand):
-    config, block_m = cand[:4], cand[4]
+    config, block_m, group_n = cand[:4], cand[4], cand[5]
     if gated:
-        return dg.decode_gate_up_silu(x, w, config=config, block_m=block_m)
-    return dg.decode_linear(x, w, config=config, block_m=block_m)
+        return dg.decode_gate_up_silu(x, w, config=config, block_m=block_m, group_n=group_n)
+    return dg.decode_linear(x, w, config=config, block_m=block_m, group_n=group_n)
 
 
 def _cublas(x, w, gated: bool):
@@ -137,10 +142,10 @@ def main() -> None:
               + ", ".join(f"M={m} {entry['us']['cublas'][m]:.1f}" for m in ms) + ")")  # fmt: skip
         for key, value in entry["us"].items():
             if isinstance(value, str):
-                print(f"  {key:24} {value}")
+                print(f"  {key:27} {value}")
         for key in outs:
             cells = " | ".join(f"M={m} {entry['us'][key][m]:9.1f}" for m in ms)
-            print(f"  {key:24} {cells} | invariant {entry['invariant'][key]} | same bits as {entry['same_bits_as'][key]}")
+            print(f"  {key:27} {cells} | invariant {entry['invariant'][key]} | same bits as {entry['same_bits_as'][key]}")
         del w, x_all
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -152,7 +157,7 @@ def main() -> None:
     print("\nA Llama-3-8B step's weight GEMMs (32 layers + lm_head), ms; ratio to cuBLAS:")
     for key, per_m in complete.items():
         cells = " | ".join(f"M={m} {per_m[m] / 1000:7.2f} ({per_m[m] / step_us['cublas'][m]:.2f}x)" for m in ms)
-        print(f"  {key:24} {cells}")
+        print(f"  {key:27} {cells}")
     results["step_ms"] = {key: {m: v / 1000 for m, v in per_m.items()} for key, per_m in complete.items()}
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1))

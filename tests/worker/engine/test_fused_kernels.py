@@ -98,11 +98,29 @@ def _check_decode_gemm(dtype, tol, pdl):
             want = f.linear(x.float(), w.float(), bias.float())
             assert got.dtype == dtype and _rel(got, want) < tol, (dtype, config, m, _rel(got, want))
     _check_gate_up_silu(dtype, tol, pdl)
+    _check_grouped_launch_order(dtype, pdl)
     for head_dim in (64, 128, 24):  # 24: no whole group of rotary pairs, the two launches
         _check_qkv_rope_gemm(dtype, head_dim, pdl)
     x, w = torch.randn(3, 100).to(dtype), torch.randn(70, 100).to(dtype)
     assert dg.config_for(70, 100) is None and torch.equal(dg.decode_linear(x, w), f.linear(x, w))
     assert dg.config_for(4096, 14336) is None, "the down projection keeps cuBLAS"
+
+
+def _check_grouped_launch_order(dtype, pdl):
+    """group_n only reorders the programs: the same bits as the 2-D grid, for plain and gated products, with groups
+    that divide the weight tiles and one that leaves a short last group (5 tiles in groups of 2), over 3 M blocks."""
+    from worker.engine.kernels import decode_gemm as dg
+
+    block_n, block_k = dg.NARROW_CONFIG[:2]
+    w = (torch.randn(5 * block_n, 2 * block_k) / (2 * block_k) ** 0.5).to(dtype)
+    x = torch.randn(40, 2 * block_k).to(dtype)
+    want = dg.decode_linear(x, w, pdl=pdl, config=dg.NARROW_CONFIG, block_m=16)
+    gated = dg.decode_gate_up_silu(x, w[: 4 * block_n], pdl=pdl, config=dg.NARROW_CONFIG, block_m=16)
+    for group_n in (1, 2, 5):
+        got = dg.decode_linear(x, w, pdl=pdl, config=dg.NARROW_CONFIG, block_m=16, group_n=group_n)
+        assert torch.equal(got, want), (dtype, group_n)
+        got = dg.decode_gate_up_silu(x, w[: 4 * block_n], pdl=pdl, config=dg.NARROW_CONFIG, block_m=16, group_n=group_n)
+        assert torch.equal(got, gated), (dtype, group_n, "gated")
 
 
 def _check_qkv_rope_gemm(dtype, head_dim, pdl):

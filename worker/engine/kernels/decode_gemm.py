@@ -106,6 +106,18 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
+    def _grouped_tile(pid, num_pid_m, GROUP_N: tl.constexpr):
+        """(N tile, M block) of program `pid` when programs run GROUP_N weight tiles across every M block before the
+        next GROUP_N: a wave of programs then shares a few weight tiles and a few blocks of x through L2 instead of
+        rereading the whole weight for each M block (large M: deterministic mode's prefill steps). Only the order
+        of the programs changes, never a program's arithmetic: the output bits are the 2-D grid's."""
+        num_pid_n = tl.num_programs(0) // num_pid_m
+        per_group = GROUP_N * num_pid_m
+        first_n = (pid // per_group) * GROUP_N
+        group_size = tl.minimum(num_pid_n - first_n, GROUP_N)
+        return first_n + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+    @triton.jit
     def _decode_gemm_kernel(
         x_ptr,
         w_ptr,
@@ -125,10 +137,15 @@ if HAVE_TRITON:
         USE_PDL: tl.constexpr,
         DOT_PREC: tl.constexpr,
         ACT: tl.constexpr = 0,  # fused.ACT_SILU or ACT_GELU_TANH
+        GROUP_N: tl.constexpr = 0,  # 0: a 2-D grid (N tile, M block); > 0: `_grouped_tile`'s 1-D order
     ):
         pdl_wait_and_release(USE_PDL)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if GROUP_N > 0:
+            pid_n, pid_m = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), GROUP_N)
+        else:
+            pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
@@ -253,15 +270,17 @@ def decode_linear(
     pdl: bool = False,
     config: Config | None = None,
     block_m: int | None = None,
+    group_n: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias); the decoder calls it for M <= MAX_TOKENS (any M computes, in
     row blocks of up to 64). Falls back to cuBLAS when there is no `config` and `config_for` gives none.
-    `block_m`: rows of x per program whatever M is (kernels/invariant_gemm.py); None: `block_m_for(M)`."""
+    `block_m`: rows of x per program whatever M is (kernels/invariant_gemm.py); None: `block_m_for(M)`.
+    `group_n`: > 0 launches the programs in groups of that many weight tiles (`_grouped_tile`; same bits)."""
     n = weight.shape[0]
     config = config or config_for(n, x.shape[1], x.dtype)
     if config is None or not HAVE_TRITON:
         return F.linear(x, weight, bias)
-    return _launch(x, weight, bias, n, config, gated=False, pdl=pdl, block_m=block_m)
+    return _launch(x, weight, bias, n, config, gated=False, pdl=pdl, block_m=block_m, group_n=group_n)
 
 
 def decode_gate_up_silu(
@@ -273,6 +292,7 @@ def decode_gate_up_silu(
     config: Config | None = None,
     block_m: int | None = None,
     act: int = fk.ACT_SILU,
+    group_n: int = 0,
 ) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, I] for the fused weight [gate; up] ([2I, K], bias [2I]) in one
     kernel; `act` SiLU (the default) or GELU-tanh (fused.ACT_*). Without a `config` (or one from
@@ -281,7 +301,7 @@ def decode_gate_up_silu(
     config = config or gated_config_for(inter, x.shape[1], x.dtype)
     if config is None or not HAVE_TRITON:
         return fk.act_mul(decode_linear(x, weight, bias, pdl=pdl), pdl=pdl, act=act)
-    return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl, block_m=block_m, act=act)
+    return _launch(x, weight, bias, inter, config, gated=True, pdl=pdl, block_m=block_m, act=act, group_n=group_n)
 
 
 def decode_qkv_rope_write(
@@ -364,8 +384,9 @@ def decode_qkv_rope_write(
 
 
 def _launch(
-    x, weight, bias, n: int, config: Config, gated: bool, pdl: bool, block_m: int | None = None, act: int = 0
-) -> torch.Tensor:
+    x, weight, bias, n: int, config: Config, gated: bool, pdl: bool, block_m: int | None = None, act: int = 0,
+    group_n: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """out [M, n]: the first n rows of `weight` (gated: paired with the n rows after them)."""
     m, k = x.shape
     assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
@@ -376,7 +397,8 @@ def _launch(
     if m == 0:
         return out
     block_m = block_m or block_m_for(m)
-    _decode_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
+    tiles = (n // block_n, triton.cdiv(m, block_m))
+    _decode_gemm_kernel[(tiles[0] * tiles[1],) if group_n else tiles](
         x,
         weight,
         bias if bias is not None else weight,
@@ -395,6 +417,7 @@ def _launch(
         BLOCK_K=block_k,
         USE_PDL=pdl,
         DOT_PREC=dot_precision(x.dtype, None),
+        GROUP_N=group_n,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
