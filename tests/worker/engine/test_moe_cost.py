@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
 from worker.engine.moe.cost import (
     MXFP4_BYTES_PER_PARAM,
@@ -24,6 +24,15 @@ QWEN3_30B_A3B = dict(
     num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, vocab_size=151936, norm_topk_prob=True,
 )  # fmt: skip
+GLM_45_AIR = dict(
+    hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+    n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+    first_k_dense_replace=1, intermediate_size=10944, vocab_size=151552, attention_bias=True, use_qk_norm=False,
+)  # fmt: skip
+GLM_45 = dict(
+    GLM_45_AIR, hidden_size=5120, num_hidden_layers=92, n_routed_experts=160, moe_intermediate_size=1536,
+    first_k_dense_replace=3, intermediate_size=12288, use_qk_norm=True, routed_scaling_factor=2.5,
+)  # fmt: skip
 GPT_OSS_20B = dict(num_hidden_layers=24, num_local_experts=32, quantization_config={"quant_method": "mxfp4"})
 
 
@@ -35,6 +44,8 @@ GPT_OSS_20B = dict(num_hidden_layers=24, num_local_experts=32, quantization_conf
         ("qwen2_moe", dict(decoder_sparse_step=2, intermediate_size=72)),
         ("mixtral", {}),
         ("gpt_oss", {}),
+        ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),  # the shared expert, layer 0 dense
+        ("glm4_moe", dict(use_qk_norm=False, first_k_dense_replace=2, n_shared_experts=2)),
     ],
 )
 def test_parameter_count_equals_transformers_model(model_type, overrides):
@@ -56,6 +67,15 @@ def test_published_sizes_of_released_models():
     assert oss.window_per_layer[:2] == (128, None)  # alternating sliding and full attention
     mixtral = MoeModelShape.from_config(MixtralConfig())
     assert round(mixtral.num_params / 1e9, 1) == 46.7
+    # GLM-4.5-Air's card: "106B total parameters and 12B active"; GLM-4.5: 355B and 32B. Without the
+    # multi-token-prediction layer (transformers does not build it) and counting the active ones without
+    # the input embedding, as the cards do.
+    for config, total, active in ((GLM_45_AIR, 106, 12), (GLM_45, 355, 32)):
+        glm = MoeModelShape.from_config(Glm4MoeConfig(**config))
+        activated = glm.dense_params + len(glm.moe_layers) * 8 * glm.spec.params_per_expert
+        assert glm.num_params / 1e9 == pytest.approx(total, rel=0.01)
+        assert activated / 1e9 == pytest.approx(active, abs=1)
+        assert glm.num_dense_layers == config["first_k_dense_replace"] and glm.spec.has_shared_expert
 
 
 def test_weight_bytes_mxfp4_and_dequantized():
