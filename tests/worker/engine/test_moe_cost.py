@@ -4,6 +4,8 @@ a step's bytes and FLOPs add up by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen3MoeConfig
@@ -169,3 +171,25 @@ def test_the_loader_says_an_moe_models_numbers_and_refuses_one_that_does_not_fit
     assert line.startswith("qwen3_moe: weights 61.1 GB (experts 58.0 GB) in bfloat16, GPU free 140.0 GB, 78.9 GB")
     with pytest.raises(ModelLoadError, match=r"does not fit: weights 61.1 GB \(experts 58.0 GB\), GPU 40.0 GB"):
         check_moe_fit(config, torch.bfloat16, 40 * 10**9)
+
+
+def test_glm45_air_bench_presets_fit_as_their_comments_say_and_their_floor_counts_the_shared_expert():
+    """`glm45-air` is GLM-4.5-Air's shape (more than one H200 holds in bf16); `glm45-air-23l` its first 23 layers,
+    which one does. Each step's floor reads and computes the shared expert of every sparse layer and layer 0's
+    dense MLP (both in `dense_params`, read whatever the routing)."""
+    from worker.engine.models.loader import ModelLoadError, check_moe_fit, preset_config
+
+    with pytest.raises(ModelLoadError, match=r"does not fit: weights 213.7 GB \(experts 199.3 GB\)"):
+        check_moe_fit(preset_config("glm45-air"), torch.bfloat16, 140 * 10**9)
+    cut = MoeModelShape.from_config(preset_config("glm45-air-23l"))
+    assert check_moe_fit(preset_config("glm45-air-23l"), torch.bfloat16, 140 * 10**9).startswith(
+        "glm4_moe: weights 106.0 GB"
+    )
+    hidden, spec = 4096, cut.spec
+    assert cut.moe_layers == tuple(range(1, 23)) and spec.shared_expert_intermediate_size == 1408
+    without = MoeModelShape(**{**cut.__dict__, "spec": replace(spec, shared_expert_intermediate_size=0)})
+    assert cut.dense_params - without.dense_params == 22 * 3 * hidden * 1408
+    all_sparse = MoeModelShape(**{**cut.__dict__, "moe_layers": tuple(range(23))})
+    assert cut.dense_params - all_sparse.dense_params == 3 * hidden * 10944 - spec.router_params - 3 * hidden * 1408
+    one, lm_head = step_cost(cut, 1, 1, 100, 2), 151552 * hidden
+    assert one.flops == 2 * (cut.dense_params - lm_head + 22 * 8 * spec.params_per_expert + lm_head)
