@@ -7,9 +7,11 @@ forward ("hf", its own expert loop) and cbq's owned decoder ("owned": `moe.moe_f
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
+import torch
 
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
@@ -110,6 +112,33 @@ def test_glm4_moe_layers_as_declared(tiny_models):
     air, air_tok = tiny_models("tiny-glm4-moe-air")
     air_decoder = Engine(air, air_tok, EngineConfig(decoder="owned")).runner.decoder
     assert all(w.q_norm is None and w.k_norm is None for w in air_decoder.layers)
+
+
+def _without_correction_bias(decoder) -> None:
+    decoder.moe_layers = [
+        None if w is None else dataclasses.replace(w, score_correction_bias=torch.zeros_like(w.score_correction_bias))
+        for w in decoder.moe_layers
+    ]
+
+
+# Each routing knob GLM-4.5 reads, left out of the owned decoder: the fixture's greedy output must change (so the
+# exactness matrix above would catch an implementation that ignored it).
+GLM_KNOBS = {
+    "correction bias": _without_correction_bias,
+    "groups": lambda d: setattr(d, "moe_spec", dataclasses.replace(d.moe_spec, num_groups=1, topk_groups=1)),
+    "routed_scaling_factor": lambda d: setattr(d, "moe_spec", dataclasses.replace(d.moe_spec, routed_scaling_factor=1.0)),
+    "shared expert": lambda d: setattr(d, "moe_layers", [w and dataclasses.replace(w, shared=None) for w in d.moe_layers]),
+}
+
+
+@pytest.mark.parametrize("knob", list(GLM_KNOBS))
+def test_every_glm4_moe_routing_knob_changes_the_output(tiny_models, knob):
+    model, tok = tiny_models("tiny-glm4-moe")
+    reqs, ref = references(tiny_models, "tiny-glm4-moe", "mixed")
+    engine = Engine(model, tok, EngineConfig(decoder="owned"))
+    assert [r.token_ids for r in engine.generate(reqs)] == [ref[r.request_id] for r in reqs]
+    GLM_KNOBS[knob](engine.runner.decoder)
+    assert [r.token_ids for r in engine.generate(reqs)] != [ref[r.request_id] for r in reqs], knob
 
 
 # The owned decoder with the Triton experts (what CUDA runs: a workspace from the largest step, the grouped GEMMs),
