@@ -47,6 +47,7 @@ def test_family_specs():
     # GLM-4.5's (355B) knobs; the multi-token-prediction layer's count is not read (transformers builds none)
     big = spec_from_config(Glm4MoeConfig(n_routed_experts=160, routed_scaling_factor=2.5, num_nextn_predict_layers=1))
     assert big.num_experts == 160 and big.routed_scaling_factor == 2.5
+    assert spec_from_config(Glm4MoeConfig(scoring_func="sigmoid", topk_method="noaux_tc")) == glm
 
 
 @pytest.mark.parametrize(
@@ -91,6 +92,7 @@ def test_sparse_layers_are_where_transformers_puts_them(model_type, overrides):
             r"glm4_moe config field quantization_config\.quant_method='fp8'",
         ),
         (Glm4MoeConfig(hidden_act="gelu"), r"glm4_moe config field hidden_act='gelu'"),
+        (Glm4MoeConfig(scoring_func="softmax"), r"glm4_moe config field scoring_func='softmax' .* does not read it"),
     ],
 )
 def test_unsupported_fields_refused_in_one_line(config, message):

@@ -1,8 +1,9 @@
 """`moe_forward`: one sparse layer on a step's tokens, on the path the device calls for. Owns nothing.
 
 CPU (and CUDA without triton): the plain-PyTorch reference. CUDA: routing and the shared expert in torch
-(`reference.route`: softmax or sigmoid, top-k and cuBLAS GEMMs, none of which syncs with the host), the routed experts as the Triton
-grouped GEMMs of `triton_moe.py` in a caller-owned workspace, so a decode step can be captured in a CUDA graph.
+(`reference.route`, the CPU path's own: softmax or sigmoid, top-k and cuBLAS GEMMs, none of which syncs with
+the host), the routed experts as the Triton grouped GEMMs of `triton_moe.py` in a caller-owned workspace, so a
+decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ in the same order, so in fp32 the two agree to rounding. Routing weights stay fp
 sigmoid) to the multiply (transformers rounds Qwen's to the model dtype; in fp32 that is the same thing).
 
 `route` is shared by both paths: it has no host syncs (softmax or sigmoid, grouped masks, top-k and a
-division), so it runs inside a CUDA graph. `experts_ref` loops over the experts that were hit, which reads device values (CPU only).
+division), so it runs inside a CUDA graph. `experts_ref` loops over the experts that were hit, which reads
+device values (CPU only).
 """
 
 from __future__ import annotations
@@ -109,8 +110,7 @@ def experts_ref(
 
 def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> torch.Tensor:
     """The shared expert (a dense SiLU MLP: Qwen2-MoE's, GLM-4.5's), scaled by its sigmoid gate where it has one
-    (Qwen2-MoE). No host
-    syncs: the CUDA path uses it as is (cuBLAS GEMMs)."""
+    (Qwen2-MoE). No host syncs: the CUDA path uses it as is (cuBLAS GEMMs)."""
     gate, up = F.linear(hidden, shared.gate_up).chunk(2, dim=-1)
     out = F.linear(F.silu(gate) * up, shared.down)
     if shared.gate is not None:

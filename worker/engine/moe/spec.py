@@ -125,6 +125,9 @@ def _check_silu(config: Any, model_type: str) -> None:
 # (a config.json edited by hand, or a new transformers release): transformers' four classes ignore them, so
 # silently ignoring them here could be right or wrong; refuse instead.
 _FOREIGN_ROUTING_FIELDS = ("n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor")
+# glm4_moe reads n_group, topk_group and routed_scaling_factor; its router always computes what DeepSeek-V3's
+# configs call these, so only these values pass
+_GLM4_MOE_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def spec_from_config(config: Any) -> MoeSpec:
@@ -135,10 +138,13 @@ def spec_from_config(config: Any) -> MoeSpec:
         raise ValueError(
             f"model type {model_type!r} has no MoE spec (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    for field in _FOREIGN_ROUTING_FIELDS if model_type != "glm4_moe" else ():  # glm4_moe reads them all
+    for field in _FOREIGN_ROUTING_FIELDS:
         value = _get(config, field)
-        if value is not None and not (field == "routed_scaling_factor" and value == 1.0):
-            raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
+        if value is None or (field == "routed_scaling_factor" and value == 1.0):
+            continue
+        if model_type == "glm4_moe" and (field not in _GLM4_MOE_FIXED or _GLM4_MOE_FIXED[field] == value):
+            continue  # read below, or DeepSeek's name for what Glm4MoeTopkRouter computes
+        raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
     quant = _get(config, "quantization_config")
     quant_method = (
         (quant or {}).get("quant_method") if isinstance(quant, dict) else _get(quant, "quant_method")
