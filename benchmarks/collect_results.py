@@ -54,6 +54,11 @@ COMMANDS = {
     "--max-num-batched-tokens 2048",
     "W2_gptoss": "python3 -m worker.bench engine --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192",
+    # GLM-4.5-Air's layer shape (grouped sigmoid routing, a shared expert), its first 23 layers: one H200 holds them
+    "W1_glm45air": "python3 -m worker.bench engine --model glm45-air-23l --workload W1 --mode async --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048",
+    "W2_glm45air": "python3 -m worker.bench engine --model glm45-air-23l --workload W2 --mode async "
+    "--max-num-seqs 1024 --max-num-batched-tokens 8192",
     "W2_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192 --deterministic",
     "W1_deterministic": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
@@ -98,7 +103,14 @@ def family_entries(workload: str, run: dict) -> dict:
 
 FP8_RUNS = {"W1_fp8": "w1_fp8.json", "W2_fp8": "w2_fp8.json"}
 FP8_STEP_RUN = ("W1_fp8_step", "w1_fp8_step.json")  # FP8 small-step GEMMs (decode_gemm triton) vs cublas
-MOE_RUNS = {"W1_moe": "w1_moe.json", "W2_moe": "w2_moe.json", "W1_gptoss": "w1_gptoss.json", "W2_gptoss": "w2_gptoss.json"}
+MOE_RUNS = {
+    "W1_moe": "w1_moe.json",
+    "W2_moe": "w2_moe.json",
+    "W1_gptoss": "w1_gptoss.json",
+    "W2_gptoss": "w2_gptoss.json",
+    "W1_glm45air": "w1_glm45air.json",
+    "W2_glm45air": "w2_glm45air.json",
+}
 
 
 def determinism_entry(run: dict) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step]
+#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -100,6 +100,14 @@ if has w1moe; then  # issue 25: the Qwen3-30B-A3B shape (W1_moe) and the gpt-oss
         --json-out "$OUT/w1_moe.json" 2>&1 | tail -8
     bench 420 --model gptoss-20b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --json-out "$OUT/w1_gptoss.json" 2>&1 | tail -8
+fi
+if has w1glm; then  # GLM-4.5-Air's layer shape (grouped sigmoid routing, a shared expert), its first 23 layers (106 GB)
+    bench 480 --model glm45-air-23l --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --json-out "$OUT/w1_glm45air.json" 2>&1 | tail -8
+fi
+if has w2glm; then
+    bench 540 --model glm45-air-23l --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --json-out "$OUT/w2_glm45air.json" 2>&1 | tail -8
 fi
 if has w2moe; then  # W2_moe and W2_gptoss
     bench 540 --model qwen3-30b-a3b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \

@@ -138,8 +138,16 @@ def linear_weights(layer: Any, spec: LinearSpec) -> tuple[Weight, torch.Tensor |
     return fuse_rows(linears)
 
 
-def _norm_weight(layer: Any, path: str | None) -> torch.Tensor | None:
-    return None if path is None else submodule(layer, path).weight
+def _norm_weight(layer: Any, path: str | None, optional: bool = False) -> torch.Tensor | None:
+    """The norm's weight at `path`; None where there is none (no path, or an `optional` one the layer lacks)."""
+    if path is None:
+        return None
+    try:
+        return submodule(layer, path).weight
+    except AttributeError:
+        if optional:
+            return None
+        raise
 
 
 NORM_FIELDS = ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm", "k_norm")
@@ -180,6 +188,6 @@ def layer_weights(layer: Any, spec: LayerSpec, dense_mlp: bool = True) -> LayerW
         gate_up_bias=gate_up_bias,
         down_weight=down_weight,
         down_bias=down_bias,
-        q_norm=_norm_weight(layer, spec.q_norm),
-        k_norm=_norm_weight(layer, spec.k_norm),
+        q_norm=_norm_weight(layer, spec.q_norm, optional=spec.qk_norm_optional),
+        k_norm=_norm_weight(layer, spec.k_norm, optional=spec.qk_norm_optional),
     )

@@ -33,7 +33,33 @@ TRANSFORMERS_ONLY = {"tiny-cohere2"}
 FAMILY_DECODERS = [(n, d) for n in TINY_FAMILIES for d in ("hf", "owned") if d == "hf" or n not in TRANSFORMERS_ONLY]
 # The mixtures of experts, checked the same way with fewer, shorter requests (test_engine_exact_moe.py):
 # transformers' expert loop makes their references and "hf" runs several times slower than a dense model's.
-TINY_MOE_FAMILIES = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-gpt-oss"]
+TINY_MOE_FAMILIES = [
+    "tiny-qwen3-moe",
+    "tiny-qwen2-moe",
+    "tiny-mixtral",
+    "tiny-gpt-oss",
+    "tiny-glm4-moe",
+    "tiny-glm4-moe-air",
+]
+
+
+def randomize_score_correction_bias(model, seed: int = 0) -> int:
+    """Give every router's `e_score_correction_bias` (GLM-4.5's, DeepSeek-V3's: a buffer that random init leaves
+    at zero) random values on the scale of the sigmoid scores, so that it changes which experts are chosen.
+    Returns how many routers it set."""
+    gen = torch.Generator().manual_seed(seed)
+    routers = [m for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+    for router in routers:
+        bias = router.e_score_correction_bias
+        bias.copy_(0.3 * torch.randn(bias.shape, generator=gen))
+    return len(routers)
+
+
+def load_tiny(name: str):
+    """A tiny preset in fp32 on the CPU, its correction biases (if any) set (`randomize_score_correction_bias`)."""
+    model, tok = load_model(name, torch.device("cpu"), torch.float32)
+    randomize_score_correction_bias(model)
+    return model, tok
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +68,7 @@ def tiny_models():
 
     def get(name: str):
         if name not in cache:
-            cache[name] = load_model(name, torch.device("cpu"), torch.float32)
+            cache[name] = load_tiny(name)
         return cache[name]
 
     return get

@@ -11,7 +11,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model
 
-from .conftest import TINY_MOE_FAMILIES, hf_greedy, make_requests
+from .conftest import TINY_MOE_FAMILIES, hf_greedy, make_requests, randomize_score_correction_bias
 from .test_engine_gpu import token_agreement
 
 pytestmark = [
@@ -31,6 +31,7 @@ def run(model, tok, reqs, **config) -> tuple[list[list[int]], Engine]:
 @pytest.mark.parametrize("name", TINY_MOE_FAMILIES)
 def test_moe_fp32_owned_decoder_equals_generate(name):
     model, tok = load_model(name, torch.device("cuda"), torch.float32)
+    randomize_score_correction_bias(model)  # GLM-4.5's: zeros at init would leave the choice bias untested
     reqs = make_requests(tok, 16, seed=7, max_prompt=300, max_new=32)
     ref = [hf_greedy(model, tok, r) for r in reqs]
     assert len({t for ids in ref for t in ids}) > 20, "references are not diverse"
@@ -44,8 +45,10 @@ def test_moe_fp32_owned_decoder_equals_generate(name):
         torch.cuda.empty_cache()
 
 
-def test_moe_bf16_graph_equals_eager():
-    model, tok = load_model("tiny-qwen3-moe", torch.device("cuda"), torch.bfloat16)
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-glm4-moe"])  # GLM-4.5: grouped sigmoid routing captured
+def test_moe_bf16_graph_equals_eager(name):
+    model, tok = load_model(name, torch.device("cuda"), torch.bfloat16)
+    randomize_score_correction_bias(model)
     reqs = make_requests(tok, 32, seed=8, max_prompt=300, max_new=48)
     eager, engine = run(model, tok, reqs, mode="async", use_cuda_graphs=False)
     del engine

@@ -4,9 +4,11 @@ a step's bytes and FLOPs add up by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
 from worker.engine.moe.cost import (
     MXFP4_BYTES_PER_PARAM,
@@ -24,6 +26,15 @@ QWEN3_30B_A3B = dict(
     num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, vocab_size=151936, norm_topk_prob=True,
 )  # fmt: skip
+GLM_45_AIR = dict(
+    hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+    n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+    first_k_dense_replace=1, intermediate_size=10944, vocab_size=151552, attention_bias=True, use_qk_norm=False,
+)  # fmt: skip
+GLM_45 = dict(
+    GLM_45_AIR, hidden_size=5120, num_hidden_layers=92, n_routed_experts=160, moe_intermediate_size=1536,
+    first_k_dense_replace=3, intermediate_size=12288, use_qk_norm=True, routed_scaling_factor=2.5,
+)  # fmt: skip
 GPT_OSS_20B = dict(num_hidden_layers=24, num_local_experts=32, quantization_config={"quant_method": "mxfp4"})
 
 
@@ -35,6 +46,8 @@ GPT_OSS_20B = dict(num_hidden_layers=24, num_local_experts=32, quantization_conf
         ("qwen2_moe", dict(decoder_sparse_step=2, intermediate_size=72)),
         ("mixtral", {}),
         ("gpt_oss", {}),
+        ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),  # the shared expert, layer 0 dense
+        ("glm4_moe", dict(use_qk_norm=False, first_k_dense_replace=2, n_shared_experts=2)),
     ],
 )
 def test_parameter_count_equals_transformers_model(model_type, overrides):
@@ -56,6 +69,15 @@ def test_published_sizes_of_released_models():
     assert oss.window_per_layer[:2] == (128, None)  # alternating sliding and full attention
     mixtral = MoeModelShape.from_config(MixtralConfig())
     assert round(mixtral.num_params / 1e9, 1) == 46.7
+    # GLM-4.5-Air's card: "106B total parameters and 12B active"; GLM-4.5: 355B and 32B. Without the
+    # multi-token-prediction layer (transformers does not build it) and counting the active ones without
+    # the input embedding, as the cards do.
+    for config, total, active in ((GLM_45_AIR, 106, 12), (GLM_45, 355, 32)):
+        glm = MoeModelShape.from_config(Glm4MoeConfig(**config))
+        activated = glm.dense_params + len(glm.moe_layers) * 8 * glm.spec.params_per_expert
+        assert glm.num_params / 1e9 == pytest.approx(total, rel=0.01)
+        assert activated / 1e9 == pytest.approx(active, abs=1)
+        assert glm.num_dense_layers == config["first_k_dense_replace"] and glm.spec.has_shared_expert
 
 
 def test_weight_bytes_mxfp4_and_dequantized():
@@ -149,3 +171,25 @@ def test_the_loader_says_an_moe_models_numbers_and_refuses_one_that_does_not_fit
     assert line.startswith("qwen3_moe: weights 61.1 GB (experts 58.0 GB) in bfloat16, GPU free 140.0 GB, 78.9 GB")
     with pytest.raises(ModelLoadError, match=r"does not fit: weights 61.1 GB \(experts 58.0 GB\), GPU 40.0 GB"):
         check_moe_fit(config, torch.bfloat16, 40 * 10**9)
+
+
+def test_glm45_air_bench_presets_fit_as_their_comments_say_and_their_floor_counts_the_shared_expert():
+    """`glm45-air` is GLM-4.5-Air's shape (more than one H200 holds in bf16); `glm45-air-23l` its first 23 layers,
+    which one does. Each step's floor reads and computes the shared expert of every sparse layer and layer 0's
+    dense MLP (both in `dense_params`, read whatever the routing)."""
+    from worker.engine.models.loader import ModelLoadError, check_moe_fit, preset_config
+
+    with pytest.raises(ModelLoadError, match=r"does not fit: weights 213.7 GB \(experts 199.3 GB\)"):
+        check_moe_fit(preset_config("glm45-air"), torch.bfloat16, 140 * 10**9)
+    cut = MoeModelShape.from_config(preset_config("glm45-air-23l"))
+    assert check_moe_fit(preset_config("glm45-air-23l"), torch.bfloat16, 140 * 10**9).startswith(
+        "glm4_moe: weights 106.0 GB"
+    )
+    hidden, spec = 4096, cut.spec
+    assert cut.moe_layers == tuple(range(1, 23)) and spec.shared_expert_intermediate_size == 1408
+    without = MoeModelShape(**{**cut.__dict__, "spec": replace(spec, shared_expert_intermediate_size=0)})
+    assert cut.dense_params - without.dense_params == 22 * 3 * hidden * 1408
+    all_sparse = MoeModelShape(**{**cut.__dict__, "moe_layers": tuple(range(23))})
+    assert cut.dense_params - all_sparse.dense_params == 3 * hidden * 10944 - spec.router_params - 3 * hidden * 1408
+    one, lm_head = step_cost(cut, 1, 1, 100, 2), 151552 * hidden
+    assert one.flops == 2 * (cut.dense_params - lm_head + 22 * 8 * spec.params_per_expert + lm_head)

@@ -1,19 +1,23 @@
 """The MoE reference path (worker/engine/moe/reference.py) computes transformers' own sparse blocks, fp32 on
-the CPU: Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock (shared expert and its gate), MixtralSparseMoeBlock
-and GptOssMLP (router bias, expert biases, clamped SwiGLU with interleaved gate/up). Weights go through the
+the CPU: Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock (shared expert and its gate), MixtralSparseMoeBlock,
+GptOssMLP (router bias, expert biases, clamped SwiGLU with interleaved gate/up) and Glm4MoeMoE (grouped sigmoid
+routing with a correction bias, an ungated shared expert). Weights go through the
 loader (`load_moe_layer`) from the block's own state dict, the way the installed transformers names them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from transformers import GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from worker.engine.moe import load_moe_layer, moe_forward, spec_from_config
+from worker.engine.moe import forward, load_moe_layer, moe_forward, reference, spec_from_config
 from worker.engine.moe.reference import moe_forward_ref, route
 
 HIDDEN = 64
@@ -38,6 +42,18 @@ def tiny_config(model_type: str, **overrides):
     if model_type == "mixtral":  # 8 experts, top 2
         kw = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96)
         return MixtralConfig(**{**common, **kw, **overrides})
+    if model_type == "glm4_moe":  # GLM-4.5: 160 experts, top 8, scaling 2.5 (Air: 128, scaling 1); 4 groups here
+        kw = dict(
+            n_routed_experts=32,
+            num_experts_per_tok=8,
+            moe_intermediate_size=40,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
+        return Glm4MoeConfig(**{**common, **kw, **overrides})
     kw = dict(
         num_local_experts=16, num_experts_per_tok=4, intermediate_size=32, head_dim=16
     )  # gpt-oss-20b: 32, top 4
@@ -49,6 +65,7 @@ BLOCKS = {
     "qwen2_moe": Qwen2MoeSparseMoeBlock,
     "mixtral": MixtralSparseMoeBlock,
     "gpt_oss": GptOssMLP,
+    "glm4_moe": Glm4MoeMoE,
 }
 
 
@@ -61,6 +78,9 @@ def random_block(model_type: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for name, param in block.named_parameters():
             param.normal_(0.0, 0.6 if "gate_up" in name else 0.2)
+        for name, buffer in block.named_buffers():  # GLM-4.5's choice bias: zeros at init, trained in releases
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
     return config, block
 
 
@@ -129,6 +149,62 @@ def test_router_picks_what_transformers_picks():
         hidden = torch.randn(20, HIDDEN)
         with torch.no_grad():
             _, want_weights, want_ids = router(hidden)
-            weights, ids = route(hidden, router.weight, getattr(router, "bias", None), spec)
+            correction_bias = getattr(router, "e_score_correction_bias", None)
+            weights, ids = route(hidden, router.weight, getattr(router, "bias", None), spec, correction_bias)
         assert torch.equal(ids, want_ids), model_type
         assert torch.allclose(weights, want_weights.float(), atol=1e-7), model_type
+
+
+GLM_ROUTINGS = [
+    dict(),  # 4 groups, the best 2 searched, renormalised, scaled by 2.5
+    dict(n_group=1, topk_group=1, routed_scaling_factor=1.0),  # GLM-4.5-Air's
+    dict(n_group=8, topk_group=3, norm_topk_prob=False),  # DeepSeek-V3's 8 groups (of 4 here), not renormalised
+]
+
+
+@pytest.mark.parametrize("overrides", GLM_ROUTINGS)
+def test_glm4_moe_routing_is_transformers_router(overrides):
+    """Glm4MoeTopkRouter's choice exactly (ids in its slot order) and its weights to 1e-6, on random inputs."""
+    config, block = random_block("glm4_moe", seed=5, **overrides)
+    spec = spec_from_config(config)
+    hidden = torch.randn(200, HIDDEN)
+    with torch.no_grad():
+        _, want_weights, want_ids = block.gate(hidden)
+        weights, ids = route(hidden, block.gate.weight, None, spec, block.gate.e_score_correction_bias)
+    assert torch.equal(ids, want_ids)
+    assert (weights - want_weights).abs().max().item() < 1e-6
+
+
+def test_glm4_moe_correction_bias_and_groups_change_the_choice():
+    """The test weights make both knobs matter: without the correction bias, or without the group restriction,
+    other experts would be chosen for some tokens; the weights are the uncorrected sigmoid scores."""
+    config, block = random_block("glm4_moe", seed=5)
+    spec = spec_from_config(config)
+    router, bias = block.gate, block.gate.e_score_correction_bias
+    hidden = torch.randn(200, HIDDEN)
+    with torch.no_grad():
+        weights, ids = route(hidden, router.weight, None, spec, bias)
+        _, unbiased_ids = route(hidden, router.weight, None, spec, torch.zeros_like(bias))
+        _, ungrouped_ids = route(hidden, router.weight, None, replace(spec, num_groups=1, topk_groups=1), bias)
+        scores = torch.sigmoid(hidden @ router.weight.T).gather(1, ids)
+    assert (ids.sort(-1).values != unbiased_ids.sort(-1).values).any(dim=-1).sum() > 20
+    assert (ids.sort(-1).values != ungrouped_ids.sort(-1).values).any(dim=-1).sum() > 20
+    groups = ids // (spec.num_experts // spec.num_groups)
+    assert all(len(set(row)) <= spec.topk_groups for row in groups.tolist())
+    want = scores / scores.sum(-1, keepdim=True) * spec.routed_scaling_factor
+    assert torch.allclose(weights, want, atol=1e-6)
+
+
+def test_the_cuda_path_routes_with_the_reference_router():
+    """Routing is torch code shared by the CPU and the Triton paths (no host sync, so CUDA graphs capture it):
+    the dispatcher calls the very function the tests above check against transformers."""
+    assert forward.route is reference.route
+
+
+def test_glm4_moe_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="n_group 5 must split 32 experts"):
+        spec_from_config(tiny_config("glm4_moe", n_group=5))
+    with pytest.raises(ValueError, match="topk_group 5 must be in 1..n_group"):
+        spec_from_config(tiny_config("glm4_moe", topk_group=5))
+    with pytest.raises(ValueError, match="hidden_act"):
+        spec_from_config(tiny_config("glm4_moe", hidden_act="gelu"))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     MixtralConfig,
@@ -38,6 +39,15 @@ def test_family_specs():
         oss.has_router_bias and oss.has_expert_bias and (oss.swiglu_alpha, oss.swiglu_limit) == (1.702, 7.0)
     )
     assert oss.params_per_expert == 3 * 2880 * 2880 + 2 * 2880 + 2880
+    glm = spec_from_config(Glm4MoeConfig())  # GLM-4.5-Air's defaults
+    assert (glm.num_experts, glm.top_k, glm.expert_intermediate_size) == (128, 8, 1408)
+    assert glm.scoring is RouterScoring.SIGMOID and glm.norm_topk_prob and glm.has_score_correction_bias
+    assert (glm.num_groups, glm.topk_groups, glm.routed_scaling_factor) == (1, 1, 1.0)
+    assert glm.shared_expert_intermediate_size == 1408 and not glm.has_shared_expert_gate
+    # GLM-4.5's (355B) knobs; the multi-token-prediction layer's count is not read (transformers builds none)
+    big = spec_from_config(Glm4MoeConfig(n_routed_experts=160, routed_scaling_factor=2.5, num_nextn_predict_layers=1))
+    assert big.num_experts == 160 and big.routed_scaling_factor == 2.5
+    assert spec_from_config(Glm4MoeConfig(scoring_func="sigmoid", topk_method="noaux_tc")) == glm
 
 
 @pytest.mark.parametrize(
@@ -48,6 +58,8 @@ def test_family_specs():
         ("qwen3_moe", dict(decoder_sparse_step=3, mlp_only_layers=[2])),
         ("mixtral", {}),
         ("gpt_oss", {}),
+        ("glm4_moe", dict(first_k_dense_replace=1)),
+        ("glm4_moe", dict(first_k_dense_replace=3)),
     ],
 )
 def test_sparse_layers_are_where_transformers_puts_them(model_type, overrides):
@@ -67,7 +79,7 @@ def test_sparse_layers_are_where_transformers_puts_them(model_type, overrides):
         (MixtralConfig(hidden_act="relu"), r"mixtral config field hidden_act='relu'"),
         (
             LlamaConfig(),
-            r"model type 'llama' has no MoE spec \(supported: qwen3_moe, qwen2_moe, mixtral, gpt_oss\)",
+            r"model type 'llama' has no MoE spec \(supported: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe\)",
         ),
         (Qwen3MoeConfig(n_group=8), r"qwen3_moe config field n_group=8 .* does not read it"),
         (Qwen2MoeConfig(routed_scaling_factor=2.5), r"routed_scaling_factor=2\.5"),
@@ -75,6 +87,12 @@ def test_sparse_layers_are_where_transformers_puts_them(model_type, overrides):
             Qwen3MoeConfig(quantization_config={"quant_method": "fp8"}),
             r"quantization_config\.quant_method='fp8' .* only gpt-oss MXFP4",
         ),
+        (  # GLM-4.5-Air-FP8's experts: no FP8 expert kernels yet
+            Glm4MoeConfig(quantization_config={"quant_method": "fp8"}),
+            r"glm4_moe config field quantization_config\.quant_method='fp8'",
+        ),
+        (Glm4MoeConfig(hidden_act="gelu"), r"glm4_moe config field hidden_act='gelu'"),
+        (Glm4MoeConfig(scoring_func="softmax"), r"glm4_moe config field scoring_func='softmax' .* does not read it"),
     ],
 )
 def test_unsupported_fields_refused_in_one_line(config, message):
@@ -95,3 +113,7 @@ def test_spec_checks_itself():
         MoeSpec("qwen3_moe", num_experts=8, top_k=9, hidden_size=8, expert_intermediate_size=8)
     with pytest.raises(ValueError, match="shared_expert_gate needs a shared expert"):
         MoeSpec("qwen2_moe", 8, 2, 8, 8, has_shared_expert_gate=True)
+    with pytest.raises(ValueError, match="groups and a score correction bias need sigmoid scoring"):
+        MoeSpec("qwen3_moe", 8, 2, 8, 8, num_groups=2)
+    with pytest.raises(ValueError, match="must hold top_k"):  # 2 groups of 2 experts cannot hold 6
+        MoeSpec("glm4_moe", 8, 6, 8, 8, scoring=RouterScoring.SIGMOID, num_groups=4, topk_groups=2)

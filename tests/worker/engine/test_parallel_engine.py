@@ -1,7 +1,8 @@
 """The engine at --tensor-parallel-size 2 over gloo on the CPU: greedy output equals `model.generate` (fp32)
 token for token, for a Llama-3-shaped checkpoint (one KV head: replicated on both ranks), a Qwen3 one (two KV
-heads: one per rank; tied embeddings), sync and async, and a Qwen3-MoE one (experts split by intermediate size,
-read from the release's per-expert tensors), with chunked prefill, preemption and the prefix cache; a killed
+heads: one per rank; tied embeddings), sync and async, a Qwen3-MoE one (experts split by intermediate size,
+read from the release's per-expert tensors) and a GLM-4.5 one (grouped sigmoid routing with its correction
+bias replicated, the shared expert split, layer 0 dense), with chunked prefill, preemption and the prefix cache; a killed
 helper rank ends the run with a RankFailure. Each rank reads its shards from the checkpoint's sharded
 safetensors files.
 
@@ -11,11 +12,13 @@ the module's tests.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +32,26 @@ from worker.engine.models import ModelLoadError, load_model
 from worker.engine.parallel.group import RankFailure
 from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
 
-from .conftest import hf_generate
+from .conftest import hf_generate, randomize_score_correction_bias
 
 # Small steps and a small cache: prompts are computed in chunks, and sequences are preempted.
 CONFIG = dict(max_num_batched_tokens=32, num_kv_blocks=16, max_num_seqs=8)
 # Llama-3's layout with one KV head (at TP=2 both ranks hold it, and their own q heads of it) and biases on every
 # linear (random, see `randomize_biases`: the row-parallel ones are added once, after the all-reduce).
-SHAPES = {"llama3": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True), "qwen3": {}, "qwen3_moe": {}}
-CASES = [("llama3", "sync"), ("llama3", "async"), ("qwen3", "sync"), ("qwen3", "async"), ("qwen3_moe", "async")]
+SHAPES = {
+    "llama3": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+    "qwen3": {},
+    "qwen3_moe": {},
+    "glm4_moe": {},
+}
+CASES = [
+    ("llama3", "sync"),
+    ("llama3", "async"),
+    ("qwen3", "sync"),
+    ("qwen3", "async"),
+    ("qwen3_moe", "async"),
+    ("glm4_moe", "async"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +61,8 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(name)
         checkpoint = build_checkpoint(path, name, shape=shape)
         model, tokenizer = load_model(str(path), torch.device("cpu"), torch.float32)
-        if randomize_biases(model):
+        # both run: zero biases (and GLM's zero correction bias) would hide one loaded on the wrong rank or not at all
+        if randomize_biases(model) | bool(randomize_score_correction_bias(model)):
             model.save_pretrained(path, max_shard_size="60KB")
         requests = make_requests(checkpoint.token_ids.get(checkpoint.family.bos or ""))
         eos = sorted(tokenizer.eos_token_ids)
@@ -123,6 +139,25 @@ def test_moe_experts_are_split_by_intermediate_size(sharded_engine):
     gate_up = engine.model.model.layers[0].mlp.experts.gate_up_proj
     assert tuple(gate_up.shape) == (16, 2 * 32 // 2, 64), "every expert, half of its columns"
     assert engine.runner.decoder.moe_layers[0] is not None
+
+
+def test_glm4_moe_shards_its_experts_and_replicates_its_routing(checkpoints, sharded_engine):
+    """GLM-4.5: every routed expert and the shared expert at half their columns, layer 0's dense MLP at half its
+    width, the router and its correction bias (read from the checkpoint, not left at init's zeros) whole."""
+    from safetensors import safe_open
+
+    path = checkpoints["glm4_moe"][0]
+    engine = sharded_engine("glm4_moe", "async")
+    dense, sparse = engine.model.model.layers[0].mlp, engine.model.model.layers[1].mlp
+    assert tuple(sparse.experts.gate_up_proj.shape) == (16, 32, 64)
+    assert tuple(sparse.shared_experts.gate_proj.weight.shape) == (16, 64)
+    assert tuple(dense.gate_proj.weight.shape) == (64, 64)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
+    with safe_open(str(Path(path) / index["weight_map"][name]), "pt") as f:
+        stored = f.get_tensor(name)
+    assert stored.abs().min() > 0 and torch.equal(sparse.gate.e_score_correction_bias, stored)
+    assert engine.runner.decoder.moe_layers[1].score_correction_bias is sparse.gate.e_score_correction_bias
 
 
 def test_sampling_logprobs_penalties_and_constraints_at_tp2_equal_tp1(checkpoints, sharded_engine):

@@ -49,6 +49,44 @@ _TINY = dict(
     tie_word_embeddings=False,
 )
 
+_GLM4_MOE = dict(
+    _TINY,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    attention_bias=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+)
+
+_GLM45_AIR = dict(
+    vocab_size=151552,
+    hidden_size=4096,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=46,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    head_dim=128,
+    n_routed_experts=128,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    attention_bias=True,
+    use_qk_norm=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+)
+
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-llama": ("llama", dict(_TINY)),
     "tiny-qwen3": ("qwen3", dict(_TINY)),
@@ -163,6 +201,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
             mlp_only_layers=[0],
         ),
     ),
+    # GLM-4.5's routing at tiny size: sigmoid scores, 16 experts in 4 groups of which the best 2 are searched (the
+    # GLM releases set one group, DeepSeek-V3 eight: groups are exercised here), top-4 renormalised and scaled
+    # by 2.5 (the 355B release's and DeepSeek-V3's factor), a shared expert, layer 0 dense; q/k/v biases, q/k
+    # norms (as the 355B release) and rotary over half of each head. Random init leaves the routers'
+    # e_score_correction_bias at zero: the tests' fixture sets it (conftest.randomize_score_correction_bias).
+    # The "-air" one as GLM-4.5-Air: one group, scaling 1.0, no q/k norms.
+    "tiny-glm4-moe": ("glm4_moe", dict(_GLM4_MOE, n_group=4, topk_group=2, routed_scaling_factor=2.5, use_qk_norm=True)),
+    "tiny-glm4-moe-air": ("glm4_moe", dict(_GLM4_MOE, n_group=1, topk_group=1, routed_scaling_factor=1.0, use_qk_norm=False)),
     "tiny-mixtral": ("mixtral", dict(_TINY, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
     # gpt-oss's: top-4 of 16 experts (20b: of 32), expert biases, the clamped SwiGLU, attention sinks, q/k/v/o
     # biases, a sliding window (shorter than the tests' sequences) in every other layer, its YaRN rotary.
@@ -286,6 +332,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # The GLM-4.5-Air shape (46 layers, 128 experts of 1408, top-8 renormalised, one shared expert, layer 0 a dense
+    # MLP of 10944, rotary over half of each head, q/k/v biases, no q/k norms), for benchmarks. 106.9B parameters:
+    # 214 GB in bf16, more than one H200 holds (the load says so with the numbers), so one GPU runs the
+    # "-23l" cut: its first 23 layers, the same per-layer shape (53B, 106 GB in bf16).
+    "glm45-air": ("glm4_moe", _GLM45_AIR),
+    "glm45-air-23l": ("glm4_moe", dict(_GLM45_AIR, num_hidden_layers=23)),
     # The gpt-oss-20b shape (24 layers, 32 experts of 2880, top-4, sinks, 128-token windows every other layer), for
     # benchmarks; its experts in bf16 (the release's MXFP4 is dequantized at load).
     "gptoss-20b": (

@@ -27,6 +27,7 @@ MODULES = {  # model_type -> family module
     "qwen2_moe": "qwen2_moe",
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
+    "glm4_moe": "glm4_moe",
 }
 
 

@@ -86,6 +86,9 @@ class LayerSpec:
     q_norm: str | None = None
     k_norm: str | None = None
     qk_norm_span: QKNormSpan = QKNormSpan.HEAD
+    # The q/k norms exist where the config turns them on (GLM-4.5's use_qk_norm: the 355B release on, Air off):
+    # a layer without the modules has no q/k norm. False: the declared modules must exist.
+    qk_norm_optional: bool = False
     # Attention and MLP read the same normed input and join the residual together (Cohere's parallel block).
     parallel_blocks: bool = False
 
@@ -98,7 +101,7 @@ class MoeMlpSpec:
 
     router: str  # nn.Linear-like: .weight [E, H] (and .bias where the family has one)
     experts: str  # stacked .gate_up_proj [E, 2I, H] / .down_proj [E, H, I], or a list of per-expert MLPs
-    shared_expert: str | None = None  # a dense MLP beside the routed experts (Qwen2-MoE)
+    shared_expert: str | None = None  # a dense MLP beside the routed experts (Qwen2-MoE, GLM-4.5)
     shared_expert_gate: str | None = None  # sigmoid(x @ w^T) scales the shared expert's output
     # transformers stacks the experts as the kernels read them ([E, 2I, H], [gate; up] rows): the decoder uses
     # views. False (gpt-oss: [E, H, 2I], gate/up columns interleaved): copied once, so held twice.

@@ -40,7 +40,7 @@ class MoeModelShape:
     head_dim: int
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool  # Qwen3-MoE's per-head q/k RMSNorm
+    qk_norm: bool  # per-head q/k RMSNorm (Qwen3-MoE; GLM-4.5 where use_qk_norm)
     attention_sinks: bool  # gpt-oss: one learned logit per head
     window_per_layer: tuple[int | None, ...]  # sliding-window size of each layer's attention, None for full
     moe_layers: tuple[int, ...]
@@ -72,8 +72,8 @@ class MoeModelShape:
             num_kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
             qkv_bias=bool(config.qkv_bias) if model_type == "qwen2_moe" else bias,
-            o_bias=bias and model_type != "qwen2_moe",
-            qk_norm=model_type == "qwen3_moe",
+            o_bias=bias and model_type not in ("qwen2_moe", "glm4_moe"),  # GLM-4.5: q/k/v biases only
+            qk_norm=model_type == "qwen3_moe" or (model_type == "glm4_moe" and bool(config.use_qk_norm)),
             attention_sinks=model_type == "gpt_oss",
             window_per_layer=windows,
             moe_layers=moe_layer_ids(config),

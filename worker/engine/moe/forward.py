@@ -1,8 +1,9 @@
 """`moe_forward`: one sparse layer on a step's tokens, on the path the device calls for. Owns nothing.
 
 CPU (and CUDA without triton): the plain-PyTorch reference. CUDA: routing and the shared expert in torch
-(softmax, top-k and cuBLAS GEMMs, none of which syncs with the host), the routed experts as the Triton
-grouped GEMMs of `triton_moe.py` in a caller-owned workspace, so a decode step can be captured in a CUDA graph.
+(`reference.route`, the CPU path's own: softmax or sigmoid, top-k and cuBLAS GEMMs, none of which syncs with
+the host), the routed experts as the Triton grouped GEMMs of `triton_moe.py` in a caller-owned workspace, so a
+decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def moe_forward(
     """[T, H] -> [T, H]: the routed experts' weighted sum, plus the (gated) shared expert where there is one.
     `workspace` (from `MoeWorkspace.allocate` at the largest step) is required on the Triton path; `config`
     overrides the launch configuration table (tests, tuning)."""
-    topk_weights, topk_ids = route(hidden, layer.router_weight, layer.router_bias, spec)
+    topk_weights, topk_ids = route(
+        hidden, layer.router_weight, layer.router_bias, spec, layer.score_correction_bias
+    )
     # a workspace on the CPU means the Triton path too (the interpreter tests run it that way)
     if (hidden.is_cuda and triton_moe.HAVE_TRITON) or workspace is not None:
         if workspace is None:

@@ -40,7 +40,8 @@ def moe_layer_weights(layer: Any, mlp: MoeMlpSpec, spec: MoeSpec) -> MoeLayerWei
         shared_gate_up, _ = fuse_rows([shared_mlp.gate_proj, shared_mlp.up_proj])
         gate = None if mlp.shared_expert_gate is None else submodule(layer, mlp.shared_expert_gate).weight
         shared = SharedExpertWeights(shared_gate_up, shared_mlp.down_proj.weight, gate)
-    weights = MoeLayerWeights(router.weight, getattr(router, "bias", None), expert_weights, shared)
+    correction_bias = getattr(router, "e_score_correction_bias", None) if spec.has_score_correction_bias else None
+    weights = MoeLayerWeights(router.weight, getattr(router, "bias", None), expert_weights, shared, correction_bias)
     weights.check(spec)
     return weights
 

@@ -1,12 +1,13 @@
 """The MoE layer in plain PyTorch: routing, the experts, the shared expert. Owns nothing.
 
 This is the CPU path and what the Triton path is tested against; it computes what transformers' sparse
-blocks compute (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, MixtralSparseMoeBlock, GptOssMLP), in the
-same order, so in fp32 the two agree to rounding. Routing weights stay fp32 from the softmax to the multiply
-(transformers rounds Qwen's to the model dtype; in fp32 that is the same thing).
+blocks compute (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, MixtralSparseMoeBlock, GptOssMLP, Glm4MoeMoE),
+in the same order, so in fp32 the two agree to rounding. Routing weights stay fp32 from the softmax (or
+sigmoid) to the multiply (transformers rounds Qwen's to the model dtype; in fp32 that is the same thing).
 
-`route` is shared by both paths: it has no host syncs (softmax, top-k and a division), so it runs inside a
-CUDA graph. `experts_ref` loops over the experts that were hit, which reads device values (CPU only).
+`route` is shared by both paths: it has no host syncs (softmax or sigmoid, grouped masks, top-k and a
+division), so it runs inside a CUDA graph. `experts_ref` loops over the experts that were hit, which reads
+device values (CPU only).
 """
 
 from __future__ import annotations
@@ -19,24 +20,60 @@ from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights
 
 
 def route(
-    hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None, spec: MoeSpec
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    spec: MoeSpec,
+    score_correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+    """[T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64). `score_correction_bias` [E]: SIGMOID
+    scoring's choice bias (required where the spec has one)."""
+    if spec.scoring is RouterScoring.SIGMOID:
+        return _route_sigmoid(hidden, router_weight, router_bias, spec, score_correction_bias)
     logits = F.linear(hidden, router_weight, router_bias)
     if spec.scoring is RouterScoring.SOFTMAX_OVER_TOPK:  # gpt-oss: the k largest logits, softmax over them
         top_logits, topk_ids = torch.topk(logits, spec.top_k, dim=-1)
         topk_weights = torch.softmax(top_logits.float(), dim=-1)
     else:
-        if spec.scoring is RouterScoring.SOFTMAX:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        else:
-            scores = torch.sigmoid(logits.float())
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         topk_weights, topk_ids = torch.topk(scores, spec.top_k, dim=-1)
         if spec.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     if spec.routed_scaling_factor != 1.0:
         topk_weights = topk_weights * spec.routed_scaling_factor
     return topk_weights, topk_ids
+
+
+def _route_sigmoid(
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    spec: MoeSpec,
+    score_correction_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3-style routing, op for op as Glm4MoeTopkRouter computes it (so the choice is the same even
+    on near-ties): fp32 logits and sigmoid scores; the choice on scores + correction bias, restricted to the
+    `topk_groups` groups whose best two choice scores sum highest; the weights are the chosen experts'
+    uncorrected scores. Every op is a fixed-shape tensor op (no host sync, CUDA-graph safe)."""
+    bias = None if router_bias is None else router_bias.float()
+    scores = F.linear(hidden.float(), router_weight.float(), bias).sigmoid()
+    choice = scores
+    if spec.has_score_correction_bias:
+        assert score_correction_bias is not None, "the spec's routing needs the layer's score correction bias"
+        choice = scores + score_correction_bias
+    if spec.num_groups > 1:
+        num_tokens, per_group = choice.shape[0], spec.num_experts // spec.num_groups
+        group_scores = choice.view(num_tokens, spec.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_ids = torch.topk(group_scores, k=spec.topk_groups, dim=-1, sorted=False)[1]
+        kept_groups = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+        kept = kept_groups.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, spec.num_experts)
+        choice = choice.masked_fill(~kept, float("-inf"))
+    # sorted=False as transformers: the slot order sets the order of the normalising sum's additions
+    topk_ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if spec.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)  # transformers' epsilon
+    return topk_weights * spec.routed_scaling_factor, topk_ids
 
 
 def activation_ref(gate_up: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
@@ -72,8 +109,8 @@ def experts_ref(
 
 
 def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> torch.Tensor:
-    """Qwen2-MoE's shared expert (a dense SiLU MLP), scaled by its sigmoid gate where it has one. No host
-    syncs: the CUDA path uses it as is (cuBLAS GEMMs)."""
+    """The shared expert (a dense SiLU MLP: Qwen2-MoE's, GLM-4.5's), scaled by its sigmoid gate where it has one
+    (Qwen2-MoE). No host syncs: the CUDA path uses it as is (cuBLAS GEMMs)."""
     gate, up = F.linear(hidden, shared.gate_up).chunk(2, dim=-1)
     out = F.linear(F.silu(gate) * up, shared.down)
     if shared.gate is not None:
@@ -83,7 +120,9 @@ def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> 
 
 def moe_forward_ref(hidden: torch.Tensor, layer: MoeLayerWeights, spec: MoeSpec) -> torch.Tensor:
     """The whole sparse layer on [T, H], in plain PyTorch."""
-    topk_weights, topk_ids = route(hidden, layer.router_weight, layer.router_bias, spec)
+    topk_weights, topk_ids = route(
+        hidden, layer.router_weight, layer.router_bias, spec, layer.score_correction_bias
+    )
     out = experts_ref(hidden, topk_weights, topk_ids, layer.experts, spec)
     if layer.shared is not None:
         out = out + shared_expert_forward(hidden, layer.shared)

@@ -4,10 +4,10 @@
 are normalised and scaled, which biases exist, the experts' activation and the shared expert. Weight layout
 is not part of it (every family's experts are stored the same way, `weights.py`), nor is the attention.
 
-`spec_from_config` knows the four families (qwen3_moe, qwen2_moe, mixtral, gpt_oss) and refuses, in one line,
-any config field that would change the math in a way this package does not compute. `moe_layer_ids` says
-which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`); the others are dense
-MLPs of `dense_intermediate_size`.
+`spec_from_config` knows five families (qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe) and refuses, in one
+line, any config field that would change the math in a way this package does not compute. `moe_layer_ids` says
+which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM-4.5's
+`first_k_dense_replace`); the others are dense MLPs of `dense_intermediate_size`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from typing import Any
 class RouterScoring(str, Enum):
     SOFTMAX = "softmax"  # softmax over all experts, then top-k (Qwen, Mixtral)
     SOFTMAX_OVER_TOPK = "softmax_over_topk"  # top-k of the logits, then softmax over those k (gpt-oss)
-    SIGMOID = "sigmoid"  # independent sigmoid per expert, then top-k (no family here yet; DeepSeek-V3 style)
+    # DeepSeek-V3 style (GLM-4.5): fp32 logits, an independent sigmoid per expert; the experts are chosen on the
+    # sigmoid plus a per-expert correction bias, within the best `topk_groups` of `num_groups` groups, and
+    # weighted by the uncorrected sigmoid
+    SIGMOID = "sigmoid"
 
 
 class Activation(str, Enum):
@@ -29,7 +32,7 @@ class Activation(str, Enum):
     CLAMPED_SWIGLU = "clamped_swiglu"
 
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,30 @@ class MoeSpec:
     swiglu_limit: float = 7.0  # CLAMPED_SWIGLU only
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     has_shared_expert_gate: bool = False  # sigmoid(x @ gate^T) scales the shared expert's output (Qwen2-MoE)
+    # SIGMOID only: a per-expert bias added to the scores for choosing, not for weighting (e_score_correction_bias)
+    has_score_correction_bias: bool = False
+    num_groups: int = 1  # SIGMOID only: experts split into this many groups of consecutive ids
+    topk_groups: int = 1  # SIGMOID only: the experts are chosen within this many best groups
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"MoE top_k {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        grouped = self.num_groups > 1 or self.topk_groups > 1 or self.has_score_correction_bias
+        if grouped and self.scoring is not RouterScoring.SIGMOID:
+            raise ValueError("MoE expert groups and a score correction bias need sigmoid scoring")
+        if self.num_groups > 1:
+            per_group = self.num_experts // self.num_groups
+            if self.num_experts % self.num_groups or per_group < 2:  # a group scores as its best two
+                raise ValueError(
+                    f"MoE n_group {self.num_groups} must split {self.num_experts} experts into groups of 2 or more"
+                )
+            if not 0 < self.topk_groups <= self.num_groups or self.top_k > self.topk_groups * per_group:
+                raise ValueError(
+                    f"MoE topk_group {self.topk_groups} must be in 1..n_group ({self.num_groups}) and its groups "
+                    f"must hold top_k ({self.top_k}) experts"
+                )
+        elif self.topk_groups != 1:
+            raise ValueError(f"MoE topk_group {self.topk_groups} needs n_group > 1")
         if self.has_shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError(
                 "MoE shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)"
@@ -73,6 +96,7 @@ class MoeSpec:
 
     @property
     def router_params(self) -> int:
+        """The router's parameters (a score correction bias is a buffer, not counted: E numbers)."""
         return self.num_experts * self.hidden_size + (self.num_experts if self.has_router_bias else 0)
 
     @property
@@ -101,6 +125,9 @@ def _check_silu(config: Any, model_type: str) -> None:
 # (a config.json edited by hand, or a new transformers release): transformers' four classes ignore them, so
 # silently ignoring them here could be right or wrong; refuse instead.
 _FOREIGN_ROUTING_FIELDS = ("n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor")
+# glm4_moe reads n_group, topk_group and routed_scaling_factor; its router always computes what DeepSeek-V3's
+# configs call these, so only these values pass
+_GLM4_MOE_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def spec_from_config(config: Any) -> MoeSpec:
@@ -113,8 +140,11 @@ def spec_from_config(config: Any) -> MoeSpec:
         )
     for field in _FOREIGN_ROUTING_FIELDS:
         value = _get(config, field)
-        if value is not None and not (field == "routed_scaling_factor" and value == 1.0):
-            raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
+        if value is None or (field == "routed_scaling_factor" and value == 1.0):
+            continue
+        if model_type == "glm4_moe" and (field not in _GLM4_MOE_FIXED or _GLM4_MOE_FIXED[field] == value):
+            continue  # read below, or DeepSeek's name for what Glm4MoeTopkRouter computes
+        raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
     quant = _get(config, "quantization_config")
     quant_method = (
         (quant or {}).get("quant_method") if isinstance(quant, dict) else _get(quant, "quant_method")
@@ -143,6 +173,21 @@ def spec_from_config(config: Any) -> MoeSpec:
             expert_intermediate_size=config.intermediate_size,
             norm_topk_prob=True,  # MixtralTopKRouter always renormalises the chosen weights
         )
+    elif model_type == "glm4_moe":
+        _check_silu(config, model_type)
+        family = dict(
+            # n_routed_experts: the release's name (transformers 5.24 also maps num_local_experts onto it)
+            num_experts=config.n_routed_experts,
+            expert_intermediate_size=config.moe_intermediate_size,
+            scoring=RouterScoring.SIGMOID,
+            norm_topk_prob=bool(config.norm_topk_prob),
+            routed_scaling_factor=float(config.routed_scaling_factor),
+            # Glm4MoeMoE always builds its shared MLP (ungated), n_shared_experts experts wide
+            shared_expert_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+            has_score_correction_bias=True,  # Glm4MoeTopkRouter always has one (zeros where not trained)
+            num_groups=int(config.n_group),
+            topk_groups=int(config.topk_group),
+        )
     else:  # gpt_oss: hidden_act is not read by its experts (they use the clamped SwiGLU)
         family = dict(
             num_experts=config.num_local_experts,
@@ -165,6 +210,8 @@ def spec_from_config(config: Any) -> MoeSpec:
 def moe_layer_ids(config: Any) -> tuple[int, ...]:
     """Decoder layers whose MLP is sparse, as transformers builds them; the rest are dense MLPs."""
     num_layers = config.num_hidden_layers
+    if config.model_type == "glm4_moe":  # the first k layers dense (GLM-4.5-Air: 1, GLM-4.5: 3)
+        return tuple(range(config.first_k_dense_replace, num_layers))
     if config.model_type not in ("qwen3_moe", "qwen2_moe"):
         return tuple(range(num_layers))  # Mixtral and gpt-oss: every layer
     dense = set(_get(config, "mlp_only_layers") or ())
@@ -176,4 +223,5 @@ def moe_layer_ids(config: Any) -> tuple[int, ...]:
 
 def dense_intermediate_size(config: Any) -> int:
     """Intermediate size of the dense MLP in the layers `moe_layer_ids` leaves out (0 where none can exist)."""
-    return int(config.intermediate_size) if config.model_type in ("qwen3_moe", "qwen2_moe") else 0
+    with_dense = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+    return int(config.intermediate_size) if config.model_type in with_dense else 0

@@ -16,7 +16,9 @@ Checkpoint names understood (`layer_prefix` is e.g. "model.layers.3"):
     released Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down), `block_sparse_moe.gate`.
   - released gpt-oss: `mlp.experts.gate_up_proj_blocks/_scales` and `down_proj_blocks/_scales` (MXFP4,
     `mxfp4.py`), rows already [out, in], gate/up rows interleaved; dequantized here to the model dtype.
-  - Qwen2-MoE's shared expert: `mlp.shared_expert.{gate,up,down}_proj.weight`, `mlp.shared_expert_gate.weight`.
+  - Qwen2-MoE's shared expert: `mlp.shared_expert.{gate,up,down}_proj.weight`, `mlp.shared_expert_gate.weight`;
+    GLM-4.5's: `mlp.shared_experts.{gate,up,down}_proj.weight` (ungated), its router's correction bias
+    `mlp.gate.e_score_correction_bias` [E] (fp32 in the release).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class MoeLayerWeights:
     router_bias: torch.Tensor | None
     experts: ExpertWeights
     shared: SharedExpertWeights | None = None
+    # [E], added to the sigmoid scores for choosing the experts only (GLM-4.5, DeepSeek-V3); kept as the
+    # checkpoint stores it (fp32), since the routing is computed in fp32
+    score_correction_bias: torch.Tensor | None = None
 
     def check(self, spec: MoeSpec) -> None:
         """Shapes against the spec; raises ValueError naming the tensor."""
@@ -62,6 +67,8 @@ class MoeLayerWeights:
         }
         if spec.has_router_bias:
             want["router_bias"] = (self.router_bias, (num_experts,))
+        if spec.has_score_correction_bias:
+            want["score_correction_bias"] = (self.score_correction_bias, (num_experts,))
         if spec.has_expert_bias:
             want["experts.gate_up_bias"] = (self.experts.gate_up_bias, (num_experts, 2 * inter))
             want["experts.down_bias"] = (self.experts.down_bias, (num_experts, hidden))
@@ -180,9 +187,12 @@ def load_moe_layer(
 
     router = f"{mlp}.router" if f"{mlp}.router.weight" in tensors else f"{mlp}.gate"
     router_bias = to_device(tensors[f"{router}.bias"]) if spec.has_router_bias else None
+    correction_bias = None
+    if spec.has_score_correction_bias:
+        correction_bias = tensors[f"{router}.e_score_correction_bias"].to(device=device, dtype=torch.float32)
     shared = None
     if spec.has_shared_expert:
-        prefix = f"{mlp}.shared_expert"
+        prefix = f"{mlp}.shared_experts" if f"{mlp}.shared_experts.gate_proj.weight" in tensors else f"{mlp}.shared_expert"
         shared_gate_up = torch.cat(
             (tensors[f"{prefix}.gate_proj.weight"], tensors[f"{prefix}.up_proj.weight"])
         )
@@ -195,6 +205,7 @@ def load_moe_layer(
         router_bias,
         ExpertWeights(gate_up, down, gate_up_bias, down_bias),
         shared,
+        correction_bias,
     )
     layer.check(spec)
     return layer

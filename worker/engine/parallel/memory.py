@@ -48,7 +48,8 @@ class DecoderShape:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(getattr(config, "attention_bias", False)),
             qk_norm=qk_norm,
-            num_experts=getattr(config, "num_experts", 0) or 0,
+            # Qwen's name; GLM-4.5's n_routed_experts
+            num_experts=getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0) or 0,
             expert_intermediate_size=getattr(config, "moe_intermediate_size", 0) or 0,
         )
 

@@ -36,7 +36,7 @@ from ..config import EngineConfig
 from ..fused_weights import submodule
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family, QKNormSpan
-from ..moe import moe_layer_ids
+from ..moe import moe_layer_ids, spec_from_config
 from .checkpoint import SafetensorsCheckpoint, SliceSource, TensorSlice
 from .group import ParallelState, all_reduce, gather_to_first
 from .layers import (
@@ -108,9 +108,9 @@ class _TensorSlice:
 # --- what is sharded, and what is refused ---------------------------------------------------------------
 
 # Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
-# columns; the router is replicated, so every rank routes alike): transformers' stacked experts, or the
-# releases' per-expert `gate_proj/up_proj/down_proj` under the same names.
-SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+# columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike): transformers'
+# stacked experts, or the releases' per-expert `gate_proj/up_proj/down_proj` under the same names.
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe")
 
 
 def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
@@ -147,7 +147,8 @@ def shard_config(config: Any, state: ParallelState) -> Any:
     shard.num_attention_heads = heads.num_q_heads
     shard.num_key_value_heads = heads.num_kv_heads
     shard.intermediate_size = mlp.stop - mlp.start
-    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts, shared expert
+    # MoE experts, shared expert (GLM-4.5's is n_shared_experts x moe_intermediate_size: split with it)
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         size = getattr(config, field, None)
         if size:
             part = shard_for(size, state.rank, state.world_size, field)
@@ -244,9 +245,14 @@ def build_shard(
         head = ParallelLMHead(config.vocab_size, hidden, state, **kw)
         head.load_from(source, head_name)
         _set_param(model, f"{head_name}.weight", head.weight)
-    for param_name, param in list(model.named_parameters()):  # what is left is replicated: the norms
+    # What is left is replicated: the norms, routers. In the dtype transformers built each in (GLM-4.5's router
+    # is fp32 whatever the model's dtype, as at TP=1).
+    for param_name, param in list(model.named_parameters()):
         if param.is_meta:
-            _set_param(model, param_name, source.get_slice(param_name)[:].to(device=device, dtype=dtype))
+            _set_param(model, param_name, source.get_slice(param_name)[:].to(device=device, dtype=param.dtype))
+    for buffer_name, buffer in model.named_buffers():  # stored buffers (GLM-4.5's correction bias): replicated
+        if buffer_name in source:
+            buffer.copy_(source.get_slice(buffer_name)[:])
     model.eval().requires_grad_(False)
     return model, TensorParallel(state, embedding, config.vocab_size)
 
@@ -258,6 +264,7 @@ def _load_moe(
     of the intermediate size (its shared expert likewise); the router and the shared expert's gate replicated
     (left to the generic pass)."""
     assert family.moe is not None
+    spec = spec_from_config(config)
     experts = f"{prefix}.{family.moe.experts}"
     inter = config.moe_intermediate_size
     part = shard_for(inter, state.rank, state.world_size, "moe_intermediate_size")
@@ -267,7 +274,7 @@ def _load_moe(
         gate_up = torch.cat([gate_up_full[:, part], gate_up_full[:, up]], dim=1)
         down = source.get_slice(f"{experts}.down_proj")[:, :, part]
     else:  # the releases' per-expert linears
-        num_experts = config.num_experts
+        num_experts = spec.num_experts
 
         def rows(e: int, linear: str, index: Any) -> torch.Tensor:
             return source.get_slice(f"{experts}.{e}.{linear}.weight")[index]
@@ -280,7 +287,7 @@ def _load_moe(
     _set_param(model, f"{experts}.down_proj", down.to(**kw).contiguous())
     if family.moe.shared_expert is not None:
         shared = f"{prefix}.{family.moe.shared_expert}"
-        size = config.shared_expert_intermediate_size
+        size = spec.shared_expert_intermediate_size
         gate_up_layer = MergedColumnParallelLinear(config.hidden_size, [size, size], state, **kw)
         names = [f"{shared}.gate_proj", f"{shared}.up_proj"]
         gate_up_layer.load_merged(source, names)
