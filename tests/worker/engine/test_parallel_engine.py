@@ -185,7 +185,6 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     [
         ("tiny-mixtral", {}, "mixture-of-experts"),
         ("tiny-gpt-oss", {}, "mixture-of-experts"),
-        ("tiny-phi3", {}, "fused q/k/v"),
         ("tiny-olmo2", {}, "whole projection"),
         ("tiny-llama", {"quantization": "fp8"}, "--quantization"),
         ("tiny-llama", {"deterministic": True}, "--deterministic"),

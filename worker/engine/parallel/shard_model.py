@@ -119,8 +119,8 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
     layer = family.layer
     if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
-    if len(layer.qkv.parts) != 3 or len(layer.gate_up.parts) != 2:
-        return f"{family.name}: checkpoints with fused q/k/v or gate/up linears are not sharded yet"
+    if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
+        return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
     if layer.parallel_blocks:
         return f"{family.name}: parallel attention and MLP blocks are not sharded yet"
     if layer.q_norm is not None and layer.qk_norm_span != QKNormSpan.HEAD:
@@ -214,8 +214,12 @@ def build_shard(
         qkv = QKVParallelLinear(
             hidden, head_dim, num_heads, num_kv_heads, state, bias=has_bias(spec.qkv.parts[0]), **kw
         )
-        qkv.load_qkv(source, *map(name, spec.qkv.parts))
-        sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
+        if len(spec.qkv.parts) == 1:  # shipped fused (Phi-3): the rank's heads out of each block of rows
+            qkv.load_fused_qkv(source, name(spec.qkv.parts[0]))
+            sizes = [qkv.output_size_per_rank]
+        else:
+            qkv.load_qkv(source, *map(name, spec.qkv.parts))
+            sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
         _bind_rows(model, [name(p) for p in spec.qkv.parts], qkv, sizes)
         rows = [(spec.o.parts[0], num_heads * head_dim)]
         if family.moe is not None and i in sparse:
@@ -225,8 +229,13 @@ def build_shard(
             gate_up = MergedColumnParallelLinear(
                 hidden, [config.intermediate_size] * 2, state, bias=has_bias(spec.gate_up.parts[0]), **kw
             )
-            gate_up.load_merged(source, [name(p) for p in spec.gate_up.parts])
-            _bind_rows(model, [name(p) for p in spec.gate_up.parts], gate_up, gate_up.output_sizes_per_rank)
+            if len(spec.gate_up.parts) == 1:  # shipped fused (Phi-3, GLM-4): gate rows, then up rows
+                gate_up.load_fused(source, name(spec.gate_up.parts[0]))
+                sizes = [gate_up.output_size_per_rank]
+            else:
+                gate_up.load_merged(source, [name(p) for p in spec.gate_up.parts])
+                sizes = gate_up.output_sizes_per_rank
+            _bind_rows(model, [name(p) for p in spec.gate_up.parts], gate_up, sizes)
         for part, input_size in rows:
             row = RowParallelLinear(input_size, hidden, state, bias=has_bias(part), **kw)
             row.load_from(source, name(part))
