@@ -4,18 +4,27 @@ splitting separate q/k/v and gate/up linears (test_parallel_engine.py covers tho
 
 - tiny-phi3: q/k/v and gate/up shipped fused (each rank reads its rows of each block), Phi-4-mini's partial rotary.
 - tiny-glm4: gate/up shipped fused, q/k/v biases, interleaved partial rotary.
+- tiny-mixtral: experts split by intermediate size, read from the release's per-expert `block_sparse_moe.experts.
+  {e}.w1/w3/w2` (what transformers saves).
+- tiny-gpt-oss: attention sinks split with the q heads; biased experts (gate/up columns interleaved), the down
+  bias held by rank 0 alone; and the same model saved as the release ships it, experts in MXFP4.
 
-The presets (random weights, the same seed on every rank) are the reference models; each (preset, mode) spawns one
-helper process, so the cases are few and the requests small.
+Each case is a preset saved as a checkpoint folder (so each rank reads its slices of the safetensors files) with
+random biases (transformers initialises them to zero, which would hide a bias added on every rank); the saved model
+is the reference. Each (checkpoint, mode) spawns one helper process, so the cases are few and the requests small.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import load_model
+from worker.engine.moe.mxfp4 import dequantize_mxfp4
 from worker.engine.parallel.runner import ShardRunner
 
 from .conftest import hf_generate
@@ -23,30 +32,81 @@ from .test_parallel_engine import CONFIG, make_requests
 
 # A smaller cache than test_parallel_engine.py's: the presets' requests end sooner (the byte tokenizer's eos).
 SMALL_CACHE = dict(CONFIG, num_kv_blocks=10)
-CASES = [("tiny-phi3", "sync"), ("tiny-phi3", "async"), ("tiny-glm4", "async")]
+# checkpoint name -> (preset, released as MXFP4)
+CHECKPOINTS = {
+    "phi3": ("tiny-phi3", False),
+    "glm4": ("tiny-glm4", False),
+    "mixtral": ("tiny-mixtral", False),
+    "gpt_oss": ("tiny-gpt-oss", False),
+    "gpt_oss_mxfp4": ("tiny-gpt-oss", True),
+}
+CASES = [
+    ("phi3", "sync"),
+    ("phi3", "async"),
+    ("glm4", "async"),
+    ("mixtral", "sync"),
+    ("gpt_oss", "async"),
+    ("gpt_oss_mxfp4", "sync"),
+]
 
 
 @pytest.fixture(scope="module")
-def references():
-    """Per preset: the requests and `model.generate`'s greedy tokens for each."""
+def checkpoints(tmp_path_factory):
+    """Per checkpoint: its folder and `model.generate`'s greedy tokens for each request."""
     built = {}
     requests = make_requests(None)
-    for preset in sorted({preset for preset, _ in CASES}):
+    for name, (preset, mxfp4) in CHECKPOINTS.items():
         model, tokenizer = load_model(preset, torch.device("cpu"), torch.float32)
+        randomize_biases(model)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path, max_shard_size="60KB")
+        if mxfp4:
+            save_experts_as_mxfp4(model, path)
         eos = sorted(tokenizer.eos_token_ids)
-        built[preset] = {r.request_id: hf_generate(model, r, eos, eos[0]) for r in requests}
+        built[name] = (str(path), {r.request_id: hf_generate(model, r, eos, eos[0]) for r in requests})
     return requests, built
 
 
-@pytest.mark.parametrize(("preset", "mode"), CASES)
-def test_greedy_equals_generate_at_tp2(references, preset, mode):
-    requests, reference = references
-    engine = build_engine(preset, mode=mode, tensor_parallel_size=2, **SMALL_CACHE)
+def randomize_biases(model) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):  # `.bias`, and gpt-oss's experts' `gate_up_proj_bias` / `down_proj_bias`
+                param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(param.numel()))
+
+
+def save_experts_as_mxfp4(model, path) -> None:
+    """The folder rewritten as gpt-oss's release: random MXFP4 experts ([E, rows, groups, 16] codes, rows [out, in],
+    gate/up rows interleaved), one file, `quantization_config` mxfp4; `model` takes their dequantized values."""
+    gen = torch.Generator().manual_seed(3)
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    for layer_idx, layer in enumerate(model.model.layers):
+        experts, prefix = layer.mlp.experts, f"model.layers.{layer_idx}.mlp.experts"
+        for linear, param in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
+            num_experts, in_features, out_features = param.shape  # transformers': x @ param[e]
+            blocks = torch.randint(0, 256, (num_experts, out_features, in_features // 32, 16), dtype=torch.uint8, generator=gen)
+            scales = torch.randint(121, 126, (num_experts, out_features, in_features // 32), dtype=torch.uint8, generator=gen)
+            with torch.no_grad():
+                param.copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
+            del state[f"{prefix}.{linear}"]
+            state[f"{prefix}.{linear}_blocks"], state[f"{prefix}.{linear}_scales"] = blocks, scales
+    for stale in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+        stale.unlink()
+    save_file(state, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("name", "mode"), CASES)
+def test_greedy_equals_generate_at_tp2(checkpoints, name, mode):
+    requests, built = checkpoints
+    path, reference = built[name]
+    engine = build_engine(path, mode=mode, tensor_parallel_size=2, **SMALL_CACHE)
     try:
         assert isinstance(engine.runner, ShardRunner) and engine.runner.state.world_size == 2
         results = engine.generate(requests)
         for request, result in zip(requests, results, strict=True):
-            assert result.token_ids == reference[preset][request.request_id], request.request_id
+            assert result.token_ids == reference[request.request_id], request.request_id
         assert engine.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
         assert engine.blocks.num_cache_hits > 0, "the shared prefix was meant to be reused"
         engine.blocks.check_integrity([])

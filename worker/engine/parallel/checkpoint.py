@@ -30,6 +30,12 @@ class SliceSource(Protocol):
     def get_slice(self, name: str) -> TensorSlice: ...
 
 
+class Checkpoint(SliceSource, Protocol):
+    """A SliceSource that also says which names it holds (checkpoints differ in their experts' names and layouts)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+
 class SafetensorsCheckpoint:
     """The tensors of one or more .safetensors files, by name."""
 
@@ -92,4 +98,4 @@ class RowBlock:
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise TypeError(f"a RowBlock is read by a contiguous slice of rows, got {rows!r}")
         first, last, _ = rows.indices(self.stop - self.start)
-        return self.inner[(slice(self.start + first, self.start + max(first, last)), *rest)]
+        return self.inner[(slice(self.start + first, self.start + max(first, last)),) + tuple(rest)]

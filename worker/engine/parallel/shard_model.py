@@ -27,7 +27,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,8 +36,8 @@ from ..config import EngineConfig
 from ..fused_weights import submodule
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family, QKNormSpan
-from ..moe import moe_layer_ids
-from .checkpoint import SafetensorsCheckpoint, SliceSource, TensorSlice
+from ..moe import moe_layer_ids, spec_from_config
+from .checkpoint import Checkpoint, SafetensorsCheckpoint, TensorSlice
 from .group import ParallelState, all_reduce, gather_to_first
 from .layers import (
     ColumnParallelLinear,
@@ -50,6 +50,7 @@ from .layers import (
     shard_for,
 )
 from .memory import DecoderShape, check_fits
+from .shard_experts import load_expert_shard
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,6 @@ class TensorParallel:
         ranks get their own part back (never sampled from)."""
         full = gather_to_first(self.state, logits, dim=-1)
         return logits if full is None else full[..., : self.vocab_size]
-
-
-class Checkpoint(SliceSource, Protocol):
-    """A SliceSource that also says which names it holds (checkpoints differ in their experts' names)."""
-
-    def __contains__(self, name: str) -> bool: ...
 
 
 class ModelSource:
@@ -108,9 +103,8 @@ class _TensorSlice:
 # --- what is sharded, and what is refused ---------------------------------------------------------------
 
 # Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
-# columns; the router is replicated, so every rank routes alike): transformers' stacked experts, or the
-# releases' per-expert `gate_proj/up_proj/down_proj` under the same names.
-SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+# columns; the router is replicated, so every rank routes alike), in the checkpoint layouts shard_experts.py reads.
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 
 
 def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
@@ -125,8 +119,6 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
         return f"{family.name}: parallel attention and MLP blocks are not sharded yet"
     if layer.q_norm is not None and layer.qk_norm_span != QKNormSpan.HEAD:
         return f"{family.name}: q/k norms over the whole projection need a cross-rank sum, not built yet"
-    if family.attention_sinks is not None:
-        return f"{family.name}: attention sinks are not sharded yet"
     if engine_config.quantization is not None:
         return "--quantization is not supported with tensor parallelism yet"
     if engine_config.kv_cache_dtype != "auto":
@@ -138,11 +130,21 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
     return None
 
 
+def has_mxfp4_experts(config: Any) -> bool:
+    """gpt-oss as released: its experts in MXFP4 (the other linears unquantized), which shard_experts.py reads by
+    slice and dequantizes to the model dtype at load."""
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return config.model_type == "gpt_oss" and method == "mxfp4"
+
+
 def shard_config(config: Any, state: ParallelState) -> Any:
     """The config of one rank's shard: its q heads, KV heads and MLP width; head_dim kept as the full model's."""
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, state.rank, state.world_size)
     mlp = shard_for(config.intermediate_size, state.rank, state.world_size, "intermediate_size")
     shard = copy.deepcopy(config)
+    if has_mxfp4_experts(config):  # dequantized at load: the shard model holds plain weights
+        del shard.quantization_config
     shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shard.num_attention_heads = heads.num_q_heads
     shard.num_key_value_heads = heads.num_kv_heads
@@ -221,6 +223,9 @@ def build_shard(
             qkv.load_qkv(source, *map(name, spec.qkv.parts))
             sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
         _bind_rows(model, [name(p) for p in spec.qkv.parts], qkv, sizes)
+        if family.attention_sinks is not None:  # one logit per q head (gpt-oss): the rank's heads' entries
+            sinks = name(family.attention_sinks)
+            _set_param(model, sinks, source.get_slice(sinks)[qkv.heads.q_heads].to(**kw))
         rows = [(spec.o.parts[0], num_heads * head_dim)]
         if family.moe is not None and i in sparse:
             _load_moe(model, prefix, family, source, state, config, kw)
@@ -263,30 +268,11 @@ def build_shard(
 def _load_moe(
     model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
 ) -> None:
-    """A sparse layer's experts, each rank reading its columns of every expert: gate/up rows and down columns
-    of the intermediate size (its shared expert likewise); the router and the shared expert's gate replicated
-    (left to the generic pass)."""
+    """A sparse layer: the router (replicated) and every expert's slice of columns (shard_experts.py), and a shared
+    expert split like a dense MLP, its gate replicated (left to the generic pass)."""
     assert family.moe is not None
-    experts = f"{prefix}.{family.moe.experts}"
-    inter = config.moe_intermediate_size
-    part = shard_for(inter, state.rank, state.world_size, "moe_intermediate_size")
-    up = slice(inter + part.start, inter + part.stop)
-    if f"{experts}.gate_up_proj" in source:  # transformers' stacked layout: [E, 2I, H] and [E, H, I]
-        gate_up_full = source.get_slice(f"{experts}.gate_up_proj")
-        gate_up = torch.cat([gate_up_full[:, part], gate_up_full[:, up]], dim=1)
-        down = source.get_slice(f"{experts}.down_proj")[:, :, part]
-    else:  # the releases' per-expert linears
-        num_experts = config.num_experts
-
-        def rows(e: int, linear: str, index: Any) -> torch.Tensor:
-            return source.get_slice(f"{experts}.{e}.{linear}.weight")[index]
-
-        gate_up = torch.stack(
-            [torch.cat([rows(e, "gate_proj", part), rows(e, "up_proj", part)]) for e in range(num_experts)]
-        )
-        down = torch.stack([rows(e, "down_proj", (slice(None), part)) for e in range(num_experts)])
-    _set_param(model, f"{experts}.gate_up_proj", gate_up.to(**kw).contiguous())
-    _set_param(model, f"{experts}.down_proj", down.to(**kw).contiguous())
+    for name, tensor in load_expert_shard(source, prefix, family.moe, spec_from_config(config), state, **kw).items():
+        _set_param(model, name, tensor)
     if family.moe.shared_expert is not None:
         shared = f"{prefix}.{family.moe.shared_expert}"
         size = config.shared_expert_intermediate_size
@@ -332,7 +318,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     else:
         config = loader._load_config(name_or_path)
         _check(config, engine_config)
-        if loader._quantization(config, engine_config.quantization) is not None:
+        if not has_mxfp4_experts(config) and loader._quantization(config, engine_config.quantization) is not None:
             raise ModelLoadError("quantized checkpoints are not supported with tensor parallelism yet")
         family, _ = family_for(config)
         if family.wrappers.get(config.model_type) is not None:
