@@ -183,7 +183,6 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
 @pytest.mark.parametrize(
     ("model", "overrides", "match"),
     [
-        ("tiny-olmo2", {}, "whole projection"),
         ("tiny-llama", {"quantization": "fp8"}, "--quantization"),
         ("tiny-llama", {"deterministic": True}, "--deterministic"),
         ("tiny-llama", {"decoder": "hf"}, "owned decoder"),

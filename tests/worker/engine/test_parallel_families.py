@@ -8,6 +8,8 @@ splitting separate q/k/v and gate/up linears (test_parallel_engine.py covers tho
   {e}.w1/w3/w2` (what transformers saves).
 - tiny-gpt-oss: attention sinks split with the q heads; biased experts (gate/up columns interleaved), the down
   bias held by rank 0 alone; and the same model saved as the release ships it, experts in MXFP4.
+- tiny-olmo2: q/k norms over the whole projection, their statistic summed over the ranks (one all-reduce of [T]
+  per norm), with two KV heads (one per rank) and with one (held by both ranks, so counted twice in the sum).
 
 Each case is a preset saved as a checkpoint folder (so each rank reads its slices of the safetensors files) with
 random biases (transformers initialises them to zero, which would hide a bias added on every rank); the saved model
@@ -21,9 +23,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from worker.engine.engine_builder import build_engine
-from worker.engine.models import load_model
+from worker.engine.models import load_model, preset_config
 from worker.engine.moe.mxfp4 import dequantize_mxfp4
 from worker.engine.parallel.runner import ShardRunner
 
@@ -32,13 +35,15 @@ from .test_parallel_engine import CONFIG, make_requests
 
 # A smaller cache than test_parallel_engine.py's: the presets' requests end sooner (the byte tokenizer's eos).
 SMALL_CACHE = dict(CONFIG, num_kv_blocks=10)
-# checkpoint name -> (preset, released as MXFP4)
+# checkpoint name -> (preset, config fields over the preset's, released as MXFP4)
 CHECKPOINTS = {
-    "phi3": ("tiny-phi3", False),
-    "glm4": ("tiny-glm4", False),
-    "mixtral": ("tiny-mixtral", False),
-    "gpt_oss": ("tiny-gpt-oss", False),
-    "gpt_oss_mxfp4": ("tiny-gpt-oss", True),
+    "phi3": ("tiny-phi3", {}, False),
+    "glm4": ("tiny-glm4", {}, False),
+    "mixtral": ("tiny-mixtral", {}, False),
+    "gpt_oss": ("tiny-gpt-oss", {}, False),
+    "gpt_oss_mxfp4": ("tiny-gpt-oss", {}, True),
+    "olmo2": ("tiny-olmo2", {}, False),
+    "olmo2_one_kv_head": ("tiny-olmo2", {"num_key_value_heads": 1}, False),
 }
 CASES = [
     ("phi3", "sync"),
@@ -47,6 +52,8 @@ CASES = [
     ("mixtral", "sync"),
     ("gpt_oss", "async"),
     ("gpt_oss_mxfp4", "sync"),
+    ("olmo2", "sync"),
+    ("olmo2_one_kv_head", "async"),
 ]
 
 
@@ -55,8 +62,14 @@ def checkpoints(tmp_path_factory):
     """Per checkpoint: its folder and `model.generate`'s greedy tokens for each request."""
     built = {}
     requests = make_requests(None)
-    for name, (preset, mxfp4) in CHECKPOINTS.items():
+    for name, (preset, overrides, mxfp4) in CHECKPOINTS.items():
         model, tokenizer = load_model(preset, torch.device("cpu"), torch.float32)
+        if overrides:  # the preset's config and seed, another shape
+            config = preset_config(preset)
+            for field, value in overrides.items():
+                setattr(config, field, value)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         randomize_biases(model)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path, max_shard_size="60KB")

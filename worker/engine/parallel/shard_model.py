@@ -9,7 +9,8 @@ decoder (decoder.py) reads it as it reads any model and runs the existing kernel
 parameters are views of the parallel layers' weights: q/k/v rows of one `QKVParallelLinear`, gate/up rows of
 one `MergedColumnParallelLinear` (so fused_weights.py finds them adjacent and copies nothing), o and down the
 columns of a `RowParallelLinear` (their bias on rank 0 only: the all-reduce then adds it once), the embedding
-and LM head a `VocabParallelEmbedding`'s padded vocabulary rows. Norms and q/k norms are replicated. Its
+and LM head a `VocabParallelEmbedding`'s padded vocabulary rows, attention sinks the rank's q heads' entries. Norms
+and per-head q/k norms are replicated; q/k norms over the whole projection (OLMo 2) hold the rank's heads' entries. Its
 transformers forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s
 collectives, runs it.
 
@@ -69,6 +70,14 @@ class TensorParallel:
         """A row-parallel GEMM's partial output summed over the ranks (the attention's o, the MLP's down)."""
         return all_reduce(self.state, x)
 
+    def mean_square(self, xf: torch.Tensor) -> torch.Tensor:
+        """[T, W] fp32, this rank's slice of a projection -> [T, 1]: the mean of squares over the whole projection
+        (OLMo 2's q/k norms), one all-reduce of [T]. Every rank holds a slice of the same width W; where KV heads
+        are replicated (fewer than ranks) each head is held by N / KVH ranks, so the sum over ranks counts it that
+        many times and N * W is that many whole projections: the quotient is the mean either way."""
+        sums = all_reduce(self.state, xf.pow(2).sum(-1, keepdim=True))
+        return sums / (xf.shape[-1] * self.state.world_size)
+
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns [R, V/N] -> the full logits [R, V] on rank 0, which samples; the other
         ranks get their own part back (never sampled from)."""
@@ -117,8 +126,6 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
         return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
     if layer.parallel_blocks:
         return f"{family.name}: parallel attention and MLP blocks are not sharded yet"
-    if layer.q_norm is not None and layer.qk_norm_span != QKNormSpan.HEAD:
-        return f"{family.name}: q/k norms over the whole projection need a cross-rank sum, not built yet"
     if engine_config.quantization is not None:
         return "--quantization is not supported with tensor parallelism yet"
     if engine_config.kv_cache_dtype != "auto":
@@ -223,6 +230,11 @@ def build_shard(
             qkv.load_qkv(source, *map(name, spec.qkv.parts))
             sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
         _bind_rows(model, [name(p) for p in spec.qkv.parts], qkv, sizes)
+        if spec.q_norm is not None and spec.qk_norm_span == QKNormSpan.FULL:  # [H * D], [KVH * D]: the rank's heads
+            for norm, heads in ((spec.q_norm, qkv.heads.q_heads), (spec.k_norm, qkv.heads.kv_heads)):
+                assert norm is not None, "a family with a q norm has a k norm"
+                entries = slice(heads.start * head_dim, heads.stop * head_dim)
+                _set_param(model, f"{name(norm)}.weight", source.get_slice(f"{name(norm)}.weight")[entries].to(**kw))
         if family.attention_sinks is not None:  # one logit per q head (gpt-oss): the rank's heads' entries
             sinks = name(family.attention_sinks)
             _set_param(model, sinks, source.get_slice(sinks)[qkv.heads.q_heads].to(**kw))
