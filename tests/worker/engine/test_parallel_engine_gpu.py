@@ -30,9 +30,21 @@ def requests():
     return make_requests(tokenizer, 24, seed=3, max_prompt=300, max_new=24, temperature=0.0)
 
 
-@pytest.mark.parametrize(("model", "mode"), [(MODEL, "sync"), (MODEL, "async"), ("tiny-qwen3-moe", "async")])
+@pytest.mark.parametrize(
+    ("model", "mode"),
+    [
+        (MODEL, "sync"),
+        (MODEL, "async"),
+        ("tiny-qwen3-moe", "async"),
+        ("tiny-phi3", "async"),
+        ("tiny-gpt-oss", "async"),
+        ("tiny-olmo2", "async"),
+    ],
+)
 def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, model, mode):
-    """The MoE model: its experts through the shard model's stacked tensors and the Triton grouped GEMMs."""
+    """The MoE models: their experts through the shard model's stacked tensors and the Triton grouped GEMMs
+    (gpt-oss: its attention sinks in the Triton attention, sliced by head). Phi-3: its fused q/k/v and gate/up read
+    by row block. OLMo 2: its whole-projection q/k norms through `TensorParallel.mean_square`."""
     config = EngineConfig(mode=mode, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=1024)
     engine = Engine.from_model(model, **vars(config))
     expected = [r.token_ids for r in engine.generate(requests)]

@@ -125,7 +125,7 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
     if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
         return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
     if layer.parallel_blocks:
-        return f"{family.name}: parallel attention and MLP blocks are not sharded yet"
+        return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
     if engine_config.quantization is not None:
         return "--quantization is not supported with tensor parallelism yet"
     if engine_config.kv_cache_dtype != "auto":
