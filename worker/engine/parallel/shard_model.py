@@ -128,8 +128,6 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
         return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
     if engine_config.quantization is not None:
         return "--quantization is not supported with tensor parallelism yet"
-    if engine_config.kv_cache_dtype != "auto":
-        return "--kv-cache-dtype fp8 is not supported with tensor parallelism yet"
     if engine_config.deterministic:
         return "--deterministic is not supported with tensor parallelism yet"
     if engine_config.decoder == "hf":
