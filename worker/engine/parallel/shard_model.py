@@ -36,7 +36,7 @@ from torch import nn
 from ..config import EngineConfig
 from ..fused_weights import submodule
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
-from ..models.spec import Family, QKNormSpan
+from ..models.spec import Family, LayerSpec, QKNormSpan
 from ..moe import moe_layer_ids, spec_from_config
 from .checkpoint import Checkpoint, SafetensorsCheckpoint, TensorSlice
 from .group import ParallelState, all_reduce, gather_to_first
@@ -203,60 +203,17 @@ def build_shard(
         for buffer_name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[buffer_name] = buffer.to(device)
-    hidden, head_dim = config.hidden_size, cfg.head_dim
-    num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-    spec = family.layer
+    hidden = config.hidden_size
     layers = submodule(model, family.layers_path)
     sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
     kw: dict[str, Any] = dict(dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        prefix = f"{family.layers_path}.{i}"
-
-        def has_bias(part: str, layer: Any = layer) -> bool:
-            return submodule(layer, part).bias is not None
-
-        def name(part: str, prefix: str = prefix) -> str:
-            return f"{prefix}.{part}"
-
-        qkv = QKVParallelLinear(
-            hidden, head_dim, num_heads, num_kv_heads, state, bias=has_bias(spec.qkv.parts[0]), **kw
-        )
-        if len(spec.qkv.parts) == 1:  # shipped fused (Phi-3): the rank's heads out of each block of rows
-            qkv.load_fused_qkv(source, name(spec.qkv.parts[0]))
-            sizes = [qkv.output_size_per_rank]
+        loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw)
+        loader.attention(family, config, cfg.head_dim)
+        if i in sparse:
+            _load_moe(model, loader.prefix, family, source, state, config, kw)
         else:
-            qkv.load_qkv(source, *map(name, spec.qkv.parts))
-            sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
-        _bind_rows(model, [name(p) for p in spec.qkv.parts], qkv, sizes)
-        if spec.q_norm is not None and spec.qk_norm_span == QKNormSpan.FULL:  # [H * D], [KVH * D]: the rank's heads
-            for norm, heads in ((spec.q_norm, qkv.heads.q_heads), (spec.k_norm, qkv.heads.kv_heads)):
-                assert norm is not None, "a family with a q norm has a k norm"
-                entries = slice(heads.start * head_dim, heads.stop * head_dim)
-                _set_param(model, f"{name(norm)}.weight", source.get_slice(f"{name(norm)}.weight")[entries].to(**kw))
-        if family.attention_sinks is not None:  # one logit per q head (gpt-oss): the rank's heads' entries
-            sinks = name(family.attention_sinks)
-            _set_param(model, sinks, source.get_slice(sinks)[qkv.heads.q_heads].to(**kw))
-        rows = [(spec.o.parts[0], num_heads * head_dim)]
-        if family.moe is not None and i in sparse:
-            _load_moe(model, prefix, family, source, state, config, kw)
-        else:
-            rows.append((spec.down.parts[0], config.intermediate_size))
-            gate_up = MergedColumnParallelLinear(
-                hidden, [config.intermediate_size] * 2, state, bias=has_bias(spec.gate_up.parts[0]), **kw
-            )
-            if len(spec.gate_up.parts) == 1:  # shipped fused (Phi-3, GLM-4): gate rows, then up rows
-                gate_up.load_fused(source, name(spec.gate_up.parts[0]))
-                sizes = [gate_up.output_size_per_rank]
-            else:
-                gate_up.load_merged(source, [name(p) for p in spec.gate_up.parts])
-                sizes = gate_up.output_sizes_per_rank
-            _bind_rows(model, [name(p) for p in spec.gate_up.parts], gate_up, sizes)
-        for part, input_size in rows:
-            row = RowParallelLinear(input_size, hidden, state, bias=has_bias(part), **kw)
-            row.load_from(source, name(part))
-            _set_param(model, f"{name(part)}.weight", row.get_parameter("weight"))
-            # the bias on rank 0 only: the all-reduce after the GEMM adds it once
-            _set_param(model, f"{name(part)}.bias", row.bias if state.is_first_rank else None)
+            loader.dense_mlp(family.layer, config)
     embed_name = f"{family.embed_path}.weight"
     embedding = VocabParallelEmbedding(config.vocab_size, hidden, state, **kw)
     embedding.load_from(source, family.embed_path)
@@ -273,6 +230,78 @@ def build_shard(
             _set_param(model, param_name, source.get_slice(param_name)[:].to(device=device, dtype=dtype))
     model.eval().requires_grad_(False)
     return model, TensorParallel(state, embedding, config.vocab_size)
+
+
+@dataclass(frozen=True)
+class _LayerLoader:
+    """Loads one decoder layer's attention and dense MLP into the meta-built shard `model`, the rank's slices only."""
+
+    model: nn.Module
+    layer: nn.Module
+    prefix: str  # the layer's path in the model and the checkpoint, e.g. "model.layers.3"
+    source: Checkpoint
+    state: ParallelState
+    kw: dict[str, Any]  # dtype and device
+
+    def name(self, part: str) -> str:
+        return f"{self.prefix}.{part}"
+
+    def has_bias(self, part: str) -> bool:
+        return submodule(self.layer, part).bias is not None
+
+    def attention(self, family: Family, config: Any, head_dim: int) -> None:
+        """q/k/v by head (separate or shipped fused), the whole-projection q/k norms' and the sinks' entries of the
+        rank's heads, o by columns."""
+        spec, name = family.layer, self.name
+        qkv = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, self.state,
+            bias=self.has_bias(spec.qkv.parts[0]), **self.kw,
+        )  # fmt: skip
+        if len(spec.qkv.parts) == 1:  # shipped fused (Phi-3): the rank's heads out of each block of rows
+            qkv.load_fused_qkv(self.source, name(spec.qkv.parts[0]))
+            sizes = [qkv.output_size_per_rank]
+        else:
+            qkv.load_qkv(self.source, *map(name, spec.qkv.parts))
+            sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
+        _bind_rows(self.model, [name(p) for p in spec.qkv.parts], qkv, sizes)
+        if spec.q_norm is not None and spec.qk_norm_span == QKNormSpan.FULL:  # [H * D], [KVH * D]
+            for norm, heads in ((spec.q_norm, qkv.heads.q_heads), (spec.k_norm, qkv.heads.kv_heads)):
+                assert norm is not None, "a family with a q norm has a k norm"
+                self.load_entries(f"{name(norm)}.weight", slice(heads.start * head_dim, heads.stop * head_dim))
+        if family.attention_sinks is not None:  # one logit per q head (gpt-oss)
+            self.load_entries(name(family.attention_sinks), qkv.heads.q_heads)
+        self.row(spec.o.parts[0], config.num_attention_heads * head_dim, config.hidden_size)
+
+    def dense_mlp(self, spec: LayerSpec, config: Any) -> None:
+        """gate/up by rows of the intermediate size (separate or shipped fused), down by columns."""
+        name, inter = self.name, config.intermediate_size
+        gate_up = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], self.state, bias=self.has_bias(spec.gate_up.parts[0]), **self.kw
+        )
+        if len(spec.gate_up.parts) == 1:  # shipped fused (Phi-3, GLM-4): gate rows, then up rows
+            gate_up.load_fused(self.source, name(spec.gate_up.parts[0]))
+            sizes = [gate_up.output_size_per_rank]
+        else:
+            gate_up.load_merged(self.source, [name(p) for p in spec.gate_up.parts])
+            sizes = gate_up.output_sizes_per_rank
+        _bind_rows(self.model, [name(p) for p in spec.gate_up.parts], gate_up, sizes)
+        self.row(spec.down.parts[0], inter, config.hidden_size)
+
+    def row(self, part: str, input_size: int, output_size: int) -> None:
+        """A row-parallel linear (o, down): the rank's columns; the bias on rank 0 only, so that the all-reduce
+        after the GEMM adds it once."""
+        row = RowParallelLinear(input_size, output_size, self.state, bias=self.has_bias(part), **self.kw)
+        row.load_from(self.source, self.name(part))
+        _set_param(self.model, f"{self.name(part)}.weight", row.get_parameter("weight"))
+        _set_param(self.model, f"{self.name(part)}.bias", row.bias if self.state.is_first_rank else None)
+
+    def load_entries(self, name: str, entries: slice) -> None:
+        """A per-head vector (sinks, a whole-projection norm): the rank's entries, checked against the shard's size."""
+        want = submodule(self.model, name.rpartition(".")[0])._parameters[name.rpartition(".")[2]].shape[0]
+        values = self.source.get_slice(name)[entries]
+        if values.shape[0] != want:
+            raise ValueError(f"{name}: the checkpoint's entries {entries} hold {values.shape[0]} values, expected {want}")
+        _set_param(self.model, name, values.to(**self.kw))
 
 
 def _load_moe(
