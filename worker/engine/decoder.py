@@ -329,8 +329,9 @@ def build_decoder(
         use_triton = use_triton and decode_gemm.HAVE_TRITON
         invariant.check_supported(choice, unsupported_reason(model))
         decoder = OwnedDecoder(
-            model, max_model_len, use_triton, decode_gemm.pdl_usable(device), max_num_tokens, deterministic=True
-        )
+            model, max_model_len, use_triton, decode_gemm.pdl_usable(device), max_num_tokens, deterministic=True,
+            tp=tp,
+        )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return decoder

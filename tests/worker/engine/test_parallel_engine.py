@@ -204,7 +204,6 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     [
         ("tiny-cohere2", {}, "parallel attention and MLP blocks"),
         ("tiny-llama", {"quantization": "fp8"}, "--quantization"),
-        ("tiny-llama", {"deterministic": True}, "--deterministic"),
         ("tiny-llama", {"decoder": "hf"}, "owned decoder"),
     ],
 )

@@ -68,7 +68,7 @@ read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss ar
 cache (--kv-cache-dtype fp8) holds each rank's own KV heads, with one process's static scales (1.0).
 
 Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), FP8 (layers.py's linear methods are
-not used by the shard model; --quantization, FP8 checkpoints), --deterministic, decoder
+not used by the shard model; --quantization, FP8 checkpoints), --deterministic above 2 ranks, decoder
 'hf' and the families it alone runs (Cohere 2's parallel blocks), multimodal checkpoints; each is refused in one
 line (`shard_model.unsupported_reason`, `load_shard`).
 """

@@ -128,8 +128,10 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
         return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
     if engine_config.quantization is not None:
         return "--quantization is not supported with tensor parallelism yet"
-    if engine_config.deterministic:
-        return "--deterministic is not supported with tensor parallelism yet"
+    if engine_config.deterministic and engine_config.tensor_parallel_size > 2:
+        # two ranks sum two partial values, a + b in either order: the same bits whatever the step. More ranks sum
+        # in an order that follows the message size (the step's tokens), so a row's bits would follow its batch.
+        return "--deterministic runs at a tensor-parallel size of 2 at most"
     if engine_config.decoder == "hf":
         return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
     return None
