@@ -10,6 +10,7 @@ splitting separate q/k/v and gate/up linears (test_parallel_engine.py covers tho
   bias held by rank 0 alone; and the same model saved as the release ships it, experts in MXFP4.
 - tiny-olmo2: q/k norms over the whole projection, their statistic summed over the ranks (one all-reduce of [T]
   per norm), with two KV heads (one per rank) and with one (held by both ranks, so counted twice in the sum).
+- a Gemma 3 multimodal checkpoint: its language model read under the checkpoint's names.
 
 Each case is a preset saved as a checkpoint folder (so each rank reads its slices of the safetensors files) with
 random biases (transformers initialises them to zero, which would hide a bias added on every rank); the saved model
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from worker.engine.engine import Engine
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import load_model, preset_config
 from worker.engine.moe.mxfp4 import dequantize_mxfp4
@@ -123,5 +125,35 @@ def test_greedy_equals_generate_at_tp2(checkpoints, name, mode):
         assert engine.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
         assert engine.blocks.num_cache_hits > 0, "the shared prefix was meant to be reused"
         engine.blocks.check_integrity([])
+    finally:
+        engine.close()
+
+
+def test_the_language_model_of_a_gemma3_multimodal_checkpoint_at_tp2(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (4B-27B's layout): each rank reads its slices of the language
+    model's tensors under their checkpoint names (`model.language_model.*`), the vision tower's never; the tokens
+    equal one process's, which test_families.py checks against the whole model's `generate`."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = Gemma3Config(
+        text_config=preset_config("tiny-gemma3").to_dict(),
+        vision_config=dict(vision, patch_size=14),
+        mm_tokens_per_image=4,
+        image_token_index=300,
+        boi_token_index=301,
+        eoi_token_index=302,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path, max_shard_size="200KB")
+    requests = make_requests(None)
+    one = Engine.from_model(str(tmp_path), **SMALL_CACHE)
+    expected = [r.token_ids for r in one.generate(requests)]
+    engine = build_engine(str(tmp_path), mode="async", tensor_parallel_size=2, **SMALL_CACHE)
+    try:
+        assert engine.model.config.model_type == "gemma3_text"
+        assert [r.token_ids for r in engine.generate(requests)] == expected
+        assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_cache_hits > 0
     finally:
         engine.close()

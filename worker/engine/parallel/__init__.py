@@ -22,7 +22,8 @@ How the ranks run (the worker is rank 0; `serve` is module-level so spawn can pi
     driver.shutdown()             # or a RankFailure from run(): the worker exits 1
 - layers.py: Column/MergedColumn/QKV/Row-parallel linears, the vocab-parallel embedding and the
   LM head; each loads only its slice from the checkpoint; `shard_for`, `head_shard`, `vocab_shard`.
-- checkpoint.py: safetensors tensors by name, read by slice (`RowBlock`: one block of a fused tensor's rows).
+- checkpoint.py: safetensors tensors by name, read by slice (`RowBlock`: one block of a fused tensor's rows;
+  `RenamedCheckpoint`: a multimodal checkpoint's language model under the text model's names).
 - shard_experts.py: a rank's slice of every expert of a sparse layer, from any checkpoint layout (stacked,
   per-expert, gpt-oss's interleaved one and its MXFP4 release, dequantized by slice).
 - memory.py: weight bytes per rank at TP=N; `check_fits` refuses a load with the numbers.
@@ -69,6 +70,6 @@ cache (--kv-cache-dtype fp8) holds each rank's own KV heads, with one process's 
 
 Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), FP8 (layers.py's linear methods are
 not used by the shard model; --quantization, FP8 checkpoints), --deterministic above 2 ranks, decoder
-'hf' and the families it alone runs (Cohere 2's parallel blocks), multimodal checkpoints; each is refused in one
-line (`shard_model.unsupported_reason`, `load_shard`).
+'hf' and the families it alone runs (Cohere 2's parallel blocks); each is refused in one line
+(`shard_model.unsupported_reason`, `load_shard`).
 """

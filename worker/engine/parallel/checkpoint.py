@@ -9,6 +9,7 @@ tensor (Phi-3's qkv_proj, GLM-4's gate_up_proj) read the same way, as if it were
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -99,3 +100,27 @@ class RowBlock:
             raise TypeError(f"a RowBlock is read by a contiguous slice of rows, got {rows!r}")
         first, last, _ = rows.indices(self.stop - self.start)
         return self.inner[(slice(self.start + first, self.start + max(first, last)),) + tuple(rest)]
+
+
+class RenamedCheckpoint:
+    """A checkpoint read under the model's names: a multimodal checkpoint's language model, whose family maps the
+    checkpoint's names onto the text model's (`Family.wrappers`: regex -> replacement, the first that matches).
+    Names no rename matches (the vision tower) are not visible, and never read."""
+
+    def __init__(self, inner: SafetensorsCheckpoint, renames: dict[str, str]):
+        self.inner = inner
+        self.checkpoint_name: dict[str, str] = {}  # model name -> checkpoint name
+        for name in inner.names():
+            for pattern, replacement in renames.items():
+                renamed, count = re.subn(pattern, replacement, name)
+                if count:
+                    self.checkpoint_name[renamed] = name
+                    break
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.checkpoint_name
+
+    def get_slice(self, name: str) -> TensorSlice:
+        if name not in self.checkpoint_name:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint's language model")
+        return self.inner.get_slice(self.checkpoint_name[name])

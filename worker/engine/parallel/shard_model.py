@@ -38,7 +38,7 @@ from ..fused_weights import submodule
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family, LayerSpec, QKNormSpan
 from ..moe import moe_layer_ids, spec_from_config
-from .checkpoint import Checkpoint, SafetensorsCheckpoint, TensorSlice
+from .checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
 from .group import ParallelState, all_reduce, gather_to_first
 from .layers import (
     ColumnParallelLinear,
@@ -362,20 +362,19 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
         if not has_mxfp4_experts(config) and loader._quantization(config, engine_config.quantization) is not None:
             raise ModelLoadError("quantized checkpoints are not supported with tensor parallelism yet")
         family, _ = family_for(config)
-        if family.wrappers.get(config.model_type) is not None:
-            raise ModelLoadError(
-                f"model type {config.model_type!r}: multimodal checkpoints are not supported with tensor "
-                "parallelism yet"
-            )
+        # a multimodal checkpoint (Gemma 3 4B-27B): its language model's config, its weights under the text names
+        text_config, renames = loader._text_model(config, family)
         path = name_or_path if os.path.isdir(name_or_path) else _download(name_or_path)
         generation_config = loader._load_generation_config(path, config)
         if state.is_first_rank:
             eos = loader.checkpoint_eos_token_ids(config, generation_config)
             tokenizer = loader._load_tokenizer(path, eos)
         try:
-            source = SafetensorsCheckpoint.from_dir(path)
+            checkpoint = SafetensorsCheckpoint.from_dir(path)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {exc}") from exc
+        source = checkpoint if renames is None else RenamedCheckpoint(checkpoint, renames)
+        config = text_config
     family, _ = family_for(config)
     if device.type == "cuda":
         _check_fits(config, family, state, dtype, name_or_path)
