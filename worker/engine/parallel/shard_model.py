@@ -9,15 +9,16 @@ decoder (decoder.py) reads it as it reads any model and runs the existing kernel
 parameters are views of the parallel layers' weights: q/k/v rows of one `QKVParallelLinear`, gate/up rows of
 one `MergedColumnParallelLinear` (so fused_weights.py finds them adjacent and copies nothing), o and down the
 columns of a `RowParallelLinear` (their bias on rank 0 only: the all-reduce then adds it once), the embedding
-and LM head a `VocabParallelEmbedding`'s padded vocabulary rows, attention sinks the rank's q heads' entries. Norms
-and per-head q/k norms are replicated; q/k norms over the whole projection (OLMo 2) hold the rank's heads' entries. Its
-transformers forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s
-collectives, runs it.
+and LM head a `VocabParallelEmbedding`'s padded vocabulary rows, attention sinks the rank's q heads' entries, a
+sparse layer's experts their intermediate columns (shard_experts.py). Norms and per-head q/k norms are
+replicated; q/k norms over the whole projection (OLMo 2) hold the rank's heads' entries. Its transformers
+forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s collectives, runs it.
 
 The config's `vocab_size` stays the full vocabulary (the engine validates ids and builds grammars with it).
 
 A preset (random weights) has no files: each rank builds the whole model with the same seed on its device,
-as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`).
+as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`; a multimodal
+one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice).
 """
 
 from __future__ import annotations
