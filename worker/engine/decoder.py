@@ -52,6 +52,7 @@ CUDA-graph capturable. Logits are computed only for the rows asked for.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -174,6 +175,10 @@ class OwnedDecoder:
         in_dtype = scale is not None and self.args.embed_scale_in_dtype
         self.embed_scale = torch.tensor(scale, dtype=self.embed_weight.dtype) if in_dtype else scale
         self.norm = self.norm_math.ref
+        # q/k norms over the whole projection (OLMo 2) of a shard: the statistic summed over the ranks' heads
+        self.qk_norm = self.norm
+        if tp is not None and self.family.layer.qk_norm_span == QKNormSpan.FULL:
+            self.qk_norm = partial(self.norm, mean_square=tp.mean_square)
         self.use_triton = use_triton and fk.HAVE_TRITON
         norm, act = self.family.norm, self.args.activation
         self.ops = layer_ops(self.use_triton, False, norm=norm, activation=act)
@@ -288,7 +293,7 @@ class OwnedDecoder:
             self.num_heads,
             self.num_kv_heads,
             write_kv,
-            norm=self.norm,
+            norm=self.qk_norm,
             qk_norm_full=qk_norm_full,
             interleaved=self.family.rotary_interleaved,
         )
@@ -365,8 +370,9 @@ def build_decoder(
         use_triton = use_triton and decode_gemm.HAVE_TRITON
         invariant.check_supported(choice, unsupported_reason(model))
         decoder = OwnedDecoder(
-            model, max_model_len, use_triton, decode_gemm.pdl_usable(device), max_num_tokens, deterministic=True
-        )
+            model, max_model_len, use_triton, decode_gemm.pdl_usable(device), max_num_tokens, deterministic=True,
+            tp=tp,
+        )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return decoder

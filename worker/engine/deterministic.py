@@ -23,7 +23,8 @@ reduction whose order could follow the step is therefore fixed:
 
 What does not hold yet: sliding-window layers on CUDA (the prefill kernel's first window tile starts at the query
 tile's first row), the torch attention backend on CUDA (EngineConfig.attention_backend "torch"), and a different
-tensor-parallel size (the all-reduce order changes with it). The price: decode attention loses split-K and large steps lose
+tensor-parallel size (the all-reduce order changes with it; each size is batch-invariant on its own at 1 and 2
+ranks, whose all-reduce adds two values; above 2 the order follows the step's size, so the sharded path refuses it). The price: decode attention loses split-K and large steps lose
 cuBLAS; `bench engine --deterministic` measures it.
 """
 

@@ -183,10 +183,15 @@ class ModelRunner:
         except Exception as exc:
             raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
         build_seconds = time.perf_counter() - t0
-        handle = self._launch(meta, step.extras, step.prompt_rows)
+        handle = self._launch_built(step, meta)
         handle.build_seconds = build_seconds
         self._next_slot ^= 1
         return handle
+
+    def _launch_built(self, step: StepDescription, meta: BatchMeta) -> StepHandle:
+        """Queue `step`, already built into its slot (`meta`). The hook a tensor-parallel rank 0 overrides to send
+        the step to its helpers first (parallel/runner.py): only a step that builds reaches another rank."""
+        return self._launch(meta, step.extras, step.prompt_rows)
 
     def unbuildable(self, step: StepDescription) -> list[tuple[int, Exception]]:
         """After a StepBuildError: the sequences (by index in `step`) that cannot be built even alone, with why.

@@ -30,9 +30,21 @@ def requests():
     return make_requests(tokenizer, 24, seed=3, max_prompt=300, max_new=24, temperature=0.0)
 
 
-@pytest.mark.parametrize(("model", "mode"), [(MODEL, "sync"), (MODEL, "async"), ("tiny-qwen3-moe", "async")])
+@pytest.mark.parametrize(
+    ("model", "mode"),
+    [
+        (MODEL, "sync"),
+        (MODEL, "async"),
+        ("tiny-qwen3-moe", "async"),
+        ("tiny-phi3", "async"),
+        ("tiny-gpt-oss", "async"),
+        ("tiny-olmo2", "async"),
+    ],
+)
 def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, model, mode):
-    """The MoE model: its experts through the shard model's stacked tensors and the Triton grouped GEMMs."""
+    """The MoE models: their experts through the shard model's stacked tensors and the Triton grouped GEMMs
+    (gpt-oss: its attention sinks in the Triton attention, sliced by head). Phi-3: its fused q/k/v and gate/up read
+    by row block. OLMo 2: its whole-projection q/k norms through `TensorParallel.mean_square`."""
     config = EngineConfig(mode=mode, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=1024)
     engine = Engine.from_model(model, **vars(config))
     expected = [r.token_ids for r in engine.generate(requests)]
@@ -63,3 +75,33 @@ def test_two_ranks_over_gloo_on_one_gpu_agree_with_one(requests, mode):
     two.close()
     agreement = token_agreement(got, expected)
     assert agreement > 0.9, f"token agreement {agreement:.3f}"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_deterministic_two_ranks_over_gloo_on_one_gpu_are_batch_invariant(mode):
+    """--deterministic at TP=2 (bf16, the invariant Triton GEMMs on each rank's shard): each target's tokens and
+    logprobs alone equal those in a shuffled, preempting batch of twice as many requests, bitwise."""
+    import dataclasses
+    import random
+
+    from .test_deterministic import requests as det_requests
+
+    config = EngineConfig(mode=mode, dtype="bfloat16", deterministic=True, max_num_seqs=32, num_kv_blocks=64)
+
+    def with_logprobs(reqs):
+        return [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, logprobs=1)) for r in reqs]
+
+    def outputs(results):
+        return {r.request_id: [(lp.token_id, lp.logprob) for lp in r.logprobs] for r in results}
+
+    targets = with_logprobs(det_requests(256, 0, 8, "t", max_suffix=200, max_new=32))
+    batch = targets + with_logprobs(det_requests(256, 1, 8, "o", max_suffix=200, max_new=32))
+    random.Random(mode).shuffle(batch)
+    engine = build_sharded_engine(MODEL, config, world_size=2, backend="gloo", device_ids=[0, 0])
+    try:
+        alone = outputs([engine.generate([r])[0] for r in targets])
+        in_batch = outputs(engine.generate(batch))
+        assert engine.scheduler.num_preemptions > 0, "64 blocks of 16 tokens were meant to preempt"
+    finally:
+        engine.close()
+    assert {k: in_batch[k] for k in alone} == alone

@@ -392,3 +392,34 @@ def test_checkpoint_reads_a_sharded_index(tmp_path):
     assert ckpt.get_slice("a.weight")[1:3].tolist() == [[2.0, 3.0], [4.0, 5.0]]
     with pytest.raises(KeyError, match="tensor 'c.weight' is not in the checkpoint"):
         ckpt.get_slice("c.weight")
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_fused_checkpoint_tensors_load_like_separate_ones(tmp_path, num_kv_heads):
+    """Phi-3's qkv_proj and gate_up_proj ([q; k; v] and [gate; up] rows in one tensor): each rank's shard equals
+    the one it loads from the separate tensors, and it reads only its rows of the fused tensor."""
+    full = full_weights(num_kv_heads)
+    fused = {
+        "qkv_proj.weight": torch.cat([full[f"{p}_proj.weight"] for p in "qkv"]),
+        "qkv_proj.bias": torch.cat([full[f"{p}_proj.bias"] for p in "qkv"]),
+        "gate_up_proj.weight": torch.cat([full["gate_proj.weight"], full["up_proj.weight"]]),
+    }
+    save_file(full, str(tmp_path / "separate.safetensors"))
+    save_file(fused, str(tmp_path / "fused.safetensors"))
+    separate = SafetensorsCheckpoint([tmp_path / "separate.safetensors"])
+    for rank in range(2):
+        state = ParallelState(rank=rank, world_size=2, device=torch.device("cpu"), group=object())
+        source = RecordingSource(SafetensorsCheckpoint([tmp_path / "fused.safetensors"]))
+        qkv_fused, qkv = (QKVParallelLinear(HIDDEN, HEAD_DIM, NUM_HEADS, num_kv_heads, state, bias=True) for _ in "ab")
+        qkv_fused.load_fused_qkv(source, "qkv_proj")
+        qkv.load_qkv(separate, "q_proj", "k_proj", "v_proj")
+        assert torch.equal(qkv_fused.weight, qkv.weight) and torch.equal(qkv_fused.bias, qkv.bias)
+        gate_up_fused, gate_up = (MergedColumnParallelLinear(HIDDEN, [INTER, INTER], state) for _ in "ab")
+        gate_up_fused.load_fused(source, "gate_up_proj")
+        gate_up.load_merged(separate, ["gate_proj", "up_proj"])
+        assert torch.equal(gate_up_fused.weight, gate_up.weight)
+        assert source.numel_read["qkv_proj.weight"] == qkv.weight.numel() < fused["qkv_proj.weight"].numel()
+        assert source.numel_read["gate_up_proj.weight"] == fused["gate_up_proj.weight"].numel() // 2
+    rows = (NUM_HEADS + 2 * num_kv_heads) * HEAD_DIM
+    with pytest.raises(ValueError, match=rf"q_proj.weight: checkpoint shape \[16, 16\], expected {rows} along dim 0"):
+        qkv.load_fused_qkv(separate, "q_proj")  # a tensor of q rows only is not a fused q/k/v

@@ -44,6 +44,14 @@ def test_tp1_counts_moe_experts_and_router_and_tied_embeddings():
     assert weight_bytes_per_rank(shape, 1, 4).total == 4 * num_params(config)
 
 
+def test_tp1_counts_mixtral_experts_by_their_own_config_names():
+    """Mixtral names its experts num_local_experts x intermediate_size: all 8 are counted, not one dense MLP."""
+    config = preset_config("tiny-mixtral")
+    shape = DecoderShape.from_config(config)
+    assert (shape.num_experts, shape.expert_intermediate_size) == (8, 128)
+    assert weight_bytes_per_rank(shape, 1, 2).total == 2 * num_params(config)
+
+
 def test_tp_splits_all_but_norms():
     shape = DecoderShape.from_config(preset_config("llama3-8b"))
     one, two, eight = (weight_bytes_per_rank(shape, n, 2) for n in (1, 2, 8))

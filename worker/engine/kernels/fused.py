@@ -42,10 +42,16 @@ ACT_SILU, ACT_GELU_TANH = 0, 1
 # -- torch references (CPU path) ------------------------------------------------------------------------
 
 
-def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def mean_square(xf: torch.Tensor) -> torch.Tensor:
+    """[..., W] fp32 -> [..., 1]: the RMSNorm statistic over the last dimension, all of it here. A tensor-parallel
+    shard passes its own (parallel/shard_model.TensorParallel.mean_square): the sum over the ranks' slices."""
+    return xf.pow(2).mean(-1, keepdim=True)
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean_square) -> torch.Tensor:
     """transformers' RMSNorm: fp32 statistics, round to x's dtype, then multiply by the weight."""
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = (xf * torch.rsqrt(mean_square(xf) + eps)).to(x.dtype)
     return weight * normed
 
 
@@ -55,10 +61,12 @@ def rmsnorm_one_plus_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-def rmsnorm_fp32_weight_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_fp32_weight_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean_square
+) -> torch.Tensor:
     """OLMo 2's RMSNorm: the weight multiply in fp32 too, rounded to x's dtype once at the end."""
     xf = x.float()
-    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+    return (weight * (xf * torch.rsqrt(mean_square(xf) + eps))).to(x.dtype)
 
 
 def fold_one_plus(weight: torch.Tensor) -> torch.Tensor:

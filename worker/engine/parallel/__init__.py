@@ -22,7 +22,10 @@ How the ranks run (the worker is rank 0; `serve` is module-level so spawn can pi
     driver.shutdown()             # or a RankFailure from run(): the worker exits 1
 - layers.py: Column/MergedColumn/QKV/Row-parallel linears, the vocab-parallel embedding and the
   LM head; each loads only its slice from the checkpoint; `shard_for`, `head_shard`, `vocab_shard`.
-- checkpoint.py: safetensors tensors by name, read by slice.
+- checkpoint.py: safetensors tensors by name, read by slice (`RowBlock`: one block of a fused tensor's rows;
+  `RenamedCheckpoint`: a multimodal checkpoint's language model under the text model's names).
+- shard_experts.py: a rank's slice of every expert of a sparse layer, from any checkpoint layout (stacked,
+  per-expert, gpt-oss's interleaved one and its MXFP4 release, dequantized by slice).
 - memory.py: weight bytes per rank at TP=N; `check_fits` refuses a load with the numbers.
 
 How a model file uses the layers (it does not change with the world size):
@@ -46,19 +49,27 @@ How a model file uses the layers (it does not change with the world size):
              attn.qkv.load_qkv(ckpt, f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj")
              mlp.gate_up.load_merged(ckpt, [f"{p}.gate_proj", f"{p}.up_proj"]); attn.o.load_from(ckpt, f"{p}.o_proj")
 
-Norms, rotary tables and q/k norms are replicated (plain tensors). Everything between a column layer
-and the row layer after it (rotary, attention, SiLU·mul) is local to the rank's heads/features, so
-the existing kernels run unchanged on smaller shapes. Each rank sizes its own KV cache for its
-`num_kv_heads` heads from its own free memory.
+Norms, rotary tables and per-head q/k norms are replicated (plain tensors); attention sinks and q/k norms over
+the whole projection (OLMo 2, whose statistic `TensorParallel.mean_square` sums over the ranks) hold the rank's
+heads' entries. Everything between a column layer and the row layer after it (rotary, attention, SiLU·mul) is
+local to the rank's heads/features, so the existing kernels run unchanged on smaller shapes. Each rank sizes its
+own KV cache for its `num_kv_heads` heads from its own free memory.
 
 Wired (runner.py, shard_model.py): `--tensor-parallel-size N` / `EngineConfig.tensor_parallel_size` makes
 `Engine.from_model` call `runner.build_sharded_engine`: rank 0 spawns ranks 1..N-1 (`serve_rank`), every rank
 builds its shard model (`shard_model.load_shard`: the family's transformers model at the rank's sizes, its
 parameters views of the layers above, loaded by slice), the ranks agree on the KV blocks, and rank 0's
 `ShardRunner` sends each step's `StepDescription` before running it. The owned decoder calls
-`TensorParallel.embed/reduce/gather_logits` (decoder.py; None at TP=1, where nothing here is built).
+`TensorParallel.embed/reduce/gather_logits/mean_square` (decoder.py; None at TP=1, where nothing here is
+built).
+
+Sharded families: every family the owned decoder runs. Fused q/k/v and gate/up checkpoints (Phi-3/4, GLM-4) are
+read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss are split by intermediate size
+(the router replicated, a down bias on rank 0 only); gpt-oss's MXFP4 release is dequantized at load. An FP8 KV
+cache (--kv-cache-dtype fp8) holds each rank's own KV heads, with one process's static scales (1.0).
 
 Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), FP8 (layers.py's linear methods are
-not used by the shard model), Mixtral/gpt-oss experts, fused q/k/v checkpoints (Phi-3, GLM-4), OLMo 2's q/k
-norms; each is refused in one line (`shard_model.unsupported_reason`).
+not used by the shard model; --quantization, FP8 checkpoints), --deterministic above 2 ranks, decoder
+'hf' and the families it alone runs (Cohere 2's parallel blocks); each is refused in one line
+(`shard_model.unsupported_reason`, `load_shard`).
 """

@@ -2,12 +2,14 @@
 
 Owns the open safetensors handles of one checkpoint (memory-mapped; nothing is read until a slice is
 indexed). `get_slice(name)[rows]` reads just those rows from the file: a rank never materialises a
-whole tensor it keeps a part of, and rank 0 never scatters the model.
+whole tensor it keeps a part of, and rank 0 never scatters the model. `RowBlock` is one block of rows of a fused
+tensor (Phi-3's qkv_proj, GLM-4's gate_up_proj) read the same way, as if it were a tensor of its own.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +29,12 @@ class SliceSource(Protocol):
     """Where layers load from: anything that hands out TensorSlices by checkpoint name."""
 
     def get_slice(self, name: str) -> TensorSlice: ...
+
+
+class Checkpoint(SliceSource, Protocol):
+    """A SliceSource that also says which names it holds (checkpoints differ in their experts' names and layouts)."""
+
+    def __contains__(self, name: str) -> bool: ...
 
 
 class SafetensorsCheckpoint:
@@ -71,3 +79,48 @@ class SafetensorsCheckpoint:
         if path is None:
             raise KeyError(f"tensor {name!r} is not in the checkpoint ({len(self._file_of)} tensors)")
         return self._handles[str(path)].get_slice(name)
+
+
+class RowBlock:
+    """Rows [start, stop) of a tensor in a file, as a TensorSlice of its own: indexing it reads only the rows asked
+    for (a rank's q heads out of a fused q/k/v weight, its gate features out of a fused gate/up weight)."""
+
+    def __init__(self, inner: TensorSlice, start: int, stop: int, name: str):
+        rows = inner.get_shape()[0]
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{name}: rows [{start}, {stop}) are outside its {rows} rows")
+        self.inner, self.start, self.stop = inner, start, stop
+
+    def get_shape(self) -> list[int]:
+        return [self.stop - self.start, *self.inner.get_shape()[1:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"a RowBlock is read by a contiguous slice of rows, got {rows!r}")
+        first, last, _ = rows.indices(self.stop - self.start)
+        return self.inner[(slice(self.start + first, self.start + max(first, last)),) + tuple(rest)]
+
+
+class RenamedCheckpoint:
+    """A checkpoint read under the model's names: a multimodal checkpoint's language model, whose family maps the
+    checkpoint's names onto the text model's (`Family.wrappers`: regex -> replacement, the first that matches).
+    Names no rename matches (the vision tower) are not visible, and never read."""
+
+    def __init__(self, inner: SafetensorsCheckpoint, renames: dict[str, str]):
+        self.inner = inner
+        self.checkpoint_name: dict[str, str] = {}  # model name -> checkpoint name
+        for name in inner.names():
+            for pattern, replacement in renames.items():
+                renamed, count = re.subn(pattern, replacement, name)
+                if count:
+                    self.checkpoint_name[renamed] = name
+                    break
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.checkpoint_name
+
+    def get_slice(self, name: str) -> TensorSlice:
+        if name not in self.checkpoint_name:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint's language model")
+        return self.inner.get_slice(self.checkpoint_name[name])

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import SliceSource, TensorSlice
+from .checkpoint import RowBlock, SliceSource, TensorSlice
 from .group import ParallelState, all_gather, all_reduce, gather_to_first
 
 # --- the split, for any rank ------------------------------------------------------------------------
@@ -272,6 +272,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for name, param in self._params_to_load(prefix):
                 self.weight_loader(param, source.get_slice(name), name, shard_id)
 
+    def load_fused(self, source: SliceSource, prefix: str) -> None:
+        """Load `{prefix}.weight` (and `.bias`) that the checkpoint ships fused, its outputs' rows stacked in order
+        (Phi-3's and GLM-4's gate_up_proj: gate rows, then up rows): each output's rows are read as a tensor of
+        their own, so the rank reads only its slice of each."""
+        for name, param in self._params_to_load(prefix):
+            fused, offset = source.get_slice(name), 0
+            _check_dim(fused, 0, self.output_size, name)
+            for shard_id, size in enumerate(self.output_sizes):
+                self.weight_loader(param, RowBlock(fused, offset, offset + size, name), name, shard_id)
+                offset += size
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections as one GEMM, split by attention head (`head_shard`): each rank holds
@@ -334,6 +345,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         for shard_id, prefix in zip(self.SHARD_IDS, (q_prefix, k_prefix, v_prefix), strict=True):
             for name, param in self._params_to_load(prefix):
                 self.weight_loader(param, source.get_slice(name), name, shard_id)
+
+    def load_fused_qkv(self, source: SliceSource, prefix: str) -> None:
+        """Load `{prefix}.weight` (and `.bias`) that the checkpoint ships fused (Phi-3's qkv_proj: all q rows, then
+        k, then v), reading only this rank's heads of each."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        blocks = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
+        for name, param in self._params_to_load(prefix):
+            fused = source.get_slice(name)
+            _check_dim(fused, 0, self.output_size, name)
+            for shard_id in self.SHARD_IDS:
+                self.weight_loader(param, RowBlock(fused, *blocks[shard_id], name), name, shard_id)
 
 
 class RowParallelLinear(_ParallelLinear):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..moe.spec import SUPPORTED_MODEL_TYPES as MOE_MODEL_TYPES
+from ..moe.spec import spec_from_config
 from .layers import head_shard, shard_for, vocab_shard
 
 GB = 1e9
@@ -37,6 +39,8 @@ class DecoderShape:
     def from_config(cls, config, *, qkv_bias: bool = False, qk_norm: bool = False) -> DecoderShape:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        # the experts as the MoE layer reads them (Mixtral and gpt-oss name them num_local_experts x intermediate_size)
+        moe = spec_from_config(config) if getattr(config, "model_type", None) in MOE_MODEL_TYPES else None
         return cls(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -48,9 +52,8 @@ class DecoderShape:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(getattr(config, "attention_bias", False)),
             qk_norm=qk_norm,
-            # Qwen's name; GLM-4.5's n_routed_experts
-            num_experts=getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0) or 0,
-            expert_intermediate_size=getattr(config, "moe_intermediate_size", 0) or 0,
+            num_experts=0 if moe is None else moe.num_experts,
+            expert_intermediate_size=0 if moe is None else moe.expert_intermediate_size,
         )
 
 
@@ -87,7 +90,7 @@ def weight_bytes_per_rank(shape: DecoderShape, world_size: int, bytes_per_param:
     sharded += s.hidden_size * part(s.num_heads * s.head_dim, "num_attention_heads x head_dim")  # o
     if s.num_experts:
         sharded += (
-            s.num_experts * 3 * s.hidden_size * part(s.expert_intermediate_size, "moe_intermediate_size")
+            s.num_experts * 3 * s.hidden_size * part(s.expert_intermediate_size, "the experts' intermediate size")
         )
         replicated += s.num_experts * s.hidden_size  # the router
     else:

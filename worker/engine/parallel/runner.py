@@ -4,12 +4,12 @@ Owns, on rank 0, the replica's `RankGroup` (through its `ShardRunner`) and the c
 nothing beyond its runner. The engine, its scheduler, block manager, tokenizer and grammar matchers live on rank
 0 only; the helpers hold a model shard, a KV cache for their heads and a batch builder, nothing else.
 
-Each step (rank 0, `ShardRunner.launch`): build the step into the next IO slot (a step that cannot be built is
-refused here, before any rank sees it), send its `StepDescription` to the helpers (messages.py), then run the
-same forward as they do: every rank enters the layers' collectives (shard_model.TensorParallel) in one order.
-Rank 0 alone samples, from the logits gathered on it. In async mode a step's decode inputs are the previous
-step's sampled ids, read on the device (carry-over), so rank 0 broadcasts each step's sampled ids to the
-helpers' own IO slots, and every rank fills the placeholders the same way.
+Each step (rank 0, `ModelRunner.launch` with `ShardRunner._launch_built`): build the step into the next IO slot (a
+step that cannot be built is refused there, before any rank sees it), send its `StepDescription` to the helpers
+(messages.py), then run the same forward as they do: every rank enters the layers' collectives
+(shard_model.TensorParallel) in one order. Rank 0 alone samples, from the logits gathered on it. In async mode a
+step's decode inputs are the previous step's sampled ids, read on the device (carry-over), so rank 0 broadcasts
+each step's sampled ids to the helpers' own IO slots, and every rank fills the placeholders the same way.
 
 A helper (`serve_rank`, spawned by group.launch_ranks) loads its shard, agrees with the others on the number of
 KV blocks (the smallest any rank has room for: block ids are shared), and runs `serve_forever` over a
@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..batch import IOSlot
+from ..batch import BatchMeta, IOSlot
 from ..config import EngineConfig
 from ..engine import Engine
 from ..kv_cache import kv_cache_dtype, num_blocks_from_memory
-from ..model_runner import ModelRunner, StepBuildError, StepHandle
+from ..model_runner import ModelRunner, StepHandle
 from ..models import PRESETS, ModelLoadError, family_for, loader, preset_config, resolve_device
 from ..step import StepDescription
 from .group import (
@@ -81,24 +80,16 @@ class ShardRunner(ModelRunner):
         return self.state.world_size == 1 and ModelRunner._use_graphs.fget(self)  # type: ignore[attr-defined]
 
     # -- rank 0 -----------------------------------------------------------------------------------
-    def launch(self, step: StepDescription) -> StepHandle:
-        """ModelRunner.launch, with the step sent to every helper once it is known to build."""
-        assert self.group is not None, "helpers run execute_step"
-        t0 = time.perf_counter()
-        try:
-            meta = self.builder.build(step, self._next_slot)
-        except Exception as exc:  # nothing was sent: the helpers never see this step
-            raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
-        build_seconds = time.perf_counter() - t0
+    def _launch_built(self, step: StepDescription, meta: BatchMeta) -> StepHandle:
+        """On rank 0: the step (known to build) goes to every helper, then runs here. On a helper: it runs."""
+        if self.group is None:
+            return super()._launch_built(step, meta)
         self.group.check()
         try:
             self.channel.send(RunStep(step))
-            handle = self._launch(meta, step.extras, step.prompt_rows)
+            return super()._launch_built(step, meta)
         except Exception as error:  # the ranks are out of step: the group is over
             raise self.group.failure_after(error) from error
-        handle.build_seconds = build_seconds
-        self._next_slot ^= 1
-        return handle
 
     def launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
         if self.group is None:
@@ -138,7 +129,7 @@ class ShardRunner(ModelRunner):
     # collectives of step N, which this rank's stream ran after the slot's host-to-device copy.
     def execute_step(self, step: StepDescription) -> None:
         """Run the step rank 0 sent: the same build, forward and (received) samples."""
-        handle = ModelRunner.launch(self, step)
+        handle = self.launch(step)
         if not handle.is_sampled:  # rank 0 samples constrained rows later; its samples still come
             self.launch_sampling(handle)
 

@@ -9,14 +9,16 @@ decoder (decoder.py) reads it as it reads any model and runs the existing kernel
 parameters are views of the parallel layers' weights: q/k/v rows of one `QKVParallelLinear`, gate/up rows of
 one `MergedColumnParallelLinear` (so fused_weights.py finds them adjacent and copies nothing), o and down the
 columns of a `RowParallelLinear` (their bias on rank 0 only: the all-reduce then adds it once), the embedding
-and LM head a `VocabParallelEmbedding`'s padded vocabulary rows. Norms and q/k norms are replicated. Its
-transformers forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s
-collectives, runs it.
+and LM head a `VocabParallelEmbedding`'s padded vocabulary rows, attention sinks the rank's q heads' entries, a
+sparse layer's experts their intermediate columns (shard_experts.py). Norms and per-head q/k norms are
+replicated; q/k norms over the whole projection (OLMo 2) hold the rank's heads' entries. Its transformers
+forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s collectives, runs it.
 
 The config's `vocab_size` stays the full vocabulary (the engine validates ids and builds grammars with it).
 
 A preset (random weights) has no files: each rank builds the whole model with the same seed on its device,
-as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`).
+as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`; a multimodal
+one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,9 +37,9 @@ from torch import nn
 from ..config import EngineConfig
 from ..fused_weights import submodule
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
-from ..models.spec import Family, QKNormSpan
+from ..models.spec import Family, LayerSpec, QKNormSpan
 from ..moe import moe_layer_ids, spec_from_config
-from .checkpoint import SafetensorsCheckpoint, SliceSource, TensorSlice
+from .checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
 from .group import ParallelState, all_reduce, gather_to_first
 from .layers import (
     ColumnParallelLinear,
@@ -50,6 +52,7 @@ from .layers import (
     shard_for,
 )
 from .memory import DecoderShape, check_fits
+from .shard_experts import load_expert_shard
 
 
 @dataclass(frozen=True)
@@ -68,17 +71,19 @@ class TensorParallel:
         """A row-parallel GEMM's partial output summed over the ranks (the attention's o, the MLP's down)."""
         return all_reduce(self.state, x)
 
+    def mean_square(self, xf: torch.Tensor) -> torch.Tensor:
+        """[T, W] fp32, this rank's slice of a projection -> [T, 1]: the mean of squares over the whole projection
+        (OLMo 2's q/k norms), one all-reduce of [T]. Every rank holds a slice of the same width W; where KV heads
+        are replicated (fewer than ranks) each head is held by N / KVH ranks, so the sum over ranks counts it that
+        many times and N * W is that many whole projections: the quotient is the mean either way."""
+        sums = all_reduce(self.state, xf.pow(2).sum(-1, keepdim=True))
+        return sums / (xf.shape[-1] * self.state.world_size)
+
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns [R, V/N] -> the full logits [R, V] on rank 0, which samples; the other
         ranks get their own part back (never sampled from)."""
         full = gather_to_first(self.state, logits, dim=-1)
         return logits if full is None else full[..., : self.vocab_size]
-
-
-class Checkpoint(SliceSource, Protocol):
-    """A SliceSource that also says which names it holds (checkpoints differ in their experts' names)."""
-
-    def __contains__(self, name: str) -> bool: ...
 
 
 class ModelSource:
@@ -108,9 +113,9 @@ class _TensorSlice:
 # --- what is sharded, and what is refused ---------------------------------------------------------------
 
 # Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
-# columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike): transformers'
-# stacked experts, or the releases' per-expert `gate_proj/up_proj/down_proj` under the same names.
-SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+# columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike), in the checkpoint
+# layouts shard_experts.py reads.
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
 
 
 def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
@@ -119,23 +124,27 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
     layer = family.layer
     if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
-    if len(layer.qkv.parts) != 3 or len(layer.gate_up.parts) != 2:
-        return f"{family.name}: checkpoints with fused q/k/v or gate/up linears are not sharded yet"
+    if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
+        return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
     if layer.parallel_blocks:
-        return f"{family.name}: parallel attention and MLP blocks are not sharded yet"
-    if layer.q_norm is not None and layer.qk_norm_span != QKNormSpan.HEAD:
-        return f"{family.name}: q/k norms over the whole projection need a cross-rank sum, not built yet"
-    if family.attention_sinks is not None:
-        return f"{family.name}: attention sinks are not sharded yet"
+        return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
     if engine_config.quantization is not None:
         return "--quantization is not supported with tensor parallelism yet"
-    if engine_config.kv_cache_dtype != "auto":
-        return "--kv-cache-dtype fp8 is not supported with tensor parallelism yet"
-    if engine_config.deterministic:
-        return "--deterministic is not supported with tensor parallelism yet"
+    if engine_config.deterministic and engine_config.tensor_parallel_size > 2:
+        # two ranks sum two partial values, a + b in either order: the same bits whatever the step. More ranks sum
+        # in an order that follows the message size (the step's tokens), so a row's bits would follow its batch.
+        return "--deterministic runs at a tensor-parallel size of 2 at most"
     if engine_config.decoder == "hf":
         return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
     return None
+
+
+def has_mxfp4_experts(config: Any) -> bool:
+    """gpt-oss as released: its experts in MXFP4 (the other linears unquantized), which shard_experts.py reads by
+    slice and dequantizes to the model dtype at load."""
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return config.model_type == "gpt_oss" and method == "mxfp4"
 
 
 def shard_config(config: Any, state: ParallelState) -> Any:
@@ -143,6 +152,8 @@ def shard_config(config: Any, state: ParallelState) -> Any:
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, state.rank, state.world_size)
     mlp = shard_for(config.intermediate_size, state.rank, state.world_size, "intermediate_size")
     shard = copy.deepcopy(config)
+    if has_mxfp4_experts(config):  # dequantized at load: the shard model holds plain weights
+        del shard.quantization_config
     shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shard.num_attention_heads = heads.num_q_heads
     shard.num_key_value_heads = heads.num_kv_heads
@@ -197,43 +208,17 @@ def build_shard(
         for buffer_name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[buffer_name] = buffer.to(device)
-    hidden, head_dim = config.hidden_size, cfg.head_dim
-    num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-    spec = family.layer
+    hidden = config.hidden_size
     layers = submodule(model, family.layers_path)
     sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
     kw: dict[str, Any] = dict(dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        prefix = f"{family.layers_path}.{i}"
-
-        def has_bias(part: str, layer: Any = layer) -> bool:
-            return submodule(layer, part).bias is not None
-
-        def name(part: str, prefix: str = prefix) -> str:
-            return f"{prefix}.{part}"
-
-        qkv = QKVParallelLinear(
-            hidden, head_dim, num_heads, num_kv_heads, state, bias=has_bias(spec.qkv.parts[0]), **kw
-        )
-        qkv.load_qkv(source, *map(name, spec.qkv.parts))
-        sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
-        _bind_rows(model, [name(p) for p in spec.qkv.parts], qkv, sizes)
-        rows = [(spec.o.parts[0], num_heads * head_dim)]
-        if family.moe is not None and i in sparse:
-            _load_moe(model, prefix, family, source, state, config, kw)
+        loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw)
+        loader.attention(family, config, cfg.head_dim)
+        if i in sparse:
+            _load_moe(model, loader.prefix, family, source, state, config, kw)
         else:
-            rows.append((spec.down.parts[0], config.intermediate_size))
-            gate_up = MergedColumnParallelLinear(
-                hidden, [config.intermediate_size] * 2, state, bias=has_bias(spec.gate_up.parts[0]), **kw
-            )
-            gate_up.load_merged(source, [name(p) for p in spec.gate_up.parts])
-            _bind_rows(model, [name(p) for p in spec.gate_up.parts], gate_up, gate_up.output_sizes_per_rank)
-        for part, input_size in rows:
-            row = RowParallelLinear(input_size, hidden, state, bias=has_bias(part), **kw)
-            row.load_from(source, name(part))
-            _set_param(model, f"{name(part)}.weight", row.get_parameter("weight"))
-            # the bias on rank 0 only: the all-reduce after the GEMM adds it once
-            _set_param(model, f"{name(part)}.bias", row.bias if state.is_first_rank else None)
+            loader.dense_mlp(family.layer, config)
     embed_name = f"{family.embed_path}.weight"
     embedding = VocabParallelEmbedding(config.vocab_size, hidden, state, **kw)
     embedding.load_from(source, family.embed_path)
@@ -257,34 +242,87 @@ def build_shard(
     return model, TensorParallel(state, embedding, config.vocab_size)
 
 
+@dataclass(frozen=True)
+class _LayerLoader:
+    """Loads one decoder layer's attention and dense MLP into the meta-built shard `model`, the rank's slices only."""
+
+    model: nn.Module
+    layer: nn.Module
+    prefix: str  # the layer's path in the model and the checkpoint, e.g. "model.layers.3"
+    source: Checkpoint
+    state: ParallelState
+    kw: dict[str, Any]  # dtype and device
+
+    def name(self, part: str) -> str:
+        return f"{self.prefix}.{part}"
+
+    def has_bias(self, part: str) -> bool:
+        return submodule(self.layer, part).bias is not None
+
+    def attention(self, family: Family, config: Any, head_dim: int) -> None:
+        """q/k/v by head (separate or shipped fused), the whole-projection q/k norms' and the sinks' entries of the
+        rank's heads, o by columns."""
+        spec, name = family.layer, self.name
+        qkv = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, self.state,
+            bias=self.has_bias(spec.qkv.parts[0]), **self.kw,
+        )  # fmt: skip
+        if len(spec.qkv.parts) == 1:  # shipped fused (Phi-3): the rank's heads out of each block of rows
+            qkv.load_fused_qkv(self.source, name(spec.qkv.parts[0]))
+            sizes = [qkv.output_size_per_rank]
+        else:
+            qkv.load_qkv(self.source, *map(name, spec.qkv.parts))
+            sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
+        _bind_rows(self.model, [name(p) for p in spec.qkv.parts], qkv, sizes)
+        if spec.q_norm is not None and spec.qk_norm_span == QKNormSpan.FULL:  # [H * D], [KVH * D]
+            for norm, heads in ((spec.q_norm, qkv.heads.q_heads), (spec.k_norm, qkv.heads.kv_heads)):
+                assert norm is not None, "a family with a q norm has a k norm"
+                self.load_entries(f"{name(norm)}.weight", slice(heads.start * head_dim, heads.stop * head_dim))
+        if family.attention_sinks is not None:  # one logit per q head (gpt-oss)
+            self.load_entries(name(family.attention_sinks), qkv.heads.q_heads)
+        self.row(spec.o.parts[0], config.num_attention_heads * head_dim, config.hidden_size)
+
+    def dense_mlp(self, spec: LayerSpec, config: Any) -> None:
+        """gate/up by rows of the intermediate size (separate or shipped fused), down by columns."""
+        name, inter = self.name, config.intermediate_size
+        gate_up = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], self.state, bias=self.has_bias(spec.gate_up.parts[0]), **self.kw
+        )
+        if len(spec.gate_up.parts) == 1:  # shipped fused (Phi-3, GLM-4): gate rows, then up rows
+            gate_up.load_fused(self.source, name(spec.gate_up.parts[0]))
+            sizes = [gate_up.output_size_per_rank]
+        else:
+            gate_up.load_merged(self.source, [name(p) for p in spec.gate_up.parts])
+            sizes = gate_up.output_sizes_per_rank
+        _bind_rows(self.model, [name(p) for p in spec.gate_up.parts], gate_up, sizes)
+        self.row(spec.down.parts[0], inter, config.hidden_size)
+
+    def row(self, part: str, input_size: int, output_size: int) -> None:
+        """A row-parallel linear (o, down): the rank's columns; the bias on rank 0 only, so that the all-reduce
+        after the GEMM adds it once."""
+        row = RowParallelLinear(input_size, output_size, self.state, bias=self.has_bias(part), **self.kw)
+        row.load_from(self.source, self.name(part))
+        _set_param(self.model, f"{self.name(part)}.weight", row.get_parameter("weight"))
+        _set_param(self.model, f"{self.name(part)}.bias", row.bias if self.state.is_first_rank else None)
+
+    def load_entries(self, name: str, entries: slice) -> None:
+        """A per-head vector (sinks, a whole-projection norm): the rank's entries, checked against the shard's size."""
+        want = submodule(self.model, name.rpartition(".")[0])._parameters[name.rpartition(".")[2]].shape[0]
+        values = self.source.get_slice(name)[entries]
+        if values.shape[0] != want:
+            raise ValueError(f"{name}: the checkpoint's entries {entries} hold {values.shape[0]} values, expected {want}")
+        _set_param(self.model, name, values.to(**self.kw))
+
+
 def _load_moe(
     model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
 ) -> None:
-    """A sparse layer's experts, each rank reading its columns of every expert: gate/up rows and down columns
-    of the intermediate size (its shared expert likewise); the router and the shared expert's gate replicated
-    (left to the generic pass)."""
+    """A sparse layer: the router (replicated) and every expert's slice of columns (shard_experts.py), and a shared
+    expert split like a dense MLP, its gate replicated (left to the generic pass)."""
     assert family.moe is not None
     spec = spec_from_config(config)
-    experts = f"{prefix}.{family.moe.experts}"
-    inter = config.moe_intermediate_size
-    part = shard_for(inter, state.rank, state.world_size, "moe_intermediate_size")
-    up = slice(inter + part.start, inter + part.stop)
-    if f"{experts}.gate_up_proj" in source:  # transformers' stacked layout: [E, 2I, H] and [E, H, I]
-        gate_up_full = source.get_slice(f"{experts}.gate_up_proj")
-        gate_up = torch.cat([gate_up_full[:, part], gate_up_full[:, up]], dim=1)
-        down = source.get_slice(f"{experts}.down_proj")[:, :, part]
-    else:  # the releases' per-expert linears
-        num_experts = spec.num_experts
-
-        def rows(e: int, linear: str, index: Any) -> torch.Tensor:
-            return source.get_slice(f"{experts}.{e}.{linear}.weight")[index]
-
-        gate_up = torch.stack(
-            [torch.cat([rows(e, "gate_proj", part), rows(e, "up_proj", part)]) for e in range(num_experts)]
-        )
-        down = torch.stack([rows(e, "down_proj", (slice(None), part)) for e in range(num_experts)])
-    _set_param(model, f"{experts}.gate_up_proj", gate_up.to(**kw).contiguous())
-    _set_param(model, f"{experts}.down_proj", down.to(**kw).contiguous())
+    for name, tensor in load_expert_shard(source, prefix, family.moe, spec, state, **kw).items():
+        _set_param(model, name, tensor)
     if family.moe.shared_expert is not None:
         shared = f"{prefix}.{family.moe.shared_expert}"
         size = spec.shared_expert_intermediate_size
@@ -330,23 +368,22 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     else:
         config = loader._load_config(name_or_path)
         _check(config, engine_config)
-        if loader._quantization(config, engine_config.quantization) is not None:
+        if not has_mxfp4_experts(config) and loader._quantization(config, engine_config.quantization) is not None:
             raise ModelLoadError("quantized checkpoints are not supported with tensor parallelism yet")
         family, _ = family_for(config)
-        if family.wrappers.get(config.model_type) is not None:
-            raise ModelLoadError(
-                f"model type {config.model_type!r}: multimodal checkpoints are not supported with tensor "
-                "parallelism yet"
-            )
+        # a multimodal checkpoint (Gemma 3 4B-27B): its language model's config, its weights under the text names
+        text_config, renames = loader._text_model(config, family)
         path = name_or_path if os.path.isdir(name_or_path) else _download(name_or_path)
         generation_config = loader._load_generation_config(path, config)
         if state.is_first_rank:
             eos = loader.checkpoint_eos_token_ids(config, generation_config)
             tokenizer = loader._load_tokenizer(path, eos)
         try:
-            source = SafetensorsCheckpoint.from_dir(path)
+            checkpoint = SafetensorsCheckpoint.from_dir(path)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {exc}") from exc
+        source = checkpoint if renames is None else RenamedCheckpoint(checkpoint, renames)
+        config = text_config
     family, _ = family_for(config)
     if device.type == "cuda":
         _check_fits(config, family, state, dtype, name_or_path)

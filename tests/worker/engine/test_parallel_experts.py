@@ -1,0 +1,79 @@
+"""Each rank's slice of a sparse layer's experts (parallel/shard_experts.py), from every checkpoint layout: the
+ranks' slices put back together are the whole layer, whichever layout they were read from (stacked, per-expert,
+gpt-oss's interleaved one, its MXFP4 release with slices that start and end inside a 32-value group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.models.gpt_oss import FAMILY as GPT_OSS
+from worker.engine.models.mixtral import FAMILY as MIXTRAL
+from worker.engine.moe.mxfp4 import dequantize_mxfp4
+from worker.engine.moe.spec import MoeSpec
+from worker.engine.parallel.group import ParallelState
+from worker.engine.parallel.shard_experts import load_expert_shard
+from worker.engine.parallel.shard_model import ModelSource
+
+E, H, INTER = 3, 64, 96  # at TP=4 each rank holds 24 of the 96 features: three 32-value groups, cut mid-group
+LAYER = "model.layers.0"
+
+
+def rank(r: int, world_size: int) -> ParallelState:
+    return ParallelState(rank=r, world_size=world_size, device=torch.device("cpu"), group=object())
+
+
+def shards(source, family, spec, world_size):
+    assert family.moe is not None
+    return [load_expert_shard(source, LAYER, family.moe, spec, rank(r, world_size)) for r in range(world_size)]
+
+
+def test_mixtral_per_expert_release_splits_like_the_stacked_layout():
+    spec = MoeSpec("mixtral", num_experts=E, top_k=2, hidden_size=H, expert_intermediate_size=INTER)
+    g = torch.Generator().manual_seed(0)
+    gate_up, down, router = torch.randn(E, 2 * INTER, H, generator=g), torch.randn(E, H, INTER, generator=g), torch.randn(E, H)
+    stacked = {f"{LAYER}.mlp.experts.gate_up_proj": gate_up, f"{LAYER}.mlp.experts.down_proj": down,
+               f"{LAYER}.mlp.gate.weight": router}  # fmt: skip
+    released = {f"{LAYER}.block_sparse_moe.gate.weight": router}
+    for e in range(E):
+        experts = f"{LAYER}.block_sparse_moe.experts.{e}"
+        released |= {f"{experts}.w1.weight": gate_up[e, :INTER], f"{experts}.w3.weight": gate_up[e, INTER:],
+                     f"{experts}.w2.weight": down[e]}  # fmt: skip
+    for world_size in (2, 4):
+        from_stacked = shards(ModelSource(stacked), MIXTRAL, spec, world_size)
+        from_released = shards(ModelSource(released), MIXTRAL, spec, world_size)
+        for a, b in zip(from_stacked, from_released, strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            assert torch.equal(a[f"{LAYER}.mlp.gate.weight"], router), "the router is replicated, named as the model"
+        gate = torch.cat([s[f"{LAYER}.mlp.experts.gate_up_proj"][:, : INTER // world_size] for s in from_stacked], dim=1)
+        assert torch.equal(gate, gate_up[:, :INTER])
+        assert torch.equal(torch.cat([s[f"{LAYER}.mlp.experts.down_proj"] for s in from_stacked], dim=2), down)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt_oss_mxfp4_release_splits_like_its_dequantized_weights(world_size):
+    spec = MoeSpec("gpt_oss", num_experts=E, top_k=2, hidden_size=H, expert_intermediate_size=INTER,
+                   has_router_bias=True, has_expert_bias=True)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    experts = f"{LAYER}.mlp.experts"
+    gate_up_blocks = torch.randint(0, 256, (E, 2 * INTER, H // 32, 16), dtype=torch.uint8, generator=g)
+    gate_up_scales = torch.randint(120, 130, (E, 2 * INTER, H // 32), dtype=torch.uint8, generator=g)
+    down_blocks = torch.randint(0, 256, (E, H, INTER // 32, 16), dtype=torch.uint8, generator=g)
+    down_scales = torch.randint(120, 130, (E, H, INTER // 32), dtype=torch.uint8, generator=g)
+    common = {f"{experts}.gate_up_proj_bias": torch.randn(E, 2 * INTER, generator=g),
+              f"{experts}.down_proj_bias": torch.randn(E, H, generator=g),
+              f"{LAYER}.mlp.router.weight": torch.randn(E, H), f"{LAYER}.mlp.router.bias": torch.randn(E)}  # fmt: skip
+    gate_up = dequantize_mxfp4(gate_up_blocks, gate_up_scales, torch.float32).transpose(1, 2)  # [E, H, 2I]
+    down = dequantize_mxfp4(down_blocks, down_scales, torch.float32).transpose(1, 2)  # [E, INTER, H]
+    stacked = common | {f"{experts}.gate_up_proj": gate_up, f"{experts}.down_proj": down}
+    released = common | {f"{experts}.gate_up_proj_blocks": gate_up_blocks, f"{experts}.gate_up_proj_scales": gate_up_scales,
+                         f"{experts}.down_proj_blocks": down_blocks, f"{experts}.down_proj_scales": down_scales}  # fmt: skip
+    from_stacked = shards(ModelSource(stacked), GPT_OSS, spec, world_size)
+    from_released = shards(ModelSource(released), GPT_OSS, spec, world_size)
+    for a, b in zip(from_stacked, from_released, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), world_size
+    assert torch.equal(torch.cat([s[f"{experts}.gate_up_proj"] for s in from_stacked], dim=2), gate_up)
+    assert torch.equal(torch.cat([s[f"{experts}.down_proj"] for s in from_stacked], dim=1), down)
+    biases = [s[f"{experts}.down_proj_bias"] for s in from_stacked]
+    assert torch.equal(biases[0], common[f"{experts}.down_proj_bias"]), "rank 0 adds the down bias"
+    assert all(not b.any() for b in biases[1:]), "the others hold zeros: the all-reduce adds it once"

@@ -1,0 +1,123 @@
+"""One rank's slice of a sparse layer's experts (tensor-parallel experts), read from any checkpoint layout.
+
+Owns nothing after loading: returns the tensors, in the shard model's own (transformers') parameter layout, for
+shard_model.py to bind. Each rank holds every expert's slice of the intermediate dimension: the rows of gate and
+up (and of their biases) for its features, the columns of down for them. The router is replicated, so every rank
+routes alike; the decoder's one all-reduce after the MLP sums the ranks' partial down outputs. A down bias
+(gpt-oss) is summed in that all-reduce too, so rank 0 holds it and the others hold zeros: it is added once.
+
+Layouts read (`layer_prefix` e.g. "model.layers.3"; the checkpoint's MLP is `mlp` or Mixtral's `block_sparse_moe`):
+- stacked, the kernels' layout (transformers' Qwen-MoE and Mixtral modules, the presets): `experts.gate_up_proj`
+  [E, 2I, H] ([gate; up] rows) and `experts.down_proj` [E, H, I];
+- per-expert linears (the Qwen-MoE and Mixtral releases): `experts.{e}.gate_proj/up_proj/down_proj` or
+  `experts.{e}.w1/w3/w2`, stacked here into the layout above;
+- gpt-oss stacked (transformers' GptOssExperts): `experts.gate_up_proj` [E, H, 2I] with gate and up columns
+  interleaved (g0, u0, g1, u1, ...: a rank's features are one contiguous run of columns), `down_proj` [E, I, H],
+  and their biases;
+- gpt-oss released, MXFP4 (`experts.gate_up_proj_blocks/_scales`, `down_proj_blocks/_scales`, rows [out, in]):
+  the rank's rows of gate/up, and the 32-value groups of down's input that cover its columns, dequantized
+  (mxfp4.py), then laid out as transformers' gpt-oss parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..models.spec import MoeMlpSpec
+from ..moe.mxfp4 import VALUES_PER_GROUP, dequantize_mxfp4
+from ..moe.spec import MoeSpec
+from .checkpoint import Checkpoint
+from .group import ParallelState
+from .layers import shard_for
+
+# The MLP's name in checkpoints (Mixtral's releases keep `block_sparse_moe`, which transformers renames `mlp`), and
+# the names of the per-expert linears (gate, up, down).
+_MLP_NAMES = ("mlp", "block_sparse_moe")
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def load_expert_shard(
+    source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec, spec: MoeSpec, state: ParallelState, **kw: Any
+) -> dict[str, torch.Tensor]:
+    """The shard model's parameters of one sparse layer's router and experts (full names -> tensors in `kw`'s dtype
+    and device). Raises ValueError naming the layer when no layout above matches."""
+    model_mlp = moe.experts.rpartition(".")[0]  # the experts' and the router's parent in the model ("mlp")
+    ckpt_mlp = _checkpoint_mlp(source, layer_prefix, moe)
+    experts, ckpt_experts = f"{layer_prefix}.{moe.experts}", f"{ckpt_mlp}.{moe.experts.rpartition('.')[2]}"
+    inter = spec.expert_intermediate_size
+    part = shard_for(inter, state.rank, state.world_size, "the experts' intermediate size")
+    if not moe.kernel_layout:  # gpt-oss: transformers' own layout, biased
+        tensors = _gpt_oss_experts(source, ckpt_experts, part, kw.get("dtype", torch.float32))
+        if not state.is_first_rank:  # summed over the ranks by the all-reduce: held by rank 0 alone
+            tensors["down_proj_bias"] = torch.zeros_like(tensors["down_proj_bias"])
+    elif f"{ckpt_experts}.gate_up_proj" in source:
+        gate_up = source.get_slice(f"{ckpt_experts}.gate_up_proj")
+        up = slice(inter + part.start, inter + part.stop)
+        tensors = {
+            "gate_up_proj": torch.cat([gate_up[:, part], gate_up[:, up]], dim=1),
+            "down_proj": source.get_slice(f"{ckpt_experts}.down_proj")[:, :, part],
+        }
+    else:
+        tensors = _stack_per_expert(source, ckpt_experts, part, spec)
+    params = {f"{experts}.{name}": t.to(**kw).contiguous() for name, t in tensors.items()}
+    router = moe.router.rpartition(".")[2]
+    for leaf in ("weight", "bias"):  # replicated
+        name = f"{ckpt_mlp}.{router}.{leaf}"
+        if name in source:
+            params[f"{layer_prefix}.{model_mlp}.{router}.{leaf}"] = source.get_slice(name)[:].to(**kw)
+    return params
+
+
+def _checkpoint_mlp(source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec) -> str:
+    router = moe.router.rpartition(".")[2]
+    for mlp in _MLP_NAMES:
+        if f"{layer_prefix}.{mlp}.{router}.weight" in source:
+            return f"{layer_prefix}.{mlp}"
+    raise ValueError(f"no MoE router at {layer_prefix!r} (looked for {', '.join(f'{m}.{router}' for m in _MLP_NAMES)})")
+
+
+def _stack_per_expert(source: Checkpoint, experts: str, part: slice, spec: MoeSpec) -> dict[str, torch.Tensor]:
+    names = next((n for n in _PER_EXPERT_NAMES if f"{experts}.0.{n[0]}.weight" in source), None)
+    if names is None:
+        raise ValueError(f"no expert weights under {experts!r} (stacked, per-expert or MXFP4)")
+    gate, up, down = names
+
+    def read(e: int, linear: str, index: Any) -> torch.Tensor:
+        return source.get_slice(f"{experts}.{e}.{linear}.weight")[index]
+
+    experts_range = range(spec.num_experts)
+    return {
+        "gate_up_proj": torch.stack([torch.cat([read(e, gate, part), read(e, up, part)]) for e in experts_range]),
+        "down_proj": torch.stack([read(e, down, (slice(None), part)) for e in experts_range]),
+    }
+
+
+def _gpt_oss_experts(source: Checkpoint, experts: str, part: slice, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """[E, H, 2I_rank] gate/up (interleaved, as transformers' GptOssExperts), [E, I_rank, H] down, and biases."""
+    pairs = slice(2 * part.start, 2 * part.stop)  # features j in `part` are columns 2j (gate) and 2j + 1 (up)
+    tensors = {
+        "gate_up_proj_bias": source.get_slice(f"{experts}.gate_up_proj_bias")[:, pairs],
+        "down_proj_bias": source.get_slice(f"{experts}.down_proj_bias")[:],
+    }
+    if f"{experts}.gate_up_proj_blocks" in source:  # the release: MXFP4, rows [out, in]
+        gate_up = _read_mxfp4(source, f"{experts}.gate_up_proj", (slice(None), pairs), dtype)  # [E, 2I_rank, H]
+        tensors["gate_up_proj"] = gate_up.transpose(1, 2)
+        groups = slice(part.start // VALUES_PER_GROUP, -(-part.stop // VALUES_PER_GROUP))
+        # [E, H, whole groups]: a rank's columns may start or end inside a group (TP=4 of gpt-oss's 2880)
+        down = _read_mxfp4(source, f"{experts}.down_proj", (slice(None), slice(None), groups), dtype)
+        first = groups.start * VALUES_PER_GROUP
+        tensors["down_proj"] = down[:, :, part.start - first : part.stop - first].transpose(1, 2)
+    elif f"{experts}.gate_up_proj" in source:
+        tensors["gate_up_proj"] = source.get_slice(f"{experts}.gate_up_proj")[:, :, pairs]
+        tensors["down_proj"] = source.get_slice(f"{experts}.down_proj")[:, part]
+    else:
+        raise ValueError(f"no gpt-oss expert weights under {experts!r} (stacked or MXFP4)")
+    return tensors
+
+
+def _read_mxfp4(source: Checkpoint, name: str, index: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """`{name}_blocks[index]` with `{name}_scales[index]`, dequantized to `dtype` (exact in any float dtype)."""
+    blocks, scales = source.get_slice(f"{name}_blocks")[index], source.get_slice(f"{name}_scales")[index]
+    return dequantize_mxfp4(blocks, scales, dtype)
