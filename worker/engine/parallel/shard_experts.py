@@ -105,8 +105,8 @@ def _gpt_oss_experts(
         "down_proj_bias": source.get_slice(f"{experts}.down_proj_bias")[:],
     }
     if f"{experts}.gate_up_proj_blocks" in source:  # the release: MXFP4, rows [out, in]
-        tensors["gate_up_proj"] = read_mxfp4_transposed(source, f"{experts}.gate_up_proj", pairs, slice(None), dtype, device)
-        tensors["down_proj"] = read_mxfp4_transposed(source, f"{experts}.down_proj", slice(None), part, dtype, device)
+        tensors["gate_up_proj"] = _read_mxfp4(source, f"{experts}.gate_up_proj", pairs, slice(None), dtype, device)
+        tensors["down_proj"] = _read_mxfp4(source, f"{experts}.down_proj", slice(None), part, dtype, device)
     elif f"{experts}.gate_up_proj" in source:
         tensors["gate_up_proj"] = source.get_slice(f"{experts}.gate_up_proj")[:, :, pairs]
         tensors["down_proj"] = source.get_slice(f"{experts}.down_proj")[:, part]
@@ -115,14 +115,14 @@ def _gpt_oss_experts(
     return tensors
 
 
-def read_mxfp4_transposed(
+def _read_mxfp4(
     source: Checkpoint, name: str, rows: slice, columns: slice, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
     """Every expert's `rows` x `columns` of the MXFP4 matrix `{name}_blocks` [E, out, in / 32, 16] with
-    `{name}_scales` [E, out, in / 32], dequantized to `dtype` (exact in any float dtype) and returned transposed,
+    `{name}_scales` [E, out, in / 32], dequantized to `dtype` (exact in bf16 and fp32) and returned transposed,
     [E, columns, rows] contiguous on `device`: transformers' gpt-oss layout (x @ w[e]).
 
-    One expert at a time, on `device`: the dequantizer's temporaries (its int64 codes are 16 bytes a value) are one
+    One expert at a time, on `device`: the dequantizer's temporaries (its int64 codes are 8 bytes a value) are one
     expert's, never the layer's. Columns are read as the whole 32-value groups that cover them, since a rank's
     columns may start or end inside a group (TP=4 of gpt-oss's 2880)."""
     if f"{name}_scales" not in source:
