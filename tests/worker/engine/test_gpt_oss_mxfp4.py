@@ -156,3 +156,16 @@ def test_the_fit_check_counts_the_experts_dequantized():
     assert experts_gb == pytest.approx(2 * expert_params * 2 / 1e9, abs=0.1)  # and their biases; MXFP4: 10 GB
     with pytest.raises(ModelLoadError, match="gpt_oss"):
         check_moe_fit(release, torch.bfloat16, 40 * 10**9)  # 20.9B bf16 parameters and the experts' copy
+
+
+def test_a_hub_release_is_downloaded_without_its_other_copies():
+    """gpt-oss's hub repos hold the weights twice (`original/`, another format): only the top level is fetched."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from worker.engine.parallel.shard_model import DOWNLOAD_ALLOW, DOWNLOAD_IGNORE
+
+    repo = ["config.json", "generation_config.json", "model.safetensors.index.json", "model-00000-of-00002.safetensors",
+            "tokenizer.json", "tokenizer_config.json", "original/model.safetensors", "original/config.json",
+            "metal/model.bin", "README.md"]  # fmt: skip
+    fetched = list(filter_repo_objects(repo, allow_patterns=DOWNLOAD_ALLOW, ignore_patterns=DOWNLOAD_IGNORE))
+    assert fetched == repo[:6]

@@ -434,11 +434,17 @@ def _check(config: Any, engine_config: EngineConfig) -> None:
         raise ModelLoadError(f"tensor parallelism: {reason}")
 
 
+# What reading a hub checkpoint by slice needs: its top-level files (SafetensorsCheckpoint.from_dir reads no
+# subfolder; gpt-oss's repos keep another copy of the weights under `original/`, 13 GB for 20b).
+DOWNLOAD_ALLOW = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+DOWNLOAD_IGNORE = ["*/*"]
+
+
 def _download(name: str) -> str:
     """A hub checkpoint's local folder (the hub cache), for reading by slice."""
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+        return snapshot_download(name, allow_patterns=DOWNLOAD_ALLOW, ignore_patterns=DOWNLOAD_IGNORE)
     except Exception as exc:  # no network, no such repo
         raise ModelLoadError(f"cannot download {name!r}: {loader._one_line(exc)}") from exc
