@@ -1,5 +1,6 @@
 """GPU checks of the mixtures of experts: the owned decoder on CUDA (the Triton grouped GEMMs in one workspace, the
-decode steps in CUDA graphs) against `model.generate` in fp32 on the tiny MoE presets, and graph vs eager in bf16.
+decode steps in CUDA graphs) against `model.generate` in fp32 on the tiny MoE presets, graph vs eager in bf16, and
+gpt-oss's MXFP4 release loaded in one process in bf16.
 Run on the H200 by benchmarks/run_gpu.sh (`tests` or `moetests`); skipped without CUDA."""
 
 from __future__ import annotations
@@ -57,3 +58,35 @@ def test_moe_bf16_graph_equals_eager(name):
     # an eager decode step pads to its graph's bucket: the same kernels on the same shapes, the same tokens
     agreement = token_agreement(graph, eager)
     assert agreement == 1.0, f"graph vs eager (async) agree on {agreement:.4f} of tokens"
+
+
+def test_gpt_oss_mxfp4_release_loads_in_one_process_in_bf16(tmp_path):
+    """gpt-oss as released (MXFP4 experts) through `load_model` on CUDA in bf16 (test_gpt_oss_mxfp4.py: the CPU in
+    fp32): every parameter lands on the GPU, the experts dequantized there equal the dequantized codes bitwise and
+    the rest the saved tensors cast to bf16; the engine (owned decoder, Triton experts, CUDA graphs) gives the same
+    tokens as the plain checkpoint of the same dequantized experts, which transformers loads."""
+    from worker.engine.moe.mxfp4 import dequantize_mxfp4
+
+    from .test_gpt_oss_mxfp4 import EXPERT_MATRICES, save_tiny_gpt_oss_release, saved_tensors
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    save_tiny_gpt_oss_release(tmp_path)
+    model, tok = load_model(str(tmp_path), cuda, bf16)
+    saved = saved_tensors(tmp_path)
+    for name, param in model.named_parameters():
+        assert param.device.type == "cuda" and param.dtype == bf16, name
+        if name.endswith(EXPERT_MATRICES):
+            blocks, scales = saved[f"{name}_blocks"].to(cuda), saved[f"{name}_scales"].to(cuda)
+            expected = dequantize_mxfp4(blocks, scales, bf16).transpose(1, 2)
+        else:
+            expected = saved[name].to(cuda, bf16)
+        assert torch.equal(param, expected), name
+    reqs = make_requests(tok, 16, seed=9, max_prompt=300, max_new=32)
+    got, engine = run(model, tok, reqs, mode="async", dtype="bfloat16")
+    assert engine.runner.decoder.moe_workspace is not None and len(engine.runner.graphs) > 0
+    assert len({t for ids in got for t in ids}) > 20, "outputs are not diverse"
+    del engine, model
+    torch.cuda.empty_cache()
+    plain, _ = load_model(str(tmp_path / "dequantized"), cuda, bf16)
+    expected_tokens, _ = run(plain, tok, reqs, mode="async", dtype="bfloat16")
+    assert got == expected_tokens

@@ -1,6 +1,7 @@
 """Stacked expert weights from every checkpoint naming (worker/engine/moe/weights.py) and the MXFP4
-dequantizer (mxfp4.py): known FP4 codes and scales, agreement with transformers' own MXFP4 reader, and the
-per-expert / stacked / MXFP4 names all loading to the same tensors."""
+dequantizer (mxfp4.py): known FP4 codes and scales, agreement with transformers' own MXFP4 reader, the
+per-expert and stacked names loading to the same tensors, and gpt-oss's MXFP4 release read by the loaders' reader
+(parallel/shard_experts.py, here at a world of one) to transformers' dequantized parameters."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from worker.engine.models.gpt_oss import FAMILY as GPT_OSS
 from worker.engine.moe import load_moe_layer, spec_from_config
 from worker.engine.moe.mxfp4 import E2M1_TABLE, dequantize_mxfp4
+from worker.engine.parallel.group import ParallelState
+from worker.engine.parallel.shard_experts import load_expert_shard
+from worker.engine.parallel.shard_model import ModelSource
 
 from .test_moe_reference import layer_from_block, random_block
 
@@ -77,8 +82,9 @@ def test_released_per_expert_names_load_like_stacked():
 
 
 def test_gpt_oss_mxfp4_checkpoint_loads_like_its_dequantized_weights():
-    """The released layout ([E, 2I, H / 32, 16] blocks, interleaved gate/up rows) against transformers'
-    dequantized [E, H, 2I] parameters (which test_moe_reference checks against GptOssMLP)."""
+    """The released layout ([E, 2I, H / 32, 16] blocks, interleaved gate/up rows) read as the one-process loader
+    reads it (shard_experts.py at a world of one) against transformers' dequantized [E, H, 2I] parameters (which
+    test_moe_reference checks against GptOssMLP), and stacked by load_moe_layer as the owned decoder stacks them."""
     config, block = random_block("gpt_oss")
     spec = spec_from_config(config)
     num_experts, hidden, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
@@ -113,13 +119,17 @@ def test_gpt_oss_mxfp4_checkpoint_loads_like_its_dequantized_weights():
         f"{experts}.down_proj_blocks": down_blocks,
         f"{experts}.down_proj_scales": down_scales,
     }
+    one_rank = ParallelState(rank=0, world_size=1, device=torch.device("cpu"))
+    assert GPT_OSS.moe is not None
     for dtype in (torch.float32, torch.bfloat16):
-        from_stacked = load_moe_layer(state, "model.layers.0", spec, dtype, "cpu")
-        from_mxfp4 = load_moe_layer(released, "model.layers.0", spec, dtype, "cpu")
-        _same(from_mxfp4.experts.gate_up, from_stacked.experts.gate_up)
-        _same(from_mxfp4.experts.down, from_stacked.experts.down)
-        _same(from_mxfp4.experts.gate_up_bias, from_stacked.experts.gate_up_bias)
-        assert from_mxfp4.experts.gate_up.dtype == dtype  # built in the model dtype, no fp32 copy kept
+        from_mxfp4 = load_expert_shard(ModelSource(released), "model.layers.0", GPT_OSS.moe, spec, one_rank, dtype=dtype)
+        assert from_mxfp4.keys() == state.keys()
+        for name, tensor in from_mxfp4.items():
+            _same(tensor, state[name].to(dtype))  # bf16: exact too, every MXFP4 value is a bf16 number
+        _same(
+            load_moe_layer(from_mxfp4, "model.layers.0", spec, dtype, "cpu").experts.gate_up,
+            load_moe_layer(state, "model.layers.0", spec, dtype, "cpu").experts.gate_up,
+        )
 
 
 def test_gpt_oss_gate_up_is_deinterleaved():

@@ -19,17 +19,14 @@ is the reference. Each (checkpoint, mode) spawns one helper process, so the case
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from tests.fixtures.checkpoints import save_experts_as_mxfp4
 from worker.engine.engine import Engine
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import load_model, preset_config
-from worker.engine.moe.mxfp4 import dequantize_mxfp4
 from worker.engine.parallel.runner import ShardRunner
 
 from .conftest import hf_generate
@@ -87,29 +84,6 @@ def randomize_biases(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # `.bias`, and gpt-oss's experts' `gate_up_proj_bias` / `down_proj_bias`
                 param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(param.numel()))
-
-
-def save_experts_as_mxfp4(model, path) -> None:
-    """The folder rewritten as gpt-oss's release: random MXFP4 experts ([E, rows, groups, 16] codes, rows [out, in],
-    gate/up rows interleaved), one file, `quantization_config` mxfp4; `model` takes their dequantized values."""
-    gen = torch.Generator().manual_seed(3)
-    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    for layer_idx, layer in enumerate(model.model.layers):
-        experts, prefix = layer.mlp.experts, f"model.layers.{layer_idx}.mlp.experts"
-        for linear, param in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
-            num_experts, in_features, out_features = param.shape  # transformers': x @ param[e]
-            blocks = torch.randint(0, 256, (num_experts, out_features, in_features // 32, 16), dtype=torch.uint8, generator=gen)
-            scales = torch.randint(121, 126, (num_experts, out_features, in_features // 32), dtype=torch.uint8, generator=gen)
-            with torch.no_grad():
-                param.copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
-            del state[f"{prefix}.{linear}"]
-            state[f"{prefix}.{linear}_blocks"], state[f"{prefix}.{linear}_scales"] = blocks, scales
-    for stale in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
-        stale.unlink()
-    save_file(state, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize(("name", "mode"), CASES)

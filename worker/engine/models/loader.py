@@ -1,9 +1,14 @@
 """Model loading: a named preset with random weights, or a checkpoint by local path or hub name.
 
 Owns nothing after loading: returns a transformers causal LM and a tokenizer. A checkpoint is read in one
-pass: config.json -> its quantization (quant/: FP8 formats, `--quantization fp8`; any other is refused in one
-line) -> its family (registry.py; a config the family does not implement stops here, before any weights) ->
-generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
+pass: config.json -> its quantization (quant/: FP8 formats, `--quantization fp8`, gpt-oss's MXFP4 experts; any
+other is refused in one line) -> its family (registry.py; a config the family does not implement stops here,
+before any weights) -> generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
+
+gpt-oss's MXFP4 release is read by slice as the one rank of a world of one (parallel/shard_model.py
+`load_whole_model`: every tensor straight onto the device, the experts dequantized to the model dtype one at a
+time by parallel/shard_experts.py, the reader the tensor-parallel ranks use), not by transformers' mxfp4
+quantizer (which needs a GPU and the `kernels` package).
 
 Quantization is a property of each linear: on sm89+ CUDA a quantized linear is an `Fp8LinearModule` (FP8
 weight and scales, which the owned decoder multiplies with FP8 GEMMs); elsewhere its weight is dequantized to
@@ -21,7 +26,13 @@ import os
 import torch
 
 from ..api import SamplingParams
-from ..quant import Fp8Config, UnsupportedQuantization, checkpoint_quantization, refuse_gguf
+from ..quant import (
+    Fp8Config,
+    UnsupportedQuantization,
+    checkpoint_quantization,
+    has_mxfp4_experts,
+    refuse_gguf,
+)
 from ..quant.linear import keeps_fp8, quantize_linears
 from ..quant.loader import load_quantized_model
 from ..tokenizer import ByteTokenizer, HFTokenizer
@@ -477,6 +488,11 @@ def load_model(
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config
                 ).to(device)
+            elif has_mxfp4_experts(config):  # gpt-oss's release: read by slice, its experts dequantized to `dtype`
+                from ..parallel.shard_model import load_whole_model  # parallel/ builds on this module
+
+                model = load_whole_model(name_or_path, text_config, family, key_mapping, device, dtype)
+                model.generation_config = generation_config
             else:
                 model = AutoModelForCausalLM.from_pretrained(
                     name_or_path,
@@ -495,7 +511,15 @@ def load_model(
 
 
 def _quantization(config, requested: str | None) -> Fp8Config | None:
-    """The quantization the linears run: the checkpoint's own, or `requested` on an unquantized one."""
+    """The quantization the linears run: the checkpoint's own, or `requested` on an unquantized one. None for
+    gpt-oss's MXFP4 release too: its linears are unquantized, its experts dequantized at load."""
+    if has_mxfp4_experts(config):
+        if requested is not None:
+            raise ModelLoadError(
+                f"--quantization {requested} is not supported on gpt-oss's MXFP4 release (cbq runs its experts "
+                "dequantized to the model dtype and its other linears as shipped)"
+            )
+        return None
     try:
         return checkpoint_quantization(getattr(config, "quantization_config", None), requested=requested)
     except UnsupportedQuantization as exc:

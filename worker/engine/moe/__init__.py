@@ -1,5 +1,5 @@
 """Mixture-of-experts layers (issue 25): what one computes (`spec`), its weights stacked per layer
-(`weights`, `mxfp4`), the forward on the CPU (`reference`) and on CUDA (`triton_moe`) behind `moe_forward`,
+(`weights`), the MXFP4 dequantizer (`mxfp4`, which parallel/shard_experts.py reads gpt-oss's release with), the forward on the CPU (`reference`) and on CUDA (`triton_moe`) behind `moe_forward`,
 and what a step costs and a model weighs (`cost`). Owns nothing itself; the decoder owns the layers' weights
 and one `MoeWorkspace`."""
 

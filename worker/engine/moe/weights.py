@@ -14,8 +14,8 @@ Checkpoint names understood (`layer_prefix` is e.g. "model.layers.3"):
     `mlp.router.weight`/`.bias`.
   - released Qwen2-MoE/Qwen3-MoE: `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`;
     released Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down), `block_sparse_moe.gate`.
-  - released gpt-oss: `mlp.experts.gate_up_proj_blocks/_scales` and `down_proj_blocks/_scales` (MXFP4,
-    `mxfp4.py`), rows already [out, in], gate/up rows interleaved; dequantized here to the model dtype.
+  - released gpt-oss (MXFP4 experts) is not read here: the loader dequantizes it into transformers' gpt-oss
+    parameters (parallel/shard_experts.py, the one MXFP4 reader), which this then reads as above.
   - Qwen2-MoE's shared expert: `mlp.shared_expert.{gate,up,down}_proj.weight`, `mlp.shared_expert_gate.weight`;
     GLM-4.5's: `mlp.shared_experts.{gate,up,down}_proj.weight` (ungated), its router's correction bias
     `mlp.gate.e_score_correction_bias` [E] (fp32 in the release).
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .mxfp4 import dequantize_mxfp4
 from .spec import MoeSpec
 
 
@@ -136,23 +135,7 @@ def load_moe_layer(
     down = torch.empty(num_experts, hidden, inter, dtype=dtype, device=device)
     interleaved = spec.model_type == "gpt_oss"
     fill: Callable[[int], None]
-    if f"{experts}.gate_up_proj_blocks" in tensors:  # released gpt-oss: MXFP4, rows [out, in] already
-
-        def fill(e: int) -> None:
-            blocks, scales = (
-                tensors[f"{experts}.gate_up_proj_blocks"],
-                tensors[f"{experts}.gate_up_proj_scales"],
-            )
-            rows = dequantize_mxfp4(blocks[e].to(device), scales[e].to(device), dtype)
-            _copy(gate_up[e], _deinterleave_rows(rows), f"{experts}.gate_up_proj_blocks")
-            blocks, scales = tensors[f"{experts}.down_proj_blocks"], tensors[f"{experts}.down_proj_scales"]
-            _copy(
-                down[e],
-                dequantize_mxfp4(blocks[e].to(device), scales[e].to(device), dtype),
-                f"{experts}.down_proj_blocks",
-            )
-
-    elif f"{experts}.gate_up_proj" in tensors:  # transformers 5.x stacked parameters
+    if f"{experts}.gate_up_proj" in tensors:  # transformers 5.x stacked parameters
         stacked_gate_up, stacked_down = tensors[f"{experts}.gate_up_proj"], tensors[f"{experts}.down_proj"]
 
         def fill(e: int) -> None:
@@ -175,7 +158,7 @@ def load_moe_layer(
                 _copy(dst, tensors[f"{experts}.{e}.{name}.weight"], f"{experts}.{e}.{name}.weight")
 
     else:
-        raise ValueError(f"no expert weights under {experts!r} (stacked, per-expert or MXFP4)")
+        raise ValueError(f"no expert weights under {experts!r} (stacked or per-expert)")
     for e in range(num_experts):
         fill(e)
 

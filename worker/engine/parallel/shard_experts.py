@@ -16,7 +16,8 @@ Layouts read (`layer_prefix` e.g. "model.layers.3"; the checkpoint's MLP is `mlp
   and their biases;
 - gpt-oss released, MXFP4 (`experts.gate_up_proj_blocks/_scales`, `down_proj_blocks/_scales`, rows [out, in]):
   the rank's rows of gate/up, and the 32-value groups of down's input that cover its columns, dequantized
-  (mxfp4.py), then laid out as transformers' gpt-oss parameters.
+  (mxfp4.py) one expert at a time on the rank's device, straight into transformers' gpt-oss layout. This is cbq's
+  one reader of MXFP4 checkpoints: the one-process loader reads the release as the one rank of a world of one.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def load_expert_shard(
     inter = spec.expert_intermediate_size
     part = shard_for(inter, state.rank, state.world_size, "the experts' intermediate size")
     if not moe.kernel_layout:  # gpt-oss: transformers' own layout, biased
-        tensors = _gpt_oss_experts(source, ckpt_experts, part, kw.get("dtype", torch.float32))
+        tensors = _gpt_oss_experts(source, ckpt_experts, part, kw.get("dtype", torch.float32), kw.get("device", "cpu"))
         if not state.is_first_rank:  # summed over the ranks by the all-reduce: held by rank 0 alone
             tensors["down_proj_bias"] = torch.zeros_like(tensors["down_proj_bias"])
     elif f"{ckpt_experts}.gate_up_proj" in source:
@@ -94,7 +95,9 @@ def _stack_per_expert(source: Checkpoint, experts: str, part: slice, spec: MoeSp
     }
 
 
-def _gpt_oss_experts(source: Checkpoint, experts: str, part: slice, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _gpt_oss_experts(
+    source: Checkpoint, experts: str, part: slice, dtype: torch.dtype, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """[E, H, 2I_rank] gate/up (interleaved, as transformers' GptOssExperts), [E, I_rank, H] down, and biases."""
     pairs = slice(2 * part.start, 2 * part.stop)  # features j in `part` are columns 2j (gate) and 2j + 1 (up)
     tensors = {
@@ -102,13 +105,8 @@ def _gpt_oss_experts(source: Checkpoint, experts: str, part: slice, dtype: torch
         "down_proj_bias": source.get_slice(f"{experts}.down_proj_bias")[:],
     }
     if f"{experts}.gate_up_proj_blocks" in source:  # the release: MXFP4, rows [out, in]
-        gate_up = _read_mxfp4(source, f"{experts}.gate_up_proj", (slice(None), pairs), dtype)  # [E, 2I_rank, H]
-        tensors["gate_up_proj"] = gate_up.transpose(1, 2)
-        groups = slice(part.start // VALUES_PER_GROUP, -(-part.stop // VALUES_PER_GROUP))
-        # [E, H, whole groups]: a rank's columns may start or end inside a group (TP=4 of gpt-oss's 2880)
-        down = _read_mxfp4(source, f"{experts}.down_proj", (slice(None), slice(None), groups), dtype)
-        first = groups.start * VALUES_PER_GROUP
-        tensors["down_proj"] = down[:, :, part.start - first : part.stop - first].transpose(1, 2)
+        tensors["gate_up_proj"] = _read_mxfp4(source, f"{experts}.gate_up_proj", pairs, slice(None), dtype, device)
+        tensors["down_proj"] = _read_mxfp4(source, f"{experts}.down_proj", slice(None), part, dtype, device)
     elif f"{experts}.gate_up_proj" in source:
         tensors["gate_up_proj"] = source.get_slice(f"{experts}.gate_up_proj")[:, :, pairs]
         tensors["down_proj"] = source.get_slice(f"{experts}.down_proj")[:, part]
@@ -117,7 +115,28 @@ def _gpt_oss_experts(source: Checkpoint, experts: str, part: slice, dtype: torch
     return tensors
 
 
-def _read_mxfp4(source: Checkpoint, name: str, index: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """`{name}_blocks[index]` with `{name}_scales[index]`, dequantized to `dtype` (exact in any float dtype)."""
-    blocks, scales = source.get_slice(f"{name}_blocks")[index], source.get_slice(f"{name}_scales")[index]
-    return dequantize_mxfp4(blocks, scales, dtype)
+def _read_mxfp4(
+    source: Checkpoint, name: str, rows: slice, columns: slice, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Every expert's `rows` x `columns` of the MXFP4 matrix `{name}_blocks` [E, out, in / 32, 16] with
+    `{name}_scales` [E, out, in / 32], dequantized to `dtype` (exact in bf16 and fp32) and returned transposed,
+    [E, columns, rows] contiguous on `device`: transformers' gpt-oss layout (x @ w[e]).
+
+    One expert at a time, on `device`: the dequantizer's temporaries (its int64 codes are 8 bytes a value) are one
+    expert's, never the layer's. Columns are read as the whole 32-value groups that cover them, since a rank's
+    columns may start or end inside a group (TP=4 of gpt-oss's 2880)."""
+    if f"{name}_scales" not in source:
+        raise ValueError(f"{name}_blocks has no {name}_scales beside it (MXFP4 stores codes and scales in two tensors)")
+    blocks, scales = source.get_slice(f"{name}_blocks"), source.get_slice(f"{name}_scales")
+    num_experts, num_rows, num_groups, _ = blocks.get_shape()
+    row_start, row_stop, row_step = rows.indices(num_rows)
+    col_start, col_stop, col_step = columns.indices(num_groups * VALUES_PER_GROUP)
+    assert row_step == col_step == 1, "a rank reads contiguous rows and columns"
+    groups = slice(col_start // VALUES_PER_GROUP, -(-col_stop // VALUES_PER_GROUP))
+    first = groups.start * VALUES_PER_GROUP
+    out = torch.empty(num_experts, col_stop - col_start, row_stop - row_start, dtype=dtype, device=device)
+    for e in range(num_experts):
+        index = (slice(e, e + 1), slice(row_start, row_stop), groups)
+        values = dequantize_mxfp4(blocks[index].to(device), scales[index].to(device), dtype)[0]  # [rows, groups * 32]
+        out[e].copy_(values[:, col_start - first : col_stop - first].t())
+    return out

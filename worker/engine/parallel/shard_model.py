@@ -39,6 +39,7 @@ from ..fused_weights import submodule
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family, LayerSpec, QKNormSpan
 from ..moe import moe_layer_ids, spec_from_config
+from ..quant import has_mxfp4_experts
 from .checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
 from .group import ParallelState, all_reduce, gather_to_first
 from .layers import (
@@ -137,14 +138,6 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
     if engine_config.decoder == "hf":
         return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
     return None
-
-
-def has_mxfp4_experts(config: Any) -> bool:
-    """gpt-oss as released: its experts in MXFP4 (the other linears unquantized), which shard_experts.py reads by
-    slice and dequantizes to the model dtype at load."""
-    quant = getattr(config, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return config.model_type == "gpt_oss" and method == "mxfp4"
 
 
 def shard_config(config: Any, state: ParallelState) -> Any:
@@ -322,6 +315,10 @@ def _load_moe(
     assert family.moe is not None
     spec = spec_from_config(config)
     for name, tensor in load_expert_shard(source, prefix, family.moe, spec, state, **kw).items():
+        module_path, _, attr = name.rpartition(".")
+        want = submodule(model, module_path)._parameters[attr]
+        if want is not None and want.shape != tensor.shape:  # a checkpoint of other sizes than its config.json's
+            raise ValueError(f"{name}: the checkpoint's experts give {list(tensor.shape)}, the config {list(want.shape)}")
         _set_param(model, name, tensor)
     if family.moe.shared_expert is not None:
         shared = f"{prefix}.{family.moe.shared_expert}"
@@ -368,21 +365,17 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     else:
         config = loader._load_config(name_or_path)
         _check(config, engine_config)
-        if not has_mxfp4_experts(config) and loader._quantization(config, engine_config.quantization) is not None:
+        if loader._quantization(config, engine_config.quantization) is not None:  # gpt-oss's MXFP4 is read here
             raise ModelLoadError("quantized checkpoints are not supported with tensor parallelism yet")
         family, _ = family_for(config)
         # a multimodal checkpoint (Gemma 3 4B-27B): its language model's config, its weights under the text names
         text_config, renames = loader._text_model(config, family)
-        path = name_or_path if os.path.isdir(name_or_path) else _download(name_or_path)
+        path = local_folder(name_or_path)
         generation_config = loader._load_generation_config(path, config)
         if state.is_first_rank:
             eos = loader.checkpoint_eos_token_ids(config, generation_config)
             tokenizer = loader._load_tokenizer(path, eos)
-        try:
-            checkpoint = SafetensorsCheckpoint.from_dir(path)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {exc}") from exc
-        source = checkpoint if renames is None else RenamedCheckpoint(checkpoint, renames)
+        source = open_checkpoint(path, renames, name_or_path)
         config = text_config
     family, _ = family_for(config)
     if device.type == "cuda":
@@ -393,6 +386,34 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     if device.type == "cuda":
         torch.cuda.empty_cache()  # a preset's whole model is gone: its blocks are free for the KV cache
     return model, tp, tokenizer
+
+
+def load_whole_model(
+    name_or_path: str, config: Any, family: Family, renames: dict[str, str] | None, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """The whole model of a checkpoint as the one shard of a world of one (no process group): a plain transformers
+    model (no quantizer: `shard_config` drops quantization_config) read by slice straight onto `device`, ready for
+    `generate` and the owned decoder. The one-process loader's path for gpt-oss's MXFP4 release, whose experts
+    shard_experts.py dequantizes to `dtype` (transformers' own mxfp4 integration needs a GPU and other packages).
+    `config`: the model's (a multimodal checkpoint's text config, its names mapped by `renames`)."""
+    source = open_checkpoint(local_folder(name_or_path), renames, name_or_path)
+    model, _ = build_shard(config, family, source, ParallelState(rank=0, world_size=1, device=device), dtype)
+    return model
+
+
+def local_folder(name_or_path: str) -> str:
+    """A checkpoint's folder: the path itself, or a hub checkpoint's files downloaded (the hub cache)."""
+    return name_or_path if os.path.isdir(name_or_path) else _download(name_or_path)
+
+
+def open_checkpoint(path: str, renames: dict[str, str] | None, name_or_path: str) -> Checkpoint:
+    """The safetensors files of folder `path` by tensor name; under the text model's names where `renames` maps
+    them. A ModelLoadError (one line) when they cannot be opened."""
+    try:
+        checkpoint = SafetensorsCheckpoint.from_dir(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {exc}") from exc
+    return checkpoint if renames is None else RenamedCheckpoint(checkpoint, renames)
 
 
 def _check_fits(config: Any, family: Family, state: ParallelState, dtype: torch.dtype, model_name: str) -> None:
@@ -413,11 +434,17 @@ def _check(config: Any, engine_config: EngineConfig) -> None:
         raise ModelLoadError(f"tensor parallelism: {reason}")
 
 
+# What reading a hub checkpoint by slice needs: its top-level files (SafetensorsCheckpoint.from_dir reads no
+# subfolder; gpt-oss's repos keep another copy of the weights under `original/`, 13 GB for 20b).
+DOWNLOAD_ALLOW = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+DOWNLOAD_IGNORE = ["*/*"]
+
+
 def _download(name: str) -> str:
     """A hub checkpoint's local folder (the hub cache), for reading by slice."""
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+        return snapshot_download(name, allow_patterns=DOWNLOAD_ALLOW, ignore_patterns=DOWNLOAD_IGNORE)
     except Exception as exc:  # no network, no such repo
         raise ModelLoadError(f"cannot download {name!r}: {loader._one_line(exc)}") from exc

@@ -2,7 +2,8 @@
 
   config.py   `checkpoint_quantization(quantization_config, requested)`: the typed description of a
               checkpoint's format (block-wise "fp8", compressed-tensors float-quantized, fbgemm_fp8) or of
-              `--quantization fp8`; the one-line refusal of everything else (`UnsupportedQuantization`)
+              `--quantization fp8`; the one-line refusal of everything else (`UnsupportedQuantization`);
+              `has_mxfp4_experts(config)`: gpt-oss's release, whose MXFP4 experts the loader dequantizes
   methods.py  `linear_method(config, module_name)`: the method object of one linear (None: unquantized);
               it loads the linear's tensors (`Fp8Linear`), dequantizes them, and applies the GEMM
   fp8.py      plain-torch quantize/dequantize, `Fp8Linear`, and the emulation the kernels are checked against
@@ -42,6 +43,7 @@ from .config import (
     UnsupportedQuantization,
     WeightScale,
     checkpoint_quantization,
+    has_mxfp4_experts,
     refuse_gguf,
 )
 from .fp8 import Fp8Linear, dequantize_weight, fp8_linear_emulated
@@ -69,6 +71,7 @@ __all__ = [
     "dequantize_weight",
     "fp8_linear",
     "fp8_linear_emulated",
+    "has_mxfp4_experts",
     "linear_method",
     "load_dequantized_model",
     "refuse_gguf",

@@ -18,6 +18,8 @@
                              output channel at load, activations per token
 
 Each answers `scheme_for(module_name)`: the module's `Fp8Scheme`, or None when that linear is not quantized.
+gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized, none of its linears) is
+not a linear format: the loader dequantizes its experts (parallel/shard_experts.py) and never asks for one here.
 Everything else (AWQ, GPTQ, bitsandbytes, GGUF, int8 compressed-tensors, FP8 variants not listed above)
 raises `UnsupportedQuantization` with one line that names the field and what cbq runs (`CBQ_RUNS`).
 """
@@ -34,10 +36,11 @@ from typing import Any
 from ..config import QUANTIZATIONS  # what `--quantization` accepts
 
 CBQ_RUNS = (
-    "cbq runs bf16, fp16 and fp32 checkpoints and FP8 ones in the formats fp8 (block-wise), "
-    "compressed-tensors (float-quantized FP8) and fbgemm_fp8"
+    "cbq runs bf16, fp16 and fp32 checkpoints, FP8 ones in the formats fp8 (block-wise), "
+    "compressed-tensors (float-quantized FP8) and fbgemm_fp8, and gpt-oss's MXFP4 experts (dequantized at load)"
 )
 _FIELD = "config.json quantization_config"
+MXFP4 = "mxfp4"  # gpt-oss's experts' quant_method
 
 
 class UnsupportedQuantization(ValueError):
@@ -196,7 +199,20 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
         return _parse_compressed_tensors(quantization_config)
     if method == "fbgemm_fp8":
         return _parse_fbgemm(quantization_config)
+    if method == MXFP4:  # gpt-oss's release is read before this (has_mxfp4_experts): any other model lands here
+        raise _refuse(f"{_FIELD}.quant_method {MXFP4!r} on a model other than gpt-oss")
     raise _refuse(f"{_FIELD}.quant_method {method!r}")
+
+
+def has_mxfp4_experts(config: Any) -> bool:
+    """gpt-oss as released: quant_method "mxfp4" on a gpt_oss config, which quantizes its experts alone (its linears
+    are bf16). cbq dequantizes the experts to the model dtype at load, in one process and by rank's slice."""
+    quant = getattr(config, "quantization_config", None)
+    to_dict = getattr(quant, "to_dict", None)  # a transformers QuantizationConfigMixin
+    if callable(to_dict):
+        quant = to_dict()
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    return getattr(config, "model_type", None) == "gpt_oss" and method == MXFP4
 
 
 def refuse_gguf(name_or_path: str) -> None:
