@@ -79,7 +79,7 @@ from .moe.from_model import moe_layer_weights
 from .quant.linear import Fp8LinearModule
 
 if TYPE_CHECKING:
-    from .parallel.shard_model import TensorParallel
+    from .parallel.shard_build import TensorParallel
 
 
 def unsupported_reason(model) -> str | None:

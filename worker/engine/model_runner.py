@@ -44,7 +44,7 @@ from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, s
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
 
 if TYPE_CHECKING:
-    from .parallel.shard_model import TensorParallel
+    from .parallel.shard_build import TensorParallel
 
 # Decode batch sizes that get a CUDA graph; a decode step pads up to the next one. Dense where batches
 # are small (every padded row costs a full row of weights traffic), coarser where they are large.

@@ -162,7 +162,7 @@ def test_a_hub_release_is_downloaded_without_its_other_copies():
     """gpt-oss's hub repos hold the weights twice (`original/`, another format): only the top level is fetched."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from worker.engine.parallel.shard_model import DOWNLOAD_ALLOW, DOWNLOAD_IGNORE
+    from worker.engine.parallel.shard_build import DOWNLOAD_ALLOW, DOWNLOAD_IGNORE
 
     repo = ["config.json", "generation_config.json", "model.safetensors.index.json", "model-00000-of-00002.safetensors",
             "tokenizer.json", "tokenizer_config.json", "original/model.safetensors", "original/config.json",

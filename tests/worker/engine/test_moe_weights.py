@@ -13,8 +13,8 @@ from worker.engine.models.gpt_oss import FAMILY as GPT_OSS
 from worker.engine.moe import load_moe_layer, spec_from_config
 from worker.engine.moe.mxfp4 import E2M1_TABLE, dequantize_mxfp4
 from worker.engine.parallel.group import ParallelState
+from worker.engine.parallel.shard_build import ModelSource
 from worker.engine.parallel.shard_experts import load_expert_shard
-from worker.engine.parallel.shard_model import ModelSource
 
 from .test_moe_reference import layer_from_block, random_block
 

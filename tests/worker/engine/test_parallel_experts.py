@@ -12,8 +12,8 @@ from worker.engine.models.mixtral import FAMILY as MIXTRAL
 from worker.engine.moe.mxfp4 import dequantize_mxfp4
 from worker.engine.moe.spec import MoeSpec
 from worker.engine.parallel.group import ParallelState
+from worker.engine.parallel.shard_build import ModelSource
 from worker.engine.parallel.shard_experts import load_expert_shard
-from worker.engine.parallel.shard_model import ModelSource
 
 E, H, INTER = 3, 64, 96  # at TP=4 each rank holds 24 of the 96 features: three 32-value groups, cut mid-group
 LAYER = "model.layers.0"

@@ -5,7 +5,7 @@ pass: config.json -> its quantization (quant/: FP8 formats, `--quantization fp8`
 other is refused in one line) -> its family (registry.py; a config the family does not implement stops here,
 before any weights) -> generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
 
-gpt-oss's MXFP4 release is read by slice as the one rank of a world of one (parallel/shard_model.py
+gpt-oss's MXFP4 release is read by slice as the one rank of a world of one (parallel/shard_build.py
 `load_whole_model`: every tensor straight onto the device, the experts dequantized to the model dtype one at a
 time by parallel/shard_experts.py, the reader the tensor-parallel ranks use), not by transformers' mxfp4
 quantizer (which needs a GPU and the `kernels` package).
@@ -26,6 +26,7 @@ import os
 import torch
 
 from ..api import SamplingParams
+from ..parallel.shard_build import load_whole_model
 from ..quant import (
     Fp8Config,
     UnsupportedQuantization,
@@ -36,6 +37,8 @@ from ..quant import (
 from ..quant.linear import keeps_fp8, quantize_linears
 from ..quant.loader import load_quantized_model
 from ..tokenizer import ByteTokenizer, HFTokenizer
+from .errors import ModelLoadError
+from .errors import one_line as _one_line
 from .registry import MODULES, family_of
 from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
 
@@ -413,10 +416,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class ModelLoadError(ValueError):
-    """The model cannot be loaded; the message is one line that says why (the CLI prints it as is)."""
-
-
 def check_moe_fit(config, dtype: torch.dtype, gpu_free_bytes: int) -> str:
     """For a mixture of experts: its weights' bytes in `dtype` against the GPU's free bytes, from the config alone
     (before anything is allocated), the experts twice where the owned decoder copies them (`kernel_layout`).
@@ -489,8 +488,6 @@ def load_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config
                 ).to(device)
             elif has_mxfp4_experts(config):  # gpt-oss's release: read by slice, its experts dequantized to `dtype`
-                from ..parallel.shard_model import load_whole_model  # parallel/ builds on this module
-
                 model = load_whole_model(name_or_path, text_config, family, key_mapping, device, dtype)
                 model.generation_config = generation_config
             else:
@@ -601,11 +598,6 @@ def _load_generation_config(name_or_path: str, config):
         return GenerationConfig.from_pretrained(name_or_path)
     except OSError:  # no such file: as `from_pretrained` does
         return GenerationConfig.from_model_config(config)
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def checkpoint_eos_token_ids(config, generation_config) -> frozenset[int]:

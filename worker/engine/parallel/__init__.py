@@ -66,7 +66,7 @@ built).
 Sharded families: every family the owned decoder runs. Fused q/k/v and gate/up checkpoints (Phi-3/4, GLM-4) are
 read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss are split by intermediate size
 (the router replicated, a down bias on rank 0 only); gpt-oss's MXFP4 release is dequantized at load (and at TP=1:
-the one-process loader reads it as the one rank of a world of one, `shard_model.load_whole_model`). An FP8 KV
+the one-process loader reads it as the one rank of a world of one, `shard_build.load_whole_model`). An FP8 KV
 cache (--kv-cache-dtype fp8) holds each rank's own KV heads, with one process's static scales (1.0).
 
 Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), FP8 (layers.py's linear methods are

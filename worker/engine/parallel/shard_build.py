@@ -1,0 +1,342 @@
+"""Building one rank's shard model from a checkpoint read by slice (the tensor-parallel ranks', and at a world of one
+the one-process loader's for gpt-oss's MXFP4 release). Owns nothing after building: returns the model.
+
+Below both shard_model.py (the ranks' loading, refusals and collectives) and models/loader.py (one process): it
+imports neither, so the loader can read a checkpoint the way the ranks do (`load_whole_model`) without a cycle.
+What it builds is described in shard_model.py's docstring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..fused_weights import submodule
+from ..models.errors import ModelLoadError, one_line
+from ..models.spec import Family, LayerSpec, QKNormSpan
+from ..moe import moe_layer_ids, spec_from_config
+from ..quant import has_mxfp4_experts
+from .checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
+from .group import ParallelState, all_reduce, gather_to_first
+from .layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_shard,
+    shard_for,
+)
+from .shard_experts import load_expert_shard
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The owned decoder's collectives on a sharded model (decoder.py calls these; None there at TP=1)."""
+
+    state: ParallelState
+    embedding: VocabParallelEmbedding  # the rank's vocabulary rows; the decoder's embed_weight is its weight
+    vocab_size: int
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of `input_ids` [T] -> [T, hidden], every rank's rows filled in by an all-reduce."""
+        return self.embedding(input_ids)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel GEMM's partial output summed over the ranks (the attention's o, the MLP's down)."""
+        return all_reduce(self.state, x)
+
+    def mean_square(self, xf: torch.Tensor) -> torch.Tensor:
+        """[T, W] fp32, this rank's slice of a projection -> [T, 1]: the mean of squares over the whole projection
+        (OLMo 2's q/k norms), one all-reduce of [T]. Every rank holds a slice of the same width W; where KV heads
+        are replicated (fewer than ranks) each head is held by N / KVH ranks, so the sum over ranks counts it that
+        many times and N * W is that many whole projections: the quotient is the mean either way."""
+        sums = all_reduce(self.state, xf.pow(2).sum(-1, keepdim=True))
+        return sums / (xf.shape[-1] * self.state.world_size)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns [R, V/N] -> the full logits [R, V] on rank 0, which samples; the other
+        ranks get their own part back (never sampled from)."""
+        full = gather_to_first(self.state, logits, dim=-1)
+        return logits if full is None else full[..., : self.vocab_size]
+
+
+class ModelSource:
+    """Tensors by checkpoint name from a state dict (a preset built in memory), read like a checkpoint."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return _TensorSlice(self.tensors[name])
+
+
+class _TensorSlice:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def shard_config(config: Any, state: ParallelState) -> Any:
+    """The config of one rank's shard: its q heads, KV heads and MLP width; head_dim kept as the full model's."""
+    heads = head_shard(config.num_attention_heads, config.num_key_value_heads, state.rank, state.world_size)
+    mlp = shard_for(config.intermediate_size, state.rank, state.world_size, "intermediate_size")
+    shard = copy.deepcopy(config)
+    if has_mxfp4_experts(config):  # dequantized at load: the shard model holds plain weights
+        del shard.quantization_config
+    shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shard.num_attention_heads = heads.num_q_heads
+    shard.num_key_value_heads = heads.num_kv_heads
+    shard.intermediate_size = mlp.stop - mlp.start
+    # MoE experts, shared expert (GLM-4.5's is n_shared_experts x moe_intermediate_size: split with it)
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = getattr(config, field, None)
+        if size:
+            part = shard_for(size, state.rank, state.world_size, field)
+            setattr(shard, field, part.stop - part.start)
+    return shard
+
+
+# --- building the shard --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no init); buffers (rotary
+    tables, Gemma's embedding scale) are made as usual, on the CPU."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        if param is not None:
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _set_param(root: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    module_path, _, attr = name.rpartition(".")
+    module = submodule(root, module_path) if module_path else root
+    module._parameters[attr] = None if tensor is None else nn.Parameter(tensor, requires_grad=False)
+
+
+def build_shard(
+    config: Any, family: Family, source: Checkpoint, state: ParallelState, dtype: torch.dtype
+) -> tuple[nn.Module, TensorParallel]:
+    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = shard_config(config, state)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    device = state.device
+    for module in model.modules():  # the buffers (rotary tables); the parameters are still on meta
+        for buffer_name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[buffer_name] = buffer.to(device)
+    hidden = config.hidden_size
+    layers = submodule(model, family.layers_path)
+    sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
+    kw: dict[str, Any] = dict(dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw)
+        loader.attention(family, config, cfg.head_dim)
+        if i in sparse:
+            _load_moe(model, loader.prefix, family, source, state, config, kw)
+        else:
+            loader.dense_mlp(family.layer, config)
+    embed_name = f"{family.embed_path}.weight"
+    embedding = VocabParallelEmbedding(config.vocab_size, hidden, state, **kw)
+    embedding.load_from(source, family.embed_path)
+    _set_param(model, embed_name, embedding.weight)
+    head_name = _param_name(model, model.get_output_embeddings())
+    if bool(getattr(config, "tie_word_embeddings", False)):
+        model.get_output_embeddings().weight = submodule(model, family.embed_path).weight
+    else:
+        head = ParallelLMHead(config.vocab_size, hidden, state, **kw)
+        head.load_from(source, head_name)
+        _set_param(model, f"{head_name}.weight", head.weight)
+    # What is left is replicated: the norms, routers. In the dtype transformers built each in (GLM-4.5's router
+    # is fp32 whatever the model's dtype, as at TP=1).
+    for param_name, param in list(model.named_parameters()):
+        if param.is_meta:
+            _set_param(model, param_name, source.get_slice(param_name)[:].to(device=device, dtype=param.dtype))
+    for buffer_name, buffer in model.named_buffers():  # stored buffers (GLM-4.5's correction bias): replicated
+        if buffer_name in source:
+            buffer.copy_(source.get_slice(buffer_name)[:])
+    model.eval().requires_grad_(False)
+    return model, TensorParallel(state, embedding, config.vocab_size)
+
+
+@dataclass(frozen=True)
+class _LayerLoader:
+    """Loads one decoder layer's attention and dense MLP into the meta-built shard `model`, the rank's slices only."""
+
+    model: nn.Module
+    layer: nn.Module
+    prefix: str  # the layer's path in the model and the checkpoint, e.g. "model.layers.3"
+    source: Checkpoint
+    state: ParallelState
+    kw: dict[str, Any]  # dtype and device
+
+    def name(self, part: str) -> str:
+        return f"{self.prefix}.{part}"
+
+    def has_bias(self, part: str) -> bool:
+        return submodule(self.layer, part).bias is not None
+
+    def attention(self, family: Family, config: Any, head_dim: int) -> None:
+        """q/k/v by head (separate or shipped fused), the whole-projection q/k norms' and the sinks' entries of the
+        rank's heads, o by columns."""
+        spec, name = family.layer, self.name
+        qkv = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, self.state,
+            bias=self.has_bias(spec.qkv.parts[0]), **self.kw,
+        )  # fmt: skip
+        if len(spec.qkv.parts) == 1:  # shipped fused (Phi-3): the rank's heads out of each block of rows
+            qkv.load_fused_qkv(self.source, name(spec.qkv.parts[0]))
+            sizes = [qkv.output_size_per_rank]
+        else:
+            qkv.load_qkv(self.source, *map(name, spec.qkv.parts))
+            sizes = [qkv.q_size_per_rank, qkv.kv_size_per_rank, qkv.kv_size_per_rank]
+        _bind_rows(self.model, [name(p) for p in spec.qkv.parts], qkv, sizes)
+        if spec.q_norm is not None and spec.qk_norm_span == QKNormSpan.FULL:  # [H * D], [KVH * D]
+            for norm, heads in ((spec.q_norm, qkv.heads.q_heads), (spec.k_norm, qkv.heads.kv_heads)):
+                assert norm is not None, "a family with a q norm has a k norm"
+                self.load_entries(f"{name(norm)}.weight", slice(heads.start * head_dim, heads.stop * head_dim))
+        if family.attention_sinks is not None:  # one logit per q head (gpt-oss)
+            self.load_entries(name(family.attention_sinks), qkv.heads.q_heads)
+        self.row(spec.o.parts[0], config.num_attention_heads * head_dim, config.hidden_size)
+
+    def dense_mlp(self, spec: LayerSpec, config: Any) -> None:
+        """gate/up by rows of the intermediate size (separate or shipped fused), down by columns."""
+        name, inter = self.name, config.intermediate_size
+        gate_up = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], self.state, bias=self.has_bias(spec.gate_up.parts[0]), **self.kw
+        )
+        if len(spec.gate_up.parts) == 1:  # shipped fused (Phi-3, GLM-4): gate rows, then up rows
+            gate_up.load_fused(self.source, name(spec.gate_up.parts[0]))
+            sizes = [gate_up.output_size_per_rank]
+        else:
+            gate_up.load_merged(self.source, [name(p) for p in spec.gate_up.parts])
+            sizes = gate_up.output_sizes_per_rank
+        _bind_rows(self.model, [name(p) for p in spec.gate_up.parts], gate_up, sizes)
+        self.row(spec.down.parts[0], inter, config.hidden_size)
+
+    def row(self, part: str, input_size: int, output_size: int) -> None:
+        """A row-parallel linear (o, down): the rank's columns; the bias on rank 0 only, so that the all-reduce
+        after the GEMM adds it once."""
+        row = RowParallelLinear(input_size, output_size, self.state, bias=self.has_bias(part), **self.kw)
+        row.load_from(self.source, self.name(part))
+        _set_param(self.model, f"{self.name(part)}.weight", row.get_parameter("weight"))
+        _set_param(self.model, f"{self.name(part)}.bias", row.bias if self.state.is_first_rank else None)
+
+    def load_entries(self, name: str, entries: slice) -> None:
+        """A per-head vector (sinks, a whole-projection norm): the rank's entries, checked against the shard's size."""
+        want = submodule(self.model, name.rpartition(".")[0])._parameters[name.rpartition(".")[2]].shape[0]
+        values = self.source.get_slice(name)[entries]
+        if values.shape[0] != want:
+            raise ValueError(f"{name}: the checkpoint's entries {entries} hold {values.shape[0]} values, expected {want}")
+        _set_param(self.model, name, values.to(**self.kw))
+
+
+def _load_moe(
+    model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
+) -> None:
+    """A sparse layer: the router (replicated) and every expert's slice of columns (shard_experts.py), and a shared
+    expert split like a dense MLP, its gate replicated (left to the generic pass)."""
+    assert family.moe is not None
+    spec = spec_from_config(config)
+    for name, tensor in load_expert_shard(source, prefix, family.moe, spec, state, **kw).items():
+        module_path, _, attr = name.rpartition(".")
+        want = submodule(model, module_path)._parameters[attr]
+        if want is not None and want.shape != tensor.shape:  # a checkpoint of other sizes than its config.json's
+            raise ValueError(f"{name}: the checkpoint's experts give {list(tensor.shape)}, the config {list(want.shape)}")
+        _set_param(model, name, tensor)
+    if family.moe.shared_expert is not None:
+        shared = f"{prefix}.{family.moe.shared_expert}"
+        size = spec.shared_expert_intermediate_size
+        gate_up_layer = MergedColumnParallelLinear(config.hidden_size, [size, size], state, **kw)
+        names = [f"{shared}.gate_proj", f"{shared}.up_proj"]
+        gate_up_layer.load_merged(source, names)
+        _bind_rows(model, names, gate_up_layer, gate_up_layer.output_sizes_per_rank)
+        down_layer = RowParallelLinear(size, config.hidden_size, state, **kw)
+        down_layer.load_from(source, f"{shared}.down_proj")
+        _set_param(model, f"{shared}.down_proj.weight", down_layer.get_parameter("weight"))
+
+
+def _param_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, sizes: list[int]) -> None:
+    """The linears `names` become views of consecutive row blocks of the column-parallel `layer`."""
+    offset = 0
+    for linear, size in zip(names, sizes, strict=True):
+        _set_param(model, f"{linear}.weight", layer.get_parameter("weight")[offset : offset + size])
+        if layer.bias is not None:
+            _set_param(model, f"{linear}.bias", layer.bias[offset : offset + size])
+        offset += size
+
+def load_whole_model(
+    name_or_path: str, config: Any, family: Family, renames: dict[str, str] | None, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """The whole model of a checkpoint as the one shard of a world of one (no process group): a plain transformers
+    model (no quantizer: `shard_config` drops quantization_config) read by slice straight onto `device`, ready for
+    `generate` and the owned decoder. The one-process loader's path for gpt-oss's MXFP4 release, whose experts
+    shard_experts.py dequantizes to `dtype` (transformers' own mxfp4 integration needs a GPU and other packages).
+    `config`: the model's (a multimodal checkpoint's text config, its names mapped by `renames`)."""
+    source = open_checkpoint(local_folder(name_or_path), renames, name_or_path)
+    model, _ = build_shard(config, family, source, ParallelState(rank=0, world_size=1, device=device), dtype)
+    return model
+
+
+def local_folder(name_or_path: str) -> str:
+    """A checkpoint's folder: the path itself, or a hub checkpoint's files downloaded (the hub cache)."""
+    return name_or_path if os.path.isdir(name_or_path) else _download(name_or_path)
+
+
+def open_checkpoint(path: str, renames: dict[str, str] | None, name_or_path: str) -> Checkpoint:
+    """The safetensors files of folder `path` by tensor name; under the text model's names where `renames` maps
+    them. A ModelLoadError (one line) when they cannot be opened."""
+    try:
+        checkpoint = SafetensorsCheckpoint.from_dir(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {exc}") from exc
+    return checkpoint if renames is None else RenamedCheckpoint(checkpoint, renames)
+
+
+# What reading a hub checkpoint by slice needs: its top-level files (SafetensorsCheckpoint.from_dir reads no
+# subfolder; gpt-oss's repos keep another copy of the weights under `original/`, 13 GB for 20b).
+DOWNLOAD_ALLOW = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+DOWNLOAD_IGNORE = ["*/*"]
+
+
+def _download(name: str) -> str:
+    """A hub checkpoint's local folder (the hub cache), for reading by slice."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=DOWNLOAD_ALLOW, ignore_patterns=DOWNLOAD_IGNORE)
+    except Exception as exc:  # no network, no such repo
+        raise ModelLoadError(f"cannot download {name!r}: {one_line(exc)}") from exc
