@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from .config import (
     CBQ_RUNS,
+    MOE_RUNS,
     QUANTIZATIONS,
     ActivationScale,
     BlockFp8Config,
@@ -44,6 +45,7 @@ from .config import (
     WeightScale,
     checkpoint_quantization,
     has_mxfp4_experts,
+    moe_quantization,
     refuse_gguf,
 )
 from .fp8 import Fp8Linear, dequantize_weight, fp8_linear_emulated
@@ -53,6 +55,7 @@ from .methods import Fp8CheckpointError, Fp8LinearMethod, linear_method
 
 __all__ = [
     "CBQ_RUNS",
+    "MOE_RUNS",
     "QUANTIZATIONS",
     "ActivationScale",
     "BlockFp8Config",
@@ -74,5 +77,6 @@ __all__ = [
     "has_mxfp4_experts",
     "linear_method",
     "load_dequantized_model",
+    "moe_quantization",
     "refuse_gguf",
 ]
