@@ -11,7 +11,8 @@
   small_step.py  the small decode steps' FP8 GEMM (<= 32 rows): x quantized per token inside one PDL kernel,
               act·mul in the gate/up variant's epilogue; the decoder's path with decode_gemm "triton"
   loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
-              or dequantized into a plain transformers model (the CPU path)
+              or dequantized into a plain transformers model (the CPU path); a mixture of experts' experts
+              (and every linear under a sparse MLP) always dequantized, read by parallel/shard_experts.py
   linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
               apply), `Fp8Weight` (what the owned decoder multiplies), `quantize_linears` (--quantization
               fp8 on a model in memory), `keeps_fp8(device)` (sm89+ CUDA keeps FP8, elsewhere dequantized)
