@@ -98,9 +98,12 @@ def test_experts_are_the_dequantized_checkpoint_tensors_exactly(release, loaded,
         assert torch.equal(model.get_parameter(router), tensors[router].float()), router
     q_proj = "model.layers.0.self_attn.q_proj"  # the attention: dequantized on the CPU, as a dense model's
     assert torch.equal(model.get_parameter(f"{q_proj}.weight"), dequantized(tensors, q_proj))
-    if fmt == "ct-channel-dynamic":  # GLM-4.5-Air's stored fp32 correction bias, kept in fp32
-        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-        assert torch.equal(model.get_buffer(bias), tensors[bias])
+    if fmt == "ct-channel-dynamic":  # GLM-4.5's fp32 router and correction bias stay fp32 in a bf16 model
+        bf16, _ = load_model(str(release(fmt).path), CPU, torch.bfloat16)
+        for name in ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"):
+            assert tensors[name].dtype == torch.float32 and tensors[name].to(torch.bfloat16).float().ne(tensors[name]).any()
+            held = bf16.get_buffer(name) if "bias" in name else bf16.get_parameter(name)
+            assert torch.equal(held, tensors[name]), name
 
 
 @pytest.mark.parametrize("fmt", list(MOE_FORMATS))
