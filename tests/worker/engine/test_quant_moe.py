@@ -277,3 +277,28 @@ def test_gpu_fp8_moe_loads_fp8_attention_and_bf16_experts(release, fmt):
     firsts = [r.token_ids[:1] == greedy(model, tok, q)[:1] for q, r in zip(reqs, results, strict=True)]
     print(f"{fmt} MoE: first tokens agree with generate() on {sum(firsts)} of 16")
     assert sum(firsts) >= math.ceil(GPU_TOP1 * 16), f"first tokens agree with generate() on {sum(firsts)} of 16"
+
+
+def test_the_multi_token_prediction_layer_is_not_read(release, tmp_path):
+    """GLM-4.5's releases ship one more layer (`num_nextn_predict_layers`, FP8 like the others) that transformers
+    does not build: the loader skips it; without that field, such a tensor is named in one line."""
+    from safetensors.torch import save_file
+
+    fp8 = release("ct-channel-dynamic")
+    path = _with_quantization_config(fp8, tmp_path / "mtp", json.loads((fp8.path / "config.json").read_text())["quantization_config"])
+    num_layers = json.loads((fp8.path / "config.json").read_text())["num_hidden_layers"]
+    extra = f"model.layers.{num_layers}.eh_proj"
+    save_file({f"{extra}.weight": torch.ones(8, 8).to(torch.float8_e4m3fn), f"{extra}.weight_scale": torch.ones(8, 1)},
+              str(Path(path) / "mtp.safetensors"))  # fmt: skip
+    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
+    index["weight_map"] |= {f"{extra}.weight": "mtp.safetensors", f"{extra}.weight_scale": "mtp.safetensors"}
+    (Path(path) / "model.safetensors.index.json").write_text(json.dumps(index))
+    for nextn in (1, 0):
+        config = json.loads((Path(path) / "config.json").read_text())
+        (Path(path) / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": nextn}))
+        if nextn:
+            model, _ = load_model(path, CPU, torch.float32)
+            assert len(model.model.layers) == num_layers
+        else:
+            with pytest.raises(ModelLoadError, match=f"the checkpoint has {extra}.weight \\(torch.float8_e4m3fn\\)"):
+                load_model(path, CPU, torch.float32)
