@@ -6,8 +6,8 @@ is not part of it (every family's experts are stored the same way, `weights.py`)
 
 `spec_from_config` knows five families (qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe) and refuses, in one
 line, any config field that would change the math in a way this package does not compute, and any quantization
-whose experts cbq cannot read (quant/config.py `moe_quantization`: FP8 experts are dequantized at load). `moe_layer_ids` says
-which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM-4.5's
+whose experts cbq cannot read (quant/config.py `moe_quantization`: FP8 experts are dequantized at load).
+`moe_layer_ids` says which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM-4.5's
 `first_k_dense_replace`); the others are dense MLPs of `dense_intermediate_size`.
 """
 

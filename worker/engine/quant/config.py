@@ -19,8 +19,8 @@
 
 Each answers `scheme_for(module_name)`: the module's `Fp8Scheme`, or None when that linear is not quantized.
 `moe_quantization` is the same for a mixture of experts, narrowed to the formats whose experts cbq reads (and
-dequantizes at load). gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized, none of its linears) is
-not a linear format: the loader dequantizes its experts (parallel/shard_experts.py) and never asks for one here.
+dequantizes at load). gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized,
+none of its linears) is not a linear format: the loader dequantizes its experts (parallel/shard_experts.py) and never asks for one here.
 Everything else (AWQ, GPTQ, bitsandbytes, GGUF, int8 compressed-tensors, FP8 variants not listed above)
 raises `UnsupportedQuantization` with one line that names the field and what cbq runs (`CBQ_RUNS`).
 """
