@@ -174,7 +174,8 @@ def test_owned_decoder_with_the_triton_experts_equals_generate_in_the_interprete
     [
         ("tiny-qwen3-moe", "hidden_act", "gelu"),  # experts compute silu(gate) * up
         ("tiny-mixtral", "routed_scaling_factor", 2.5),  # DeepSeek's routing knob, which mixtral does not read
-        ("tiny-qwen2-moe", "quantization_config", {"quant_method": "fp8"}),
+        ("tiny-qwen2-moe", "quantization_config", {"quant_method": "fp8"}),  # per-tensor FP8
+        ("tiny-qwen3-moe", "quantization_config", {"quant_method": "fbgemm_fp8"}),  # experts cbq does not read
         ("tiny-glm4-moe", "n_group", 3),  # 16 experts do not split into 3 groups
         ("tiny-glm4-moe", "hidden_act", "gelu"),
     ],

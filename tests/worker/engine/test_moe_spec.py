@@ -83,14 +83,15 @@ def test_sparse_layers_are_where_transformers_puts_them(model_type, overrides):
         ),
         (Qwen3MoeConfig(n_group=8), r"qwen3_moe config field n_group=8 .* does not read it"),
         (Qwen2MoeConfig(routed_scaling_factor=2.5), r"routed_scaling_factor=2\.5"),
-        (
+        (  # per-tensor FP8 (no weight_block_size): refused as on a dense model
             Qwen3MoeConfig(quantization_config={"quant_method": "fp8"}),
-            r"quantization_config\.quant_method='fp8' .* only gpt-oss MXFP4",
+            r"quant_method 'fp8' without weight_block_size \(per-tensor FP8\) is not supported",
         ),
-        (  # GLM-4.5-Air-FP8's experts: no FP8 expert kernels yet
-            Glm4MoeConfig(quantization_config={"quant_method": "fp8"}),
-            r"glm4_moe config field quantization_config\.quant_method='fp8'",
+        (  # FP8 formats whose experts cbq does not read (fbgemm's per-channel release is Llama's, dense)
+            Glm4MoeConfig(quantization_config={"quant_method": "fbgemm_fp8"}),
+            r"quant_method 'fbgemm_fp8' on a mixture of experts \(glm4_moe\) is not supported; cbq runs mixtures",
         ),
+        (Qwen3MoeConfig(quantization_config={"quant_method": "awq"}), r"quant_method 'awq' is not supported"),
         (Glm4MoeConfig(hidden_act="gelu"), r"glm4_moe config field hidden_act='gelu'"),
         (Glm4MoeConfig(scoring_func="softmax"), r"glm4_moe config field scoring_func='softmax' .* does not read it"),
     ],
@@ -105,6 +106,9 @@ def test_gpt_oss_mxfp4_config_accepted_and_scaling_factor_one_ignored():
     assert (
         spec_from_config(GptOssConfig(quantization_config={"quant_method": "mxfp4"})).model_type == "gpt_oss"
     )
+    # Qwen3-*-FP8's block-wise experts: read and dequantized at load, the layer's math unchanged
+    block = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert spec_from_config(Qwen3MoeConfig(quantization_config=block)) == spec_from_config(Qwen3MoeConfig())
     assert spec_from_config(Qwen3MoeConfig(routed_scaling_factor=1.0)).routed_scaling_factor == 1.0
 
 

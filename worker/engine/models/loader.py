@@ -32,10 +32,11 @@ from ..quant import (
     UnsupportedQuantization,
     checkpoint_quantization,
     has_mxfp4_experts,
+    moe_quantization,
     refuse_gguf,
 )
 from ..quant.linear import keeps_fp8, quantize_linears
-from ..quant.loader import load_quantized_model
+from ..quant.loader import SparseLayers, load_quantized_model
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .errors import ModelLoadError
 from .errors import one_line as _one_line
@@ -485,8 +486,9 @@ def load_model(
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             if quant is not None and quant.is_serialized:  # FP8 weights in the checkpoint: read by quant/
                 model = load_quantized_model(
-                    name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config
-                ).to(device)
+                    name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
+                    sparse=sparse_layers(config, family),
+                ).to(device)  # fmt: skip
             elif has_mxfp4_experts(config):  # gpt-oss's release: read by slice, its experts dequantized to `dtype`
                 model = load_whole_model(name_or_path, text_config, family, key_mapping, device, dtype)
                 model.generation_config = generation_config
@@ -502,7 +504,8 @@ def load_model(
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
     if quant is not None and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
-        quantize_linears(model, quant, keep_fp8)
+        sparse = sparse_layers(model.config, family_for(model.config)[0])
+        quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
     model.eval().requires_grad_(False)
     return model, tokenizer
 
@@ -517,10 +520,24 @@ def _quantization(config, requested: str | None) -> Fp8Config | None:
                 "dequantized to the model dtype and its other linears as shipped)"
             )
         return None
+    quantization_config = getattr(config, "quantization_config", None)
     try:
-        return checkpoint_quantization(getattr(config, "quantization_config", None), requested=requested)
+        if _require_family(config.model_type).moe is not None:  # its experts are dequantized at load
+            return moe_quantization(quantization_config, config.model_type, requested=requested)
+        return checkpoint_quantization(quantization_config, requested=requested)
     except UnsupportedQuantization as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def sparse_layers(config, family: Family) -> SparseLayers | None:
+    """Where a mixture of experts' sparse layers sit, for the quantized loader (None: a dense model)."""
+    from ..moe import moe_layer_ids, spec_from_config
+
+    if family.moe is None:
+        return None
+    config, _ = _text_model(config, family)
+    prefixes = tuple(f"{family.layers_path}.{i}" for i in moe_layer_ids(config))
+    return SparseLayers(prefixes, family.moe, spec_from_config(config))
 
 
 def family_for(config) -> tuple[Family, DecoderArgs]:

@@ -5,8 +5,9 @@ are normalised and scaled, which biases exist, the experts' activation and the s
 is not part of it (every family's experts are stored the same way, `weights.py`), nor is the attention.
 
 `spec_from_config` knows five families (qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe) and refuses, in one
-line, any config field that would change the math in a way this package does not compute. `moe_layer_ids` says
-which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM-4.5's
+line, any config field that would change the math in a way this package does not compute, and any quantization
+whose experts cbq cannot read (quant/config.py `moe_quantization`: FP8 experts are dequantized at load).
+`moe_layer_ids` says which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM-4.5's
 `first_k_dense_replace`); the others are dense MLPs of `dense_intermediate_size`.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from ..quant.config import has_mxfp4_experts, moe_quantization
 
 
 class RouterScoring(str, Enum):
@@ -146,13 +149,9 @@ def spec_from_config(config: Any) -> MoeSpec:
             continue  # read below, or DeepSeek's name for what Glm4MoeTopkRouter computes
         raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
     quant = _get(config, "quantization_config")
-    quant_method = (
-        (quant or {}).get("quant_method") if isinstance(quant, dict) else _get(quant, "quant_method")
-    )
-    if quant is not None and not (model_type == "gpt_oss" and quant_method == "mxfp4"):
-        raise _refuse(
-            model_type, "quantization_config.quant_method", quant_method, "only gpt-oss MXFP4 experts"
-        )
+    if quant is not None and not has_mxfp4_experts(config):
+        # the experts' formats cbq reads (dequantized at load); the one-line refusal names what it runs
+        moe_quantization(quant, model_type)
     family: dict[str, Any]
     if model_type in ("qwen3_moe", "qwen2_moe"):
         _check_silu(config, model_type)

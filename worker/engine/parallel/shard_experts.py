@@ -18,10 +18,15 @@ Layouts read (`layer_prefix` e.g. "model.layers.3"; the checkpoint's MLP is `mlp
   the rank's rows of gate/up, and the 32-value groups of down's input that cover its columns, dequantized
   (mxfp4.py) one expert at a time on the rank's device, straight into transformers' gpt-oss layout. This is cbq's
   one reader of MXFP4 checkpoints: the one-process loader reads the release as the one rank of a world of one.
+- per-expert FP8 linears (Qwen3-*-FP8's block-wise `weight` + `weight_scale_inv`, GLM-4.5-Air-FP8's per-channel
+  compressed-tensors `weight_scale`), given the checkpoint's `quant`: each expert's linear dequantized to the model
+  dtype (quant.methods.dequantized_weight, the linears' own dequantization) before its rows or columns are taken.
+  cbq has no FP8 grouped GEMM: the experts run in the model dtype, twice the bytes of the release's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,6 +34,9 @@ import torch
 from ..models.spec import MoeMlpSpec
 from ..moe.mxfp4 import VALUES_PER_GROUP, dequantize_mxfp4
 from ..moe.spec import MoeSpec
+from ..quant.config import Fp8Config
+from ..quant.fp8 import FP8_DTYPE
+from ..quant.methods import dequantized_weight
 from .checkpoint import Checkpoint
 from .group import ParallelState
 from .layers import shard_for
@@ -44,7 +52,28 @@ def load_expert_shard(
 ) -> dict[str, torch.Tensor]:
     """The shard model's parameters of one sparse layer's router and experts (full names -> tensors in `kw`'s dtype
     and device). Raises ValueError naming the layer when no layout above matches."""
+    params = read_experts(source, layer_prefix, moe, spec, state, **kw)
     model_mlp = moe.experts.rpartition(".")[0]  # the experts' and the router's parent in the model ("mlp")
+    ckpt_mlp = _checkpoint_mlp(source, layer_prefix, moe)
+    router = moe.router.rpartition(".")[2]
+    for leaf in ("weight", "bias"):  # replicated
+        name = f"{ckpt_mlp}.{router}.{leaf}"
+        if name in source:
+            params[f"{layer_prefix}.{model_mlp}.{router}.{leaf}"] = source.get_slice(name)[:].to(**kw)
+    return params
+
+
+def read_experts(
+    source: Checkpoint,
+    layer_prefix: str,
+    moe: MoeMlpSpec,
+    spec: MoeSpec,
+    state: ParallelState,
+    quant: Fp8Config | None = None,
+    **kw: Any,
+) -> dict[str, torch.Tensor]:
+    """The rank's slice of one sparse layer's experts alone (full model names -> tensors in `kw`'s dtype and device),
+    in any layout above; `quant`: the checkpoint's FP8 format, whose per-expert linears are dequantized."""
     ckpt_mlp = _checkpoint_mlp(source, layer_prefix, moe)
     experts, ckpt_experts = f"{layer_prefix}.{moe.experts}", f"{ckpt_mlp}.{moe.experts.rpartition('.')[2]}"
     inter = spec.expert_intermediate_size
@@ -60,15 +89,11 @@ def load_expert_shard(
             "gate_up_proj": torch.cat([gate_up[:, part], gate_up[:, up]], dim=1),
             "down_proj": source.get_slice(f"{ckpt_experts}.down_proj")[:, :, part],
         }
+        if tensors["gate_up_proj"].dtype == FP8_DTYPE:  # its scales would be another layout again: none ships it
+            raise ValueError(f"{ckpt_experts}.gate_up_proj is stacked FP8; cbq reads FP8 experts one linear an expert")
     else:
-        tensors = _stack_per_expert(source, ckpt_experts, part, spec)
-    params = {f"{experts}.{name}": t.to(**kw).contiguous() for name, t in tensors.items()}
-    router = moe.router.rpartition(".")[2]
-    for leaf in ("weight", "bias"):  # replicated
-        name = f"{ckpt_mlp}.{router}.{leaf}"
-        if name in source:
-            params[f"{layer_prefix}.{model_mlp}.{router}.{leaf}"] = source.get_slice(name)[:].to(**kw)
-    return params
+        tensors = _stack_per_expert(source, ckpt_experts, part, spec, quant, kw.get("dtype", torch.float32))
+    return {f"{experts}.{name}": t.to(**kw).contiguous() for name, t in tensors.items()}
 
 
 def _checkpoint_mlp(source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec) -> str:
@@ -79,20 +104,49 @@ def _checkpoint_mlp(source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec) -> s
     raise ValueError(f"no MoE router at {layer_prefix!r} (looked for {', '.join(f'{m}.{router}' for m in _MLP_NAMES)})")
 
 
-def _stack_per_expert(source: Checkpoint, experts: str, part: slice, spec: MoeSpec) -> dict[str, torch.Tensor]:
+def _stack_per_expert(
+    source: Checkpoint, experts: str, part: slice, spec: MoeSpec, quant: Fp8Config | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     names = next((n for n in _PER_EXPERT_NAMES if f"{experts}.0.{n[0]}.weight" in source), None)
     if names is None:
         raise ValueError(f"no expert weights under {experts!r} (stacked, per-expert or MXFP4)")
     gate, up, down = names
+    whole = _WholeTensors(source)
 
     def read(e: int, linear: str, index: Any) -> torch.Tensor:
-        return source.get_slice(f"{experts}.{e}.{linear}.weight")[index]
+        prefix = f"{experts}.{e}.{linear}"
+        if quant is None:
+            return source.get_slice(f"{prefix}.weight")[index]
+        # FP8 scales cover blocks or rows of the whole weight: dequantized whole (one expert's), then sliced
+        return dequantized_weight(whole, quant, prefix, dtype)[index]
 
     experts_range = range(spec.num_experts)
     return {
         "gate_up_proj": torch.stack([torch.cat([read(e, gate, part), read(e, up, part)]) for e in experts_range]),
         "down_proj": torch.stack([read(e, down, (slice(None), part)) for e in experts_range]),
     }
+
+
+class _WholeTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors read whole by name, for the quantization methods (which read a linear's weight and
+    scales by name)."""
+
+    def __init__(self, source: Checkpoint):
+        self.source = source
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.source:
+            raise KeyError(name)
+        return self.source.get_slice(name)[...]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.source
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError("a checkpoint read by slice is not listed")
+
+    def __len__(self) -> int:
+        raise TypeError("a checkpoint read by slice is not counted")
 
 
 def _gpt_oss_experts(

@@ -11,7 +11,8 @@
   small_step.py  the small decode steps' FP8 GEMM (<= 32 rows): x quantized per token inside one PDL kernel,
               act·mul in the gate/up variant's epilogue; the decoder's path with decode_gemm "triton"
   loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
-              or dequantized into a plain transformers model (the CPU path)
+              or dequantized into a plain transformers model (the CPU path); a mixture of experts' experts
+              (and every linear under a sparse MLP) always dequantized, read by parallel/shard_experts.py
   linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
               apply), `Fp8Weight` (what the owned decoder multiplies), `quantize_linears` (--quantization
               fp8 on a model in memory), `keeps_fp8(device)` (sm89+ CUDA keeps FP8, elsewhere dequantized)
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from .config import (
     CBQ_RUNS,
+    MOE_RUNS,
     QUANTIZATIONS,
     ActivationScale,
     BlockFp8Config,
@@ -44,6 +46,7 @@ from .config import (
     WeightScale,
     checkpoint_quantization,
     has_mxfp4_experts,
+    moe_quantization,
     refuse_gguf,
 )
 from .fp8 import Fp8Linear, dequantize_weight, fp8_linear_emulated
@@ -53,6 +56,7 @@ from .methods import Fp8CheckpointError, Fp8LinearMethod, linear_method
 
 __all__ = [
     "CBQ_RUNS",
+    "MOE_RUNS",
     "QUANTIZATIONS",
     "ActivationScale",
     "BlockFp8Config",
@@ -74,5 +78,6 @@ __all__ = [
     "has_mxfp4_experts",
     "linear_method",
     "load_dequantized_model",
+    "moe_quantization",
     "refuse_gguf",
 ]

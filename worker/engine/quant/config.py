@@ -18,8 +18,9 @@
                              output channel at load, activations per token
 
 Each answers `scheme_for(module_name)`: the module's `Fp8Scheme`, or None when that linear is not quantized.
-gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized, none of its linears) is
-not a linear format: the loader dequantizes its experts (parallel/shard_experts.py) and never asks for one here.
+`moe_quantization` is the same for a mixture of experts, narrowed to the formats whose experts cbq reads (and
+dequantizes at load). gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized,
+none of its linears) is not a linear format: the loader dequantizes its experts (parallel/shard_experts.py) and never asks for one here.
 Everything else (AWQ, GPTQ, bitsandbytes, GGUF, int8 compressed-tensors, FP8 variants not listed above)
 raises `UnsupportedQuantization` with one line that names the field and what cbq runs (`CBQ_RUNS`).
 """
@@ -37,7 +38,14 @@ from ..config import QUANTIZATIONS  # what `--quantization` accepts
 
 CBQ_RUNS = (
     "cbq runs bf16, fp16 and fp32 checkpoints, FP8 ones in the formats fp8 (block-wise), "
-    "compressed-tensors (float-quantized FP8) and fbgemm_fp8, and gpt-oss's MXFP4 experts (dequantized at load)"
+    "compressed-tensors (float-quantized FP8) and fbgemm_fp8 (mixtures of experts: fp8 block-wise and "
+    "compressed-tensors with per-channel weights, their experts dequantized at load), and gpt-oss's MXFP4 experts "
+    "(dequantized at load)"
+)
+MOE_RUNS = (
+    "cbq runs mixtures of experts in bf16, fp16 and fp32, FP8 ones in the formats fp8 (block-wise) and "
+    "compressed-tensors with per-channel FP8 weights (their experts dequantized to the model dtype at load), "
+    "--quantization fp8 on their attention and dense MLPs, and gpt-oss's MXFP4 experts"
 )
 _FIELD = "config.json quantization_config"
 MXFP4 = "mxfp4"  # gpt-oss's experts' quant_method
@@ -202,6 +210,24 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
     if method == MXFP4:  # gpt-oss's release is read before this (has_mxfp4_experts): any other model lands here
         raise _refuse(f"{_FIELD}.quant_method {MXFP4!r} on a model other than gpt-oss")
     raise _refuse(f"{_FIELD}.quant_method {method!r}")
+
+
+def moe_quantization(quantization_config: Any, model_type: str, requested: str | None = None) -> Fp8Config | None:
+    """`checkpoint_quantization` for a mixture of experts, whose experts cbq dequantizes at load (it has no FP8
+    grouped GEMM) while its other linears run as in a dense model. The experts are read one linear an expert
+    (parallel/shard_experts.py), in the formats tested on the releases' layouts: block-wise "fp8" (Qwen3-*-FP8)
+    and compressed-tensors with per-channel weights (GLM-4.5-Air-FP8); `--quantization fp8` quantizes the
+    attention and dense MLPs alone. Anything else raises `UnsupportedQuantization` naming `MOE_RUNS`."""
+    quant = checkpoint_quantization(quantization_config, requested)
+    if quant is None or isinstance(quant, (BlockFp8Config, OnlineFp8Config)):
+        return quant
+    if isinstance(quant, CompressedTensorsFp8Config) and all(s.weight is WeightScale.CHANNEL for _, s in quant.groups):
+        return quant
+    detail = "" if not isinstance(quant, CompressedTensorsFp8Config) else " with per-tensor or block weight scales"
+    raise UnsupportedQuantization(
+        f"{_FIELD}.quant_method {quant.quant_method!r}{detail} on a mixture of experts ({model_type}) is not "
+        f"supported; {MOE_RUNS}"
+    )
 
 
 def has_mxfp4_experts(config: Any) -> bool:

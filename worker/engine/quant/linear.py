@@ -15,6 +15,7 @@ family.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,14 +79,17 @@ def keeps_fp8(device: torch.device) -> bool:
     return has_fp8_tensor_cores(device)
 
 
-def quantize_linears(model: nn.Module, quant: Fp8Config, keep_fp8: bool) -> None:
+def quantize_linears(
+    model: nn.Module, quant: Fp8Config, keep_fp8: bool, stays_dense: Callable[[str], bool] = lambda name: False
+) -> None:
     """`--quantization fp8` (`quant.is_serialized` False) on `model`, in place, on the device it is on: every
     `nn.Linear` the config quantizes becomes an `Fp8LinearModule` (`keep_fp8`) or takes the dequantized FP8
-    weight (the emulation of weight rounding that runs on the CPU)."""
+    weight (the emulation of weight rounding that runs on the CPU). `stays_dense`: linears left as they are (a
+    mixture of experts' sparse MLPs, which the MoE kernels multiply in the model dtype)."""
     assert not quant.is_serialized, "a checkpoint's FP8 weights are loaded (quant/loader.py), not quantized"
     for name, module in list(model.named_modules()):
         method = linear_method(quant, name)  # None for the output head (it may be the embedding, tied)
-        if not isinstance(module, nn.Linear) or method is None:
+        if not isinstance(module, nn.Linear) or method is None or stays_dense(name):
             continue
         layer = method.load({f"{name}.weight": module.weight.detach()}, name)
         if keep_fp8:

@@ -10,6 +10,13 @@ the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU. Owns no
                               the FP8 weights and scales), generation_config.json read as from_pretrained does
   load_dequantized_model(...) the same with every weight dequantized (the CPU path)
 
+A mixture of experts (`SparseLayers`): its experts are read one linear an expert by parallel/shard_experts.py (the
+reader the tensor-parallel ranks and gpt-oss's MXFP4 release use) and dequantized to the compute dtype, as is every
+linear under a sparse MLP (GLM-4.5's shared expert): cbq's MoE kernels multiply plain weights, it has no FP8 grouped
+GEMM yet. The attention and the dense MLPs run as in a dense model. The router stays as stored (the releases leave
+it unquantized). Layers past `num_hidden_layers` (GLM-4.5's multi-token-prediction layer) are not built, as in
+transformers, and their tensors are not read.
+
 FP8 KV-cache scales a checkpoint may carry (`k_scale`, `v_scale`, `kv_scale`: a kv_cache_scheme's) are not
 weights: `read_kv_scales` collects them per layer and the model carries them (kv_cache.KV_SCALES_ATTR) for
 `--kv-cache-dtype fp8`. A tensor the quantization_config does not account for (an FP8 weight or a scale of a
@@ -22,8 +29,9 @@ import copy
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +41,10 @@ from .config import Fp8Config
 from .fp8 import FP8_DTYPE
 from .linear import Fp8LinearModule, replace_module
 from .methods import Fp8CheckpointError, linear_method
+
+if TYPE_CHECKING:
+    from ..models.spec import MoeMlpSpec
+    from ..moe.spec import MoeSpec
 
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
@@ -58,6 +70,10 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def get_slice(self, name: str) -> Any:
+        """Read by slice (parallel.checkpoint.Checkpoint's protocol), as the experts' reader does."""
+        return self._where[name].get_slice(name)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -73,16 +89,39 @@ def checkpoint_tensors(name_or_path: str) -> CheckpointTensors:
     return CheckpointTensors(name_or_path)
 
 
+@dataclass(frozen=True)
+class SparseLayers:
+    """A mixture of experts' sparse layers, as the loader reads them: where each sits, where its experts and
+    router sit under it (the family's declaration), and their sizes."""
+
+    layer_prefixes: tuple[str, ...]  # "model.layers.1", ...
+    mlp: MoeMlpSpec
+    spec: MoeSpec
+
+    @property
+    def mlp_prefixes(self) -> tuple[str, ...]:
+        """The sparse MLPs ("model.layers.1.mlp"): every linear under one is dequantized."""
+        parent = self.mlp.experts.rpartition(".")[0]
+        return tuple(f"{prefix}.{parent}" if parent else prefix for prefix in self.layer_prefixes)
+
+    def holds(self, module_name: str) -> bool:
+        return any(module_name.startswith(f"{prefix}.") for prefix in self.mlp_prefixes)
+
+
 def iter_dequantized(
     tensors: Mapping[str, torch.Tensor],
     quant: Fp8Config,
     dtype: torch.dtype,
     linear_names: Iterable[str],
     kept_fp8: frozenset[str] = frozenset(),
+    read_elsewhere: Callable[[str], bool] = lambda name: False,
+    cast: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The state dict of the plain model, one tensor at a time. `linear_names`: the model's linear modules
     ("model.layers.0.self_attn.q_proj", ...); the config decides which of them are quantized. `kept_fp8`:
-    modules loaded as FP8 by the caller, whose weight and scales are skipped here."""
+    modules loaded as FP8 by the caller, whose weight and scales are skipped here, as are the tensors
+    `read_elsewhere` names (the experts'). `cast` False: the unquantized tensors as stored (the caller copies each
+    into its parameter's own dtype: GLM-4.5's router is fp32 in a bf16 model)."""
     consumed: set[str] = set()
     for module in linear_names:
         method = linear_method(quant, module)
@@ -92,7 +131,7 @@ def iter_dequantized(
         if module not in kept_fp8:
             yield f"{module}.weight", method.dequantize(method.load(tensors, module), dtype)
     for name in tensors:
-        if name in consumed or name.endswith(_KV_SCALE_SUFFIXES):
+        if name in consumed or name.endswith(_KV_SCALE_SUFFIXES) or read_elsewhere(name):
             continue
         tensor = tensors[name]
         module = name.rsplit(".", 1)[0]
@@ -101,7 +140,7 @@ def iter_dequantized(
                 f"the checkpoint has {name} ({tensor.dtype}), but its quantization_config leaves {module} "
                 f"unquantized"
             )
-        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+        yield name, tensor.to(dtype) if cast and tensor.is_floating_point() else tensor
 
 
 def dequantize_state_dict(
@@ -134,12 +173,19 @@ def load_dequantized_model(name_or_path: str, config: Any, quant: Fp8Config, dty
 
 
 def load_quantized_model(
-    name_or_path: str, config: Any, quant: Fp8Config, dtype: torch.dtype, keep_fp8: bool, generation_config=None
+    name_or_path: str,
+    config: Any,
+    quant: Fp8Config,
+    dtype: torch.dtype,
+    keep_fp8: bool,
+    generation_config=None,
+    sparse: SparseLayers | None = None,
 ) -> nn.Module:
     """The checkpoint as a transformers model on the CPU (the caller moves it). `keep_fp8`: each quantized
     linear becomes an `Fp8LinearModule` holding the checkpoint's FP8 weight and scales (what the owned decoder
     multiplies on sm89+); else its weight is dequantized to `dtype`. `generation_config`: the caller's (None:
-    generation_config.json is read here, as from_pretrained does)."""
+    generation_config.json is read here, as from_pretrained does). `sparse`: a mixture of experts' sparse layers,
+    whose experts (and every linear under their MLP) are dequantized to `dtype` whatever `keep_fp8` says."""
     from transformers import GenerationConfig
 
     model = plain_model(config, dtype)
@@ -149,20 +195,24 @@ def load_quantized_model(
     if kv_scales:
         setattr(model, KV_SCALES_ATTR, kv_scales)
     linear_names = linear_module_names(model)
-    kept_fp8 = _load_fp8_modules(model, linear_names, tensors, quant, dtype) if keep_fp8 else frozenset()
+    fp8_candidates = [n for n in linear_names if sparse is None or not sparse.holds(n)]
+    kept_fp8 = _load_fp8_modules(model, fp8_candidates, tensors, quant, dtype) if keep_fp8 else frozenset()
     loaded = {f"{module}.{name}" for module in kept_fp8 for name in ("weight", "weight_scale", "input_scale", "bias")}
     params = model.state_dict(keep_vars=True)
+    experts_read: set[str] = set()
+    unbuilt = _unbuilt_layers(model_config)
     with torch.no_grad():
-        for name, tensor in iter_dequantized(tensors, quant, dtype, linear_names, kept_fp8):
+        if sparse is not None:
+            for name, tensor in _read_experts(tensors, sparse, quant, dtype, experts_read):
+                _copy(params, name, tensor, model)
+                loaded.add(name)
+        read_elsewhere = lambda name: name in experts_read or unbuilt(name)  # noqa: E731
+        for name, tensor in iter_dequantized(
+            tensors, quant, dtype, linear_names, kept_fp8, read_elsewhere, cast=False
+        ):
             if name in loaded:
                 continue
-            if name not in params:
-                raise Fp8CheckpointError(f"the checkpoint has {name}, which {type(model).__name__} does not")
-            if params[name].shape != tensor.shape:
-                raise Fp8CheckpointError(
-                    f"{name} is {list(tensor.shape)} in the checkpoint, {list(params[name].shape)} in the model"
-                )
-            params[name].copy_(tensor)
+            _copy(params, name, tensor, model)
             loaded.add(name)
     # A tied output head is the embedding itself: loading one loads both.
     loaded_ids = {id(params[name]) for name in loaded if name in params}
@@ -174,6 +224,61 @@ def load_quantized_model(
     elif os.path.exists(os.path.join(name_or_path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(name_or_path)
     return model.eval()
+
+
+def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, model: nn.Module) -> None:
+    """Into the parameter's own dtype (`copy_` casts once)."""
+    if name not in params:
+        raise Fp8CheckpointError(f"the checkpoint has {name}, which {type(model).__name__} does not")
+    if params[name].shape != tensor.shape:
+        raise Fp8CheckpointError(
+            f"{name} is {list(tensor.shape)} in the checkpoint, {list(params[name].shape)} in the model"
+        )
+    params[name].copy_(tensor)
+
+
+class _RecordedReads:
+    """A checkpoint read by slice that notes each tensor read (the experts' reader's), so that the loader does
+    not read those again and still names any tensor nobody read."""
+
+    def __init__(self, tensors: CheckpointTensors, read: set[str]):
+        self.tensors, self.read = tensors, read
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get_slice(self, name: str) -> Any:
+        self.read.add(name)
+        return self.tensors.get_slice(name)
+
+
+def _read_experts(
+    tensors: CheckpointTensors, sparse: SparseLayers, quant: Fp8Config, dtype: torch.dtype, read: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each sparse layer's stacked experts, dequantized to `dtype` by shard_experts.py's reader at a world of one
+    (on the CPU, one expert's linear at a time)."""
+    from ..parallel.group import ParallelState  # parallel/ builds on models/, which builds on this module
+    from ..parallel.shard_experts import read_experts
+
+    whole = ParallelState(rank=0, world_size=1, device=torch.device("cpu"))
+    source = _RecordedReads(tensors, read)
+    for prefix in sparse.layer_prefixes:
+        yield from read_experts(source, prefix, sparse.mlp, sparse.spec, whole, quant, dtype=dtype).items()
+
+
+def _unbuilt_layers(config: Any) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor belongs to a layer past `num_hidden_layers` that transformers does not build:
+    GLM-4.5's and DeepSeek-V3's multi-token-prediction layers (`num_nextn_predict_layers`), which generation
+    does not use (transformers ignores them on load too)."""
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        return lambda name: False
+    num_layers = config.num_hidden_layers
+
+    def unbuilt(name: str) -> bool:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        return match is not None and int(match.group(1)) >= num_layers
+
+    return unbuilt
 
 
 def read_kv_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> tuple[tuple[float, float], ...]:

@@ -144,6 +144,21 @@ def linear_method(config: Fp8Config, module_name: str) -> Fp8LinearMethod | None
     return None if scheme is None else _METHODS[type(config)](scheme)
 
 
+def dequantized_weight(
+    tensors: Mapping[str, torch.Tensor], config: Fp8Config, prefix: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Linear `prefix`'s weight in `dtype`: its FP8 weight times its scales where the config quantizes it (the
+    method's `load` and `dequantize`), else the stored weight cast. One expert's linear as the loader reads it
+    (the experts run dequantized: cbq has no FP8 grouped GEMM)."""
+    method = linear_method(config, prefix)
+    if method is not None:
+        return method.dequantize(method.load(tensors, prefix), dtype)
+    weight = _get(tensors, f"{prefix}.weight")
+    if weight.dtype == FP8_DTYPE:
+        raise Fp8CheckpointError(f"the checkpoint has {prefix}.weight in FP8, but its quantization_config leaves {prefix} unquantized")
+    return weight.to(dtype)
+
+
 def _get(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
         raise Fp8CheckpointError(f"the checkpoint has no {name}, which its quantization_config needs")
