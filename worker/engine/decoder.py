@@ -20,9 +20,9 @@ decode_gemm "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, 
 the transformers model that `models.load_model` returns, so every checkpoint that loads runs here; the HF model
 stays usable (the tests' reference, `model.generate`).
 
-Per layer (CUDA, 8 launches + attention; 6 on the small-step path, where SiLU·mul is in the gate/up GEMM's
-epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's and Gemma 3's q/k norms, which need a whole
-head, and with FP8 weights, whose QKV GEMM has no rotary epilogue yet); Gemma's sandwich norms add no launch):
+Per layer (CUDA, 8 launches + attention; 6 on the small-step path, bf16 or FP8 weights alike, where SiLU·mul is
+in the gate/up GEMM's epilogue and rotary with the KV write in the QKV GEMM's (7 with Qwen3's and Gemma 3's q/k
+norms, which need a whole head); Gemma's sandwich norms add no launch):
     add_rmsnorm -> QKV GEMM -> qkv_rope_write (q/k norm, rotary, KV write) -> attention -> O GEMM
     -> add_rmsnorm -> gate/up GEMM -> silu_mul -> down GEMM
 against transformers' ~16 (three q/k/v GEMMs, two gate/up GEMMs, separate adds, SiLU, mul, rotary,
@@ -269,8 +269,8 @@ class OwnedDecoder:
         rope = self.layer_rope[layer_idx]
         cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
         kernel = self.use_triton and self.rope_kernel[layer_idx]
-        # The rotary + KV-write epilogue is decode_gemm's (bf16/fp16 weights); an FP8 QKV takes the two launches.
-        if ops.qkv_rope_epilogue and w.q_norm is None and kernel and isinstance(w.qkv_weight, torch.Tensor):
+        # The rotary + KV-write epilogue: `ops.qkv_rope_write` takes the weight as it is (bf16/fp16 or FP8).
+        if ops.qkv_rope_epilogue and w.q_norm is None and kernel:
             assert cos_table is not None and sin_table is not None, "rope_kernel: a rotating layer"
             return ops.qkv_rope_write(
                 normed, w.qkv_weight, w.qkv_bias, positions, cos_table, sin_table,

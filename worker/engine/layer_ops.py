@@ -94,6 +94,14 @@ def small_step_gate_up_act(pdl: bool, act: int) -> Callable:
     return gate_up_act
 
 
+def small_step_qkv_rope_write(x, weight, bias, *args, **kwargs) -> torch.Tensor:
+    """The QKV GEMM with rotary and the KV write in its epilogue (`LayerOps.qkv_rope_write`'s signature), for a
+    plain weight (decode_gemm) or an FP8 one (quant/small_step.py), as `small_step_linear` dispatches."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_step.fp8_step_qkv_rope_write(x, weight.layer, bias, *args, **kwargs)
+    return decode_gemm.decode_qkv_rope_write(x, weight, bias, *args, **kwargs)
+
+
 def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
     """The gate/up GEMM and act·mul as two launches (the large-step and torch paths)."""
 
@@ -123,6 +131,7 @@ def layer_ops(
             logits_epilogue=fk.logits_epilogue,
             pdl=pdl,
             qkv_rope_epilogue=True,
+            qkv_rope_write=small_step_qkv_rope_write,
         )
     linear = weight_linear(F.linear)
     if use_triton:

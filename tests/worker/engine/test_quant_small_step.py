@@ -25,6 +25,7 @@ from worker.engine.quant.fp8 import (
     fp8_linear_emulated,
     quantize_input,
     quantize_weight_per_channel,
+    quantize_weight_per_tensor,
 )
 
 STEP_SCHEMES = ("channel-token", "channel-token-ub", "tensor-static", "channel-static", "tensor-token")
@@ -37,6 +38,16 @@ exact_interpreter_fp8_casts()
 exact_interpreter_fp8_dots()
 check_step_kernel("cpu")
 print("fp8 step kernel matches")
+"""
+
+ROPE_CHECK = r"""
+from tests.worker.engine.test_quant_kernels import exact_interpreter_fp8_casts
+from tests.worker.engine.test_quant_small_step import check_qkv_rope_kernel, exact_interpreter_fp8_dots
+
+exact_interpreter_fp8_casts()
+exact_interpreter_fp8_dots()
+check_qkv_rope_kernel("cpu")
+print("fp8 qkv rope kernel matches")
 """
 
 DECODER_CHECK = r"""
@@ -168,6 +179,71 @@ def _check_fallbacks(device: str) -> None:
         assert torch.equal(small_step.fp8_step_gate_up_act(x, layer), want), what
 
 
+def _qkv_layers(num_heads: int, num_kv: int, head_dim: int, k: int, device: str) -> dict[str, Fp8Linear]:
+    """Fused QKV weights [(H + 2 KVH) D, K], one per scheme: per-channel scales that differ row by row (so rows j
+    and j + D/2 of a head do not share one), one per-tensor scale with static activations, and q/k/v quantized per
+    tensor with different scales, stacked as fuse_fp8 stacks them (per-channel after Fp8Linear.concat)."""
+    torch.manual_seed(2)
+    n = (num_heads + 2 * num_kv) * head_dim
+    layers = {name: _layers(n, k, device)[name] for name in ("channel-token", "tensor-static", "channel-token-ub")}
+    token = Fp8Scheme(WeightScale.TENSOR, ActivationScale.TOKEN)
+    parts = [
+        Fp8Linear(*quantize_weight_per_tensor(torch.randn(rows, k) * spread), token)
+        for rows, spread in ((num_heads * head_dim, 0.1), (num_kv * head_dim, 1.0), (num_kv * head_dim, 3.0))
+    ]
+    fused = Fp8Linear.concat(parts).to(device)
+    assert fused.scheme.weight is WeightScale.CHANNEL
+    return {**layers, "q/k/v per tensor, fused": fused}
+
+
+def check_qkv_rope_kernel(device: str) -> None:
+    """fp8_step_qkv_rope_write (the FP8 QKV GEMM with rotary and the KV write in its epilogue) gives q, the K cache
+    and the V cache bit for bit as fp8_step_linear then fused.qkv_rope_write do: head_dim 64 and 128, every scheme
+    of `_qkv_layers`, with and without bias, M in {1, 5, 32}, a model-dtype cache and an e4m3 cache with scales;
+    a padding row (slot 0) writes scratch block 0 as the two launches do. head_dim 32 (no whole group of pairs)
+    takes the two launches. The same tiles and K order on either side, so the GPU must agree bit for bit too."""
+    from worker.engine.quant import small_step
+
+    exact = device == "cpu"
+    pdl = not exact
+    dtype = torch.float16 if exact else torch.bfloat16  # fp16 stands in for bf16 in the interpreter
+    num_heads, num_kv, block_size, num_blocks, k = 4, 2, 4, 12, 2 * small_step.STEP_CONFIG[1]
+    for head_dim in (64, 128, 32):
+        n = (num_heads + 2 * num_kv) * head_dim
+        angles = torch.rand(40, head_dim // 2).repeat(1, 2) * 6.3
+        cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+        for name, layer in _qkv_layers(num_heads, num_kv, head_dim, k, device).items():
+            fused = small_step.rope_step_config(layer, num_heads, num_kv, head_dim) is not None
+            assert fused == (head_dim != 32), (name, head_dim)
+            for m in (1, 5, 32):
+                bias = torch.randn(n).to(device, dtype) if m != 1 or name == "tensor-static" else None
+                for cache_dtype, kv_scale in ((dtype, (1.0, 1.0)), (torch.float8_e4m3fn, (0.05, 0.37))):
+                    x = (torch.randn(m, k) * torch.logspace(-2, 1, m)[:, None]).to(device, dtype)
+                    positions = torch.randint(0, 40, (m,), dtype=torch.int32, device=device)
+                    slots = torch.randperm(num_blocks * block_size - block_size)[:m].to(device, torch.int32)
+                    slots += block_size
+                    if m > 1:
+                        slots[-1] = 0  # a padding row
+                    shape = (num_blocks, block_size, num_kv, head_dim)
+                    caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(4)]
+                    rope = (positions, cos, sin, num_heads, num_kv)
+                    got_q = small_step.fp8_step_qkv_rope_write(
+                        x, layer, bias, *rope, caches[0], caches[1], slots, pdl=pdl, kv_scale=kv_scale
+                    )
+                    qkv = small_step.fp8_step_linear(x, layer, bias, pdl=pdl)
+                    want_q = fk.qkv_rope_write(
+                        qkv, positions, cos, sin, None, None, 0.0, num_heads, num_kv, caches[2], caches[3], slots,
+                        pdl=pdl, kv_scale=kv_scale,
+                    )  # fmt: skip
+                    what = (name, head_dim, m, bias is not None, cache_dtype)
+                    assert got_q.shape == (m, num_heads, head_dim) and torch.equal(got_q, want_q), what
+                    bits = [c.view(torch.uint8) for c in caches]  # e4m3 has no torch.equal on every build
+                    assert torch.equal(bits[0], bits[2]) and torch.equal(bits[1], bits[3]), what
+                    assert bits[0][1:].any() and bits[1][1:].any(), what  # it wrote something
+                    if m > 1:
+                        assert bits[0][0].any(), what  # the padding row's scratch slot, as the two launches
+
+
 def _fp8_llama(dev: torch.device):
     """The head_dim-64 Llama (every GEMM tiles by the step kernel's blocks) with --quantization fp8, kept FP8."""
     from worker.engine.quant.linear import quantize_linears
@@ -218,6 +294,11 @@ needs_sm90 = pytest.mark.skipif(
 @needs_triton
 def test_fp8_step_kernel_matches_its_twin_and_the_emulation_in_the_interpreter():
     _interpret(CHECK, "fp8 step kernel matches")
+
+
+@needs_triton
+def test_fp8_qkv_rope_kernel_equals_the_gemm_then_qkv_rope_write_in_the_interpreter():
+    _interpret(ROPE_CHECK, "fp8 qkv rope kernel matches")
 
 
 @needs_triton

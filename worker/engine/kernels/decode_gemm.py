@@ -175,6 +175,83 @@ if HAVE_TRITON:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
 
     @triton.jit
+    def rope_tile_rows(HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr):
+        """(head, first, col) of program_id(0) in a QKV GEMM with the rotary epilogue: its head of the
+        [q heads | k heads | v heads] rows, its first rotary pair, and the QKV weight row of each of its 2 PAIRS
+        tile rows (row r < PAIRS is column first + r of the head, row PAIRS + r its partner first + r + D/2)."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        GROUPS: tl.constexpr = HALF // PAIRS  # programs per head
+        head = tl.program_id(0) // GROUPS
+        first = (tl.program_id(0) % GROUPS) * PAIRS
+        r = tl.arange(0, 2 * PAIRS)
+        col = head * HEAD_DIM + first + (r % PAIRS) + (r // PAIRS) * HALF
+        return head, first, col
+
+    @triton.jit
+    def qkv_rope_epilogue(
+        acc,  # fp32 [2 PAIRS, BLOCK_M]: the tile rows `rope_tile_rows` names, bias added, not yet rounded
+        head,
+        first,
+        rm,
+        m_mask,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_inv,
+        v_scale_inv,
+        stride_cos,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAIRS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """The QKV output rounded to q's dtype (as the GEMM's output is), rotated as qkv_rope_write rotates it,
+        q stored, k and v written into the paged caches (an e4m3 cache with 1 / its scale). Shared by this file's
+        bf16 kernel and quant/small_step.py's FP8 one, so both compute the two launches' bits."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        j = first + tl.arange(0, PAIRS)  # first-half columns of this program's pairs
+        dtype = q_ptr.dtype.element_ty
+        acc = acc.to(dtype).to(tl.float32)  # rounded as the QKV GEMM's output is
+        x1, x2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, BLOCK_M]), (1, 2, 0)))  # [PAIRS, BLOCK_M] each
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k: rotary as qkv_rope_write computes it
+            pos = tl.load(pos_ptr + rm, mask=m_mask, other=0).to(tl.int64)
+            y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, pos[None, :] * stride_cos + j[:, None], m_mask[None, :], HALF)
+        else:
+            y1 = x1
+            y2 = x2
+        mask = m_mask[None, :]
+        if head < NUM_HEADS:
+            q_dst = q_ptr + rm[None, :].to(tl.int64) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + j[:, None]
+            tl.store(q_dst, y1.to(dtype), mask=mask)
+            tl.store(q_dst + HALF, y2.to(dtype), mask=mask)
+        else:  # padding rows' slots point into scratch block 0, as qkv_rope_write's do
+            slot = tl.load(slot_ptr + rm, mask=m_mask, other=0).to(tl.int64)
+            blk = (slot // BLOCK_SIZE)[None, :]
+            off = (slot % BLOCK_SIZE)[None, :]
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                kv_head = head - NUM_HEADS
+                dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kv_head * stride_kch + j[:, None]
+                scale_inv = k_scale_inv
+            else:
+                kv_head = head - NUM_HEADS - NUM_KV_HEADS
+                dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kv_head * stride_vch + j[:, None]
+                scale_inv = v_scale_inv
+            tl.store(dst, to_kv_cache(y1, scale_inv, k_cache_ptr, dtype), mask=mask)
+            tl.store(dst + HALF, to_kv_cache(y2, scale_inv, k_cache_ptr, dtype), mask=mask)
+
+    @triton.jit
     def _qkv_rope_gemm_kernel(
         x_ptr,
         w_ptr,
@@ -211,14 +288,7 @@ if HAVE_TRITON:
         DOT_PREC: tl.constexpr,
     ):
         pdl_wait_and_release(USE_PDL)
-        HALF: tl.constexpr = HEAD_DIM // 2
-        GROUPS: tl.constexpr = HALF // PAIRS  # programs per head
-        head = tl.program_id(0) // GROUPS  # of the [q heads | k heads | v heads] row
-        first = (tl.program_id(0) % GROUPS) * PAIRS
-        j = first + tl.arange(0, PAIRS)  # first-half columns of this program's pairs
-        # tile row r < PAIRS is column j[r] of the head, row PAIRS + r its partner j[r] + HALF
-        r = tl.arange(0, 2 * PAIRS)
-        col = head * HEAD_DIM + first + (r % PAIRS) + (r // PAIRS) * HALF
+        head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -232,34 +302,11 @@ if HAVE_TRITON:
             x_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(bias_ptr + col).to(tl.float32)[:, None]
-        dtype = q_ptr.dtype.element_ty
-        acc = acc.to(dtype).to(tl.float32)  # rounded as the QKV GEMM's output is
-        x1, x2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, BLOCK_M]), (1, 2, 0)))  # [PAIRS, BLOCK_M] each
-        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k: rotary as qkv_rope_write computes it
-            pos = tl.load(pos_ptr + rm, mask=m_mask, other=0).to(tl.int64)
-            y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, pos[None, :] * stride_cos + j[:, None], m_mask[None, :], HALF)
-        else:
-            y1 = x1
-            y2 = x2
-        mask = m_mask[None, :]
-        if head < NUM_HEADS:
-            q_dst = q_ptr + rm[None, :].to(tl.int64) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + j[:, None]
-            tl.store(q_dst, y1.to(dtype), mask=mask)
-            tl.store(q_dst + HALF, y2.to(dtype), mask=mask)
-        else:  # padding rows' slots point into scratch block 0, as qkv_rope_write's do
-            slot = tl.load(slot_ptr + rm, mask=m_mask, other=0).to(tl.int64)
-            blk = (slot // BLOCK_SIZE)[None, :]
-            off = (slot % BLOCK_SIZE)[None, :]
-            if head < NUM_HEADS + NUM_KV_HEADS:
-                kv_head = head - NUM_HEADS
-                dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kv_head * stride_kch + j[:, None]
-                scale_inv = k_scale_inv
-            else:
-                kv_head = head - NUM_HEADS - NUM_KV_HEADS
-                dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kv_head * stride_vch + j[:, None]
-                scale_inv = v_scale_inv
-            tl.store(dst, to_kv_cache(y1, scale_inv, k_cache_ptr, dtype), mask=mask)
-            tl.store(dst + HALF, to_kv_cache(y2, scale_inv, k_cache_ptr, dtype), mask=mask)
+        qkv_rope_epilogue(
+            acc, head, first, rm, m_mask, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+            k_scale_inv, v_scale_inv, stride_cos, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+            stride_vch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAIRS, BLOCK_SIZE, BLOCK_M,
+        )  # fmt: skip
 
 
 def decode_linear(
@@ -339,8 +386,6 @@ def decode_qkv_rope_write(
         )  # fmt: skip
     n = (num_heads + 2 * num_kv_heads) * head_dim
     assert weight.shape == (n, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    assert cos_table.stride(-1) == 1 and cos_table.stride() == sin_table.stride()
-    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.dtype == v_cache.dtype
     q = torch.empty(m, num_heads, head_dim, device=x.device, dtype=x.dtype)
     if m == 0:
         return q
@@ -350,26 +395,9 @@ def decode_qkv_rope_write(
         x,
         weight,
         bias if bias is not None else weight,
-        positions,
-        cos_table,
-        sin_table,
-        slot_mapping,
-        q,
-        k_cache,
-        v_cache,
-        m,
-        1.0 / kv_scale[0],
-        1.0 / kv_scale[1],
-        x.stride(0),
-        weight.stride(0),
-        cos_table.stride(0),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        PAIRS=ROPE_PAIRS,
-        BLOCK_SIZE=k_cache.shape[1],
+        M=m,
+        stride_xm=x.stride(0),
+        stride_wn=weight.stride(0),
         K_TILES=k // block_k,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
@@ -379,8 +407,50 @@ def decode_qkv_rope_write(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
+        **rope_epilogue_args(positions, cos_table, sin_table, slot_mapping, q, k_cache, v_cache, num_kv_heads, kv_scale),
     )
     return q
+
+
+def rope_epilogue_args(
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_kv_heads: int,
+    kv_scale: tuple[float, float],
+) -> dict:
+    """The launch arguments of `qkv_rope_epilogue`'s parameters, by name, for a kernel that calls it (this file's
+    bf16 kernel, quant/small_step.py's FP8 one): q [M, H, D] is the output."""
+    head_dim = q.shape[2]
+    assert cos_table.stride(-1) == 1 and cos_table.stride() == sin_table.stride()
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.dtype == v_cache.dtype
+    return dict(
+        pos_ptr=positions,
+        cos_ptr=cos_table,
+        sin_ptr=sin_table,
+        slot_ptr=slot_mapping,
+        q_ptr=q,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        k_scale_inv=1.0 / kv_scale[0],
+        v_scale_inv=1.0 / kv_scale[1],
+        stride_cos=cos_table.stride(0),
+        stride_kcb=k_cache.stride(0),
+        stride_kcs=k_cache.stride(1),
+        stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0),
+        stride_vcs=v_cache.stride(1),
+        stride_vch=v_cache.stride(2),
+        NUM_HEADS=q.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAIRS=ROPE_PAIRS,
+        BLOCK_SIZE=k_cache.shape[1],
+    )
 
 
 def _launch(

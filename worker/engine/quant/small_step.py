@@ -18,8 +18,10 @@ unfused GEMM then fused.act_mul round (decode_gemm.decode_gate_up_silu's rule): 
 Schemes: weights per tensor or per output channel; activations dynamic per token (fbgemm's absmax cap included)
 or static per tensor (the checkpoint's input_scale, read on the device: no absmax pass). Block-wise FP8
 (per-token-group activations) and shapes that do not tile keep kernels.fp8_linear (its Triton block GEMM, or
-quantization + _scaled_mm): `step_config` gives None for them. The QKV projection has no FP8 twin of
-decode_qkv_rope_write's rotary + KV-write epilogue yet: the decoder runs this GEMM, then fused.qkv_rope_write.
+quantization + _scaled_mm): `step_config` gives None for them. `fp8_step_qkv_rope_write` is the QKV projection
+with decode_gemm.decode_qkv_rope_write's rotary + KV-write epilogue (`qkv_rope_epilogue`, shared): this file's
+prologue and products over that kernel's rotary-pair tile rows, each row with its own weight scale (fuse_fp8 makes
+the fused q/k/v scales per channel where they differ). It equals this GEMM then fused.qkv_rope_write bit for bit.
 
 Not measured on the H200 yet (benchmarks/fp8_step_gemm.py; run_gpu.sh stages fp8stepgemm, w1fp8step): the tile
 configuration is decode_gemm's weight bytes per tile, a guess, and the decoder takes this path only when
@@ -32,12 +34,13 @@ import torch
 
 from ..kernels import fused as fk
 from ..kernels.common import HAVE_TRITON, tl, triton
-from ..kernels.decode_gemm import Config, block_m_for
+from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
 from .config import ActivationScale, WeightScale
 from .fp8 import FP8_MAX, MIN_ABSMAX, Fp8Linear
 from .kernels import fp8_linear
 
 if HAVE_TRITON:
+    from ..kernels.decode_gemm import qkv_rope_epilogue, rope_tile_rows
     from ..kernels.fused import activation
     from ..kernels.pdl import pdl_wait_and_release
     from .kernels import quantize_to_fp8
@@ -103,6 +106,97 @@ def fp8_step_gate_up_act(
     return _launch(x, layer, bias, inter, config, gated=True, pdl=pdl, block_m=block_m, act=act)
 
 
+def rope_step_config(
+    layer: Fp8Linear, num_heads: int, num_kv_heads: int, head_dim: int, config: Config | None = None
+) -> Config | None:
+    """The launch configuration of `fp8_step_qkv_rope_write`'s fused kernel, or None (the two launches): the
+    scheme and shape `step_config` takes, each head's half whole groups of decode_gemm.ROPE_PAIRS pairs, and the
+    QKV rows (H + 2 KVH) D."""
+    config = step_config(layer, config=config)
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    if config is None or head_dim % (2 * ROPE_PAIRS) or config[0] != 2 * ROPE_PAIRS or layer.out_features != rows:
+        return None
+    return config
+
+
+def fp8_step_qkv_rope_write(
+    x: torch.Tensor,
+    layer: Fp8Linear,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
+    config: Config | None = None,
+    block_m: int | None = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:
+    """decode_gemm.decode_qkv_rope_write for the fused FP8 QKV weight: q [M, H, D] with rotary at `positions`, k
+    (rotated) and v written into the paged caches at `slot_mapping` (`kv_scale`: an e4m3 cache's (k_scale,
+    v_scale)), x quantized inside the GEMM. Equals fp8_step_linear, then fused.qkv_rope_write, bit for bit; that
+    pair runs where `rope_step_config` gives None."""
+    head_dim = cos_table.shape[-1]
+    fused_config = rope_step_config(layer, num_heads, num_kv_heads, head_dim, config)
+    if fused_config is None or not HAVE_TRITON:
+        qkv = fp8_step_linear(x, layer, bias, pdl=pdl, config=config, block_m=block_m)
+        return fk.qkv_rope_write(
+            qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
+            k_cache, v_cache, slot_mapping, pdl=pdl, kv_scale=kv_scale,
+        )  # fmt: skip
+    m, k = x.shape
+    weight = layer.weight
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    q = torch.empty(m, num_heads, head_dim, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return q
+    block_n, block_k, num_warps, num_stages = fused_config
+    block_m = block_m or block_m_for(m)
+    _fp8_qkv_rope_kernel[(weight.shape[0] // block_n, triton.cdiv(m, block_m))](
+        x,
+        weight,
+        bias_ptr=bias if bias is not None else x,
+        M=m,
+        stride_xm=x.stride(0),
+        stride_wn=weight.stride(0),
+        K_TILES=k // block_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+        **_scheme_args(layer),
+        **rope_epilogue_args(positions, cos_table, sin_table, slot_mapping, q, k_cache, v_cache, num_kv_heads, kv_scale),
+    )
+    return q
+
+
+def _scheme_args(layer: Fp8Linear) -> dict:
+    """The launch arguments, by name, that the layer's scheme sets in this file's kernels: the scales and how
+    x is quantized."""
+    scheme = layer.scheme
+    is_static = scheme.activation is ActivationScale.STATIC
+    assert not is_static or layer.input_scale is not None, "static activations come with an input scale"
+    ub = scheme.activation_scale_ub
+    return dict(
+        w_scale_ptr=layer.weight_scale,
+        x_scale_ptr=layer.input_scale if is_static else layer.weight_scale,  # unread without static activations
+        scale_ub=0.0 if ub is None else float(ub),
+        W_SCALE_STRIDE=1 if scheme.weight is WeightScale.CHANNEL else 0,  # 0: one scale, read by every row
+        STATIC_X=is_static,
+        HAS_UB=ub is not None,
+        FP8_MAX=FP8_MAX,
+        MIN_ABSMAX=MIN_ABSMAX,
+    )
+
+
 def _launch(
     x: torch.Tensor,
     layer: Fp8Linear,
@@ -116,33 +210,24 @@ def _launch(
 ) -> torch.Tensor:
     """out [M, n]: the first n rows of the layer's weight (gated: paired with the n rows after them)."""
     m, k = x.shape
-    weight, scheme = layer.weight, layer.scheme
+    weight = layer.weight
     assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
     block_n, block_k, num_warps, num_stages = config
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    is_static = scheme.activation is ActivationScale.STATIC
-    assert not is_static or layer.input_scale is not None, "static activations come with an input scale"
-    ub = scheme.activation_scale_ub
     block_m = block_m or block_m_for(m)
     _fp8_step_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x,
         weight,
-        layer.weight_scale,
-        layer.input_scale if is_static else layer.weight_scale,  # unread without static activations
-        bias if bias is not None else x,
-        out,
-        m,
-        n,
-        0.0 if ub is None else float(ub),
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        W_SCALE_STRIDE=1 if scheme.weight is WeightScale.CHANNEL else 0,  # 0: one scale, read by every row
-        STATIC_X=is_static,
-        HAS_UB=ub is not None,
+        bias_ptr=bias if bias is not None else x,
+        out_ptr=out,
+        M=m,
+        up_rows=n,
+        stride_xm=x.stride(0),
+        stride_wn=weight.stride(0),
+        stride_om=out.stride(0),
         K_TILES=k // block_k,
         HAS_BIAS=bias is not None,
         GATED=gated,
@@ -151,16 +236,46 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         USE_PDL=pdl,
-        FP8_MAX=FP8_MAX,
-        MIN_ABSMAX=MIN_ABSMAX,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
+        **_scheme_args(layer),
     )
     return out
 
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def x_row_scales(
+        x_rows,  # x tile^T pointers [BLOCK_K, BLOCK_M] of the first K tile
+        x_scale_ptr,
+        rm,
+        m_mask,
+        scale_ub,
+        STATIC_X: tl.constexpr,
+        HAS_UB: tl.constexpr,
+        K_TILES: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        MIN_ABSMAX: tl.constexpr,
+    ):
+        """The fp32 scale [BLOCK_M] of each x row: STATIC_X's one input scale, or fp8.quantize_per_token's from
+        the row's absmax over all of K (max is exact in any order; fbgemm's cap when HAS_UB). Padding rows (masked
+        to 0) get MIN_ABSMAX's and are never stored. The prologue of this file's kernels."""
+        if STATIC_X:
+            x_scale = tl.load(x_scale_ptr + rm * 0)  # the one scale, per row so that both branches broadcast alike
+        else:
+            running = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
+            for t in range(K_TILES):
+                x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
+                running = tl.maximum(running, tl.abs(x))
+            absmax = tl.max(running, axis=0)
+            if HAS_UB:
+                absmax = tl.minimum(absmax, scale_ub)
+            x_scale = tl.maximum(absmax, MIN_ABSMAX) / FP8_MAX
+        return x_scale
 
     @triton.jit
     def _fp8_step_gemm_kernel(
@@ -196,19 +311,9 @@ if HAVE_TRITON:
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
         x_rows = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
-        if STATIC_X:
-            x_scale = tl.load(x_scale_ptr + rm * 0)  # the one scale, per row so that both branches broadcast alike
-        else:
-            # fp8.quantize_per_token: the row's absmax over all of K first (max is exact in any order), the row
-            # scale from it; padding rows (masked to 0) get MIN_ABSMAX's and are never stored.
-            running = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
-            for t in range(K_TILES):
-                x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
-                running = tl.maximum(running, tl.abs(x))
-            absmax = tl.max(running, axis=0)
-            if HAS_UB:
-                absmax = tl.minimum(absmax, scale_ub)
-            x_scale = tl.maximum(absmax, MIN_ABSMAX) / FP8_MAX
+        x_scale = x_row_scales(
+            x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX, MIN_ABSMAX
+        )
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         up_ptrs = w_ptr + (rn[:, None] + up_rows).to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -235,3 +340,73 @@ if HAVE_TRITON:
             acc = act * acc_up.to(dtype).to(tl.float32)
         out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
+
+    @triton.jit
+    def _fp8_qkv_rope_kernel(
+        x_ptr,
+        w_ptr,  # e4m3 [(H + 2 KVH) D, K]
+        w_scale_ptr,  # fp32 [(H + 2 KVH) D] or [] (W_SCALE_STRIDE 0)
+        x_scale_ptr,  # fp32 []: STATIC_X's input scale
+        bias_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        M,
+        scale_ub,
+        k_scale_inv,
+        v_scale_inv,
+        stride_xm,
+        stride_wn,
+        stride_cos,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        W_SCALE_STRIDE: tl.constexpr,
+        STATIC_X: tl.constexpr,
+        HAS_UB: tl.constexpr,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAIRS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        K_TILES: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        MIN_ABSMAX: tl.constexpr,
+    ):
+        """_fp8_step_gemm_kernel's prologue and products over decode_gemm's rotary-pair tile rows (a program owns
+        rows j and j + D/2 of one head, each with its own weight scale), then decode_gemm's rotary + KV epilogue."""
+        pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
+        head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_mask = rm < M
+        x_rows = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
+        x_scale = x_row_scales(
+            x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX, MIN_ABSMAX
+        )
+        w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
+        for t in range(K_TILES):
+            x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(tl.load(w_ptrs), quantize_to_fp8(x, x_scale[None, :], FP8_MAX), acc)
+            w_ptrs += BLOCK_K
+        # as _fp8_step_gemm_kernel's epilogue, each tile row with its own row's weight scale and bias
+        acc = acc * x_scale[None, :] * tl.load(w_scale_ptr + col * W_SCALE_STRIDE)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + col).to(tl.float32)[:, None]
+        qkv_rope_epilogue(
+            acc, head, first, rm, m_mask, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+            k_scale_inv, v_scale_inv, stride_cos, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+            stride_vch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAIRS, BLOCK_SIZE, BLOCK_M,
+        )  # fmt: skip
