@@ -6,7 +6,8 @@ float64 (`exact_interpreter_fp8_dots`). A K tile's e4m3 products then sum exactl
 so the kernel has one rounding per K tile and the torch twin `step_gemm_twin` (fp8.py's quantization, the same
 per-tile fp32 accumulation, x_scale then w_scale, the bias) must equal it bit for bit: that checks the in-kernel
 quantization against fp8.py's to the bit. Against fp8_linear_emulated (dequantized operands, one fp64 sum) the
-kernel agrees to fp32 summation order. The `gpu` tests run the same checks on CUDA (the H200) with tolerances.
+kernel agrees to fp32 summation order. The FP8 QKV kernel with rotary + KV write in its epilogue equals the FP8
+GEMM then fused.qkv_rope_write bit for bit. The `gpu` tests run the same checks on CUDA (the H200) with tolerances.
 """
 
 from __future__ import annotations
@@ -253,34 +254,69 @@ def _fp8_llama(dev: torch.device):
     return model
 
 
+class _CountedKernel:
+    """A Triton kernel whose launches (`kernel[grid](...)`) are appended to `log` by name."""
+
+    def __init__(self, kernel, name: str, log: list[str]):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
 def check_decoder_opt_in(device: str) -> None:
     """One mixed step (7 rows, a small step) of a tiny FP8 model: the small-step path, whose FP8 GEMMs are
-    quant/small_step.py's (the gated one included), gives the logits of the path without it (FP8 GEMMs through
-    kernels.fp8_linear, made the emulation on CUDA too: cuBLASLt's row-wise output is bf16), to fp32 summation
-    order (on CUDA also the fp32 division's last bit, which may tip an e4m3 rounding downstream)."""
+    quant/small_step.py's (the gated one and the QKV one with rotary + KV write included), gives the logits of the
+    path without it (FP8 GEMMs through kernels.fp8_linear, made the emulation on CUDA too: cuBLASLt's row-wise
+    output is bf16), to fp32 summation order (on CUDA also the fp32 division's last bit, which may tip an e4m3
+    rounding downstream). With the fused FP8 QKV turned off (`rope_step_config` None: the GEMM, then
+    fused.qkv_rope_write) the small-step path gives the same logits bit for bit, with one launch more per layer."""
+    from worker.engine.kernels import fused
     from worker.engine.quant import kernels, small_step
 
     dev = torch.device(device)
     model = _fp8_llama(dev)
-    launches: list[bool] = []
-    original_launch, original_linear = small_step._launch, kernels.fp8_linear
-
-    def counting_launch(*args, **kwargs):
-        launches.append(kwargs["gated"])
-        return original_launch(*args, **kwargs)
-
-    small_step._launch = counting_launch
-    kernels.fp8_linear = lambda x, layer, bias=None, backend="auto": original_linear(x, layer, bias, "emulated")
-    try:
-        torch_path, elementwise, step = mixed_step_three_ways(model, dev)
-    finally:
-        small_step._launch, kernels.fp8_linear = original_launch, original_linear
     layers = model.config.num_hidden_layers
-    # per layer: QKV, O and down plain, gate/up gated (the other two paths launch none)
-    assert sorted(launches) == [False] * 3 * layers + [True] * layers, launches
+
+    def run(fused_qkv: bool) -> tuple[list[torch.Tensor], list[str]]:
+        launches: list[str] = []
+        originals = (
+            small_step._launch, kernels.fp8_linear, small_step._fp8_qkv_rope_kernel, fused._qkv_rope_write_kernel,
+            small_step.rope_step_config,
+        )  # fmt: skip
+
+        def counting_launch(*args, **kwargs):
+            launches.append("gated" if kwargs["gated"] else "plain")
+            return originals[0](*args, **kwargs)
+
+        small_step._launch = counting_launch
+        kernels.fp8_linear = lambda x, layer, bias=None, backend="auto": originals[1](x, layer, bias, "emulated")
+        small_step._fp8_qkv_rope_kernel = _CountedKernel(originals[2], "qkv rope", launches)
+        fused._qkv_rope_write_kernel = _CountedKernel(originals[3], "rope write", launches)
+        if not fused_qkv:
+            small_step.rope_step_config = lambda *args, **kwargs: None
+        try:
+            return mixed_step_three_ways(model, dev), launches
+        finally:
+            (
+                small_step._launch, kernels.fp8_linear, small_step._fp8_qkv_rope_kernel, fused._qkv_rope_write_kernel,
+                small_step.rope_step_config,
+            ) = originals  # fmt: skip
+
+    (torch_path, elementwise, step), launches = run(fused_qkv=True)
+    # per layer on the small-step path: the QKV GEMM with rotary + KV write, O and down plain, gate/up gated; the
+    # element-wise path's qkv_rope_write (the torch path launches none)
+    want = {"qkv rope": layers, "plain": 2 * layers, "gated": layers, "rope write": layers}
+    assert {name: launches.count(name) for name in want} == want, launches
     for variant, out in (("triton element-wise", elementwise), ("fp8 small step", step)):
         err = ((out - torch_path).abs().max() / torch_path.abs().max()).item()
         assert err < (1e-4 if device == "cpu" else 1e-2), (variant, err)
+    (_, _, unfused_step), launches = run(fused_qkv=False)
+    # one launch more per layer: the QKV GEMM plain, then qkv_rope_write
+    want = {"qkv rope": 0, "plain": 3 * layers, "gated": layers, "rope write": 2 * layers}
+    assert {name: launches.count(name) for name in want} == want, launches
+    assert torch.equal(step, unfused_step), (step - unfused_step).abs().max()
 
 
 needs_triton = pytest.mark.skipif(not fk.HAVE_TRITON, reason="triton is not installed")
@@ -328,7 +364,8 @@ def test_decode_gemm_triton_opts_fp8_models_in_and_auto_keeps_them_out(monkeypat
 @needs_sm90
 def test_gpu_fp8_step_kernel_and_decoder():
     """The same checks on CUDA (PDL on): the kernel within the emulation's tolerance, gated == unfused bit for
-    bit, the fallbacks; the decoder's mixed step with the FP8 small-step path against the path without it."""
+    bit, the fallbacks; the decoder's mixed step with the FP8 small-step path against the path without it, and
+    with the fused FP8 QKV on against off (bit for bit)."""
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # the emulation's fp32 GEMM must not run in TF32
     try:
@@ -336,6 +373,35 @@ def test_gpu_fp8_step_kernel_and_decoder():
         check_decoder_opt_in("cuda")
     finally:
         torch.set_float32_matmul_precision(prev)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp8_qkv_rope_kernel_equals_the_gemm_then_qkv_rope_write():
+    """The interpreter check on CUDA (PDL on, bf16, an e4m3 cache with scales), then Llama-3-8B's QKV (32 heads, 8
+    KV heads, head_dim 128, K = 4096) at M = 32: the fused kernel and the two launches run the same tiles in the
+    same K order, so q and both caches agree bit for bit."""
+    from worker.engine.quant import small_step
+
+    check_qkv_rope_kernel("cuda")
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, k, m = 32, 8, 128, 4096, 32
+    w = torch.randn((heads + 2 * kv_heads) * head_dim, k, device="cuda") * 0.02
+    layer = Fp8Linear(*quantize_weight_per_channel(w), Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN))
+    assert small_step.rope_step_config(layer, heads, kv_heads, head_dim) is not None
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(4096, head_dim // 2, device="cuda").repeat(1, 2) * 6.3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    positions = torch.randint(0, 4096, (m,), dtype=torch.int32, device="cuda")
+    slots = torch.randperm(64 * 16, device="cuda")[:m].to(torch.int32)
+    caches = [torch.zeros(64, 16, kv_heads, head_dim, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(4)]
+    rope = (positions, cos, sin, heads, kv_heads)
+    got = small_step.fp8_step_qkv_rope_write(x, layer, None, *rope, *caches[:2], slots, pdl=True, kv_scale=(0.1, 0.2))
+    qkv = small_step.fp8_step_linear(x, layer, pdl=True)
+    want = fk.qkv_rope_write(qkv, *rope[:3], None, None, 0.0, heads, kv_heads, *caches[2:], slots, kv_scale=(0.1, 0.2))
+    assert torch.equal(got, want)
+    bits = [c.view(torch.uint8) for c in caches]
+    assert torch.equal(bits[0], bits[2]) and torch.equal(bits[1], bits[3])
 
 
 @pytest.mark.gpu

@@ -24,7 +24,8 @@ stopped pipelining: 204 vs 36 us per GEMM), and the down projection itself (kept
 without q/k norms: Llama, Mistral, Qwen2; Qwen3's norms need a whole head, which a program does not hold). A
 program owns 32 rotary pairs of one head, i.e. weight rows j and j + D/2 for 32 consecutive j, so the pairs meet
 in its registers; it writes rotated q, and k and v straight into the paged cache. The [M, (H + 2 KVH) D] QKV
-output and the qkv_rope_write kernel that read it are gone; the result equals the two launches bit for bit.
+output and the qkv_rope_write kernel that read it are gone; the result equals the two launches bit for bit. The
+epilogue (`rope_tile_rows`, `qkv_rope_epilogue`) is shared with quant/small_step.py's FP8 QKV kernel.
 
 Only bf16/fp16 on CUDA sm90+ with shapes that tile (`config_for`) in the decoder; anything else is cuBLAS.
 """

@@ -9,7 +9,8 @@
   fp8.py      plain-torch quantize/dequantize, `Fp8Linear`, and the emulation the kernels are checked against
   kernels.py  `fp8_linear`: Triton activation quantization, cuBLASLt `_scaled_mm`, the Triton block GEMM
   small_step.py  the small decode steps' FP8 GEMM (<= 32 rows): x quantized per token inside one PDL kernel,
-              act·mul in the gate/up variant's epilogue; the decoder's path with decode_gemm "triton"
+              act·mul in the gate/up variant's epilogue, rotary + the KV write in the QKV variant's; the
+              decoder's path with decode_gemm "triton"
   loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
               or dequantized into a plain transformers model (the CPU path); a mixture of experts' experts
               (and every linear under a sparse MLP) always dequantized, read by parallel/shard_experts.py
