@@ -12,6 +12,9 @@ distinct weights (skinny_gemm.graph_time_us), and the weight bytes per second:
   bf16-step      kernels/decode_gemm.py's kernel on the bf16 weight (the bf16 model's small step; down: its cuBLAS
                  fallback, as the decoder runs it)
 gate/up also runs the gated variants (act·mul in the epilogue): fp8-gated+pdl, bf16-gated+pdl, and fp8-pair+silu.
+QKV also runs the variants with rotary and the KV-cache write (Llama-3-8B's 32 heads, 8 KV heads, head_dim 128, a
+bf16 cache): fp8-rope+pdl (the write in the FP8 kernel's epilogue), fp8-step+rope-write+pdl (the GEMM, then
+qkv_rope_write), bf16-rope+pdl (decode_gemm's fused kernel).
 --sweep times the FP8 kernel in each of FP8_CONFIGS; --chain times the decoder layer's GEMM chain (attention left
 out) over 32 layers from one graph: bf16 small step, FP8 pair (today's FP8 path), FP8 small step.
 
@@ -57,6 +60,19 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the lm_head stays bf16 in FP8 m
 TOKEN = Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN)  # --quantization fp8
 
 
+def rope_args(m: int) -> tuple:
+    """(positions, cos, sin, heads, kv heads, k cache, v cache, slots) of Llama-3-8B's QKV for m tokens."""
+    heads, kv_heads, head_dim, blocks, block_size = 32, 8, 128, 64, 16
+    angles = torch.rand(4096, head_dim // 2, device="cuda").repeat(1, 2) * 6.3
+    positions = torch.randint(0, 4096, (m,), dtype=torch.int32, device="cuda")
+    slots = torch.randperm(blocks * block_size, device="cuda")[:m].to(torch.int32)
+    k_cache, v_cache = (
+        torch.zeros(blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+    )
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    return positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots
+
+
 def fp8_layers(n: int, k: int, count: int) -> list[Fp8Linear]:
     return [Fp8Linear(*quantize_weight_per_channel(torch.randn(n, k, device="cuda") * 0.02), TOKEN) for _ in range(count)]
 
@@ -98,6 +114,19 @@ def time_fp8(name: str, x: torch.Tensor, sweep: bool) -> dict[str, float]:
             lambda: [small_step.fp8_step_gate_up_act(x, w, pdl=True) for w in layers], LAYERS
         )
         times["fp8-pair+silu"] = graph_time_us(lambda: [fk.silu_mul(fp8k.fp8_linear(x, w)) for w in layers], LAYERS)
+    if name == "qkv":
+        rope = rope_args(x.shape[0])
+        assert small_step.rope_step_config(layers[0], *rope[3:5], rope[1].shape[-1]) is not None
+        times["fp8-rope+pdl"] = graph_time_us(
+            lambda: [small_step.fp8_step_qkv_rope_write(x, w, None, *rope, pdl=True) for w in layers], LAYERS
+        )
+        times["fp8-step+rope-write+pdl"] = graph_time_us(
+            lambda: [
+                fk.qkv_rope_write(small_step.fp8_step_linear(x, w, pdl=True), *rope[:3], None, None, 0.0, *rope[3:], pdl=True)
+                for w in layers
+            ],
+            LAYERS,
+        )
     return times
 
 
@@ -107,6 +136,11 @@ def time_bf16(name: str, x: torch.Tensor) -> dict[str, float]:
     if name == "gate_up":
         times["bf16-gated+pdl"] = graph_time_us(
             lambda: [dg.decode_gate_up_silu(x, w, pdl=True) for w in weights], LAYERS
+        )
+    if name == "qkv":
+        rope = rope_args(x.shape[0])
+        times["bf16-rope+pdl"] = graph_time_us(
+            lambda: [dg.decode_qkv_rope_write(x, w, None, *rope, pdl=True) for w in weights], LAYERS
         )
     return times
 
