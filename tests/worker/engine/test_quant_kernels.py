@@ -147,7 +147,8 @@ def check_all(device: str, exact: bool) -> None:
 
 def test_kernels_match_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, "-c", CHECK], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
     )

@@ -1,0 +1,123 @@
+"""Records Triton launches under the interpreter as compile specs (see sitecustomize.py), and compiles them for sm90.
+
+The interpreter runs a kernel as Python on numpy, so it accepts code that Triton's compiler refuses (a shape that is
+not a constexpr, a dtype mix tl.dot cannot lower, a helper's argument that must be constexpr). The exactness tests
+run every CUDA kernel in the interpreter; compiling the same specializations for Hopper (Triton's own compiler and
+ptxas, which ship in the triton wheel: no GPU needed) checks that what the interpreter approved also builds."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+TORCH_TO_TRITON = {
+    "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float64": "fp64",
+    "torch.float8_e4m3fn": "fp8e4nv", "torch.float8_e5m2": "fp8e5", "torch.int8": "i8", "torch.uint8": "u8",
+    "torch.int16": "i16", "torch.int32": "i32", "torch.int64": "i64", "torch.bool": "i1",
+}  # fmt: skip
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
+
+
+def _constexpr_names(fn) -> set[str]:
+    return {
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if "constexpr" in str(p.annotation)
+    }
+
+
+def _arg_type(value: Any) -> str | None:
+    """The Triton signature type of a runtime argument (None: not recordable)."""
+    if hasattr(value, "dtype") and hasattr(value, "data_ptr"):
+        dtype = TORCH_TO_TRITON.get(str(value.dtype))
+        return None if dtype is None else "*" + dtype
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def spec_of(fn, args: tuple, kwargs: dict) -> dict | None:
+    """One launch as {module, name, signature, constexprs, options}; None when an argument is not recordable."""
+    params = list(inspect.signature(fn).parameters.values())
+    constexprs = _constexpr_names(fn)
+    bound = {p.name: a for p, a in zip(params, args, strict=False)}  # the rest by name or default
+    bound.update({k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
+    signature: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    for p in params:
+        value = bound.get(p.name, p.default)
+        if value is inspect.Parameter.empty:
+            return None
+        if p.name in constexprs or value is None:
+            if not isinstance(value, (int, float, str, bool, type(None))):
+                return None
+            signature[p.name], values[p.name] = "constexpr", value
+        else:
+            kind = _arg_type(value)
+            if kind is None:
+                return None
+            signature[p.name] = kind
+    options = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+    return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": values, "options": options}
+
+
+def install(path: str) -> None:
+    """Wrap the interpreter's launch so each one also appends its spec to `path`."""
+    import triton.runtime.interpreter as interp
+
+    original = interp.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        spec = spec_of(self.fn, args, kwargs)
+        if spec is not None:
+            with open(path, "a") as out:
+                out.write(json.dumps(spec, sort_keys=True) + "\n")
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interp.InterpretedFunction.run = run
+
+
+def compile_for_hopper(spec: dict) -> None:
+    """Compiles one recorded specialization for sm90 (raises what the compiler raises)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+    names = fn.arg_names
+    constexprs = {(names.index(k),): v for k, v in spec["constexprs"].items()}
+    source = ASTSource(fn=fn, signature=spec["signature"], constexprs=constexprs)
+    options = dict(spec["options"])
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def one_per_variant(lines: list[str]) -> list[dict]:
+    """The recorded launches, one per kernel variant: the same kernel with the same argument dtypes, non-integer
+    constexprs (flags, precisions) and launch options counts once, whatever its sizes (the first seen)."""
+    seen: dict[str, dict] = {}
+    for line in sorted(set(lines)):
+        spec = json.loads(line)
+        flags = {k: v for k, v in spec["constexprs"].items() if isinstance(v, bool) or not isinstance(v, int)}
+        key = json.dumps([spec["module"], spec["name"], spec["signature"], flags, spec["options"]], sort_keys=True)
+        seen.setdefault(key, spec)
+    return list(seen.values())
+
+
+def main(path: str) -> None:
+    """Compiles every variant recorded in `path` for sm90; prints a JSON report {compiled, failures}."""
+    failures = []
+    specs = one_per_variant(open(path).read().splitlines())
+    for spec in specs:
+        try:
+            compile_for_hopper(spec)
+        except Exception as exc:  # the compiler's error, reported per variant
+            failures.append({"kernel": spec["name"], "constexprs": spec["constexprs"], "error": str(exc)[-1500:]})
+    print(json.dumps({"compiled": len(specs) - len(failures), "kernels": sorted({s["name"] for s in specs}),
+                      "failures": failures}))  # fmt: skip
