@@ -31,9 +31,12 @@ import torch
 from ..config import EngineConfig
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family
+from ..quant import Fp8Config
+from ..quant.linear import keeps_fp8
 from .checkpoint import Checkpoint
 from .group import ParallelState
 from .memory import DecoderShape, check_fits
+from .shard_fp8 import Fp8ShardSource, keep_fp8_linears, quantize_shard
 from .shard_build import ModelSource, TensorParallel, build_shard, local_folder, open_checkpoint
 
 __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's; building is shard_build.py's
@@ -57,8 +60,8 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
         return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
     if layer.parallel_blocks:
         return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
-    if engine_config.quantization is not None:
-        return "--quantization is not supported with tensor parallelism yet"
+    if engine_config.quantization is not None and family.moe is not None:
+        return "--quantization on a mixture of experts is not supported with tensor parallelism yet"
     if engine_config.deterministic and engine_config.tensor_parallel_size > 2:
         # two ranks sum two partial values, a + b in either order: the same bits whatever the step. More ranks sum
         # in an order that follows the message size (the step's tokens), so a row's bits would follow its batch.
@@ -72,25 +75,34 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
 # --- loading (every rank) ----------------------------------------------------------------------------
 
 
-def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineConfig):
+def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineConfig, keep_fp8: bool | None = None):
     """(shard model, TensorParallel, tokenizer) of rank `state.rank`. The tokenizer is rank 0's only (None on
-    the others). Raises ModelLoadError (one line) for what the sharded path does not run."""
+    the others). `keep_fp8`: FP8 linears stay FP8 (`Fp8LinearModule`, shard_fp8.py) rather than dequantized;
+    None: where FP8 tensor cores run them (sm89+ CUDA), as load_model decides. Raises ModelLoadError (one line)
+    for what the sharded path does not run."""
     device = state.device
     dtype = resolve_dtype(engine_config.dtype, device)
+    keep_fp8 = keeps_fp8(device) if keep_fp8 is None else keep_fp8
     tokenizer = None
+    quant: Fp8Config | None = None
     if name_or_path in PRESETS:
         # NOTE: every rank builds the whole random model (the same seed, as load_model does) and keeps its
         # shards; a checkpoint is read by slice instead.
         full, tokenizer = load_model(name_or_path, device, dtype, seed=engine_config.seed)
         config, generation_config = full.config, full.generation_config
         _check(config, engine_config)
+        quant = loader._quantization(config, engine_config.quantization)
         source: Checkpoint = ModelSource(dict(full.state_dict()))
     else:
         config = loader._load_config(name_or_path)
         _check(config, engine_config)
-        if loader._quantization(config, engine_config.quantization) is not None:  # gpt-oss's MXFP4 is read here
-            raise ModelLoadError("quantized checkpoints are not supported with tensor parallelism yet")
+        quant = loader._quantization(config, engine_config.quantization)  # None for gpt-oss's MXFP4 (read by slice)
         family, _ = family_for(config)
+        if quant is not None and family.moe is not None:
+            raise ModelLoadError(
+                "tensor parallelism: FP8 checkpoints of a mixture of experts are not supported with tensor "
+                "parallelism yet"
+            )
         # a multimodal checkpoint (Gemma 3 4B-27B): its language model's config, its weights under the text names
         text_config, renames = loader._text_model(config, family)
         path = local_folder(name_or_path)
@@ -99,17 +111,33 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
             eos = loader.checkpoint_eos_token_ids(config, generation_config)
             tokenizer = loader._load_tokenizer(path, eos)
         source = open_checkpoint(path, renames, name_or_path)
+        if quant is not None and quant.is_serialized:  # FP8 weights read by slice with their scales
+            source = Fp8ShardSource(source, quant, keep_fp8)
         config = text_config
     family, _ = family_for(config)
     if device.type == "cuda":
         _check_fits(config, family, state, dtype, name_or_path)
     model, tp = build_shard(config, family, source, state, dtype)
+    if isinstance(source, Fp8ShardSource):
+        keep_fp8_linears(model, source)
+    elif quant is not None:  # --quantization fp8
+        quantize_shard(model, quant, state, _row_parallel_linears(config, family), keep_fp8)
     model.generation_config = generation_config
     del source
     if device.type == "cuda":
         torch.cuda.empty_cache()  # a preset's whole model is gone: its blocks are free for the KV cache
     return model, tp, tokenizer
 
+
+
+def _row_parallel_linears(config: Any, family: Family) -> frozenset[str]:
+    """The linears whose rows a rank holds part of (o and down: split by columns)."""
+    layer = family.layer
+    return frozenset(
+        f"{family.layers_path}.{i}.{part}"
+        for i in range(config.num_hidden_layers)
+        for part in (layer.o.parts[0], layer.down.parts[0])
+    )
 
 
 def _check_fits(config: Any, family: Family, state: ParallelState, dtype: torch.dtype, model_name: str) -> None:

@@ -75,9 +75,13 @@ def dequantize_groups(x_fp8: torch.Tensor, scale: torch.Tensor, group_size: int)
 # -- weights ----------------------------------------------------------------------------------------------
 
 
-def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (w_fp8 [N, K], scale fp32 [N]): `--quantization fp8` at load, as vLLM does it per channel."""
-    scale = scale_from_absmax(weight.abs().amax(dim=-1))
+def quantize_weight_per_channel(
+    weight: torch.Tensor, absmax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (w_fp8 [N, K], scale fp32 [N]): `--quantization fp8` at load, as vLLM does it per channel.
+    `absmax` [N]: each row's absmax when `weight` is only part of the row (a row-parallel rank's columns: the
+    largest over every rank's, so that the scale is the whole row's, as in one process)."""
+    scale = scale_from_absmax(weight.abs().amax(dim=-1) if absmax is None else absmax)
     return to_fp8(weight.float() / scale[:, None]), scale
 
 

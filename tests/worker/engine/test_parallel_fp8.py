@@ -1,0 +1,108 @@
+"""FP8 at --tensor-parallel-size 2 over gloo on the CPU (issue 27): each rank's FP8 linears hold their slice with
+the scales of that slice (parallel/shard_fp8.py), so greedy output equals the one-process engine's on the same
+checkpoint token for token (fp32): block-wise FP8 and static per-tensor FP8 kept in FP8 (`keep_fp8`: the owned
+decoder fuses the rank's FP8 rows and runs the emulated FP8 GEMM), and block-wise, per-channel and
+`--quantization fp8` dequantized (the CPU's default). The per-channel scales themselves are checked against one
+process's: a column-parallel rank's rows, every row's for row-parallel o/down, and for `--quantization fp8` the
+whole row's absmax on both ranks (the ranks' largest). A shard boundary inside a [128, 128] block is refused.
+
+The FP8 shape has 128-dim heads and an intermediate size of 512, so that 2 ranks' slices keep whole blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fixtures.checkpoints import build_checkpoint
+from tests.fixtures.fp8_checkpoints import FP8_SHAPE, build_fp8_checkpoint
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.models import ModelLoadError, load_model
+from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
+from worker.engine.quant.linear import Fp8LinearModule
+
+from .test_parallel_engine import make_requests
+
+CPU = torch.device("cpu")
+CONFIG = dict(max_num_batched_tokens=32, num_kv_blocks=24, max_num_seqs=8)
+TP_SHAPE = dict(head_dim=128, intermediate_size=512)
+
+
+def _checkpoint(tmp_path_factory, fmt: str) -> str:
+    path = tmp_path_factory.mktemp(fmt)
+    if fmt == "online":  # a bf16 checkpoint, quantized at load
+        build_checkpoint(path, "llama3", dtype=torch.bfloat16, shape={**FP8_SHAPE, **TP_SHAPE})
+    else:
+        build_fp8_checkpoint(path, fmt, "llama3" if fmt == "ct-tensor-static" else "qwen3", shape=TP_SHAPE)
+    return str(path)
+
+
+def _one_process(path: str, keep_fp8: bool, quantization: str | None) -> tuple[Engine, list]:
+    model, tokenizer = load_model(path, CPU, torch.float32, quantization=quantization, keep_fp8=keep_fp8)
+    engine = Engine(model, tokenizer, EngineConfig(decoder="owned", quantization=quantization, **CONFIG))
+    requests = make_requests(None, num=6)
+    return engine, requests
+
+
+CASES = [
+    ("fp8-block", True),
+    ("fp8-block", False),
+    ("ct-tensor-static", True),
+    ("ct-channel-dynamic", False),
+    ("online", False),
+]
+
+
+@pytest.mark.parametrize(("fmt", "keep_fp8"), CASES)
+def test_greedy_at_tp2_equals_one_process(tmp_path_factory, fmt, keep_fp8):
+    path = _checkpoint(tmp_path_factory, fmt)
+    quantization = "fp8" if fmt == "online" else None
+    one, requests = _one_process(path, keep_fp8, quantization)
+    reference = {r.request_id: r.token_ids for r in one.generate(requests)}
+    one.close()
+    config = EngineConfig(quantization=quantization, **CONFIG)
+    sharded = build_sharded_engine(path, config, world_size=2, keep_fp8=keep_fp8)
+    try:
+        assert isinstance(sharded.runner, ShardRunner)
+        kept = [m for m in sharded.model.modules() if isinstance(m, Fp8LinearModule)]
+        assert len(kept) == (7 * sharded.model.config.num_hidden_layers if keep_fp8 else 0)
+        results = sharded.generate(requests)
+    finally:
+        sharded.close()
+    assert {r.request_id: r.token_ids for r in results} == reference
+    assert len({t for ids in reference.values() for t in ids}) > 5, "diverse greedy text"
+
+
+def _scales(model) -> dict[str, torch.Tensor]:
+    return {name: m.weight_scale for name, m in model.named_modules() if isinstance(m, Fp8LinearModule)}
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel-dynamic", "online"])
+def test_per_channel_scales_are_one_process_rows(tmp_path_factory, fmt):
+    """Rank 0's q/k/v and gate/up scales are its rows' of one process's; o and down hold every row's scale, and
+    with --quantization fp8 that is the whole row's (the largest absmax over the ranks' columns), not the absmax
+    of rank 0's half of each row."""
+    path = _checkpoint(tmp_path_factory, fmt)
+    quantization = "fp8" if fmt == "online" else None
+    whole = _scales(load_model(path, CPU, torch.float32, quantization=quantization, keep_fp8=True)[0])
+    config = EngineConfig(quantization=quantization, **CONFIG)
+    sharded = build_sharded_engine(path, config, world_size=2, keep_fp8=True)
+    try:
+        ranks = _scales(sharded.model)
+    finally:
+        sharded.close()
+    assert ranks.keys() == whole.keys() and ranks
+    for name, scale in ranks.items():
+        full = whole[name]
+        if name.endswith(("o_proj", "down_proj")):
+            torch.testing.assert_close(scale, full, rtol=0, atol=0)
+        else:  # the first half of the rows (q/k/v: rank 0's heads; gate/up: its features)
+            torch.testing.assert_close(scale, full[: full.shape[0] // 2], rtol=0, atol=0)
+
+
+def test_a_shard_boundary_inside_an_fp8_block_is_refused(tmp_path_factory):
+    """64-dim KV heads, 2 of them: each rank's 64 k rows are half a [128, 128] block."""
+    path = str(build_fp8_checkpoint(tmp_path_factory.mktemp("fp8-block-64"), "fp8-block", "qwen3").path)
+    with pytest.raises(ModelLoadError, match=r"k_proj's rows \[0, 64\) of 128 cut its block-wise FP8 blocks of 128"):
+        build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2)
