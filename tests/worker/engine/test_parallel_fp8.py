@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import build_checkpoint
-from tests.fixtures.fp8_checkpoints import FP8_SHAPE, build_fp8_checkpoint
+from tests.fixtures.fp8_checkpoints import FP8_SHAPE, build_fp8_checkpoint, build_fp8_moe_checkpoint
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import ModelLoadError, load_model
-from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
+from worker.engine.parallel.runner import ShardRunner, build_sharded_engine, check_supported
 from worker.engine.quant.linear import Fp8LinearModule
 
 from .test_parallel_engine import make_requests
@@ -50,6 +50,7 @@ CASES = [
     ("fp8-block", False),
     ("ct-tensor-static", True),
     ("ct-channel-dynamic", False),
+    ("fbgemm", False),
     ("online", False),
 ]
 
@@ -106,3 +107,11 @@ def test_a_shard_boundary_inside_an_fp8_block_is_refused(tmp_path_factory):
     path = str(build_fp8_checkpoint(tmp_path_factory.mktemp("fp8-block-64"), "fp8-block", "qwen3").path)
     with pytest.raises(ModelLoadError, match=r"k_proj's rows \[0, 64\) of 128 cut its block-wise FP8 blocks of 128"):
         build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2)
+
+
+def test_fp8_on_a_mixture_of_experts_is_refused_before_any_rank_starts(tmp_path):
+    release = build_fp8_moe_checkpoint(tmp_path, "fp8-block")
+    with pytest.raises(ModelLoadError, match="FP8 checkpoints of a mixture of experts are not supported with tensor"):
+        check_supported(str(release.path), EngineConfig(tensor_parallel_size=2))
+    with pytest.raises(ModelLoadError, match="--quantization on a mixture of experts is not supported with tensor"):
+        check_supported("tiny-qwen2-moe", EngineConfig(quantization="fp8", tensor_parallel_size=2))

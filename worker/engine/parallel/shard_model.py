@@ -31,7 +31,7 @@ import torch
 from ..config import EngineConfig
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family
-from ..quant import Fp8Config
+from ..quant import Fp8Config, has_mxfp4_experts
 from ..quant.linear import keeps_fp8
 from .checkpoint import Checkpoint
 from .group import ParallelState
@@ -50,10 +50,14 @@ __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's
 SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
 
 
-def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
+def unsupported_reason(family: Family, engine_config: EngineConfig, model_config: Any = None) -> str | None:
     """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
-    path does not split correctly, refused rather than computed wrong."""
+    path does not split correctly, refused rather than computed wrong. `model_config`: the checkpoint's config
+    (its quantization_config), where known."""
     layer = family.layer
+    quantized = model_config is not None and getattr(model_config, "quantization_config", None) is not None
+    if quantized and family.moe is not None and not has_mxfp4_experts(model_config):
+        return f"{family.name}: FP8 checkpoints of a mixture of experts are not supported with tensor parallelism yet"
     if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
     if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
@@ -98,11 +102,6 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
         _check(config, engine_config)
         quant = loader._quantization(config, engine_config.quantization)  # None for gpt-oss's MXFP4 (read by slice)
         family, _ = family_for(config)
-        if quant is not None and family.moe is not None:
-            raise ModelLoadError(
-                "tensor parallelism: FP8 checkpoints of a mixture of experts are not supported with tensor "
-                "parallelism yet"
-            )
         # a multimodal checkpoint (Gemma 3 4B-27B): its language model's config, its weights under the text names
         text_config, renames = loader._text_model(config, family)
         path = local_folder(name_or_path)
@@ -153,6 +152,6 @@ def _check_fits(config: Any, family: Family, state: ParallelState, dtype: torch.
 
 def _check(config: Any, engine_config: EngineConfig) -> None:
     family, _ = family_for(config)
-    reason = unsupported_reason(family, engine_config)
+    reason = unsupported_reason(family, engine_config, config)
     if reason is not None:
         raise ModelLoadError(f"tensor parallelism: {reason}")
