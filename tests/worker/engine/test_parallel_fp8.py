@@ -105,13 +105,19 @@ def test_per_channel_scales_are_one_process_rows(tmp_path_factory, fmt):
 def test_a_shard_boundary_inside_an_fp8_block_is_refused(tmp_path_factory):
     """64-dim KV heads, 2 of them: each rank's 64 k rows are half a [128, 128] block."""
     path = str(build_fp8_checkpoint(tmp_path_factory.mktemp("fp8-block-64"), "fp8-block", "qwen3").path)
-    with pytest.raises(ModelLoadError, match=r"k_proj's rows \[0, 64\) of 128 cut its block-wise FP8 blocks of 128"):
+    with pytest.raises(
+        ModelLoadError, match=r"k_proj's rows \[0, 64\) of 128 cut its block-wise FP8 blocks of 128"
+    ):
         build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2)
 
 
 def test_fp8_on_a_mixture_of_experts_is_refused_before_any_rank_starts(tmp_path):
     release = build_fp8_moe_checkpoint(tmp_path, "fp8-block")
-    with pytest.raises(ModelLoadError, match="FP8 checkpoints of a mixture of experts are not supported with tensor"):
+    with pytest.raises(
+        ModelLoadError, match="FP8 checkpoints of a mixture of experts are not supported with tensor"
+    ):
         check_supported(str(release.path), EngineConfig(tensor_parallel_size=2))
-    with pytest.raises(ModelLoadError, match="--quantization on a mixture of experts is not supported with tensor"):
+    with pytest.raises(
+        ModelLoadError, match="--quantization on a mixture of experts is not supported with tensor"
+    ):
         check_supported("tiny-qwen2-moe", EngineConfig(quantization="fp8", tensor_parallel_size=2))

@@ -59,7 +59,9 @@ class Fp8ShardSource:
         if method is None or f"{module}.{method.weight_scale_name}" not in self.inner:
             weight = self.inner.get_slice(name)
             if _is_fp8(weight):
-                raise ModelLoadError(f"tensor parallelism: the checkpoint has {name} in FP8 but no scale cbq reads")
+                raise ModelLoadError(
+                    f"tensor parallelism: the checkpoint has {name} in FP8 but no scale cbq reads"
+                )
             return weight
         self.methods[module] = method
         return _Fp8WeightSlice(self, module, method)
@@ -95,11 +97,16 @@ class _Fp8WeightSlice:
             scale_part = scale[rows.start // bn : -(-rows.stop // bn), cols.start // bk : -(-cols.stop // bk)]
         else:
             scale_part = scale[:] if scale.get_shape() else scale[...]
-        tensors = {f"{prefix}.weight": self.weight[rows, cols], f"{prefix}.{self.method.weight_scale_name}": scale_part}
+        tensors = {
+            f"{prefix}.weight": self.weight[rows, cols],
+            f"{prefix}.{self.method.weight_scale_name}": scale_part,
+        }
         if f"{prefix}.input_scale" in inner:
             input_scale = inner.get_slice(f"{prefix}.input_scale")
             tensors[f"{prefix}.input_scale"] = input_scale[:] if input_scale.get_shape() else input_scale[...]
-        layer = self.method.load(tensors, prefix)  # checks the slice's scale shapes as one process's load does
+        layer = self.method.load(
+            tensors, prefix
+        )  # checks the slice's scale shapes as one process's load does
         self.source.record(prefix, layer)
         return self.method.dequantize(layer, torch.float32)
 
@@ -131,8 +138,10 @@ def keep_fp8_linears(model: nn.Module, source: Fp8ShardSource) -> None:
     for module_name, pieces in source.kept.items():
         layer = pieces[0] if len(pieces) == 1 else Fp8Linear.concat(pieces)
         linear = model.get_submodule(module_name)
+        assert isinstance(linear, nn.Linear), f"{module_name} is read as a linear"
         bias = None if linear.bias is None else linear.bias.detach()
-        replace_module(model, module_name, Fp8LinearModule(source.methods[module_name], layer.to(linear.weight.device), bias))
+        layer = layer.to(linear.weight.device)
+        replace_module(model, module_name, Fp8LinearModule(source.methods[module_name], layer, bias))
 
 
 def quantize_shard(

@@ -36,8 +36,8 @@ from ..quant.linear import keeps_fp8
 from .checkpoint import Checkpoint
 from .group import ParallelState
 from .memory import DecoderShape, check_fits
-from .shard_fp8 import Fp8ShardSource, keep_fp8_linears, quantize_shard
 from .shard_build import ModelSource, TensorParallel, build_shard, local_folder, open_checkpoint
+from .shard_fp8 import Fp8ShardSource, keep_fp8_linears, quantize_shard
 
 __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's; building is shard_build.py's
 
