@@ -238,7 +238,7 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     ("model", "overrides", "match"),
     [
         ("tiny-cohere2", {}, "parallel attention and MLP blocks"),
-        ("tiny-llama", {"quantization": "fp8"}, "--quantization"),
+        ("tiny-qwen2-moe", {"quantization": "fp8"}, "--quantization on a mixture of experts"),
         ("tiny-llama", {"decoder": "hf"}, "owned decoder"),
     ],
 )
