@@ -105,3 +105,41 @@ def test_deterministic_two_ranks_over_gloo_on_one_gpu_are_batch_invariant(mode):
     finally:
         engine.close()
     assert {k: in_batch[k] for k in alone} == alone
+
+
+@pytest.mark.parametrize("fmt", ["online", "fp8-block"])
+def test_fp8_two_ranks_over_gloo_on_one_gpu_agree_with_one_process(tmp_path, requests, fmt):
+    """FP8 kept FP8 on sm89+ (the FP8 GEMM kernels, the fused q/k/v and gate/up FP8 rows with their scales) on a
+    2-rank shard: `--quantization fp8` on the small preset, and a block-wise FP8 checkpoint whose 128-dim heads and
+    512-wide MLP split into whole [128, 128] blocks. Near one process's tokens: the row-parallel sums (and the
+    per-token activation scales of --quantization fp8's o/down, over each rank's half) round differently."""
+    from tests.fixtures.fp8_checkpoints import build_fp8_checkpoint
+    from worker.engine.quant.kernels import has_fp8_tensor_cores
+    from worker.engine.quant.linear import Fp8LinearModule
+
+    if not has_fp8_tensor_cores(torch.device("cuda")):
+        pytest.skip("needs an sm89+ GPU")
+    if fmt == "online":
+        model, quantization = MODEL, "fp8"
+    else:
+        model, quantization = (
+            str(
+                build_fp8_checkpoint(
+                    tmp_path, fmt, "qwen3", shape=dict(head_dim=128, intermediate_size=512)
+                ).path
+            ),
+            None,
+        )
+    config = EngineConfig(
+        quantization=quantization, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=512
+    )
+    one = Engine.from_model(model, **vars(config))
+    expected = [r.token_ids for r in one.generate(requests)]
+    del one
+    torch.cuda.empty_cache()
+    two = build_sharded_engine(model, config, world_size=2, backend="gloo", device_ids=[0, 0])
+    assert any(isinstance(m, Fp8LinearModule) for m in two.model.modules()), "kept FP8 on sm89+"
+    got = [r.token_ids for r in two.generate(requests)]
+    two.close()
+    agreement = token_agreement(got, expected)
+    assert agreement > 0.8, f"token agreement {agreement:.3f}"
