@@ -48,6 +48,7 @@ def _one_process(path: str, keep_fp8: bool, quantization: str | None) -> tuple[E
 CASES = [
     ("fp8-block", True),
     ("fp8-block", False),
+    ("ct-block", True),
     ("ct-tensor-static", True),
     ("ct-channel-dynamic", False),
     ("fbgemm", False),

@@ -41,9 +41,10 @@ from .group import ParallelState, all_gather
 
 
 class Fp8ShardSource:
-    """A checkpoint whose quantized linears' weights read, by slice, dequantized to fp32 (the layers cast them);
-    with `keep_fp8`, each slice's `Fp8Linear` is kept in `kept[module]`, in the order read (a fused q/k/v
-    checkpoint's q, k and v rows of one tensor: three pieces)."""
+    """A checkpoint whose quantized linears' weights read, by slice, dequantized to fp32 (the layers cast them).
+    With `keep_fp8`, each slice's `Fp8Linear` is kept in `kept[module]`, in the order read (a fused q/k/v
+    checkpoint's q, k and v rows of one tensor: three pieces), and the layers get the bare FP8 values, a
+    placeholder that `keep_fp8_linears` replaces before anything runs."""
 
     def __init__(self, inner: Checkpoint, quant: Fp8Config, keep_fp8: bool):
         self.inner, self.quant, self.keep_fp8 = inner, quant, keep_fp8
@@ -65,10 +66,6 @@ class Fp8ShardSource:
             return weight
         self.methods[module] = method
         return _Fp8WeightSlice(self, module, method)
-
-    def record(self, module: str, layer: Fp8Linear) -> None:
-        if self.keep_fp8:
-            self.kept.setdefault(module, []).append(layer)
 
 
 class _Fp8WeightSlice:
@@ -104,10 +101,11 @@ class _Fp8WeightSlice:
         if f"{prefix}.input_scale" in inner:
             input_scale = inner.get_slice(f"{prefix}.input_scale")
             tensors[f"{prefix}.input_scale"] = input_scale[:] if input_scale.get_shape() else input_scale[...]
-        layer = self.method.load(
-            tensors, prefix
-        )  # checks the slice's scale shapes as one process's load does
-        self.source.record(prefix, layer)
+        # checks the slice's scale shapes as one process's load does
+        layer = self.method.load(tensors, prefix)
+        if self.source.keep_fp8:  # the layer's copy is dropped for an Fp8LinearModule: skip the fp32 products
+            self.source.kept.setdefault(prefix, []).append(layer)
+            return layer.weight
         return self.method.dequantize(layer, torch.float32)
 
 
