@@ -27,6 +27,9 @@ Elsewhere the weights are dequantized to the compute dtype. On the large-step pa
 per-token-group quantizations are separate kernels; small steps with decode_gemm "triton" quantize inside the
 GEMM (small_step.py).
 
+Under `--tensor-parallel-size` (dense models) the ranks read their slices of the FP8 weights with those slices'
+scales, or quantize their slices with one process's per-channel scales: parallel/shard_fp8.py.
+
 `--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """
 
