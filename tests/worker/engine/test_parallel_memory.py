@@ -93,3 +93,20 @@ def test_kv_bytes_per_token_per_rank():
     assert kv_bytes_per_token_per_rank(shape, 2, 2) == 64 * 1024
     # 8 KV heads: from TP=8 on, each rank caches one whole (replicated) head
     assert kv_bytes_per_token_per_rank(shape, 16, 2) == kv_bytes_per_token_per_rank(shape, 8, 2) == 16 * 1024
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fp8_linears_count_one_byte_a_weight(world_size):
+    """FP8 checkpoints at TP=N: the decoder linears' weights at 1 byte, the rest (embeddings, norms, biases) at
+    the model dtype's; at TP=1 the linears are exactly the model's nn.Linear weights but the output head."""
+    from transformers import AutoModelForCausalLM
+
+    config = preset_config("tiny-qwen2")
+    shape = DecoderShape.from_config(config, qkv_bias=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linears = sum(
+        m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"
+    )
+    dense, fp8 = weight_bytes_per_rank(shape, world_size, 2), weight_bytes_per_rank(shape, world_size, 2, 1)
+    assert dense.total - fp8.total == linears // world_size

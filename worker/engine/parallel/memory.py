@@ -69,9 +69,13 @@ class RankWeightBytes:
         return self.sharded + self.replicated
 
 
-def weight_bytes_per_rank(shape: DecoderShape, world_size: int, bytes_per_param: float) -> RankWeightBytes:
+def weight_bytes_per_rank(
+    shape: DecoderShape, world_size: int, bytes_per_param: float, linear_bytes_per_param: float | None = None
+) -> RankWeightBytes:
     """The bytes rank 0 holds (every rank holds as much: the splits are even up to vocab padding).
-    Raises ValueError when the shape cannot be split over `world_size` ranks."""
+    `linear_bytes_per_param`: the dense decoder linears' (q/k/v, o, gate/up, down) where they differ (1 for FP8
+    weights; their scales are left out, a few bytes a row or a block). Raises ValueError when the shape cannot be
+    split over `world_size` ranks."""
     s, n = shape, world_size
     heads = head_shard(s.num_heads, s.num_kv_heads, 0, n)
 
@@ -82,26 +86,31 @@ def weight_bytes_per_rank(shape: DecoderShape, world_size: int, bytes_per_param:
     kv_rows = 2 * heads.num_kv_heads * s.head_dim
     kv_split = s.num_kv_heads >= n
     q_rows = heads.num_q_heads * s.head_dim
-    sharded = (q_rows + (kv_rows if kv_split else 0)) * s.hidden_size  # q (and k, v when split)
-    replicated = 0 if kv_split else kv_rows * s.hidden_size  # k, v copies when KV heads are replicated
+    linear_sharded = (q_rows + (kv_rows if kv_split else 0)) * s.hidden_size  # q (and k, v when split)
+    linear_replicated = 0 if kv_split else kv_rows * s.hidden_size  # k, v copies when KV heads are replicated
+    linear_sharded += s.hidden_size * part(s.num_heads * s.head_dim, "num_attention_heads x head_dim")  # o
+    sharded = replicated = 0
     if s.qkv_bias:
         sharded += q_rows + (kv_rows if kv_split else 0)
         replicated += 0 if kv_split else kv_rows
-    sharded += s.hidden_size * part(s.num_heads * s.head_dim, "num_attention_heads x head_dim")  # o
     if s.num_experts:
         sharded += (
             s.num_experts * 3 * s.hidden_size * part(s.expert_intermediate_size, "the experts' intermediate size")
         )
         replicated += s.num_experts * s.hidden_size  # the router
     else:
-        sharded += 3 * s.hidden_size * part(s.intermediate_size, "intermediate_size")  # gate, up, down
+        linear_sharded += 3 * s.hidden_size * part(s.intermediate_size, "intermediate_size")  # gate, up, down
     replicated += 2 * s.hidden_size + (2 * s.head_dim if s.qk_norm else 0)  # the two norms (+ q/k norms)
     sharded *= s.num_layers
     replicated *= s.num_layers
     vocab_rows = vocab_shard(s.vocab_size, 0, n).num_rows
     sharded += vocab_rows * s.hidden_size * (1 if s.tie_word_embeddings else 2)
     replicated += s.hidden_size  # the final norm
-    return RankWeightBytes(round(sharded * bytes_per_param), round(replicated * bytes_per_param))
+    linear_bytes = bytes_per_param if linear_bytes_per_param is None else linear_bytes_per_param
+    return RankWeightBytes(
+        round(sharded * bytes_per_param + linear_sharded * s.num_layers * linear_bytes),
+        round(replicated * bytes_per_param + linear_replicated * s.num_layers * linear_bytes),
+    )
 
 
 def kv_bytes_per_token_per_rank(shape: DecoderShape, world_size: int, bytes_per_value: float) -> int:
@@ -117,9 +126,10 @@ def check_fits(
     bytes_per_param: float,
     free_bytes_per_rank: list[int],
     model_name: str,
+    linear_bytes_per_param: float | None = None,
 ) -> RankWeightBytes:
     """The per-rank weight bytes, or ValueError naming the numbers when some rank lacks the room."""
-    need = weight_bytes_per_rank(shape, world_size, bytes_per_param)
+    need = weight_bytes_per_rank(shape, world_size, bytes_per_param, linear_bytes_per_param)
     short = [(rank, free) for rank, free in enumerate(free_bytes_per_rank) if free < need.total]
     if short:
         rank, free = short[0]

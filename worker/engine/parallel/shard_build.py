@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,9 +141,16 @@ def _set_param(root: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
 
 
 def build_shard(
-    config: Any, family: Family, source: Checkpoint, state: ParallelState, dtype: torch.dtype
+    config: Any,
+    family: Family,
+    source: Checkpoint,
+    state: ParallelState,
+    dtype: torch.dtype,
+    after_layer: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, TensorParallel]:
-    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names)."""
+    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names).
+    `after_layer(model)`: run once each decoder layer is loaded (FP8 linears take their layer's place there, so
+    that a rank holds one layer's weights in the model dtype at a time)."""
     from transformers import AutoModelForCausalLM
 
     cfg = shard_config(config, state)
@@ -154,6 +161,8 @@ def build_shard(
         for buffer_name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[buffer_name] = buffer.to(device)
+    # the model's own buffers the checkpoint stores (not those of modules `after_layer` puts in: FP8 linears')
+    stored_buffers = [name for name, _ in model.named_buffers() if name in source]
     hidden = config.hidden_size
     layers = submodule(model, family.layers_path)
     sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
@@ -165,6 +174,8 @@ def build_shard(
             _load_moe(model, loader.prefix, family, source, state, config, kw)
         else:
             loader.dense_mlp(family.layer, config)
+        if after_layer is not None:
+            after_layer(model)
     embed_name = f"{family.embed_path}.weight"
     embedding = VocabParallelEmbedding(config.vocab_size, hidden, state, **kw)
     embedding.load_from(source, family.embed_path)
@@ -181,9 +192,8 @@ def build_shard(
     for param_name, param in list(model.named_parameters()):
         if param.is_meta:
             _set_param(model, param_name, source.get_slice(param_name)[:].to(device=device, dtype=param.dtype))
-    for buffer_name, buffer in model.named_buffers():  # stored buffers (GLM-4.5's correction bias): replicated
-        if buffer_name in source:
-            buffer.copy_(source.get_slice(buffer_name)[:])
+    for buffer_name in stored_buffers:  # GLM-4.5's correction bias: replicated
+        model.get_buffer(buffer_name).copy_(source.get_slice(buffer_name)[:])
     model.eval().requires_grad_(False)
     return model, TensorParallel(state, embedding, config.vocab_size)
 

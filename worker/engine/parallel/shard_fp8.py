@@ -131,9 +131,10 @@ def _is_fp8(weight: TensorSlice) -> bool:
 
 
 def keep_fp8_linears(model: nn.Module, source: Fp8ShardSource) -> None:
-    """Each quantized linear the shard read becomes an `Fp8LinearModule` holding the rank's FP8 slice and its
-    scales (the dequantized weight the layers loaded is dropped with the module)."""
-    for module_name, pieces in source.kept.items():
+    """Each quantized linear read since the last call becomes an `Fp8LinearModule` holding the rank's FP8 slice
+    and its scales (the placeholder weight the layers loaded is dropped with the module). Run after each layer."""
+    for module_name, pieces in list(source.kept.items()):
+        del source.kept[module_name]
         layer = pieces[0] if len(pieces) == 1 else Fp8Linear.concat(pieces)
         linear = model.get_submodule(module_name)
         assert isinstance(linear, nn.Linear), f"{module_name} is read as a linear"

@@ -114,12 +114,12 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
             source = Fp8ShardSource(source, quant, keep_fp8)
         config = text_config
     family, _ = family_for(config)
-    if device.type == "cuda":
-        _check_fits(config, family, state, dtype, name_or_path)
-    model, tp = build_shard(config, family, source, state, dtype)
-    if isinstance(source, Fp8ShardSource):
-        keep_fp8_linears(model, source)
-    elif quant is not None:  # --quantization fp8
+    fp8_source = source if isinstance(source, Fp8ShardSource) and keep_fp8 else None
+    if device.type == "cuda":  # FP8 weights kept: their linears at 1 byte (converted layer by layer at load)
+        _check_fits(config, family, state, dtype, name_or_path, 1 if fp8_source is not None else None)
+    after_layer = None if fp8_source is None else (lambda model: keep_fp8_linears(model, fp8_source))
+    model, tp = build_shard(config, family, source, state, dtype, after_layer)
+    if quant is not None and not quant.is_serialized:  # --quantization fp8
         quantize_shard(model, quant, state, _row_parallel_linears(config, family), keep_fp8)
     model.generation_config = generation_config
     del source
@@ -139,13 +139,23 @@ def _row_parallel_linears(config: Any, family: Family) -> frozenset[str]:
     )
 
 
-def _check_fits(config: Any, family: Family, state: ParallelState, dtype: torch.dtype, model_name: str) -> None:
+def _check_fits(
+    config: Any,
+    family: Family,
+    state: ParallelState,
+    dtype: torch.dtype,
+    model_name: str,
+    linear_bytes_per_param: float | None = None,
+) -> None:
     """A ModelLoadError with the numbers when this rank's GPU cannot hold its shard (memory.py)."""
     shape = DecoderShape.from_config(config, qk_norm=family.layer.q_norm is not None)
     free_bytes = torch.cuda.mem_get_info(state.device)[0]
     try:
         # the other ranks check their own GPUs: only this rank's free bytes count here (its place names it)
-        check_fits(shape, state.world_size, dtype.itemsize, [sys.maxsize] * state.rank + [free_bytes], model_name)
+        check_fits(
+            shape, state.world_size, dtype.itemsize, [sys.maxsize] * state.rank + [free_bytes], model_name,
+            linear_bytes_per_param,
+        )  # fmt: skip
     except ValueError as exc:
         raise ModelLoadError(f"{exc} ({state.device})") from None
 
