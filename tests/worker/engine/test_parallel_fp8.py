@@ -122,3 +122,22 @@ def test_fp8_on_a_mixture_of_experts_is_refused_before_any_rank_starts(tmp_path)
         ModelLoadError, match="--quantization on a mixture of experts is not supported with tensor"
     ):
         check_supported("tiny-qwen2-moe", EngineConfig(quantization="fp8", tensor_parallel_size=2))
+
+
+def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
+    """A rank never casts bare FP8 values into a weight: a quantized linear without its scale names the tensor."""
+    from safetensors.torch import save_file
+
+    from worker.engine.parallel.checkpoint import SafetensorsCheckpoint
+    from worker.engine.parallel.shard_fp8 import Fp8ShardSource
+    from worker.engine.quant import BlockFp8Config
+
+    save_file(
+        {"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 128).to(torch.float8_e4m3fn)},
+        tmp_path / "m.safetensors",
+    )
+    source = Fp8ShardSource(
+        SafetensorsCheckpoint.from_dir(tmp_path), BlockFp8Config(block_shape=(128, 128)), False
+    )
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.up_proj.weight in FP8 but no scale"):
+        source.get_slice("model.layers.0.mlp.up_proj.weight")
