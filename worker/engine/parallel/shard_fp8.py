@@ -2,8 +2,8 @@
 with the scales of that slice, equal to the matching rows/blocks of one process's. Owns nothing after loading.
 
 An FP8 checkpoint (`Fp8ShardSource`): the parallel layers read `<linear>.weight` by slice as for any checkpoint;
-for a quantized linear the slice comes back dequantized (w_fp8 * scale, exactly one process's values), and with
-`keep_fp8` the FP8 slice and its scales are also kept (`keep_fp8_linears` then swaps in `Fp8LinearModule`s):
+for a quantized linear the slice comes back dequantized (w_fp8 * scale, exactly one process's values), or with
+`keep_fp8` its FP8 slice and scales are kept and `keep_fp8_linears` swaps in `Fp8LinearModule`s, layer by layer:
   per-channel  a column-parallel rank's rows keep their rows' scales; a row-parallel rank (o, down) holds whole
                rows' worth of scales (every scale: a row's scale covers all its columns, on every rank)
   per-tensor   the one scale, replicated (q/k/v with different scales become per-channel when fused, as in one
@@ -14,8 +14,8 @@ for a quantized linear the slice comes back dequantized (w_fp8 * scale, exactly 
 
 `--quantization fp8` (`quantize_shard`): per output channel, the scale is the row's absmax / 448. A column-parallel
 rank holds whole rows, so its own absmax is one process's. A row-parallel rank holds part of each row: its own
-absmax would give another scale (coarser rounding nowhere, but other bits than one process), so the ranks take the
-largest of their row absmaxes (one all-gather of [N] floats per linear, at load) and every rank quantizes its
+absmax would give another scale (a finer one: other FP8 values than one process's, and greedy output that
+drifts from it), so the ranks take the largest of their row absmaxes (one all-gather of [N] floats per linear, at load) and every rank quantizes its
 columns with the whole row's scale, exactly one process's weights.
 
 Not one process's bits: a row-parallel linear's dynamic per-token activation scale (`ActivationScale.TOKEN`:

@@ -18,7 +18,8 @@ The config's `vocab_size` stays the full vocabulary (the engine validates ids an
 
 A preset (random weights) has no files: each rank builds the whole model with the same seed on its device,
 as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`; a multimodal
-one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice).
+one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice; a dense FP8
+checkpoint's linears with their scales, and `--quantization fp8` on the rank's shard: shard_fp8.py).
 """
 
 from __future__ import annotations
