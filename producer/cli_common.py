@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import click
 
+from schemas.json_line import jsonl_safe
 from schemas.result import OpenAIBatchOutputLine, ResultLine
 from schemas.status import BatchStatus
 
@@ -85,6 +86,6 @@ def write_result_lines(
             error_out = stack.enter_context(click.open_file(errors, "w", encoding="utf-8", atomic=errors != "-"))
         for line in itertools.chain([first] if first is not None else [], lines):
             to_errors = errors is not None and line.is_failure
-            (error_out if to_errors else out).write(line.model_dump_json(exclude_none=output_format == "cbq") + "\n")
+            (error_out if to_errors else out).write(jsonl_safe(line.model_dump_json(exclude_none=output_format == "cbq")) + "\n")
             counts[to_errors] += 1
     return counts[False], counts[True]

@@ -13,6 +13,17 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 BLANK = object()  # what `load_json_line` gives for a blank line
 
+# Characters that JSON may leave raw in a string but that Python's str.splitlines() (and some JSONL readers) treat as
+# line ends: written as escapes, an output line is one line for every reader, and decodes to the same value.
+_LINE_SEPARATORS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_LINE_SEPARATOR = re.compile("[\x85\u2028\u2029]")
+
+
+def jsonl_safe(json_text: str) -> str:
+    """`json_text` (one JSON document) with the raw line separators JSON allows in strings escaped: the same value,
+    one line under any line splitting (sampled text from a byte-level vocabulary can hold them)."""
+    return _LINE_SEPARATOR.sub(lambda m: _LINE_SEPARATORS[m.group()], json_text)
+
 
 def load_json_line(text: str | bytes, line_no: int) -> tuple[Any, str | None]:
     """The line's JSON value (`BLANK` for a blank line), and the path of a string holding a lone surrogate

@@ -25,6 +25,7 @@ from producer.server.batch_object import batch_object
 from producer.server.files import FileStore
 from producer.store.api_batches import MAX_REPORTED_ERRORS, BatchRecord, BatchRecordNotFound, BatchRecords
 from schemas.errors import RequestLineError
+from schemas.json_line import jsonl_safe
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from schemas.result import OpenAIBatchOutputLine
 from schemas.status import BatchStatus
@@ -206,7 +207,7 @@ class BatchService:
             for line in self.client.batch(record.cbq_batch_id).results(format="openai"):
                 assert isinstance(line, OpenAIBatchOutputLine), type(line)
                 failed = line.is_failure
-                (errors if failed else output).write(line.model_dump_json().encode() + b"\n")
+                (errors if failed else output).write(jsonl_safe(line.model_dump_json()).encode() + b"\n")
                 num_output += not failed
                 num_errors += failed
         now = int(time.time())

@@ -276,3 +276,19 @@ def test_status_and_wait_say_when_no_live_worker_serves_the_queue(cbq, conn, tmp
     assert json.loads(cbq("status", batch_id, "--json").stdout)["num_live_workers"] == 1
     waited = cbq("wait", batch_id, "--interval", "0.05", "--timeout", "0.2")
     assert waited.exit_code == 1 and "no live worker" not in waited.stderr
+
+
+def test_result_files_keep_one_line_per_result_when_text_holds_line_separators(tmp_path):
+    """Sampled text from a byte-level vocabulary can hold U+0085, U+2028 and U+2029, which JSON may leave raw but
+    str.splitlines() (and some JSONL readers) split on: the written file escapes them, the values round-trip."""
+    import json
+
+    from producer.cli_common import write_result_lines
+    from schemas.result import ResultLine
+
+    texts = ["a\x85b", "c\u2028d", "e\u2029f", "plain"]
+    lines = iter([ResultLine(index=i, text=t, finish_reason="length") for i, t in enumerate(texts)])
+    out = tmp_path / "out.jsonl"
+    assert write_result_lines(str(out), lines, "cbq") == (4, 0)
+    written = out.read_text(encoding="utf-8")
+    assert [json.loads(line)["text"] for line in written.splitlines()] == texts
