@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from tests.fixtures.checkpoints import gemma3_multimodal_model
 from worker.engine.config import EngineConfig
 from worker.engine.decoder import build_decoder, unimplemented, unsupported_reason
 from worker.engine.engine import Engine
@@ -151,20 +152,7 @@ def test_logit_knobs_show_in_the_logprobs(tiny_models, preset, field, neutral):
 def test_the_language_model_of_a_gemma3_multimodal_checkpoint_runs_text_lines(tmp_path, decoder):
     """A Gemma3ForConditionalGeneration checkpoint (4B-27B's layout): cbq loads its language model only, and
     greedy text output equals the whole model's `generate`."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
-    config = Gemma3Config(
-        text_config=preset_config("tiny-gemma3").to_dict(),
-        vision_config=dict(vision, patch_size=14),
-        mm_tokens_per_image=4,
-        image_token_index=300,
-        boi_token_index=301,
-        eoi_token_index=302,
-        tie_word_embeddings=False,  # untied as tiny-gemma3 (the releases tie)
-    )
-    torch.manual_seed(0)
-    whole = Gemma3ForConditionalGeneration(config).eval()
+    whole = gemma3_multimodal_model()
     whole.save_pretrained(tmp_path)
     model, tok = load_model(str(tmp_path), CPU, torch.float32)
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.model_type == "gemma3_text"

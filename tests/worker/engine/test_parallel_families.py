@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.fixtures.checkpoints import save_experts_as_mxfp4
+from tests.fixtures.checkpoints import gemma3_multimodal_model, save_experts_as_mxfp4
 from worker.engine.engine import Engine
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import load_model, preset_config
@@ -107,20 +107,7 @@ def test_the_language_model_of_a_gemma3_multimodal_checkpoint_at_tp2(tmp_path):
     """A Gemma3ForConditionalGeneration checkpoint (4B-27B's layout): each rank reads its slices of the language
     model's tensors under their checkpoint names (`model.language_model.*`), the vision tower's never; the tokens
     equal one process's, which test_families.py checks against the whole model's `generate`."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
-    config = Gemma3Config(
-        text_config=preset_config("tiny-gemma3").to_dict(),
-        vision_config=dict(vision, patch_size=14),
-        mm_tokens_per_image=4,
-        image_token_index=300,
-        boi_token_index=301,
-        eoi_token_index=302,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path, max_shard_size="200KB")
+    gemma3_multimodal_model().save_pretrained(tmp_path, max_shard_size="200KB")
     requests = make_requests(None)
     one = Engine.from_model(str(tmp_path), **SMALL_CACHE)
     expected = [r.token_ids for r in one.generate(requests)]
