@@ -6,8 +6,9 @@ the batch size, the step's longest context, graph or eager, how a prompt was chu
 whether a prefix came from the cache, or whether the token was computed with the prompt or as a decode. Every
 reduction whose order could follow the step is therefore fixed:
 
-  weight GEMMs   CUDA: one Triton kernel and launch configuration for every M (kernels/invariant_gemm.py),
-                 never cuBLAS. CPU: one F.linear per row (`row_linear`): torch's CPU GEMMs in fp32 gave
+  weight GEMMs   CUDA: one Triton kernel with one K reduction order for every M (kernels/invariant_gemm.py),
+                 small tiles for decode-sized steps and large ones for large steps where the build-time
+                 check finds the same bits, never cuBLAS. CPU: one F.linear per row (`row_linear`): torch's CPU GEMMs in fp32 gave
                  different bits for a row at M = 1 and M = 40 (bf16 agreed on this machine, but nothing
                  promises it), so each row takes the same M = 1 call wherever it sits.
   attention      one kernel for every row, prompt or decode: CUDA, the varlen prefill kernel with a fixed query
@@ -146,23 +147,25 @@ def layer_ops(owned, pdl: bool):
 
     if owned.use_triton:
         weights = {"lm_head": owned.lm_head}
+        gated = set()
         for i, w in enumerate(owned.layers):
             weights.update({f"layer {i} qkv": w.qkv_weight, f"layer {i} o": w.o_weight})
             weights.update({f"layer {i} gate_up": w.gate_up_weight, f"layer {i} down": w.down_weight})
+            gated.add(f"layer {i} gate_up")
         bad = invariant_gemm.untiled(weights)
         if bad:
             raise ValueError(
                 f"deterministic mode: these weights do not tile for the invariant GEMM: {bad[:4]}"
             )
-        act = ACT_CODES[owned.args.activation]
+        gemms = invariant_gemm.InvariantGemms.for_weights(weights, gated, pdl=pdl)
         return LayerOps(
             add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=owned.norm_math.weight_fp32),
-            linear=partial(invariant_gemm.linear, pdl=pdl),
-            gate_up_act=partial(invariant_gemm.gate_up_silu, pdl=pdl, act=act),
+            linear=gemms.linear,
+            gate_up_act=partial(gemms.gate_up_silu, act=ACT_CODES[owned.args.activation]),
             logits_epilogue=fk.logits_epilogue,
             pdl=pdl,
             qkv_rope_epilogue=True,
-            qkv_rope_write=partial(invariant_gemm.qkv_rope_write, pdl=pdl),
+            qkv_rope_write=gemms.qkv_rope_write,
         )
     return LayerOps(
         add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[owned.family.norm]),

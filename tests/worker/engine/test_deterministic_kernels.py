@@ -91,6 +91,11 @@ def check_attention_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None
 
 
 def check_gemm_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
+    """Every row's bits are the same at any M and offset, under the plan the build-time check picks (small tiles
+    below `large_m` rows, large ones above, for the shapes where both give the same bits; here large_m is 24 so
+    that steps of 1-100 rows cross it)."""
+    import dataclasses
+
     from worker.engine.kernels import invariant_gemm as ig
 
     gen = torch.Generator().manual_seed(seed)
@@ -100,19 +105,25 @@ def check_gemm_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
 
     k = 128
     x_all = randn(100, k)
+    heads, kv_heads, head_dim, block = 2, 1, 64, 16  # QKV: 2 query heads and 1 KV head of 64
+    weights = {
+        "linear": randn(128, k, scale=k**-0.5),
+        "gate_up_silu": randn(256, k, scale=k**-0.5),  # intermediate 128
+        "qkv": randn((heads + 2 * kv_heads) * head_dim, k, scale=k**-0.5),
+    }
+    gemms = dataclasses.replace(ig.InvariantGemms.for_weights(weights, {"gate_up_silu"}), large_m=24)
     cases = {
-        "linear": (ig.linear, randn(128, k, scale=k**-0.5), randn(128)),
-        "gate_up_silu": (ig.gate_up_silu, randn(128, k, scale=k**-0.5), None),  # intermediate 64
+        "linear": (gemms.linear, weights["linear"], randn(128)),
+        "gate_up_silu": (gemms.gate_up_silu, weights["gate_up_silu"], None),
     }
     for name, (fn, w, b) in cases.items():
         full = fn(x_all, w, b)
         for m in (1, 3, 17, 40, 100):
             for start in {0, 7, 100 - m}:
                 got = fn(x_all[start : start + m], w, b)
-                assert torch.equal(got, full[start : start + m]), (dtype, name, m, start)
-    # QKV with rotary and the KV write in the epilogue: 2 query heads and 1 KV head of 64.
-    heads, kv_heads, head_dim, block = 2, 1, 64, 16
-    w = randn((heads + 2 * kv_heads) * head_dim, k, scale=k**-0.5)
+                assert torch.equal(got, full[start : start + m]), (dtype, name, m, start, gemms.large_m)
+    # QKV with rotary and the KV write in the epilogue (the small plan) or after the GEMM (the large one).
+    w = weights["qkv"]
     angles = torch.arange(128.0)[:, None] * torch.logspace(0, -3, head_dim // 2)[None, :]
     cos = torch.cat([angles.cos()] * 2, -1).to(dtype).to(device)
     sin = torch.cat([angles.sin()] * 2, -1).to(dtype).to(device)
@@ -121,14 +132,14 @@ def check_gemm_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
 
     def qkv(rows: slice):
         caches = [torch.zeros(8, block, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2)]
-        q = ig.qkv_rope_write(
+        q = gemms.qkv_rope_write(
             x_all[rows], w, None, positions[rows], cos, sin, heads, kv_heads, *caches, slots[rows]
         )
         flat = [cache.view(-1, kv_heads, head_dim)[slots[rows]] for cache in caches]
         return q, *flat
 
     full = qkv(slice(0, 100))
-    for m in (1, 3, 17, 40):
+    for m in (1, 3, 17, 40, 60):
         got = qkv(slice(5, 5 + m))
         for part, g, f in zip(("q", "k", "v"), got, full, strict=True):
             assert torch.equal(g, f[5 : 5 + m]), (dtype, "qkv_rope_write", part, m)
@@ -320,3 +331,35 @@ def test_release_shaped_weights_tile_for_the_invariant_gemm(name, shape):
 
     weight = torch.empty(shape, dtype=torch.bfloat16, device="meta")
     assert invariant_gemm.untiled({name: weight}) == [], f"deterministic mode would refuse {name} {shape}"
+
+
+def test_the_build_time_check_keeps_one_plan_where_large_tiles_change_bits(monkeypatch):
+    """InvariantGemms.for_weights tiles a weight by M only where both plans give it the same bits: a large plan
+    that rounds differently (here a product nudged by 1e-3 in its large tiles) leaves one plan for every M."""
+    from worker.engine.kernels import decode_gemm as dg
+    from worker.engine.kernels import invariant_gemm as ig
+
+    def fake_linear(x, weight, bias=None, *, block_m=None, **_):  # torch's GEMM; the "large tiles" land off by 1e-3
+        out = torch.nn.functional.linear(x, weight, bias)
+        return out * (1 + 1e-3) if block_m == ig.LARGE_BLOCK_M else out
+
+    monkeypatch.setattr(dg, "decode_linear", fake_linear)
+    weights = {"o": torch.randn(128, 64), "lm_head": torch.randn(256, 64), "odd": torch.randn(96, 64)}
+    assert ig.InvariantGemms.for_weights(weights, set()).large_shapes == frozenset()
+    monkeypatch.setattr(dg, "decode_linear", lambda x, w, b=None, **_: torch.nn.functional.linear(x, w, b))
+    # 96 rows do not tile by 128: never probed, never large
+    assert ig.InvariantGemms.for_weights(weights, set()).large_shapes == {(128, 64, False), (256, 64, False)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and at.HAVE_TRITON), reason="needs CUDA and triton")
+def test_gpu_llama_shapes_tile_by_m():
+    """On the H200 the build-time check finds the same bits under both plans for every Llama-3-8B projection in
+    bf16 (benchmarks/invariant_gemm_sweep.py measured it), so deterministic mode's large steps take the large tiles."""
+    from worker.engine.kernels import invariant_gemm as ig
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}  # fmt: skip
+    weights = {name: torch.randn(shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5 for name, shape in shapes.items()}
+    gemms = ig.InvariantGemms.for_weights(weights, {"gate_up"}, pdl=True)
+    assert gemms.large_shapes == {(*w.shape, name == "gate_up") for name, w in weights.items()}

@@ -112,14 +112,16 @@ def _check_grouped_launch_order(dtype, pdl):
     from worker.engine.kernels import decode_gemm as dg
 
     block_n, block_k = dg.NARROW_CONFIG[:2]
+    config = dg.config_for(5 * block_n, 2 * block_k, dtype)  # NARROW_CONFIG, with fp32's fewer stages
+    assert config is not None and config[:2] == (block_n, block_k)
     w = (torch.randn(5 * block_n, 2 * block_k) / (2 * block_k) ** 0.5).to(dtype)
     x = torch.randn(40, 2 * block_k).to(dtype)
-    want = dg.decode_linear(x, w, pdl=pdl, config=dg.NARROW_CONFIG, block_m=16)
-    gated = dg.decode_gate_up_silu(x, w[: 4 * block_n], pdl=pdl, config=dg.NARROW_CONFIG, block_m=16)
+    want = dg.decode_linear(x, w, pdl=pdl, config=config, block_m=16)
+    gated = dg.decode_gate_up_silu(x, w[: 4 * block_n], pdl=pdl, config=config, block_m=16)
     for group_n in (1, 2, 5):
-        got = dg.decode_linear(x, w, pdl=pdl, config=dg.NARROW_CONFIG, block_m=16, group_n=group_n)
+        got = dg.decode_linear(x, w, pdl=pdl, config=config, block_m=16, group_n=group_n)
         assert torch.equal(got, want), (dtype, group_n)
-        got = dg.decode_gate_up_silu(x, w[: 4 * block_n], pdl=pdl, config=dg.NARROW_CONFIG, block_m=16, group_n=group_n)
+        got = dg.decode_gate_up_silu(x, w[: 4 * block_n], pdl=pdl, config=config, block_m=16, group_n=group_n)
         assert torch.equal(got, gated), (dtype, group_n, "gated")
 
 

@@ -1,24 +1,48 @@
-"""Batch-invariant weight GEMMs for deterministic mode (EngineConfig.deterministic). Owns nothing.
+"""Batch-invariant weight GEMMs for deterministic mode (EngineConfig.deterministic). Owns nothing but the tile plan.
 
-Every weight product of a step, whatever its row count M, runs decode_gemm.py's Triton kernel with one launch
-configuration per weight shape: the same BLOCK_K and K tile order (no split-K), the same program shape
-(BLOCK_N weight rows x BLOCK_M = 64 rows of x) and warp count for M = 1 as for M = 8,192. A row of x is
-computed by the same instructions on the same data in every step, so its output bits do not depend on M or on
-the other rows. cuBLAS is never called: it picks kernels and split-K by M.
+Every weight product of a step, whatever its row count M, runs decode_gemm.py's Triton kernel, never cuBLAS
+(cuBLAS picks kernels and split-K by M). The kernel reduces over K in one fixed order: K tiles in sequence, each
+chained into the fp32 accumulator by the tensor cores' dot (`tl.dot(w, x, acc)`), no split-K. A row of x is then
+computed from the same products added in the same order in every step, so its bits do not depend on M or on the
+other rows.
+
+Which tile shape to launch: on the H200 (2026-12-01, `benchmarks/invariant_gemm_sweep.py`) every configuration
+swept (BLOCK_N 64-256, BLOCK_K 64 and 128, 4 and 8 warps, BLOCK_M 64-256, grouped or not) gave the same bits for
+the same rows of every Llama-3-8B projection: the order of the K reduction is the whole story there. So the plan
+here is decode_gemm's small tiles for decode-sized steps and large tiles (`LARGE_TILE`) for steps of at least
+`LARGE_M` rows, which cuBLAS-sized prefill and 1,024-sequence decode steps need (one configuration for every M
+cost W2 0.46x of the default mode). That the two give the same bits is a property of the compiler and the chip,
+not a law, so it is checked, not assumed: `InvariantGemms.for_weights` runs every weight shape of the model
+under both plans once at build time, and a shape whose bits differ keeps the small plan for every M (Triton's
+CPU interpreter, whose dots round per K tile, finds that for the gated product, whose two plans' K tiles differ).
 
 The fused epilogues (SiLU·mul in the gate/up GEMM, rotary and the KV write in the QKV GEMM) are decode_gemm's,
-which round as the unfused pair does, so they are row-local too. What it costs: large steps lose cuBLAS's
-bigger tiles (measured by `bench engine --deterministic`).
+which round as the unfused pair does (tests/worker/engine/test_fused_kernels.py checks it bit for bit), so they
+are row-local too; the large plan runs the QKV GEMM then fused.qkv_rope_write.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import decode_gemm as dg
+from . import fused as fk
 
-# Rows of x per program for every M: decode_gemm's largest (its `block_m_for` gives 16-64 by M).
+# Rows of x per program in the small (decode) plan, for every M below LARGE_M.
 BLOCK_M = 64
+# The large plan (the sweep's fastest at M = 1,024 and 8,192: 1.10x and 1.14x cuBLAS for a Llama-3-8B step, vs
+# 2.54x for the small plan): 128 weight rows x 128 rows of x per program, K tiles of 64 (the small plan's), 8 warps,
+# 3 stages, programs launched in groups of 8 weight tiles for L2 reuse.
+LARGE_TILE: dg.Config = (128, 64, 8, 3)
+LARGE_BLOCK_M = 128
+LARGE_GROUP_N = 8
+# Steps of at least this many rows take the large plan (a full LARGE_BLOCK_M block; the sweep's M = 32 favours the
+# small plan, M = 1,024 the large one).
+LARGE_M = 128
+# Rows of the build-time check: two large blocks, the second one short.
+_PROBE_ROWS = LARGE_BLOCK_M + 40
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> dg.Config | None:
@@ -38,38 +62,91 @@ def untiled(weights: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, w in weights.items() if gemm_config(w.shape[0], w.shape[1], w.dtype) is None]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False):
-    """x [M, K] @ weight [N, K]^T (+ bias), batch-invariant."""
-    config = gemm_config(weight.shape[0], x.shape[1], x.dtype)
-    assert config is not None, (
-        f"weight {tuple(weight.shape)} does not tile (checked when the decoder is built)"
-    )
-    return dg.decode_linear(x.contiguous(), weight, bias, pdl=pdl, config=config, block_m=BLOCK_M)
+@dataclass(frozen=True)
+class InvariantGemms:
+    """The decoder's weight products in deterministic mode. A weight whose (N, K, gated) is in `large_shapes` takes
+    the large tiles in steps of at least `large_m` rows (`for_weights` puts there the shapes whose bits it found
+    the same under both plans); every other weight takes the small plan at every M."""
 
+    pdl: bool = False
+    large_shapes: frozenset[tuple[int, int, bool]] = frozenset()
+    large_m: int = LARGE_M
 
-def gate_up_silu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False, act: int = 0
-):
-    """act(x @ gate^T) * (x @ up^T) (SiLU, or fused.ACT_GELU_TANH) for the fused [gate; up] weight,
-    batch-invariant (fused when the intermediate size tiles, else the GEMM then the row-local act_mul kernel)."""
-    x = x.contiguous()
-    config = gated_config(weight.shape[0] // 2, x.shape[1], x.dtype)
-    if config is None:
-        return dg.fk.act_mul(linear(x, weight, bias, pdl=pdl), pdl=pdl, act=act)
-    return dg.decode_gate_up_silu(x, weight, bias, pdl=pdl, config=config, block_m=BLOCK_M, act=act)
+    @classmethod
+    def for_weights(cls, weights: dict[str, torch.Tensor], gated: set[str], pdl: bool = False) -> InvariantGemms:
+        """The plan for a model whose [N, K] weights are `weights` (`gated`: the names of fused [gate; up] ones):
+        each distinct shape runs a probe under both plans once, and tiles by M only if the bits agree."""
+        plain = cls(pdl=pdl)
+        agreed: set[tuple[int, int, bool]] = set()
+        probed: set[tuple[int, int, bool]] = set()
+        gen = torch.Generator().manual_seed(0)
+        for name, w in weights.items():
+            key = (w.shape[0], w.shape[1], name in gated)
+            rows = w.shape[0] // 2 if name in gated else w.shape[0]
+            if key in probed or dg._fitted(LARGE_TILE, rows, w.shape[1], w.dtype, max_k=None) is None:
+                continue
+            probed.add(key)
+            large = cls(pdl=pdl, large_shapes=frozenset([key]), large_m=1)
+            x = torch.randn(_PROBE_ROWS, w.shape[1], generator=gen).to(device=w.device, dtype=w.dtype)
+            if name in gated:
+                same = torch.equal(plain.gate_up_silu(x, w), large.gate_up_silu(x, w))
+            else:
+                same = torch.equal(plain.linear(x, w), large.linear(x, w))
+            if same:
+                agreed.add(key)
+        return cls(pdl=pdl, large_shapes=frozenset(agreed))
 
+    def _plan(self, weight: torch.Tensor, m: int, gated: bool) -> tuple[dg.Config | None, int, int]:
+        """(configuration, BLOCK_M, GROUP_N) for an [m, K] x weight [N, K]^T product (gated: [gate; up])."""
+        n, k = weight.shape
+        if m >= self.large_m and (n, k, gated) in self.large_shapes:
+            large = dg._fitted(LARGE_TILE, n // 2 if gated else n, k, weight.dtype, max_k=None)
+            if large is not None:
+                return large, LARGE_BLOCK_M, LARGE_GROUP_N
+        if gated:
+            return gated_config(n // 2, k, weight.dtype), BLOCK_M, 0
+        return gemm_config(n, k, weight.dtype), BLOCK_M, 0
 
-def qkv_rope_write(x, weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads, k_cache, v_cache,
-                   slot_mapping, *, pdl: bool = False, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
-    """decode_gemm.decode_qkv_rope_write at any depth, batch-invariant (the two launches when the heads do
-    not hold whole groups of rotary pairs)."""
-    m, k = x.shape
-    head_dim = cos_table.shape[-1]
-    rope = None
-    if head_dim % (2 * dg.ROPE_PAIRS) == 0 and dg.ROPE_CONFIG[0] == 2 * dg.ROPE_PAIRS:
-        rope = dg._fitted(dg.ROPE_CONFIG, (num_heads + 2 * num_kv_heads) * head_dim, k, x.dtype)
-    return dg.decode_qkv_rope_write(
-        x.contiguous(), weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads,
-        k_cache, v_cache, slot_mapping, pdl=pdl, config=rope, kv_scale=kv_scale,
-        linear_config=gemm_config(weight.shape[0], k, x.dtype), block_m=BLOCK_M,
-    )  # fmt: skip
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """x [M, K] @ weight [N, K]^T (+ bias), batch-invariant."""
+        config, block_m, group_n = self._plan(weight, x.shape[0], gated=False)
+        assert config is not None, f"weight {tuple(weight.shape)} does not tile (checked when the decoder is built)"
+        return dg.decode_linear(
+            x.contiguous(), weight, bias, pdl=self.pdl, config=config, block_m=block_m, group_n=group_n
+        )
+
+    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, act: int = 0):
+        """act(x @ gate^T) * (x @ up^T) (SiLU, or fused.ACT_GELU_TANH) for the fused [gate; up] weight,
+        batch-invariant (fused when the intermediate size tiles, else the GEMM then the row-local act_mul kernel)."""
+        x = x.contiguous()
+        config, block_m, group_n = self._plan(weight, x.shape[0], gated=True)
+        if config is None:
+            return fk.act_mul(self.linear(x, weight, bias), pdl=self.pdl, act=act)
+        return dg.decode_gate_up_silu(
+            x, weight, bias, pdl=self.pdl, config=config, block_m=block_m, act=act, group_n=group_n
+        )
+
+    def qkv_rope_write(self, x, weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads, k_cache,
+                       v_cache, slot_mapping, *, pdl=None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
+        """decode_gemm.decode_qkv_rope_write at any depth, batch-invariant: the fused kernel in the small plan (the
+        two launches when the heads do not hold whole groups of rotary pairs), the large GEMM then
+        fused.qkv_rope_write in the large one. `pdl` is the plan's (the argument keeps LayerOps' signature)."""
+        m, k = x.shape
+        x = x.contiguous()
+        head_dim = cos_table.shape[-1]
+        n = weight.shape[0]
+        config, block_m, _ = self._plan(weight, m, gated=False)
+        if block_m == LARGE_BLOCK_M and config is not None:
+            qkv = self.linear(x, weight, bias)
+            return fk.qkv_rope_write(
+                qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
+                k_cache, v_cache, slot_mapping, pdl=self.pdl, kv_scale=kv_scale,
+            )  # fmt: skip
+        rope = None
+        if head_dim % (2 * dg.ROPE_PAIRS) == 0 and dg.ROPE_CONFIG[0] == 2 * dg.ROPE_PAIRS:
+            rope = dg._fitted(dg.ROPE_CONFIG, n, k, x.dtype)
+        return dg.decode_qkv_rope_write(
+            x, weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads,
+            k_cache, v_cache, slot_mapping, pdl=self.pdl, config=rope, kv_scale=kv_scale,
+            linear_config=config, block_m=BLOCK_M,
+        )  # fmt: skip
