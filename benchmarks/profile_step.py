@@ -1,7 +1,7 @@
 """Per-kernel device time per engine step, under torch.profiler, for the benchmarks README.
 
     python3 benchmarks/profile_step.py --workload w1 --decoder owned [--decoder hf]
-        [--decode-gemm triton --decode-gemm cublas] [--out FILE]
+        [--decode-gemm triton --decode-gemm cublas] [--determinism default --determinism deterministic] [--out FILE]
 
 w1: 32 requests, prompt 256, 256 new tokens, 32 seqs / 2048 tokens per step (decode steps, graphs).
 w2: 400 W2 requests with outputs capped at 120 tokens, 1024 seqs / 8192 tokens (prefill-heavy mixed steps).
@@ -71,14 +71,23 @@ def main() -> None:
     parser.add_argument("--workload", choices=list(WORKLOADS), default="w1")
     parser.add_argument("--decoder", action="append", choices=["owned", "hf"])
     parser.add_argument("--decode-gemm", action="append", choices=["auto", "triton", "cublas"])
+    parser.add_argument("--determinism", action="append", choices=["default", "deterministic"])
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_model(args.model, torch.device("cuda"), torch.bfloat16)
     out_lines = []
-    setups = [(d, g) for d in args.decoder or ["owned"] for g in args.decode_gemm or ["auto"]]
-    for decoder, gemm in setups:
-        config = EngineConfig(mode="async", decoder=decoder, decode_gemm=gemm, **WORKLOADS[args.workload])
+    setups = [
+        (d, g, det)
+        for d in args.decoder or ["owned"]
+        for g in args.decode_gemm or ["auto"]
+        for det in args.determinism or ["default"]
+    ]
+    for decoder, gemm, determinism in setups:
+        config = EngineConfig(
+            mode="async", decoder=decoder, decode_gemm=gemm, deterministic=determinism == "deterministic",
+            **WORKLOADS[args.workload],
+        )  # fmt: skip
         engine = Engine(model, tok, config)
         reqs = requests_for(args.workload)
         engine.generate(warmup_requests(reqs, 32000))
@@ -90,7 +99,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
         stats = engine.stats()
         out_lines.append(
-            f"{args.workload} decoder={decoder} decode_gemm={gemm} wall {wall:.2f}s steps {stats.steps} "
+            f"{args.workload} decoder={decoder} decode_gemm={gemm} {determinism} wall {wall:.2f}s steps {stats.steps} "
             f"output_tokens {stats.output_tokens} busy {stats.busy_seconds:.2f}s"
         )
         out_lines += kernel_table(prof, max(stats.steps, 1), args.top)
