@@ -168,7 +168,9 @@ if HAVE_TRITON:
     def quantize_to_fp8(x, scale, FP8_MAX: tl.constexpr):
         """fp8.to_fp8(x / scale): clamped first (e4m3 has no infinity), then the round-to-nearest-even cast.
         Shared with small_step.py, whose in-kernel quantization must round as this file's kernels do."""
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        # div_rn: IEEE round-to-nearest, as torch divides; Triton's `/` on CUDA is the approximate division, whose
+        # last bit can tip an e4m3 rounding (the H200 run of test_quant_small_step.py, 2026-12-01)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
         return q.to(tl.float8e4nv)
 
     @triton.jit
@@ -187,7 +189,7 @@ if HAVE_TRITON:
         absmax = tl.max(running, axis=0)
         if HAS_UB:
             absmax = tl.minimum(absmax, scale_ub)
-        scale = tl.maximum(absmax, MIN_ABSMAX) / FP8_MAX
+        scale = tl.math.div_rn(tl.maximum(absmax, MIN_ABSMAX), FP8_MAX)
         tl.store(s_ptr + row, scale)
         for start in range(0, K, BLOCK):
             mask = start + cols < K
@@ -204,7 +206,7 @@ if HAVE_TRITON:
         cols = group * GROUP_SIZE + tl.arange(0, BLOCK)
         mask = (tl.arange(0, BLOCK) < GROUP_SIZE) & (cols < K)
         x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_ABSMAX) / FP8_MAX
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_ABSMAX), FP8_MAX)
         tl.store(s_ptr + row * tl.num_programs(1) + group, scale)
         tl.store(q_ptr + row * K + cols, quantize_to_fp8(x, scale, FP8_MAX), mask=mask)
 

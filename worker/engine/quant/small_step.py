@@ -274,7 +274,7 @@ if HAVE_TRITON:
             absmax = tl.max(running, axis=0)
             if HAS_UB:
                 absmax = tl.minimum(absmax, scale_ub)
-            x_scale = tl.maximum(absmax, MIN_ABSMAX) / FP8_MAX
+            x_scale = tl.math.div_rn(tl.maximum(absmax, MIN_ABSMAX), FP8_MAX)  # IEEE, as kernels.py
         return x_scale
 
     @triton.jit
