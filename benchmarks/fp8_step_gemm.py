@@ -9,6 +9,7 @@ distinct weights (skinny_gemm.graph_time_us), and the weight bytes per second:
                  "cublas"/"auto" on an FP8 model today)
   fp8-step       quant/small_step.py's kernel, x quantized inside it (no PDL); `fp8-step+pdl` with PDL, which in a
                  chain of independent GEMMs lets each one start while the one before drains
+  fp8-quant+step per_token_quant, then the kernel on e4m3 x (small_step X_QUANT "kernel"), both PDL links
   bf16-step      kernels/decode_gemm.py's kernel on the bf16 weight (the bf16 model's small step; down: its cuBLAS
                  fallback, as the decoder runs it)
 gate/up also runs the gated variants (act·mul in the epilogue): fp8-gated+pdl, bf16-gated+pdl, and fp8-pair+silu.
@@ -16,9 +17,11 @@ QKV also runs the variants with rotary and the KV-cache write (Llama-3-8B's 32 h
 bf16 cache): fp8-rope+pdl (the write in the FP8 kernel's epilogue), fp8-step+rope-write+pdl (the GEMM, then
 qkv_rope_write), bf16-rope+pdl (decode_gemm's fused kernel).
 --sweep times the FP8 kernel in each of FP8_CONFIGS; --chain times the decoder layer's GEMM chain (attention left
-out) over 32 layers from one graph: bf16 small step, FP8 pair (today's FP8 path), FP8 small step.
+out) over 32 layers from one graph: bf16 small step, FP8 pair (today's FP8 path), FP8 small step (x quantized in
+the GEMM, and by per_token_quant first).
 
-Not run yet: the first numbers come from run_gpu.sh's `fp8stepgemm` stage (benchmarks/README.md).
+H200, 2026-12-01 (benchmarks/h200/2026-12-01e): the in-GEMM quantization's kernel lost to the pair on every
+projection but gate/up; the x_quant "kernel" variant came after it and is not measured yet.
 """
 
 from __future__ import annotations
@@ -109,6 +112,11 @@ def time_fp8(name: str, x: torch.Tensor, sweep: bool) -> dict[str, float]:
             times[label] = graph_time_us(
                 lambda c=config, p=pdl: [small_step.fp8_step_linear(x, w, pdl=p, config=c) for w in layers], LAYERS
             )
+        label = "fp8-quant+step+pdl" + (f" {config}" if sweep else "")  # x_quant "kernel": per_token_quant first
+        times[label] = graph_time_us(
+            lambda c=config: [small_step.fp8_step_linear(x, w, pdl=True, config=c, x_quant="kernel") for w in layers],
+            LAYERS,
+        )
     if name == "gate_up":
         times["fp8-gated+pdl"] = graph_time_us(
             lambda: [small_step.fp8_step_gate_up_act(x, w, pdl=True) for w in layers], LAYERS
@@ -173,6 +181,12 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
             "fp8 small step + pdl",
             lambda x, w: small_step.fp8_step_linear(x, w, pdl=True),
             lambda x, w: small_step.fp8_step_gate_up_act(x, w, pdl=True),
+            True,
+        ),
+        (
+            "fp8 quant + small step + pdl",
+            lambda x, w: small_step.fp8_step_linear(x, w, pdl=True, x_quant="kernel"),
+            lambda x, w: small_step.fp8_step_gate_up_act(x, w, pdl=True, x_quant="kernel"),
             True,
         ),
     ]

@@ -108,7 +108,8 @@ def _rel_to_scale(got: torch.Tensor, want: torch.Tensor) -> float:
 def check_step_kernel(device: str) -> None:
     """fp8_step_linear against its twin (the interpreter: bit for bit) and the emulation, every scheme the kernel
     runs, M in {1, 5, 32}, with and without bias; the gated variant against the unfused pair (bit for bit);
-    shapes and schemes the kernel refuses against kernels.fp8_linear."""
+    shapes and schemes the kernel refuses against kernels.fp8_linear. x quantized by per_token_quant first
+    (x_quant "kernel") gives the same bits as inside the GEMM."""
     from worker.engine.quant import small_step
 
     exact = device == "cpu"
@@ -129,6 +130,9 @@ def check_step_kernel(device: str) -> None:
                         what = f"{name} m={m} n={n} k={k} {dtype} bias={bias is not None}"
                         got = small_step.fp8_step_linear(x, layer, bias, pdl=not exact)
                         assert got.shape == (m, n) and got.dtype == dtype, what
+                        # x quantized by per_token_quant first: the same e4m3 x and scales, the same products
+                        prequantized = small_step.fp8_step_linear(x, layer, bias, pdl=not exact, x_quant="kernel")
+                        assert torch.equal(got, prequantized), f"{what}: x_quant kernel"
                         twin = step_gemm_twin(x, layer, bias, block_k)
                         if exact:
                             assert torch.equal(got, twin), f"{what}: {(got.float() - twin.float()).abs().max()}"
@@ -156,6 +160,8 @@ def _check_gated(layers: dict[str, Fp8Linear], device: str, dtypes) -> None:
                     bias = torch.randn(2 * inter).to(device, dtype) if m == 5 else None
                     pdl = device != "cpu"
                     got = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act)
+                    prequantized = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act, x_quant="kernel")
+                    assert torch.equal(got, prequantized), (name, act, m, dtype, "x_quant kernel")
                     # the same K tiles as the gated kernel: the same sums
                     unfused = small_step.fp8_step_linear(x, layer, bias, pdl=pdl, config=small_step.GATED_STEP_CONFIG)
                     pair = fk.act_mul(unfused, pdl=pdl, act=act)
@@ -240,6 +246,14 @@ def check_qkv_rope_kernel(device: str) -> None:
                     assert got_q.shape == (m, num_heads, head_dim) and torch.equal(got_q, want_q), what
                     bits = [c.view(torch.uint8) for c in caches]  # e4m3 has no torch.equal on every build
                     assert torch.equal(bits[0], bits[2]) and torch.equal(bits[1], bits[3]), what
+                    # x quantized by per_token_quant first: the same q and caches
+                    pre_caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(2)]
+                    pre_q = small_step.fp8_step_qkv_rope_write(
+                        x, layer, bias, *rope, *pre_caches, slots, pdl=pdl, kv_scale=kv_scale, x_quant="kernel"
+                    )
+                    assert torch.equal(pre_q, got_q), (*what, "x_quant kernel")
+                    for cache, want in zip(pre_caches, bits[:2], strict=True):
+                        assert torch.equal(cache.view(torch.uint8), want), (*what, "x_quant kernel")
                     assert bits[0][1:].any() and bits[1][1:].any(), what  # it wrote something
                     if m > 1:
                         assert bits[0][0].any(), what  # the padding row's scratch slot, as the two launches

@@ -12,7 +12,7 @@
 
 The kernels round as fp8.py does (the same scale formula, the same clamp, round-to-nearest-even casts), so on
 the interpreter (TRITON_INTERPRET=1, with its fp8 cast fixed as tests/worker/engine/test_quant_kernels.py
-does) they match the torch reference bit for bit, and on the GPU to the last bit of an fp32 division.
+does) they match the torch reference bit for bit; on the GPU too (divisions are div_rn, IEEE, as torch's).
 Launches depend only on shapes: CUDA-graph capturable. Imports without triton (`HAVE_TRITON`).
 """
 
@@ -28,6 +28,8 @@ from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear, fp8_linear_emulated,
 try:
     import triton
     import triton.language as tl
+
+    from ..kernels.pdl import pdl_wait_and_release
 
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs
@@ -97,8 +99,11 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def per_token_quant(x: torch.Tensor, scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x_fp8 [M, K], scale fp32 [M]); fp8.quantize_per_token's kernel."""
+def per_token_quant(
+    x: torch.Tensor, scale_ub: float | None = None, *, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K], scale fp32 [M]); fp8.quantize_per_token's kernel (`pdl`: launched as a link of
+    the small-step path's PDL chain, kernels/pdl.py)."""
     _check_triton()
     m, k = x.shape
     x = x.contiguous()
@@ -108,7 +113,8 @@ def per_token_quant(x: torch.Tensor, scale_ub: float | None = None) -> tuple[tor
         block = min(_next_pow2(k), 1024)
         _per_token_quant_kernel[(m,)](
             x, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
-            K=k, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
+            K=k, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return x_fp8, scale
 
@@ -177,9 +183,11 @@ if HAVE_TRITON:
     def _per_token_quant_kernel(
         x_ptr, q_ptr, s_ptr, scale_ub,
         K: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         # One program per row: a pass for the absmax, a pass to quantize (the row stays in L2 between them).
         # K is a constexpr (one compile per hidden size): loop bounds must be scalars in the interpreter too.
+        pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         running = tl.zeros([BLOCK], dtype=tl.float32)

@@ -37,7 +37,7 @@ from ..kernels.common import HAVE_TRITON, tl, triton
 from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
 from .config import ActivationScale, WeightScale
 from .fp8 import FP8_MAX, MIN_ABSMAX, Fp8Linear
-from .kernels import fp8_linear
+from .kernels import fp8_linear, per_token_quant
 
 if HAVE_TRITON:
     from ..kernels.decode_gemm import qkv_rope_epilogue, rope_tile_rows
@@ -54,6 +54,14 @@ GATED_STEP_CONFIG: Config = (64, 128, 4, 4)  # 64 gate rows and the 64 up rows t
 # kernel too: its alternative is two launches outside the PDL chain, not one. None: any depth. The H200 decides
 # (the microbenchmark times down both ways).
 MAX_K: int | None = None
+# Where a dynamic per-token x is quantized: "gemm" (inside the GEMM, by every program for its own rows: no launch
+# more, but each program takes the absmax over all of K before its first product and quantizes the same x tiles
+# again) or "kernel" (kernels.per_token_quant first, a link of the PDL chain, then the GEMM reads e4m3 x and the
+# row scales: half the x bytes, no prologue). The same bits either way. The H200 sweep of 2026-12-01 found the
+# "gemm" kernel 26-40 us for a 16-25 MB projection at M = 32 whatever its tiles (the prologue's serial loop);
+# benchmarks/fp8_step_gemm.py times both.
+X_QUANT = "gemm"
+X_QUANTS = ("gemm", "kernel")
 
 
 def step_config(layer: Fp8Linear, gated: bool = False, config: Config | None = None) -> Config | None:
@@ -78,13 +86,15 @@ def fp8_step_linear(
     pdl: bool = False,
     config: Config | None = None,
     block_m: int | None = None,
+    x_quant: str | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ w^T (+ bias) in x's dtype, x quantized as the layer's scheme says inside the GEMM; the decoder
-    calls it for M <= decode_gemm.MAX_TOKENS. Where `step_config` gives None: kernels.fp8_linear."""
+    """x [M, K] @ w^T (+ bias) in x's dtype, x quantized as the layer's scheme says (where: `x_quant`, default
+    X_QUANT); the decoder calls it for M <= decode_gemm.MAX_TOKENS. Where `step_config` gives None:
+    kernels.fp8_linear."""
     config = step_config(layer, config=config)
     if config is None or not HAVE_TRITON:
         return fp8_linear(x, layer, bias)
-    return _launch(x, layer, bias, layer.out_features, config, gated=False, pdl=pdl, block_m=block_m)
+    return _launch(x, layer, bias, layer.out_features, config, gated=False, pdl=pdl, block_m=block_m, x_quant=x_quant)
 
 
 def fp8_step_gate_up_act(
@@ -96,14 +106,15 @@ def fp8_step_gate_up_act(
     act: int = fk.ACT_SILU,
     config: Config | None = None,
     block_m: int | None = None,
+    x_quant: str | None = None,
 ) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, I] for the fused FP8 weight [gate; up] ([2I, K], scales and bias [2I]) in
     one kernel; `act` fused.ACT_*. Where `step_config` gives None: the GEMM (fp8_step_linear), then act_mul."""
     config = step_config(layer, gated=True, config=config)
     if config is None or not HAVE_TRITON:
-        return fk.act_mul(fp8_step_linear(x, layer, bias, pdl=pdl), pdl=pdl, act=act)
+        return fk.act_mul(fp8_step_linear(x, layer, bias, pdl=pdl, x_quant=x_quant), pdl=pdl, act=act)
     inter = layer.out_features // 2
-    return _launch(x, layer, bias, inter, config, gated=True, pdl=pdl, block_m=block_m, act=act)
+    return _launch(x, layer, bias, inter, config, gated=True, pdl=pdl, block_m=block_m, act=act, x_quant=x_quant)
 
 
 def rope_step_config(
@@ -136,6 +147,7 @@ def fp8_step_qkv_rope_write(
     config: Config | None = None,
     block_m: int | None = None,
     kv_scale: tuple[float, float] = (1.0, 1.0),
+    x_quant: str | None = None,
 ) -> torch.Tensor:
     """decode_gemm.decode_qkv_rope_write for the fused FP8 QKV weight: q [M, H, D] with rotary at `positions`, k
     (rotated) and v written into the paged caches at `slot_mapping` (`kv_scale`: an e4m3 cache's (k_scale,
@@ -144,7 +156,7 @@ def fp8_step_qkv_rope_write(
     head_dim = cos_table.shape[-1]
     fused_config = rope_step_config(layer, num_heads, num_kv_heads, head_dim, config)
     if fused_config is None or not HAVE_TRITON:
-        qkv = fp8_step_linear(x, layer, bias, pdl=pdl, config=config, block_m=block_m)
+        qkv = fp8_step_linear(x, layer, bias, pdl=pdl, config=config, block_m=block_m, x_quant=x_quant)
         return fk.qkv_rope_write(
             qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
             k_cache, v_cache, slot_mapping, pdl=pdl, kv_scale=kv_scale,
@@ -157,12 +169,13 @@ def fp8_step_qkv_rope_write(
         return q
     block_n, block_k, num_warps, num_stages = fused_config
     block_m = block_m or block_m_for(m)
+    x_operand, scheme_args = _x_operand(x, layer, pdl, x_quant)
     _fp8_qkv_rope_kernel[(weight.shape[0] // block_n, triton.cdiv(m, block_m))](
-        x,
+        x_operand,
         weight,
         bias_ptr=bias if bias is not None else x,
         M=m,
-        stride_xm=x.stride(0),
+        stride_xm=x_operand.stride(0),
         stride_wn=weight.stride(0),
         K_TILES=k // block_k,
         HAS_BIAS=bias is not None,
@@ -172,10 +185,22 @@ def fp8_step_qkv_rope_write(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
-        **_scheme_args(layer),
+        **scheme_args,
         **rope_epilogue_args(positions, cos_table, sin_table, slot_mapping, q, k_cache, v_cache, num_kv_heads, kv_scale),
     )
     return q
+
+
+def _x_operand(x: torch.Tensor, layer: Fp8Linear, pdl: bool, x_quant: str | None) -> tuple[torch.Tensor, dict]:
+    """(x as the kernel reads it, the launch arguments of the scheme): x itself, quantized inside the GEMM, or
+    with `x_quant` "kernel" and dynamic per-token activations, e4m3 x and its row scales from per_token_quant."""
+    x_quant = x_quant or X_QUANT
+    assert x_quant in X_QUANTS, x_quant
+    args = _scheme_args(layer)
+    if x_quant == "gemm" or args["STATIC_X"]:
+        return x, args
+    x_fp8, x_scale = per_token_quant(x, layer.scheme.activation_scale_ub, pdl=pdl)
+    return x_fp8, dict(args, x_scale_ptr=x_scale, HAS_UB=False, PREQUANT_X=True)
 
 
 def _scheme_args(layer: Fp8Linear) -> dict:
@@ -191,6 +216,7 @@ def _scheme_args(layer: Fp8Linear) -> dict:
         scale_ub=0.0 if ub is None else float(ub),
         W_SCALE_STRIDE=1 if scheme.weight is WeightScale.CHANNEL else 0,  # 0: one scale, read by every row
         STATIC_X=is_static,
+        PREQUANT_X=False,
         HAS_UB=ub is not None,
         FP8_MAX=FP8_MAX,
         MIN_ABSMAX=MIN_ABSMAX,
@@ -207,6 +233,7 @@ def _launch(
     pdl: bool,
     block_m: int | None = None,
     act: int = 0,
+    x_quant: str | None = None,
 ) -> torch.Tensor:
     """out [M, n]: the first n rows of the layer's weight (gated: paired with the n rows after them)."""
     m, k = x.shape
@@ -218,14 +245,15 @@ def _launch(
     if m == 0:
         return out
     block_m = block_m or block_m_for(m)
+    x_operand, scheme_args = _x_operand(x, layer, pdl, x_quant)
     _fp8_step_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
-        x,
+        x_operand,
         weight,
         bias_ptr=bias if bias is not None else x,
         out_ptr=out,
         M=m,
         up_rows=n,
-        stride_xm=x.stride(0),
+        stride_xm=x_operand.stride(0),
         stride_wn=weight.stride(0),
         stride_om=out.stride(0),
         K_TILES=k // block_k,
@@ -239,7 +267,7 @@ def _launch(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
-        **_scheme_args(layer),
+        **scheme_args,
     )
     return out
 
@@ -254,6 +282,7 @@ if HAVE_TRITON:
         m_mask,
         scale_ub,
         STATIC_X: tl.constexpr,
+        PREQUANT_X: tl.constexpr,
         HAS_UB: tl.constexpr,
         K_TILES: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -263,8 +292,11 @@ if HAVE_TRITON:
     ):
         """The fp32 scale [BLOCK_M] of each x row: STATIC_X's one input scale, or fp8.quantize_per_token's from
         the row's absmax over all of K (max is exact in any order; fbgemm's cap when HAS_UB). Padding rows (masked
-        to 0) get MIN_ABSMAX's and are never stored. The prologue of this file's kernels."""
-        if STATIC_X:
+        to 0) get MIN_ABSMAX's and are never stored. PREQUANT_X: per_token_quant's row scales, read. The prologue
+        of this file's kernels."""
+        if PREQUANT_X:
+            x_scale = tl.load(x_scale_ptr + rm, mask=m_mask, other=1.0)
+        elif STATIC_X:
             x_scale = tl.load(x_scale_ptr + rm * 0)  # the one scale, per row so that both branches broadcast alike
         else:
             running = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
@@ -293,6 +325,7 @@ if HAVE_TRITON:
         stride_om,
         W_SCALE_STRIDE: tl.constexpr,
         STATIC_X: tl.constexpr,
+        PREQUANT_X: tl.constexpr,  # x_ptr: e4m3 x, x_scale_ptr: its fp32 row scales [M] (per_token_quant)
         HAS_UB: tl.constexpr,
         K_TILES: tl.constexpr,  # K // BLOCK_K: a fixed trip count per weight shape
         HAS_BIAS: tl.constexpr,
@@ -312,15 +345,19 @@ if HAVE_TRITON:
         m_mask = rm < M
         x_rows = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
         x_scale = x_row_scales(
-            x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX, MIN_ABSMAX
+            x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, PREQUANT_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX,
+            MIN_ABSMAX,
         )
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         up_ptrs = w_ptr + (rn[:, None] + up_rows).to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for t in range(K_TILES):
-            x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
-            x_fp8 = quantize_to_fp8(x, x_scale[None, :], FP8_MAX)
+            if PREQUANT_X:
+                x_fp8 = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0)
+            else:
+                x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
+                x_fp8 = quantize_to_fp8(x, x_scale[None, :], FP8_MAX)
             acc = tl.dot(tl.load(w_ptrs), x_fp8, acc)
             if GATED:
                 acc_up = tl.dot(tl.load(up_ptrs), x_fp8, acc_up)
@@ -370,6 +407,7 @@ if HAVE_TRITON:
         stride_vch,
         W_SCALE_STRIDE: tl.constexpr,
         STATIC_X: tl.constexpr,
+        PREQUANT_X: tl.constexpr,  # x_ptr: e4m3 x, x_scale_ptr: its fp32 row scales [M] (per_token_quant)
         HAS_UB: tl.constexpr,
         NUM_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
@@ -393,13 +431,18 @@ if HAVE_TRITON:
         m_mask = rm < M
         x_rows = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
         x_scale = x_row_scales(
-            x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX, MIN_ABSMAX
+            x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, PREQUANT_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX,
+            MIN_ABSMAX,
         )
         w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
         for t in range(K_TILES):
-            x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
-            acc = tl.dot(tl.load(w_ptrs), quantize_to_fp8(x, x_scale[None, :], FP8_MAX), acc)
+            if PREQUANT_X:
+                x_fp8 = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0)
+            else:
+                x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
+                x_fp8 = quantize_to_fp8(x, x_scale[None, :], FP8_MAX)
+            acc = tl.dot(tl.load(w_ptrs), x_fp8, acc)
             w_ptrs += BLOCK_K
         # as _fp8_step_gemm_kernel's epilogue, each tile row with its own row's weight scale and bias
         acc = acc * x_scale[None, :] * tl.load(w_scale_ptr + col * W_SCALE_STRIDE)[:, None]
