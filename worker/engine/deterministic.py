@@ -11,13 +11,15 @@ reduction whose order could follow the step is therefore fixed:
                  check finds the same bits, never cuBLAS. CPU: one F.linear per row (`row_linear`): torch's CPU GEMMs in fp32 gave
                  different bits for a row at M = 1 and M = 40 (bf16 agreed on this machine, but nothing
                  promises it), so each row takes the same M = 1 call wherever it sits.
-  attention      one kernel for every row, prompt or decode: CUDA, the varlen prefill kernel with a fixed query
-                 tile (kernels/attention.py `batch_invariant`): its KV tiles are aligned from position 0, so
-                 the reduction order over keys depends only on the row's position; the split-K decode kernel
-                 (whose split count follows the batch) is not used. A token computed inside a prompt chunk
-                 and the same token computed as a decode, or recomputed after a preemption, or read back
-                 from the prefix cache, then have the same bits. CPU: the torch reference, one row at a time
-                 over exactly its visible keys (`RowAttentionBackend`).
+  attention      one kernel for every row, prompt or decode: CUDA, the varlen prefill kernel with one path over
+                 KV tiles aligned from position 0 (kernels/attention.py `batch_invariant`), so the reduction
+                 order over keys depends only on the row's position; the split-K decode kernel (whose split
+                 count follows the batch) is not used. Its query tile shrinks for decode-heavy steps as in the
+                 default mode only where `query_tiles_agree` finds, at start, that no tile changes a row's bits;
+                 else one tile for every step. A token computed inside a prompt chunk and the same token
+                 computed as a decode, or recomputed after a preemption, or read back from the prefix cache,
+                 then have the same bits. CPU: the torch reference, one row at a time over exactly its
+                 visible keys (`RowAttentionBackend`).
   row-local      RMSNorm (one program or torch reduction per row), rotary, SiLU·mul, the embedding, the final
                  norm, log-softmax and sampling (per row; the random stream depends on (seed, token index))
                  already compute each row alone: unchanged.
@@ -84,9 +86,16 @@ class RowAttentionBackend(AttentionBackend):
 
 
 class InvariantTritonBackend(TritonAttentionBackend):
-    """Every row of every step through the varlen prefill kernel with its fixed query tile (CUDA)."""
+    """Every row of every step through the varlen prefill kernel with one path over KV tiles aligned from 0 (CUDA).
+    `tiles_by_step`: the query tile shrinks for decode-heavy steps (16 rows for Llama's 4-head groups instead of
+    128), which `query_tiles_agree` found to leave every row's bits unchanged on this device; else one query
+    tile for every step."""
 
     name = "triton"  # capturable like the default Triton backend
+
+    def __init__(self, tiles_by_step: bool = False):
+        super().__init__()
+        self.tiles_by_step = tiles_by_step
 
     def attend(
         self, q, k_cache, v_cache, meta: AttentionMetadata, scale, layer_idx, pdl=False, softcap=None, sinks=None
@@ -106,14 +115,45 @@ class InvariantTritonBackend(TritonAttentionBackend):
             batch_invariant=True,
             k_scale=meta.kv_scale(layer_idx)[0],
             v_scale=meta.kv_scale(layer_idx)[1],
+            tiles_by_step=self.tiles_by_step,
         )
 
 
-def attention_backend(default: AttentionBackend) -> AttentionBackend:
-    """The deterministic twin of the backend the runner picked."""
+def attention_backend(default: AttentionBackend, k_cache: torch.Tensor, num_heads: int, dtype: torch.dtype):
+    """The deterministic twin of the backend the runner picked, for a model with `num_heads` query heads in `dtype`
+    whose layer caches are shaped and typed as `k_cache` [blocks, block size, KV heads, head_dim]."""
     if isinstance(default, TritonAttentionBackend):
-        return InvariantTritonBackend()
+        return InvariantTritonBackend(tiles_by_step=query_tiles_agree(k_cache, num_heads, dtype))
     return RowAttentionBackend()
+
+
+def query_tiles_agree(k_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> bool:
+    """Whether the batch-invariant prefill kernel gives the same bits for the same rows under every query tile
+    that the decode-heavy shrink can pick (16 rows up to the full tile, by the step's longest query) as under the
+    full tile, on this device, for these shapes. Run once at start on a scratch cache of random keys and values:
+    decode rows at contexts that cross KV tiles, a 5-row prompt chunk, and a padding row. The H200 sweep of the
+    weight GEMMs found tile shape never changing bits; in attention a row's softmax sum also runs across the
+    tile's threads, whose layout follows the tile, so it is checked rather than assumed."""
+    from .kernels import attention as at
+
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    dev = k_cache.device
+    gen = torch.Generator().manual_seed(0)
+    contexts = [1, 37, 300, 129, 0]  # the last: a padding sequence
+    blocks_per_seq = -(-max(contexts) // block_size)
+    cache_shape = (1 + len(contexts) * blocks_per_seq, block_size, num_kv_heads, head_dim)  # block 0: scratch
+    k, v = (torch.randn(cache_shape, generator=gen).to(dev, k_cache.dtype) for _ in range(2))
+    tables = (1 + torch.arange(len(contexts) * blocks_per_seq)).view(len(contexts), blocks_per_seq).to(dev, torch.int32)
+    for q_lens in ([1, 1, 1, 1, 1], [1, 1, 1, 5, 1]):  # decode rows only, then with a 5-row prompt chunk
+        q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dev, dtype)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        args = (q, k, v, tables, cu, torch.tensor(contexts, dtype=torch.int32, device=dev), head_dim**-0.5)
+        whole = at.paged_prefill_attention(*args, batch_invariant=True)
+        for hint in sorted({max(h, max(q_lens)) for h in (1, 2, 4, 8, 16, 32, 64)}):  # every tile the shrink picks
+            got = at.paged_prefill_attention(*args, max_query_len=hint, batch_invariant=True, tiles_by_step=True)
+            if not torch.equal(got, whole):
+                return False
+    return True
 
 
 def unsupported_reason(is_cuda: bool, sliding_windows: tuple[int, ...], backend: AttentionBackend) -> str | None:

@@ -122,7 +122,6 @@ class ModelRunner:
             reason = deterministic.unsupported_reason(self.is_cuda, self.sliding_windows, self.attn_backend)
             if reason is not None:
                 raise ValueError(f"deterministic mode: {reason}")
-            self.attn_backend = deterministic.attention_backend(self.attn_backend)
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,
@@ -140,6 +139,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             model.config, num_kv_blocks, config.block_size, kv_cache_dtype(config, model.dtype), device
         )
+        if config.deterministic:  # its probe of the device's attention kernels needs the cache's shape and dtype
+            self.attn_backend = deterministic.attention_backend(
+                self.attn_backend, self.kv_caches[0][0], model.config.num_attention_heads, model.dtype
+            )  # a shard's config holds its rank's heads
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.max_model_len = max_model_len
         # Decode steps pad to the graph buckets on CUDA even with graphs off, so that an eager step runs the

@@ -30,8 +30,9 @@ H, KVH, D, BS = 4, 2, 16, 16  # attention shapes: a group of 2 query heads per K
 
 
 def _pick(
-    c: dict, q_rows: list[torch.Tensor], step, pad_seqs: int = 0, pad_rows: int = 0, max_q: int | None = None
-):
+    c: dict, q_rows: list[torch.Tensor], step, pad_seqs: int = 0, pad_rows: int = 0, max_q: int | None = None,
+    tiles_by_step: bool = False,
+):  # fmt: skip
     """Run the batch-invariant prefill kernel on `step` [(sequence, context now, query rows)], plus `pad_seqs`
     padding sequences (context 0, one row) and `pad_rows` rows past the last sequence. Returns each step entry's
     output rows."""
@@ -45,13 +46,17 @@ def _pick(
     ctx = torch.tensor([c for _, c, _ in step] + [0] * pad_seqs, dtype=torch.int32, device=dev)
     out = at.paged_prefill_attention(
         torch.cat(q), c["k_cache"], c["v_cache"], tables, cu, ctx, c["scale"],
-        max_query_len=max_q or max(q_lens), batch_invariant=True,
+        max_query_len=max_q or max(q_lens), batch_invariant=True, tiles_by_step=tiles_by_step,
     )  # fmt: skip
     assert (out[cu[-1] :] == 0).all() if pad_rows else True, "rows past the last sequence must be zeros"
     return [out[cu[i] : cu[i + 1]] for i in range(len(step))]
 
 
-def check_attention_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
+def check_attention_rows(device: str, dtype: torch.dtype, seed: int = 0, tiles_by_step: bool = False) -> None:
+    """`tiles_by_step`: the query tile shrinks with the step's longest query (deterministic mode where
+    query_tiles_agree holds); the reference rows are computed with the full tile either way."""
+    from functools import partial
+
     from tests.worker.engine.test_attention_triton import make_case
 
     rng = random.Random(seed)
@@ -61,6 +66,7 @@ def check_attention_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None
     q_rows = list(c["q"].split(ctx_lens))
     whole = _pick(c, q_rows, [(0, target_len, target_len)])[0]
     assert not torch.isnan(whole).any()
+    _pick_step = partial(_pick, tiles_by_step=tiles_by_step)
 
     def traffic(k: int):
         """k steps entries of other sequences: prompt chunks and decodes at random contexts."""
@@ -77,8 +83,8 @@ def check_attention_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None
             others = traffic(rng.choice([0, 2, 16]))
             at_index = rng.randint(0, len(others))
             step = others[:at_index] + [(0, hi, hi - lo)] + others[at_index:]
-            got = _pick(c, q_rows, step, pad_rows=rng.choice([0, 3]))[at_index]
-            assert torch.equal(got, whole[lo:hi]), (dtype, cuts, lo, hi)
+            got = _pick_step(c, q_rows, step, pad_rows=rng.choice([0, 3]))[at_index]
+            assert torch.equal(got, whole[lo:hi]), (dtype, cuts, lo, hi, tiles_by_step)
     # Decode rows (one query row at its position) in batches of 1, 3, 17 and 40, padded or not, any max_q hint.
     for pos, sizes in ((0, (3, 40)), (16, (1, 17)), (44, (1, 3, 17, 40))):
         for size in sizes:
@@ -86,8 +92,8 @@ def check_attention_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None
             at_index = rng.randint(0, len(others))
             step = others[:at_index] + [(0, pos + 1, 1)] + others[at_index:]
             pad_seqs, max_q = rng.choice([(0, None), (5, None), (2, 64)])
-            got = _pick(c, q_rows, step, pad_seqs=pad_seqs, max_q=max_q)[at_index]
-            assert torch.equal(got, whole[pos : pos + 1]), (dtype, pos, size, pad_seqs, max_q)
+            got = _pick_step(c, q_rows, step, pad_seqs=pad_seqs, max_q=max_q)[at_index]
+            assert torch.equal(got, whole[pos : pos + 1]), (dtype, pos, size, pad_seqs, max_q, tiles_by_step)
 
 
 def check_gemm_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
@@ -173,8 +179,12 @@ class _Steps:
         self.decoder = OwnedDecoder(model, 64, use_triton=use_triton, deterministic=True)
         assert self.decoder.use_triton == use_triton
         default = TritonAttentionBackend() if use_triton else AttentionBackend()
-        self.backend = deterministic.attention_backend(default)
         self.caches = allocate_kv_cache(model.config, 1 + 4 * 8, 16, model.dtype, self.device)
+        self.backend = deterministic.attention_backend(
+            default, self.caches[0][0], model.config.num_attention_heads, model.dtype
+        )
+        if use_triton:  # the interpreter and the H200 both leave bits to the K order: decode steps shrink the tile
+            assert self.backend.tiles_by_step, "query_tiles_agree found a query tile that changes a row's bits"
 
     def run(self, chunks, tokens: dict[int, list[int]], pad_seqs: int = 0) -> list[torch.Tensor]:
         """chunks [(sequence, start, num_tokens)]; returns each chunk's last-row logits."""
@@ -284,6 +294,7 @@ import torch
 order_independent_interpreter_dots()
 _patch_triton_interpreter()
 t.check_attention_rows("cpu", torch.bfloat16)
+t.check_attention_rows("cpu", torch.bfloat16, tiles_by_step=True)
 for dtype in (torch.float32, torch.bfloat16):
     t.check_gemm_rows("cpu", dtype)
 for family in ("llama", "qwen3"):
@@ -313,6 +324,7 @@ def test_kernels_are_row_invariant_in_the_interpreter():
 def test_gpu_kernels_are_row_invariant():
     for dtype in (torch.bfloat16, torch.float32):
         check_attention_rows("cuda", dtype)
+        check_attention_rows("cuda", dtype, tiles_by_step=True)
         check_gemm_rows("cuda", dtype)
     for family in ("llama", "qwen3"):
         check_decoder_rows("cuda", use_triton=True, family=family)
@@ -363,3 +375,31 @@ def test_gpu_llama_shapes_tile_by_m():
     weights = {name: torch.randn(shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5 for name, shape in shapes.items()}
     gemms = ig.InvariantGemms.for_weights(weights, {"gate_up"}, pdl=True)
     assert gemms.large_shapes == {(*w.shape, name == "gate_up") for name, w in weights.items()}
+
+
+def test_the_attention_probe_refuses_a_tile_that_changes_bits(monkeypatch):
+    """query_tiles_agree turns the decode-heavy shrink on only where it changes no bit: a kernel whose shrunk
+    tiles round differently (here nudged by 1e-3) keeps one query tile for every step."""
+    from worker.engine import deterministic
+    from worker.engine.attention import paged_attention_ref
+
+    def fake_prefill(q, k, v, tables, cu, ctx, scale, *, max_query_len=None, tiles_by_step=False, **_):
+        out = paged_attention_ref(q, k, v, tables, cu, ctx, scale)
+        return out * (1 + 1e-3) if tiles_by_step and max_query_len is not None and max_query_len <= 8 else out
+
+    monkeypatch.setattr(at, "paged_prefill_attention", fake_prefill)
+    k_cache = torch.zeros(4, BS, KVH, D)
+    assert deterministic.query_tiles_agree(k_cache, H, torch.float32) is False
+    monkeypatch.setattr(at, "paged_prefill_attention", lambda *a, tiles_by_step=False, **k: fake_prefill(*a, **k))
+    assert deterministic.query_tiles_agree(k_cache, H, torch.float32) is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and at.HAVE_TRITON), reason="needs CUDA and triton")
+def test_gpu_llama_attention_tiles_by_step():
+    """For Llama-3-8B's attention (32 heads, 8 KV heads, head_dim 128, blocks of 16, bf16) the probe keeps the
+    decode-heavy shrink: deterministic decode steps run 16-row query tiles, not 128 (W2's attention time)."""
+    from worker.engine import deterministic
+
+    k_cache = torch.zeros(8, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    assert deterministic.query_tiles_agree(k_cache, 32, torch.bfloat16), "a query tile changes a row's bits here"

@@ -859,6 +859,7 @@ def paged_prefill_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tiles_by_step: bool = False,
 ) -> torch.Tensor:
     """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
     `sliding_window` keys when that is not 0). Returns [T, H, D]. `sinks` [H]: each head's sink logit.
@@ -874,7 +875,9 @@ def paged_prefill_attention(
     position and the cache: its KV tiles are aligned from position 0 and visited in order, tiles past it add
     exact zeros, and its tile-mates change nothing. Chunked or whole, cached prefix or not, one row or
     many: the same bits (deterministic.py). Not with a sliding window: its first tiles start at the tile's
-    first row.
+    first row. `tiles_by_step` (with `batch_invariant`): the query tile shrinks for decode-heavy steps as in the
+    default mode; a row's bits then also depend on whether the tile shape changes them, which
+    deterministic.query_tiles_agree checks on the device before it is turned on.
 
     An e4m3 cache is read as K * k_scale and V * v_scale, as in `paged_decode_attention`.
     """
@@ -896,7 +899,7 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype, q.device)
     max_q = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
-    if not batch_invariant:
+    if not batch_invariant or tiles_by_step:
         # Decode-heavy batches: shrink the M tile to what the longest sequence needs (min 16 rows for tl.dot).
         block_m = min(block_m, max(16, next_pow2(max_q * group)))
         block_m = max(block_m, next_pow2(group))
