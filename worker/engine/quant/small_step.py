@@ -310,6 +310,15 @@ if HAVE_TRITON:
         return x_scale
 
     @triton.jit
+    def x_tile_fp8(x_tile, m_mask, x_scale, PREQUANT_X: tl.constexpr, FP8_MAX: tl.constexpr):
+        """The e4m3 x tile^T [BLOCK_K, BLOCK_M] at `x_tile`: read as it is (PREQUANT_X) or quantized with the rows'
+        scales, as kernels.per_token_quant would have."""
+        if PREQUANT_X:
+            return tl.load(x_tile, mask=m_mask[None, :], other=0.0)
+        x = tl.load(x_tile, mask=m_mask[None, :], other=0.0).to(tl.float32)
+        return quantize_to_fp8(x, x_scale[None, :], FP8_MAX)
+
+    @triton.jit
     def _fp8_step_gemm_kernel(
         x_ptr,
         w_ptr,  # e4m3 [N or 2I, K]
@@ -353,11 +362,7 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for t in range(K_TILES):
-            if PREQUANT_X:
-                x_fp8 = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0)
-            else:
-                x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
-                x_fp8 = quantize_to_fp8(x, x_scale[None, :], FP8_MAX)
+            x_fp8 = x_tile_fp8(x_rows + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
             acc = tl.dot(tl.load(w_ptrs), x_fp8, acc)
             if GATED:
                 acc_up = tl.dot(tl.load(up_ptrs), x_fp8, acc_up)
@@ -437,11 +442,7 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
         for t in range(K_TILES):
-            if PREQUANT_X:
-                x_fp8 = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0)
-            else:
-                x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
-                x_fp8 = quantize_to_fp8(x, x_scale[None, :], FP8_MAX)
+            x_fp8 = x_tile_fp8(x_rows + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
             acc = tl.dot(tl.load(w_ptrs), x_fp8, acc)
             w_ptrs += BLOCK_K
         # as _fp8_step_gemm_kernel's epilogue, each tile row with its own row's weight scale and bias
