@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [testsC] [testsD] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step]
+#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [testsC] [testsD] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -21,6 +21,15 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stages=${*:-tests kernels w1 w1hf w2 w2hf queue}
 has() { [[ " $stages " == *" $1 "* ]]; }
+# Triton's compiled kernels across device calls: every call starts on a bare machine and the GPU suite compiles
+# hundreds of kernel variants. A cache carried in as .gpu/triton-cache.tar.xz is unpacked first (entries are keyed
+# by source, options, Triton version and GPU, so a changed kernel just misses); the `savecache` stage packs the
+# cache into $OUT when it fits what the device tool brings back (16 MiB), to be copied to .gpu/ for the next call.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if [[ -f .gpu/triton-cache.tar.xz ]]; then
+    tar -xJf .gpu/triton-cache.tar.xz -C "$TRITON_CACHE_DIR" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried in"
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 
@@ -195,4 +204,13 @@ if has w2hf; then
         --compare-hf --hf-num-requests 200 --hf-output-len 256 --json-out "$OUT/w2_hf.json" 2>&1 | tail -6
 fi
 python3 benchmarks/collect_results.py "$OUT" >/dev/null && cp benchmarks/results.json "$OUT/results.json"
+if has savecache; then
+    tar -C "$TRITON_CACHE_DIR" -cf - . | xz -T0 -6 > /tmp/triton-cache.tar.xz
+    size=$(stat -c %s /tmp/triton-cache.tar.xz)
+    if (( size <= 16000000 )); then
+        cp /tmp/triton-cache.tar.xz "$OUT/"
+    else
+        echo "triton cache: $size bytes packed, more than the device tool brings back; not saved"
+    fi
+fi
 ls -la "$OUT"
