@@ -1,6 +1,6 @@
 """Deterministic mode's weight GEMMs on the H200: which one launch configuration to use for every M (issue 32).
 
-    python3 benchmarks/invariant_gemm_sweep.py [--m 32 --m 1024 --m 8192] [--json-out FILE]
+    python3 benchmarks/invariant_gemm_sweep.py [--m 32 --m 128 --m 256 --m 1024 --m 8192] [--json-out FILE]
 
 Deterministic mode (kernels/invariant_gemm.py) runs every weight product of a step through decode_gemm.py's kernel
 with one configuration per weight shape for every row count M, so that a row's bits never depend on the step. On
@@ -49,6 +49,12 @@ CANDIDATES: list[tuple[int, int, int, int, int, int]] = [
     (256, 64, 8, 3, 128, 8),
     (128, 64, 8, 3, 256, 8),
     (64, 64, 4, 4, 128, 8),
+    # around today's large plan (invariant_gemm.LARGE_TILE, BLOCK_M 128, GROUP_N 8), after the 2026-12-01 sweep
+    (128, 64, 8, 4, 128, 8),
+    (128, 64, 8, 3, 128, 16),
+    (128, 128, 8, 2, 128, 8),
+    (256, 64, 8, 2, 128, 8),
+    (128, 64, 8, 3, 64, 8),
 ]
 # Llama-3-8B's weight products per layer (name, N, K, gated) and the lm_head, in bf16.
 SHAPES = [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 14336, 4096, True),
@@ -93,7 +99,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="shapes / 32 on the CPU (TRITON_INTERPRET=1): runs the code")
     args = parser.parse_args()
-    ms = args.m or ([16, 64] if args.smoke else [32, 1024, 8192])
+    ms = args.m or ([16, 64] if args.smoke else [32, 128, 256, 1024, 8192])  # 128-256: where the plans cross
     big_m = max(ms)
     shapes = [(s, n // 32, k // 32, g) for s, n, k, g in SHAPES] if args.smoke else SHAPES
     dtype = torch.float32 if args.smoke else torch.bfloat16
