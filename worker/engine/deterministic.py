@@ -15,8 +15,9 @@ reduction whose order could follow the step is therefore fixed:
                  KV tiles aligned from position 0 (kernels/attention.py `batch_invariant`), so the reduction
                  order over keys depends only on the row's position; the split-K decode kernel (whose split
                  count follows the batch) is not used. Its query tile shrinks for decode-heavy steps as in the
-                 default mode only where `query_tiles_agree` finds, at start, that no tile changes a row's bits;
-                 else one tile for every step. A token computed inside a prompt chunk and the same token
+                 default mode (and a mixed step's leading decodes get a launch of their own) only where
+                 `query_tiles_agree` finds, at start, that no tile changes a row's bits; else one tile for
+                 every step. A token computed inside a prompt chunk and the same token
                  computed as a decode, or recomputed after a preemption, or read back from the prefix cache,
                  then have the same bits. CPU: the torch reference, one row at a time over exactly its
                  visible keys (`RowAttentionBackend`).
@@ -100,23 +101,27 @@ class InvariantTritonBackend(TritonAttentionBackend):
     def attend(
         self, q, k_cache, v_cache, meta: AttentionMetadata, scale, layer_idx, pdl=False, softcap=None, sinks=None
     ):
+        common = dict(
+            sliding_window=meta.sliding_window(layer_idx), sinks=sinks, softcap=softcap, batch_invariant=True,
+            k_scale=meta.kv_scale(layer_idx)[0], v_scale=meta.kv_scale(layer_idx)[1], tiles_by_step=self.tiles_by_step,
+        )  # fmt: skip
+        num_decode, num_seqs = meta.num_decode_seqs, meta.context_lens.shape[0]
+        if not self.tiles_by_step or num_decode in (0, num_seqs):
+            return self._k.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
+                max_query_len=meta.max_query_len, **common,
+            )  # fmt: skip
+        # A mixed step, where the tile may follow the step: its leading decode rows in decode-sized query tiles,
+        # the prompt chunks after them in full ones (the default backend splits them the same way).
+        out = torch.empty_like(q)
+        self._k.paged_prefill_attention(
+            q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode], meta.cu_seqlens_q[: num_decode + 1],
+            meta.context_lens[:num_decode], scale, out=out[:num_decode], max_query_len=1, **common,
+        )  # fmt: skip
         return self._k.paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.cu_seqlens_q,
-            meta.context_lens,
-            scale,
-            max_query_len=meta.max_query_len,
-            sliding_window=meta.sliding_window(layer_idx),
-            sinks=sinks,
-            softcap=softcap,
-            batch_invariant=True,
-            k_scale=meta.kv_scale(layer_idx)[0],
-            v_scale=meta.kv_scale(layer_idx)[1],
-            tiles_by_step=self.tiles_by_step,
-        )
+            q, k_cache, v_cache, meta.block_tables[num_decode:], meta.cu_seqlens_q[num_decode:],
+            meta.context_lens[num_decode:], scale, out=out, max_query_len=meta.max_query_len, **common,
+        )  # fmt: skip
 
 
 def attention_backend(default: AttentionBackend, k_cache: torch.Tensor, num_heads: int, dtype: torch.dtype):

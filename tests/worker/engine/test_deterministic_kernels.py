@@ -216,6 +216,9 @@ class _Steps:
             max_query_len=max(n for _, _, n in chunks),
             max_context_len=max(ctx),
             is_decode_only=all(n == 1 for _, _, n in chunks),
+            num_decode_seqs=next((i for i, (_, _, n) in enumerate(chunks) if n != 1), len(chunks)) + (
+                pad_seqs if all(n == 1 for _, _, n in chunks) else 0
+            ),
             backend=self.backend,
         )
         rows = torch.tensor(cu[1 : len(chunks) + 1], device=self.device) - 1
@@ -242,6 +245,10 @@ def check_decoder_rows(
     decodes = [(3, 9, 1), (1, 40, 1), (0, 20, 1), (5, 30, 1), (2, 1, 1)]
     got_decode = busy.run(decodes, tokens, pad_seqs=3)[2]
     assert torch.equal(got_decode, want_decode), "a decode in a padded batch of decodes"
+    # A decode leading a mixed step (the attention backend's decode rows then take their own query tiles)
+    mixed = _Steps(model, device, use_triton)
+    mixed.run([(0, 0, 20)], tokens)
+    assert torch.equal(mixed.run([(0, 20, 1), (4, 0, 33), (6, 0, 2)], tokens)[0], want_decode), "a decode in a mixed step"
     # The decoded token recomputed inside a longer prompt (a preemption's recompute, a prompt that continues
     # an earlier output and so hits its cached blocks): the same bits as computed as a decode.
     recompute = _Steps(model, device, use_triton)
