@@ -97,9 +97,9 @@ def check_attention_rows(device: str, dtype: torch.dtype, seed: int = 0, tiles_b
 
 
 def check_gemm_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
-    """Every row's bits are the same at any M and offset, under the plan the build-time check picks (small tiles
-    below `large_m` rows, large ones above, for the shapes where both give the same bits; here large_m is 24 so
-    that steps of 1-100 rows cross it)."""
+    """Every row's bits are the same at any M and offset, under the plan the build-time check picks (small tiles of
+    16-64 rows by M below `large_m` rows, large ones above, for the shapes where all give the same bits; here
+    large_m is 24 so that steps of 1-100 rows cross it)."""
     import dataclasses
 
     from worker.engine.kernels import invariant_gemm as ig
@@ -353,7 +353,7 @@ def test_release_shaped_weights_tile_for_the_invariant_gemm(name, shape):
 
 
 def test_the_build_time_check_keeps_one_plan_where_large_tiles_change_bits(monkeypatch):
-    """InvariantGemms.for_weights tiles a weight by M only where both plans give it the same bits: a large plan
+    """InvariantGemms.for_weights tiles a weight by M only where every tile gives it the same bits: a large plan
     that rounds differently (here a product nudged by 1e-3 in its large tiles) leaves one plan for every M."""
     from worker.engine.kernels import decode_gemm as dg
     from worker.engine.kernels import invariant_gemm as ig
@@ -364,7 +364,8 @@ def test_the_build_time_check_keeps_one_plan_where_large_tiles_change_bits(monke
 
     monkeypatch.setattr(dg, "decode_linear", fake_linear)
     weights = {"o": torch.randn(128, 64), "lm_head": torch.randn(256, 64), "odd": torch.randn(96, 64)}
-    assert ig.InvariantGemms.for_weights(weights, set()).large_shapes == frozenset()
+    gemms = ig.InvariantGemms.for_weights(weights, set())
+    assert gemms.large_shapes == frozenset() and gemms.small_by_m == {(128, 64, False), (256, 64, False)}
     monkeypatch.setattr(dg, "decode_linear", lambda x, w, b=None, **_: torch.nn.functional.linear(x, w, b))
     # 96 rows do not tile by 128: never probed, never large
     assert ig.InvariantGemms.for_weights(weights, set()).large_shapes == {(128, 64, False), (256, 64, False)}
@@ -381,7 +382,9 @@ def test_gpu_llama_shapes_tile_by_m():
               "lm_head": (128256, 4096)}  # fmt: skip
     weights = {name: torch.randn(shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5 for name, shape in shapes.items()}
     gemms = ig.InvariantGemms.for_weights(weights, {"gate_up"}, pdl=True)
-    assert gemms.large_shapes == {(*w.shape, name == "gate_up") for name, w in weights.items()}
+    shapes = {(*w.shape, name == "gate_up") for name, w in weights.items()}
+    assert gemms.large_shapes == shapes, "large tiles change bits here: large steps keep the decode tiles"
+    assert gemms.small_by_m == shapes, "16- or 32-row programs change bits here: decode steps keep 64"
 
 
 def test_the_attention_probe_refuses_a_tile_that_changes_bits(monkeypatch):

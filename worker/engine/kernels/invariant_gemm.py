@@ -13,8 +13,10 @@ here is decode_gemm's small tiles for decode-sized steps and large tiles (`LARGE
 `LARGE_M` rows, which cuBLAS-sized prefill and 1,024-sequence decode steps need (one configuration for every M
 cost W2 0.46x of the default mode). That the two give the same bits is a property of the compiler and the chip,
 not a law, so it is checked, not assumed: `InvariantGemms.for_weights` runs every weight shape of the model
-under both plans once at build time, and a shape whose bits differ keeps the small plan for every M (Triton's
-CPU interpreter, whose dots round per K tile, finds that for the gated product, whose two plans' K tiles differ).
+under each tile it could take once at build time, and keeps the small plan at BLOCK_M rows wherever bits differ
+(Triton's CPU interpreter, whose dots round per K tile, finds that for the gated product's large tiles, whose K
+tiles differ from its small plan's). Decode steps also take decode_gemm's rows per program for their M (16 at
+M = 16) where that changes no bit.
 
 The fused epilogues (SiLU·mul in the gate/up GEMM, rotary and the KV write in the QKV GEMM) are decode_gemm's,
 which round as the unfused pair does (tests/worker/engine/test_fused_kernels.py checks it bit for bit), so they
@@ -24,13 +26,14 @@ are row-local too; the large plan runs the QKV GEMM then fused.qkv_rope_write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from . import decode_gemm as dg
 from . import fused as fk
 
-# Rows of x per program in the small (decode) plan, for every M below LARGE_M.
+# Rows of x per program in the small (decode) plan, for every M, where tiles may not follow the step.
 BLOCK_M = 64
 # The large plan (the sweep's fastest at M = 1,024 and 8,192: 1.10x and 1.14x cuBLAS for a Llama-3-8B step, vs
 # 2.54x for the small plan): 128 weight rows x 128 rows of x per program, K tiles of 64 (the small plan's), 8 warps,
@@ -64,48 +67,59 @@ def untiled(weights: dict[str, torch.Tensor]) -> list[str]:
 
 @dataclass(frozen=True)
 class InvariantGemms:
-    """The decoder's weight products in deterministic mode. A weight whose (N, K, gated) is in `large_shapes` takes
-    the large tiles in steps of at least `large_m` rows (`for_weights` puts there the shapes whose bits it found
-    the same under both plans); every other weight takes the small plan at every M."""
+    """The decoder's weight products in deterministic mode, with tiles that follow the step only where
+    `for_weights` found them giving the same bits: a weight whose (N, K, gated) is in `large_shapes` takes the
+    large tiles from `large_m` rows; one in `small_by_m` takes decode_gemm's rows per program for M (16-64) in the
+    small plan; every other product takes the small plan at BLOCK_M rows."""
 
     pdl: bool = False
     large_shapes: frozenset[tuple[int, int, bool]] = frozenset()
+    small_by_m: frozenset[tuple[int, int, bool]] = frozenset()
     large_m: int = LARGE_M
 
     @classmethod
     def for_weights(cls, weights: dict[str, torch.Tensor], gated: set[str], pdl: bool = False) -> InvariantGemms:
         """The plan for a model whose [N, K] weights are `weights` (`gated`: the names of fused [gate; up] ones):
-        each distinct shape runs a probe under both plans once, and tiles by M only if the bits agree."""
-        plain = cls(pdl=pdl)
-        agreed: set[tuple[int, int, bool]] = set()
+        each distinct shape's product is computed once in the small plan at BLOCK_M rows per program, and compared
+        bit for bit with the small plan at 16 and 32 rows and with the large plan."""
+        large_shapes: set[tuple[int, int, bool]] = set()
+        small_by_m: set[tuple[int, int, bool]] = set()
         probed: set[tuple[int, int, bool]] = set()
         gen = torch.Generator().manual_seed(0)
         for name, w in weights.items():
-            key = (w.shape[0], w.shape[1], name in gated)
-            rows = w.shape[0] // 2 if name in gated else w.shape[0]
-            if key in probed or dg._fitted(LARGE_TILE, rows, w.shape[1], w.dtype, max_k=None) is None:
+            is_gated = name in gated
+            key = (w.shape[0], w.shape[1], is_gated)
+            rows = w.shape[0] // 2 if is_gated else w.shape[0]
+            small = (gated_config if is_gated else gemm_config)(rows, w.shape[1], w.dtype)
+            if key in probed or small is None:
                 continue
             probed.add(key)
-            large = cls(pdl=pdl, large_shapes=frozenset([key]), large_m=1)
             x = torch.randn(_PROBE_ROWS, w.shape[1], generator=gen).to(device=w.device, dtype=w.dtype)
-            if name in gated:
-                same = torch.equal(plain.gate_up_silu(x, w), large.gate_up_silu(x, w))
-            else:
-                same = torch.equal(plain.linear(x, w), large.linear(x, w))
-            if same:
-                agreed.add(key)
-        return cls(pdl=pdl, large_shapes=frozenset(agreed))
+            product = partial(dg.decode_gate_up_silu if is_gated else dg.decode_linear, x, w, pdl=pdl)
+            want = product(config=small, block_m=BLOCK_M)
+            if all(torch.equal(product(config=small, block_m=block_m), want) for block_m in (16, 32)):
+                small_by_m.add(key)
+            large = dg._fitted(LARGE_TILE, rows, w.shape[1], w.dtype, max_k=None)
+            if large is not None:
+                if torch.equal(product(config=large, block_m=LARGE_BLOCK_M, group_n=LARGE_GROUP_N), want):
+                    large_shapes.add(key)
+        return cls(pdl=pdl, large_shapes=frozenset(large_shapes), small_by_m=frozenset(small_by_m))
+
+    def _large(self, weight: torch.Tensor, m: int, gated: bool) -> dg.Config | None:
+        """The large tiles where an [m, K] x weight [N, K]^T product takes them, else None."""
+        n, k = weight.shape
+        if m < self.large_m or (n, k, gated) not in self.large_shapes:
+            return None
+        return dg._fitted(LARGE_TILE, n // 2 if gated else n, k, weight.dtype, max_k=None)
 
     def _plan(self, weight: torch.Tensor, m: int, gated: bool) -> tuple[dg.Config | None, int, int]:
         """(configuration, BLOCK_M, GROUP_N) for an [m, K] x weight [N, K]^T product (gated: [gate; up])."""
+        large = self._large(weight, m, gated)
+        if large is not None:
+            return large, LARGE_BLOCK_M, LARGE_GROUP_N
         n, k = weight.shape
-        if m >= self.large_m and (n, k, gated) in self.large_shapes:
-            large = dg._fitted(LARGE_TILE, n // 2 if gated else n, k, weight.dtype, max_k=None)
-            if large is not None:
-                return large, LARGE_BLOCK_M, LARGE_GROUP_N
-        if gated:
-            return gated_config(n // 2, k, weight.dtype), BLOCK_M, 0
-        return gemm_config(n, k, weight.dtype), BLOCK_M, 0
+        config = (gated_config if gated else gemm_config)(n // 2 if gated else n, k, weight.dtype)
+        return config, dg.block_m_for(m) if (n, k, gated) in self.small_by_m else BLOCK_M, 0
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """x [M, K] @ weight [N, K]^T (+ bias), batch-invariant."""
@@ -136,7 +150,7 @@ class InvariantGemms:
         head_dim = cos_table.shape[-1]
         n = weight.shape[0]
         config, block_m, _ = self._plan(weight, m, gated=False)
-        if block_m == LARGE_BLOCK_M and config is not None:
+        if self._large(weight, m, gated=False) is not None:
             qkv = self.linear(x, weight, bias)
             return fk.qkv_rope_write(
                 qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
@@ -148,5 +162,5 @@ class InvariantGemms:
         return dg.decode_qkv_rope_write(
             x, weight, bias, positions, cos_table, sin_table, num_heads, num_kv_heads,
             k_cache, v_cache, slot_mapping, pdl=self.pdl, config=rope, kv_scale=kv_scale,
-            linear_config=config, block_m=BLOCK_M,
+            linear_config=config, block_m=block_m,
         )  # fmt: skip
