@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [testsC] [testsD] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [testsC] [testsD] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -118,9 +118,13 @@ if has w2; then
     bench 480 --model llama3-8b --workload W2 --mode both --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2.json" 2>&1 | tail -12
 fi
-if has w1moe; then  # issue 25: the Qwen3-30B-A3B shape (W1_moe) and the gpt-oss-20b shape (W1_gptoss), random bf16 weights
+# Issue 25, random bf16 weights: w1moe/w2moe the Qwen3-30B-A3B shape (W1_moe, W2_moe), w1gptoss/w2gptoss the
+# gpt-oss-20b shape (W1_gptoss, W2_gptoss); one stage each, since two of them outgrow one device call.
+if has w1moe; then
     bench 420 --model qwen3-30b-a3b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --json-out "$OUT/w1_moe.json" 2>&1 | tail -8
+fi
+if has w1gptoss; then
     bench 420 --model gptoss-20b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --json-out "$OUT/w1_gptoss.json" 2>&1 | tail -8
 fi
@@ -132,9 +136,11 @@ if has w2glm; then
     bench 540 --model glm45-air-23l --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_glm45air.json" 2>&1 | tail -8
 fi
-if has w2moe; then  # W2_moe and W2_gptoss
+if has w2moe; then
     bench 540 --model qwen3-30b-a3b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_moe.json" 2>&1 | tail -8
+fi
+if has w2gptoss; then
     bench 540 --model gptoss-20b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --json-out "$OUT/w2_gptoss.json" 2>&1 | tail -8
 fi
