@@ -34,6 +34,7 @@ cuBLAS; `bench engine --deterministic` measures it.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 from .attention import paged_attention_ref
 from .attention_backend import AttentionBackend, AttentionMetadata, TritonAttentionBackend
 from .layer_ops import ACT_CODES, ACTIVATIONS, NORMS, LayerOps, gate_up_then_act
+
+logger = logging.getLogger("cbq.engine")
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,7 +131,12 @@ def attention_backend(default: AttentionBackend, k_cache: torch.Tensor, num_head
     """The deterministic twin of the backend the runner picked, for a model with `num_heads` query heads in `dtype`
     whose layer caches are shaped and typed as `k_cache` [blocks, block size, KV heads, head_dim]."""
     if isinstance(default, TritonAttentionBackend):
-        return InvariantTritonBackend(tiles_by_step=query_tiles_agree(k_cache, num_heads, dtype))
+        tiles_by_step = query_tiles_agree(k_cache, num_heads, dtype)
+        logger.info(
+            "deterministic mode: attention query tiles %s",
+            "follow the step" if tiles_by_step else "are one size for every step (a smaller tile changes bits here)",
+        )
+        return InvariantTritonBackend(tiles_by_step=tiles_by_step)
     return RowAttentionBackend()
 
 
@@ -203,6 +211,12 @@ def layer_ops(owned, pdl: bool):
                 f"deterministic mode: these weights do not tile for the invariant GEMM: {bad[:4]}"
             )
         gemms = invariant_gemm.InvariantGemms.for_weights(weights, gated, pdl=pdl)
+        shapes = {(w.shape[0], w.shape[1], name in gated) for name, w in weights.items()}
+        logger.info(
+            "deterministic mode: large GEMM tiles for %d of %d weight shapes, decode-sized ones for %d (the rest "
+            "change bits on this device and keep one tile)", len(gemms.large_shapes), len(shapes),
+            len(gemms.small_by_m),
+        )  # fmt: skip
         return LayerOps(
             add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=owned.norm_math.weight_fp32),
             linear=gemms.linear,
