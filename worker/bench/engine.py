@@ -233,6 +233,8 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
             "triton_compiles": compiled,
             "slowest_steps": slowest_steps(engine.step_log),
             "tokens_digest": tokens_digest(results),
+            # deterministic mode: whether its probe let attention's query tiles follow the step on this device
+            "attention_tiles_by_step": getattr(engine.runner.attn_backend, "tiles_by_step", None),
         },
     )
 

@@ -132,10 +132,11 @@ def attention_backend(default: AttentionBackend, k_cache: torch.Tensor, num_head
     whose layer caches are shaped and typed as `k_cache` [blocks, block size, KV heads, head_dim]."""
     if isinstance(default, TritonAttentionBackend):
         tiles_by_step = query_tiles_agree(k_cache, num_heads, dtype)
-        logger.info(
-            "deterministic mode: attention query tiles %s",
-            "follow the step" if tiles_by_step else "are one size for every step (a smaller tile changes bits here)",
-        )
+        if not tiles_by_step:
+            logger.warning(
+                "deterministic mode: attention keeps one query tile for every step (a smaller one changed bits on "
+                "this device): decode steps run slower"
+            )
         return InvariantTritonBackend(tiles_by_step=tiles_by_step)
     return RowAttentionBackend()
 
@@ -212,10 +213,11 @@ def layer_ops(owned, pdl: bool):
             )
         gemms = invariant_gemm.InvariantGemms.for_weights(weights, gated, pdl=pdl)
         shapes = {(w.shape[0], w.shape[1], name in gated) for name, w in weights.items()}
-        logger.info(
-            "deterministic mode: large GEMM tiles for %d of %d weight shapes, decode-sized ones for %d (the rest "
-            "change bits on this device and keep one tile)", len(gemms.large_shapes), len(shapes),
-            len(gemms.small_by_m),
+        fixed = shapes - gemms.large_shapes - gemms.small_by_m
+        (logger.warning if fixed else logger.info)(
+            "deterministic mode: large GEMM tiles for %d of %d weight shapes, decode-sized ones for %d; %d keep one "
+            "tile for every step (other tiles changed bits on this device: slower)", len(gemms.large_shapes),
+            len(shapes), len(gemms.small_by_m), len(fixed),
         )  # fmt: skip
         return LayerOps(
             add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=owned.norm_math.weight_fp32),
