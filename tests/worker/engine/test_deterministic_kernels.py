@@ -413,3 +413,20 @@ def test_gpu_llama_attention_tiles_by_step():
 
     k_cache = torch.zeros(8, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
     assert deterministic.query_tiles_agree(k_cache, 32, torch.bfloat16), "a query tile changes a row's bits here"
+
+
+def test_a_tile_the_gpu_cannot_launch_is_not_taken(monkeypatch):
+    """A probe variant that Triton cannot launch (OutOfResources: shared memory) counts as a disagreement: the
+    plan keeps the tiles that ran instead of failing the engine's start."""
+    from worker.engine.kernels import decode_gemm as dg
+    from worker.engine.kernels import invariant_gemm as ig
+    from worker.engine.kernels.common import OutOfResources
+
+    def linear(x, w, b=None, *, block_m=None, **_):
+        if block_m == ig.LARGE_BLOCK_M:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return torch.nn.functional.linear(x, w, b)
+
+    monkeypatch.setattr(dg, "decode_linear", linear)
+    gemms = ig.InvariantGemms.for_weights({"o": torch.randn(128, 64)}, set())
+    assert gemms.large_shapes == frozenset() and gemms.small_by_m == {(128, 64, False)}

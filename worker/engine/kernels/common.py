@@ -12,12 +12,16 @@ import torch
 try:  # CPU-only CI may have no Triton; the engine calls the kernels only on CUDA (or the interpreter in tests)
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     HAVE_TRITON = True
 except Exception:  # ImportError, or a broken install: either way, no kernels
     triton = None
     tl = None
     HAVE_TRITON = False
+
+    class OutOfResources(Exception):  # type: ignore[no-redef]  # never raised without Triton
+        """Triton's error for a launch configuration that does not fit the GPU (shared memory, registers)."""
 
 
 def next_pow2(x: int) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from . import decode_gemm as dg
 from . import fused as fk
+from .common import OutOfResources
 
 # Rows of x per program in the small (decode) plan, for every M, where tiles may not follow the step.
 BLOCK_M = 64
@@ -63,6 +64,15 @@ def gated_config(inter: int, k: int, dtype: torch.dtype) -> dg.Config | None:
 def untiled(weights: dict[str, torch.Tensor]) -> list[str]:
     """The names of `weights` ([N, K] each) whose shape has no configuration: deterministic mode refuses them."""
     return [name for name, w in weights.items() if gemm_config(w.shape[0], w.shape[1], w.dtype) is None]
+
+
+def _same_bits(product, want: torch.Tensor, **tiles) -> bool:
+    """Whether `product` under `tiles` gives `want` bit for bit; a tile this GPU cannot launch (Triton's
+    OutOfResources: shared memory, registers) gives False, so the plan keeps the tiles that ran."""
+    try:
+        return torch.equal(product(**tiles), want)
+    except OutOfResources:
+        return False
 
 
 @dataclass(frozen=True)
@@ -97,11 +107,11 @@ class InvariantGemms:
             x = torch.randn(_PROBE_ROWS, w.shape[1], generator=gen).to(device=w.device, dtype=w.dtype)
             product = partial(dg.decode_gate_up_silu if is_gated else dg.decode_linear, x, w, pdl=pdl)
             want = product(config=small, block_m=BLOCK_M)
-            if all(torch.equal(product(config=small, block_m=block_m), want) for block_m in (16, 32)):
+            if all(_same_bits(product, want, config=small, block_m=block_m) for block_m in (16, 32)):
                 small_by_m.add(key)
             large = dg._fitted(LARGE_TILE, rows, w.shape[1], w.dtype, max_k=None)
             if large is not None:
-                if torch.equal(product(config=large, block_m=LARGE_BLOCK_M, group_n=LARGE_GROUP_N), want):
+                if _same_bits(product, want, config=large, block_m=LARGE_BLOCK_M, group_n=LARGE_GROUP_N):
                     large_shapes.add(key)
         return cls(pdl=pdl, large_shapes=frozenset(large_shapes), small_by_m=frozenset(small_by_m))
 
