@@ -162,14 +162,14 @@ def chain_bench(m: int) -> None:
         print(f"M={m:3d} {label:32s} {us:7.1f} us/layer  {weight_bytes / us / 1e6:5.2f} TB/s of weights", flush=True)
 
 
-def run_chain(x0: torch.Tensor, layers: list[dict], linear, gate_up_act, pdl: bool) -> None:
+def run_chain(x0: torch.Tensor, layers: list[dict], linear, gate_up_act, pdl: bool, add_norm=fk.add_rmsnorm) -> None:
     norm_w = torch.ones(x0.shape[1], device=x0.device, dtype=x0.dtype)
     hidden_x, residual = x0, x0.clone()
     for w in layers:
-        normed, residual = fk.add_rmsnorm(hidden_x, residual, norm_w, 1e-5, pdl=pdl)
+        normed, residual = add_norm(hidden_x, residual, norm_w, 1e-5, pdl=pdl)
         linear(normed, w["qkv"])  # attention, left out, would read its output
         hidden_x = linear(normed, w["o"])
-        normed, residual = fk.add_rmsnorm(hidden_x, residual, norm_w, 1e-5, pdl=pdl)
+        normed, residual = add_norm(hidden_x, residual, norm_w, 1e-5, pdl=pdl)
         hidden_x = linear(gate_up_act(normed, w["gate_up"]), w["down"])
 
 
@@ -190,10 +190,22 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
             True,
         ),
     ]
-    return [
+    times = [
         (label, graph_time_us(lambda li=linear, g=gate_up_act, p=pdl: run_chain(x0, layers, li, g, p), LAYERS))
         for label, linear, gate_up_act, pdl in variants
     ]
+    # the decoder's small step: the norms quantize their rows (fp8_add_rmsnorm), down's input by per_token_quant
+    times.append((
+        "fp8 norm-quantized + small step + pdl",
+        graph_time_us(
+            lambda: run_chain(
+                x0, layers, lambda x, w: small_step.fp8_step_linear(x, w, pdl=True, x_quant="kernel"),
+                lambda x, w: small_step.fp8_step_gate_up_act(x, w, pdl=True), True, small_step.fp8_add_rmsnorm,
+            ),
+            LAYERS,
+        ),
+    ))  # fmt: skip
+    return times
 
 
 def chain_bf16(x0: torch.Tensor) -> tuple[str, float]:

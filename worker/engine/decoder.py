@@ -70,6 +70,7 @@ from .layer_ops import (
     NORM_MATH,
     NORMS,
     QK_NORM_SPANS,
+    fp8_norm_args,
     layer_ops,
 )
 from .models import ModelLoadError, family_for
@@ -186,6 +187,12 @@ class OwnedDecoder:
         # it is: bf16/fp16 (kernels/decode_gemm.py) or FP8 (quant/small_step.py); `build_decoder` decides whether
         # an FP8 model takes this path.
         self.is_fp8 = any(w.is_fp8 for w in self.layers)
+        # Per layer, the small-step path's FP8 norm outputs: (attention-in, MLP-in) add_norm_fp8 arguments, or None
+        # where the norm's consumer takes unquantized rows (not FP8, another scheme, a sparse MLP's router)
+        self.fp8_norms = [
+            (fp8_norm_args(w.qkv_weight), None if w.gate_up_weight is None else fp8_norm_args(w.gate_up_weight, True))
+            for w in self.layers
+        ]
         small_step = small_step_gemm and self.use_triton
         self.small_step_ops = layer_ops(True, small_step=True, norm=norm, activation=act) if small_step else None
         if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
@@ -210,9 +217,12 @@ class OwnedDecoder:
         # What the next add+norm applies to `hidden` before adding it to the residual: the post-norm of the block
         # that made it and the residual multiplier (the embedding scale, before the first layer).
         post_norm, scale = None, self.embed_scale
+        fp8_norm = ops.add_norm_fp8  # the small-step path of an FP8 model: norms that quantize their output
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
-            normed, residual = ops.add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
+            attn_fp8, mlp_fp8 = self.fp8_norms[layer_idx] if fp8_norm is not None else (None, None)
+            add_norm = ops.add_norm if attn_fp8 is None or fp8_norm is None else partial(fp8_norm, **attn_fp8)
+            normed, residual = add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
             q = self._qkv_rope_write(
                 normed, positions, w, layer_idx, k_cache, v_cache, attn, ops, attn.kv_scale(layer_idx)
             )
@@ -224,7 +234,8 @@ class OwnedDecoder:
             if self.tp is not None:  # row-parallel o: each rank holds a partial sum (the bias on rank 0 only)
                 hidden = self.tp.reduce(hidden)
             post_norm, scale = w.attn_out_norm, args.residual_scale
-            normed, residual = ops.add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)
+            add_norm = ops.add_norm if mlp_fp8 is None or fp8_norm is None else partial(fp8_norm, **mlp_fp8)
+            normed, residual = add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)
             moe = self.moe_layers[layer_idx]
             if moe is not None:
                 hidden = moe_forward(normed, moe, self.moe_spec, self.moe_workspace)

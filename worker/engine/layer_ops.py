@@ -59,6 +59,17 @@ class LayerOps:
     # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
     qkv_rope_epilogue: bool = False
     qkv_rope_write: Callable = decode_gemm.decode_qkv_rope_write  # that GEMM
+    # add_norm whose normed rows come out quantized per token (quant/small_step.py Fp8Rows), for a norm whose one
+    # consumer is an FP8 linear that this path's kernel runs (`fp8_norm_args`); None: add_norm everywhere
+    add_norm_fp8: Callable | None = None
+
+
+def fp8_norm_args(weight, gated: bool = False) -> dict | None:
+    """The `LayerOps.add_norm_fp8` arguments for a norm whose one consumer is `weight` (`gated`: the gate/up
+    GEMM), or None where that consumer needs the rows unquantized (add_norm)."""
+    if isinstance(weight, Fp8Weight) and fp8_step.takes_rows(weight.layer, gated):
+        return {"scale_ub": weight.layer.scheme.activation_scale_ub}
+    return None
 
 
 def weight_linear(dense: Callable) -> Callable:
@@ -132,6 +143,7 @@ def layer_ops(
             pdl=pdl,
             qkv_rope_epilogue=True,
             qkv_rope_write=small_step_qkv_rope_write,
+            add_norm_fp8=partial(fp8_step.fp8_add_rmsnorm, pdl=pdl, weight_fp32=weight_fp32),
         )
     linear = weight_linear(F.linear)
     if use_triton:

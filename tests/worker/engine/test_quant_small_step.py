@@ -142,7 +142,49 @@ def check_step_kernel(device: str) -> None:
                         err = _rel_to_scale(got, want)
                         assert err <= (tol if exact else 2**-7), f"{what}: {err}"
         _check_gated(layers, device, dtypes)
+    _check_fp8_add_rmsnorm(device, dtypes)
     _check_fallbacks(device)
+
+
+def _check_fp8_add_rmsnorm(device: str, dtypes) -> None:
+    """fp8_add_rmsnorm (the norm quantizing its own rows) gives the bits of add_rmsnorm then per_token_quant, with
+    and without the residual, the post-norm and scale, the fp32-weight norm, fbgemm's cap; and the GEMM fed its
+    Fp8Rows gives the bits of the GEMM fed the unquantized rows (plain, gated, and the QKV with rotary)."""
+    from worker.engine.quant import kernels, small_step
+
+    pdl = device != "cpu"
+    hidden = 384  # not a power of two: the norm's block is masked
+    layers = _layers(256, hidden, device)
+    for dtype in dtypes:
+        for m in (1, 5, 32):
+            gen = torch.Generator().manual_seed(m)
+            x, res = (torch.randn(m, hidden, generator=gen).to(device, dtype) for _ in range(2))
+            w, xw = (torch.rand(hidden, generator=gen).to(device, dtype) + 0.5 for _ in range(2))
+            cases = [
+                dict(residual=res), dict(residual=None), dict(residual=res, x_weight=xw, x_scale=0.7),
+                dict(residual=res, weight_fp32=True), dict(residual=res, scale_ub=1.5),
+            ]  # fmt: skip
+            for case in cases:
+                scale_ub = case.pop("scale_ub", None)
+                residual = case.pop("residual")
+                want_res = None if residual is None else residual.clone()
+                normed, want_total = fk.add_rmsnorm(x, want_res, w, 1e-5, pdl=pdl, **case)
+                want_x, want_scale = kernels.per_token_quant(normed, scale_ub)
+                got_res = None if residual is None else residual.clone()
+                rows, got_total = small_step.fp8_add_rmsnorm(
+                    x, got_res, w, 1e-5, scale_ub=scale_ub, pdl=pdl, **case
+                )
+                what = (dtype, m, sorted(case), scale_ub)
+                assert rows.dtype == dtype and torch.equal(rows.scale, want_scale), what
+                assert torch.equal(rows.x.view(torch.uint8), want_x.view(torch.uint8)), what
+                assert torch.equal(got_total, want_total), what
+                if case or scale_ub is not None:
+                    continue
+                layer = layers["channel-token"]
+                got = small_step.fp8_step_linear(rows, layer, pdl=pdl)
+                assert torch.equal(got, small_step.fp8_step_linear(normed, layer, pdl=pdl)), what
+                got = small_step.fp8_step_gate_up_act(rows, layer, pdl=pdl)
+                assert torch.equal(got, small_step.fp8_step_gate_up_act(normed, layer, pdl=pdl)), what
 
 
 def _check_gated(layers: dict[str, Fp8Linear], device: str, dtypes) -> None:
@@ -326,6 +368,17 @@ def check_decoder_opt_in(device: str) -> None:
     for variant, out in (("triton element-wise", elementwise), ("fp8 small step", step)):
         err = ((out - torch_path).abs().max() / torch_path.abs().max()).item()
         assert err < (1e-4 if device == "cpu" else 1e-2), (variant, err)
+    # the norms feeding FP8 linears quantize their rows themselves (LayerOps.add_norm_fp8); without that the
+    # GEMMs quantize them: the same bits
+    from worker.engine import decoder as decoder_mod
+
+    fp8_norm_args = decoder_mod.fp8_norm_args
+    decoder_mod.fp8_norm_args = lambda *args, **kwargs: None
+    try:
+        (_, _, gemm_quantized), _ = run(fused_qkv=True)
+    finally:
+        decoder_mod.fp8_norm_args = fp8_norm_args
+    assert torch.equal(step, gemm_quantized), (step - gemm_quantized).abs().max()
     (_, _, unfused_step), launches = run(fused_qkv=False)
     # one launch more per layer: the QKV GEMM plain, then qkv_rope_write
     want = {"qkv rope": 0, "plain": 3 * layers, "gated": layers, "rope write": 2 * layers}

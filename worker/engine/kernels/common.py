@@ -59,3 +59,21 @@ if HAVE_TRITON:
         else:
             y = x.to(dtype)
         return y
+
+    @triton.jit
+    def quantize_to_fp8(x, scale, FP8_MAX: tl.constexpr):
+        """quant/fp8.py's to_fp8(x / scale): clamped first (e4m3 has no infinity), then the round-to-nearest-even
+        cast. div_rn: IEEE round-to-nearest, as torch divides; Triton's `/` on CUDA is the approximate division,
+        whose last bit can tip an e4m3 rounding (the H200 run of test_quant_small_step.py, 2026-12-01). Shared by
+        every kernel that quantizes activations (quant/kernels.py, quant/small_step.py, fused.add_rmsnorm's FP8
+        output), which must round alike."""
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        return q.to(tl.float8e4nv)
+
+    @triton.jit
+    def fp8_row_scale(absmax, scale_ub, HAS_UB: tl.constexpr, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr):
+        """A row's per-token scale from its absmax: fp8.quantize_per_token's max(absmax, MIN_ABSMAX) / FP8_MAX,
+        the absmax first capped at `scale_ub` with HAS_UB (fbgemm's activation_scale_ub)."""
+        if HAS_UB:
+            absmax = tl.minimum(absmax, scale_ub)
+        return tl.math.div_rn(tl.maximum(absmax, MIN_ABSMAX), FP8_MAX)

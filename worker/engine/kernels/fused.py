@@ -30,7 +30,7 @@ import torch
 from .common import HAVE_TRITON, next_pow2, tl, triton
 
 if HAVE_TRITON:
-    from .common import to_kv_cache
+    from .common import fp8_row_scale, quantize_to_fp8, to_kv_cache
 
 if HAVE_TRITON:
     from .pdl import pdl_wait_and_release
@@ -219,12 +219,18 @@ if HAVE_TRITON:
         X_SCALE: tl.constexpr = False,  # then times x_scale (rounded), before the add
         WRITE_SUM: tl.constexpr = False,  # no residual, but x was changed: store the sum into res_ptr
         WEIGHT_FP32: tl.constexpr = False,
+        scale_out_ptr=None,  # FP8_OUT: each row's fp32 scale
+        scale_ub=0.0,
+        FP8_OUT: tl.constexpr = False,  # out is e4m3: the normed row quantized per token (fp8.quantize_per_token)
+        HAS_UB: tl.constexpr = False,
+        FP8_MAX: tl.constexpr = 448.0,
+        MIN_ABSMAX: tl.constexpr = 1e-10,
     ):
         pdl_wait_and_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64) * n_cols
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        dtype = out_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty  # the model's (out's too, but with FP8_OUT)
         x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
         if X_NORM:
             xw = tl.load(xw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -242,9 +248,16 @@ if HAVE_TRITON:
         if HAS_WEIGHT:
             inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row + cols, rms_weight(x, inv_rms, w, dtype, WEIGHT_FP32), mask=mask)
+            y = rms_weight(x, inv_rms, w, dtype, WEIGHT_FP32)
         else:
-            tl.store(out_ptr + row + cols, x.to(dtype), mask=mask)
+            y = x.to(dtype)
+        if FP8_OUT:  # the rounded row, quantized as per_token_quant would quantize it
+            y32 = tl.where(mask, y.to(tl.float32), 0.0)
+            scale = fp8_row_scale(tl.max(tl.abs(y32), axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
+            tl.store(scale_out_ptr + tl.program_id(0), scale)
+            tl.store(out_ptr + row + cols, quantize_to_fp8(y32, scale, FP8_MAX), mask=mask)
+        else:
+            tl.store(out_ptr + row + cols, y, mask=mask)
 
     @triton.jit
     def _act_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr = 0):
@@ -399,8 +412,16 @@ def add_rmsnorm(
     x [T, N] contiguous; `residual` (if given) is updated in place. `pdl`: launch with programmatic dependent
     launch (pdl.py). `x_scale` may be a 0-dim tensor (read once on the host, at build time: the decoder's
     embedding scale), so that the ref and the kernel are called alike."""
+    return add_rmsnorm_into(torch.empty_like(x), x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale)
+
+
+def add_rmsnorm_into(
+    out, x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale, fp8_out: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rmsnorm` writing the normed rows into `out`. `fp8_out` (quant/small_step.py's fp8_add_rmsnorm): `out`
+    is e4m3 and the rows are quantized per token in the same program, the launch arguments FP8_OUT's
+    (scale_out_ptr [rows], scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)."""
     assert x.is_contiguous() and (residual is None or residual.shape == x.shape and residual.is_contiguous())
-    out = torch.empty_like(x)
     num_rows, num_cols = x.shape
     changes_x = x_weight is not None or x_scale is not None
     total = residual if residual is not None else torch.empty_like(x) if changes_x else x
@@ -425,6 +446,7 @@ def add_rmsnorm(
             WEIGHT_FP32=weight_fp32,
             num_warps=4 if block <= 2048 else 8,
             launch_pdl=pdl,
+            **(dict(FP8_OUT=True, **fp8_out) if fp8_out else dict(scale_out_ptr=x, scale_ub=0.0)),
         )
     return out, total
 

@@ -29,6 +29,7 @@ try:
     import triton
     import triton.language as tl
 
+    from ..kernels.common import fp8_row_scale, quantize_to_fp8
     from ..kernels.pdl import pdl_wait_and_release
 
     HAVE_TRITON = True
@@ -171,15 +172,6 @@ def block_fp8_gemm(
 if HAVE_TRITON:
 
     @triton.jit
-    def quantize_to_fp8(x, scale, FP8_MAX: tl.constexpr):
-        """fp8.to_fp8(x / scale): clamped first (e4m3 has no infinity), then the round-to-nearest-even cast.
-        Shared with small_step.py, whose in-kernel quantization must round as this file's kernels do."""
-        # div_rn: IEEE round-to-nearest, as torch divides; Triton's `/` on CUDA is the approximate division, whose
-        # last bit can tip an e4m3 rounding (the H200 run of test_quant_small_step.py, 2026-12-01)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        return q.to(tl.float8e4nv)
-
-    @triton.jit
     def _per_token_quant_kernel(
         x_ptr, q_ptr, s_ptr, scale_ub,
         K: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr,
@@ -194,10 +186,7 @@ if HAVE_TRITON:
         for start in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * K + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
             running = tl.maximum(running, tl.abs(x))
-        absmax = tl.max(running, axis=0)
-        if HAS_UB:
-            absmax = tl.minimum(absmax, scale_ub)
-        scale = tl.math.div_rn(tl.maximum(absmax, MIN_ABSMAX), FP8_MAX)
+        scale = fp8_row_scale(tl.max(running, axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
         tl.store(s_ptr + row, scale)
         for start in range(0, K, BLOCK):
             mask = start + cols < K

@@ -5,7 +5,7 @@ Why: on the large-step path every FP8 linear is two launches, the per-token quan
 _scaled_mm (kernels.py), and neither is chained by PDL, while the bf16 small-step path runs one PDL kernel per
 linear (kernels/decode_gemm.py). Here x (bf16/fp16; a decode step's few rows stay in L2) is quantized inside the
 GEMM: every program first takes the absmax of its rows over all of K, then quantizes each K tile to e4m3 just
-before the FP8 x FP8 MMA, with fp8.py's formula and rounding (kernels.quantize_to_fp8). No x_fp8 tensor is
+before the FP8 x FP8 MMA, with fp8.py's formula and rounding (kernels/common.py quantize_to_fp8). No x_fp8 tensor is
 written and no quantization kernel runs; the price is that each program reads its x rows twice, from L2.
 
 The layout is decode_gemm's: a program owns BLOCK_N whole weight rows over all of K (no split-K), the weight rows
@@ -23,12 +23,20 @@ with decode_gemm.decode_qkv_rope_write's rotary + KV-write epilogue (`qkv_rope_e
 prologue and products over that kernel's rotary-pair tile rows, each row with its own weight scale (fuse_fp8 makes
 the fused q/k/v scales per channel where they differ). It equals this GEMM then fused.qkv_rope_write bit for bit.
 
-Not measured on the H200 yet (benchmarks/fp8_step_gemm.py; run_gpu.sh stages fp8stepgemm, w1fp8step): the tile
-configuration is decode_gemm's weight bytes per tile, a guess, and the decoder takes this path only when
-decode_gemm is "triton" (config.py). Launches depend only on shapes: CUDA-graph capturable.
+Where x is quantized, for dynamic per-token schemes (the same bits every way): inside the GEMM (X_QUANT "gemm"),
+by kernels.per_token_quant first (X_QUANT "kernel"), or by the norm before it: `fp8_add_rmsnorm` is the decoder's
+add+RMSNorm with the normed rows quantized in the same program (`Fp8Rows`), which the decoder uses where the
+norm's one consumer is an FP8 linear this file runs (layer_ops.fp8_norm_args: QKV and gate/up), so those two
+linears per layer need no quantization at all.
+
+Measured on the H200 (2026-12-01, benchmarks/h200/2026-12-01e/fp8_step_gemm.log): the in-GEMM variant loses to
+quantization + _scaled_mm on QKV, O and down at M = 32; the others came after that run. The decoder takes this
+path only when decode_gemm is "triton" (config.py). Launches depend only on shapes: CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -36,14 +44,14 @@ from ..kernels import fused as fk
 from ..kernels.common import HAVE_TRITON, tl, triton
 from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
 from .config import ActivationScale, WeightScale
-from .fp8 import FP8_MAX, MIN_ABSMAX, Fp8Linear
+from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear
 from .kernels import fp8_linear, per_token_quant
 
 if HAVE_TRITON:
+    from ..kernels.common import fp8_row_scale, quantize_to_fp8
     from ..kernels.decode_gemm import qkv_rope_epilogue, rope_tile_rows
     from ..kernels.fused import activation
     from ..kernels.pdl import pdl_wait_and_release
-    from .kernels import quantize_to_fp8
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). 64 x 128 e4m3 weight rows are decode_gemm's NARROW_CONFIG tile in
 # bytes (64 x 64 bf16); BLOCK_K of 128 is also four of the FP8 MMA's K steps (32). To be swept on the H200
@@ -64,6 +72,44 @@ X_QUANT = "gemm"
 X_QUANTS = ("gemm", "kernel")
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already quantized per token: e4m3 rows [M, K] and their fp32 scales [M], for a GEMM whose
+    output is in `dtype` (the model's). `fp8_add_rmsnorm` makes them; this file's kernels read them as they are."""
+
+    x: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def stride(self, dim: int) -> int:
+        return self.x.stride(dim)
+
+
+def fp8_add_rmsnorm(
+    x, residual, weight, eps, *, scale_ub: float | None = None, pdl: bool = False, weight_fp32: bool = False,
+    x_weight: torch.Tensor | None = None, x_scale=None,
+) -> tuple[Fp8Rows, torch.Tensor]:  # fmt: skip
+    """fused.add_rmsnorm whose normed rows come out quantized per token in the same kernel (the bits of
+    add_rmsnorm then kernels.per_token_quant, `scale_ub` its cap): the input of a linear whose scheme is dynamic
+    per token, read by this file's kernels without a quantization launch of their own."""
+    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    fp8_out = dict(
+        scale_out_ptr=scale, scale_ub=0.0 if scale_ub is None else float(scale_ub), HAS_UB=scale_ub is not None,
+        FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
+    )  # fmt: skip
+    out, total = fk.add_rmsnorm_into(out, x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale, fp8_out)
+    return Fp8Rows(out, scale, x.dtype), total
+
+
 def step_config(layer: Fp8Linear, gated: bool = False, config: Config | None = None) -> Config | None:
     """The launch configuration of this file's kernel for `layer` (`gated`: its rows are [gate; up]), or None
     where kernels.fp8_linear keeps it: block-wise or per-token-group scales, or a shape that does not tile."""
@@ -76,6 +122,12 @@ def step_config(layer: Fp8Linear, gated: bool = False, config: Config | None = N
     if (gated and n % 2) or rows % config[0] or k % config[1] or (MAX_K is not None and k > MAX_K):
         return None
     return config
+
+
+def takes_rows(layer: Fp8Linear, gated: bool = False) -> bool:
+    """Whether this file's kernel runs `layer` (`gated`: as the gate/up GEMM) with activations quantized per token
+    at run time, so that `Fp8Rows` can feed it."""
+    return step_config(layer, gated=gated) is not None and layer.scheme.activation is ActivationScale.TOKEN
 
 
 def fp8_step_linear(
@@ -93,6 +145,7 @@ def fp8_step_linear(
     kernels.fp8_linear."""
     config = step_config(layer, config=config)
     if config is None or not HAVE_TRITON:
+        assert not isinstance(x, Fp8Rows), "quantized rows reach only the layers this file's kernels run"
         return fp8_linear(x, layer, bias)
     return _launch(x, layer, bias, layer.out_features, config, gated=False, pdl=pdl, block_m=block_m, x_quant=x_quant)
 
@@ -197,6 +250,9 @@ def _x_operand(x: torch.Tensor, layer: Fp8Linear, pdl: bool, x_quant: str | None
     x_quant = x_quant or X_QUANT
     assert x_quant in X_QUANTS, x_quant
     args = _scheme_args(layer)
+    if isinstance(x, Fp8Rows):
+        assert not args["STATIC_X"] and args["scale_ub"] == (layer.scheme.activation_scale_ub or 0.0), "per token"
+        return x.x, dict(args, x_scale_ptr=x.scale, HAS_UB=False, PREQUANT_X=True)
     if x_quant == "gemm" or args["STATIC_X"]:
         return x, args
     x_fp8, x_scale = per_token_quant(x, layer.scheme.activation_scale_ub, pdl=pdl)
@@ -303,10 +359,7 @@ if HAVE_TRITON:
             for t in range(K_TILES):
                 x = tl.load(x_rows + t * BLOCK_K, mask=m_mask[None, :], other=0.0).to(tl.float32)
                 running = tl.maximum(running, tl.abs(x))
-            absmax = tl.max(running, axis=0)
-            if HAS_UB:
-                absmax = tl.minimum(absmax, scale_ub)
-            x_scale = tl.math.div_rn(tl.maximum(absmax, MIN_ABSMAX), FP8_MAX)  # IEEE, as kernels.py
+            x_scale = fp8_row_scale(tl.max(running, axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
         return x_scale
 
     @triton.jit
