@@ -183,7 +183,8 @@ class _Steps:
         self.backend = deterministic.attention_backend(
             default, self.caches[0][0], model.config.num_attention_heads, model.dtype
         )
-        if use_triton:  # the interpreter and the H200 both leave bits to the K order: decode steps shrink the tile
+        if use_triton and device == "cpu":  # the interpreter leaves bits to the K order: decode steps shrink the
+            # tile (on a GPU that is the hardware's answer: test_gpu_llama_attention_tiles_by_step asks it)
             assert self.backend.tiles_by_step, "query_tiles_agree found a query tile that changes a row's bits"
 
     def run(self, chunks, tokens: dict[int, list[int]], pad_seqs: int = 0) -> list[torch.Tensor]:
@@ -329,9 +330,13 @@ def test_kernels_are_row_invariant_in_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and at.HAVE_TRITON), reason="needs CUDA and triton")
 def test_gpu_kernels_are_row_invariant():
+    from worker.engine import deterministic
+
     for dtype in (torch.bfloat16, torch.float32):
         check_attention_rows("cuda", dtype)
-        check_attention_rows("cuda", dtype, tiles_by_step=True)
+        # the shrinking query tile where the engine would take it (the probe's verdict on these shapes)
+        if deterministic.query_tiles_agree(torch.zeros(1, BS, KVH, D, device="cuda", dtype=dtype), H, dtype):
+            check_attention_rows("cuda", dtype, tiles_by_step=True)
         check_gemm_rows("cuda", dtype)
     for family in ("llama", "qwen3"):
         check_decoder_rows("cuda", use_triton=True, family=family)
