@@ -159,13 +159,13 @@ class InvariantGemms:
         x = x.contiguous()
         head_dim = cos_table.shape[-1]
         n = weight.shape[0]
-        config, block_m, _ = self._plan(weight, m, gated=False)
         if self._large(weight, m, gated=False) is not None:
             qkv = self.linear(x, weight, bias)
             return fk.qkv_rope_write(
                 qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
                 k_cache, v_cache, slot_mapping, pdl=self.pdl, kv_scale=kv_scale,
             )  # fmt: skip
+        config, block_m, _ = self._plan(weight, m, gated=False)
         rope = None
         if head_dim % (2 * dg.ROPE_PAIRS) == 0 and dg.ROPE_CONFIG[0] == 2 * dg.ROPE_PAIRS:
             rope = dg._fitted(dg.ROPE_CONFIG, n, k, x.dtype)

@@ -203,7 +203,7 @@ if HAVE_TRITON:
         cols = group * GROUP_SIZE + tl.arange(0, BLOCK)
         mask = (tl.arange(0, BLOCK) < GROUP_SIZE) & (cols < K)
         x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_ABSMAX), FP8_MAX)
+        scale = fp8_row_scale(tl.max(tl.abs(x), axis=0), 0.0, False, FP8_MAX, MIN_ABSMAX)  # a group's, no cap
         tl.store(s_ptr + row * tl.num_programs(1) + group, scale)
         tl.store(q_ptr + row * K + cols, quantize_to_fp8(x, scale, FP8_MAX), mask=mask)
 
