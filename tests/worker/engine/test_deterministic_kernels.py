@@ -116,11 +116,13 @@ def check_gemm_rows(device: str, dtype: torch.dtype, seed: int = 0) -> None:
         "linear": randn(128, k, scale=k**-0.5),
         "gate_up_silu": randn(256, k, scale=k**-0.5),  # intermediate 128
         "qkv": randn((heads + 2 * kv_heads) * head_dim, k, scale=k**-0.5),
+        "vocab shard": randn(160, k, scale=k**-0.5),  # a TP rank's lm_head: not a multiple of 64 rows
     }
     gemms = dataclasses.replace(ig.InvariantGemms.for_weights(weights, {"gate_up_silu"}), large_m=24)
     cases = {
         "linear": (gemms.linear, weights["linear"], randn(128)),
         "gate_up_silu": (gemms.gate_up_silu, weights["gate_up_silu"], None),
+        "vocab shard": (gemms.linear, weights["vocab shard"], None),
     }
     for name, (fn, w, b) in cases.items():
         full = fn(x_all, w, b)
@@ -348,6 +350,8 @@ def test_gpu_kernels_are_row_invariant():
         ("llama3-8b qkv", (6144, 4096)), ("llama3-8b o", (4096, 4096)), ("llama3-8b gate_up", (28672, 4096)),
         ("llama3-8b down", (4096, 14336)), ("llama3-8b lm_head", (128256, 4096)),
         ("qwen2.5-7b down", (3584, 18944)),
+        # a rank's vocabulary at --tensor-parallel-size 2: rows that are not a multiple of 64
+        ("phi-3 lm_head / 2", (16032, 3072)), ("gemma-3 lm_head / 2", (131104, 3840)), ("small-llama / 2", (160, 512)),
     ],
 )  # fmt: skip
 def test_release_shaped_weights_tile_for_the_invariant_gemm(name, shape):
@@ -369,11 +373,14 @@ def test_the_build_time_check_keeps_one_plan_where_large_tiles_change_bits(monke
 
     monkeypatch.setattr(dg, "decode_linear", fake_linear)
     weights = {"o": torch.randn(128, 64), "lm_head": torch.randn(256, 64), "odd": torch.randn(96, 64)}
+    weights["untiled"] = torch.randn(72, 64)  # no tile width divides 72 rows: refused, never probed
     gemms = ig.InvariantGemms.for_weights(weights, set())
-    assert gemms.large_shapes == frozenset() and gemms.small_by_m == {(128, 64, False), (256, 64, False)}
+    assert gemms.large_shapes == frozenset()
+    assert gemms.small_by_m == {(128, 64, False), (256, 64, False), (96, 64, False)}  # 96 rows: 32-wide tiles
     monkeypatch.setattr(dg, "decode_linear", lambda x, w, b=None, **_: torch.nn.functional.linear(x, w, b))
-    # 96 rows do not tile by 128: never probed, never large
+    # 96 rows do not tile by 128: never large
     assert ig.InvariantGemms.for_weights(weights, set()).large_shapes == {(128, 64, False), (256, 64, False)}
+    assert ig.untiled(weights) == ["untiled"]
 
 
 @pytest.mark.gpu

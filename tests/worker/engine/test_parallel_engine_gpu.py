@@ -111,8 +111,10 @@ def test_deterministic_two_ranks_over_gloo_on_one_gpu_are_batch_invariant(mode):
 def test_fp8_two_ranks_over_gloo_on_one_gpu_agree_with_one_process(tmp_path, requests, fmt):
     """FP8 kept FP8 on sm89+ (the FP8 GEMM kernels, the fused q/k/v and gate/up FP8 rows with their scales) on a
     2-rank shard: `--quantization fp8` on the small preset, and a block-wise FP8 checkpoint whose 128-dim heads and
-    512-wide MLP split into whole [128, 128] blocks. Near one process's tokens: the row-parallel sums (and the
-    per-token activation scales of --quantization fp8's o/down, over each rank's half) round differently."""
+    512-wide MLP split into whole [128, 128] blocks. fp32 activations, as the fp32 test above: in bf16 the
+    row-parallel sums' rounding alone flips a random model's near-tied tokens (agreement 0.18-0.55 on the H200,
+    2026-12-01), which says nothing about the FP8 shards. Near the one-rank shard's tokens: the row-parallel sums
+    round differently, and --quantization fp8's o/down quantize each rank's half of a row with its own scale."""
     from tests.fixtures.fp8_checkpoints import build_fp8_checkpoint
     from worker.engine.quant.kernels import has_fp8_tensor_cores
     from worker.engine.quant.linear import Fp8LinearModule
@@ -131,10 +133,11 @@ def test_fp8_two_ranks_over_gloo_on_one_gpu_agree_with_one_process(tmp_path, req
             None,
         )
     config = EngineConfig(
-        quantization=quantization, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=512
+        quantization=quantization, dtype="float32", max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=512
     )
-    one = Engine.from_model(model, **vars(config))
+    one = build_sharded_engine(model, config, world_size=1)
     expected = [r.token_ids for r in one.generate(requests)]
+    one.close()
     del one
     torch.cuda.empty_cache()
     two = build_sharded_engine(model, config, world_size=2, backend="gloo", device_ids=[0, 0])
@@ -142,4 +145,5 @@ def test_fp8_two_ranks_over_gloo_on_one_gpu_agree_with_one_process(tmp_path, req
     got = [r.token_ids for r in two.generate(requests)]
     two.close()
     agreement = token_agreement(got, expected)
-    assert agreement > 0.8, f"token agreement {agreement:.3f}"
+    print(f"FP8 {fmt} at TP=2 vs one rank: token agreement {agreement:.3f}")
+    assert agreement > (0.8 if fmt == "online" else 0.9), f"token agreement {agreement:.3f}"

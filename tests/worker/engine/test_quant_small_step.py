@@ -33,20 +33,22 @@ STEP_SCHEMES = ("channel-token", "channel-token-ub", "tensor-static", "channel-s
 
 CHECK = r"""
 from tests.worker.engine.test_quant_kernels import exact_interpreter_fp8_casts
-from tests.worker.engine.test_quant_small_step import check_step_kernel, exact_interpreter_fp8_dots
+from tests.worker.engine.test_quant_small_step import check_step_kernel, exact_interpreter_fp8_dots, typed_launches
 
 exact_interpreter_fp8_casts()
 exact_interpreter_fp8_dots()
+typed_launches()
 check_step_kernel("cpu")
 print("fp8 step kernel matches")
 """
 
 ROPE_CHECK = r"""
 from tests.worker.engine.test_quant_kernels import exact_interpreter_fp8_casts
-from tests.worker.engine.test_quant_small_step import check_qkv_rope_kernel, exact_interpreter_fp8_dots
+from tests.worker.engine.test_quant_small_step import check_qkv_rope_kernel, exact_interpreter_fp8_dots, typed_launches
 
 exact_interpreter_fp8_casts()
 exact_interpreter_fp8_dots()
+typed_launches()
 check_qkv_rope_kernel("cpu")
 print("fp8 qkv rope kernel matches")
 """
@@ -82,6 +84,31 @@ def exact_interpreter_fp8_dots() -> None:
         return interp.TensorHandle(product + d.data, d.dtype.scalar)
 
     interp.InterpreterBuilder.create_dot = create_dot
+
+
+def typed_launches() -> None:
+    """Make small_step's kernel launches refuse an argument that is not a tensor, a number, a bool or a dtype
+    (this process only). The interpreter reads an unread pointer argument never, so it ran a launch passing an
+    Fp8Rows as the bias placeholder; CUDA's launcher specializes every argument and failed it (the H200 run of
+    2026-12-01)."""
+    from worker.engine.quant import small_step
+
+    class Checked:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                for name, value in [*enumerate(args), *kwargs.items()]:
+                    assert value is None or isinstance(value, (torch.Tensor, int, float, bool, torch.dtype)), (
+                        f"launch argument {name} is a {type(value).__name__}"
+                    )
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for name in ("_fp8_step_gemm_kernel", "_fp8_qkv_rope_kernel"):
+        setattr(small_step, name, Checked(getattr(small_step, name)))
 
 
 def step_gemm_twin(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None, block_k: int) -> torch.Tensor:

@@ -72,8 +72,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def fp8_row_scale(absmax, scale_ub, HAS_UB: tl.constexpr, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr):
-        """A row's per-token scale from its absmax: fp8.quantize_per_token's max(absmax, MIN_ABSMAX) / FP8_MAX,
-        the absmax first capped at `scale_ub` with HAS_UB (fbgemm's activation_scale_ub)."""
+        """A row's per-token scale from its absmax: fp8.scale_from_absmax's max(absmax, MIN_ABSMAX) * (1 / FP8_MAX),
+        the absmax first capped at `scale_ub` with HAS_UB (fbgemm's activation_scale_ub). A product by the fp32
+        reciprocal, as there: torch on CUDA divides by a Python number that way, so a division here (div_rn or
+        not) was a bit off the reference's scale now and then, and x / scale then tipped e4m3 roundings (the H200
+        run of test_quant_kernels.py, 2026-12-01)."""
         if HAS_UB:
             absmax = tl.minimum(absmax, scale_ub)
-        return tl.math.div_rn(tl.maximum(absmax, MIN_ABSMAX), FP8_MAX)
+        return tl.maximum(absmax, MIN_ABSMAX) * (1.0 / FP8_MAX)

@@ -2,8 +2,10 @@
 against. Owns `Fp8Linear`, one quantized linear's tensors, and nothing else.
 
 Every quantization here is symmetric, `x ≈ x_fp8 * scale` with an fp32 scale, and rounds the same way the
-Triton kernels do (kernels.py): the scale is `max(absmax, MIN_ABSMAX) / FP8_MAX`, the value `x / scale` is
-clamped to ±FP8_MAX and rounded to nearest even by the cast.
+Triton kernels do (kernels.py): the scale is `max(absmax, MIN_ABSMAX) * (1 / FP8_MAX)`, the value `x / scale` is
+clamped to ±FP8_MAX and rounded to nearest even by the cast. The scale multiplies by the reciprocal because torch
+on CUDA divides a tensor by a Python number that way (one bit from the division), on the CPU by dividing: a
+product is the same bits on the CPU, on CUDA and in Triton, so every path's scales agree.
 
 `fp8_linear_emulated` is the emulation the GPU path is compared with: the input quantized as the scheme says
 (dynamic per token or per token group, or static), both operands dequantized to fp32, one fp32 GEMM.
@@ -33,7 +35,7 @@ def to_fp8(scaled: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_absmax(absmax: torch.Tensor) -> torch.Tensor:
-    return absmax.float().clamp(min=MIN_ABSMAX) / FP8_MAX
+    return absmax.float().clamp(min=MIN_ABSMAX) * (1.0 / FP8_MAX)
 
 
 # -- activations ------------------------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def fp8_step_qkv_rope_write(
     _fp8_qkv_rope_kernel[(weight.shape[0] // block_n, triton.cdiv(m, block_m))](
         x_operand,
         weight,
-        bias_ptr=bias if bias is not None else x,
+        bias_ptr=bias if bias is not None else x_operand,  # unread placeholder: a tensor (Fp8Rows is not one)
         M=m,
         stride_xm=x_operand.stride(0),
         stride_wn=weight.stride(0),
@@ -305,7 +305,7 @@ def _launch(
     _fp8_step_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x_operand,
         weight,
-        bias_ptr=bias if bias is not None else x,
+        bias_ptr=bias if bias is not None else x_operand,  # unread placeholder: a tensor (Fp8Rows is not one)
         out_ptr=out,
         M=m,
         up_rows=n,
