@@ -127,6 +127,13 @@ def step_gemm_twin(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None,
     return out.to(x.dtype)
 
 
+def other_x_quant() -> str:
+    """The x quantization the path does not take by default (small_step.X_QUANT): checked for the same bits."""
+    from worker.engine.quant import small_step
+
+    return "gemm" if small_step.X_QUANT == "kernel" else "kernel"
+
+
 def _rel_to_scale(got: torch.Tensor, want: torch.Tensor) -> float:
     scale = want.float().abs().amax().clamp(min=1)
     return ((got.float() - want.float()).abs() / scale).max().item()
@@ -140,14 +147,15 @@ def check_step_kernel(device: str) -> None:
     from worker.engine.quant import small_step
 
     exact = device == "cpu"
-    block_k = small_step.STEP_CONFIG[1]
     # fp16 stands in for bf16 in the interpreter, whose fp32 -> bf16 store is not round-to-nearest-even
     dtypes = (torch.float32, torch.float16) if exact else (torch.bfloat16, torch.float32)
     for n, k in ((128, 256), (192, 384)):
         layers = _layers(n, k, device)
         for name in STEP_SCHEMES:
             layer = layers[name]
-            assert small_step.step_config(layer) is not None, name
+            config = small_step.step_config(layer)
+            assert config is not None, name
+            block_k = config[1]  # 256 where K is a multiple of it (K = 256 here), else 128 (K = 384)
             for m in (1, 5, 32):
                 for dtype in dtypes:
                     torch.manual_seed(m)
@@ -157,9 +165,9 @@ def check_step_kernel(device: str) -> None:
                         what = f"{name} m={m} n={n} k={k} {dtype} bias={bias is not None}"
                         got = small_step.fp8_step_linear(x, layer, bias, pdl=not exact)
                         assert got.shape == (m, n) and got.dtype == dtype, what
-                        # x quantized by per_token_quant first: the same e4m3 x and scales, the same products
-                        prequantized = small_step.fp8_step_linear(x, layer, bias, pdl=not exact, x_quant="kernel")
-                        assert torch.equal(got, prequantized), f"{what}: x_quant kernel"
+                        # x quantized by per_token_quant first or inside the GEMM: the same e4m3 x and scales
+                        other = small_step.fp8_step_linear(x, layer, bias, pdl=not exact, x_quant=other_x_quant())
+                        assert torch.equal(got, other), f"{what}: x_quant {other_x_quant()}"
                         twin = step_gemm_twin(x, layer, bias, block_k)
                         if exact:
                             assert torch.equal(got, twin), f"{what}: {(got.float() - twin.float()).abs().max()}"
@@ -229,8 +237,8 @@ def _check_gated(layers: dict[str, Fp8Linear], device: str, dtypes) -> None:
                     bias = torch.randn(2 * inter).to(device, dtype) if m == 5 else None
                     pdl = device != "cpu"
                     got = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act)
-                    prequantized = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act, x_quant="kernel")
-                    assert torch.equal(got, prequantized), (name, act, m, dtype, "x_quant kernel")
+                    prequantized = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act, x_quant=other_x_quant())
+                    assert torch.equal(got, prequantized), (name, act, m, dtype, "x_quant", other_x_quant())
                     # the same K tiles as the gated kernel: the same sums
                     unfused = small_step.fp8_step_linear(x, layer, bias, pdl=pdl, config=small_step.GATED_STEP_CONFIG)
                     pair = fk.act_mul(unfused, pdl=pdl, act=act)
@@ -318,11 +326,11 @@ def check_qkv_rope_kernel(device: str) -> None:
                     # x quantized by per_token_quant first: the same q and caches
                     pre_caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(2)]
                     pre_q = small_step.fp8_step_qkv_rope_write(
-                        x, layer, bias, *rope, *pre_caches, slots, pdl=pdl, kv_scale=kv_scale, x_quant="kernel"
+                        x, layer, bias, *rope, *pre_caches, slots, pdl=pdl, kv_scale=kv_scale, x_quant=other_x_quant()
                     )
-                    assert torch.equal(pre_q, got_q), (*what, "x_quant kernel")
+                    assert torch.equal(pre_q, got_q), (*what, "x_quant", other_x_quant())
                     for cache, want in zip(pre_caches, bits[:2], strict=True):
-                        assert torch.equal(cache.view(torch.uint8), want), (*what, "x_quant kernel")
+                        assert torch.equal(cache.view(torch.uint8), want), (*what, "x_quant", other_x_quant())
                     assert bits[0][1:].any() and bits[1][1:].any(), what  # it wrote something
                     if m > 1:
                         assert bits[0][0].any(), what  # the padding row's scratch slot, as the two launches

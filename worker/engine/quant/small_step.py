@@ -29,9 +29,10 @@ add+RMSNorm with the normed rows quantized in the same program (`Fp8Rows`), whic
 norm's one consumer is an FP8 linear this file runs (layer_ops.fp8_norm_args: QKV and gate/up), so those two
 linears per layer need no quantization at all.
 
-Measured on the H200 (2026-12-01, benchmarks/h200/2026-12-01e/fp8_step_gemm.log): the in-GEMM variant loses to
-quantization + _scaled_mm on QKV, O and down at M = 32; the others came after that run. The decoder takes this
-path only when decode_gemm is "triton" (config.py). Launches depend only on shapes: CUDA-graph capturable.
+Measured on the H200 (2026-12-01, benchmarks/h200/2026-12-01e and -01f, fp8_step_gemm.log): the in-GEMM variant
+loses to quantization + _scaled_mm on QKV, O and down at M = 32; x quantized first (X_QUANT "kernel", now the
+default) beats that pair on all four projections, 1.4-1.5x. The decoder takes this path only when decode_gemm is
+"triton" (config.py) until W1 with FP8 weights has been measured through it. Launches depend only on shapes: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ if HAVE_TRITON:
     from ..kernels.fused import activation
     from ..kernels.pdl import pdl_wait_and_release
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages). 64 x 128 e4m3 weight rows are decode_gemm's NARROW_CONFIG tile in
-# bytes (64 x 64 bf16); BLOCK_K of 128 is also four of the FP8 MMA's K steps (32). To be swept on the H200
-# (`benchmarks/fp8_step_gemm.py --sweep`).
-STEP_CONFIG: Config = (64, 128, 4, 4)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). The H200 sweep at M = 32 with x quantized first (2026-12-01f,
+# fp8_step_gemm.log): 64 x 256 tiles, 4 stages, were the fastest for QKV, O and down (12.3 / 11.0 / 30.6 us vs
+# 15.3 / 13.9 / 41.5 at 64 x 128; quantization + _scaled_mm 19.5 / 16.5 / 45.4). A depth that is not a multiple
+# of 256 takes the 64 x 128 tiles (SHALLOW_STEP_CONFIG). Gate/up: 64 x 128 within 1% of the sweep's best.
+STEP_CONFIG: Config = (64, 256, 4, 4)
+SHALLOW_STEP_CONFIG: Config = (64, 128, 4, 4)
 GATED_STEP_CONFIG: Config = (64, 128, 4, 4)  # 64 gate rows and the 64 up rows that pair with them
 # Unlike bf16 (decode_gemm.MAX_K keeps the K = 14,336 down projection on cuBLAS), the down projection takes this
 # kernel too: its alternative is two launches outside the PDL chain, not one. None: any depth. The H200 decides
@@ -65,10 +68,11 @@ MAX_K: int | None = None
 # Where a dynamic per-token x is quantized: "gemm" (inside the GEMM, by every program for its own rows: no launch
 # more, but each program takes the absmax over all of K before its first product and quantizes the same x tiles
 # again) or "kernel" (kernels.per_token_quant first, a link of the PDL chain, then the GEMM reads e4m3 x and the
-# row scales: half the x bytes, no prologue). The same bits either way. The H200 sweep of 2026-12-01 found the
-# "gemm" kernel 26-40 us for a 16-25 MB projection at M = 32 whatever its tiles (the prologue's serial loop);
-# benchmarks/fp8_step_gemm.py times both.
-X_QUANT = "gemm"
+# row scales: half the x bytes, no prologue). The same bits either way. The H200 sweeps of 2026-12-01 found the
+# "gemm" kernel 26-40 us for a 16-25 MB projection at M = 32 whatever its tiles (the prologue's serial loop), and
+# "kernel" (the two launches together) faster than quantization + _scaled_mm on every Llama-3-8B projection
+# (benchmarks/fp8_step_gemm.py times both).
+X_QUANT = "kernel"
 X_QUANTS = ("gemm", "kernel")
 
 
@@ -116,8 +120,9 @@ def step_config(layer: Fp8Linear, gated: bool = False, config: Config | None = N
     scheme = layer.scheme
     if scheme.weight is WeightScale.BLOCK or scheme.activation is ActivationScale.TOKEN_GROUP:
         return None
-    config = config or (GATED_STEP_CONFIG if gated else STEP_CONFIG)
     n, k = layer.weight.shape
+    if config is None:
+        config = GATED_STEP_CONFIG if gated else STEP_CONFIG if k % STEP_CONFIG[1] == 0 else SHALLOW_STEP_CONFIG
     rows = n // 2 if gated else n
     if (gated and n % 2) or rows % config[0] or k % config[1] or (MAX_K is not None and k > MAX_K):
         return None
