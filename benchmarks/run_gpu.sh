@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [testsC] [testsD] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -48,15 +48,16 @@ fi
 # The whole suite outgrew one device call (10 minutes): testsA (the engine's core CUDA files), testsD (mixed
 # attention, penalties, constrained decoding: A held them until A took 549 s of its 560 on 2026-12-01), testsB
 # (families, MoE, deterministic) and testsC (everything else: FP8, tensor parallel, scoring, longrope), one call
-# each or two groups to a call where they fit. A file is in exactly one of them: C is what A, B and D leave.
+# each or two groups to a call where they fit; testsE holds the MoE files. A file is in exactly one of them: C is what A, B, D and E leave.
 # --durations=15 prints the slowest tests, for the next split.
 CORE_GPU_TESTS="tests/worker/engine/test_engine_gpu.py tests/worker/engine/test_decoder_gpu.py
     tests/worker/engine/test_attention_triton.py tests/worker/engine/test_fused_kernels.py"
 D_GPU_TESTS="tests/worker/engine/test_mixed_attention.py tests/worker/engine/test_penalties.py
     tests/worker/engine/test_constrained_gpu.py"
-B_GPU_TESTS="tests/worker/engine/test_family_kernels.py tests/worker/engine/test_engine_moe_gpu.py
-    tests/worker/engine/test_moe_triton.py tests/worker/engine/test_deterministic_gpu.py
+B_GPU_TESTS="tests/worker/engine/test_family_kernels.py tests/worker/engine/test_deterministic_gpu.py
     tests/worker/engine/test_deterministic_kernels.py"
+# testsE: the MoE files, out of testsB since a cold start cut B at 560 s after 23 tests (2026-12-01f)
+E_GPU_TESTS="tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py"
 if has testsA; then
     # shellcheck disable=SC2086  # the list is word-split on purpose
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $CORE_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_a.log" | tail -25
@@ -69,8 +70,12 @@ if has testsB; then
     # shellcheck disable=SC2086
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $B_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_b.log" | tail -25
 fi
+if has testsE; then
+    # shellcheck disable=SC2086
+    timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $E_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_e.log" | tail -25
+fi
 if has testsC; then
-    ignores=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
+    ignores=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
     # shellcheck disable=SC2086
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu tests/worker/engine $ignores -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_c.log" | tail -25
 fi
