@@ -238,14 +238,14 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     ("model", "overrides", "match"),
     [
         ("tiny-cohere2", {}, "parallel attention and MLP blocks"),
-        ("tiny-qwen2-moe", {"quantization": "fp8"}, "--quantization on a mixture of experts"),
+        ("tiny-llama", {"deterministic": True, "tensor_parallel_size": 4}, "--deterministic runs at a tensor-parallel size of 2"),
         ("tiny-llama", {"decoder": "hf"}, "owned decoder"),
     ],
 )
 def test_what_is_not_sharded_yet_is_refused_before_any_rank_starts(model, overrides, match):
     start = time.monotonic()
     with pytest.raises(ModelLoadError, match=f"tensor parallelism: .*{match}"):
-        build_engine(model, tensor_parallel_size=2, **overrides)
+        build_engine(model, **{"tensor_parallel_size": 2, **overrides})
     assert time.monotonic() - start < 5, "refused from the config, before spawning"
 
 

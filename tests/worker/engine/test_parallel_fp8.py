@@ -19,7 +19,7 @@ from tests.fixtures.fp8_checkpoints import FP8_SHAPE, build_fp8_checkpoint, buil
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import ModelLoadError, load_model
-from worker.engine.parallel.runner import ShardRunner, build_sharded_engine, check_supported
+from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
 from worker.engine.quant.linear import Fp8LinearModule
 
 from .test_parallel_engine import make_requests
@@ -112,16 +112,63 @@ def test_a_shard_boundary_inside_an_fp8_block_is_refused(tmp_path_factory):
         build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2)
 
 
-def test_fp8_on_a_mixture_of_experts_is_refused_before_any_rank_starts(tmp_path):
-    release = build_fp8_moe_checkpoint(tmp_path, "fp8-block")
-    with pytest.raises(
-        ModelLoadError, match="FP8 checkpoints of a mixture of experts are not supported with tensor"
-    ):
-        check_supported(str(release.path), EngineConfig(tensor_parallel_size=2))
-    with pytest.raises(
-        ModelLoadError, match="--quantization on a mixture of experts is not supported with tensor"
-    ):
-        check_supported("tiny-qwen2-moe", EngineConfig(quantization="fp8", tensor_parallel_size=2))
+@pytest.mark.parametrize(("fmt", "keep_fp8"), [("fp8-block", True), ("fp8-block", False), ("ct-channel-dynamic", False)])
+def test_an_fp8_mixture_of_experts_at_tp2_equals_one_process(tmp_path_factory, fmt, keep_fp8):
+    """Qwen3-MoE's block-wise FP8 release and GLM-4.5's per-channel one (a shared expert, a dense first layer): the
+    attention (and GLM's dense MLP) FP8 slices, kept FP8 or dequantized, and every expert dequantized whole from
+    the checkpoint and then split by intermediate columns, as one process dequantizes them. Greedy output equals one
+    process's token for token (fp32; block-wise activations are quantized per 128-column group inside a rank's
+    aligned columns, so even the kept FP8 GEMMs are one process's bits. GLM's per-channel linears kept FP8 would
+    quantize o/down's per-token activations over each rank's half, not one process's bits: dequantized here, as in
+    test_greedy_at_tp2_equals_one_process)."""
+    path = str(build_fp8_moe_checkpoint(tmp_path_factory.mktemp(fmt), fmt, shape=dict(head_dim=128)).path)
+    one, requests = _one_process(path, keep_fp8, None)
+    reference = {r.request_id: r.token_ids for r in one.generate(requests)}
+    one.close()
+    sharded = build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2, keep_fp8=keep_fp8)
+    try:
+        modules = dict(sharded.model.named_modules())
+        kept = {name for name, m in modules.items() if isinstance(m, Fp8LinearModule)}
+        assert any(n.endswith("self_attn.o_proj") for n in kept) == keep_fp8, "the attention stays FP8 with keep_fp8"
+        assert not any(".mlp.experts" in n or ".mlp.shared_experts" in n or n.endswith(".mlp.gate") for n in kept)
+        results = sharded.generate(requests)
+    finally:
+        sharded.close()
+    assert {r.request_id: r.token_ids for r in results} == reference
+    assert len({t for ids in reference.values() for t in ids}) > 5, "diverse greedy text"
+
+
+def test_quantization_fp8_on_a_mixture_of_experts_at_tp2_equals_one_process():
+    """`--quantization fp8` on Qwen2-MoE at TP=2: the attention quantized per output channel with one process's
+    scales (o's the whole row's), the sparse MLPs (experts, shared expert, router, the shared expert's gate) left
+    in the model dtype, as one process leaves them. Greedy output equals one process's (fp32, dequantized)."""
+    one, requests = _one_process("tiny-qwen2-moe", False, "fp8")
+    reference = {r.request_id: r.token_ids for r in one.generate(requests)}
+    one.close()
+    sharded = build_sharded_engine("tiny-qwen2-moe", EngineConfig(quantization="fp8", **CONFIG), world_size=2)
+    try:
+        results = sharded.generate(requests)
+    finally:
+        sharded.close()
+    assert {r.request_id: r.token_ids for r in results} == reference
+
+
+def test_quantization_fp8_on_a_shard_leaves_the_sparse_mlps_dense():
+    """A shard after `--quantization fp8` with kept FP8: the attention and the dense layer's MLP are
+    Fp8LinearModules, nothing under a sparse MLP is."""
+    from worker.engine.models import family_for
+    from worker.engine.models.loader import sparse_layers
+    from worker.engine.parallel.group import ParallelState
+    from worker.engine.parallel.shard_model import load_shard
+
+    state = ParallelState(rank=0, world_size=1, device=CPU)
+    model, _, _ = load_shard("tiny-qwen2-moe", state, EngineConfig(quantization="fp8"), keep_fp8=True)
+    kept = {name for name, m in model.named_modules() if isinstance(m, Fp8LinearModule)}
+    sparse = sparse_layers(model.config, family_for(model.config)[0])
+    assert sparse is not None and sparse.layer_prefixes
+    assert any(name.endswith("self_attn.o_proj") for name in kept)
+    assert not any(sparse.holds(name) for name in kept), sorted(kept)
+    assert any(name.endswith("mlp.down_proj") for name in kept), "the dense layer's MLP is quantized"
 
 
 def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):

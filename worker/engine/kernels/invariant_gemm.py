@@ -54,12 +54,12 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> dg.Config | None:
     products to cuBLAS for speed), or None when the shape does not tile."""
     # max_k=None: Llama-3-8B's down projection (K = 14,336) is deeper than decode_gemm's MAX_K; the H200 run of
     # W2 --deterministic found deterministic mode refusing it (2026-12-01).
-    block_n, *rest = dg.WIDE_CONFIG if n > 8192 else dg.NARROW_CONFIG
+    block_n, block_k, warps, stages = dg.WIDE_CONFIG if n > 8192 else dg.NARROW_CONFIG
     # A weight whose rows do not fill the configured tiles takes narrower ones: a tensor-parallel rank's vocabulary
     # shard (160 rows of the test model's 320; Phi-3's 32,064 / 2 and Gemma 3's 262,208 / 2 are not multiples of
     # 64 either). The tile's width never enters a row's K order, and one width serves every M of that weight.
     for width in (block_n, 32, 16):
-        config = dg._fitted((width, *rest), n, k, dtype, max_k=None)
+        config = dg._fitted((width, block_k, warps, stages), n, k, dtype, max_k=None)
         if config is not None:
             return config
     return None

@@ -27,7 +27,7 @@ How the ranks run (the worker is rank 0; `serve` is module-level so spawn can pi
 - shard_experts.py: a rank's slice of every expert of a sparse layer, from any checkpoint layout (stacked,
   per-expert, gpt-oss's interleaved one and its MXFP4 release, dequantized by slice).
 - memory.py: weight bytes per rank at TP=N; `check_fits` refuses a load with the numbers.
-- shard_fp8.py: FP8 on a dense shard: an FP8 checkpoint's weights read by slice with their scales
+- shard_fp8.py: FP8 on a shard: an FP8 checkpoint's weights read by slice with their scales
   (`Fp8ShardSource`; per-channel scales with their rows, per-tensor ones replicated, block-wise by whole
   [128, 128] blocks, a boundary inside a block refused), kept FP8 or dequantized; `--quantization fp8`
   quantized per rank with one process's scales (`quantize_shard`: o/down's row absmax is the ranks' largest).
@@ -73,9 +73,11 @@ read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss ar
 the one-process loader reads it as the one rank of a world of one, `shard_build.load_whole_model`). An FP8 KV
 cache (--kv-cache-dtype fp8) holds each rank's own KV heads, with one process's static scales (1.0).
 
-Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), FP8 on a mixture of experts
-(--quantization, FP8 checkpoints; layers.py's linear methods are not used by the shard model: FP8 comes
-through shard_fp8.py), a row-parallel linear's per-token activation scale over the whole row (each rank's
+FP8 (shard_fp8.py, not layers.py's linear methods, which the shard model does not use) on a mixture of experts
+keeps what is under a sparse MLP in the model dtype, the experts dequantized by shard_experts.py from the inner
+checkpoint, as one process loads them.
+
+Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), a row-parallel linear's per-token activation scale over the whole row (each rank's
 slice's, as in vLLM), --deterministic above 2 ranks, decoder
 'hf' and the families it alone runs (Cohere 2's parallel blocks); each is refused in one line
 (`shard_model.unsupported_reason`, `load_shard`).

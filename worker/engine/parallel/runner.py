@@ -171,7 +171,7 @@ def check_supported(model_name: str, config: EngineConfig) -> None:
     """Refuse (ModelLoadError, one line) what the sharded path does not run, before any rank starts."""
     model_config = sharded_model_config(model_name)
     family, _ = family_for(model_config)
-    reason = unsupported_reason(family, config, model_config)
+    reason = unsupported_reason(family, config)
     if reason is not None:
         raise ModelLoadError(f"tensor parallelism: {reason}")
 

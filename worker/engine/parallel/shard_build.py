@@ -36,6 +36,7 @@ from .layers import (
     shard_for,
 )
 from .shard_experts import load_expert_shard
+from .shard_fp8 import Fp8ShardSource
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,10 @@ def _load_moe(
     expert split like a dense MLP, its gate replicated (left to the generic pass)."""
     assert family.moe is not None
     spec = spec_from_config(config)
-    for name, tensor in load_expert_shard(source, prefix, family.moe, spec, state, **kw).items():
+    # An FP8 checkpoint's experts: each expert's weight dequantized whole from the inner checkpoint, then sliced
+    # (the shard source would read them by slice, which needs the rank's columns on block boundaries).
+    inner, quant = (source.inner, source.quant) if isinstance(source, Fp8ShardSource) else (source, None)
+    for name, tensor in load_expert_shard(inner, prefix, family.moe, spec, state, quant, **kw).items():
         module_path, _, attr = name.rpartition(".")
         want = submodule(model, module_path)._parameters[attr]
         if want is not None and want.shape != tensor.shape:  # a checkpoint of other sizes than its config.json's

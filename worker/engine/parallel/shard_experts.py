@@ -48,11 +48,18 @@ _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 def load_expert_shard(
-    source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec, spec: MoeSpec, state: ParallelState, **kw: Any
+    source: Checkpoint,
+    layer_prefix: str,
+    moe: MoeMlpSpec,
+    spec: MoeSpec,
+    state: ParallelState,
+    quant: Fp8Config | None = None,
+    **kw: Any,
 ) -> dict[str, torch.Tensor]:
     """The shard model's parameters of one sparse layer's router and experts (full names -> tensors in `kw`'s dtype
-    and device). Raises ValueError naming the layer when no layout above matches."""
-    params = read_experts(source, layer_prefix, moe, spec, state, **kw)
+    and device; `quant`: the checkpoint's FP8 format, whose per-expert linears are dequantized). Raises ValueError
+    naming the layer when no layout above matches."""
+    params = read_experts(source, layer_prefix, moe, spec, state, quant, **kw)
     model_mlp = moe.experts.rpartition(".")[0]  # the experts' and the router's parent in the model ("mlp")
     ckpt_mlp = _checkpoint_mlp(source, layer_prefix, moe)
     router = moe.router.rpartition(".")[2]

@@ -21,11 +21,17 @@ columns with the whole row's scale, exactly one process's weights.
 Not one process's bits: a row-parallel linear's dynamic per-token activation scale (`ActivationScale.TOKEN`:
 per-channel and `--quantization fp8`) is taken over the rank's slice of the input, as vLLM does (at least as
 fine as one process's, at no collective per GEMM). Per-token-group activations (block-wise: groups of 128 inside
-a rank's aligned columns) and static ones are one process's. Mixtures of experts are refused with FP8 at TP > 1.
+a rank's aligned columns) and static ones are one process's.
+
+Mixtures of experts: every linear under a sparse MLP stays in the model dtype (`stays_dense`), as in one process
+(quant/loader.py): cbq's MoE kernels multiply plain weights. The experts are read by shard_experts.py from the
+inner checkpoint, each expert's FP8 weight dequantized whole and then sliced (its blocks need not align with the
+rank's columns); a shared expert and the router read by slice, dequantized.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,10 +50,13 @@ class Fp8ShardSource:
     """A checkpoint whose quantized linears' weights read, by slice, dequantized to fp32 (the layers cast them).
     With `keep_fp8`, each slice's `Fp8Linear` is kept in `kept[module]`, in the order read (a fused q/k/v
     checkpoint's q, k and v rows of one tensor: three pieces), and the layers get the bare FP8 values, a
-    placeholder that `keep_fp8_linears` replaces before anything runs."""
+    placeholder that `keep_fp8_linears` replaces before anything runs. `stays_dense`: modules read dequantized
+    even with `keep_fp8` (a mixture of experts' sparse MLPs)."""
 
-    def __init__(self, inner: Checkpoint, quant: Fp8Config, keep_fp8: bool):
-        self.inner, self.quant, self.keep_fp8 = inner, quant, keep_fp8
+    def __init__(
+        self, inner: Checkpoint, quant: Fp8Config, keep_fp8: bool, stays_dense: Callable[[str], bool] = lambda _: False
+    ):
+        self.inner, self.quant, self.keep_fp8, self.stays_dense = inner, quant, keep_fp8, stays_dense
         self.kept: dict[str, list[Fp8Linear]] = {}
         self.methods: dict[str, Fp8LinearMethod] = {}
 
@@ -103,7 +112,7 @@ class _Fp8WeightSlice:
             tensors[f"{prefix}.input_scale"] = input_scale[:] if input_scale.get_shape() else input_scale[...]
         # checks the slice's scale shapes as one process's load does
         layer = self.method.load(tensors, prefix)
-        if self.source.keep_fp8:  # the layer's copy is dropped for an Fp8LinearModule: skip the fp32 products
+        if self.source.keep_fp8 and not self.source.stays_dense(prefix):  # dropped for an Fp8LinearModule
             self.source.kept.setdefault(prefix, []).append(layer)
             return layer.weight
         return self.method.dequantize(layer, torch.float32)
@@ -144,15 +153,21 @@ def keep_fp8_linears(model: nn.Module, source: Fp8ShardSource) -> None:
 
 
 def quantize_shard(
-    model: nn.Module, quant: Fp8Config, state: ParallelState, row_parallel: frozenset[str], keep_fp8: bool
+    model: nn.Module,
+    quant: Fp8Config,
+    state: ParallelState,
+    row_parallel: frozenset[str],
+    keep_fp8: bool,
+    stays_dense: Callable[[str], bool] = lambda _: False,
 ) -> None:
     """`--quantization fp8` on a rank's shard, in place: each linear the config quantizes rounded per output
     channel with one process's scales (`row_parallel`: the linears holding part of each row, whose absmax is the
-    largest over the ranks), kept as `Fp8LinearModule` (`keep_fp8`) or dequantized back into its weight."""
+    largest over the ranks), kept as `Fp8LinearModule` (`keep_fp8`) or dequantized back into its weight.
+    `stays_dense`: linears left as they are (a mixture of experts' sparse MLPs, as quant/linear.quantize_linears)."""
     assert not quant.is_serialized, "a checkpoint's FP8 weights are read by Fp8ShardSource"
     for name, module in list(model.named_modules()):
         method = linear_method(quant, name)  # None for the output head
-        if not isinstance(module, nn.Linear) or method is None:
+        if not isinstance(module, nn.Linear) or method is None or stays_dense(name):
             continue
         weight = module.weight.detach()
         absmax = None

@@ -19,7 +19,8 @@ The config's `vocab_size` stays the full vocabulary (the engine validates ids an
 A preset (random weights) has no files: each rank builds the whole model with the same seed on its device,
 as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`; a multimodal
 one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice; a dense FP8
-checkpoint's linears with their scales, and `--quantization fp8` on the rank's shard: shard_fp8.py).
+checkpoint's linears with their scales, and `--quantization fp8` on the rank's shard: shard_fp8.py; an FP8
+mixture of experts' experts dequantized from the inner checkpoint by shard_experts.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from ..config import EngineConfig
 from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from ..models.spec import Family
-from ..quant import Fp8Config, has_mxfp4_experts
+from ..quant import Fp8Config
 from ..quant.linear import keeps_fp8
 from .checkpoint import Checkpoint
 from .group import ParallelState
@@ -51,22 +52,16 @@ __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's
 SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
 
 
-def unsupported_reason(family: Family, engine_config: EngineConfig, model_config: Any = None) -> str | None:
+def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
     """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
-    path does not split correctly, refused rather than computed wrong. `model_config`: the checkpoint's config
-    (its quantization_config), where known."""
+    path does not split correctly, refused rather than computed wrong."""
     layer = family.layer
-    quantized = model_config is not None and getattr(model_config, "quantization_config", None) is not None
-    if quantized and family.moe is not None and not has_mxfp4_experts(model_config):
-        return f"{family.name}: FP8 checkpoints of a mixture of experts are not supported with tensor parallelism yet"
     if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
     if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
         return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
     if layer.parallel_blocks:
         return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
-    if engine_config.quantization is not None and family.moe is not None:
-        return "--quantization on a mixture of experts is not supported with tensor parallelism yet"
     if engine_config.deterministic and engine_config.tensor_parallel_size > 2:
         # two ranks sum two partial values, a + b in either order: the same bits whatever the step. More ranks sum
         # in an order that follows the message size (the step's tokens), so a row's bits would follow its batch.
@@ -112,7 +107,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
             tokenizer = loader._load_tokenizer(path, eos)
         source = open_checkpoint(path, renames, name_or_path)
         if quant is not None and quant.is_serialized:  # FP8 weights read by slice with their scales
-            source = Fp8ShardSource(source, quant, keep_fp8)
+            source = Fp8ShardSource(source, quant, keep_fp8, _stays_dense(text_config, family))
         config = text_config
     family, _ = family_for(config)
     fp8_source = source if isinstance(source, Fp8ShardSource) and keep_fp8 else None
@@ -121,13 +116,22 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     after_layer = None if fp8_source is None else (lambda model: keep_fp8_linears(model, fp8_source))
     model, tp = build_shard(config, family, source, state, dtype, after_layer)
     if quant is not None and not quant.is_serialized:  # --quantization fp8
-        quantize_shard(model, quant, state, _row_parallel_linears(config, family), keep_fp8)
+        quantize_shard(
+            model, quant, state, _row_parallel_linears(config, family), keep_fp8, _stays_dense(config, family)
+        )
     model.generation_config = generation_config
     del source
     if device.type == "cuda":
         torch.cuda.empty_cache()  # a preset's whole model is gone: its blocks are free for the KV cache
     return model, tp, tokenizer
 
+
+
+def _stays_dense(config: Any, family: Family):
+    """Whether a module stays in the model dtype under FP8: those under a mixture of experts' sparse MLPs, which
+    cbq's MoE kernels multiply unquantized (as one process loads them)."""
+    sparse = loader.sparse_layers(config, family)
+    return (lambda _: False) if sparse is None else sparse.holds
 
 
 def _row_parallel_linears(config: Any, family: Family) -> frozenset[str]:
@@ -163,6 +167,6 @@ def _check_fits(
 
 def _check(config: Any, engine_config: EngineConfig) -> None:
     family, _ = family_for(config)
-    reason = unsupported_reason(family, engine_config, config)
+    reason = unsupported_reason(family, engine_config)
     if reason is not None:
         raise ModelLoadError(f"tensor parallelism: {reason}")
