@@ -12,6 +12,7 @@ emulation on the same model, and the owned decoder's greedy output against `gene
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -199,13 +200,18 @@ def test_gpu_quantization_fp8_runs_fp8_gemms_that_match_their_emulation(monkeypa
     assert rel < GPU_LOGITS_REL and top1 >= GPU_TOP1, (rel, top1)
     engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=512))
     assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
-    reqs = _requests(tokenizer, 16, max_new_tokens=32)
-    results = engine.generate(reqs)
-    firsts = [r.token_ids[:1] == _greedy(model, tokenizer, q)[:1] for q, r in zip(reqs, results, strict=True)]
-    print(f"small-llama --quantization fp8: first tokens agree with generate() on {sum(firsts)} of 16")
     # The first token is one more top-1 of the same FP8 math run two ways (the engine's fused GEMMs and attention
-    # vs transformers' forward): GPU_TOP1's bound, not more (the H200 gave 11 of 16 on 2026-12-01, top-1 0.754).
-    assert sum(firsts) >= math.ceil(GPU_TOP1 * 16), f"first tokens agree with generate() on {sum(firsts)} of 16"
+    # vs transformers' forward): GPU_TOP1's bound, not more. 64 prompts, not 16: at the H200's top-1 of about
+    # 0.75 (2026-12-01: 11 of 16, then 9 of 16 against a bound of 10), 16 draws fall under 0.6 one run in twelve.
+    num = 64
+    reqs = _requests(tokenizer, num, max_new_tokens=8)
+    results = engine.generate(reqs)
+    firsts = [
+        r.token_ids[:1] == _greedy(model, tokenizer, dataclasses.replace(q, sampling=dataclasses.replace(q.sampling, max_new_tokens=1)))
+        for q, r in zip(reqs, results, strict=True)
+    ]
+    print(f"small-llama --quantization fp8: first tokens agree with generate() on {sum(firsts)} of {num}")
+    assert sum(firsts) >= math.ceil(GPU_TOP1 * num), f"first tokens agree with generate() on {sum(firsts)} of {num}"
 
 
 @pytest.mark.gpu
