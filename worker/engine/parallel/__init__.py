@@ -77,8 +77,8 @@ FP8 (shard_fp8.py, not layers.py's linear methods, which the shard model does no
 keeps what is under a sparse MLP in the model dtype, the experts dequantized by shard_experts.py from the inner
 checkpoint, as one process loads them.
 
-Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), a row-parallel linear's per-token activation scale over the whole row (each rank's
-slice's, as in vLLM), --deterministic above 2 ranks, decoder
+Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), a row-parallel linear's per-token
+activation scale over the whole row (each rank's slice's, as in vLLM), --deterministic above 2 ranks, decoder
 'hf' and the families it alone runs (Cohere 2's parallel blocks); each is refused in one line
 (`shard_model.unsupported_reason`, `load_shard`).
 """
