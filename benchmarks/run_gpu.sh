@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -78,6 +78,23 @@ if has testsC; then
     ignores=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
     # shellcheck disable=SC2086
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu tests/worker/engine $ignores -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_c.log" | tail -25
+fi
+if has suite; then  # the whole gpu suite, its five groups side by side on the one GPU (each process capped at a share
+    # of its memory: tests/conftest.py CBQ_TEST_GPU_SHARE); Triton's compiles, most of a group's time, take a core each
+    ignores=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
+    groups=(A B C D E) pids=()
+    for group in "${groups[@]}"; do
+        case $group in
+            A) files=$CORE_GPU_TESTS ;; B) files=$B_GPU_TESTS ;; D) files=$D_GPU_TESTS ;; E) files=$E_GPU_TESTS ;;
+            C) files="tests/worker/engine $ignores" ;;
+        esac
+        # shellcheck disable=SC2086
+        CBQ_TEST_GPU_SHARE=${GPU_SUITE_SHARE:-0.18} timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $files \
+            -p no:cacheprovider --durations=15 >"$OUT/gpu_suite_$group.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do wait "${pids[$i]}"; echo "group ${groups[$i]}: exit $?"; done
+    for group in "${groups[@]}"; do echo "== $group"; grep -E "passed|failed|error" "$OUT/gpu_suite_$group.log" | tail -3; done
 fi
 if has moetests; then  # the MoE families on CUDA (owned decoder vs generate in fp32, graphs vs eager) and the MoE kernels
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py \

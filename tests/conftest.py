@@ -17,6 +17,30 @@ import redis
 from tests.reliability.harness import RedisServer
 
 
+def pytest_configure(config):
+    """CBQ_TEST_GPU_SHARE=f (0 < f <= 1): this test process takes at most that share of the GPU, so that several
+    groups of the `gpu` suite run side by side on one device (benchmarks/run_gpu.sh's `suite` stage): PyTorch's
+    allocator is capped at the share, and an engine sizes its KV cache from the share (of the device's total,
+    less what this process holds) instead of from the device's free memory, which the other processes change."""
+    share = os.environ.get("CBQ_TEST_GPU_SHARE")
+    if not share:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    fraction = float(share)
+    assert 0 < fraction <= 1, f"CBQ_TEST_GPU_SHARE must be in (0, 1], got {share}"
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    from worker.engine import kv_cache
+
+    def budget_in_share(total_bytes: int, free_bytes: int, gpu_memory_utilization: float) -> int:
+        held = torch.cuda.memory_allocated()
+        return int(total_bytes * fraction * gpu_memory_utilization) - held - kv_cache.ACTIVATION_RESERVE_BYTES
+
+    kv_cache.kv_budget_bytes = budget_in_share
+
+
 @pytest.fixture(scope="session")
 def private_redis_url(tmp_path_factory):
     """The URL of a memory-only redis-server started for this test session (stopped at its end)."""
