@@ -50,7 +50,8 @@ def test_per_token_scales_rows_to_the_fp8_range_and_caps_outliers():
     back = x_fp8.float() * scale[:, None]
     assert ((back - x).abs() <= FP8_REL * x.abs() + scale[:, None] * 2**-9).all()  # 2^-9: e4m3's subnormal step
     capped, capped_scale = quantize_per_token(x, scale_ub=100.0)
-    assert capped_scale[3] == 100.0 / FP8_MAX and capped_scale[2] == scale[2]
+    # the cap times fp32(1 / 448): scales multiply by the reciprocal, as torch's CUDA division by a number does
+    assert capped_scale[3] == torch.tensor(100.0) * (1.0 / FP8_MAX) and capped_scale[2] == scale[2]
     assert capped[3].float().abs().max() == FP8_MAX  # saturated, not inf/nan
 
 
