@@ -94,7 +94,7 @@ if has suite; then  # the whole gpu suite, its five groups side by side on the o
         pids+=($!)
     done
     for i in "${!pids[@]}"; do wait "${pids[$i]}"; echo "group ${groups[$i]}: exit $?"; done
-    for group in "${groups[@]}"; do echo "== $group"; grep -E "passed|failed|error" "$OUT/gpu_suite_$group.log" | tail -3; done
+    for group in "${groups[@]}"; do echo "== $group"; grep -E "passed|failed|error|skipped" "$OUT/gpu_suite_$group.log" | tail -n 3; done
 fi
 if has moetests; then  # the MoE families on CUDA (owned decoder vs generate in fp32, graphs vs eager) and the MoE kernels
     timeout 420 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py \
