@@ -1,9 +1,10 @@
-"""--deterministic at --tensor-parallel-size 2 over gloo on the CPU: a request's tokens and their logprobs are
-bitwise the same alone and in a busy batch (other traffic, another token budget, chunked prefill, preemption), sync
-and async. Each rank's ops are deterministic.py's row-at-a-time ones, and the all-reduce of two ranks adds two
-values, which gives the same bits in either order. Above two ranks the order of the sum follows the step's size:
-refused. fp32: there torch's CPU GEMMs give a row other bits at another batch size, so without --deterministic the
-logprobs differ (the test checks that it can tell)."""
+"""--deterministic at --tensor-parallel-size 2 and 4 over gloo on the CPU: a request's tokens and their logprobs
+are bitwise the same alone and in a busy batch (other traffic, another token budget, chunked prefill, preemption),
+sync and async. Each rank's ops are deterministic.py's row-at-a-time ones; the all-reduce of two ranks adds two
+values, the same bits in either order, and above two ranks the partial sums are added in rank order
+(group.sum_in_rank_order), since an all-reduce's order follows the message size. fp32: there torch's CPU GEMMs give
+a row other bits at another batch size, so without --deterministic the logprobs differ (the test checks that it
+can tell)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch
 
 from worker.engine.api import EngineRequest
 from worker.engine.engine_builder import build_engine
-from worker.engine.models import ModelLoadError
 
 from .test_deterministic import requests
 
@@ -41,17 +41,18 @@ def outputs(results) -> dict[str, list[tuple[int, float]]]:
     return {r.request_id: [(lp.token_id, lp.logprob) for lp in r.logprobs] for r in results}
 
 
-def alone_and_in_a_batch(mode: str, deterministic: bool):
+def alone_and_in_a_batch(mode: str, deterministic: bool, tensor_parallel_size: int = 2):
     targets = with_logprobs(requests(256, 0, 6, "t", max_suffix=24, max_new=8))
     batch = targets + with_logprobs(requests(256, 1, 6, "o", max_suffix=24, max_new=8))
     random.Random(mode).shuffle(batch)
-    engine = build_engine(MODEL, mode="sync", deterministic=deterministic, **TP2)
+    tp = dict(TP2, tensor_parallel_size=tensor_parallel_size)
+    engine = build_engine(MODEL, mode="sync", deterministic=deterministic, **tp)
     try:
         alone = outputs([engine.generate([r])[0] for r in targets])
     finally:
         engine.close()
     engine = build_engine(
-        MODEL, mode=mode, deterministic=deterministic, max_num_batched_tokens=23, num_kv_blocks=8, **TP2
+        MODEL, mode=mode, deterministic=deterministic, max_num_batched_tokens=23, num_kv_blocks=8, **tp
     )
     try:
         in_batch = outputs(engine.generate(batch))
@@ -73,6 +74,7 @@ def test_without_deterministic_the_batch_changes_the_bits():
     assert in_batch != alone
 
 
-def test_deterministic_above_two_ranks_is_refused_before_any_rank_starts():
-    with pytest.raises(ModelLoadError, match="tensor parallelism: --deterministic runs at a tensor-parallel size of 2"):
-        build_engine(MODEL, deterministic=True, tensor_parallel_size=4)
+def test_deterministic_outputs_at_tp4_do_not_depend_on_the_batch():
+    """Four ranks (KV heads replicated, one q head each): the partial sums in rank order."""
+    alone, in_batch = alone_and_in_a_batch("async", deterministic=True, tensor_parallel_size=4)
+    assert in_batch == alone

@@ -238,7 +238,6 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
     ("model", "overrides", "match"),
     [
         ("tiny-cohere2", {}, "parallel attention and MLP blocks"),
-        ("tiny-llama", {"deterministic": True, "tensor_parallel_size": 4}, "--deterministic runs at a tensor-parallel size of 2"),
         ("tiny-llama", {"decoder": "hf"}, "owned decoder"),
     ],
 )

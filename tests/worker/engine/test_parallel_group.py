@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.parallel.group import ParallelState, RankFailure, all_reduce, launch_ranks
+from worker.engine.parallel.group import (
+    ParallelState,
+    RankFailure,
+    all_reduce,
+    launch_ranks,
+    sum_in_rank_order,
+)
 from worker.engine.parallel.messages import ControlChannel, RunStep, StepDriver, serve_forever
 
 REPO = Path(__file__).resolve().parents[3]
@@ -61,6 +67,27 @@ def serve_sums_late(state: ParallelState) -> None:
     serve_forever(state, SumRunner(state))
 
 
+def rank_values(rank: int, length: int) -> torch.Tensor:
+    """Rank `rank`'s first `length` fp32 values, of a magnitude per rank (1e7 to 1e-3), so that the sum's bits
+    depend on the order of the adds."""
+    scale = (1e7, 1.0, 1e-3, 3e5)[rank % 4]
+    return (torch.randn(4096, generator=torch.Generator().manual_seed(rank)) * scale)[:length].float()
+
+
+class RankOrderRunner:
+    """Each rank contributes `rank_values` of the step's length; rank 0 returns `sum_in_rank_order` of them."""
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+
+    def execute_step(self, step: AddStep) -> list[float]:
+        return sum_in_rank_order(self.state, rank_values(self.state.rank, int(step.value))).tolist()
+
+
+def serve_rank_order(state: ParallelState) -> None:
+    serve_forever(state, RankOrderRunner(state))
+
+
 def fail_at_start(state: ParallelState) -> None:
     raise RuntimeError("no weights here")
 
@@ -92,6 +119,22 @@ def test_control_loop_runs_n_steps_then_shuts_down():
     driver.shutdown()  # raises if the helper did not exit 0 (e.g. counted another number of steps)
     wait_gone(pids, 5)
     assert reported == [] and group.failure is None, "an exit after Shutdown is not a failure"
+
+
+def test_sum_in_rank_order_gives_every_element_the_same_bits_at_any_length():
+    """--deterministic above two ranks: four ranks' partial sums added in rank order, whatever the message size
+    (an all-reduce picks its algorithm, and so the order of the adds, by size)."""
+    group = launch_ranks(4, serve_rank_order, (), timeout_s=30)
+    driver = StepDriver(group, RankOrderRunner(group.state))
+    want = rank_values(0, 4096)
+    for rank in (1, 2, 3):
+        want = want + rank_values(rank, 4096)
+    try:
+        for length in (1, 7, 300, 4096):
+            got = torch.tensor(driver.run(AddStep(float(length))), dtype=torch.float32)
+            assert torch.equal(got, want[:length]), length
+    finally:
+        driver.shutdown()
 
 
 def test_a_step_larger_than_one_broadcast_arrives_whole():

@@ -78,7 +78,7 @@ keeps what is under a sparse MLP in the model dtype, the experts dequantized by 
 checkpoint, as one process loads them.
 
 Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), a row-parallel linear's per-token
-activation scale over the whole row (each rank's slice's, as in vLLM), --deterministic above 2 ranks, decoder
+activation scale over the whole row (each rank's slice's, as in vLLM), decoder
 'hf' and the families it alone runs (Cohere 2's parallel blocks); each is refused in one line
 (`shard_model.unsupported_reason`, `load_shard`).
 """

@@ -105,6 +105,24 @@ def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def sum_in_rank_order(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over the ranks, added in rank order (rank 0's, plus rank 1's, ...) on every rank: each element's
+    bits depend only on the ranks' values, never on the message size. An all-reduce picks its algorithm, and so the
+    order of a sum of three or more values, by the message size (the step's token count): `--deterministic` above
+    two ranks sums this way, at the cost of an all-gather of every rank's partial instead of an all-reduce."""
+    if state.world_size <= 2:  # a + b: the same bits in either order
+        return all_reduce(state, x)
+    if _host_staged(state, x):
+        return x.copy_(sum_in_rank_order(state, x.cpu()))
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(state.world_size)]
+    state.group.allgather([parts], [x]).wait()
+    total = parts[0]
+    for part in parts[1:]:
+        total += part  # element-wise, one rounding per add, in rank order
+    return x.copy_(total)
+
+
 def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim`, in rank order, on every rank."""
     if state.world_size == 1:

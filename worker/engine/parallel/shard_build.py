@@ -24,7 +24,7 @@ from ..models.spec import Family, LayerSpec, QKNormSpan
 from ..moe import moe_layer_ids, spec_from_config
 from ..quant import has_mxfp4_experts
 from .checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
-from .group import ParallelState, all_reduce, gather_to_first
+from .group import ParallelState, all_reduce, gather_to_first, sum_in_rank_order
 from .layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -46,6 +46,13 @@ class TensorParallel:
     state: ParallelState
     embedding: VocabParallelEmbedding  # the rank's vocabulary rows; the decoder's embed_weight is its weight
     vocab_size: int
+    # --deterministic: partial sums added in rank order (group.sum_in_rank_order), so that a row's bits do not
+    # follow the step's size through the all-reduce's algorithm. The embedding's all-reduce needs nothing: each
+    # token's row is one rank's, the others add zeros.
+    fixed_order: bool = False
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        return sum_in_rank_order(self.state, x) if self.fixed_order else all_reduce(self.state, x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states of `input_ids` [T] -> [T, hidden], every rank's rows filled in by an all-reduce."""
@@ -53,14 +60,14 @@ class TensorParallel:
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel GEMM's partial output summed over the ranks (the attention's o, the MLP's down)."""
-        return all_reduce(self.state, x)
+        return self._sum(x)
 
     def mean_square(self, xf: torch.Tensor) -> torch.Tensor:
         """[T, W] fp32, this rank's slice of a projection -> [T, 1]: the mean of squares over the whole projection
         (OLMo 2's q/k norms), one all-reduce of [T]. Every rank holds a slice of the same width W; where KV heads
         are replicated (fewer than ranks) each head is held by N / KVH ranks, so the sum over ranks counts it that
         many times and N * W is that many whole projections: the quotient is the mean either way."""
-        sums = all_reduce(self.state, xf.pow(2).sum(-1, keepdim=True))
+        sums = self._sum(xf.pow(2).sum(-1, keepdim=True))
         return sums / (xf.shape[-1] * self.state.world_size)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ mixture of experts' experts dequantized from the inner checkpoint by shard_exper
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -62,10 +63,6 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
         return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
     if layer.parallel_blocks:
         return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
-    if engine_config.deterministic and engine_config.tensor_parallel_size > 2:
-        # two ranks sum two partial values, a + b in either order: the same bits whatever the step. More ranks sum
-        # in an order that follows the message size (the step's tokens), so a row's bits would follow its batch.
-        return "--deterministic runs at a tensor-parallel size of 2 at most"
     if engine_config.decoder == "hf":
         return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
     return None
@@ -115,6 +112,8 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
         _check_fits(config, family, state, dtype, name_or_path, 1 if fp8_source is not None else None)
     after_layer = None if fp8_source is None else (lambda model: keep_fp8_linears(model, fp8_source))
     model, tp = build_shard(config, family, source, state, dtype, after_layer)
+    if engine_config.deterministic:  # partial sums in rank order: a row's bits never follow the step's size
+        tp = dataclasses.replace(tp, fixed_order=True)
     if quant is not None and not quant.is_serialized:  # --quantization fp8
         quantize_shard(
             model, quant, state, _row_parallel_linears(config, family), keep_fp8, _stays_dense(config, family)
