@@ -58,6 +58,8 @@ B_GPU_TESTS="tests/worker/engine/test_family_kernels.py tests/worker/engine/test
     tests/worker/engine/test_deterministic_kernels.py"
 # testsE: the MoE files, out of testsB since a cold start cut B at 560 s after 23 tests (2026-12-01f)
 E_GPU_TESTS="tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py"
+# testsC: every other GPU test file
+C_IGNORES=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
 if has testsA; then
     # shellcheck disable=SC2086  # the list is word-split on purpose
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $CORE_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_a.log" | tail -25
@@ -75,18 +77,16 @@ if has testsE; then
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $E_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_e.log" | tail -25
 fi
 if has testsC; then
-    ignores=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
     # shellcheck disable=SC2086
-    timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu tests/worker/engine $ignores -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_c.log" | tail -25
+    timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu tests/worker/engine $C_IGNORES -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_c.log" | tail -25
 fi
 if has suite; then  # the whole gpu suite, its five groups side by side on the one GPU (each process capped at a share
     # of its memory: tests/conftest.py CBQ_TEST_GPU_SHARE); Triton's compiles, most of a group's time, take a core each
-    ignores=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
     groups=(A B C D E) pids=()
     for group in "${groups[@]}"; do
         case $group in
             A) files=$CORE_GPU_TESTS ;; B) files=$B_GPU_TESTS ;; D) files=$D_GPU_TESTS ;; E) files=$E_GPU_TESTS ;;
-            C) files="tests/worker/engine $ignores" ;;
+            C) files="tests/worker/engine $C_IGNORES" ;;
         esac
         # shellcheck disable=SC2086
         CBQ_TEST_GPU_SHARE=${GPU_SUITE_SHARE:-0.18} timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $files \

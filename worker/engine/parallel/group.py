@@ -112,11 +112,7 @@ def sum_in_rank_order(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     two ranks sums this way, at the cost of an all-gather of every rank's partial instead of an all-reduce."""
     if state.world_size <= 2:  # a + b: the same bits in either order
         return all_reduce(state, x)
-    if _host_staged(state, x):
-        return x.copy_(sum_in_rank_order(state, x.cpu()))
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(state.world_size)]
-    state.group.allgather([parts], [x]).wait()
+    parts = all_gather(state, x[None], dim=0)  # [N, ...]: every rank's partial, in rank order
     total = parts[0]
     for part in parts[1:]:
         total += part  # element-wise, one rounding per add, in rank order
