@@ -360,8 +360,9 @@ def check_decoder_opt_in(device: str) -> None:
     """One mixed step (7 rows, a small step) of a tiny FP8 model: the small-step path, whose FP8 GEMMs are
     quant/small_step.py's (the gated one and the QKV one with rotary + KV write included), gives the logits of the
     path without it (FP8 GEMMs through kernels.fp8_linear, made the emulation on CUDA too: cuBLASLt's row-wise
-    output is bf16), to fp32 summation order. (The H200 run of 2026-12-01 found 0.027: Triton's fp32 `/` on CUDA
-    was the approximate division, whose last bit tipped e4m3 roundings; the quantization divides with div_rn now.) With the fused FP8 QKV turned off (`rope_step_config` None: the GEMM, then
+    output is bf16), to fp32 summation order. (The H200 runs of 2026-12-01 and -03 found 0.027, the same both times
+    after the row scales' division was made exact: the FP8 dot chained over K accumulated at the tensor cores'
+    reduced precision on sm90; the kernels sum per-tile dots in fp32 now.) With the fused FP8 QKV turned off (`rope_step_config` None: the GEMM, then
     fused.qkv_rope_write) the small-step path gives the same logits bit for bit, with one launch more per layer."""
     from worker.engine.kernels import fused
     from worker.engine.quant import kernels, small_step
