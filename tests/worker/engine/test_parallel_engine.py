@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from tests.fixtures.checkpoints import build_checkpoint
 from worker.engine.api import Constraint, ConstraintKind, EngineRequest, SamplingParams
@@ -192,6 +193,10 @@ def test_prompt_logprobs_at_tp2_equal_one_process(checkpoints, sharded_engine):
     path, requests, _ = checkpoints["qwen3"]
     params = SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=2)
     reqs = [EngineRequest(f"p{i}", r.prompt_ids, params) for i, r in enumerate(requests[:6])]
+    # and tokens from the top of the vocabulary, past a helper rank's half of the logits (a helper that scored
+    # the prompt rows on its part indexed past it: a device-side assert on the H200, 2026-12-03)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    reqs.append(EngineRequest("top", [vocab - 1 - 7 * i for i in range(20)], params))
     one = Engine.from_model(path, mode="async", **CONFIG)
     expected = one.generate(reqs)
     got = sharded_engine("qwen3", "async").generate(reqs)

@@ -38,7 +38,7 @@ from ..engine import Engine
 from ..kv_cache import kv_cache_dtype, num_blocks_from_memory
 from ..model_runner import ModelRunner, StepHandle
 from ..models import PRESETS, ModelLoadError, family_for, loader, preset_config, resolve_device
-from ..step import StepDescription
+from ..step import PromptRows, StepDescription
 from .group import (
     DEFAULT_TIMEOUT_S,
     ParallelState,
@@ -110,6 +110,15 @@ class ShardRunner(ModelRunner):
         if self._shares_samples:
             broadcast_from_first(self.state, slot.sampled_dev[:rows])
         return results
+
+    def _split_prompt_rows(
+        self, logits: torch.Tensor, meta: BatchMeta, prompt_rows: PromptRows | None
+    ) -> tuple[torch.Tensor, Any]:
+        """A helper's logits are its vocabulary part: the prompt tokens' ids index past it (a device-side assert on
+        CUDA), and rank 0 alone reports the logprobs, so a helper computes none."""
+        if self.state.is_first_rank or prompt_rows is None:
+            return super()._split_prompt_rows(logits, meta, prompt_rows)
+        return logits[: meta.num_sample_rows], None
 
     def close(self) -> None:
         """Tell the helpers to stop and wait for them (rank 0)."""
