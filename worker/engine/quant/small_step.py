@@ -421,13 +421,14 @@ if HAVE_TRITON:
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for t in range(K_TILES):
             x_fp8 = x_tile_fp8(x_rows + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
-            # `+=` a fresh dot per K tile, not `tl.dot(w, x, acc)`: on sm90 Triton lets FP8 dots accumulate in the
-            # tensor cores' reduced-precision accumulator for the whole K chain (max_num_imprecise_acc 2**30),
-            # which moved a tiny model's logits 2.7% off the fp32 emulation on the H200; a tile's own dot is
-            # short, and the sum over tiles is fp32, as cuBLASLt's FP8 GEMM without fast accumulation.
-            acc += tl.dot(tl.load(w_ptrs), x_fp8)
+            # max_num_imprecise_acc=32 (one FP8 wgmma's K): on sm90 Triton lets an FP8 dot accumulate in the tensor
+            # cores' reduced-precision accumulator over its whole K chain (the default is 2**30), which moved a tiny
+            # model's logits 2.7% off the fp32 emulation on the H200. A fresh dot per tile summed with `+=` did not
+            # help (Triton folds it back into the chained dot: the same 0.0269, 2026-12-03). 32 adds each wgmma's
+            # partial sum into the fp32 accumulator, as cuBLASLt's FP8 GEMM without fast accumulation does.
+            acc = tl.dot(tl.load(w_ptrs), x_fp8, acc, max_num_imprecise_acc=32)
             if GATED:
-                acc_up += tl.dot(tl.load(up_ptrs), x_fp8)
+                acc_up = tl.dot(tl.load(up_ptrs), x_fp8, acc_up, max_num_imprecise_acc=32)
                 up_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         # (sum of e4m3 products) * x_scale * w_scale: the emulation's dequantized operands, one product each
@@ -505,7 +506,7 @@ if HAVE_TRITON:
         acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
         for t in range(K_TILES):
             x_fp8 = x_tile_fp8(x_rows + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
-            acc += tl.dot(tl.load(w_ptrs), x_fp8)  # per-tile dots summed in fp32, as _fp8_step_gemm_kernel's
+            acc = tl.dot(tl.load(w_ptrs), x_fp8, acc, max_num_imprecise_acc=32)  # as _fp8_step_gemm_kernel's
             w_ptrs += BLOCK_K
         # as _fp8_step_gemm_kernel's epilogue, each tile row with its own row's weight scale and bias
         acc = acc * x_scale[None, :] * tl.load(w_scale_ptr + col * W_SCALE_STRIDE)[:, None]
