@@ -124,6 +124,8 @@ class Engine:
         )
         self.max_model_len: int = context_len(config, model.config, num_blocks)
         self.runner = make_runner(model, config, self.device, num_blocks, self.max_model_len)
+        # the runner sizes the cache again once its decoder is built (what the build kept is taken out)
+        num_blocks, self.max_model_len = self.runner.num_kv_blocks, self.runner.max_model_len
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,

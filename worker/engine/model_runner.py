@@ -35,10 +35,10 @@ from .attention_backend import (
     sliding_windows_of,
 )
 from .batch import BatchBuilder, BatchMeta, IOSlot
-from .config import EngineConfig
+from .config import EngineConfig, context_len
 from .decoder import build_decoder
 from .grammar import apply_token_bitmask
-from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of
+from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of, num_blocks_from_memory
 from .models.spec import longrope_original_len
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
@@ -135,6 +135,12 @@ class ModelRunner:
             tp=tp,
         )
 
+        if tp is None and not config.num_kv_blocks:
+            # The engine sized the cache before the decoder was built; what the build keeps (gpt-oss's experts
+            # copied into the kernels' layout: 38 GB at the 20b shape) must come out of it, or the cache does not fit.
+            now = num_blocks_from_memory(model.config, kv_cache_dtype(config, model.dtype), device, config)
+            num_kv_blocks = min(num_kv_blocks, now)
+            max_model_len = min(max_model_len, context_len(config, model.config, num_kv_blocks))
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(
             model.config, num_kv_blocks, config.block_size, kv_cache_dtype(config, model.dtype), device

@@ -173,6 +173,27 @@ def test_bad_requests_come_back_as_errors_without_disturbing_others(llama, mode)
     assert_all_blocks_free(engine)
 
 
+def test_the_cache_is_sized_again_once_the_decoder_is_built(llama, monkeypatch):
+    """What building the decoder keeps on the device (gpt-oss's experts copied into the kernels' layout) comes
+    out of the KV cache: the runner measures again, and the engine's blocks and context follow its count."""
+    from worker.engine import model_runner
+
+    model, tok = llama
+    monkeypatch.setattr(model_runner, "num_blocks_from_memory", lambda *args: 9)  # less than the engine's 96
+    engine = Engine(model, tok, EngineConfig(mode="sync", kv_cache_bytes_cpu=96 * _block_bytes(model.config)))
+    assert engine.runner.num_kv_blocks == engine.blocks.num_blocks == 9
+    assert engine.max_model_len == engine.runner.max_model_len == 8 * 16
+    assert engine.runner.kv_caches[0][0].shape[0] == 9
+    [res] = engine.generate([EngineRequest("fits", tok.encode("hello there"), SamplingParams(8, ignore_eos=True))])
+    assert len(res.token_ids) == 8 and res.finish_reason == FinishReason.LENGTH
+
+
+def _block_bytes(model_config) -> int:
+    from worker.engine.kv_cache import kv_bytes_per_block
+
+    return kv_bytes_per_block(model_config, 16, torch.float32)
+
+
 def test_longest_valid_prompt_is_accepted(llama):
     _, tok = llama
     engine = make_engine(llama, "sync", max_model_len=64)
