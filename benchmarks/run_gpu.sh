@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [tp1w1] [tp1w2] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -221,6 +221,25 @@ fi
 if has w2fp8; then  # W2_fp8
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --precision bf16 --precision fp8 --json-out "$OUT/w2_fp8.json" 2>&1 | tail -8
+fi
+# Issue 27 item 6: TP=1 before and after tensor parallelism was wired into the engine (the parents of 3b6bd23 and
+# 390d273), the two trees carried as .tp-before/ and .tp-after/ (benchmarks/README.md), run alternately in one call
+# (before, after, before, after) so that neither gets the machine's warm-up alone.
+tp1_runs() {  # workload, timeout, bench arguments...
+    local out run=0 tree
+    out=$(cd "$OUT" && pwd)
+    for tree in .tp-before .tp-after .tp-before .tp-after; do
+        run=$((run + 1))
+        [[ -d $tree/worker ]] || { echo "tp1$1: $tree not carried"; return; }
+        (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH#"$OLDPWD"} timeout "$2" python3 -m worker.bench engine "${@:3}" \
+            --json-out "$out/tp1_$1_${tree#.tp-}_$run.json" 2>&1 | tail -4)
+    done
+}
+if has tp1w1; then
+    tp1_runs w1 200 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048
+fi
+if has tp1w2; then
+    tp1_runs w2 200 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192
 fi
 if has queue; then
     bash .gpu/start-redis.sh .gpu/redis && timeout 400 python3 -m worker.bench e2e --model llama3-8b --workload W2 --max-num-seqs 1024 --max-num-batched-tokens 8192 \
