@@ -1,11 +1,13 @@
 """Per-kernel device time per engine step, under torch.profiler, for the benchmarks README.
 
     python3 benchmarks/profile_step.py --workload w1 --decoder owned [--decoder hf]
-        [--decode-gemm triton --decode-gemm cublas] [--determinism default --determinism deterministic] [--out FILE]
+        [--decode-gemm triton --decode-gemm cublas] [--determinism default --determinism deterministic]
+        [--precision bf16 --precision fp8] [--out FILE]
 
 w1: 32 requests, prompt 256, 256 new tokens, 32 seqs / 2048 tokens per step (decode steps, graphs).
 w2: 400 W2 requests with outputs capped at 120 tokens, 1024 seqs / 8192 tokens (prefill-heavy mixed steps).
-Random-weight Llama-3-8B shape in bf16, async mode. Needs only torch, transformers and triton.
+Random-weight Llama-3-8B shape in bf16, async mode; `--precision` as `bench engine`'s (fp8: FP8 weights and KV),
+each precision's model loaded and freed in turn. Needs only torch, transformers and triton.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from worker.bench.common import make_workload, warmup_requests  # noqa: E402
+from worker.bench.engine import PRECISIONS  # noqa: E402
 from worker.engine.api import EngineRequest, SamplingParams  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import Engine  # noqa: E402
@@ -72,20 +75,31 @@ def main() -> None:
     parser.add_argument("--decoder", action="append", choices=["owned", "hf"])
     parser.add_argument("--decode-gemm", action="append", choices=["auto", "triton", "cublas"])
     parser.add_argument("--determinism", action="append", choices=["default", "deterministic"])
+    parser.add_argument("--precision", action="append", choices=list(PRECISIONS))
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    model, tok = load_model(args.model, torch.device("cuda"), torch.bfloat16)
     out_lines = []
     setups = [
-        (d, g, det)
+        (p, d, g, det)
+        for p in args.precision or ["bf16"]
         for d in args.decoder or ["owned"]
         for g in args.decode_gemm or ["auto"]
         for det in args.determinism or ["default"]
     ]
-    for decoder, gemm, determinism in setups:
+    model = tok = loaded = None
+    for precision, decoder, gemm, determinism in setups:
+        settings = PRECISIONS[precision]
+        if loaded != precision:  # one precision's model in memory at a time
+            model = tok = None
+            torch.cuda.empty_cache()
+            model, tok = load_model(
+                args.model, torch.device("cuda"), torch.bfloat16, quantization=settings["quantization"]
+            )
+            loaded = precision
         config = EngineConfig(
             mode="async", decoder=decoder, decode_gemm=gemm, deterministic=determinism == "deterministic",
+            quantization=settings["quantization"], kv_cache_dtype=settings["kv_cache_dtype"] or "auto",
             **WORKLOADS[args.workload],
         )  # fmt: skip
         engine = Engine(model, tok, config)
@@ -99,7 +113,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
         stats = engine.stats()
         out_lines.append(
-            f"{args.workload} decoder={decoder} decode_gemm={gemm} {determinism} wall {wall:.2f}s steps {stats.steps} "
+            f"{args.workload} {precision} decoder={decoder} decode_gemm={gemm} {determinism} wall {wall:.2f}s steps {stats.steps} "
             f"output_tokens {stats.output_tokens} busy {stats.busy_seconds:.2f}s"
         )
         out_lines += kernel_table(prof, max(stats.steps, 1), args.top)
