@@ -42,7 +42,9 @@ def test_status_gives_no_eta_while_a_dead_workers_chunks_wait(redis_server, star
     and `cbq status` says why. No worker runs in that window here, so it lasts until one starts (a worker running
     beside it would clean up within its maintenance interval, a window a poll on a loaded machine can miss)."""
     conn = redis_server.connect()
-    batch_id = submit_prompts(cbq, tmp_path, 40, "--chunk-size", "10")
+    # 160 requests, 40 at a time (1 s each): with 40 the worker held all four chunks at once and they finished
+    # together, so "some done, some running" never held (CI, 2026-12-03); here it holds for about 3 s
+    batch_id = submit_prompts(cbq, tmp_path, 160, "--chunk-size", "10")
     first = start_worker(*SLOW_FAKE)
     wait_until(lambda: store.get_status(conn, batch_id).num_completed >= 10 and _running(conn, batch_id) > 0, timeout=60)
     first.kill(signal.SIGKILL)
@@ -58,7 +60,7 @@ def test_status_gives_no_eta_while_a_dead_workers_chunks_wait(redis_server, star
 
     second = start_worker(*SLOW_FAKE)
     wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=30, context=second.output)
-    assert_exactly_once(conn, batch_id, 40)
+    assert_exactly_once(conn, batch_id, 160)
     assert store.get_status(conn, batch_id).num_stalled == 0
 
 
