@@ -4,13 +4,14 @@ python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
     # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, fp8_quality.json,
-    # w1_fp8_step.json, notes.json; a file in a later DIR replaces
+    # w1_fp8_step.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log), notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -70,6 +71,9 @@ COMMANDS = {
     "--max-num-batched-tokens 8192 --precision bf16 --precision fp8",
     "W1_fp8_step": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
     "--max-num-batched-tokens 2048 --precision fp8 --decode-gemm cublas --decode-gemm triton",
+    "TP1_W1": "bash benchmarks/run_gpu.sh tp1w1 (W1 async, --max-num-seqs 32 --max-num-batched-tokens 2048, on the trees "
+    "of 3b6bd23^ and 390d273, four processes: before, after, before, after)",
+    "TP1_W2": "bash benchmarks/run_gpu.sh tp1w2 (W2 async, --max-num-seqs 1024 --max-num-batched-tokens 8192, likewise)",
     "FP8_quality": "python3 -m worker.bench quality --model llama3-8b --num-prompts 4 --prompt-len 512 --decode-len 32",
 }
 # issue 24: the Gemma 3 12B and Phi-4 14B shapes, each against Llama-3-8B run in the same process
@@ -99,6 +103,37 @@ def family_entries(workload: str, run: dict) -> dict:
         entry["config"], entry["date"] = run["config"], run["date"]
         out[f"{workload}_{suffix}"] = entry
     return out
+
+
+TP1_RUNS = ("TP1_W1", "TP1_W2")  # issue 27 item 6: TP=1 before / after tensor parallelism's wiring (run_gpu.sh tp1w1)
+
+
+def tp1_entry(src: Path, workload: str) -> dict | None:
+    """`run_gpu.sh tp1w1` / `tp1w2`: four runs, before / after / before / after, each in its own process. A run's
+    JSON is read where it came back; the device brings back at most 8 files a call, so for one that did not, the
+    row `bench engine` printed above its `wrote ...json` line in tp1.log gives its output tok/s and floor ratio."""
+    runs: dict[str, dict] = {}
+    for f in sorted(src.glob(f"tp1_{workload}_*.json")):
+        r = json.loads(f.read_text())
+        runs[f.stem] = {"output_tok_s": r["results"]["async"]["output_tok_s"],
+                        "floor_ratio": r["results"]["async"]["floor_ratio"], "source": f.name, "date": r["date"]}
+    log = src / "tp1.log"
+    if log.exists():
+        row = None
+        for line in log.read_text().splitlines():
+            if line.strip().startswith("async |"):
+                row = [c.strip() for c in line.split("|")]
+            written = re.search(rf"wrote \S*/(tp1_{workload}_\w+)\.json", line)
+            if written and row and written.group(1) not in runs:
+                runs[written.group(1)] = {"output_tok_s": float(row[1].replace(",", "")), "floor_ratio": float(row[10]),
+                                          "source": "tp1.log"}
+    if not runs:
+        return None
+    by_tree = {t: [r["output_tok_s"] for n, r in sorted(runs.items()) if f"_{t}_" in n] for t in ("before", "after")}
+    entry: dict = {"runs": dict(sorted(runs.items(), key=lambda kv: kv[0].rsplit("_", 1)[1]))}
+    if all(by_tree.values()):
+        entry["after_over_before"] = (sum(by_tree["after"]) / len(by_tree["after"])) / (sum(by_tree["before"]) / len(by_tree["before"]))
+    return entry
 
 
 FP8_RUNS = {"W1_fp8": "w1_fp8.json", "W2_fp8": "w2_fp8.json"}
@@ -254,6 +289,12 @@ def main(srcs: list[Path]) -> dict:
         for name, note in (json.loads(notes.read_text()) if notes.exists() else {}).items():
             if name in out:
                 out[name]["note"] = note
+    for name in TP1_RUNS:  # the newest folder holding that workload's runs
+        for src in reversed(srcs):
+            entry = tp1_entry(src, name.split("_")[1].lower())
+            if entry:
+                out[name] = {**entry, "command": COMMANDS[name]}
+                break
     if queue:
         out["W2_through_redis"] = {
             "engine_only_tok_s": queue["engine_only"]["output_tok_s"],
@@ -271,6 +312,6 @@ if __name__ == "__main__":
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS), *FP8_RUNS)}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS), *FP8_RUNS, *TP1_RUNS)}, indent=1
         )[:3000]
     )
