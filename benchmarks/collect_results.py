@@ -266,10 +266,21 @@ def main(srcs: list[Path]) -> dict:
     for name, file in MOE_RUNS.items():  # issue 25: cbq's modes only, each with its MoE floor ratio
         moe = load(file)
         if moe:
-            entry = {mode: {k: r.get(k) for k in FIELDS} for mode, r in moe["results"].items()}
+            results = moe["results"]
+            llama = None
+            if len(moe.get("models", [])) > 1:  # Llama-3-8B run first in the same process (the issue's reference)
+                model_of = {mode: r["extra"].get("model", "") for mode, r in results.items()}
+                llama = next((r for mode, r in results.items() if model_of[mode] == "llama3-8b"), None)
+                results = {
+                    mode.removesuffix(f"-{model_of[mode]}"): r for mode, r in results.items() if model_of[mode] != "llama3-8b"
+                }
+            entry = {mode: {k: r.get(k) for k in FIELDS} for mode, r in results.items()}
+            if llama is not None:
+                entry["llama3_8b_same_call"] = {k: llama.get(k) for k in FIELDS}
             if "sync" in entry and "async" in entry:
                 entry["async_over_sync"] = entry["async"]["output_tok_s"] / entry["sync"]["output_tok_s"]
-            out[name] = {**entry, "model": moe["model"], "config": moe["config"], "date": moe["date"]}
+            model = moe["model"] if isinstance(moe["model"], str) else [m for m in moe["model"] if m != "llama3-8b"][0]
+            out[name] = {**entry, "model": model, "config": moe["config"], "date": moe["date"]}
     for workload, families in family_runs.items():  # issue 24
         if families:
             out.update(family_entries(workload, families))

@@ -105,8 +105,8 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
         return f"{family.name}: activation {args.activation.value}"
     if layer.q_norm is not None and layer.qk_norm_span not in QK_NORM_SPANS:
         return f"{family.name}: q/k norm over the {layer.qk_norm_span.value} projection"
-    if layer.parallel_blocks:
-        return f"{family.name}: parallel attention and MLP blocks"
+    if layer.parallel_blocks and (layer.attn_out_norm is not None or layer.mlp_out_norm is not None):
+        return f"{family.name}: post-norms on parallel attention and MLP blocks"
     return None
 
 
@@ -136,6 +136,7 @@ class OwnedDecoder:
         self.num_kv_heads = config.num_key_value_heads
         self.eps = getattr(config, self.family.norm_eps_field)
         self.norm_math = NORM_MATH[self.family.norm]
+        self.parallel_blocks = self.family.layer.parallel_blocks
         fold = self.norm_math.fold
         self.embed_weight = submodule(model, self.family.embed_path).weight
         self.final_norm = submodule(model, self.family.final_norm_path).weight
@@ -192,6 +193,8 @@ class OwnedDecoder:
             (fp8_norm_args(w.qkv_weight), None if w.gate_up_weight is None else fp8_norm_args(w.gate_up_weight, True))
             for w in self.layers
         ]
+        if self.parallel_blocks:  # one norm feeds QKV and gate/up: its rows stay unquantized, each linear's own
+            self.fp8_norms = [(None, None)] * len(self.layers)
         small_step = small_step_gemm and self.use_triton
         self.small_step_ops = layer_ops(True, small_step=True, norm=norm, activation=act) if small_step else None
         if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
@@ -233,8 +236,13 @@ class OwnedDecoder:
             if self.tp is not None:  # row-parallel o: each rank holds a partial sum (the bias on rank 0 only)
                 hidden = self.tp.reduce(hidden)
             post_norm, scale = w.attn_out_norm, args.residual_scale
-            add_norm = ops.add_norm if mlp_fp8 is None or fp8_norm is None else partial(fp8_norm, **mlp_fp8)
-            normed, residual = add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)
+            if self.parallel_blocks:
+                # Cohere: the MLP reads the attention's input, and the layer's output is (residual + attention) +
+                # MLP, in that order: the attention joins the residual here, the MLP at the next add+norm
+                residual = residual + hidden if scale is None else residual + hidden * scale
+            else:
+                add_norm = ops.add_norm if mlp_fp8 is None or fp8_norm is None else partial(fp8_norm, **mlp_fp8)
+                normed, residual = add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)
             moe = self.moe_layers[layer_idx]
             if moe is not None:
                 hidden = moe_forward(normed, moe, self.moe_spec, self.moe_workspace)

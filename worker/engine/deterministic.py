@@ -224,7 +224,9 @@ def layer_ops(owned, pdl: bool):
             len(shapes), len(gemms.small_by_m), len(fixed),
         )  # fmt: skip
         return LayerOps(
-            add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=owned.norm_math.weight_fp32),
+            add_norm=partial(
+                fk.add_rmsnorm, pdl=pdl, weight_fp32=owned.norm_math.weight_fp32, centred=owned.norm_math.centred
+            ),
             linear=gemms.linear,
             gate_up_act=partial(gemms.gate_up_silu, act=ACT_CODES[owned.args.activation]),
             logits_epilogue=fk.logits_epilogue,

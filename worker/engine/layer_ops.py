@@ -28,6 +28,7 @@ class NormMath:
     ref: Callable
     weight_fp32: bool
     fold: Callable[[torch.Tensor], torch.Tensor] | None = None
+    centred: bool = False  # the row's mean subtracted first (a LayerNorm without bias): the kernels' flag too
 
 
 NORM_MATH = {
@@ -35,6 +36,7 @@ NORM_MATH = {
     # Gemma's ((x * r) * (1 + w.float())).to(dtype) is the fp32-weight norm of the fp32 weight 1 + w, bit for bit
     NormKind.RMS_ONE_PLUS: NormMath(fk.rmsnorm_fp32_weight_ref, weight_fp32=True, fold=fk.fold_one_plus),
     NormKind.RMS_FP32_WEIGHT: NormMath(fk.rmsnorm_fp32_weight_ref, weight_fp32=True),
+    NormKind.LAYER: NormMath(fk.layernorm_ref, weight_fp32=True, centred=True),
 }
 # What this file implements, as torch ops (the CPU path): NORMS read folded weights (`NormMath.fold`).
 NORMS = {kind: math.ref for kind, math in NORM_MATH.items()}
@@ -133,22 +135,24 @@ def layer_ops(
     (kernels/decode_gemm.py, and quant/small_step.py for FP8 weights; `pdl` False only where PDL cannot run, e.g.
     Triton's interpreter in the tests).
     The Triton paths read `norm` and `activation` as their kernels' flags (`NORM_MATH`, `ACT_CODES`)."""
-    weight_fp32, act = NORM_MATH[norm].weight_fp32, ACT_CODES[activation]
+    math, act = NORM_MATH[norm], ACT_CODES[activation]
     if small_step:
         return LayerOps(
-            add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=weight_fp32),
+            add_norm=partial(fk.add_rmsnorm, pdl=pdl, weight_fp32=math.weight_fp32, centred=math.centred),
             linear=small_step_linear(pdl),
             gate_up_act=small_step_gate_up_act(pdl, act),
             logits_epilogue=fk.logits_epilogue,
             pdl=pdl,
             qkv_rope_epilogue=True,
             qkv_rope_write=small_step_qkv_rope_write,
-            add_norm_fp8=partial(fp8_step.fp8_add_rmsnorm, pdl=pdl, weight_fp32=weight_fp32),
+            add_norm_fp8=partial(
+                fp8_step.fp8_add_rmsnorm, pdl=pdl, weight_fp32=math.weight_fp32, centred=math.centred
+            ),
         )
     linear = weight_linear(F.linear)
     if use_triton:
         return LayerOps(
-            add_norm=partial(fk.add_rmsnorm, weight_fp32=weight_fp32),
+            add_norm=partial(fk.add_rmsnorm, weight_fp32=math.weight_fp32, centred=math.centred),
             linear=linear,
             gate_up_act=gate_up_then_act(linear, partial(fk.act_mul, act=act)),
             logits_epilogue=fk.logits_epilogue,

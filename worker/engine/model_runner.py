@@ -135,11 +135,11 @@ class ModelRunner:
             tp=tp,
         )
 
-        if tp is None and not config.num_kv_blocks:
-            # The engine sized the cache before the decoder was built; what the build keeps (gpt-oss's experts
-            # copied into the kernels' layout: 38 GB at the 20b shape) must come out of it, or the cache does not fit.
+        if self._measures_again(config):
+            # The engine sized the cache before the decoder was built; what the build keeps (the MoE workspace, any
+            # weight a family's decoder does not take as a view) must come out of it, or the cache does not fit.
             now = num_blocks_from_memory(model.config, kv_cache_dtype(config, model.dtype), device, config)
-            num_kv_blocks = min(num_kv_blocks, now)
+            num_kv_blocks = self._agree_num_kv_blocks(min(num_kv_blocks, now))
             max_model_len = min(max_model_len, context_len(config, model.config, num_kv_blocks))
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(
@@ -176,6 +176,14 @@ class ModelRunner:
         self.graph_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.vocab_size = model.config.vocab_size
         self._logprob_buffers: list[logprobs.LogprobBuffers | None] = [None, None]  # made on first use
+
+    def _measures_again(self, config: EngineConfig) -> bool:
+        """Whether the cache's size was measured (not given: --num-kv-blocks), so is measured again after the build."""
+        return not config.num_kv_blocks
+
+    def _agree_num_kv_blocks(self, num_kv_blocks: int) -> int:
+        """The blocks this runner's cache gets, given what it has room for (tensor parallelism: every rank's least)."""
+        return num_kv_blocks
 
     @property
     def _use_graphs(self) -> bool:

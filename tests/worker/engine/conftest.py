@@ -27,10 +27,8 @@ TINY_FAMILIES = [
     "tiny-glm4",
     "tiny-ministral",
 ]
-# Families the owned decoder's gate refuses (test_families.py checks it): transformers' forward only.
-TRANSFORMERS_ONLY = {"tiny-cohere2"}
-# (preset, decoder) pairs the exactness tests run.
-FAMILY_DECODERS = [(n, d) for n in TINY_FAMILIES for d in ("hf", "owned") if d == "hf" or n not in TRANSFORMERS_ONLY]
+# (preset, decoder) pairs the exactness tests run: every family through transformers' forward and the owned decoder.
+FAMILY_DECODERS = [(n, d) for n in TINY_FAMILIES for d in ("hf", "owned")]
 # The mixtures of experts, checked the same way with fewer, shorter requests (test_engine_exact_moe.py):
 # transformers' expert loop makes their references and "hf" runs several times slower than a dense model's.
 TINY_MOE_FAMILIES = [

@@ -174,8 +174,8 @@ def test_bad_requests_come_back_as_errors_without_disturbing_others(llama, mode)
 
 
 def test_the_cache_is_sized_again_once_the_decoder_is_built(llama, monkeypatch):
-    """What building the decoder keeps on the device (gpt-oss's experts copied into the kernels' layout) comes
-    out of the KV cache: the runner measures again, and the engine's blocks and context follow its count."""
+    """What building the decoder keeps on the device (the MoE workspace, a weight not taken as a view) comes out of
+    the KV cache: the runner measures again, and the engine's blocks and context follow its count."""
     from worker.engine import model_runner
 
     model, tok = llama

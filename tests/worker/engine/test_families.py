@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -17,9 +18,8 @@ from worker.engine.decoder import build_decoder, unimplemented, unsupported_reas
 from worker.engine.engine import Engine
 from worker.engine.models import PRESETS, ModelLoadError, family_for, load_model, preset_config
 from worker.engine.models.registry import MODULES, family_of
-from worker.engine.models.spec import NormKind
 
-from .conftest import TINY_FAMILIES, TINY_MOE_FAMILIES, TRANSFORMERS_ONLY, hf_greedy, make_requests
+from .conftest import TINY_FAMILIES, TINY_MOE_FAMILIES, hf_greedy, make_requests
 
 CPU = torch.device("cpu")
 
@@ -71,24 +71,25 @@ def test_custom_code_checkpoints_are_refused(tmp_path):
 
 
 def test_the_owned_decoder_gate_refuses_what_it_does_not_implement(tiny_models):
-    for name in TRANSFORMERS_ONLY:
-        model, _ = tiny_models(name)
-        assert unsupported_reason(model) is not None
-        with pytest.raises(ValueError, match="does not support"):
-            build_decoder(model, "owned", CPU, 64, False)
-        assert build_decoder(model, "auto", torch.device("cuda"), 64, False) is None  # transformers' forward
-    # each property alone, declared on a family the decoder otherwise runs
+    """Each property alone, declared on a family the decoder otherwise runs: the gate names it, `owned` refuses the
+    model and `auto` keeps transformers' forward."""
     family, args = family_for(preset_config("tiny-llama"))
     assert unimplemented(family, args) is None
     layer = family.layer
     refused = {
-        "norm layer": dataclasses.replace(family, norm=NormKind.LAYER),
-        "parallel attention and MLP": dataclasses.replace(
-            family, layer=dataclasses.replace(layer, parallel_blocks=True)
+        "post-norms on parallel attention and MLP blocks": dataclasses.replace(
+            family, layer=dataclasses.replace(layer, parallel_blocks=True, mlp_out_norm="post_feedforward_layernorm")
         ),
     }
     for reason, declared in refused.items():
         assert reason in (unimplemented(declared, args) or ""), reason
+    model, _ = tiny_models("tiny-llama")
+    declared = refused["post-norms on parallel attention and MLP blocks"]
+    with patch("worker.engine.decoder.family_for", return_value=(declared, args)):
+        assert unsupported_reason(model) is not None
+        with pytest.raises(ValueError, match="does not support"):
+            build_decoder(model, "owned", CPU, 64, False)
+        assert build_decoder(model, "auto", torch.device("cuda"), 64, False) is None  # transformers' forward
 
 
 # (preset, DecoderArgs field, a value that leaves it out): each must change the fixture's greedy output.

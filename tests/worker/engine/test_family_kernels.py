@@ -3,7 +3,7 @@ on its Triton path against its torch path: checked on the CPU through Triton's i
 test_fused_kernels.py), and on CUDA (`gpu`) with, in fp32, the engine's greedy output against `model.generate`
 for the family fixtures, and graphs against eager in bf16.
 
-Epilogues: the fp32-weight RMSNorm (OLMo 2; Gemma's (1 + w) folded into an fp32 weight), a block's post-norm and
+Epilogues: the fp32-weight RMSNorm (OLMo 2; Gemma's (1 + w) folded into an fp32 weight), Cohere's LayerNorm, a block's post-norm and
 multiplier before the residual add (Gemma's sandwich norms, Granite), the embedding scale, GELU-tanh (act·mul and
 the gate/up GEMM's epilogue), Gemma 3's fp32-weight q/k norms, attention soft-capping (decode and prefill) and the
 final logits' divisor, scale and soft-cap."""
@@ -34,6 +34,7 @@ FUSED_FAMILIES = [
     "tiny-smollm3",  # NoPE layers (torch stage)
     "tiny-glm4",  # four norms, interleaved partial rotary (torch stage)
     "tiny-ministral",  # interleaved sliding windows
+    "tiny-cohere2",  # LayerNorm (the add+norm kernels' CENTRED), parallel blocks; interleaved rotary (torch stage)
 ]
 
 
@@ -66,12 +67,16 @@ def _check_add_norm_epilogues(dtype, tol) -> None:
         for with_res in (False, True)
     ]
     cases.append((None, xw, 0.5, True, True))  # OLMo 2: no pre-norm, the post-normed sum itself
+    cases += [(w, None, None, with_res, "layer") for with_res in (False, True)]  # Cohere's LayerNorm (CENTRED)
     for norm_w, x_w, scale, with_res, fp32 in cases:
-        ref_norm = fk.rmsnorm_fp32_weight_ref if fp32 else fk.rmsnorm_ref
+        centred = fp32 == "layer"
+        ref_norm = fk.layernorm_ref if centred else fk.rmsnorm_fp32_weight_ref if fp32 else fk.rmsnorm_ref
         r_ref = res.clone() if with_res else None
         want, want_sum = fk.add_rmsnorm_ref(x, r_ref, norm_w, 1e-6, norm=ref_norm, x_weight=x_w, x_scale=scale)
         r_got = res.clone() if with_res else None
-        got, got_sum = fk.add_rmsnorm(x, r_got, norm_w, 1e-6, weight_fp32=fp32, x_weight=x_w, x_scale=scale)
+        got, got_sum = fk.add_rmsnorm(
+            x, r_got, norm_w, 1e-6, weight_fp32=bool(fp32), centred=centred, x_weight=x_w, x_scale=scale
+        )
         what = (dtype, norm_w is None, x_w is not None, scale, with_res, fp32)
         assert _rel(got_sum, want_sum) < tol, (what, _rel(got_sum, want_sum))
         assert _rel(got, want) < 2 * tol, (what, _rel(got, want))
@@ -234,6 +239,7 @@ def test_every_family_takes_the_triton_path_on_cuda(tiny_models):
             "tiny-olmo2": False,  # q/k norms over the whole projection
             "tiny-phi3": False,  # partial rotary
             "tiny-glm4": False,  # interleaved partial rotary
+            "tiny-cohere2": False,  # interleaved rotary on the sliding layers, none on the global ones
             "tiny-smollm3": None,  # every fourth layer has no rotary
         }.get(name, True)
         if rotates_in_kernel is None:

@@ -201,3 +201,39 @@ def test_per_expert_modules_are_stacked_once_and_rebound_to_views_of_the_stack()
         assert module.w2.weight.data_ptr() == weights.experts.down[e].data_ptr()
     assert torch.equal(weights.experts.gate_up[1, inter:], layer.mlp.experts[1].w3.weight)
     torch.testing.assert_close(moe_forward_ref(x, weights, spec), want)
+
+
+def test_gpt_oss_experts_move_into_the_kernels_layout_once_and_generate_is_unchanged():
+    """gpt-oss's experts ([E, H, 2I], interleaved in transformers) are held once after the owned decoder's build: its
+    module in the kernels' layout takes transformers' place, the old tensors are gone (the model's parameter bytes do
+    not grow), transformers' forward gives the same bits as before, and a second build takes views of the same
+    tensors."""
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.models import load_model
+    from worker.engine.models.gpt_oss import ExpertsInKernelLayout
+
+    model, tok = load_model("tiny-gpt-oss", torch.device("cpu"), torch.float32)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
+    with torch.no_grad():
+        before = model(ids).logits
+
+    def bytes_held() -> int:
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        return sum(storages.values())
+
+    held = bytes_held()
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    engine = Engine(model, tok, EngineConfig(device="cpu", decoder="owned"))
+    layers = model.model.layers
+    assert all(isinstance(layer.mlp.experts, ExpertsInKernelLayout) for layer in layers)
+    assert not any(name.endswith("gate_up_proj") for name, _ in model.named_parameters())
+    assert bytes_held() == held
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(before, after)
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes  # saves as transformers' checkpoint
+    first = engine.runner.decoder.moe_layers[0].experts.gate_up
+    del engine
+    again = Engine(model, tok, EngineConfig(device="cpu", decoder="owned"))
+    assert again.runner.decoder.moe_layers[0].experts.gate_up.data_ptr() == first.data_ptr()

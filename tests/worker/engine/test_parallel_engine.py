@@ -242,7 +242,6 @@ def test_tp1_through_the_sharded_path_equals_generate(checkpoints):
 @pytest.mark.parametrize(
     ("model", "overrides", "match"),
     [
-        ("tiny-cohere2", {}, "parallel attention and MLP blocks"),
         ("tiny-llama", {"decoder": "hf"}, "owned decoder"),
     ],
 )

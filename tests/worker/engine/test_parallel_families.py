@@ -10,6 +10,8 @@ splitting separate q/k/v and gate/up linears (test_parallel_engine.py covers tho
   bias held by rank 0 alone; and the same model saved as the release ships it, experts in MXFP4.
 - tiny-olmo2: q/k norms over the whole projection, their statistic summed over the ranks (one all-reduce of [T]
   per norm), with two KV heads (one per rank) and with one (held by both ranks, so counted twice in the sum).
+- tiny-cohere2: one LayerNorm feeding attention and the MLP in parallel, both row-parallel outputs reduced before
+  they join the residual, (residual + attention) + MLP; interleaved rotary on the sliding layers, NoPE global ones.
 - a Gemma 3 multimodal checkpoint: its language model read under the checkpoint's names.
 
 Each case is a preset saved as a checkpoint folder (so each rank reads its slices of the safetensors files) with
@@ -43,6 +45,7 @@ CHECKPOINTS = {
     "gpt_oss_mxfp4": ("tiny-gpt-oss", {}, True),
     "olmo2": ("tiny-olmo2", {}, False),
     "olmo2_one_kv_head": ("tiny-olmo2", {"num_key_value_heads": 1}, False),
+    "cohere2": ("tiny-cohere2", {}, False),
 }
 CASES = [
     ("phi3", "sync"),
@@ -53,6 +56,7 @@ CASES = [
     ("gpt_oss_mxfp4", "sync"),
     ("olmo2", "sync"),
     ("olmo2_one_kv_head", "async"),
+    ("cohere2", "async"),
 ]
 
 

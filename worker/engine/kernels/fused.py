@@ -69,6 +69,14 @@ def rmsnorm_fp32_weight_ref(
     return (weight * (xf * torch.rsqrt(mean_square(xf) + eps))).to(x.dtype)
 
 
+def layernorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm (no bias): mean-centred, fp32 statistics, the weight multiply in fp32 too, rounded to x's
+    dtype once at the end."""
+    xf = x.float()
+    centred = xf - xf.mean(-1, keepdim=True)
+    return (weight.float() * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
 def fold_one_plus(weight: torch.Tensor) -> torch.Tensor:
     """Gemma's (1 + w) as an fp32 weight, so that its RMSNorm is `rmsnorm_fp32_weight_ref` (and the kernels'
     `weight_fp32`). Exact in every dtype: Gemma computes 1 + w.float() in fp32, and so does this, once."""
@@ -219,6 +227,7 @@ if HAVE_TRITON:
         X_SCALE: tl.constexpr = False,  # then times x_scale (rounded), before the add
         WRITE_SUM: tl.constexpr = False,  # no residual, but x was changed: store the sum into res_ptr
         WEIGHT_FP32: tl.constexpr = False,
+        CENTRED: tl.constexpr = False,  # a LayerNorm: the row's mean subtracted before the statistic (Cohere)
         scale_out_ptr=None,  # FP8_OUT: each row's fp32 scale
         scale_ub=0.0,
         FP8_OUT: tl.constexpr = False,  # out is e4m3: the normed row quantized per token (fp8.quantize_per_token)
@@ -246,6 +255,8 @@ if HAVE_TRITON:
         elif WRITE_SUM:
             tl.store(res_ptr + row + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
+            if CENTRED:
+                x = tl.where(mask, x - tl.sum(x, axis=0) / n_cols, 0.0)
             inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             y = rms_weight(x, inv_rms, w, dtype, WEIGHT_FP32)
@@ -405,18 +416,22 @@ def add_rmsnorm(
     pdl: bool = False,
     *,
     weight_fp32: bool = False,
+    centred: bool = False,
     x_weight: torch.Tensor | None = None,
     x_scale: float | torch.Tensor | None = None,
 ):
-    """Triton twin of `add_rmsnorm_ref` (norm `rmsnorm_ref`, or `rmsnorm_fp32_weight_ref` with `weight_fp32`):
+    """Triton twin of `add_rmsnorm_ref` (norm `rmsnorm_ref`, `rmsnorm_fp32_weight_ref` with `weight_fp32`, or
+    `layernorm_ref` with both `weight_fp32` and `centred`; a post-norm `x_weight` is never centred):
     x [T, N] contiguous; `residual` (if given) is updated in place. `pdl`: launch with programmatic dependent
     launch (pdl.py). `x_scale` may be a 0-dim tensor (read once on the host, at build time: the decoder's
     embedding scale), so that the ref and the kernel are called alike."""
-    return add_rmsnorm_into(torch.empty_like(x), x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale)
+    return add_rmsnorm_into(
+        torch.empty_like(x), x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale, centred=centred
+    )
 
 
 def add_rmsnorm_into(
-    out, x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale, fp8_out: dict | None = None
+    out, x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale, fp8_out: dict | None = None, centred=False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rmsnorm` writing the normed rows into `out`. `fp8_out` (quant/small_step.py's fp8_add_rmsnorm): `out`
     is e4m3 and the rows are quantized per token in the same program, the launch arguments FP8_OUT's
@@ -444,6 +459,7 @@ def add_rmsnorm_into(
             X_SCALE=x_scale is not None,
             WRITE_SUM=residual is None and changes_x,
             WEIGHT_FP32=weight_fp32,
+            CENTRED=centred,
             num_warps=4 if block <= 2048 else 8,
             launch_pdl=pdl,
             **(dict(FP8_OUT=True, **fp8_out) if fp8_out else dict(scale_out_ptr=x, scale_ub=0.0)),

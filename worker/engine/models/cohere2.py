@@ -1,7 +1,8 @@
-"""Cohere 2 (Command R7B, Command A): one LayerNorm before attention and the MLP, which run in parallel on the
-same input and join the residual together; interleaved rotary on the sliding layers only (the global layers
-are NoPE); logits times logit_scale. The owned decoder implements neither the LayerNorm nor the parallel
-blocks: its gate refuses this family, which runs on transformers' forward."""
+"""Cohere 2 (Command R7B, Command A): one LayerNorm (mean-centred, no bias, in fp32) before attention and the MLP,
+which run in parallel on the same input and join the residual together, (residual + attention) + MLP; interleaved
+rotary on the sliding layers only (the global layers are NoPE); logits times logit_scale. The owned decoder computes
+the LayerNorm in its add+norm kernels (CENTRED) and the parallel block in its layer loop; the interleaved rotary
+stage runs as torch ops."""
 
 from __future__ import annotations
 

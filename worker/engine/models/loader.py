@@ -419,23 +419,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def check_moe_fit(config, dtype: torch.dtype, gpu_free_bytes: int) -> str:
     """For a mixture of experts: its weights' bytes in `dtype` against the GPU's free bytes, from the config alone
-    (before anything is allocated), the experts twice where the owned decoder copies them (`kernel_layout`).
-    Returns the line that says the numbers; a `ModelLoadError` with them when nothing is left for the KV cache."""
+    (before anything is allocated). Every expert is held once, gpt-oss's too (the owned decoder moves them into the
+    kernels' layout a layer at a time: moe/from_model.py). Returns the line that says the numbers; a
+    `ModelLoadError` with them when nothing is left for the KV cache."""
     from ..moe.cost import MoeModelShape, check_weights_fit, weight_bytes
 
     weights = weight_bytes(MoeModelShape.from_config(config), dtype.itemsize)
-    moe = family_for(config)[0].moe
-    copied = moe is not None and not moe.kernel_layout
-    if copied:
-        weights = dataclasses.replace(weights, experts=2 * weights.experts)
     try:
         check_weights_fit(weights, gpu_free_bytes, min_kv_bytes=1)
     except ValueError as exc:
         raise ModelLoadError(f"model type {config.model_type!r}: {exc}") from exc
     gb = 1e9
     return (
-        f"{config.model_type}: weights {weights.total / gb:.1f} GB (experts {weights.experts / gb:.1f} GB"
-        f"{', held twice: the owned decoder copies them' if copied else ''}) in "
+        f"{config.model_type}: weights {weights.total / gb:.1f} GB (experts {weights.experts / gb:.1f} GB) in "
         f"{str(dtype).removeprefix('torch.')}, GPU free {gpu_free_bytes / gb:.1f} GB, "
         f"{(gpu_free_bytes - weights.total) / gb:.1f} GB left for the KV cache"
     )

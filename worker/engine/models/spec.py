@@ -104,8 +104,12 @@ class MoeMlpSpec:
     shared_expert: str | None = None  # a dense MLP beside the routed experts (Qwen2-MoE, GLM-4.5)
     shared_expert_gate: str | None = None  # sigmoid(x @ w^T) scales the shared expert's output
     # transformers stacks the experts as the kernels read them ([E, 2I, H], [gate; up] rows): the decoder uses
-    # views. False (gpt-oss: [E, H, 2I], gate/up columns interleaved): copied once, so held twice.
+    # views. False (gpt-oss: [E, H, 2I], gate/up columns interleaved): the decoder's build moves them into the
+    # kernels' layout, one layer at a time, and puts `experts_in_kernel_layout(old_module, weights)` in the old
+    # module's place: a module that computes transformers' expert math from those tensors, so `model.generate`
+    # still runs and every expert is held once.
     kernel_layout: bool = True
+    experts_in_kernel_layout: type[Any] | None = None  # called as (transformers' module, ExpertWeights)
 
 
 @dataclass(frozen=True)

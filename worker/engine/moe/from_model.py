@@ -6,7 +6,10 @@ and `experts.down_proj` [E, H, I], the layout the kernels read: those are used a
 whose experts are per-expert modules (`experts.{e}.gate_proj/up_proj/down_proj` or Mixtral's `w1/w3/w2`, as
 older transformers built them) is stacked once with `load_moe_layer`, and each expert's linears are then rebound
 to views of the stack, so memory holds every expert once and no per-expert module is on the hot path.
-A stacked layout that is not the kernels' (gpt-oss's [E, H, 2I], interleaved) is copied once into theirs.
+A stacked layout that is not the kernels' (gpt-oss's [E, H, 2I], interleaved) is moved into theirs: the layer's
+experts are copied once, the family's `experts_in_kernel_layout` module takes transformers' module's place (it
+computes the same expert math from the new tensors), and the old tensors go with the old module. So the peak is one
+layer's experts above the model, and a later build on the same model finds the kernels' layout and takes views.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ def moe_layer_weights(layer: Any, mlp: MoeMlpSpec, spec: MoeSpec) -> MoeLayerWei
     experts = submodule(layer, mlp.experts)
     stacked = getattr(experts, "gate_up_proj", None)
     num_experts, hidden, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
-    if mlp.kernel_layout and isinstance(stacked, torch.Tensor) and stacked.shape == (num_experts, 2 * inter, hidden):
+    if mlp.experts_in_kernel_layout is not None and isinstance(experts, mlp.experts_in_kernel_layout):
+        expert_weights = experts.weights  # moved by an earlier build on this model
+    elif mlp.kernel_layout and isinstance(stacked, torch.Tensor) and stacked.shape == (num_experts, 2 * inter, hidden):
         expert_weights = ExpertWeights(stacked.detach(), experts.down_proj.detach())
     else:
         expert_weights = _stack_per_expert(layer, mlp, spec)
@@ -52,10 +57,14 @@ def _stack_per_expert(layer: Any, mlp: MoeMlpSpec, spec: MoeSpec) -> ExpertWeigh
     router = submodule(layer, mlp.router).weight
     # load_moe_layer finds the router and the experts by their checkpoint names under the layer
     stacked = load_moe_layer(tensors, "", spec, router.dtype, router.device).experts
+    del tensors  # the layer's old expert tensors are held by its module alone from here
     experts = submodule(layer, mlp.experts)
     if not isinstance(experts, nn.ModuleList):
-        # NOTE: a stacked layout other than the kernels' (gpt-oss's transposed, interleaved one) is a copy: the
-        # transformers parameters stay as they are, so the experts are held twice.
+        # a stacked layout other than the kernels' (gpt-oss's transposed, interleaved one): the family's module in
+        # the kernels' layout replaces transformers' one, whose tensors are freed with it
+        assert mlp.experts_in_kernel_layout is not None, f"{type(experts).__name__}: no module reads the kernels' layout"
+        parent, _, name = mlp.experts.rpartition(".")
+        setattr(submodule(layer, parent) if parent else layer, name, mlp.experts_in_kernel_layout(experts, stacked))
         return stacked
     names = next((n for n in _PER_EXPERT_NAMES if hasattr(experts[0], n[0])), None)
     assert names is not None, "load_moe_layer read per-expert linears by one of these names"

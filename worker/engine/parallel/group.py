@@ -105,6 +105,17 @@ def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def min_over_ranks(state: ParallelState, value: int) -> int:
+    """The least of every rank's `value` (over the control group: host ints, whatever the device)."""
+    if state.world_size == 1:
+        return value
+    counts = torch.tensor([value], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # the stubs type the member, not the op
+    state.control_group.allreduce([counts], opts).wait()
+    return int(counts.item())
+
+
 def sum_in_rank_order(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the ranks, added in rank order (rank 0's, plus rank 1's, ...) on every rank: each element's
     bits depend only on the ranks' values, never on the message size. An all-reduce picks its algorithm, and so the

@@ -30,7 +30,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..batch import BatchMeta, IOSlot
 from ..config import EngineConfig
@@ -46,6 +45,7 @@ from .group import (
     RankGroup,
     broadcast_from_first,
     launch_ranks,
+    min_over_ranks,
 )
 from .messages import ControlChannel, RunStep, Shutdown, serve_forever
 from .shard_model import TensorParallel, load_shard, unsupported_reason
@@ -66,14 +66,25 @@ class ShardRunner(ModelRunner):
         max_model_len: int,
         tp: TensorParallel,
         group: RankGroup | None = None,
+        measured: bool = False,
     ):
-        super().__init__(model, config, device, num_kv_blocks, max_model_len, tp=tp)
+        # Both before the base's build, which agrees the cache's size over the ranks. `measured`: the size came from
+        # each rank's free memory (not --num-kv-blocks); rank 0's config holds the agreed count, so it is told.
         self.state: ParallelState = tp.state
+        self._measured = measured
+        super().__init__(model, config, device, num_kv_blocks, max_model_len, tp=tp)
         self.group = group
         assert (group is not None) == self.state.is_first_rank, "rank 0 holds the group"
         self.channel = ControlChannel(self.state)
         # Async mode: the next step's decode inputs are this step's samples, read on every rank.
         self._shares_samples = config.is_async and self.state.world_size > 1
+
+    def _measures_again(self, config: EngineConfig) -> bool:
+        return self._measured
+
+    def _agree_num_kv_blocks(self, num_kv_blocks: int) -> int:
+        """Measured again once each rank's decoder is built: a block id names the same block on every rank."""
+        return min_over_ranks(self.state, num_kv_blocks)
 
     @property
     def _use_graphs(self) -> bool:
@@ -149,13 +160,7 @@ def agree_num_kv_blocks(state: ParallelState, model: Any, config: EngineConfig) 
     num_blocks = config.num_kv_blocks or num_blocks_from_memory(
         model.config, kv_cache_dtype(config, model.dtype), state.device, config
     )
-    if state.world_size == 1:
-        return num_blocks
-    counts = torch.tensor([num_blocks], dtype=torch.int64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # the stubs type the member, not the op
-    state.control_group.allreduce([counts], opts).wait()
-    return int(counts.item())
+    return min_over_ranks(state, num_blocks)
 
 
 def serve_rank(state: ParallelState, model_name: str, config: EngineConfig, keep_fp8: bool | None = None) -> None:
@@ -166,7 +171,7 @@ def serve_rank(state: ParallelState, model_name: str, config: EngineConfig, keep
     model, tp, _ = load_shard(model_name, state, config, keep_fp8)
     num_blocks = agree_num_kv_blocks(state, model, config)
     max_model_len = context_len(config, model.config, num_blocks)
-    runner = ShardRunner(model, config, state.device, num_blocks, max_model_len, tp)
+    runner = ShardRunner(model, config, state.device, num_blocks, max_model_len, tp, measured=not config.num_kv_blocks)
     with torch.inference_mode():
         serve_forever(state, runner)
 
@@ -228,10 +233,11 @@ def build_sharded_engine(
         raise
     except Exception as error:
         raise group.failure_after(error) from error
+    measured = not config.num_kv_blocks
     config = dataclasses.replace(config, num_kv_blocks=num_blocks)
 
     def make_runner(model, config, device, num_kv_blocks, max_model_len) -> ShardRunner:
-        return ShardRunner(model, config, device, num_kv_blocks, max_model_len, tp, group)
+        return ShardRunner(model, config, device, num_kv_blocks, max_model_len, tp, group, measured=measured)
 
     try:
         engines.append(Engine(model, tokenizer, config, make_runner=make_runner))

@@ -61,8 +61,6 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
     if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
         return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
-    if layer.parallel_blocks:
-        return f"{family.name}: parallel attention and MLP blocks run on transformers' forward only, not sharded"
     if engine_config.decoder == "hf":
         return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
     return None

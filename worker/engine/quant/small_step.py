@@ -99,7 +99,7 @@ class Fp8Rows:
 
 def fp8_add_rmsnorm(
     x, residual, weight, eps, *, scale_ub: float | None = None, pdl: bool = False, weight_fp32: bool = False,
-    x_weight: torch.Tensor | None = None, x_scale=None,
+    centred: bool = False, x_weight: torch.Tensor | None = None, x_scale=None,
 ) -> tuple[Fp8Rows, torch.Tensor]:  # fmt: skip
     """fused.add_rmsnorm whose normed rows come out quantized per token in the same kernel (the bits of
     add_rmsnorm then kernels.per_token_quant, `scale_ub` its cap): the input of a linear whose scheme is dynamic
@@ -110,7 +110,9 @@ def fp8_add_rmsnorm(
         scale_out_ptr=scale, scale_ub=0.0 if scale_ub is None else float(scale_ub), HAS_UB=scale_ub is not None,
         FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
     )  # fmt: skip
-    out, total = fk.add_rmsnorm_into(out, x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale, fp8_out)
+    out, total = fk.add_rmsnorm_into(
+        out, x, residual, weight, eps, pdl, weight_fp32, x_weight, x_scale, fp8_out, centred=centred
+    )
     return Fp8Rows(out, scale, x.dtype), total
 
 
