@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -223,6 +223,10 @@ fi
 if has fp8profile; then  # issue 26: per-kernel device time of W1's steps, bf16 vs FP8 weights + KV (the gap to W1_fp8's floor)
     timeout 300 python3 benchmarks/profile_step.py --workload w1 --precision bf16 --precision fp8 \
         --out "$OUT/profile_w1_fp8.txt" 2>&1 | tail -70
+fi
+if has fp8profilew2; then  # issue 26: the same for W2's steps (400 requests: mixed prefill + decode, 8,192-token steps)
+    timeout 400 python3 benchmarks/profile_step.py --workload w2 --precision bf16 --precision fp8 \
+        --out "$OUT/profile_w2_fp8.txt" 2>&1 | tail -70
 fi
 if has w2fp8; then  # W2_fp8
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
