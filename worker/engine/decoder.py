@@ -107,6 +107,8 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
         return f"{family.name}: q/k norm over the {layer.qk_norm_span.value} projection"
     if layer.parallel_blocks and (layer.attn_out_norm is not None or layer.mlp_out_norm is not None):
         return f"{family.name}: post-norms on parallel attention and MLP blocks"
+    if layer.parallel_blocks and args.residual_scale is not None:
+        return f"{family.name}: a residual multiplier on parallel attention and MLP blocks"
     return None
 
 
@@ -189,12 +191,12 @@ class OwnedDecoder:
         self.is_fp8 = any(w.is_fp8 for w in self.layers)
         # Per layer, the small-step path's FP8 norm outputs: (attention-in, MLP-in) add_norm_fp8 arguments, or None
         # where the norm's consumer takes unquantized rows (not FP8, another scheme, a sparse MLP's router)
+        # (parallel blocks: one norm feeds QKV and gate/up, so its rows stay unquantized and each linear quantizes)
         self.fp8_norms = [
+            (None, None) if self.parallel_blocks else
             (fp8_norm_args(w.qkv_weight), None if w.gate_up_weight is None else fp8_norm_args(w.gate_up_weight, True))
             for w in self.layers
-        ]
-        if self.parallel_blocks:  # one norm feeds QKV and gate/up: its rows stay unquantized, each linear's own
-            self.fp8_norms = [(None, None)] * len(self.layers)
+        ]  # fmt: skip
         small_step = small_step_gemm and self.use_triton
         self.small_step_ops = layer_ops(True, small_step=True, norm=norm, activation=act) if small_step else None
         if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
@@ -238,8 +240,9 @@ class OwnedDecoder:
             post_norm, scale = w.attn_out_norm, args.residual_scale
             if self.parallel_blocks:
                 # Cohere: the MLP reads the attention's input, and the layer's output is (residual + attention) +
-                # MLP, in that order: the attention joins the residual here, the MLP at the next add+norm
-                residual = residual + hidden if scale is None else residual + hidden * scale
+                # MLP, in that order: the attention joins the residual here, the MLP at the next add+norm (the gate
+                # refuses post-norms and a residual multiplier on these blocks)
+                residual = residual + hidden
             else:
                 add_norm = ops.add_norm if mlp_fp8 is None or fp8_norm is None else partial(fp8_norm, **mlp_fp8)
                 normed, residual = add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)

@@ -83,6 +83,10 @@ def test_the_owned_decoder_gate_refuses_what_it_does_not_implement(tiny_models):
     }
     for reason, declared in refused.items():
         assert reason in (unimplemented(declared, args) or ""), reason
+    parallel = dataclasses.replace(family, layer=dataclasses.replace(layer, parallel_blocks=True))
+    assert unimplemented(parallel, args) is None
+    scaled = dataclasses.replace(args, residual_scale=0.22)
+    assert "residual multiplier on parallel" in (unimplemented(parallel, scaled) or "")
     model, _ = tiny_models("tiny-llama")
     declared = refused["post-norms on parallel attention and MLP blocks"]
     with patch("worker.engine.decoder.family_for", return_value=(declared, args)):
