@@ -112,11 +112,14 @@ def time_fp8(name: str, x: torch.Tensor, sweep: bool) -> dict[str, float]:
             times[label] = graph_time_us(
                 lambda c=config, p=pdl: [small_step.fp8_step_linear(x, w, pdl=p, config=c) for w in layers], LAYERS
             )
-        label = "fp8-quant+step+pdl" + (f" {config}" if sweep else "")  # x_quant "kernel": per_token_quant first
-        times[label] = graph_time_us(
-            lambda c=config: [small_step.fp8_step_linear(x, w, pdl=True, config=c, x_quant="kernel") for w in layers],
-            LAYERS,
-        )
+        for split in split_choices(name, k, config):  # x_quant "kernel": per_token_quant first
+            label = f"fp8-quant+step+pdl split={split}" + (f" {config}" if sweep else "")
+            times[label] = graph_time_us(
+                lambda c=config, s=split: [
+                    small_step.fp8_step_linear(x, w, pdl=True, config=c, x_quant="kernel", split_k=s) for w in layers
+                ],
+                LAYERS,
+            )
     if name == "gate_up":
         times["fp8-gated+pdl"] = graph_time_us(
             lambda: [small_step.fp8_step_gate_up_act(x, w, pdl=True) for w in layers], LAYERS
@@ -125,9 +128,12 @@ def time_fp8(name: str, x: torch.Tensor, sweep: bool) -> dict[str, float]:
     if name == "qkv":
         rope = rope_args(x.shape[0])
         assert small_step.rope_step_config(layers[0], *rope[3:5], rope[1].shape[-1]) is not None
-        times["fp8-rope+pdl"] = graph_time_us(
-            lambda: [small_step.fp8_step_qkv_rope_write(x, w, None, *rope, pdl=True) for w in layers], LAYERS
-        )
+        for split in split_choices(name, k, small_step.STEP_CONFIG):
+            check_rope_split(x, layers[0], rope, split)
+            times[f"fp8-rope+pdl split={split}"] = graph_time_us(
+                lambda s=split: [small_step.fp8_step_qkv_rope_write(x, w, None, *rope, pdl=True, split_k=s) for w in layers],
+                LAYERS,
+            )
         times["fp8-step+rope-write+pdl"] = graph_time_us(
             lambda: [
                 fk.qkv_rope_write(small_step.fp8_step_linear(x, w, pdl=True), *rope[:3], None, None, 0.0, *rope[3:], pdl=True)
@@ -136,6 +142,20 @@ def time_fp8(name: str, x: torch.Tensor, sweep: bool) -> dict[str, float]:
             LAYERS,
         )
     return times
+
+
+def split_choices(name: str, k: int, config: dg.Config) -> list[int]:
+    """Split-K choices to time: 1, 2, 4 (those dividing K's tiles); gate/up's gated kernel is never split."""
+    return [s for s in (1, 2, 4) if (k // config[1]) % s == 0 and (s == 1 or name != "gate_up")]
+
+
+def check_rope_split(x: torch.Tensor, layer: Fp8Linear, rope: tuple, split: int) -> None:
+    """The fused QKV with K split gives q as the split GEMM then qkv_rope_write (its timing would mislead otherwise)."""
+    got = small_step.fp8_step_qkv_rope_write(x, layer, None, *rope, pdl=True, split_k=split)
+    qkv = small_step.fp8_step_linear(x, layer, pdl=True, split_k=split)
+    check(qkv, layer, x, f"qkv split={split}")
+    want = fk.qkv_rope_write(qkv, *rope[:3], None, None, 0.0, *rope[3:], pdl=True)
+    assert torch.equal(got, want), f"qkv rope split={split}"
 
 
 def time_bf16(name: str, x: torch.Tensor) -> dict[str, float]:
@@ -194,17 +214,19 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
         (label, graph_time_us(lambda li=linear, g=gate_up_act, p=pdl: run_chain(x0, layers, li, g, p), LAYERS))
         for label, linear, gate_up_act, pdl in variants
     ]
-    # the decoder's small step: the norms quantize their rows (fp8_add_rmsnorm), down's input by per_token_quant
-    times.append((
-        "fp8 norm-quantized + small step + pdl",
-        graph_time_us(
-            lambda: run_chain(
-                x0, layers, lambda x, w: small_step.fp8_step_linear(x, w, pdl=True, x_quant="kernel"),
-                lambda x, w: small_step.fp8_step_gate_up_act(x, w, pdl=True), True, small_step.fp8_add_rmsnorm,
+    # the decoder's small step: the norms quantize their rows (fp8_add_rmsnorm), down's input by per_token_quant;
+    # K split by small_step's rule (split None) and not at all (1)
+    for split, label in ((1, "no split-K"), (None, "split-K")):
+        times.append((
+            f"fp8 norm-quantized + small step + pdl, {label}",
+            graph_time_us(
+                lambda s=split: run_chain(
+                    x0, layers, lambda x, w: small_step.fp8_step_linear(x, w, pdl=True, x_quant="kernel", split_k=s),
+                    lambda x, w: small_step.fp8_step_gate_up_act(x, w, pdl=True), True, small_step.fp8_add_rmsnorm,
+                ),
+                LAYERS,
             ),
-            LAYERS,
-        ),
-    ))  # fmt: skip
+        ))  # fmt: skip
     return times
 
 

@@ -111,16 +111,22 @@ def typed_launches() -> None:
         setattr(small_step, name, Checked(getattr(small_step, name)))
 
 
-def step_gemm_twin(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None, block_k: int) -> torch.Tensor:
+def step_gemm_twin(
+    x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None, block_k: int, split: int = 1
+) -> torch.Tensor:
     """The kernel's arithmetic in torch: fp8.py's quantized x, each K tile's products summed exactly and added to an
-    fp32 accumulator, times x_scale, times w_scale, plus the bias, rounded to x's dtype."""
+    fp32 accumulator (one per split of K, the splits then added in order: kernels/split_k.py), times x_scale, times
+    w_scale, plus the bias, rounded to x's dtype."""
     m, k = x.shape
     x_fp8, x_scale = quantize_input(x, layer)
     w = layer.weight.double()
     acc = torch.zeros(m, layer.out_features, dtype=torch.float32, device=x.device)
-    for start in range(0, k, block_k):
-        tile = slice(start, start + block_k)
-        acc = acc + (x_fp8[:, tile].double() @ w[:, tile].t()).float()
+    for first in range(0, k, k // split):
+        partial = torch.zeros_like(acc)
+        for start in range(first, first + k // split, block_k):
+            tile = slice(start, start + block_k)
+            partial = partial + (x_fp8[:, tile].double() @ w[:, tile].t()).float()
+        acc = acc + partial
     out = acc * x_scale.expand(m)[:, None] * layer.weight_scale.expand(layer.out_features)[None, :]
     if bias is not None:
         out = out + bias.float()
@@ -177,8 +183,38 @@ def check_step_kernel(device: str) -> None:
                         err = _rel_to_scale(got, want)
                         assert err <= (tol if exact else 2**-7), f"{what}: {err}"
         _check_gated(layers, device, dtypes)
+    _check_split_k(device, dtypes)
     _check_fp8_add_rmsnorm(device, dtypes)
     _check_fallbacks(device)
+
+
+def _check_split_k(device: str, dtypes) -> None:
+    """K split over 2 and 4 programs (kernels/split_k.py): the twin summing each split's K tiles apart and then the
+    partials in split order (the interpreter: bit for bit), the emulation's tolerance, the same bits on a second
+    launch (whichever program of a tile came last), and every tile counter back at 0."""
+    from worker.engine.kernels import split_k
+    from worker.engine.quant import small_step
+
+    exact = device == "cpu"
+    n, k = 128, 4 * small_step.STEP_CONFIG[1]
+    layers = _layers(n, k, device)
+    for name in ("channel-token", "tensor-static", "channel-token-ub"):
+        layer = layers[name]
+        for split in (2, 4):
+            for m in (1, 5, 32):
+                dtype = dtypes[m % 2]
+                x = (torch.randn(m, k) * torch.logspace(-2, 1, m)[:, None]).to(device, dtype)
+                bias = torch.randn(n).to(device, dtype) if m == 5 else None
+                what = f"{name} split={split} m={m} {dtype}"
+                got = small_step.fp8_step_linear(x, layer, bias, pdl=not exact, split_k=split)
+                assert torch.equal(got, small_step.fp8_step_linear(x, layer, bias, pdl=not exact, split_k=split)), what
+                if exact:
+                    twin = step_gemm_twin(x, layer, bias, small_step.STEP_CONFIG[1], split)
+                    assert torch.equal(got, twin), f"{what}: {(got.float() - twin.float()).abs().max()}"
+                tol = 2e-5 if dtype == torch.float32 else (2**-10 if dtype == torch.float16 else 2**-7)
+                err = _rel_to_scale(got, fp8_linear_emulated(x, layer, bias))
+                assert err <= (tol if exact else 2**-7), f"{what}: {err}"
+    assert not split_k.tile_counters(torch.device(device)).any(), "a tile counter was left above 0"
 
 
 def _check_fp8_add_rmsnorm(device: str, dtypes) -> None:
@@ -239,8 +275,10 @@ def _check_gated(layers: dict[str, Fp8Linear], device: str, dtypes) -> None:
                     got = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act)
                     prequantized = small_step.fp8_step_gate_up_act(x, layer, bias, pdl=pdl, act=act, x_quant=other_x_quant())
                     assert torch.equal(got, prequantized), (name, act, m, dtype, "x_quant", other_x_quant())
-                    # the same K tiles as the gated kernel: the same sums
-                    unfused = small_step.fp8_step_linear(x, layer, bias, pdl=pdl, config=small_step.GATED_STEP_CONFIG)
+                    # the same K tiles as the gated kernel (which never splits K): the same sums
+                    unfused = small_step.fp8_step_linear(
+                        x, layer, bias, pdl=pdl, config=small_step.GATED_STEP_CONFIG, split_k=1
+                    )
                     pair = fk.act_mul(unfused, pdl=pdl, act=act)
                     assert got.shape == (m, inter) and torch.equal(got, pair), (name, act, m, dtype)
 
@@ -283,7 +321,8 @@ def _qkv_layers(num_heads: int, num_kv: int, head_dim: int, k: int, device: str)
 def check_qkv_rope_kernel(device: str) -> None:
     """fp8_step_qkv_rope_write (the FP8 QKV GEMM with rotary and the KV write in its epilogue) gives q, the K cache
     and the V cache bit for bit as fp8_step_linear then fused.qkv_rope_write do: head_dim 64 and 128, every scheme
-    of `_qkv_layers`, with and without bias, M in {1, 5, 32}, a model-dtype cache and an e4m3 cache with scales;
+    of `_qkv_layers`, with and without bias, M in {1, 5, 32} (at 5 with a model-dtype cache, K split over two
+    programs on both sides), a model-dtype cache and an e4m3 cache with scales;
     a padding row (slot 0) writes scratch block 0 as the two launches do. head_dim 32 (no whole group of pairs)
     takes the two launches. The same tiles and K order on either side, so the GPU must agree bit for bit too."""
     from worker.engine.quant import small_step
@@ -311,10 +350,11 @@ def check_qkv_rope_kernel(device: str) -> None:
                     shape = (num_blocks, block_size, num_kv, head_dim)
                     caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(4)]
                     rope = (positions, cos, sin, num_heads, num_kv)
+                    split = 2 if m == 5 and cache_dtype == dtype else None  # K split over 2 programs on both sides
                     got_q = small_step.fp8_step_qkv_rope_write(
-                        x, layer, bias, *rope, caches[0], caches[1], slots, pdl=pdl, kv_scale=kv_scale
+                        x, layer, bias, *rope, caches[0], caches[1], slots, pdl=pdl, kv_scale=kv_scale, split_k=split
                     )
-                    qkv = small_step.fp8_step_linear(x, layer, bias, pdl=pdl)
+                    qkv = small_step.fp8_step_linear(x, layer, bias, pdl=pdl, split_k=split)
                     want_q = fk.qkv_rope_write(
                         qkv, positions, cos, sin, None, None, 0.0, num_heads, num_kv, caches[2], caches[3], slots,
                         pdl=pdl, kv_scale=kv_scale,
@@ -326,7 +366,8 @@ def check_qkv_rope_kernel(device: str) -> None:
                     # x quantized by per_token_quant first: the same q and caches
                     pre_caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(2)]
                     pre_q = small_step.fp8_step_qkv_rope_write(
-                        x, layer, bias, *rope, *pre_caches, slots, pdl=pdl, kv_scale=kv_scale, x_quant=other_x_quant()
+                        x, layer, bias, *rope, *pre_caches, slots, pdl=pdl, kv_scale=kv_scale, x_quant=other_x_quant(),
+                        split_k=split,
                     )
                     assert torch.equal(pre_q, got_q), (*what, "x_quant", other_x_quant())
                     for cache, want in zip(pre_caches, bits[:2], strict=True):

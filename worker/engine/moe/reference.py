@@ -8,6 +8,11 @@ sigmoid) to the multiply (transformers rounds Qwen's to the model dtype; in fp32
 `route` is shared by both paths: it has no host syncs (softmax or sigmoid, grouped masks, top-k and a
 division), so it runs inside a CUDA graph. `experts_ref` loops over the experts that were hit, which reads
 device values (CPU only).
+
+FP8 experts (`ExpertWeights.fp8`, fp8.py) are never on the CPU path (the loaders dequantize them there); where they
+reach `experts_ref` (transformers' forward of a model that keeps them, `Fp8Experts`; the tests) it computes their
+emulation, `experts_fp8_emulated`: what the FP8 grouped GEMMs (triton_fp8.py) compute, as the dense FP8 linears'
+`fp8_linear_emulated` does for theirs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import dequantize_down, dequantize_gate_up
 from .spec import Activation, MoeSpec, RouterScoring
 from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights
 
@@ -94,6 +100,8 @@ def experts_ref(
     spec: MoeSpec,
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]), as [T, H] in hidden's dtype."""
+    if experts.fp8 is not None:
+        return experts_fp8_emulated(hidden, topk_weights, topk_ids, experts, spec)
     out = torch.zeros_like(hidden)
     hit = torch.zeros(spec.num_experts, dtype=torch.bool, device=hidden.device)
     hit[topk_ids.flatten()] = True
@@ -106,6 +114,64 @@ def experts_ref(
         y = F.linear(activation_ref(gate_up, spec), experts.down[expert], down_bias)
         out.index_add_(0, token_ids, (y * topk_weights[token_ids, slot, None]).to(out.dtype))
     return out
+
+
+def experts_fp8_emulated(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    experts: ExpertWeights,
+    spec: MoeSpec,
+) -> torch.Tensor:
+    """FP8 experts' layer as the grouped GEMMs compute it, in plain torch: x quantized as the format says (per token,
+    or per token and group of bk columns), both operands dequantized and multiplied in fp64 on the CPU (fp32 on a
+    GPU, as `fp8_linear_emulated`), each projection rounded to the model dtype (the bias added before), the
+    activation's output quantized again for down, the routing weight applied to down's rounded output and the
+    k pairs of a token summed in fp32 and rounded once: the kernels' order of roundings."""
+    assert experts.fp8 is not None, "experts_fp8_emulated multiplies FP8 experts"
+    fmt, dtype = experts.fp8.format, hidden.dtype
+    acc = torch.float64 if hidden.device.type == "cpu" else torch.float32
+    x_fp8, x_scale = fmt.quantize_input(hidden)
+    x = _dequantize_input(x_fp8, x_scale, fmt.block_shape).to(acc)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    hit = torch.zeros(spec.num_experts, dtype=torch.bool, device=hidden.device)
+    hit[topk_ids.flatten()] = True
+    for expert in hit.nonzero().flatten().tolist():  # host sync: not a CUDA-graph path
+        token_ids, slot = torch.where(topk_ids == expert)
+        gate_up_w = dequantize_gate_up(experts.gate_up[expert], experts.fp8.gate_up[expert], fmt).to(acc)
+        gate_up = _round(x[token_ids] @ gate_up_w.t(), experts.gate_up_bias, expert, dtype)
+        activated = _activation_as_kernels(gate_up, spec)
+        a_fp8, a_scale = fmt.quantize_input(activated)
+        down_w = dequantize_down(experts.down[expert], experts.fp8.down[expert], fmt).to(acc)
+        y = _round(_dequantize_input(a_fp8, a_scale, fmt.block_shape).to(acc) @ down_w.t(), experts.down_bias, expert, dtype)
+        weighted = (y.float() * topk_weights[token_ids, slot, None].float()).to(dtype)
+        out.index_add_(0, token_ids, weighted.float())
+    return out.to(dtype)
+
+
+def _dequantize_input(x_fp8: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int] | None) -> torch.Tensor:
+    if block_shape is None:
+        return x_fp8.float() * scale[:, None]
+    return x_fp8.float() * scale.repeat_interleave(block_shape[1], dim=-1)[:, : x_fp8.shape[1]]
+
+
+def _round(product: torch.Tensor, bias: torch.Tensor | None, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """A projection's fp32 result (plus its bias, in fp32) rounded to the model dtype, as the kernels store it."""
+    out = product.float()
+    if bias is not None:
+        out = out + bias[expert].float()
+    return out.to(dtype)
+
+
+def _activation_as_kernels(gate_up: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
+    """`activation_ref` with the kernels' roundings: fp32 math on the rounded projections, SiLU's output rounded
+    before the multiply (as F.silu rounds), the product rounded to the model dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    if spec.activation is Activation.SILU_MUL:
+        return (F.silu(gate).to(gate_up.dtype).float() * up).to(gate_up.dtype)
+    gate = gate.clamp(max=spec.swiglu_limit)
+    up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+    return ((up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))).to(gate_up.dtype)
 
 
 def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> torch.Tensor:

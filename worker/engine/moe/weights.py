@@ -4,6 +4,7 @@ Every family ends up in one layout, the one the kernels read (`nn.Linear`'s [out
   experts.gate_up  [E, 2I, H]  rows 0..I-1 are the gate projection, rows I..2I-1 the up projection
   experts.down     [E, H, I]
   biases           [E, 2I] and [E, H] (gpt-oss only), split the same way
+FP8 experts (`ExpertWeights.fp8`, CUDA only: fp8.py) keep the same layout in float8_e4m3fn with their scales beside.
 No per-expert modules, no fp32 copy: the stacked tensors are allocated once in the model dtype on the device
 and each expert's slice is copied (or dequantized) into place, so peak memory is the stack plus one expert.
 
@@ -28,15 +29,30 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quant.fp8 import FP8_DTYPE
+from .fp8 import ExpertFp8Scales
 from .spec import MoeSpec
 
 
 @dataclass(frozen=True)
 class ExpertWeights:
+    """The routed experts of one layer, the one owner of their tensors (the decoder holds views of the model's)."""
+
     gate_up: torch.Tensor  # [E, 2I, H]: [gate; up]
     down: torch.Tensor  # [E, H, I]
     gate_up_bias: torch.Tensor | None = None  # [E, 2I]
     down_bias: torch.Tensor | None = None  # [E, H]
+    # FP8 experts: gate_up and down are float8_e4m3fn and these are their scales (fp8.py); None: the model dtype
+    fp8: ExpertFp8Scales | None = None
+
+    def check(self, num_experts: int, hidden: int, inter: int) -> None:
+        """The matrices' dtypes against `fp8` (and the scales' shapes); raises ValueError naming the tensor."""
+        for name, tensor in (("gate_up", self.gate_up), ("down", self.down)):
+            if (tensor.dtype == FP8_DTYPE) != (self.fp8 is not None):
+                with_scales = "with" if self.fp8 is not None else "without"
+                raise ValueError(f"MoE weight experts.{name} is {tensor.dtype} {with_scales} FP8 scales")
+        if self.fp8 is not None:
+            self.fp8.check(num_experts, hidden, inter)
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,7 @@ class MoeLayerWeights:
             if tensor is None or tuple(tensor.shape) != shape:
                 got = None if tensor is None else tuple(tensor.shape)
                 raise ValueError(f"MoE weight {name} has shape {got}, expected {shape}")
+        self.experts.check(num_experts, hidden, inter)
 
 
 def _deinterleave_rows(x: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import fused as fk
+from ..kernels import split_k as sk
 from ..kernels.common import HAVE_TRITON, tl, triton
 from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
 from .config import ActivationScale, WeightScale
@@ -53,6 +54,7 @@ if HAVE_TRITON:
     from ..kernels.decode_gemm import qkv_rope_epilogue, rope_tile_rows
     from ..kernels.fused import activation
     from ..kernels.pdl import pdl_wait_and_release
+    from ..kernels.split_k import split_k_sum
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). The H200 sweep at M = 32 with x quantized first (2026-12-01f,
 # fp8_step_gemm.log): 64 x 256 tiles, 4 stages, were the fastest for QKV, O and down (12.3 / 11.0 / 30.6 us vs
@@ -74,6 +76,11 @@ MAX_K: int | None = None
 # (benchmarks/fp8_step_gemm.py times both).
 X_QUANT = "kernel"
 X_QUANTS = ("gemm", "kernel")
+# Split-K (kernels/split_k.py) for the plain and QKV kernels: the least split of SPLIT_CHOICES that gives a launch
+# SPLIT_FILL programs per SM (1 where none does or K's tiles do not divide). Llama-3-8B at M = 32 on the H200's 132
+# SMs: O and down 64 tiles -> 2 (128 programs), QKV 96 -> 2 (192); gate/up (224 gated tiles) is not split.
+SPLIT_FILL = 0.9
+SPLIT_CHOICES = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -146,15 +153,19 @@ def fp8_step_linear(
     config: Config | None = None,
     block_m: int | None = None,
     x_quant: str | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w^T (+ bias) in x's dtype, x quantized as the layer's scheme says (where: `x_quant`, default
-    X_QUANT); the decoder calls it for M <= decode_gemm.MAX_TOKENS. Where `step_config` gives None:
-    kernels.fp8_linear."""
+    X_QUANT), K split over `split_k` programs (default `split_for`); the decoder calls it for M <=
+    decode_gemm.MAX_TOKENS. Where `step_config` gives None: kernels.fp8_linear."""
     config = step_config(layer, config=config)
     if config is None or not HAVE_TRITON:
         assert not isinstance(x, Fp8Rows), "quantized rows reach only the layers this file's kernels run"
         return fp8_linear(x, layer, bias)
-    return _launch(x, layer, bias, layer.out_features, config, gated=False, pdl=pdl, block_m=block_m, x_quant=x_quant)
+    return _launch(
+        x, layer, bias, layer.out_features, config, gated=False, pdl=pdl, block_m=block_m, x_quant=x_quant,
+        split_k=split_k,
+    )  # fmt: skip
 
 
 def fp8_step_gate_up_act(
@@ -208,6 +219,7 @@ def fp8_step_qkv_rope_write(
     block_m: int | None = None,
     kv_scale: tuple[float, float] = (1.0, 1.0),
     x_quant: str | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """decode_gemm.decode_qkv_rope_write for the fused FP8 QKV weight: q [M, H, D] with rotary at `positions`, k
     (rotated) and v written into the paged caches at `slot_mapping` (`kv_scale`: an e4m3 cache's (k_scale,
@@ -216,7 +228,9 @@ def fp8_step_qkv_rope_write(
     head_dim = cos_table.shape[-1]
     fused_config = rope_step_config(layer, num_heads, num_kv_heads, head_dim, config)
     if fused_config is None or not HAVE_TRITON:
-        qkv = fp8_step_linear(x, layer, bias, pdl=pdl, config=config, block_m=block_m, x_quant=x_quant)
+        qkv = fp8_step_linear(
+            x, layer, bias, pdl=pdl, config=config, block_m=block_m, x_quant=x_quant, split_k=split_k
+        )
         return fk.qkv_rope_write(
             qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads,
             k_cache, v_cache, slot_mapping, pdl=pdl, kv_scale=kv_scale,
@@ -230,7 +244,9 @@ def fp8_step_qkv_rope_write(
     block_n, block_k, num_warps, num_stages = fused_config
     block_m = block_m or block_m_for(m)
     x_operand, scheme_args = _x_operand(x, layer, pdl, x_quant)
-    _fp8_qkv_rope_kernel[(weight.shape[0] // block_n, triton.cdiv(m, block_m))](
+    grid = (weight.shape[0] // block_n, triton.cdiv(m, block_m))
+    split = split_for(*grid, k // block_k, x.device, split_k)
+    _fp8_qkv_rope_kernel[(grid[0], grid[1], split)](
         x_operand,
         weight,
         bias_ptr=bias if bias is not None else x_operand,  # unread placeholder: a tensor (Fp8Rows is not one)
@@ -247,8 +263,26 @@ def fp8_step_qkv_rope_write(
         launch_pdl=pdl,
         **scheme_args,
         **rope_epilogue_args(positions, cos_table, sin_table, slot_mapping, q, k_cache, v_cache, num_kv_heads, kv_scale),
+        **_split_args(split, grid[0] * grid[1], block_n, block_m, x.device, x_operand),
     )
     return q
+
+
+def split_for(n_tiles: int, m_tiles: int, k_tiles: int, device: torch.device, split_k: int | None = None) -> int:
+    """The split of a launch of n_tiles x m_tiles tiles over k_tiles K tiles: `split_k` where given (it must
+    divide k_tiles), else kernels/split_k.py's rule with SPLIT_FILL and SPLIT_CHOICES."""
+    if split_k is not None:
+        assert split_k >= 1 and k_tiles % split_k == 0, f"split_k {split_k} does not divide {k_tiles} K tiles"
+        return split_k
+    return sk.split_for(n_tiles * m_tiles, k_tiles, device, SPLIT_FILL, SPLIT_CHOICES)
+
+
+def _split_args(split: int, tiles: int, block_n: int, block_m: int, device: torch.device, placeholder) -> dict:
+    """The split-K launch arguments: the partials' workspace and the tile counters (unread placeholders at 1)."""
+    if split == 1:
+        return dict(partial_ptr=placeholder, counter_ptr=placeholder, SPLIT_K=1)
+    workspace = sk.split_workspace(split, tiles, block_n, block_m, device)
+    return dict(partial_ptr=workspace, counter_ptr=sk.tile_counters(device), SPLIT_K=split)
 
 
 def _x_operand(x: torch.Tensor, layer: Fp8Linear, pdl: bool, x_quant: str | None) -> tuple[torch.Tensor, dict]:
@@ -297,8 +331,10 @@ def _launch(
     block_m: int | None = None,
     act: int = 0,
     x_quant: str | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """out [M, n]: the first n rows of the layer's weight (gated: paired with the n rows after them)."""
+    """out [M, n]: the first n rows of the layer's weight (gated: paired with the n rows after them; never split,
+    its 2 x 64 rows a program already give Llama's gate/up 224 programs)."""
     m, k = x.shape
     weight = layer.weight
     assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
@@ -309,7 +345,9 @@ def _launch(
         return out
     block_m = block_m or block_m_for(m)
     x_operand, scheme_args = _x_operand(x, layer, pdl, x_quant)
-    _fp8_step_gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
+    grid = (n // block_n, triton.cdiv(m, block_m))
+    split = 1 if gated else split_for(*grid, k // block_k, x.device, split_k)
+    _fp8_step_gemm_kernel[(grid[0], grid[1], split)](
         x_operand,
         weight,
         bias_ptr=bias if bias is not None else x_operand,  # unread placeholder: a tensor (Fp8Rows is not one)
@@ -331,6 +369,7 @@ def _launch(
         num_stages=num_stages,
         launch_pdl=pdl,
         **scheme_args,
+        **_split_args(split, grid[0] * grid[1], block_n, block_m, x.device, x_operand),
     )
     return out
 
@@ -386,6 +425,8 @@ if HAVE_TRITON:
         x_scale_ptr,  # fp32 []: STATIC_X's input scale
         bias_ptr,
         out_ptr,
+        partial_ptr,  # SPLIT_K > 1: fp32 [SPLIT_K, tiles, BLOCK_N, BLOCK_M] (kernels/split_k.py)
+        counter_ptr,  # SPLIT_K > 1: int32 tile counters, 0 between launches
         M,
         up_rows,  # GATED: the up rows start this many rows after the gate rows (I)
         scale_ub,  # HAS_UB: a row's absmax is capped here (fbgemm's activation_scale_ub)
@@ -406,6 +447,7 @@ if HAVE_TRITON:
         USE_PDL: tl.constexpr,
         FP8_MAX: tl.constexpr,
         MIN_ABSMAX: tl.constexpr,
+        SPLIT_K: tl.constexpr,  # programs sharing a tile's K range (program_id(2) is the split; not with GATED)
     ):
         pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -417,12 +459,14 @@ if HAVE_TRITON:
             x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, PREQUANT_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX,
             MIN_ABSMAX,
         )
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
+        k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)  # this split's first column of x and w
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] + k0
         up_ptrs = w_ptr + (rn[:, None] + up_rows).to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for t in range(K_TILES):
-            x_fp8 = x_tile_fp8(x_rows + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
+        for t in range(SPLIT_TILES):
+            x_fp8 = x_tile_fp8(x_rows + k0 + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
             # The tensor cores' FP8 accumulation over the K chain (sm90 Triton's default, as cuBLASLt's fast
             # accumulation). Promoting each wgmma's partial sum to fp32 (max_num_imprecise_acc=32) cost W1_fp8 10%
             # on the H200 (6,469 vs 7,218 tok/s) and did not bring the decoder test's logits nearer the
@@ -432,6 +476,10 @@ if HAVE_TRITON:
                 acc_up = tl.dot(tl.load(up_ptrs), x_fp8, acc_up)
                 up_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        store_mask = m_mask
+        if SPLIT_K > 1:  # the tile's last program sums the partials and runs the epilogue
+            acc, last = split_k_sum(acc, partial_ptr, counter_ptr, SPLIT_K, BLOCK_N, BLOCK_M)
+            store_mask = m_mask & last
         # (sum of e4m3 products) * x_scale * w_scale: the emulation's dequantized operands, one product each
         acc = acc * x_scale[None, :] * tl.load(w_scale_ptr + rn * W_SCALE_STRIDE)[:, None]
         if HAS_BIAS:
@@ -445,7 +493,7 @@ if HAVE_TRITON:
             act = activation(gate, ACT).to(dtype).to(tl.float32)
             acc = act * acc_up.to(dtype).to(tl.float32)
         out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask[None, :])
 
     @triton.jit
     def _fp8_qkv_rope_kernel(
@@ -461,6 +509,8 @@ if HAVE_TRITON:
         q_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        partial_ptr,  # SPLIT_K > 1: fp32 [SPLIT_K, tiles, 2 PAIRS, BLOCK_M] (kernels/split_k.py)
+        counter_ptr,  # SPLIT_K > 1: int32 tile counters, 0 between launches
         M,
         scale_ub,
         k_scale_inv,
@@ -490,6 +540,7 @@ if HAVE_TRITON:
         USE_PDL: tl.constexpr,
         FP8_MAX: tl.constexpr,
         MIN_ABSMAX: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):
         """_fp8_step_gemm_kernel's prologue and products over decode_gemm's rotary-pair tile rows (a program owns
         rows j and j + D/2 of one head, each with its own weight scale), then decode_gemm's rotary + KV epilogue."""
@@ -503,12 +554,17 @@ if HAVE_TRITON:
             x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, PREQUANT_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX,
             MIN_ABSMAX,
         )
-        w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
+        k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)
+        w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_wn + rk[None, :] + k0
         acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
-        for t in range(K_TILES):
-            x_fp8 = x_tile_fp8(x_rows + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
+        for t in range(SPLIT_TILES):
+            x_fp8 = x_tile_fp8(x_rows + k0 + t * BLOCK_K, m_mask, x_scale, PREQUANT_X, FP8_MAX)
             acc = tl.dot(tl.load(w_ptrs), x_fp8, acc)  # accumulated as _fp8_step_gemm_kernel's
             w_ptrs += BLOCK_K
+        if SPLIT_K > 1:  # as _fp8_step_gemm_kernel's: the tile's last program goes on, the others store nothing
+            acc, last = split_k_sum(acc, partial_ptr, counter_ptr, SPLIT_K, 2 * PAIRS, BLOCK_M)
+            m_mask = m_mask & last
         # as _fp8_step_gemm_kernel's epilogue, each tile row with its own row's weight scale and bias
         acc = acc * x_scale[None, :] * tl.load(w_scale_ptr + col * W_SCALE_STRIDE)[:, None]
         if HAS_BIAS:
