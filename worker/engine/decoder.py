@@ -32,7 +32,8 @@ norms and the KV write). On CPU the same structure runs through the torch refere
 
 Mixture-of-experts families (the declaration's `Family.moe`) run `moe.moe_forward` in their sparse layers
 instead of the gate/up and down GEMMs: the PyTorch reference on the CPU, the Triton grouped GEMMs in one
-workspace (sized here from the largest step) on CUDA; the experts are the model's own stacked tensors.
+workspace (sized here from the largest step) on CUDA; the experts are the model's own stacked tensors (in FP8 with
+their scales where the loader kept them so, moe/fp8_experts.py: then the FP8 grouped GEMMs, moe/triton_fp8.py).
 
 Rotary uses the model's own `inv_freq` and `attention_scaling` (default, llama3, yarn, linear, ...
 rope types stay exact; a table narrower than the head is partial rotary). "dynamic" rope, whose frequencies change
@@ -70,7 +71,7 @@ from .layer_ops import (
     NORM_MATH,
     NORMS,
     QK_NORM_SPANS,
-    fp8_norm_args,
+    fp8_rows_args,
     layer_ops,
 )
 from .models import ModelLoadError, family_for
@@ -189,14 +190,18 @@ class OwnedDecoder:
         # it is: bf16/fp16 (kernels/decode_gemm.py) or FP8 (quant/small_step.py); `build_decoder` decides whether
         # an FP8 model takes this path.
         self.is_fp8 = any(w.is_fp8 for w in self.layers)
-        # Per layer, the small-step path's FP8 norm outputs: (attention-in, MLP-in) add_norm_fp8 arguments, or None
-        # where the norm's consumer takes unquantized rows (not FP8, another scheme, a sparse MLP's router)
-        # (parallel blocks: one norm feeds QKV and gate/up, so its rows stay unquantized and each linear quantizes)
-        self.fp8_norms = [
-            (None, None) if self.parallel_blocks else
-            (fp8_norm_args(w.qkv_weight), None if w.gate_up_weight is None else fp8_norm_args(w.gate_up_weight, True))
+        # Per layer, the kernels that quantize their output rows for the FP8 GEMM after them: (attention-in norm,
+        # MLP-in norm) add_norm_fp8 arguments and act·mul's gate_up_act_fp8 arguments (down), or None where the
+        # consumer takes unquantized rows (not FP8, another scheme, a sparse MLP's router). Parallel blocks: one
+        # norm feeds QKV and gate/up, so its rows stay unquantized and each linear quantizes.
+        self.fp8_rows = [
+            (
+                None if self.parallel_blocks else fp8_rows_args(w.qkv_weight),
+                None if self.parallel_blocks or w.gate_up_weight is None else fp8_rows_args(w.gate_up_weight),
+                None if w.gate_up_weight is None else fp8_rows_args(w.down_weight),
+            )
             for w in self.layers
-        ]  # fmt: skip
+        ]
         small_step = small_step_gemm and self.use_triton
         self.small_step_ops = layer_ops(True, small_step=True, norm=norm, activation=act) if small_step else None
         if deterministic:  # one set of batch-invariant ops for every step size (deterministic.py)
@@ -221,10 +226,10 @@ class OwnedDecoder:
         # What the next add+norm applies to `hidden` before adding it to the residual: the post-norm of the block
         # that made it and the residual multiplier (the embedding scale, before the first layer).
         post_norm, scale = None, self.embed_scale
-        fp8_norm = ops.add_norm_fp8  # the small-step path of an FP8 model: norms that quantize their output
+        fp8_norm = ops.add_norm_fp8  # an FP8 model's norms that quantize their output (None: this path has none)
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
-            attn_fp8, mlp_fp8 = self.fp8_norms[layer_idx] if fp8_norm is not None else (None, None)
+            attn_fp8, mlp_fp8, down_fp8 = self.fp8_rows[layer_idx]
             add_norm = ops.add_norm if attn_fp8 is None or fp8_norm is None else partial(fp8_norm, **attn_fp8)
             normed, residual = add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
             q = self._qkv_rope_write(
@@ -249,6 +254,9 @@ class OwnedDecoder:
             moe = self.moe_layers[layer_idx]
             if moe is not None:
                 hidden = moe_forward(normed, moe, self.moe_spec, self.moe_workspace)
+            elif down_fp8 is not None and ops.gate_up_act_fp8 is not None:  # act·mul quantizes down's rows
+                activated = ops.gate_up_act_fp8(normed, w.gate_up_weight, w.gate_up_bias, **down_fp8)
+                hidden = ops.linear(activated, w.down_weight, w.down_bias)
             else:
                 activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
                 hidden = ops.linear(activated, w.down_weight, w.down_bias)

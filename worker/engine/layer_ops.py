@@ -16,6 +16,8 @@ from .kernels import decode_gemm
 from .kernels import fused as fk
 from .models.spec import Activation, NormKind, QKNormSpan
 from .quant import small_step as fp8_step
+from .quant.fp8 import Fp8Rows, takes_rows
+from .quant.kernels import act_mul_per_token_quant
 from .quant.linear import Fp8Weight
 
 
@@ -61,22 +63,27 @@ class LayerOps:
     # the QKV GEMM computes rotary and writes the KV cache in its epilogue (models without q/k norms)
     qkv_rope_epilogue: bool = False
     qkv_rope_write: Callable = decode_gemm.decode_qkv_rope_write  # that GEMM
-    # add_norm whose normed rows come out quantized per token (quant/small_step.py Fp8Rows), for a norm whose one
-    # consumer is an FP8 linear that this path's kernel runs (`fp8_norm_args`); None: add_norm everywhere
+    # add_norm whose normed rows come out quantized per token (quant/fp8.py Fp8Rows), for a norm whose one consumer
+    # is an FP8 linear that reads them (`fp8_rows_args`); None: add_norm everywhere
     add_norm_fp8: Callable | None = None
+    # (x, fused [gate; up] weight, bias, scale_ub=) -> act·mul's rows quantized per token (Fp8Rows), for an FP8
+    # down projection that reads them (`fp8_rows_args`); None: gate_up_act, and the down GEMM quantizes
+    gate_up_act_fp8: Callable | None = None
 
 
-def fp8_norm_args(weight, gated: bool = False) -> dict | None:
-    """The `LayerOps.add_norm_fp8` arguments for a norm whose one consumer is `weight` (`gated`: the gate/up
-    GEMM), or None where that consumer needs the rows unquantized (add_norm)."""
-    if isinstance(weight, Fp8Weight) and fp8_step.takes_rows(weight.layer, gated):
+def fp8_rows_args(weight) -> dict | None:
+    """The arguments of `LayerOps.add_norm_fp8` or `gate_up_act_fp8` for the kernel whose one consumer is `weight`,
+    or None where that consumer needs the rows unquantized (not FP8, or a scheme that does not quantize per
+    token: quant/fp8.py `takes_rows`)."""
+    if isinstance(weight, Fp8Weight) and takes_rows(weight.layer):
         return {"scale_ub": weight.layer.scheme.activation_scale_ub}
     return None
 
 
 def weight_linear(dense: Callable) -> Callable:
-    """`dense` (F.linear) for a plain weight, the FP8 GEMM for an FP8 one: each linear's quantization is its own
-    (fused_weights.Weight). The branch is on a Python type, so it costs no sync and graphs capture it."""
+    """`dense` (F.linear) for a plain weight, the FP8 GEMM for an FP8 one (x a tensor, or Fp8Rows from the kernel
+    before): each linear's quantization is its own (fused_weights.Weight). The branch is on a Python type, so it
+    costs no sync and graphs capture it."""
 
     def linear(x, weight, bias):
         return weight.apply(x, bias) if isinstance(weight, Fp8Weight) else dense(x, weight, bias)
@@ -124,6 +131,16 @@ def gate_up_then_act(linear: Callable, act_mul: Callable) -> Callable:
     return gate_up_act
 
 
+def gate_up_then_act_fp8(linear: Callable, act: int) -> Callable:
+    """The gate/up GEMM, then act·mul with its rows quantized per token in the same kernel (the large-step path of
+    an FP8 model, whose down GEMM then reads e4m3 rows: `LayerOps.gate_up_act_fp8`)."""
+
+    def gate_up_act(x, weight, bias, scale_ub: float | None = None) -> Fp8Rows:
+        return act_mul_per_token_quant(linear(x, weight, bias), act, scale_ub)
+
+    return gate_up_act
+
+
 def layer_ops(
     use_triton: bool,
     small_step: bool,
@@ -156,6 +173,8 @@ def layer_ops(
             linear=linear,
             gate_up_act=gate_up_then_act(linear, partial(fk.act_mul, act=act)),
             logits_epilogue=fk.logits_epilogue,
+            add_norm_fp8=partial(fp8_step.fp8_add_rmsnorm, weight_fp32=math.weight_fp32, centred=math.centred),
+            gate_up_act_fp8=gate_up_then_act_fp8(linear, act),
         )
     return LayerOps(
         add_norm=partial(fk.add_rmsnorm_ref, norm=NORMS[norm]),

@@ -71,7 +71,8 @@ def check_activation_quant(device: str, exact: bool) -> None:
     from worker.engine.quant import kernels
 
     torch.manual_seed(0)
-    for m, k in ((1, 64), (5, 300), (3, 4103)):  # 4103: several 1024-column passes and a ragged tail
+    # a row in one pass from registers (kernels.ONE_PASS_MAX_K; 4103 a ragged one), 16,500: 1,024-column passes
+    for m, k in ((1, 64), (5, 300), (3, 4103), (2, 16500)):
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(m, k) * torch.logspace(-3, 3, m)[:, None]).to(device, dtype)
             x[0, :7] = 0.0
@@ -140,9 +141,41 @@ def check_gemms(device: str, exact: bool) -> None:
                     assert err <= tol, f"{what}: {err} > {tol}"
 
 
+def check_rows(device: str, exact: bool) -> None:
+    """act_mul_per_token_quant gives the bits of fused.act_mul then per_token_quant (one pass and two, SiLU and
+    GELU-tanh, fbgemm's cap); fp8_linear reading Fp8Rows gives the bits of fp8_linear quantizing x itself, on the
+    kernels and in the emulation."""
+    from worker.engine.kernels import fused
+    from worker.engine.quant import kernels
+    from worker.engine.quant.fp8 import Fp8Rows
+
+    torch.manual_seed(4)
+    for m, inter in ((1, 96), (5, 1000), (2, 16500)):
+        for dtype in (torch.float32, torch.bfloat16):
+            gate_up = (torch.randn(m, 2 * inter) * 3).to(device, dtype)
+            for act in (fused.ACT_SILU, fused.ACT_GELU_TANH):
+                for ub in (None, 2.0):
+                    rows = kernels.act_mul_per_token_quant(gate_up, act, ub)
+                    want, want_scale = kernels.per_token_quant(fused.act_mul(gate_up, act=act), ub)
+                    what = f"act_mul quant {m}x{inter} {dtype} act={act} ub={ub}"
+                    assert rows.dtype == dtype and torch.equal(rows.scale, want_scale), what
+                    assert torch.equal(rows.x.view(torch.uint8), want.view(torch.uint8)), what
+    layers = _layers(384, 256, device)
+    for name in ("channel-token", "channel-token-ub", "tensor-token"):
+        layer = layers[name]
+        for m in (1, 5):
+            x = torch.randn(m, 256, device=device).to(torch.bfloat16)
+            bias = torch.randn(384, device=device).to(torch.bfloat16) if m == 5 else None
+            rows = Fp8Rows(*kernels.per_token_quant(x, layer.scheme.activation_scale_ub), x.dtype)
+            for backend in ("kernels", "emulated"):
+                got, want = fp8_linear(rows, layer, bias, backend=backend), fp8_linear(x, layer, bias, backend=backend)
+                assert got.dtype == want.dtype and torch.equal(got, want), (name, m, backend)
+
+
 def check_all(device: str, exact: bool) -> None:
     check_activation_quant(device, exact)
     check_gemms(device, exact)
+    check_rows(device, exact)
 
 
 def test_kernels_match_the_reference_in_the_interpreter():

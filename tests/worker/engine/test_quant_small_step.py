@@ -456,12 +456,12 @@ def check_decoder_opt_in(device: str) -> None:
     # GEMMs quantize them: the same bits
     from worker.engine import decoder as decoder_mod
 
-    fp8_norm_args = decoder_mod.fp8_norm_args
-    decoder_mod.fp8_norm_args = lambda *args, **kwargs: None
+    fp8_rows_args = decoder_mod.fp8_rows_args
+    decoder_mod.fp8_rows_args = lambda *args, **kwargs: None
     try:
         (_, _, gemm_quantized), _ = run(fused_qkv=True)
     finally:
-        decoder_mod.fp8_norm_args = fp8_norm_args
+        decoder_mod.fp8_rows_args = fp8_rows_args
     assert torch.equal(step, gemm_quantized), (step - gemm_quantized).abs().max()
     (_, _, unfused_step), launches = run(fused_qkv=False)
     # one launch more per layer: the QKV GEMM plain, then qkv_rope_write

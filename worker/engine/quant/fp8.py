@@ -177,6 +177,35 @@ class Fp8Linear:
         return Fp8Linear(weight, torch.cat(per_row).contiguous(), scheme, input_scale)
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already quantized per token: e4m3 rows [M, K] and their fp32 scales [M], for a GEMM whose
+    output is in `dtype` (the model's). The kernel before the GEMM makes them (a norm: small_step.fp8_add_rmsnorm;
+    act·mul: kernels.act_mul_per_token_quant), so the GEMM needs no quantization launch; every FP8 GEMM of a
+    layer that `takes_rows` reads them as they are (the same bits as quantizing the unquantized rows itself)."""
+
+    x: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def stride(self, dim: int) -> int:
+        return self.x.stride(dim)
+
+
+def takes_rows(layer: Fp8Linear) -> bool:
+    """Whether the layer's FP8 GEMMs can read `Fp8Rows`: activations quantized per token at run time, weights per
+    channel or per tensor (block-wise weights quantize per token group; static activations have one scale)."""
+    return layer.scheme.activation is ActivationScale.TOKEN and layer.scheme.weight is not WeightScale.BLOCK
+
+
 def weight_scale_shape(scheme: Fp8Scheme, n: int, k: int) -> tuple[int, ...]:
     if scheme.weight is WeightScale.TENSOR:
         return ()
@@ -220,7 +249,10 @@ def dequantize_input(x_fp8: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme
 
 
 def fp8_linear_emulated(
-    x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor | Fp8Rows,
+    layer: Fp8Linear,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The reference for the FP8 GEMMs: x quantized per the scheme, both operands dequantized, then the GEMM.
 
@@ -228,12 +260,17 @@ def fp8_linear_emulated(
     blocks it, so a fused q/k/v GEMM (the owned decoder) and three separate ones (transformers' modules) give
     the same bits on every machine. In fp32 they differed in the last bit on some CPUs, and the next layer's
     e4m3 re-quantization turned that into different greedy tokens. On a GPU (the path of pre-sm89 devices and
-    the kernels' reference) it stays fp32."""
-    x2d = x.reshape(-1, layer.in_features)
-    x_fp8, x_scale = quantize_input(x2d, layer)
+    the kernels' reference) it stays fp32. `Fp8Rows` are read as they are (`takes_rows` layers)."""
+    if isinstance(x, Fp8Rows):
+        assert takes_rows(layer), "per-token rows reach only layers that quantize per token"
+        x_fp8, x_scale, dtype = x.x, x.scale, x.dtype
+        lead: tuple[int, ...] = (x.shape[0],)
+    else:
+        x_fp8, x_scale = quantize_input(x.reshape(-1, layer.in_features), layer)
+        dtype, lead = x.dtype, tuple(x.shape[:-1])
     acc = torch.float64 if x.device.type == "cpu" else torch.float32
     x_deq = dequantize_input(x_fp8, x_scale, layer.scheme).to(acc)
     out = (x_deq @ dequantize_weight(layer, torch.float32).to(acc).t()).float()
     if bias is not None:
         out = out + bias.float()
-    return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], layer.out_features)
+    return out.to(out_dtype or dtype).reshape(*lead, layer.out_features)

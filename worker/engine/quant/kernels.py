@@ -23,13 +23,23 @@ import functools
 import torch
 
 from .config import ActivationScale, WeightScale
-from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear, fp8_linear_emulated, quantize_static
+from .fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_ABSMAX,
+    Fp8Linear,
+    Fp8Rows,
+    fp8_linear_emulated,
+    quantize_static,
+    takes_rows,
+)
 
 try:
     import triton
     import triton.language as tl
 
     from ..kernels.common import fp8_row_scale, quantize_to_fp8
+    from ..kernels.fused import activation
     from ..kernels.pdl import pdl_wait_and_release
 
     HAVE_TRITON = True
@@ -40,13 +50,18 @@ BACKENDS = ("auto", "kernels", "emulated")
 
 
 def fp8_linear(
-    x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None, backend: str = "auto"
+    x: torch.Tensor | Fp8Rows, layer: Fp8Linear, bias: torch.Tensor | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """x [..., K] @ w^T (+ bias) in x's dtype, w the layer's FP8 weight. "kernels" forces the GPU path
-    (the tests run it on CPU tensors through Triton's interpreter and torch's CPU _scaled_mm)."""
+    (the tests run it on CPU tensors through Triton's interpreter and torch's CPU _scaled_mm). `Fp8Rows` (x
+    quantized per token by the kernel before: `takes_rows` layers) go straight to the GEMM."""
     assert backend in BACKENDS, f"backend must be one of {BACKENDS}"
-    if backend == "emulated" or (backend == "auto" and not (x.is_cuda and has_fp8_tensor_cores(x.device))):
+    if backend == "emulated" or (backend == "auto" and not (x.device.type == "cuda" and has_fp8_tensor_cores(x.device))):
         return fp8_linear_emulated(x, layer, bias)
+    if isinstance(x, Fp8Rows):
+        assert takes_rows(layer), "per-token rows reach only layers that quantize per token"
+        out = scaled_mm(x.x, x.scale, layer, x.dtype)
+        return out if bias is None else out + bias
     x2d = x.reshape(-1, layer.in_features)
     scheme = layer.scheme
     if scheme.weight is WeightScale.BLOCK:
@@ -111,13 +126,49 @@ def per_token_quant(
     x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        block = min(_next_pow2(k), 1024)
+        block, num_warps = _row_block(k)
         _per_token_quant_kernel[(m,)](
             x, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
             K=k, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, USE_PDL=pdl,
-            launch_pdl=pdl,
+            num_warps=num_warps, launch_pdl=pdl,
         )
     return x_fp8, scale
+
+
+# A row of at most this many columns is quantized from registers in one pass (one load of x, not two): the
+# small-step path's per_token_quant of O's and down's inputs (K 4,096 and 14,336) is a chain of dependent loads
+# otherwise, 2 x K / 1,024 of them, on one SM per row.
+ONE_PASS_MAX_K = 16384
+
+
+def _row_block(k: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the per-row quantization kernels: the whole row where it fits ONE_PASS_MAX_K (about 32
+    values a thread), else 1,024-column blocks in two passes."""
+    if k <= ONE_PASS_MAX_K:
+        block = _next_pow2(k)
+        return block, min(16, max(4, block // 512))
+    return 1024, 4
+
+
+def act_mul_per_token_quant(
+    gate_up: torch.Tensor, act: int, scale_ub: float | None = None
+) -> Fp8Rows:
+    """act(gate) * up of a fused [M, 2I] gate/up output, quantized per token for the down projection: the bits of
+    fused.act_mul then per_token_quant, in one kernel (the [M, I] model-dtype rows are never written; a large
+    step's down input is 8,192 x 14,336 of them in Llama-3-8B)."""
+    _check_triton()
+    assert gate_up.is_contiguous()
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    x_fp8 = torch.empty((m, inter), dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=gate_up.device)
+    if m:
+        block, num_warps = _row_block(inter)
+        _act_mul_quant_kernel[(m,)](
+            gate_up, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
+            INTER=inter, ACT=act, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
+            num_warps=num_warps,
+        )  # fmt: skip
+    return Fp8Rows(x_fp8, scale, gate_up.dtype)
 
 
 def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,21 +228,67 @@ if HAVE_TRITON:
         K: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        # One program per row: a pass for the absmax, a pass to quantize (the row stays in L2 between them).
+        # One program per row: a pass for the absmax, a pass to quantize (the row stays in L2 between them), or
+        # where the row fits one BLOCK, one load kept in registers for both.
         # K is a constexpr (one compile per hidden size): loop bounds must be scalars in the interpreter too.
         pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        running = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * K + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
-            running = tl.maximum(running, tl.abs(x))
-        scale = fp8_row_scale(tl.max(running, axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
-        tl.store(s_ptr + row, scale)
-        for start in range(0, K, BLOCK):
-            mask = start + cols < K
-            x = tl.load(x_ptr + row * K + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * K + start + cols, quantize_to_fp8(x, scale, FP8_MAX), mask=mask)
+        if BLOCK >= K:
+            mask = cols < K
+            x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
+            scale = fp8_row_scale(tl.max(tl.abs(x), axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
+            tl.store(s_ptr + row, scale)
+            tl.store(q_ptr + row * K + cols, quantize_to_fp8(x, scale, FP8_MAX), mask=mask)
+        else:
+            running = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, K, BLOCK):
+                x = tl.load(x_ptr + row * K + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+                running = tl.maximum(running, tl.abs(x))
+            scale = fp8_row_scale(tl.max(running, axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
+            tl.store(s_ptr + row, scale)
+            for start in range(0, K, BLOCK):
+                mask = start + cols < K
+                x = tl.load(x_ptr + row * K + start + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(q_ptr + row * K + start + cols, quantize_to_fp8(x, scale, FP8_MAX), mask=mask)
+
+    @triton.jit
+    def _act_mul_cols(gu_ptr, row, cols, mask, INTER: tl.constexpr, ACT: tl.constexpr):
+        """act(gate) * up at `cols` of one row, rounded as fused._act_mul_kernel rounds it (the activation to the
+        model dtype, then the product), returned in fp32."""
+        dtype = gu_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + row * 2 * INTER + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * INTER + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+        a = activation(g, ACT).to(dtype).to(tl.float32)
+        return (a * u).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _act_mul_quant_kernel(
+        gu_ptr, q_ptr, s_ptr, scale_ub,
+        INTER: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+        MIN_ABSMAX: tl.constexpr,
+    ):  # fmt: skip
+        # _per_token_quant_kernel over act·mul's row, which is computed (twice where it takes two passes: the
+        # gate/up row stays in L2) and never stored in the model dtype. Padding columns are act(0) * 0 = 0.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        if BLOCK >= INTER:
+            mask = cols < INTER
+            h = _act_mul_cols(gu_ptr, row, cols, mask, INTER, ACT)
+            scale = fp8_row_scale(tl.max(tl.abs(h), axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
+            tl.store(s_ptr + row, scale)
+            tl.store(q_ptr + row * INTER + cols, quantize_to_fp8(h, scale, FP8_MAX), mask=mask)
+        else:
+            running = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, INTER, BLOCK):
+                h = _act_mul_cols(gu_ptr, row, start + cols, start + cols < INTER, INTER, ACT)
+                running = tl.maximum(running, tl.abs(h))
+            scale = fp8_row_scale(tl.max(running, axis=0), scale_ub, HAS_UB, FP8_MAX, MIN_ABSMAX)
+            tl.store(s_ptr + row, scale)
+            for start in range(0, INTER, BLOCK):
+                mask = start + cols < INTER
+                h = _act_mul_cols(gu_ptr, row, start + cols, mask, INTER, ACT)
+                tl.store(q_ptr + row * INTER + start + cols, quantize_to_fp8(h, scale, FP8_MAX), mask=mask)
 
     @triton.jit
     def _per_token_group_quant_kernel(

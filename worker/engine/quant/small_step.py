@@ -26,8 +26,9 @@ the fused q/k/v scales per channel where they differ). It equals this GEMM then 
 Where x is quantized, for dynamic per-token schemes (the same bits every way): inside the GEMM (X_QUANT "gemm"),
 by kernels.per_token_quant first (X_QUANT "kernel"), or by the norm before it: `fp8_add_rmsnorm` is the decoder's
 add+RMSNorm with the normed rows quantized in the same program (`Fp8Rows`), which the decoder uses where the
-norm's one consumer is an FP8 linear this file runs (layer_ops.fp8_norm_args: QKV and gate/up), so those two
-linears per layer need no quantization at all.
+norm's one consumer is an FP8 linear that reads per-token rows (layer_ops.fp8_rows_args: QKV and gate/up), so
+those two linears per layer need no quantization at all. (Large steps do the same, and their act·mul quantizes
+down's rows: kernels.act_mul_per_token_quant.)
 
 Measured on the H200 (2026-12-01, benchmarks/h200/2026-12-01e and -01f, fp8_step_gemm.log): the in-GEMM variant
 loses to quantization + _scaled_mm on QKV, O and down at M = 32; x quantized first (X_QUANT "kernel", now the
@@ -37,8 +38,6 @@ default) beats that pair on all four projections, 1.4-1.5x. The decoder takes th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..kernels import fused as fk
@@ -46,7 +45,7 @@ from ..kernels import split_k as sk
 from ..kernels.common import HAVE_TRITON, tl, triton
 from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
 from .config import ActivationScale, WeightScale
-from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear
+from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear, Fp8Rows
 from .kernels import fp8_linear, per_token_quant
 
 if HAVE_TRITON:
@@ -76,32 +75,14 @@ MAX_K: int | None = None
 # (benchmarks/fp8_step_gemm.py times both).
 X_QUANT = "kernel"
 X_QUANTS = ("gemm", "kernel")
-# Split-K (kernels/split_k.py) for the plain and QKV kernels: the least split of SPLIT_CHOICES that gives a launch
-# SPLIT_FILL programs per SM (1 where none does or K's tiles do not divide). Llama-3-8B at M = 32 on the H200's 132
-# SMs: O and down 64 tiles -> 2 (128 programs), QKV 96 -> 2 (192); gate/up (224 gated tiles) is not split.
+# Split-K (kernels/split_k.py) for the plain and QKV kernels of deep products (at least SPLIT_MIN_K_TILES K tiles):
+# the least split of SPLIT_CHOICES that gives a launch SPLIT_FILL programs per SM. Measured on the H200 at M = 32
+# (2026-12-03f, fp8_split_gemm.log, per_token_quant + the GEMM): down (K = 14,336, 56 tiles, 64 programs) 30.4 us
+# unsplit, 27.4 at 2, 29.8 at 4; O (16 tiles) 11.2 / 11.4 / 11.7 and QKV 12.4 / 12.8 / 16.0, so those stay whole.
+# The layer chain: 85.0 us unsplit, 84.2 with every projection split by the fill rule alone.
 SPLIT_FILL = 0.9
 SPLIT_CHOICES = (1, 2, 4)
-
-
-@dataclass(frozen=True)
-class Fp8Rows:
-    """Activations already quantized per token: e4m3 rows [M, K] and their fp32 scales [M], for a GEMM whose
-    output is in `dtype` (the model's). `fp8_add_rmsnorm` makes them; this file's kernels read them as they are."""
-
-    x: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    def stride(self, dim: int) -> int:
-        return self.x.stride(dim)
+SPLIT_MIN_K_TILES = 32
 
 
 def fp8_add_rmsnorm(
@@ -138,12 +119,6 @@ def step_config(layer: Fp8Linear, gated: bool = False, config: Config | None = N
     return config
 
 
-def takes_rows(layer: Fp8Linear, gated: bool = False) -> bool:
-    """Whether this file's kernel runs `layer` (`gated`: as the gate/up GEMM) with activations quantized per token
-    at run time, so that `Fp8Rows` can feed it."""
-    return step_config(layer, gated=gated) is not None and layer.scheme.activation is ActivationScale.TOKEN
-
-
 def fp8_step_linear(
     x: torch.Tensor,
     layer: Fp8Linear,
@@ -160,7 +135,6 @@ def fp8_step_linear(
     decode_gemm.MAX_TOKENS. Where `step_config` gives None: kernels.fp8_linear."""
     config = step_config(layer, config=config)
     if config is None or not HAVE_TRITON:
-        assert not isinstance(x, Fp8Rows), "quantized rows reach only the layers this file's kernels run"
         return fp8_linear(x, layer, bias)
     return _launch(
         x, layer, bias, layer.out_features, config, gated=False, pdl=pdl, block_m=block_m, x_quant=x_quant,
@@ -270,10 +244,13 @@ def fp8_step_qkv_rope_write(
 
 def split_for(n_tiles: int, m_tiles: int, k_tiles: int, device: torch.device, split_k: int | None = None) -> int:
     """The split of a launch of n_tiles x m_tiles tiles over k_tiles K tiles: `split_k` where given (it must
-    divide k_tiles), else kernels/split_k.py's rule with SPLIT_FILL and SPLIT_CHOICES."""
+    divide k_tiles), else 1 below SPLIT_MIN_K_TILES and kernels/split_k.py's rule with SPLIT_FILL and SPLIT_CHOICES
+    above."""
     if split_k is not None:
         assert split_k >= 1 and k_tiles % split_k == 0, f"split_k {split_k} does not divide {k_tiles} K tiles"
         return split_k
+    if k_tiles < SPLIT_MIN_K_TILES:
+        return 1
     return sk.split_for(n_tiles * m_tiles, k_tiles, device, SPLIT_FILL, SPLIT_CHOICES)
 
 
