@@ -299,9 +299,16 @@ if HAVE_TRITON:
             page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
         in_page = pos % BLOCK_SIZE
         k_ptrs = k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks + d[None, :]
-        # An e4m3 cache's K and V widen to q's dtype (its scales are folded into scale_log2 and the output)
-        k = _load_rows(k_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        # An e4m3 cache's K and V widen to q's dtype (its scales are folded into scale_log2 and the output), or,
+        # under a bf16 q, to fp16: e4m3 -> fp16 is one conversion per two values on sm90 and exact, where e4m3 ->
+        # bf16 goes through fp32 (the conversions made W2's FP8-KV decode attention slower than bf16's: 7.7 vs 7.1
+        # ms a step, H200 2026-12-03f). q and the probabilities then round to fp16 (3 more mantissa bits than
+        # bf16; q past 65,504 would not fit, which no model's rotated queries reach).
+        compute = q.dtype
+        if k_base.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+            compute = tl.float16
+        k = _load_rows(k_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D).to(compute)
+        s = tl.dot(q.to(compute), tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if SOFTCAP:  # scale_log2 is scale / cap here: cap * tanh(scores / cap), in log2 units
             s = tanh(s) * softcap_log2
         if CAUSAL:
@@ -318,8 +325,8 @@ if HAVE_TRITON:
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :]
-        v = _load_rows(v_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        v = _load_rows(v_ptrs, valid, d_mask, MASK_TAIL, HEAD_DIM != BLOCK_D).to(compute)
+        acc = acc * alpha[:, None] + tl.dot(p.to(compute), v, input_precision=DOT_PREC)
         return m_new, l_i, acc
 
     @triton.jit

@@ -126,7 +126,7 @@ def per_token_quant(
     x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        block, num_warps = _row_block(k)
+        block, num_warps = _row_block(m, k)
         _per_token_quant_kernel[(m,)](
             x, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
             K=k, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, USE_PDL=pdl,
@@ -135,19 +135,21 @@ def per_token_quant(
     return x_fp8, scale
 
 
-# A row of at most this many columns is quantized from registers in one pass (one load of x, not two): the
-# small-step path's per_token_quant of O's and down's inputs (K 4,096 and 14,336) is a chain of dependent loads
-# otherwise, 2 x K / 1,024 of them, on one SM per row.
+# A row of at most ONE_PASS_MAX_K columns is quantized from registers in one pass (one load of x, not two) in
+# steps of at most ONE_PASS_MAX_ROWS rows: the small-step path's per_token_quant of O's and down's inputs (K 4,096
+# and 14,336) is otherwise a chain of 2 x K / 1,024 dependent loads on one SM per row (W1_fp8 4.31 -> 4.19 ms a
+# step with it, H200 2026-12-03f). Large steps keep 1,024-column passes of 4 warps: a whole row a program holds
+# an SM's registers, and W2's act·mul quantization ran at a quarter of the bandwidth so (2.2 ms a step).
 ONE_PASS_MAX_K = 16384
+ONE_PASS_MAX_ROWS = 64
 
 
-def _row_block(k: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the per-row quantization kernels: the whole row where it fits ONE_PASS_MAX_K (about 32
-    values a thread), else 1,024-column blocks in two passes."""
-    if k <= ONE_PASS_MAX_K:
+def _row_block(m: int, k: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the per-row quantization kernels for m rows of k columns."""
+    if k <= ONE_PASS_MAX_K and m <= ONE_PASS_MAX_ROWS:
         block = _next_pow2(k)
         return block, min(16, max(4, block // 512))
-    return 1024, 4
+    return min(1024, _next_pow2(k)), 4
 
 
 def act_mul_per_token_quant(
@@ -162,7 +164,7 @@ def act_mul_per_token_quant(
     x_fp8 = torch.empty((m, inter), dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty((m,), dtype=torch.float32, device=gate_up.device)
     if m:
-        block, num_warps = _row_block(inter)
+        block, num_warps = _row_block(m, inter)
         _act_mul_quant_kernel[(m,)](
             gate_up, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
             INTER=inter, ACT=act, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
