@@ -96,7 +96,8 @@ QUANTIZATION_FLAGS = (
         {
             "type": click.Choice(QUANTIZATIONS),
             "help": "fp8: quantize an unquantized checkpoint's linears at load (FP8 weights per output channel, "
-            "activations per token; FP8 GEMMs on sm89+ GPUs, the dequantized weights elsewhere). FP8 checkpoints "
+            "activations per token; FP8 GEMMs on sm89+ GPUs, the dequantized weights elsewhere; a mixture of "
+            "experts' routed experts too, on sm89+ GPUs). FP8 checkpoints "
             "(block-wise fp8, compressed-tensors, fbgemm_fp8) run in their own format without it.",
         },
     ),

@@ -104,6 +104,29 @@ def test_an_moe_model_takes_the_floor_that_counts_the_experts_its_steps_hit(tmp_
     assert json.loads(out.read_text())["results"]["async"]["floor_ratio"] > 0
 
 
+def test_fp8_experts_are_read_at_a_byte_a_weight_in_the_moe_floor():
+    """`--quantization fp8` keeps a mixture of experts' routed experts FP8 on sm89+ GPUs (forced here on the CPU): the
+    floor reads the experts a step hits at one byte a weight and their scales, and computes at the FP8 rate."""
+    import torch
+
+    from worker.engine.models import load_model
+    from worker.engine.moe.cost import MoeModelShape, fp8_expert_bytes_per_param
+    from worker.engine.moe.fp8 import Fp8ExpertFormat
+
+    model, _ = load_model(
+        "tiny-qwen3-moe", torch.device("cpu"), torch.float32, quantization="fp8", keep_fp8=True, keep_fp8_experts=True
+    )
+    shape, bandwidth = MoeModelShape.from_config(model.config), 1e12
+    decode = [(1, 1, 100, 0.0)]  # one token: 8 of the 16 experts in each of the 2 layers
+    per_param = fp8_expert_bytes_per_param(shape.spec, Fp8ExpertFormat())
+    assert 1 < per_param < 1.1  # 3 x 64 x 32 e4m3 weights and (2 x 32 + 64) fp32 scales an expert
+    floor, _ = bench_engine.engine_floors(model, decode, bandwidth)
+    fp8_floor = bench_engine.moe_floor_seconds(decode, shape, 4, bandwidth, False, per_param, bench_engine.PEAK_FP8_FLOPS)
+    assert floor == pytest.approx(fp8_floor)
+    dense_experts = bench_engine.moe_floor_seconds(decode, shape, 4, bandwidth)
+    assert dense_experts - floor == pytest.approx(2 * 8 * 3 * 64 * 32 * (4 - per_param) / bandwidth, rel=1e-6)
+
+
 def test_the_dense_floor_reads_a_tied_head_and_bounds_sliding_layers_by_their_window():
     """A tied LM head (Gemma) is read whole every step, though the input embedding is a lookup; a sliding layer
     reads at most `num_seqs * window` cached tokens (Gemma 3's five local layers in six)."""

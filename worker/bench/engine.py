@@ -137,20 +137,29 @@ def floor_seconds(
     return total
 
 
-def moe_floor_seconds(step_log, shape, dtype_bytes: int, bandwidth: float, serial: bool = False) -> float:
+def moe_floor_seconds(
+    step_log,
+    shape,
+    dtype_bytes: int,
+    bandwidth: float,
+    serial: bool = False,
+    expert_bytes_per_param: float | None = None,
+    peak_flops: float = PEAK_BF16_FLOPS,
+) -> float:
     """`floor_seconds` for a mixture of experts (`shape`: moe/cost.py's MoeModelShape): each step reads the dense
     weights, only the experts its tokens hit (distinct experts per layer), and the KV its attention reads (sliding
-    windows bounded), and computes the FLOPs of the parameters its tokens activate (moe/cost.py's `step_cost`)."""
+    windows bounded), and computes the FLOPs of the parameters its tokens activate (moe/cost.py's `step_cost`).
+    `expert_bytes_per_param`: the experts' bytes a weight where they are not in the model dtype (FP8 experts)."""
     from worker.engine.moe.cost import step_cost
 
     if bandwidth <= 0:
         return 0.0
     total = 0.0
     for num_tokens, num_seqs, context_tokens, _dev in step_log:
-        cost = step_cost(shape, num_tokens, num_seqs, context_tokens, dtype_bytes)
+        cost = step_cost(shape, num_tokens, num_seqs, context_tokens, dtype_bytes, expert_bytes_per_param)
         weights = (cost.dense_bytes + cost.expert_bytes) / bandwidth
         kv_reads = cost.kv_bytes / bandwidth
-        compute = cost.flops / PEAK_BF16_FLOPS
+        compute = cost.flops / peak_flops
         total += max(weights, compute) + kv_reads if serial else max(weights + kv_reads, compute)
     return total
 
@@ -164,13 +173,18 @@ def engine_floors(model, step_log, bandwidth: float, kv_dtype=None) -> tuple[flo
     from worker.engine.models import family_for
 
     if family_for(model.config)[0].moe is not None:
-        from worker.engine.moe.cost import MoeModelShape
+        from worker.engine.moe.cost import MoeModelShape, fp8_expert_bytes_per_param
+        from worker.engine.moe.fp8_experts import expert_format_of
 
         shape = MoeModelShape.from_config(model.config)
         dtype_bytes = model.dtype.itemsize
+        # FP8 experts (moe/fp8_experts.py): 1 byte a weight and their scales, their GEMMs at the FP8 rate
+        fp8_experts = expert_format_of(model)
+        per_param = None if fp8_experts is None else fp8_expert_bytes_per_param(shape.spec, fp8_experts)
+        moe_peak = PEAK_BF16_FLOPS if fp8_experts is None else PEAK_FP8_FLOPS
         return (
-            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth),
-            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, serial=True),
+            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, False, per_param, moe_peak),
+            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, True, per_param, moe_peak),
         )
     from worker.engine.quant.linear import Fp8LinearModule
 
@@ -453,6 +467,7 @@ def engine_bench(
     from worker.engine.engine import Engine
     from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
     from worker.engine.models.loader import check_moe_fit
+    from worker.engine.moe.fp8_experts import expert_format_of
     from worker.engine.parallel.runner import build_sharded_engine, sharded_model_config
 
     if len(precisions) > 1 and compare_hf:
@@ -514,7 +529,8 @@ def engine_bench(
                 )
                 model_config = hf_model.config
                 if free_bytes and family_for(model_config)[0].moe is not None:  # the numbers the load checked
-                    click.echo(check_moe_fit(model_config, hf_model.dtype, free_bytes), err=True)
+                    fp8_experts = expert_format_of(hf_model)
+                    click.echo(check_moe_fit(model_config, hf_model.dtype, free_bytes, fp8_experts), err=True)
             load_seconds[model if precision is None else f"{model}-{precision}"] = time.perf_counter() - t0
             bandwidth = bandwidth or measure_copy_bandwidth(dev)
             vocab_limit = min(model_config.vocab_size, 32000)

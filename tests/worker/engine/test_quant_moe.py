@@ -1,10 +1,11 @@
 """FP8 mixtures of experts as the releases ship them (tests/fixtures/fp8_checkpoints.py `build_fp8_moe_checkpoint`:
 Qwen3-*-FP8's block-wise per-expert tensors, GLM-4.5-Air-FP8's per-channel compressed-tensors), through cbq's
-loader on the CPU in fp32: the experts are the checkpoint's FP8 values times their scales, exactly (cbq has no FP8
-grouped GEMM: they are dequantized at load), the router as stored; the attention runs as in a dense FP8 model
+loader on the CPU in fp32: the experts are the checkpoint's FP8 values times their scales, exactly (the CPU
+dequantizes them at load; sm89+ CUDA keeps them FP8: test_moe_fp8.py), the router as stored; the attention runs as in a dense FP8 model
 (kept FP8 with `keep_fp8`, what sm89+ CUDA does); the engine's greedy output equals `model.generate` of the loaded
 model token for token (owned and hf decoders, sync and async, chunked prefill); other FP8 formats on a mixture of
-experts are refused in one line. The `gpu` test checks the load and the first tokens on CUDA in bf16.
+experts are refused in one line. The `gpu` test checks the load (experts kept FP8) and the first tokens on CUDA in
+bf16.
 """
 
 from __future__ import annotations
@@ -193,8 +194,9 @@ def test_owned_decoder_multiplies_the_fp8_attention_and_dense_experts(loaded, fm
 
 
 def test_quantization_fp8_on_an_moe_quantizes_its_attention_and_dense_mlps_only():
-    """`--quantization fp8` on a bf16 mixture of experts (tiny-qwen2-moe: a gated shared expert, layer 0 dense): the
-    attention and the dense MLP become FP8, the sparse MLP (experts, shared expert, its gate) stays as it was."""
+    """`--quantization fp8` on a bf16 mixture of experts (tiny-qwen2-moe: a gated shared expert, layer 0 dense) on the
+    CPU: the attention and the dense MLP become FP8, the sparse MLP (experts, shared expert, its gate) stays as it
+    was (sm89+ CUDA quantizes the routed experts too: test_moe_fp8.py)."""
     dense, _ = load_model("tiny-qwen2-moe", CPU, torch.float32)
     model, tok = load_model("tiny-qwen2-moe", CPU, torch.float32, quantization="fp8", keep_fp8=True)
     assert isinstance(model.model.layers[0].mlp.down_proj, Fp8LinearModule)
@@ -260,7 +262,10 @@ GPU_TOP1 = 0.6  # test_quant_decoder.py's bound: FP8 re-quantization amplifies l
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)), reason="needs an sm89+ GPU"
 )
 @pytest.mark.parametrize("fmt", list(MOE_FORMATS))
-def test_gpu_fp8_moe_loads_fp8_attention_and_bf16_experts(release, fmt):
+def test_gpu_fp8_moe_loads_fp8_attention_and_fp8_experts(release, fmt):
+    from worker.engine.moe.fp8 import dequantize_down
+    from worker.engine.moe.fp8_experts import Fp8Experts
+
     cuda = torch.device("cuda")
     fp8 = release(fmt)
     model, tok = load_model(str(fp8.path), cuda, torch.bfloat16)
@@ -268,8 +273,10 @@ def test_gpu_fp8_moe_loads_fp8_attention_and_bf16_experts(release, fmt):
     layer = model.model.layers[-1]
     assert isinstance(layer.self_attn.q_proj, Fp8LinearModule), "sm89+ keeps the attention FP8"
     experts, prefix = layer.mlp.experts, f"model.layers.{len(model.model.layers) - 1}.mlp.experts"
-    assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj.is_cuda
-    assert torch.equal(experts.down_proj[3].cpu(), dequantized(tensors, f"{prefix}.3.down_proj").to(torch.bfloat16))
+    assert isinstance(experts, Fp8Experts), "sm89+ keeps the experts FP8"
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj.is_cuda
+    down = dequantize_down(experts.down_proj[3], experts.down_proj_scale[3], experts.format).cpu()
+    assert torch.equal(down, dequantized(tensors, f"{prefix}.3.down_proj"))
     engine = Engine(model, tok, EngineConfig(decoder="owned", max_num_batched_tokens=256))
     assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
     reqs = _requests(model.config.vocab_size, num=16)

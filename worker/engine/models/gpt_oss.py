@@ -32,7 +32,8 @@ class ExpertsInKernelLayout(nn.Module):
     @property
     def weights(self) -> ExpertWeights:
         """The experts as the decoder reads them (its views: a second decoder build on this model takes them again)."""
-        return ExpertWeights(*(self.get_parameter(name).detach() for name in self.KERNEL_NAMES))
+        gate_up, down, gate_up_bias, down_bias = (self.get_parameter(name).detach() for name in self.KERNEL_NAMES)
+        return ExpertWeights(gate_up, down, gate_up_bias, down_bias)
 
     def __init__(self, transformers_experts: nn.Module, weights: ExpertWeights) -> None:
         super().__init__()

@@ -12,7 +12,9 @@ quantizer (which needs a GPU and the `kernels` package).
 
 Quantization is a property of each linear: on sm89+ CUDA a quantized linear is an `Fp8LinearModule` (FP8
 weight and scales, which the owned decoder multiplies with FP8 GEMMs); elsewhere its weight is dequantized to
-the compute dtype (the CPU path, exact against `generate` on the same dequantized model).
+the compute dtype (the CPU path, exact against `generate` on the same dequantized model). A mixture of experts'
+routed experts likewise: kept FP8 on sm89+ CUDA (moe/fp8_experts.py `Fp8Experts`, the FP8 grouped GEMMs), from an
+FP8 checkpoint or quantized per channel by `--quantization fp8`; dequantized (or left as they are) elsewhere.
 Presets need no files and no network; they use the byte tokenizer.
 """
 
@@ -26,6 +28,8 @@ import os
 import torch
 
 from ..api import SamplingParams
+from ..moe.fp8 import Fp8ExpertFormat
+from ..moe.fp8_experts import quantize_model_experts
 from ..parallel.shard_build import load_whole_model
 from ..quant import (
     Fp8Config,
@@ -417,29 +421,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def check_moe_fit(config, dtype: torch.dtype, gpu_free_bytes: int) -> str:
+def check_moe_fit(config, dtype: torch.dtype, gpu_free_bytes: int, fp8_experts: Fp8ExpertFormat | None = None) -> str:
     """For a mixture of experts: its weights' bytes in `dtype` against the GPU's free bytes, from the config alone
     (before anything is allocated). Every expert is held once, gpt-oss's too (the owned decoder moves them into the
-    kernels' layout a layer at a time: moe/from_model.py). Returns the line that says the numbers; a
-    `ModelLoadError` with them when nothing is left for the KV cache."""
+    kernels' layout a layer at a time: moe/from_model.py); `fp8_experts`: the experts are kept in FP8 (1 byte a
+    weight and their scales). Returns the line that says the numbers; a `ModelLoadError` with them when nothing is
+    left for the KV cache."""
     from ..moe.cost import MoeModelShape, check_weights_fit, weight_bytes
 
-    weights = weight_bytes(MoeModelShape.from_config(config), dtype.itemsize)
+    weights = weight_bytes(MoeModelShape.from_config(config), dtype.itemsize, fp8_experts=fp8_experts)
     try:
         check_weights_fit(weights, gpu_free_bytes, min_kv_bytes=1)
     except ValueError as exc:
         raise ModelLoadError(f"model type {config.model_type!r}: {exc}") from exc
     gb = 1e9
+    experts_in = " in FP8" if fp8_experts is not None else ""
     return (
-        f"{config.model_type}: weights {weights.total / gb:.1f} GB (experts {weights.experts / gb:.1f} GB) in "
-        f"{str(dtype).removeprefix('torch.')}, GPU free {gpu_free_bytes / gb:.1f} GB, "
+        f"{config.model_type}: weights {weights.total / gb:.1f} GB (experts {weights.experts / gb:.1f} GB{experts_in}) "
+        f"in {str(dtype).removeprefix('torch.')}, GPU free {gpu_free_bytes / gb:.1f} GB, "
         f"{(gpu_free_bytes - weights.total) / gb:.1f} GB left for the KV cache"
     )
 
 
-def _check_fit(config, family: Family, device: torch.device, dtype: torch.dtype) -> None:
+def _check_fit(
+    config, family: Family, device: torch.device, dtype: torch.dtype, fp8_experts: Fp8ExpertFormat | None
+) -> None:
     if family.moe is not None and device.type == "cuda":
-        logger.info(check_moe_fit(config, dtype, torch.cuda.mem_get_info(device)[0]))
+        logger.info(check_moe_fit(config, dtype, torch.cuda.mem_get_info(device)[0], fp8_experts))
+
+
+def fp8_expert_format(config, family: Family, quant: Fp8Config | None) -> Fp8ExpertFormat | None:
+    """The format a mixture of experts' experts are kept in where FP8 experts are kept (None: a dense model, or
+    experts that run in the model dtype): the checkpoint's, or `--quantization fp8`'s per-channel one."""
+    sparse = sparse_layers(config, family)
+    return None if sparse is None else sparse.fp8_format(quant)
 
 
 def load_model(
@@ -449,11 +464,15 @@ def load_model(
     seed: int = 0,
     quantization: str | None = None,
     keep_fp8: bool | None = None,
+    keep_fp8_experts: bool | None = None,
 ):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
     `quantization`: "fp8" quantizes an unquantized model at load (`--quantization`; an FP8 checkpoint keeps its
     own format). `keep_fp8`: quantized linears stay FP8 (`Fp8LinearModule`) rather than dequantized; None: where
     FP8 tensor cores run them (sm89+ CUDA). The tests set it on the CPU, where the FP8 GEMM is emulated.
+    `keep_fp8_experts`: a mixture of experts' routed experts stay FP8 too (`Fp8Experts`, the FP8 grouped GEMMs;
+    quantized per channel under `--quantization fp8`); None: with `keep_fp8` on CUDA. The tests set it on the CPU,
+    where Triton's interpreter runs the kernels; elsewhere the CPU keeps its experts in the model dtype.
 
     Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
     architecture, quantization or config value, custom code (`auto_map`), or files that cannot be read (a
@@ -463,10 +482,14 @@ def load_model(
 
     if keep_fp8 is None:
         keep_fp8 = keeps_fp8(device)
+    if keep_fp8_experts is None:
+        keep_fp8_experts = keep_fp8 and device.type == "cuda"
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
         quant = _quantization(config, quantization)
-        _check_fit(config, family_for(config)[0], device, dtype)
+        family = family_for(config)[0]
+        fp8_experts = fp8_expert_format(config, family, quant) if keep_fp8_experts else None
+        _check_fit(config, family, device, dtype, fp8_experts)
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -475,7 +498,8 @@ def load_model(
         config = _load_config(name_or_path)
         quant = _quantization(config, quantization)
         family, _ = family_for(config)  # before reading any weights
-        _check_fit(config, family, device, dtype)
+        fp8_experts = fp8_expert_format(config, family, quant) if keep_fp8_experts else None
+        _check_fit(config, family, device, dtype, fp8_experts)
         text_config, key_mapping = _text_model(config, family)
         try:
             generation_config = _load_generation_config(name_or_path, config)
@@ -483,7 +507,7 @@ def load_model(
             if quant is not None and quant.is_serialized:  # FP8 weights in the checkpoint: read by quant/
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
-                    sparse=sparse_layers(config, family),
+                    sparse=sparse_layers(config, family), keep_fp8_experts=keep_fp8_experts,
                 ).to(device)  # fmt: skip
             elif has_mxfp4_experts(config):  # gpt-oss's release: read by slice, its experts dequantized to `dtype`
                 model = load_whole_model(name_or_path, text_config, family, key_mapping, device, dtype)
@@ -502,6 +526,8 @@ def load_model(
     if quant is not None and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
         sparse = sparse_layers(model.config, family_for(model.config)[0])
         quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
+        if sparse is not None and fp8_experts is not None:  # the routed experts per channel, a layer at a time
+            quantize_model_experts(model, sparse.layer_prefixes, sparse.mlp.experts, sparse.spec)
     model.eval().requires_grad_(False)
     return model, tokenizer
 
@@ -518,7 +544,7 @@ def _quantization(config, requested: str | None) -> Fp8Config | None:
         return None
     quantization_config = getattr(config, "quantization_config", None)
     try:
-        if _require_family(config.model_type).moe is not None:  # its experts are dequantized at load
+        if _require_family(config.model_type).moe is not None:  # the formats whose experts cbq reads
             return moe_quantization(quantization_config, config.model_type, requested=requested)
         return checkpoint_quantization(quantization_config, requested=requested)
     except UnsupportedQuantization as exc:

@@ -3,7 +3,7 @@
 `MoeModelShape.from_config` gathers the few numbers that matter (the MoE spec, which layers are sparse, the
 attention's shape, sliding windows). From it:
   - `weight_bytes`: every parameter, split into dense and routed-expert bytes (experts may be stored in
-    another format than the rest, e.g. MXFP4), so a load can say "does not fit" with the numbers
+    another format than the rest: MXFP4, or FP8 with its scales, fp8.py), so a load can say "does not fit" with the numbers
     (`check_weights_fit`) before allocating anything;
   - `step_cost`: the floor of one engine step of T tokens: the dense weights (attention, norms, routers,
     shared experts, dense MLPs, the LM head), the experts its tokens hit, the KV it reads, and the FLOPs of
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .fp8 import Fp8ExpertFormat
 from .mxfp4 import BYTES_PER_GROUP, VALUES_PER_GROUP
 from .spec import MoeSpec, dense_intermediate_size, moe_layer_ids, spec_from_config
 
@@ -148,11 +149,23 @@ class WeightBytes:
         return self.dense + self.embedding + self.experts
 
 
-def weight_bytes(shape: MoeModelShape, dtype_bytes: int, dequantize_mxfp4: bool = True) -> WeightBytes:
+def weight_bytes(
+    shape: MoeModelShape,
+    dtype_bytes: int,
+    dequantize_mxfp4: bool = True,
+    fp8_experts: Fp8ExpertFormat | None = None,
+) -> WeightBytes:
     """Bytes of the model's weights on the GPU in `dtype_bytes`-wide parameters; MXFP4 experts stay 4.25 bits a
-    weight unless `dequantize_mxfp4` (what cbq does at load today: `weights.py`)."""
+    weight unless `dequantize_mxfp4` (what cbq does at load today: `weights.py`); `fp8_experts`: the experts are
+    kept in that FP8 format (1 byte a weight and fp32 scales: fp8.py; their biases in the model dtype)."""
     matrix_bytes = MXFP4_BYTES_PER_PARAM if shape.mxfp4_experts and not dequantize_mxfp4 else dtype_bytes
     experts = shape.expert_matrix_params * matrix_bytes + shape.expert_bias_params * dtype_bytes
+    if fp8_experts is not None:
+        per_expert = fp8_experts.bytes_per_expert(shape.spec)
+        experts = (
+            len(shape.moe_layers) * shape.spec.num_experts * per_expert
+            + shape.expert_bias_params * dtype_bytes
+        )
     embedding = 0 if shape.tie_word_embeddings else shape.embedding_params * dtype_bytes
     return WeightBytes(dense=shape.dense_params * dtype_bytes, embedding=embedding, experts=experts)
 
@@ -202,7 +215,8 @@ def step_cost(
     `context_tokens` cached tokens in all (the engine's step log has these three). A sliding-window layer
     reads at most `num_seqs * window` of them (exact when every sequence's context is beyond the window or
     none is). Logits are computed for one token per sequence. `expert_bytes_per_param` defaults to the
-    dtype's (experts dequantized at load); MXFP4 experts read as such would pass MXFP4_BYTES_PER_PARAM."""
+    dtype's (experts dequantized at load); FP8 experts pass `fp8_expert_bytes_per_param`, MXFP4 experts read as
+    such would pass MXFP4_BYTES_PER_PARAM."""
     spec = shape.spec
     per_expert_bytes = spec.params_per_expert * (expert_bytes_per_param or dtype_bytes)
     experts_hit = expected_distinct_experts(num_tokens, spec.num_experts, spec.top_k)
@@ -223,3 +237,9 @@ def step_cost(
         kv_bytes=kv_bytes,
         flops=flops,
     )
+
+
+def fp8_expert_bytes_per_param(spec: MoeSpec, fmt: Fp8ExpertFormat) -> float:
+    """`step_cost`'s `expert_bytes_per_param` for FP8 experts: an expert's e4m3 matrices and scales over its
+    parameters (kept FP8, experts have no biases: gpt-oss's, the biased ones, stay in the model dtype)."""
+    return fmt.bytes_per_expert(spec) / spec.params_per_expert

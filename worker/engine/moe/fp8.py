@@ -18,7 +18,7 @@ Activation quantization is quant/fp8.py's (torch) and quant/kernels.py's (Triton
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +54,18 @@ class Fp8ExpertFormat:
             return Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN)
         return Fp8Scheme(WeightScale.BLOCK, ActivationScale.TOKEN_GROUP, block_shape=self.block_shape)
 
-    def scale_shapes(self, num_experts: int, hidden: int, inter: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def scale_shapes(
+        self, num_experts: int, hidden: int, inter: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(gate_up's, down's) scale shapes for E experts of hidden size H and intermediate size I."""
         if self.block_shape is None:
             return (num_experts, 2 * inter), (num_experts, hidden)
         bn, bk = self.block_shape
-        return (num_experts, 2 * _cdiv(inter, bn), _cdiv(hidden, bk)), (num_experts, _cdiv(hidden, bn), _cdiv(inter, bk))
+        return (num_experts, 2 * _cdiv(inter, bn), _cdiv(hidden, bk)), (
+            num_experts,
+            _cdiv(hidden, bn),
+            _cdiv(inter, bk),
+        )
 
     def bytes_per_expert(self, spec: MoeSpec) -> int:
         """One expert's e4m3 matrices (1 byte a weight) and fp32 scales; its biases (gpt-oss) are not FP8."""
@@ -92,7 +98,10 @@ class ExpertFp8Scales:
     def check(self, num_experts: int, hidden: int, inter: int) -> None:
         """Shapes and dtypes; raises ValueError naming the tensor."""
         for name, tensor, shape in zip(
-            ("gate_up", "down"), (self.gate_up, self.down), self.format.scale_shapes(num_experts, hidden, inter), strict=True
+            ("gate_up", "down"),
+            (self.gate_up, self.down),
+            self.format.scale_shapes(num_experts, hidden, inter),
+            strict=True,
         ):
             if tensor.dtype != torch.float32 or tuple(tensor.shape) != shape:
                 raise ValueError(
@@ -105,15 +114,16 @@ class ExpertFp8Scales:
 
 def supported_scheme(scheme: Fp8Scheme | None) -> Fp8ExpertFormat | None:
     """The expert format of a linear's FP8 scheme where the FP8 expert GEMMs compute it: per-channel weights with
-    dynamic per-token activations (no cap), or blocks whose width is a power of two (a K tile of the kernels must
-    lie in one group). Else None: those experts are dequantized at load (static input scales, per-tensor weights)."""
+    dynamic per-token activations (no cap), or blocks whose width is a power of two of at least 32 (a K tile of the
+    kernels must lie in one group, and an FP8 dot takes 32 columns at least). Else None: those experts are
+    dequantized at load (static input scales, per-tensor weights)."""
     if scheme is None:
         return None
     if scheme.weight is WeightScale.CHANNEL and scheme.activation is ActivationScale.TOKEN:
         return Fp8ExpertFormat() if scheme.activation_scale_ub is None else None
     if scheme.weight is WeightScale.BLOCK and scheme.block_shape is not None:
         bk = scheme.block_shape[1]
-        return Fp8ExpertFormat(scheme.block_shape) if bk >= 16 and bk & (bk - 1) == 0 else None
+        return Fp8ExpertFormat(scheme.block_shape) if bk >= 32 and bk & (bk - 1) == 0 else None
     return None
 
 
@@ -127,30 +137,45 @@ def checkpoint_expert_format(quant: Fp8Config | None, expert_linear: str) -> Fp8
 
 
 def stack_expert_linears(
-    linears: Sequence[tuple[Fp8Linear, Fp8Linear, Fp8Linear]], fmt: Fp8ExpertFormat, device: torch.device | str = "cpu"
+    num_experts: int,
+    read: Callable[[int], tuple[Fp8Linear, Fp8Linear, Fp8Linear]],
+    fmt: Fp8ExpertFormat,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertFp8Scales]:
-    """Each expert's (gate, up, down) FP8 linears, as a checkpoint ships them, stacked: (gate_up [E, 2I, H] e4m3,
-    down [E, H, I] e4m3, their scales). The e4m3 bytes and scales are the checkpoint's, moved, not recomputed."""
-    gate, _, down = linears[0]
-    inter, hidden = gate.out_features, gate.in_features
-    num_experts = len(linears)
-    gate_up_w = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device=device)
-    down_w = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device=device)
-    gate_up_shape, down_shape = fmt.scale_shapes(num_experts, hidden, inter)
-    gate_up_s = torch.empty(gate_up_shape, dtype=torch.float32, device=device)
-    down_s = torch.empty(down_shape, dtype=torch.float32, device=device)
-    for e, (g, u, d) in enumerate(linears):
-        for layer in (g, u, d):
-            assert supported_scheme(layer.scheme) == fmt, f"expert {e}: scheme {layer.scheme} is not {fmt}"
+    """Each expert's (gate, up, down) FP8 linears as a checkpoint ships them (`read(e)`, called once an expert, so
+    one expert's tensors are held at a time) stacked: (gate_up [E, 2I, H] e4m3, down [E, H, I] e4m3, their
+    scales). The e4m3 bytes and the scales are the checkpoint's, copied, not recomputed."""
+    gate_up_w = down_w = gate_up_s = down_s = torch.empty(0)
+    for e in range(num_experts):
+        linears = read(e)
+        for layer in linears:
+            if supported_scheme(layer.scheme) != fmt:
+                raise ValueError(
+                    f"expert {e} is scaled as {layer.scheme}, the layer's first expert as {fmt.scheme}"
+                )
+        g, u, d = linears
+        if e == 0:  # the stacks, once their sizes are known
+            inter, hidden = g.out_features, g.in_features
+            gate_up_w = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device=device)
+            down_w = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device=device)
+            gate_up_shape, down_shape = fmt.scale_shapes(num_experts, hidden, inter)
+            gate_up_s = torch.empty(gate_up_shape, dtype=torch.float32, device=device)
+            down_s = torch.empty(down_shape, dtype=torch.float32, device=device)
+        inter, hidden = gate_up_w.shape[1] // 2, gate_up_w.shape[2]
+        shapes = (tuple(g.weight.shape), tuple(u.weight.shape), tuple(d.weight.shape))
+        if shapes != ((inter, hidden), (inter, hidden), (hidden, inter)):
+            raise ValueError(
+                f"expert {e}'s gate, up and down are {shapes}, the layer's first expert's {(inter, hidden)}"
+            )
         gate_up_w[e, :inter].copy_(g.weight)
         gate_up_w[e, inter:].copy_(u.weight)
         down_w[e].copy_(d.weight)
-        rows = g.weight_scale.shape[0]  # I (channel) or ceil(I / bn) (block)
+        rows = g.weight_scale.shape[0]  # I (channel) or ceil(I / bn) (block): gate's, then up's
         gate_up_s[e, :rows].copy_(g.weight_scale)
         gate_up_s[e, rows:].copy_(u.weight_scale)
         down_s[e].copy_(d.weight_scale)
     scales = ExpertFp8Scales(gate_up_s, down_s, fmt)
-    scales.check(num_experts, hidden, inter)
+    scales.check(num_experts, down_w.shape[1], down_w.shape[2])
     return gate_up_w, down_w, scales
 
 
@@ -195,5 +220,7 @@ def dequantize_down(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8ExpertFor
     return _dequantize_blocks(weight, scale, fmt.block_shape)
 
 
-def _dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+def _dequantize_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int]
+) -> torch.Tensor:
     return weight.float() * expand_block_scale(scale, block_shape, *weight.shape)

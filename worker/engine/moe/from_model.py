@@ -10,6 +10,7 @@ A stacked layout that is not the kernels' (gpt-oss's [E, H, 2I], interleaved) is
 experts are copied once, the family's `experts_in_kernel_layout` module takes transformers' module's place (it
 computes the same expert math from the new tensors), and the old tensors go with the old module. So the peak is one
 layer's experts above the model, and a later build on the same model finds the kernels' layout and takes views.
+Experts the loader kept in FP8 (`fp8_experts.Fp8Experts`, CUDA) are its e4m3 tensors and scales, taken as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..fused_weights import fuse_rows, submodule
 from ..models.spec import MoeMlpSpec
+from .fp8_experts import Fp8Experts
 from .spec import MoeSpec
 from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights, load_moe_layer
 
@@ -33,7 +35,9 @@ def moe_layer_weights(layer: Any, mlp: MoeMlpSpec, spec: MoeSpec) -> MoeLayerWei
     experts = submodule(layer, mlp.experts)
     stacked = getattr(experts, "gate_up_proj", None)
     num_experts, hidden, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate_size
-    if mlp.experts_in_kernel_layout is not None and isinstance(experts, mlp.experts_in_kernel_layout):
+    if isinstance(experts, Fp8Experts):  # kept in FP8 at load (CUDA): the FP8 grouped GEMMs read them as they are
+        expert_weights = experts.weights
+    elif mlp.experts_in_kernel_layout is not None and isinstance(experts, mlp.experts_in_kernel_layout):
         expert_weights = experts.weights  # moved by an earlier build on this model
     elif mlp.kernel_layout and isinstance(stacked, torch.Tensor) and stacked.shape == (num_experts, 2 * inter, hidden):
         expert_weights = ExpertWeights(stacked.detach(), experts.down_proj.detach())

@@ -9,10 +9,10 @@ sigmoid) to the multiply (transformers rounds Qwen's to the model dtype; in fp32
 division), so it runs inside a CUDA graph. `experts_ref` loops over the experts that were hit, which reads
 device values (CPU only).
 
-FP8 experts (`ExpertWeights.fp8`, fp8.py) are never on the CPU path (the loaders dequantize them there); where they
-reach `experts_ref` (transformers' forward of a model that keeps them, `Fp8Experts`; the tests) it computes their
-emulation, `experts_fp8_emulated`: what the FP8 grouped GEMMs (triton_fp8.py) compute, as the dense FP8 linears'
-`fp8_linear_emulated` does for theirs.
+FP8 experts (`ExpertWeights.fp8`, fp8.py) are not on the CPU path by default (the loaders dequantize them there);
+where they reach `experts_ref` (transformers' forward of a model that keeps them, `Fp8Experts`; the tests, which
+keep them on the CPU) it computes their emulation, `experts_fp8_emulated`: what the FP8 grouped GEMMs
+(triton_fp8.py) compute, as the dense FP8 linears' `fp8_linear_emulated` does for theirs.
 """
 
 from __future__ import annotations
@@ -143,13 +143,17 @@ def experts_fp8_emulated(
         activated = _activation_as_kernels(gate_up, spec)
         a_fp8, a_scale = fmt.quantize_input(activated)
         down_w = dequantize_down(experts.down[expert], experts.fp8.down[expert], fmt).to(acc)
-        y = _round(_dequantize_input(a_fp8, a_scale, fmt.block_shape).to(acc) @ down_w.t(), experts.down_bias, expert, dtype)
+        a = _dequantize_input(a_fp8, a_scale, fmt.block_shape).to(acc)
+        y = _round(a @ down_w.t(), experts.down_bias, expert, dtype)
         weighted = (y.float() * topk_weights[token_ids, slot, None].float()).to(dtype)
         out.index_add_(0, token_ids, weighted.float())
     return out.to(dtype)
 
 
-def _dequantize_input(x_fp8: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int] | None) -> torch.Tensor:
+def _dequantize_input(
+    x_fp8: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int] | None
+) -> torch.Tensor:
+    """Inverse of `Fp8ExpertFormat.quantize_input`, in fp32."""
     if block_shape is None:
         return x_fp8.float() * scale[:, None]
     return x_fp8.float() * scale.repeat_interleave(block_shape[1], dim=-1)[:, : x_fp8.shape[1]]

@@ -6,7 +6,7 @@ is not part of it (every family's experts are stored the same way, `weights.py`)
 
 `spec_from_config` knows five families (qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe) and refuses, in one
 line, any config field that would change the math in a way this package does not compute, and any quantization
-whose experts cbq cannot read (quant/config.py `moe_quantization`: FP8 experts are dequantized at load).
+whose experts cbq cannot read (quant/config.py `moe_quantization`: FP8 experts kept FP8 on sm89+ GPUs, fp8.py).
 `moe_layer_ids` says which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM-4.5's
 `first_k_dense_replace`); the others are dense MLPs of `dense_intermediate_size`.
 """
@@ -150,7 +150,7 @@ def spec_from_config(config: Any) -> MoeSpec:
         raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
     quant = _get(config, "quantization_config")
     if quant is not None and not has_mxfp4_experts(config):
-        # the experts' formats cbq reads (dequantized at load); the one-line refusal names what it runs
+        # the experts' formats cbq reads (FP8 or dequantized at load); the one-line refusal names what it runs
         moe_quantization(quant, model_type)
     family: dict[str, Any]
     if model_type in ("qwen3_moe", "qwen2_moe"):

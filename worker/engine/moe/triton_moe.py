@@ -11,6 +11,7 @@ One step, for T tokens and top-k routing (P = T * k (token, expert) pairs, pair 
   4. down    (one launch): the same blocks over [P, I] and the down projection, times each pair's routing
              weight, written as [P, H] rows indexed by pair: no atomics, each row has one writer.
   5. a sum over the k pairs of each token (fp32, rounded once), back in token order.
+FP8 experts (`ExpertWeights.fp8`) take steps 3 and 4 as triton_fp8.py's e4m3 GEMMs, their inputs quantized first.
 The grids are sized from T alone (the worst case of blocks for T * k pairs) and programs past the padded
 total return at once, so nothing reads a device value on the host: a step is CUDA-graph capturable at a
 fixed T. Decode (a few tokens per expert) and prefill (many) differ only in the launch configuration.
@@ -21,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .spec import Activation, MoeSpec
+from .triton_fp8 import fp8_expert_gemms
 from .weights import ExpertWeights
 
 try:
@@ -311,7 +314,7 @@ def experts_triton(
     blocks_m = max_blocks(num_pairs, num_experts, config.block_m)
     activated, pair_out = workspace.activated[:num_pairs], workspace.pair_out[:num_pairs]
     has_bias = experts.gate_up_bias is not None
-    common = dict(
+    common: dict[str, Any] = dict(
         sorted_pairs_ptr=workspace.sorted_pair_ids,
         block_expert_ptr=workspace.block_expert_ids,
         num_padded_ptr=workspace.num_padded,
@@ -324,12 +327,17 @@ def experts_triton(
         HAS_BIAS=has_bias,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
-        # fp32 operands: exact products (no tf32), so the fp32 path tracks the reference to ~1e-6
-        DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+    )
+    if experts.fp8 is not None:  # e4m3 experts: their own GEMMs (triton_fp8.py), the same align and sum
+        fp8_expert_gemms(hidden, experts, activated, pair_out, pair_weights, common, config.block_k, blocks_m)
+        return _sum_pairs(pair_out, num_tokens, spec, hidden.dtype)
+    common |= dict(
+        BLOCK_K=config.block_k,
+        # fp32 operands: exact products (no tf32), so the fp32 path tracks the reference to ~1e-6
+        DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
     )
     # (A rows, weights [E, N (x2), K], bias or None, out [P, N], N, K, gate/up?)
     projections = (
@@ -351,4 +359,9 @@ def experts_triton(
             EVEN_K=k % config.block_k == 0,
             **common,
         )
-    return pair_out.view(num_tokens, spec.top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return _sum_pairs(pair_out, num_tokens, spec, hidden.dtype)
+
+
+def _sum_pairs(pair_out: torch.Tensor, num_tokens: int, spec: MoeSpec, dtype: torch.dtype) -> torch.Tensor:
+    """Step 5: each token's k weighted expert outputs summed in fp32, rounded once, in token order."""
+    return pair_out.view(num_tokens, spec.top_k, spec.hidden_size).sum(dim=1, dtype=torch.float32).to(dtype)

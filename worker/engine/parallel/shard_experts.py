@@ -21,7 +21,9 @@ Layouts read (`layer_prefix` e.g. "model.layers.3"; the checkpoint's MLP is `mlp
 - per-expert FP8 linears (Qwen3-*-FP8's block-wise `weight` + `weight_scale_inv`, GLM-4.5-Air-FP8's per-channel
   compressed-tensors `weight_scale`), given the checkpoint's `quant`: each expert's linear dequantized to the model
   dtype (quant.methods.dequantized_weight, the linears' own dequantization) before its rows or columns are taken.
-  cbq has no FP8 grouped GEMM: the experts run in the model dtype, twice the bytes of the release's.
+  Under tensor parallelism the experts run so, in the model dtype, twice the bytes of the release's. In one process
+  on CUDA the one-process loader keeps them FP8 instead (`read_fp8_experts`: every expert whole, its e4m3 bytes and
+  scales stacked as they are, for the FP8 grouped GEMMs, moe/triton_fp8.py).
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from typing import Any
 import torch
 
 from ..models.spec import MoeMlpSpec
+from ..moe.fp8 import Fp8ExpertFormat, stack_expert_linears
 from ..moe.mxfp4 import VALUES_PER_GROUP, dequantize_mxfp4
 from ..moe.spec import MoeSpec
+from ..moe.weights import ExpertWeights
 from ..quant.config import Fp8Config
-from ..quant.fp8 import FP8_DTYPE
-from ..quant.methods import dequantized_weight
+from ..quant.fp8 import FP8_DTYPE, Fp8Linear
+from ..quant.methods import dequantized_weight, linear_method
 from .checkpoint import Checkpoint
 from .group import ParallelState
 from .layers import shard_for
@@ -101,6 +105,33 @@ def read_experts(
     else:
         tensors = _stack_per_expert(source, ckpt_experts, part, spec, quant, kw.get("dtype", torch.float32))
     return {f"{experts}.{name}": t.to(**kw).contiguous() for name, t in tensors.items()}
+
+
+def read_fp8_experts(
+    source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec, spec: MoeSpec, quant: Fp8Config, fmt: Fp8ExpertFormat
+) -> ExpertWeights:
+    """One sparse layer's per-expert FP8 linears kept in FP8 (a world of one: every expert whole), stacked in the
+    kernels' layout with their scales (moe/fp8.py), on the CPU, one expert's tensors read at a time. Raises
+    ValueError naming the layer or the linear where the checkpoint is not per-expert FP8 linears in `fmt`."""
+    ckpt_mlp = _checkpoint_mlp(source, layer_prefix, moe)
+    experts = f"{ckpt_mlp}.{moe.experts.rpartition('.')[2]}"
+    names = next((n for n in _PER_EXPERT_NAMES if f"{experts}.0.{n[0]}.weight" in source), None)
+    if names is None:
+        raise ValueError(f"no per-expert FP8 linears under {experts!r} (cbq reads FP8 experts one linear an expert)")
+    whole = _WholeTensors(source)
+
+    def linear(prefix: str) -> Fp8Linear:
+        method = linear_method(quant, prefix)
+        if method is None:
+            raise ValueError(f"{prefix} is not quantized by the checkpoint's quantization_config; its layer's experts are")
+        return method.load(whole, prefix)
+
+    def read(e: int) -> tuple[Fp8Linear, Fp8Linear, Fp8Linear]:
+        gate, up, down = (linear(f"{experts}.{e}.{name}") for name in names)
+        return gate, up, down
+
+    gate_up, down, scales = stack_expert_linears(spec.num_experts, read, fmt)
+    return ExpertWeights(gate_up, down, fp8=scales)
 
 
 def _checkpoint_mlp(source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec) -> str:

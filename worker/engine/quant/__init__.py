@@ -12,8 +12,9 @@
               act·mul in the gate/up variant's epilogue, rotary + the KV write in the QKV variant's; the
               decoder's path with decode_gemm "triton"
   loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
-              or dequantized into a plain transformers model (the CPU path); a mixture of experts' experts
-              (and every linear under a sparse MLP) always dequantized, read by parallel/shard_experts.py
+              or dequantized into a plain transformers model (the CPU path); a mixture of experts' experts,
+              read by parallel/shard_experts.py, kept FP8 on sm89+ CUDA (moe/fp8_experts.py) or dequantized;
+              every other linear under a sparse MLP dequantized
   linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
               apply), `Fp8Weight` (what the owned decoder multiplies), `quantize_linears` (--quantization
               fp8 on a model in memory), `keeps_fp8(device)` (sm89+ CUDA keeps FP8, elsewhere dequantized)

@@ -18,8 +18,8 @@
                              output channel at load, activations per token
 
 Each answers `scheme_for(module_name)`: the module's `Fp8Scheme`, or None when that linear is not quantized.
-`moe_quantization` is the same for a mixture of experts, narrowed to the formats whose experts cbq reads (and
-dequantizes at load). gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized,
+`moe_quantization` is the same for a mixture of experts, narrowed to the formats whose experts cbq reads (kept FP8
+on sm89+ GPUs for the FP8 grouped GEMMs, dequantized at load elsewhere). gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized,
 none of its linears) is not a linear format: the loader dequantizes its experts (parallel/shard_experts.py) and never asks for one here.
 Everything else (AWQ, GPTQ, bitsandbytes, GGUF, int8 compressed-tensors, FP8 variants not listed above)
 raises `UnsupportedQuantization` with one line that names the field and what cbq runs (`CBQ_RUNS`).
@@ -39,13 +39,14 @@ from ..config import QUANTIZATIONS  # what `--quantization` accepts
 CBQ_RUNS = (
     "cbq runs bf16, fp16 and fp32 checkpoints, FP8 ones in the formats fp8 (block-wise), "
     "compressed-tensors (float-quantized FP8) and fbgemm_fp8 (mixtures of experts: fp8 block-wise and "
-    "compressed-tensors with per-channel weights, their experts dequantized at load), and gpt-oss's MXFP4 experts "
+    "compressed-tensors with per-channel weights, their experts in FP8 on sm89+ GPUs), and gpt-oss's MXFP4 experts "
     "(dequantized at load)"
 )
 MOE_RUNS = (
     "cbq runs mixtures of experts in bf16, fp16 and fp32, FP8 ones in the formats fp8 (block-wise) and "
-    "compressed-tensors with per-channel FP8 weights (their experts dequantized to the model dtype at load), "
-    "--quantization fp8 on their attention and dense MLPs, and gpt-oss's MXFP4 experts"
+    "compressed-tensors with per-channel FP8 weights (their experts multiplied in FP8 on sm89+ GPUs where the "
+    "activations are dynamic, else dequantized to the model dtype at load), --quantization fp8 (on sm89+ GPUs the "
+    "experts too, gpt-oss's excepted), and gpt-oss's MXFP4 experts"
 )
 _FIELD = "config.json quantization_config"
 MXFP4 = "mxfp4"  # gpt-oss's experts' quant_method
@@ -213,11 +214,14 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
 
 
 def moe_quantization(quantization_config: Any, model_type: str, requested: str | None = None) -> Fp8Config | None:
-    """`checkpoint_quantization` for a mixture of experts, whose experts cbq dequantizes at load (it has no FP8
-    grouped GEMM) while its other linears run as in a dense model. The experts are read one linear an expert
-    (parallel/shard_experts.py), in the formats tested on the releases' layouts: block-wise "fp8" (Qwen3-*-FP8)
-    and compressed-tensors with per-channel weights (GLM-4.5-Air-FP8); `--quantization fp8` quantizes the
-    attention and dense MLPs alone. Anything else raises `UnsupportedQuantization` naming `MOE_RUNS`."""
+    """`checkpoint_quantization` for a mixture of experts, whose other linears run as in a dense model. The experts
+    are read one linear an expert (parallel/shard_experts.py), in the formats tested on the releases' layouts:
+    block-wise "fp8" (Qwen3-*-FP8) and compressed-tensors with per-channel weights (GLM-4.5-Air-FP8). In one process
+    on sm89+ CUDA they stay FP8 for the FP8 grouped GEMMs (moe/fp8.py: block-wise, or per-channel with dynamic
+    per-token activations; a static input scale's experts are dequantized); on the CPU and under tensor parallelism
+    they are dequantized to the model dtype at load. `--quantization fp8` quantizes the attention and the dense
+    MLPs, and on sm89+ CUDA the routed experts per output channel (not gpt-oss's, nor a shared expert). Anything
+    else raises `UnsupportedQuantization` naming `MOE_RUNS`."""
     quant = checkpoint_quantization(quantization_config, requested)
     if quant is None or isinstance(quant, (BlockFp8Config, OnlineFp8Config)):
         return quant

@@ -11,11 +11,13 @@ the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU. Owns no
   load_dequantized_model(...) the same with every weight dequantized (the CPU path)
 
 A mixture of experts (`SparseLayers`): its experts are read one linear an expert by parallel/shard_experts.py (the
-reader the tensor-parallel ranks and gpt-oss's MXFP4 release use) and dequantized to the compute dtype, as is every
-linear under a sparse MLP (GLM-4.5's shared expert): cbq's MoE kernels multiply plain weights, it has no FP8 grouped
-GEMM yet. The attention and the dense MLPs run as in a dense model. The router stays as stored (the releases leave
-it unquantized). Layers past `num_hidden_layers` (GLM-4.5's multi-token-prediction layer) are not built, as in
-transformers, and their tensors are not read.
+reader the tensor-parallel ranks and gpt-oss's MXFP4 release use). With `keep_fp8_experts` (sm89+ CUDA) and a
+format the FP8 grouped GEMMs compute (moe/fp8.py: per-channel weights with per-token activations, or block-wise)
+they stay FP8, each layer's `Fp8Experts` (moe/fp8_experts.py) holding the release's e4m3 bytes and scales;
+otherwise (the CPU, static input scales) they are dequantized to the compute dtype. Every other linear under a
+sparse MLP (GLM-4.5's shared expert) is dequantized. The attention and the dense MLPs run as in a dense model. The
+router stays as stored (the releases leave it unquantized). Layers past `num_hidden_layers` (GLM-4.5's
+multi-token-prediction layer) are not built, as in transformers, and their tensors are not read.
 
 FP8 KV-cache scales a checkpoint may carry (`k_scale`, `v_scale`, `kv_scale`: a kv_cache_scheme's) are not
 weights: `read_kv_scales` collects them per layer and the model carries them (kv_cache.KV_SCALES_ATTR) for
@@ -44,6 +46,7 @@ from .methods import Fp8CheckpointError, linear_method
 
 if TYPE_CHECKING:
     from ..models.spec import MoeMlpSpec
+    from ..moe.fp8 import Fp8ExpertFormat
     from ..moe.spec import MoeSpec
 
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
@@ -106,6 +109,18 @@ class SparseLayers:
 
     def holds(self, module_name: str) -> bool:
         return any(module_name.startswith(f"{prefix}.") for prefix in self.mlp_prefixes)
+
+    def fp8_format(self, quant: Fp8Config | None) -> Fp8ExpertFormat | None:
+        """The format the experts are kept in on FP8 tensor cores (None: they run dequantized): a checkpoint's own,
+        as its first expert's linear is quantized, or `--quantization fp8`'s per-channel one. gpt-oss's experts
+        (`kernel_layout` False: not transformers' stacked [E, 2I, H]) are never kept FP8."""
+        from ..moe.fp8 import Fp8ExpertFormat, checkpoint_expert_format
+
+        if quant is None or not self.layer_prefixes or not self.mlp.kernel_layout:
+            return None
+        if not quant.is_serialized:
+            return Fp8ExpertFormat()
+        return checkpoint_expert_format(quant, f"{self.layer_prefixes[0]}.{self.mlp.experts}.0.gate_proj")
 
 
 def iter_dequantized(
@@ -180,12 +195,14 @@ def load_quantized_model(
     keep_fp8: bool,
     generation_config=None,
     sparse: SparseLayers | None = None,
+    keep_fp8_experts: bool = False,
 ) -> nn.Module:
     """The checkpoint as a transformers model on the CPU (the caller moves it). `keep_fp8`: each quantized
     linear becomes an `Fp8LinearModule` holding the checkpoint's FP8 weight and scales (what the owned decoder
     multiplies on sm89+); else its weight is dequantized to `dtype`. `generation_config`: the caller's (None:
     generation_config.json is read here, as from_pretrained does). `sparse`: a mixture of experts' sparse layers,
-    whose experts (and every linear under their MLP) are dequantized to `dtype` whatever `keep_fp8` says."""
+    whose experts are kept FP8 with `keep_fp8_experts` where their format allows it, else dequantized to `dtype`
+    (every other linear under their MLP is dequantized whatever `keep_fp8` says)."""
     from transformers import GenerationConfig
 
     model = plain_model(config, dtype)
@@ -198,11 +215,15 @@ def load_quantized_model(
     fp8_candidates = [n for n in linear_names if sparse is None or not sparse.holds(n)]
     kept_fp8 = _load_fp8_modules(model, fp8_candidates, tensors, quant, dtype) if keep_fp8 else frozenset()
     loaded = {f"{module}.{name}" for module in kept_fp8 for name in ("weight", "weight_scale", "input_scale", "bias")}
-    params = model.state_dict(keep_vars=True)
     experts_read: set[str] = set()
+    # before the state dict is listed: an `Fp8Experts`' buffers take the place of the experts' parameters
+    fp8_experts = sparse.fp8_format(quant) if sparse is not None and keep_fp8_experts else None
+    if sparse is not None and fp8_experts is not None:
+        loaded |= _keep_fp8_experts(model, tensors, sparse, quant, fp8_experts, experts_read)
+    params = model.state_dict(keep_vars=True)
     unbuilt = _unbuilt_layers(model_config)
     with torch.no_grad():
-        if sparse is not None:
+        if sparse is not None and fp8_experts is None:
             for name, tensor in _read_experts(tensors, sparse, quant, dtype, experts_read):
                 _copy(params, name, tensor, model)
                 loaded.add(name)
@@ -250,6 +271,29 @@ class _RecordedReads:
     def get_slice(self, name: str) -> Any:
         self.read.add(name)
         return self.tensors.get_slice(name)
+
+
+def _keep_fp8_experts(
+    model: nn.Module,
+    tensors: CheckpointTensors,
+    sparse: SparseLayers,
+    quant: Fp8Config,
+    fmt: Fp8ExpertFormat,
+    read: set[str],
+) -> set[str]:
+    """Each sparse layer's experts as the checkpoint's FP8 tensors (shard_experts.read_fp8_experts), an `Fp8Experts`
+    in the place of the layer's experts module, a layer at a time; returns the model names now loaded."""
+    from ..moe.fp8_experts import replace_experts
+    from ..parallel.shard_experts import read_fp8_experts
+
+    source = _RecordedReads(tensors, read)
+    loaded: set[str] = set()
+    for prefix in sparse.layer_prefixes:
+        weights = read_fp8_experts(source, prefix, sparse.mlp, sparse.spec, quant, fmt)
+        replace_experts(model.get_submodule(prefix), sparse.mlp.experts, weights, sparse.spec)
+        experts = f"{prefix}.{sparse.mlp.experts}"
+        loaded |= {f"{experts}.{name}" for name, _ in model.get_submodule(experts).named_buffers()}
+    return loaded
 
 
 def _read_experts(
