@@ -128,6 +128,7 @@ def fp8_expert_gemms(
 
 
 if HAVE_TRITON:
+    from .block_order import grouped_block
 
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _fp8_expert_gemm_kernel(
@@ -165,14 +166,7 @@ if HAVE_TRITON:
         GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr,
     ):
-        # the block mapping of triton_moe._expert_gemm_kernel: consecutive programs share a column block
-        pid = tl.program_id(0)
-        num_blocks_n = tl.cdiv(N, BLOCK_N)
-        group = pid // (GROUP_M * num_blocks_n)
-        first_m = group * GROUP_M
-        group_size = min(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * num_blocks_n)) % group_size
-        pid_n = (pid % (GROUP_M * num_blocks_n)) // group_size
+        pid_m, pid_n = grouped_block(N, num_blocks_m, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return  # past the padded total: this step has fewer blocks than the grid allows for
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)

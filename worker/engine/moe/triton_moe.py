@@ -125,6 +125,7 @@ class MoeWorkspace:
 
 
 if HAVE_TRITON:
+    from .block_order import grouped_block
 
     # The pair and block counts change every step; specialised (Triton's == 1 and multiple-of-16 variants) they
     # made W1 on the Qwen3-30B-A3B shape compile 4 kernels inside the measured run (H200, 2026-12-01).
@@ -205,14 +206,7 @@ if HAVE_TRITON:
         EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
-        # consecutive programs share a column block over GROUP_M row blocks (the same expert's weight tile in L2)
-        pid = tl.program_id(0)
-        num_blocks_n = tl.cdiv(N, BLOCK_N)
-        group = pid // (GROUP_M * num_blocks_n)
-        first_m = group * GROUP_M
-        group_size = min(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * num_blocks_n)) % group_size
-        pid_n = (pid % (GROUP_M * num_blocks_n)) // group_size
+        pid_m, pid_n = grouped_block(N, num_blocks_m, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return  # past the padded total: this step has fewer blocks than the grid allows for
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
