@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -147,6 +147,10 @@ fi
 if has w1moe; then
     bench 420 --model llama3-8b --model qwen3-30b-a3b --workload W1 --mode async --max-num-seqs 32 \
         --max-num-batched-tokens 2048 --json-out "$OUT/w1_moe.json" 2>&1 | tail -8
+fi
+if has w1moefp8; then  # issue 26: Qwen3-30B-A3B shape with FP8 weights, experts and KV vs bf16, one process (moe/triton_fp8.py)
+    bench 540 --model qwen3-30b-a3b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --precision bf16 --precision fp8 --json-out "$OUT/w1_moe_fp8.json" 2>&1 | tail -8
 fi
 if has w1gptoss; then
     bench 420 --model gptoss-20b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
