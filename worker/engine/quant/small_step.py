@@ -8,8 +8,8 @@ GEMM: every program first takes the absmax of its rows over all of K, then quant
 before the FP8 x FP8 MMA, with fp8.py's formula and rounding (kernels/common.py quantize_to_fp8). No x_fp8 tensor is
 written and no quantization kernel runs; the price is that each program reads its x rows twice, from L2.
 
-The layout is decode_gemm's: a program owns BLOCK_N whole weight rows over all of K (no split-K), the weight rows
-are the MMA's long side (W_tile [BLOCK_N, BLOCK_K] @ x_tile^T), fp32 accumulation. The epilogue multiplies by
+The layout is decode_gemm's: a program owns BLOCK_N whole weight rows over all of K (deep products, the down
+projection, over half or a quarter of K: kernels/split_k.py, SPLIT_MIN_K_TILES), the weight rows are the MMA's long side (W_tile [BLOCK_N, BLOCK_K] @ x_tile^T), fp32 accumulation. The epilogue multiplies by
 x_scale[m], then by w_scale[n], adds the bias and rounds to x's dtype, so it computes fp8_linear_emulated up to
 fp32 summation order (the emulation sums the dequantized products in fp64 on the CPU); the quantized x is
 fp8.py's bit for bit. `fp8_step_gate_up_act` is the same kernel with act·mul in its epilogue, rounded as the
@@ -32,8 +32,8 @@ down's rows: kernels.act_mul_per_token_quant.)
 
 Measured on the H200 (2026-12-01, benchmarks/h200/2026-12-01e and -01f, fp8_step_gemm.log): the in-GEMM variant
 loses to quantization + _scaled_mm on QKV, O and down at M = 32; x quantized first (X_QUANT "kernel", now the
-default) beats that pair on all four projections, 1.4-1.5x. The decoder takes this path only when decode_gemm is
-"triton" (config.py) until W1 with FP8 weights has been measured through it. Launches depend only on shapes: CUDA-graph capturable.
+default) beats that pair on all four projections, 1.4-1.5x; the decoder's `decode_gemm` "auto" takes this path since
+W1 with FP8 weights ran 1.357x faster through it (2026-12-03). Launches depend only on shapes: CUDA-graph capturable.
 """
 
 from __future__ import annotations
