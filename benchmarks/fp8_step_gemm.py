@@ -38,6 +38,7 @@ from skinny_gemm import LAYERS, SHAPES, graph_time_us  # noqa: E402 (benchmarks/
 
 from worker.engine.kernels import decode_gemm as dg  # noqa: E402
 from worker.engine.kernels import fused as fk  # noqa: E402
+from worker.engine.kernels import l2_prefetch  # noqa: E402
 from worker.engine.quant import (  # noqa: E402
     ActivationScale,
     Fp8Linear,
@@ -48,6 +49,8 @@ from worker.engine.quant import (  # noqa: E402
 from worker.engine.quant import kernels as fp8k  # noqa: E402
 from worker.engine.quant.fp8 import fp8_linear_emulated, quantize_weight_per_channel  # noqa: E402
 
+# --chain: the shares of L2 a launch may prefetch (kernels/l2_prefetch.py L2_PREFETCH_FRACTION)
+PREFETCH_SHARES = (0.25, 0.5, 1.0)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for --sweep: small_step.STEP_CONFIG and its neighbours
 FP8_CONFIGS: list[dg.Config] = [
     (64, 128, 4, 4),
@@ -215,8 +218,12 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
         for label, linear, gate_up_act, pdl in variants
     ]
     # the decoder's small step: the norms quantize their rows (fp8_add_rmsnorm), down's input by per_token_quant;
-    # K split by small_step's rule (split None) and not at all (1)
-    for split, label in ((1, "no split-K"), (None, "split-K")):
+    # K split by small_step's rule (split None) and not at all (1); weights prefetched into L2 before each PDL wait
+    # (kernels/l2_prefetch.py) up to a share of L2 per launch, 0: none
+    setups = [(1, 0.0, "no split-K"), (None, 0.0, "split-K")]
+    setups += [(None, share, f"split-K, prefetch {share:g} of L2") for share in PREFETCH_SHARES]
+    for split, share, label in setups:
+        saved, l2_prefetch.L2_PREFETCH_FRACTION = l2_prefetch.L2_PREFETCH_FRACTION, share  # read at capture
         times.append((
             f"fp8 norm-quantized + small step + pdl, {label}",
             graph_time_us(
@@ -227,6 +234,7 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
                 LAYERS,
             ),
         ))  # fmt: skip
+        l2_prefetch.L2_PREFETCH_FRACTION = saved
     return times
 
 
