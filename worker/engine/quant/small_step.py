@@ -42,9 +42,9 @@ import torch
 
 from ..kernels import fused as fk
 from ..kernels import split_k as sk
-from ..kernels.l2_prefetch import prefetch_chunk
 from ..kernels.common import HAVE_TRITON, tl, triton
 from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
+from ..kernels.l2_prefetch import prefetch_chunk
 from .config import ActivationScale, WeightScale
 from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear, Fp8Rows
 from .kernels import fp8_linear, per_token_quant
