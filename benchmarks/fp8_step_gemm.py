@@ -180,7 +180,7 @@ def chain_bench(m: int) -> None:
     """us per decoder layer: add_rmsnorm, QKV, O (on the normed input), add_rmsnorm, gate/up + SiLU·mul, down."""
     fp8_bytes = sum(SHAPES[name][0] * SHAPES[name][1] for name in PROJECTIONS)
     x0 = torch.randn(m, SHAPES["o"][0], device="cuda", dtype=torch.bfloat16)
-    for label, us in (*chain_fp8(x0), chain_bf16(x0)):
+    for label, us in (*chain_fp8(x0), *chain_bf16(x0)):
         weight_bytes = fp8_bytes * (2 if label.startswith("bf16") else 1)
         print(f"M={m:3d} {label:32s} {us:7.1f} us/layer  {weight_bytes / us / 1e6:5.2f} TB/s of weights", flush=True)
 
@@ -238,15 +238,22 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
     return times
 
 
-def chain_bf16(x0: torch.Tensor) -> tuple[str, float]:
-    """The bf16 model's small step as the decoder runs it (down on cuBLAS: decode_gemm.MAX_K)."""
+def chain_bf16(x0: torch.Tensor) -> list[tuple[str, float]]:
+    """The bf16 model's small step as the decoder runs it (down on cuBLAS: decode_gemm.MAX_K), without and with the
+    L2 prefetch (the default share)."""
     layers = [
         {name: torch.randn(*SHAPES[name], device="cuda", dtype=torch.bfloat16) * 0.02 for name in PROJECTIONS}
         for _ in range(LAYERS)
     ]
     linear = partial(dg.decode_linear, pdl=True)
     gate_up_act = partial(dg.decode_gate_up_silu, pdl=True)
-    return "bf16 small step + pdl", graph_time_us(lambda: run_chain(x0, layers, linear, gate_up_act, True), LAYERS)
+    times = []
+    for share in (0.0, l2_prefetch.L2_PREFETCH_FRACTION):
+        saved, l2_prefetch.L2_PREFETCH_FRACTION = l2_prefetch.L2_PREFETCH_FRACTION, share
+        label = f"bf16 small step + pdl, prefetch {share:g} of L2"
+        times.append((label, graph_time_us(lambda: run_chain(x0, layers, linear, gate_up_act, True), LAYERS)))
+        l2_prefetch.L2_PREFETCH_FRACTION = saved
+    return times
 
 
 def main() -> None:

@@ -93,6 +93,35 @@ def test_gpu_prefetch_changes_no_bit_of_the_fp8_small_step(monkeypatch):
     want = outputs()
     for share in (0.1, 1.0):
         monkeypatch.setattr(l2_prefetch, "L2_PREFETCH_FRACTION", share)
-        assert small_step._prefetch(gate_up.weight, 1, True) > 0
+        assert l2_prefetch.weight_prefetch_chunk(gate_up.weight, 1, True) > 0
         for got, expected in zip(outputs(), want, strict=True):
             assert torch.equal(got, expected), share
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_prefetch_changes_no_bit_of_the_bf16_small_step(monkeypatch):
+    """decode_gemm's kernels at Llama-3-8B's QKV (with rotary and the KV write), O and gate/up, M = 32, PDL: the
+    same bits with the prefetch on as off."""
+    from worker.engine.kernels import decode_gemm as dg
+
+    torch.manual_seed(0)
+    qkv, o, gate_up = (torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16) * 0.02 for n in (6144, 4096, 28672))
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    heads, kv_heads, head_dim = 32, 8, 128
+    angles = torch.rand(4096, head_dim // 2, device="cuda").repeat(1, 2) * 6.3
+    positions = torch.randint(0, 4096, (32,), dtype=torch.int32, device="cuda")
+    slots = torch.randperm(64 * 16, device="cuda")[:32].to(torch.int32)
+    rope = (positions, angles.cos().bfloat16(), angles.sin().bfloat16(), heads, kv_heads)
+
+    def outputs():
+        caches = [torch.zeros(64, 16, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda") for _ in "kv"]
+        q = dg.decode_qkv_rope_write(x, qkv, None, *rope, *caches, slots, pdl=True)
+        return [dg.decode_linear(x, o, pdl=True), dg.decode_gate_up_silu(x, gate_up, pdl=True), q, *caches]
+
+    monkeypatch.setattr(l2_prefetch, "L2_PREFETCH_FRACTION", 0.0)
+    want = outputs()
+    monkeypatch.setattr(l2_prefetch, "L2_PREFETCH_FRACTION", 0.5)
+    assert l2_prefetch.weight_prefetch_chunk(o, 1, True) > 0
+    for got, expected in zip(outputs(), want, strict=True):
+        assert torch.equal(got, expected)

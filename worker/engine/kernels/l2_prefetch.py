@@ -56,6 +56,13 @@ def prefetch_chunk(
     return int(row_elems * share) // PREFETCH_CHUNKS // line * line
 
 
+def weight_prefetch_chunk(weight: torch.Tensor, split: int, pdl: bool) -> int:
+    """`prefetch_chunk` for a launch that reads all of `weight` [N, K], each program the rows it owns over one of
+    `split` equal K ranges: the PREFETCH_CHUNK argument of the small-step GEMM kernels."""
+    size = weight.element_size()
+    return prefetch_chunk(weight.numel() * size, weight.shape[1] // split, size, weight.device, pdl)
+
+
 if HAVE_TRITON:
     _CHUNKS = tl.constexpr(PREFETCH_CHUNKS)
 

@@ -128,7 +128,7 @@ def fp8_expert_gemms(
 
 
 if HAVE_TRITON:
-    from .block_order import grouped_block
+    from .block_order import block_operands, grouped_block
 
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _fp8_expert_gemm_kernel(
@@ -169,17 +169,10 @@ if HAVE_TRITON:
         pid_m, pid_n = grouped_block(N, num_blocks_m, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return  # past the padded total: this step has fewer blocks than the grid allows for
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        is_pair = pairs < num_pairs
-        a_rows = (pairs // TOP_K).to(tl.int64) if GATE_UP else pairs.to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        is_col = cols < N
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * K + ks[None, :]
-        w_ptrs = (
-            w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * K + ks[:, None]
-        )  # [BLOCK_K, BLOCK_N]
+        expert, pairs, is_pair, a_rows, cols, is_col, ks, a_ptrs, w_ptrs = block_operands(
+            a_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, pid_m, pid_n, num_pairs, N, K, stride_we, TOP_K, GATE_UP,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         a_scales = a_scale_ptr + a_rows * stride_as
         if BLOCK_SCALES:  # each column's block row; up's block rows follow gate's
             w_scales = w_scale_ptr + expert * stride_se + (cols // GROUP_N) * stride_sn

@@ -125,7 +125,7 @@ class MoeWorkspace:
 
 
 if HAVE_TRITON:
-    from .block_order import grouped_block
+    from .block_order import block_operands, grouped_block
 
     # The pair and block counts change every step; specialised (Triton's == 1 and multiple-of-16 variants) they
     # made W1 on the Qwen3-30B-A3B shape compile 4 kernels inside the measured run (H200, 2026-12-01).
@@ -209,17 +209,10 @@ if HAVE_TRITON:
         pid_m, pid_n = grouped_block(N, num_blocks_m, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return  # past the padded total: this step has fewer blocks than the grid allows for
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        is_pair = pairs < num_pairs
-        a_rows = (pairs // TOP_K).to(tl.int64) if GATE_UP else pairs.to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        is_col = cols < N
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * K + ks[None, :]
-        w_ptrs = (
-            w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * K + ks[:, None]
-        )  # [BLOCK_K, BLOCK_N]
+        expert, pairs, is_pair, _, cols, is_col, ks, a_ptrs, w_ptrs = block_operands(
+            a_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, pid_m, pid_n, num_pairs, N, K, stride_we, TOP_K, GATE_UP,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):

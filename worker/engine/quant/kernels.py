@@ -122,17 +122,7 @@ def per_token_quant(
     the small-step path's PDL chain, kernels/pdl.py)."""
     _check_triton()
     m, k = x.shape
-    x = x.contiguous()
-    x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    if m:
-        block, num_warps = _row_block(m, k)
-        _per_token_quant_kernel[(m,)](
-            x, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
-            K=k, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, USE_PDL=pdl,
-            num_warps=num_warps, launch_pdl=pdl,
-        )
-    return x_fp8, scale
+    return _quantize_rows(_per_token_quant_kernel, x.contiguous(), m, k, scale_ub, K=k, USE_PDL=pdl, launch_pdl=pdl)
 
 
 # A row of at most ONE_PASS_MAX_K columns is quantized from registers in one pass (one load of x, not two) in
@@ -161,16 +151,23 @@ def act_mul_per_token_quant(
     _check_triton()
     assert gate_up.is_contiguous()
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    x_fp8 = torch.empty((m, inter), dtype=FP8_DTYPE, device=gate_up.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=gate_up.device)
-    if m:
-        block, num_warps = _row_block(m, inter)
-        _act_mul_quant_kernel[(m,)](
-            gate_up, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
-            INTER=inter, ACT=act, HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX,
-            num_warps=num_warps,
-        )  # fmt: skip
+    x_fp8, scale = _quantize_rows(_act_mul_quant_kernel, gate_up, m, inter, scale_ub, INTER=inter, ACT=act)
     return Fp8Rows(x_fp8, scale, gate_up.dtype)
+
+
+def _quantize_rows(kernel, source: torch.Tensor, m: int, k: int, scale_ub: float | None, **constants):
+    """(x_fp8 [m, k], scale fp32 [m]) from one of the per-row quantization kernels (one program a row, `_row_block`'s
+    launch) reading `source`; `constants` are the kernel's own."""
+    x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=source.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=source.device)
+    if m:
+        block, num_warps = _row_block(m, k)
+        kernel[(m,)](
+            source, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
+            HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, num_warps=num_warps,
+            **constants,
+        )  # fmt: skip
+    return x_fp8, scale
 
 
 def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,7 @@ from ..kernels import fused as fk
 from ..kernels import split_k as sk
 from ..kernels.common import HAVE_TRITON, tl, triton
 from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
-from ..kernels.l2_prefetch import prefetch_chunk
+from ..kernels.l2_prefetch import weight_prefetch_chunk
 from .config import ActivationScale, WeightScale
 from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear, Fp8Rows
 from .kernels import fp8_linear, per_token_quant
@@ -240,7 +240,7 @@ def fp8_step_qkv_rope_write(
         **scheme_args,
         **rope_epilogue_args(positions, cos_table, sin_table, slot_mapping, q, k_cache, v_cache, num_kv_heads, kv_scale),
         **_split_args(split, grid[0] * grid[1], block_n, block_m, x.device, x_operand),
-        PREFETCH_CHUNK=_prefetch(weight, split, pdl),
+        PREFETCH_CHUNK=weight_prefetch_chunk(weight, split, pdl),
     )
     return q
 
@@ -263,11 +263,6 @@ def _split_args(split: int, tiles: int, block_n: int, block_m: int, device: torc
         return dict(partial_ptr=placeholder, counter_ptr=placeholder, SPLIT_K=1)
     workspace = sk.split_workspace(split, tiles, block_n, block_m, device)
     return dict(partial_ptr=workspace, counter_ptr=sk.tile_counters(device), SPLIT_K=split)
-
-
-def _prefetch(weight: torch.Tensor, split: int, pdl: bool) -> int:
-    """The launch's PREFETCH_CHUNK (kernels/l2_prefetch.py): each program's rows over its split's K range."""
-    return prefetch_chunk(weight.numel(), weight.shape[1] // split, weight.element_size(), weight.device, pdl)
 
 
 def _x_operand(x: torch.Tensor, layer: Fp8Linear, pdl: bool, x_quant: str | None) -> tuple[torch.Tensor, dict]:
@@ -355,7 +350,7 @@ def _launch(
         launch_pdl=pdl,
         **scheme_args,
         **_split_args(split, grid[0] * grid[1], block_n, block_m, x.device, x_operand),
-        PREFETCH_CHUNK=_prefetch(weight, split, pdl),
+        PREFETCH_CHUNK=weight_prefetch_chunk(weight, split, pdl),
     )
     return out
 
