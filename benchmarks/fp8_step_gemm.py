@@ -38,7 +38,6 @@ from skinny_gemm import LAYERS, SHAPES, graph_time_us  # noqa: E402 (benchmarks/
 
 from worker.engine.kernels import decode_gemm as dg  # noqa: E402
 from worker.engine.kernels import fused as fk  # noqa: E402
-from worker.engine.kernels import l2_prefetch  # noqa: E402
 from worker.engine.quant import (  # noqa: E402
     ActivationScale,
     Fp8Linear,
@@ -49,8 +48,6 @@ from worker.engine.quant import (  # noqa: E402
 from worker.engine.quant import kernels as fp8k  # noqa: E402
 from worker.engine.quant.fp8 import fp8_linear_emulated, quantize_weight_per_channel  # noqa: E402
 
-# --chain: the shares of L2 a launch may prefetch (kernels/l2_prefetch.py L2_PREFETCH_FRACTION)
-PREFETCH_SHARES = (0.25, 0.5, 1.0)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for --sweep: small_step.STEP_CONFIG and its neighbours
 FP8_CONFIGS: list[dg.Config] = [
     (64, 128, 4, 4),
@@ -180,7 +177,7 @@ def chain_bench(m: int) -> None:
     """us per decoder layer: add_rmsnorm, QKV, O (on the normed input), add_rmsnorm, gate/up + SiLU·mul, down."""
     fp8_bytes = sum(SHAPES[name][0] * SHAPES[name][1] for name in PROJECTIONS)
     x0 = torch.randn(m, SHAPES["o"][0], device="cuda", dtype=torch.bfloat16)
-    for label, us in (*chain_fp8(x0), *chain_bf16(x0)):
+    for label, us in (*chain_fp8(x0), chain_bf16(x0)):
         weight_bytes = fp8_bytes * (2 if label.startswith("bf16") else 1)
         print(f"M={m:3d} {label:32s} {us:7.1f} us/layer  {weight_bytes / us / 1e6:5.2f} TB/s of weights", flush=True)
 
@@ -218,12 +215,8 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
         for label, linear, gate_up_act, pdl in variants
     ]
     # the decoder's small step: the norms quantize their rows (fp8_add_rmsnorm), down's input by per_token_quant;
-    # K split by small_step's rule (split None) and not at all (1); weights prefetched into L2 before each PDL wait
-    # (kernels/l2_prefetch.py) up to a share of L2 per launch, 0: none
-    setups = [(1, 0.0, "no split-K"), (None, 0.0, "split-K")]
-    setups += [(None, share, f"split-K, prefetch {share:g} of L2") for share in PREFETCH_SHARES]
-    for split, share, label in setups:
-        saved, l2_prefetch.L2_PREFETCH_FRACTION = l2_prefetch.L2_PREFETCH_FRACTION, share  # read at capture
+    # K split by small_step's rule (split None) and not at all (1)
+    for split, label in ((1, "no split-K"), (None, "split-K")):
         times.append((
             f"fp8 norm-quantized + small step + pdl, {label}",
             graph_time_us(
@@ -234,26 +227,18 @@ def chain_fp8(x0: torch.Tensor) -> list[tuple[str, float]]:
                 LAYERS,
             ),
         ))  # fmt: skip
-        l2_prefetch.L2_PREFETCH_FRACTION = saved
     return times
 
 
-def chain_bf16(x0: torch.Tensor) -> list[tuple[str, float]]:
-    """The bf16 model's small step as the decoder runs it (down on cuBLAS: decode_gemm.MAX_K), without and with the
-    L2 prefetch (the default share)."""
+def chain_bf16(x0: torch.Tensor) -> tuple[str, float]:
+    """The bf16 model's small step as the decoder runs it (down on cuBLAS: decode_gemm.MAX_K)."""
     layers = [
         {name: torch.randn(*SHAPES[name], device="cuda", dtype=torch.bfloat16) * 0.02 for name in PROJECTIONS}
         for _ in range(LAYERS)
     ]
     linear = partial(dg.decode_linear, pdl=True)
     gate_up_act = partial(dg.decode_gate_up_silu, pdl=True)
-    times = []
-    for share in (0.0, l2_prefetch.L2_PREFETCH_FRACTION):
-        saved, l2_prefetch.L2_PREFETCH_FRACTION = l2_prefetch.L2_PREFETCH_FRACTION, share
-        label = f"bf16 small step + pdl, prefetch {share:g} of L2"
-        times.append((label, graph_time_us(lambda: run_chain(x0, layers, linear, gate_up_act, True), LAYERS)))
-        l2_prefetch.L2_PREFETCH_FRACTION = saved
-    return times
+    return "bf16 small step + pdl", graph_time_us(lambda: run_chain(x0, layers, linear, gate_up_act, True), LAYERS)
 
 
 def main() -> None:

@@ -229,13 +229,6 @@ if has fp8split; then  # split-K (kernels/split_k.py): each FP8 projection at sp
     timeout 200 python3 benchmarks/fp8_step_gemm.py --m 32 2>&1 | tee "$OUT/fp8_split_gemm.log" | grep -v "^    "
     timeout 120 python3 benchmarks/fp8_step_gemm.py --chain --m 32 2>&1 | tee "$OUT/fp8_split_chain.log"
 fi
-if has l2prefetch; then  # kernels/l2_prefetch.py: the layer chains at prefetch shares of L2 (FP8: 0 / 0.25 / 0.5 / 1, bf16: 0 / 0.5), then W1 A B A B, FP8 and bf16
-    timeout 150 python3 benchmarks/fp8_step_gemm.py --chain --m 32 2>&1 | tee "$OUT/l2_prefetch_chain.log"
-    for precision in fp8 bf16; do
-        timeout 300 python3 benchmarks/l2_prefetch_ab.py --precision $precision --share 0 --share 0.5 --rounds 2 \
-            --out "$OUT/l2_prefetch_w1_$precision.json" 2>&1 | tee "$OUT/l2_prefetch_w1_$precision.log" | grep -v Warning
-    done
-fi
 if has w1fp8step; then  # W1_fp8 (FP8 weights and KV) with the FP8 small-step path (decode_gemm triton) vs without, one process
     bench 420 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --precision fp8 --decode-gemm cublas --decode-gemm triton --json-out "$OUT/w1_fp8_step.json" 2>&1 | tail -8

@@ -40,12 +40,10 @@ from .common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 
 if HAVE_TRITON:
     from .common import to_kv_cache
-from .l2_prefetch import weight_prefetch_chunk
 from .pdl import pdl_usable
 
 if HAVE_TRITON:
     from .fused import activation, rotate_halves
-    from .l2_prefetch import prefetch_rows_to_l2
     from .pdl import pdl_wait_and_release
 
 MAX_TOKENS = 32  # steps with more rows keep cuBLAS (at M = 64 cuBLAS won on O, gate/up and down)
@@ -141,18 +139,13 @@ if HAVE_TRITON:
         DOT_PREC: tl.constexpr,
         ACT: tl.constexpr = 0,  # fused.ACT_SILU or ACT_GELU_TANH
         GROUP_N: tl.constexpr = 0,  # 0: a 2-D grid (N tile, M block); > 0: `_grouped_tile`'s 1-D order
-        PREFETCH_CHUNK: tl.constexpr = 0,  # > 0: the elements of each weight row to ask L2 for before the wait, / 4
     ):
+        pdl_wait_and_release(USE_PDL)
         if GROUP_N > 0:
             pid_n, pid_m = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), GROUP_N)
         else:
             pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PREFETCH_CHUNK > 0:  # weights: no kernel of the step writes them (l2_prefetch.py)
-            prefetch_rows_to_l2(w_ptr + rn.to(tl.int64) * stride_wn, PREFETCH_CHUNK)
-            if GATED:
-                prefetch_rows_to_l2(w_ptr + (rn + up_rows).to(tl.int64) * stride_wn, PREFETCH_CHUNK)
-        pdl_wait_and_release(USE_PDL)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -294,12 +287,9 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        PREFETCH_CHUNK: tl.constexpr,
     ):
-        head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
-        if PREFETCH_CHUNK > 0:  # as _decode_gemm_kernel's
-            prefetch_rows_to_l2(w_ptr + col.to(tl.int64) * stride_wn, PREFETCH_CHUNK)
         pdl_wait_and_release(USE_PDL)
+        head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -415,7 +405,6 @@ def decode_qkv_rope_write(
         BLOCK_K=block_k,
         USE_PDL=pdl,
         DOT_PREC=dot_precision(x.dtype, None),
-        PREFETCH_CHUNK=weight_prefetch_chunk(weight, 1, pdl),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -500,7 +489,6 @@ def _launch(
         USE_PDL=pdl,
         DOT_PREC=dot_precision(x.dtype, None),
         GROUP_N=group_n,
-        PREFETCH_CHUNK=weight_prefetch_chunk(weight, 1, pdl),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

@@ -44,7 +44,6 @@ from ..kernels import fused as fk
 from ..kernels import split_k as sk
 from ..kernels.common import HAVE_TRITON, tl, triton
 from ..kernels.decode_gemm import ROPE_PAIRS, Config, block_m_for, rope_epilogue_args
-from ..kernels.l2_prefetch import weight_prefetch_chunk
 from .config import ActivationScale, WeightScale
 from .fp8 import FP8_DTYPE, FP8_MAX, MIN_ABSMAX, Fp8Linear, Fp8Rows
 from .kernels import fp8_linear, per_token_quant
@@ -53,7 +52,6 @@ if HAVE_TRITON:
     from ..kernels.common import fp8_row_scale, quantize_to_fp8
     from ..kernels.decode_gemm import qkv_rope_epilogue, rope_tile_rows
     from ..kernels.fused import activation
-    from ..kernels.l2_prefetch import prefetch_rows_to_l2
     from ..kernels.pdl import pdl_wait_and_release
     from ..kernels.split_k import split_k_sum
 
@@ -240,7 +238,6 @@ def fp8_step_qkv_rope_write(
         **scheme_args,
         **rope_epilogue_args(positions, cos_table, sin_table, slot_mapping, q, k_cache, v_cache, num_kv_heads, kv_scale),
         **_split_args(split, grid[0] * grid[1], block_n, block_m, x.device, x_operand),
-        PREFETCH_CHUNK=weight_prefetch_chunk(weight, split, pdl),
     )
     return q
 
@@ -350,7 +347,6 @@ def _launch(
         launch_pdl=pdl,
         **scheme_args,
         **_split_args(split, grid[0] * grid[1], block_n, block_m, x.device, x_operand),
-        PREFETCH_CHUNK=weight_prefetch_chunk(weight, split, pdl),
     )
     return out
 
@@ -429,16 +425,9 @@ if HAVE_TRITON:
         FP8_MAX: tl.constexpr,
         MIN_ABSMAX: tl.constexpr,
         SPLIT_K: tl.constexpr,  # programs sharing a tile's K range (program_id(2) is the split; not with GATED)
-        PREFETCH_CHUNK: tl.constexpr,  # > 0: the elements of each weight row to ask L2 for before the wait, / 4
     ):
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
-        k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)  # this split's first column of x and w
-        if PREFETCH_CHUNK > 0:  # weights: no kernel of the step writes them (kernels/l2_prefetch.py)
-            prefetch_rows_to_l2(w_ptr + rn.to(tl.int64) * stride_wn + k0, PREFETCH_CHUNK)
-            if GATED:
-                prefetch_rows_to_l2(w_ptr + (rn + up_rows).to(tl.int64) * stride_wn, PREFETCH_CHUNK)
         pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -447,6 +436,8 @@ if HAVE_TRITON:
             x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, PREQUANT_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX,
             MIN_ABSMAX,
         )
+        SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
+        k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)  # this split's first column of x and w
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] + k0
         up_ptrs = w_ptr + (rn[:, None] + up_rows).to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -527,16 +518,11 @@ if HAVE_TRITON:
         FP8_MAX: tl.constexpr,
         MIN_ABSMAX: tl.constexpr,
         SPLIT_K: tl.constexpr,
-        PREFETCH_CHUNK: tl.constexpr,
     ):
         """_fp8_step_gemm_kernel's prologue and products over decode_gemm's rotary-pair tile rows (a program owns
         rows j and j + D/2 of one head, each with its own weight scale), then decode_gemm's rotary + KV epilogue."""
-        head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
-        SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
-        k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)
-        if PREFETCH_CHUNK > 0:  # as _fp8_step_gemm_kernel's
-            prefetch_rows_to_l2(w_ptr + col.to(tl.int64) * stride_wn + k0, PREFETCH_CHUNK)
         pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
+        head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -545,6 +531,8 @@ if HAVE_TRITON:
             x_rows, x_scale_ptr, rm, m_mask, scale_ub, STATIC_X, PREQUANT_X, HAS_UB, K_TILES, BLOCK_K, BLOCK_M, FP8_MAX,
             MIN_ABSMAX,
         )
+        SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
+        k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)
         w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_wn + rk[None, :] + k0
         acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
         for t in range(SPLIT_TILES):
