@@ -4,7 +4,7 @@ python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
     # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, fp8_quality.json,
-    # w1_fp8_step.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log), notes.json; a file in a later DIR replaces
+    # w1_fp8_step.json, w1_moe_fp8.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log), notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
@@ -136,7 +136,7 @@ def tp1_entry(src: Path, workload: str) -> dict | None:
     return entry
 
 
-FP8_RUNS = {"W1_fp8": "w1_fp8.json", "W2_fp8": "w2_fp8.json"}
+FP8_RUNS = {"W1_fp8": "w1_fp8.json", "W2_fp8": "w2_fp8.json", "W1_moe_fp8": "w1_moe_fp8.json"}  # W1_moe_fp8: Qwen3-30B-A3B shape
 FP8_STEP_RUN = ("W1_fp8_step", "w1_fp8_step.json")  # FP8 small-step GEMMs (decode_gemm triton) vs cublas
 MOE_RUNS = {
     "W1_moe": "w1_moe.json",
