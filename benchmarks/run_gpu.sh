@@ -229,6 +229,9 @@ if has fp8split; then  # split-K (kernels/split_k.py): each FP8 projection at sp
     timeout 200 python3 benchmarks/fp8_step_gemm.py --m 32 2>&1 | tee "$OUT/fp8_split_gemm.log" | grep -v "^    "
     timeout 120 python3 benchmarks/fp8_step_gemm.py --chain --m 32 2>&1 | tee "$OUT/fp8_split_chain.log"
 fi
+if has actquant; then  # a large step's act·mul + per-token quantization (quant/kernels.py) per (BLOCK, num_warps)
+    timeout 200 python3 benchmarks/act_mul_quant.py 2>&1 | tee "$OUT/act_mul_quant.log"
+fi
 if has w1fp8step; then  # W1_fp8 (FP8 weights and KV) with the FP8 small-step path (decode_gemm triton) vs without, one process
     bench 420 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --precision fp8 --decode-gemm cublas --decode-gemm triton --json-out "$OUT/w1_fp8_step.json" 2>&1 | tail -8
