@@ -71,8 +71,8 @@ def check_activation_quant(device: str, exact: bool) -> None:
     from worker.engine.quant import kernels
 
     torch.manual_seed(0)
-    # a row in one pass from registers (kernels.ONE_PASS_MAX_K; 4103 a ragged one); 16,500 columns or 70 rows
-    # (past ONE_PASS_MAX_ROWS): column passes
+    # a row in one pass from registers (kernels.ONE_PASS_MAX_K; 4103 a ragged one), 70 rows too; 16,500 columns:
+    # column passes
     for m, k in ((1, 64), (5, 300), (3, 4103), (2, 16500), (70, 300)):
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(m, k) * torch.logspace(-3, 3, m)[:, None]).to(device, dtype)
@@ -151,7 +151,7 @@ def check_rows(device: str, exact: bool) -> None:
     from worker.engine.quant.fp8 import Fp8Rows
 
     torch.manual_seed(4)
-    for m, inter in ((1, 96), (5, 1000), (2, 16500), (70, 1000)):  # one pass, two (columns), two (rows)
+    for m, inter in ((1, 96), (5, 1000), (2, 16500), (70, 1000)):  # one pass, two (columns), one (70 rows)
         for dtype in (torch.float32, torch.bfloat16):
             gate_up = (torch.randn(m, 2 * inter) * 3).to(device, dtype)
             for act in (fused.ACT_SILU, fused.ACT_GELU_TANH):

@@ -125,18 +125,18 @@ def per_token_quant(
     return _quantize_rows(_per_token_quant_kernel, x.contiguous(), m, k, scale_ub, K=k, USE_PDL=pdl, launch_pdl=pdl)
 
 
-# A row of at most ONE_PASS_MAX_K columns is quantized from registers in one pass (one load of x, not two) in
-# steps of at most ONE_PASS_MAX_ROWS rows: the small-step path's per_token_quant of O's and down's inputs (K 4,096
-# and 14,336) is otherwise a chain of 2 x K / 1,024 dependent loads on one SM per row (W1_fp8 4.31 -> 4.19 ms a
-# step with it, H200 2026-12-03f). Large steps keep 1,024-column passes of 4 warps: a whole row a program holds
-# an SM's registers, and W2's act·mul quantization ran at a quarter of the bandwidth so (2.2 ms a step).
+# A row of at most ONE_PASS_MAX_K columns is quantized from registers in one pass (one load of x, not two), whatever
+# the step's size. Small steps: the per_token_quant of O's and down's inputs (K 4,096 and 14,336) is otherwise a
+# chain of 2 x K / 1,024 dependent loads on one SM per row (W1_fp8 4.31 -> 4.19 ms a step with it, H200
+# 2026-12-03f). Large steps: act·mul + quantization of 8,192 rows of Llama-3-8B's 14,336 took 267 us in one pass
+# of 16 warps against 309 in 1,024-column passes of 4 warps (2,048 rows: 98 vs 120; `benchmarks/act_mul_quant.py`,
+# h200/2026-12-03l), which read each gate/up row twice.
 ONE_PASS_MAX_K = 16384
-ONE_PASS_MAX_ROWS = 64
 
 
 def _row_block(m: int, k: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of the per-row quantization kernels for m rows of k columns."""
-    if k <= ONE_PASS_MAX_K and m <= ONE_PASS_MAX_ROWS:
+    if k <= ONE_PASS_MAX_K:
         block = _next_pow2(k)
         return block, min(16, max(4, block // 512))
     return min(1024, _next_pow2(k)), 4
