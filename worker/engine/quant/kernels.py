@@ -134,8 +134,8 @@ def per_token_quant(
 ONE_PASS_MAX_K = 16384
 
 
-def _row_block(m: int, k: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the per-row quantization kernels for m rows of k columns."""
+def _row_block(k: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the per-row quantization kernels for rows of k columns (any number of them)."""
     if k <= ONE_PASS_MAX_K:
         block = _next_pow2(k)
         return block, min(16, max(4, block // 512))
@@ -161,7 +161,7 @@ def _quantize_rows(kernel, source: torch.Tensor, m: int, k: int, scale_ub: float
     x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=source.device)
     scale = torch.empty((m,), dtype=torch.float32, device=source.device)
     if m:
-        block, num_warps = _row_block(m, k)
+        block, num_warps = _row_block(k)
         kernel[(m,)](
             source, x_fp8, scale, 0.0 if scale_ub is None else float(scale_ub),
             HAS_UB=scale_ub is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, num_warps=num_warps,

@@ -9,7 +9,8 @@ before the FP8 x FP8 MMA, with fp8.py's formula and rounding (kernels/common.py 
 written and no quantization kernel runs; the price is that each program reads its x rows twice, from L2.
 
 The layout is decode_gemm's: a program owns BLOCK_N whole weight rows over all of K (deep products, the down
-projection, over half or a quarter of K: kernels/split_k.py, SPLIT_MIN_K_TILES), the weight rows are the MMA's long side (W_tile [BLOCK_N, BLOCK_K] @ x_tile^T), fp32 accumulation. The epilogue multiplies by
+projection, over half or a quarter of K: kernels/split_k.py, SPLIT_MIN_K_TILES), the weight rows are the MMA's long
+side (W_tile [BLOCK_N, BLOCK_K] @ x_tile^T), fp32 accumulation. The epilogue multiplies by
 x_scale[m], then by w_scale[n], adds the bias and rounds to x's dtype, so it computes fp8_linear_emulated up to
 fp32 summation order (the emulation sums the dequantized products in fp64 on the CPU); the quantized x is
 fp8.py's bit for bit. `fp8_step_gate_up_act` is the same kernel with act·mul in its epilogue, rounded as the
