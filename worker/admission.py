@@ -307,18 +307,24 @@ def to_result_line(
         return result_fields(parsing.parse(text, calls), call_id)
 
     samples = None
+    first_parts = parsed(0, result.text, result.token_ids)
+    reasoning_texts = [first_parts.get("reasoning_content")]
     if request.n > 1 and reason in ("stop", "length"):
-        samples = [
-            Sample(
-                index=sample.index,
-                text=sample.text,
-                token_ids=list(sample.token_ids) if request.return_token_ids else None,
-                finish_reason=sample.finish_reason.value,
-                logprobs=_logprob_lines(sample.logprobs, tokenizer),
-                **parsed(sample.index, sample.text, sample.token_ids),
+        samples = []
+        for sample in result.all_samples:
+            parts = first_parts if sample.index == 0 else parsed(sample.index, sample.text, sample.token_ids)
+            reasoning_texts += [parts.get("reasoning_content")] if sample.index else []
+            samples.append(
+                Sample(
+                    index=sample.index,
+                    text=sample.text,
+                    token_ids=list(sample.token_ids) if request.return_token_ids else None,
+                    finish_reason=sample.finish_reason.value,
+                    logprobs=_logprob_lines(sample.logprobs, tokenizer),
+                    **parts,
+                )
             )
-            for sample in result.all_samples
-        ]
+    usage["reasoning_tokens"] = min(_num_reasoning_tokens(reasoning_texts, tokenizer), usage["completion_tokens"])
     return ResultLine(
         custom_id=request.custom_id,
         index=request.index,
@@ -332,8 +338,13 @@ def to_result_line(
         samples=samples,
         prompt_logprobs=_prompt_logprob_lines(result.prompt_logprobs, tokenizer) if succeeded else None,
         echo=_echoed_prompt(request, result, tokenizer) if succeeded and request.echo else None,
-        **parsed(0, result.text, result.token_ids),
+        **first_parts,
     )
+
+
+def _num_reasoning_tokens(texts: list[str | None], tokenizer: TokenizerProtocol) -> int:
+    """The outputs' reasoning in tokens: the split-off text tokenized again (its markers not counted)."""
+    return sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in texts if text)
 
 
 def _calls_mode(request: Request) -> CallsMode:
