@@ -215,3 +215,40 @@ def test_submit_and_results_give_responses(cbq, burst_worker, write_jsonl, tmp_p
     assert b.instructions == "Be brief." and b.metadata == {"k": "v"}
     [refused] = [json.loads(x) for x in errors.read_text().splitlines()]
     assert refused["custom_id"] == "c" and refused["response"]["body"]["error"]["param"] == "stream"
+
+
+RESPONSES_BATCH = Path(__file__).resolve().parents[1] / "fixtures" / "responses_batch.jsonl"
+
+
+def test_the_responses_fixture_uses_every_field_of_responses_own():
+    from schemas.responses_body import ResponsesBody
+    from schemas.sampling import SharedSampling
+
+    used = {key for line in map(json.loads, RESPONSES_BATCH.read_text().splitlines()) for key in line["body"]}
+    own = {name for name, info in ResponsesBody.model_fields.items() if not info.exclude}
+    own -= set(SharedSampling.model_fields)  # the vLLM fields: tests/fixtures/openai_batch.jsonl has them
+    assert own | {"temperature", "top_p", "seed"} <= used, "add the new field to tests/fixtures/responses_batch.jsonl"
+
+
+def test_an_unedited_responses_batch_file_runs_and_parses_with_the_sdk(llama3, tmp_path):
+    lines = [json.loads(x) for x in RESPONSES_BATCH.read_text().splitlines()]
+    lines = [{**line, "body": {**line["body"], "model": "tiny"}} for line in lines]  # the name `run` serves here
+    out, errors = run(tmp_path, llama3, lines)
+    assert errors == []
+    got = responses(out)
+    requests = {line["custom_id"]: line["body"] for line in lines}
+    for custom_id, response in got.items():
+        request = requests[custom_id]
+        assert response.usage is not None and response.usage.output_tokens <= request["max_output_tokens"]
+        assert response.instructions == request.get("instructions") and response.metadata == request.get("metadata")
+    [message] = got["responses-string-input"].output
+    assert message.type == "message" and message.content[0].logprobs is not None
+    num_tokens = got["responses-string-input"].usage.output_tokens
+    assert len(message.content[0].logprobs) in (num_tokens, num_tokens - 1)  # a final EOS has none
+    assert all(len(lp.top_logprobs) == 2 for lp in message.content[0].logprobs)
+    assert got["responses-json-schema"].status == "completed"
+    schema = requests["responses-json-schema"]["text"]["format"]["schema"]
+    jsonschema.validate(json.loads(got["responses-json-schema"].output_text), schema)
+    [call] = got["responses-forced-call"].output
+    assert call.type == "function_call" and call.name == "record_water"
+    jsonschema.validate(json.loads(call.arguments), requests["responses-forced-call"]["tools"][0]["parameters"])
