@@ -88,7 +88,7 @@ def _parts_checked(value: Any) -> Any:
     for part in value if isinstance(value, list) else ():
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _UNSUPPORTED_PARTS:
-            raise _unsupported(f"{kind} content (no vision or audio yet: cbq generates text from text)")
+            raise _unsupported(f"{kind} content (cbq generates text from text: no vision or audio input)")
     return value
 
 

@@ -196,7 +196,7 @@ def test_fields_that_change_nothing_are_accepted():
         ({"input": "x", "truncation": "auto"}, "body.truncation", "invalid_value", "never drops input items"),
         ({"input": "x", "prompt_logprobs": 1}, "body.prompt_logprobs", "unsupported_parameter", "no place for them"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-         "body.input[0].message.content", "unsupported_parameter", "input_image content (no vision"),
+         "body.input[0].message.content", "unsupported_parameter", "input_image content (cbq generates text from text"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file", "file_id": "f"}]}]},
          "body.input[0].function_call_output.output", "unsupported_parameter", "input_file"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "body.input", "unsupported_parameter",
@@ -351,3 +351,19 @@ def test_an_invalid_line_and_a_failed_request_give_openai_error_lines():
     assert out.response.body["error"]["code"] == "unsupported_parameter"
     errored = to_openai_output(ResultLine(index=0, finish_reason="error", error="boom"), request_of({"input": "x"}), "b1", "m", 1)
     assert errored.response is None and errored.error is not None and errored.error.message == "boom"
+
+
+def test_a_responses_output_items_appended_as_they_came_run_as_the_next_turns_input():
+    request = request_of({"input": "x", "tools": [WEATHER]})
+    call = ToolCall(id="call_b1-0_0_0", function={"name": "get_weather", "arguments": '{"city": "Oslo"}'})
+    first = render(request, text="...", reasoning_content="hm", content="Checking.", tool_calls=[call])
+    output = first["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message", "function_call"]
+    items = [{"role": "user", "content": "x"}, *output, {"type": "function_call_output", "call_id": call.id, "output": "sunny"}]
+    messages = [m.for_template() for m in request_of({"input": items, "tools": [WEATHER]}).messages or ()]
+    assert messages == [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "Checking.",
+         "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]  # fmt: skip
