@@ -306,24 +306,22 @@ def to_result_line(
         call_id = "call_{}-{}_{}".format(*keys.split_engine_request_id(result.request_id), index)
         return result_fields(parsing.parse(text, calls), call_id)
 
+    parts_of = {0: parsed(0, result.text, result.token_ids)}  # sample 0's is the line's own
     samples = None
-    first_parts = parsed(0, result.text, result.token_ids)
-    reasoning_texts = [first_parts.get("reasoning_content")]
-    if request.n > 1 and reason in ("stop", "length"):
-        samples = []
-        for sample in result.all_samples:
-            parts = first_parts if sample.index == 0 else parsed(sample.index, sample.text, sample.token_ids)
-            reasoning_texts += [parts.get("reasoning_content")] if sample.index else []
-            samples.append(
-                Sample(
-                    index=sample.index,
-                    text=sample.text,
-                    token_ids=list(sample.token_ids) if request.return_token_ids else None,
-                    finish_reason=sample.finish_reason.value,
-                    logprobs=_logprob_lines(sample.logprobs, tokenizer),
-                    **parts,
-                )
+    if request.n > 1 and succeeded:
+        parts_of |= {s.index: parsed(s.index, s.text, s.token_ids) for s in result.all_samples if s.index}
+        samples = [
+            Sample(
+                index=sample.index,
+                text=sample.text,
+                token_ids=list(sample.token_ids) if request.return_token_ids else None,
+                finish_reason=sample.finish_reason.value,
+                logprobs=_logprob_lines(sample.logprobs, tokenizer),
+                **parts_of[sample.index],
             )
+            for sample in result.all_samples
+        ]
+    reasoning_texts = [parts.get("reasoning_content") for parts in parts_of.values()]
     usage["reasoning_tokens"] = min(_num_reasoning_tokens(reasoning_texts, tokenizer), usage["completion_tokens"])
     return ResultLine(
         custom_id=request.custom_id,
@@ -338,7 +336,7 @@ def to_result_line(
         samples=samples,
         prompt_logprobs=_prompt_logprob_lines(result.prompt_logprobs, tokenizer) if succeeded else None,
         echo=_echoed_prompt(request, result, tokenizer) if succeeded and request.echo else None,
-        **first_parts,
+        **parts_of[0],
     )
 
 
