@@ -4,7 +4,9 @@ Owns the input contract of `cbq submit`:
 - simple    `{"prompt": "...", "max_new_tokens": 32, ...}`
 - chat      `{"messages": [{"role": "user", "content": "..."}], ...}`
 - OpenAI Batch `{"custom_id": "...", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
-  "body": {"prompt" | "messages", "max_tokens", "temperature", ...}}` (`schemas.openai_body`)
+  "body": {"prompt" | "messages", "max_tokens", "temperature", ...}}` (`schemas.openai_body`), or
+  `"url": "/v1/responses"` with `{"input", "instructions", "max_output_tokens", ...}` (`schemas.responses_body`:
+  stored and run as the chat it means)
 
 An output constraint is spelled `json_schema`, `regex` or `choice` on simple and chat lines, and
 `response_format` in OpenAI bodies; logprobs are `logprobs: k` on simple and chat lines and in completions
@@ -36,6 +38,7 @@ from schemas.openai_body import (
     OpenAIUrl,
 )
 from schemas.prompt import ChatSpelling, PromptOptions, PromptSpelling
+from schemas.responses_body import RESPONSES_URL, ResponseEcho, ResponsesBody
 from schemas.sampling import (
     N_DESCRIPTION,
     NativeSpelling,
@@ -148,6 +151,7 @@ class Request(StrictModel):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI chat bodies: shown to the chat template
     tool_call: ForcedToolCall | None = None  # the tool use the body asks for (schemas/tools.py)
+    responses: ResponseEcho | None = None  # /v1/responses lines: what their Response repeats of the body
     sampling: Sampling = Sampling()
     n: NumSamples = 1
     return_token_ids: bool = False
@@ -181,6 +185,7 @@ class ParsedRequest(StrictModel):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_call: ForcedToolCall | None = None
+    responses: ResponseEcho | None = None
     overrides: Sampling = Sampling()
     n: NumSamples = 1
     echo: bool = False
@@ -225,6 +230,7 @@ class ParsedRequest(StrictModel):
             chat_template_kwargs=template_kwargs,
             tools=self.tools,
             tool_call=self.tool_call,
+            responses=self.responses,
             sampling=Sampling(**merged),
             n=self.n,
             return_token_ids=return_token_ids,
@@ -307,18 +313,23 @@ def _surrogate_in_request(field: str | None, line_no: int, custom_id: str | None
 def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest:
     fails_alone = (envelope.custom_id, envelope.url)
     body: CompletionBody | ChatCompletionBody
+    responses = None
     if envelope.url == COMPLETIONS_URL:
         body = _validate(CompletionBody, envelope.body, line_no, ("body",), fails_alone)
         prompts = body.prompt
         of_endpoint: dict[str, Any] = _one_prompt(prompts[0]) if len(prompts) == 1 else {"group_prompts": prompts}
         of_endpoint["echo"] = bool(body.echo)
     else:
-        body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
+        if envelope.url == RESPONSES_URL:  # run as the chat it means; its Response repeats the body's fields
+            responses_body = _validate(ResponsesBody, envelope.body, line_no, ("body",), fails_alone)
+            body, responses = responses_body.chat_body(), responses_body.echo()
+        else:
+            body = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {
-            "messages": chat.messages,
-            "chat_template_kwargs": chat.chat_template_kwargs,
-            "tools": [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None,
-            "tool_call": chat.tool_call(),
+            "messages": body.messages,
+            "chat_template_kwargs": body.chat_template_kwargs,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            "tool_call": body.tool_call(),
         }
     return ParsedRequest(
         line_no=line_no,
@@ -329,6 +340,7 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
         overrides=body.overrides(),
         n=body.n or 1,
         prompt_options=body.prompt_options(),
+        responses=responses,
         **of_endpoint,
     )
 

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.errors import InvalidRequest
 from schemas.lines import Request
 from schemas.openai_body import CHAT_COMPLETIONS_URL
+from schemas.responses_body import RESPONSES_URL
+from schemas.responses_output import response_body
 
 FinishReason = Literal["stop", "length", "error", "cancelled"]
 # Why a request was refused before it ran: an invalid request, which the OpenAI output reports as an HTTP 400
@@ -49,6 +51,8 @@ class Usage(_Model):
     completion_tokens: int = Field(0, ge=0)
     cached_tokens: int = Field(0, ge=0)  # prompt tokens whose KV came from the prefix cache (OpenAI's
     # `usage.prompt_tokens_details.cached_tokens`, kept flat here like the other counts)
+    reasoning_tokens: int = Field(0, ge=0)  # of the completion tokens, those of the reasoning the parser split off
+    # (the reasoning text tokenized again; summed over samples)
     gpu_seconds: float = Field(0.0, ge=0)  # this request's share of the device time of the steps it was in
     queue_seconds: float = 0.0  # submitted -> first scheduled by the engine
     ttft_seconds: float = 0.0  # submitted -> first token known
@@ -216,7 +220,7 @@ class OpenAIUsage(_Model):
 class OpenAIResponse(_Model):
     status_code: int
     request_id: str
-    body: dict[str, Any]  # a `text_completion` or `chat.completion` object
+    body: dict[str, Any]  # a `text_completion`, `chat.completion` or `response` object
 
 
 class OpenAIError(_Model):
@@ -239,8 +243,9 @@ class OpenAIBatchOutputLine(_Model):
 def to_openai_output(
     result: ResultLine, request: Request, batch_id: str, model: str, created_at: int
 ) -> OpenAIBatchOutputLine:
-    """OpenAI Batch output for one request. Chat requests (any input shape) give `chat.completion` bodies,
-    prompt requests `text_completion`; failed and cancelled requests give `error` and no response."""
+    """OpenAI Batch output for one request. `/v1/responses` requests give `response` bodies
+    (schemas/responses_output.py), other chat requests (any input shape) `chat.completion` bodies, prompt requests
+    `text_completion`; failed and cancelled requests give `error` and no response."""
     request_id = f"{batch_id}-{result.index}"
     custom_id = result.custom_id or f"request-{result.index}"
     line_id = f"batch_req_{request_id}"
@@ -260,6 +265,11 @@ def to_openai_output(
             id=line_id, custom_id=custom_id, error=OpenAIError(code=code, message=message)
         )
 
+    if request.url == RESPONSES_URL:
+        body = response_body(result, request, request_id, model, created_at)
+        return OpenAIBatchOutputLine(
+            id=line_id, custom_id=custom_id, response=OpenAIResponse(status_code=200, request_id=request_id, body=body)
+        )
     usage = OpenAIUsage(
         prompt_tokens=result.usage.prompt_tokens,
         completion_tokens=result.usage.completion_tokens,

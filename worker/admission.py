@@ -306,8 +306,10 @@ def to_result_line(
         call_id = "call_{}-{}_{}".format(*keys.split_engine_request_id(result.request_id), index)
         return result_fields(parsing.parse(text, calls), call_id)
 
+    parts_of = {0: parsed(0, result.text, result.token_ids)}  # sample 0's is the line's own
     samples = None
-    if request.n > 1 and reason in ("stop", "length"):
+    if request.n > 1 and succeeded:
+        parts_of |= {s.index: parsed(s.index, s.text, s.token_ids) for s in result.all_samples if s.index}
         samples = [
             Sample(
                 index=sample.index,
@@ -315,10 +317,12 @@ def to_result_line(
                 token_ids=list(sample.token_ids) if request.return_token_ids else None,
                 finish_reason=sample.finish_reason.value,
                 logprobs=_logprob_lines(sample.logprobs, tokenizer),
-                **parsed(sample.index, sample.text, sample.token_ids),
+                **parts_of[sample.index],
             )
             for sample in result.all_samples
         ]
+    reasoning_texts = [parts.get("reasoning_content") for parts in parts_of.values()]
+    usage["reasoning_tokens"] = min(_num_reasoning_tokens(reasoning_texts, tokenizer), usage["completion_tokens"])
     return ResultLine(
         custom_id=request.custom_id,
         index=request.index,
@@ -332,8 +336,13 @@ def to_result_line(
         samples=samples,
         prompt_logprobs=_prompt_logprob_lines(result.prompt_logprobs, tokenizer) if succeeded else None,
         echo=_echoed_prompt(request, result, tokenizer) if succeeded and request.echo else None,
-        **parsed(0, result.text, result.token_ids),
+        **parts_of[0],
     )
+
+
+def _num_reasoning_tokens(texts: list[str | None], tokenizer: TokenizerProtocol) -> int:
+    """The outputs' reasoning in tokens: the split-off text tokenized again (its markers not counted)."""
+    return sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in texts if text)
 
 
 def _calls_mode(request: Request) -> CallsMode:

@@ -22,6 +22,7 @@ from typing import Any
 from producer.store import validate_lines
 from schemas.errors import InvalidRequest, RequestLineError
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL, SamplingOverrides
+from schemas.responses_body import RESPONSES_URL
 from schemas.result import ResultLine
 from worker.admission import to_engine_request, to_result_line
 from worker.engine.api import EngineProtocol, EngineRequest
@@ -171,7 +172,7 @@ def _as_line(item: Input, index: int) -> tuple[dict[str, Any], bool]:
     if not isinstance(item, dict):
         raise TypeError(f"an input is a prompt string or a request dict, got {type(item).__name__}")
     if "model" in item and not {"custom_id", "method", "url", "body"} & item.keys():
-        url = CHAT_COMPLETIONS_URL if "messages" in item else COMPLETIONS_URL
+        url = CHAT_COMPLETIONS_URL if "messages" in item else RESPONSES_URL if "input" in item else COMPLETIONS_URL
         return {"custom_id": f"offline-body-{index}", "method": "POST", "url": url, "body": item}, True
     return item, False
 

@@ -27,12 +27,13 @@ from producer.store.api_batches import MAX_REPORTED_ERRORS, BatchRecord, BatchRe
 from schemas.errors import RequestLineError
 from schemas.json_line import jsonl_safe
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
+from schemas.responses_body import RESPONSES_URL
 from schemas.result import OpenAIBatchOutputLine
 from schemas.status import BatchStatus
 
 log = logging.getLogger("cbq.server")
 
-SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL, RESPONSES_URL)
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 # A batch still validating this long after it was created lost its validation (the server restarted, or Redis was
 # unreachable when it ended); validating a 200 MB file takes about a minute.

@@ -25,6 +25,7 @@ pytest.importorskip("uvicorn")
 
 from openai.types import Completion  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
+from openai.types.responses import Response  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from producer.cli import main  # noqa: E402
@@ -213,6 +214,48 @@ def test_upload_create_poll_download_matches_cbq_run(stack, client, tmp_path, en
         got_body, want_body = (body_type.model_validate(x["response"]["body"]) for x in (got, want))
         assert got_body.choices[0].model_dump() == want_body.choices[0].model_dump()
         assert got_body.usage == want_body.usage and got_body.model == "tiny-llama"
+
+
+def test_a_responses_batch_runs_and_its_output_parses_as_responses(stack, client, tmp_path):
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": "tiny-llama", "input": f"question {i}", "instructions": "Be brief.",
+                     "max_output_tokens": 4 + i % 3, "temperature": 0, "store": False, "metadata": {"i": str(i)}},
+        }
+        for i in range(4)
+    ]  # fmt: skip
+    path = write_jsonl(tmp_path / "responses.jsonl", lines)
+    uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    assert created.endpoint == "/v1/responses"
+    batch, _ = wait_for_batch(client, created.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 4, batch
+    served = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    out = tmp_path / "run.jsonl"
+    ran = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--format", "openai", "--device", "cpu"])
+    assert ran.exit_code == 0, ran.output
+    expected = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in served] == [f"r{i}" for i in range(4)]
+    for i, (got, want) in enumerate(zip(served, expected, strict=True)):
+        assert got["error"] is None and got["response"]["status_code"] == 200
+        got_body, want_body = (Response.model_validate(x["response"]["body"]) for x in (got, want))
+        assert got_body.object == "response" and got_body.id == "resp_" + got["response"]["request_id"]
+        assert (got_body.output_text, got_body.usage, got_body.status) == (
+            want_body.output_text, want_body.usage, want_body.status,
+        )  # fmt: skip
+        assert got_body.metadata == {"i": str(i)} and got_body.instructions == "Be brief."
+    assert batch.usage.output_tokens == sum(s["response"]["body"]["usage"]["output_tokens"] for s in served)
+
+    chat = openai_lines(1)[0]  # a chat line in a responses batch: its url is not the batch's endpoint
+    mixed = client.files.create(file=write_jsonl(tmp_path / "mixed.jsonl", [lines[0], chat]).open("rb"), purpose="batch")
+    refused, _ = wait_for_batch(
+        client, client.batches.create(input_file_id=mixed.id, endpoint="/v1/responses", completion_window="24h").id
+    )
+    assert refused.status == "failed"
+    assert [(e.line, e.param, e.code) for e in refused.errors.data] == [(2, "url", "mismatched_endpoint")]
 
 
 def test_a_wrong_api_key_gets_401(stack):

@@ -383,7 +383,7 @@ def openai_line(body, url="/v1/completions", **envelope):
         ),
         (
             openai_line({"prompt": "x"}, url="/v1/embeddings"),
-            "line 7: url: Input should be '/v1/completions' or '/v1/chat/completions'",
+            "line 7: url: Input should be '/v1/completions', '/v1/chat/completions' or '/v1/responses'",
         ),
         (openai_line({"prompt": "x"}, method="GET"), "line 7: method: Input should be 'POST'"),
         (

@@ -78,3 +78,14 @@ def test_a_refused_request_is_an_error_result_and_the_others_run(llm):
     assert results[0].finish_reason == "length" and results[0].usage.completion_tokens == 2
     assert results[1].finish_reason == "error" and "context" in results[1].error
     assert llm.generate("after a refusal", progress=False)[0].finish_reason in ("stop", "length")
+
+
+def test_a_bare_responses_body_runs_as_the_chat_it_means(llm):
+    sampling = {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}
+    inputs = [
+        {"model": "m", "input": "hi", "max_output_tokens": 4},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    ]
+    responses, chat = llm.generate(inputs, sampling=sampling, progress=False)
+    assert responses.finish_reason == chat.finish_reason and responses.token_ids == chat.token_ids
+    assert responses.usage.completion_tokens == 4
