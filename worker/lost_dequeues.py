@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 from rq import Queue
@@ -42,10 +43,21 @@ QUEUED = JobStatus.QUEUED.value.encode()
 BLOCK_SLICE_SECONDS = 0.2
 
 
+class UndecodableEntry(ValueError):
+    """A queue entry that is not UTF-8 text, so no job id at all (anyone who can write to Redis can push one).
+    It was moved into the intermediate list like any other; `raw` is the entry as stored."""
+
+    def __init__(self, queue_key: str, raw: bytes):
+        super().__init__(f"the entry {raw[:80]!r} of {queue_key} is not UTF-8")
+        self.queue_key = queue_key
+        self.raw = raw
+
+
 def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | None) -> tuple[str, str] | None:
     """Move the next job id of the first non-empty queue of `queue_keys` (in order) into that queue's
     intermediate list; returns (queue key, job id). `timeout` None: return None at once when all are empty;
-    else block up to `timeout` seconds, then raise rq's DequeueTimeout (as rq's dequeue does)."""
+    else block up to `timeout` seconds, then raise rq's DequeueTimeout (as rq's dequeue does). An entry that
+    is not UTF-8 raises UndecodableEntry once moved (`worker.job_quarantine` takes it out)."""
     if not queue_keys:
         return None
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -53,7 +65,7 @@ def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | Non
         for key in queue_keys:
             job_id = conn.lmove(key, IntermediateQueue.get_intermediate_queue_key(key))
             if job_id is not None:
-                return key, _text(job_id)
+                return key, _job_id(key, job_id)
         if deadline is None:
             return None
         left = deadline - time.monotonic()
@@ -65,13 +77,29 @@ def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | Non
         # Redis takes fractional seconds (redis-py types it int)
         job_id = conn.blmove(key, IntermediateQueue.get_intermediate_queue_key(key), block)  # type: ignore[arg-type]
         if job_id is not None:
-            return key, _text(job_id)
+            return key, _job_id(key, job_id)
         # fakeredis answers BLMOVE at once instead of blocking: wait here rather than spin
         time.sleep(max(0.0, blocked_from + block - time.monotonic()))
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _job_id(queue_key: str, value: bytes | str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise UndecodableEntry(queue_key, value) from None
+
+
+def decodable_ids(raw_ids: Sequence[bytes]) -> list[str]:
+    """The entries of a list that are UTF-8 text (the others are `worker.job_quarantine`'s to take out)."""
+    ids = []
+    for raw in raw_ids:
+        try:
+            ids.append(raw.decode())
+        except UnicodeDecodeError:
+            continue
+    return ids
 
 
 def forget_sighting(conn: redis.Redis, queue: Queue, job_id: str) -> None:
@@ -89,7 +117,7 @@ def requeue_lost_dequeues(conn: redis.Redis, queue: Queue, stuck_after: float) -
     reads too; it is cleared on the move, so a later loss of the same job starts a fresh grace period."""
     intermediate = queue.intermediate_queue
     requeued = []
-    for job_id in intermediate.get_job_ids():
+    for job_id in decodable_ids(cast("list[bytes]", conn.lrange(queue.intermediate_queue_key, 0, -1))):
         if job_id in queue.started_job_registry or conn.hget(Job.key_for(job_id), "status") != QUEUED:
             continue
         if intermediate.set_first_seen(job_id):  # the first sighting starts the clock

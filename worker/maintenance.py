@@ -49,18 +49,28 @@ def clean_queue_registries(
     lock_seconds = int(min(longest, max(shortest, stale_after_seconds)))
     if not _take_lock(conn, queue.registry_cleaning_key, worker.name, lock_seconds):
         return  # another worker is cleaning this queue
-    try:
-        quarantine_undecodable(conn, queue)
-        clean_registries(queue, exc_handlers)
-        clean_worker_registry(queue)
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("quarantining undecodable jobs", lambda: quarantine_undecodable(conn, queue)),
+        ("rq's registry cleanup", lambda: clean_registries(queue, exc_handlers)),
+        ("rq's worker registry cleanup", lambda: clean_worker_registry(queue)),
         # Before rq's intermediate cleanup, which would fail such a job after a minute (a retry lost).
-        requeue_lost_dequeues(conn, queue, lost_dequeue_after_seconds)
-        queue.intermediate_queue.cleanup(worker, queue)
-        sweep_orphans(conn, queue, worker.name, stale_after_seconds, stale_after_seconds)
-    except REDIS_ERRORS:
-        raise
-    except Exception:
-        worker.log.exception("Worker %s: cleaning the registries of queue %s failed", worker.name, queue.name)
+        ("requeueing lost dequeues", lambda: requeue_lost_dequeues(conn, queue, lost_dequeue_after_seconds)),
+        ("rq's intermediate list cleanup", lambda: queue.intermediate_queue.cleanup(worker, queue)),
+        (
+            "the orphan sweep",
+            lambda: sweep_orphans(conn, queue, worker.name, stale_after_seconds, stale_after_seconds),
+        ),
+    ]
+    try:
+        # Each step on its own: one that fails on something in Redis (a forged entry, say) must not stop the
+        # others, or a dead worker's chunks would wait for ever behind it (issue 44).
+        for what, step in steps:
+            try:
+                step()
+            except REDIS_ERRORS:
+                raise
+            except Exception:
+                worker.log.exception("Worker %s: %s of queue %s failed", worker.name, what, queue.name)
     finally:
         try:
             if conn.get(queue.registry_cleaning_key) == worker.name.encode():

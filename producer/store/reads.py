@@ -246,7 +246,7 @@ def _live_job_ids(conn: redis.Redis, queue: str) -> set[str]:
     """Jobs of `queue` with an unexpired execution in rq's StartedJobRegistry (a worker heartbeats them)."""
     registry_key = StartedJobRegistry(queue, connection=conn).key
     entries = conn.zrangebyscore(registry_key, time.time(), "+inf")
-    return {parse_composite_key(entry.decode())[0] for entry in entries}
+    return {parse_composite_key(entry.decode(errors="replace"))[0] for entry in entries}
 
 
 _LOST_STATUSES = {
