@@ -151,6 +151,8 @@ class CbqWorker(BaseWorker):
         self._next_at: dict[str, float] = defaultdict(float)  # periodic task -> next time.monotonic()
         self.num_jobs_admitted = 0
         self.num_jobs_finished = 0
+        # the requests of the largest chunk admitted so far: how many may wait unstarted in the engine
+        self._num_reserve_requests = 1
 
     def _forget_execution(self, owner: InFlightJob) -> None:
         self.executions.pop(owner.execution.id, None)
@@ -260,7 +262,10 @@ class CbqWorker(BaseWorker):
             return False
         if max_jobs is not None and self.num_jobs_admitted >= max_jobs:
             return False
-        return self.engine.has_capacity()
+        # Fair sharing (docs/operations.md): at most about one chunk waits unstarted in the engine, so the
+        # rest of a large batch stays in the queue for a worker that joins; one chunk in reserve keeps every
+        # slot that frees busy until the next turn of this loop admits more.
+        return self.engine.has_capacity() and self.engine.num_unstarted() < self._num_reserve_requests
 
     def _admit_jobs(self, max_jobs: int | None) -> bool:
         """Dequeue and admit jobs while the engine has capacity. Returns True when the queues were empty."""
@@ -334,6 +339,7 @@ class CbqWorker(BaseWorker):
         except REDIS_ERRORS:
             self._interrupted_admissions.append((job, queue, execution))
             raise
+        self._num_reserve_requests = max(self._num_reserve_requests, len(work.to_run))
         for line in work.finished_now:
             self.writer.add(Outcome(owner, line, from_engine=False))
         for request, engine_request in work.to_run:
