@@ -50,7 +50,7 @@ from rq.suspension import is_suspended
 from rq.utils import now as rq_now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
-from producer.store import cancelled_batch_ids, queue_admission
+from producer.store import MarkerWatch, cancelled_batch_ids, queue_admission, wiped_line
 from schemas.result import ResultLine
 from worker import rq_adapter
 from worker.admission import error_line, load_chunk_job
@@ -132,6 +132,7 @@ class CbqWorker(BaseWorker):
         self.mode = mode
         self.stats_interval_seconds = stats_interval_seconds
         self.in_flight = InFlightTable(engine.abort, self.log, self.name)
+        self.store_marker = MarkerWatch(connection)  # tells a Redis that lost its data from a requeue
         self.writer = ResultWriter(
             connection,
             self.in_flight,
@@ -141,6 +142,7 @@ class CbqWorker(BaseWorker):
             log=self.log,
             worker_name=self.name,
             on_written=on_results_written,  # in the loop's thread, once Redis has them (`cbq run`'s journal)
+            is_store_wiped=self.store_marker.wiped,
         )
         # (job, queue, execution or None) dequeued when Redis failed mid-admission; admitted again after it
         self._interrupted_admissions: list[tuple[Job, Queue, Execution | None]] = []
@@ -181,6 +183,7 @@ class CbqWorker(BaseWorker):
             # without intervals, so it needs no scheduler; run `rq worker --with-scheduler` elsewhere if wanted.
             raise ValueError("CbqWorker does not run rq's scheduler: it would fork after CUDA started")
         self.bootstrap(logging_level, date_format, log_format)
+        self.store_marker.start()
         rq_adapter.set_dequeue_strategy(self, dequeue_strategy)
         self._install_signal_handlers()
         self.engine.start()
@@ -243,12 +246,20 @@ class CbqWorker(BaseWorker):
         while True:
             outage.wait_for_redis(self.connection, self._keep_busy, lambda: len(self.writer.outcomes))
             try:
+                self._report_wiped_store()
                 # Heartbeats first: the executions may look abandoned by now, and this worker's cleanup is next.
                 self._heartbeat_all()
                 self._resume_interrupted_admissions()
                 return
             except REDIS_ERRORS:  # gone again (or still loading its data)
                 continue
+
+    def _report_wiped_store(self) -> None:
+        """Redis came back without its data (restarted without persistence): say so once per batch in flight;
+        the chunks are dropped as their results find no owner (`ResultWriter`)."""
+        if self.store_marker.wiped():
+            for batch_id in sorted(self.in_flight.batch_ids()):
+                self.log.error("Worker %s: %s", self.name, wiped_line(batch_id))
 
     def _keep_busy(self, seconds: float) -> None:
         """While Redis is away: stay healthy and keep taking the engine's results."""

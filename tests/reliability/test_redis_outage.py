@@ -84,3 +84,45 @@ def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_clea
     run_burst_worker(conn, FakeEngine(latency_seconds=0.5))  # default recovery settings: stale after 40 s
     assert time.monotonic() - started < 15
     assert_exactly_once(conn, batch_id, 20)
+
+
+def test_a_redis_restarted_without_its_data_is_reported_as_wiped(tmp_path):
+    """Issue 44, item 5: Redis restarted without persistence. `cbq status` said "never submitted, or its results
+    expired" and the worker that the chunk "was re-enqueued"; both now say the store was wiped."""
+    from click.testing import CliRunner
+
+    from producer.cli import main
+    from tests.reliability.harness import RedisServer, WorkerProcess
+
+    server = RedisServer(tmp_path, durable=False)
+    server.start()
+    worker = None
+    try:
+        conn = server.connect()
+
+        def cbq(*args):
+            return CliRunner().invoke(main, [*map(str, args), "--redis-url", server.url])
+
+        batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
+        assert cbq("status", batch_id).exit_code == 0
+        worker = WorkerProcess(
+            server.url, tmp_path / "worker.log", "--fake-engine", "--fake-latency", "3", *FAST_RECOVERY_FLAGS
+        )
+        wait_until(lambda: store.get_status(conn, batch_id).num_running == 20, context=worker.output)
+        server.kill()
+        server.start()  # empty: no append-only file
+        out = cbq("status", batch_id)
+        assert out.exit_code == 1
+        wiped = f"the Redis store was wiped (no cbq marker): batch {batch_id}'s records are gone"
+        assert wiped in out.output, out.output
+        wait_until(lambda: wiped in worker.output(), timeout=20, context=worker.output)
+        assert "was re-enqueued" not in worker.output()
+        # A fresh store with a new batch: a typo'd id is just not found.
+        submit_prompts(cbq, tmp_path, 1)
+        assert "never submitted" in cbq("status", "b-no-such-batch").output
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait()
+        server.kill()
+
