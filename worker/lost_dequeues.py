@@ -35,6 +35,8 @@ from rq.exceptions import DequeueTimeout
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.utils import now as rq_now
+from rq.utils import utcparse
+from rq.worker_registration import get_keys as worker_keys
 
 log = logging.getLogger(__name__)
 QUEUED = JobStatus.QUEUED.value.encode()
@@ -128,8 +130,27 @@ def requeue_lost_dequeues(conn: redis.Redis, queue: Queue, stuck_after: float) -
         if _move_back(conn, queue, job_id):
             conn.delete(intermediate.get_first_seen_key(job_id))
             requeued.append(job_id)
-            log.warning("job %s was lost between its dequeue and the reply (Redis failed); requeued", job_id)
+            cause = _cause(conn, queue, stuck_after)
+            log.warning("job %s was dequeued and never registered (%s); requeued", job_id, cause)
     return requeued
+
+
+def _cause(conn: redis.Redis, queue: Queue, stuck_after: float) -> str:
+    """Why a dequeue was never followed up: a worker of the queue that stopped heartbeating (killed as it took
+    the job) or, every worker being alive, a reply Redis never sent. A live worker heartbeats at least twice
+    per --stale-after, and `stuck_after` is at most that."""
+    silent = []
+    for key in sorted(worker_keys(queue)):
+        raw = cast("bytes | None", conn.hget(key, "last_heartbeat"))
+        try:
+            last = utcparse(raw.decode()) if raw is not None else None
+        except (UnicodeDecodeError, ValueError):
+            last = None
+        if last is None or (rq_now() - last).total_seconds() > 0.75 * stuck_after:
+            silent.append(key.rsplit(":", 1)[-1])
+    if silent:
+        return f"its worker was killed or stopped: {', '.join(silent[:3])} stopped heartbeating"
+    return "every worker of the queue is alive: Redis's reply to the dequeue was lost"
 
 
 def _move_back(conn: redis.Redis, queue: Queue, job_id: str) -> bool:

@@ -58,7 +58,7 @@ from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
 from worker.lost_dequeues import forget_sighting
-from worker.maintenance import REDIS_ERRORS, Outage, clean_queue_registries, touch
+from worker.maintenance import REDIS_ERRORS, HeartbeatClock, Outage, clean_queue_registries, touch
 from worker.output_parsers import OutputParsing
 from worker.result_writer import Outcome, ResultWriter
 from worker.rq_classes import CbqJob, CbqQueue
@@ -124,6 +124,13 @@ class CbqWorker(BaseWorker):
         name = name or f"cbq-{uuid.uuid4().hex[:12]}"
         super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer, **options)
         self.stale_after_seconds = int(stale_after_seconds)
+        # Heartbeats held up for longer than this may have let live executions expire (an idle turn blocks on
+        # its dequeue for a second, so two heartbeats of an idle worker can be that much more than one apart).
+        interval = options["job_monitoring_interval"]
+        self.heartbeat_clock = HeartbeatClock(
+            held_up_after=max(self.stale_after_seconds - interval, interval + IDLE_DEQUEUE_TIMEOUT_SECONDS + 1),
+            grace_seconds=self.stale_after_seconds,
+        )
         self.redis_outage_limit_seconds = redis_outage_limit_seconds
         self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
         self.engine = engine
@@ -182,7 +189,9 @@ class CbqWorker(BaseWorker):
             # rq's scheduler runs in a forked process, and the engine has already started CUDA. cbq retries
             # without intervals, so it needs no scheduler; run `rq worker --with-scheduler` elsewhere if wanted.
             raise ValueError("CbqWorker does not run rq's scheduler: it would fork after CUDA started")
+        registered_at = time.time()
         self.bootstrap(logging_level, date_format, log_format)
+        self.heartbeat_clock.reset(registered_at)
         self.store_marker.start()
         rq_adapter.set_dequeue_strategy(self, dequeue_strategy)
         self._install_signal_handlers()
@@ -494,6 +503,7 @@ class CbqWorker(BaseWorker):
                 rq_adapter.exception_handlers(self),
                 min(self.stale_after_seconds, LOST_DEQUEUE_MAX_SECONDS),
                 self.stale_after_seconds,
+                self.heartbeat_clock.abandoned_before(),
             )
         self.last_cleaned_at = rq_now()  # type: ignore[assignment]  # rq declares it None
 
@@ -509,10 +519,20 @@ class CbqWorker(BaseWorker):
             self.log.warning("Worker %s: could not unregister (%s)", self.name, exc)
 
     def _heartbeat_all(self) -> None:
+        sent_at = time.time()
         if not self.in_flight:
             self.heartbeat()
         for owner in self.in_flight.owners():
             self.maintain_heartbeats(owner.job, owner.execution)
+        held_for = self.heartbeat_clock.written(sent_at)
+        if held_for is not None:
+            self.log.warning(
+                "Worker %s: no heartbeat could be written for %.0f s (Redis paused or unreachable); chunks that "
+                "expired meanwhile are not taken for abandoned for %d s, so live workers heartbeat them first",
+                self.name,
+                held_for,
+                self.stale_after_seconds,
+            )
 
     def _touch_health_file(self) -> None:
         if self.health_file is not None:

@@ -126,3 +126,31 @@ def test_a_redis_restarted_without_its_data_is_reported_as_wiped(tmp_path):
             worker.wait()
         server.kill()
 
+
+def test_a_redis_pause_longer_than_stale_after_spends_no_retry(redis_server, start_worker, cbq, tmp_path):
+    """Issue 44, item 6: Redis paused (SIGSTOP) for longer than --stale-after expired every execution at once, and
+    the first cleanup after it took every chunk in flight for abandoned: one retry spent for each."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from schemas import keys
+
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 80, "--chunk-size", "10", "--retries", "2")
+    flags = ("--fake-engine", "--fake-latency", "8", "--max-num-seqs", "40", *FAST_RECOVERY_FLAGS)
+    workers = [start_worker(*flags), start_worker(*flags)]
+    wait_until(lambda: store.get_status(conn, batch_id).num_running == 80, timeout=30)
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    time.sleep(6)  # past --stale-after 4
+    redis_server.proc.send_signal(signal.SIGCONT)
+    logs = lambda: "\n".join(w.output() for w in workers)  # noqa: E731
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=40, context=logs)
+    assert_exactly_once(conn, batch_id, 80)
+    retries_left = [
+        Job.fetch(keys.chunk_job_id(batch_id, c), connection=conn, serializer=JSONSerializer).retries_left
+        for c in range(8)
+    ]
+    assert retries_left == [2] * 8, (retries_left, logs())
+    assert "re-enqueued while it ran here" not in logs()
+    assert "no heartbeat could be written" in logs()
