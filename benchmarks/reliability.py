@@ -5,8 +5,9 @@
 
 `--soak SECONDS` runs the fault soak instead (issue 31; `tests/reliability/soak.py`): batches keep flowing
 through `--workers` worker processes while a seeded random schedule SIGKILLs workers, kills and restarts Redis,
-pauses it and loses the replies of applied transactions through a TCP proxy; then it checks that every request
-has exactly one result, the counters equal the result lines, and no status read failed.
+pauses it, loses the replies of applied transactions through a TCP proxy and pushes queue entries that are not
+UTF-8; then it checks that every request has exactly one result, the counters equal the result lines, no status
+read failed, and every poison entry was quarantined.
 
 Each scenario starts its own redis-server (append-only file, fsync always) on a free port and real `cbq worker`
 processes (the instant fake engine with a fixed per-request latency, so a batch stays in flight long enough to

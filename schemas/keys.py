@@ -20,6 +20,8 @@ Global:
                                      recognised instead of applied again (`worker.result_writer`)
     cbq:orphans:{queue}:seen  hash   chunk job id -> when the orphan sweep first saw it held by nothing
     cbq:orphans:{queue}:swept string held while one worker's sweep of that queue is recent (`worker.orphans`)
+    cbq:store                 string the store marker: set with the first submit, never expires; a store
+                                     without it lost its data (`producer.store.marker`)
 
 OpenAI-compatible server (`cbq serve`; expire with the batch's result TTL):
 
@@ -33,6 +35,8 @@ The rq side keeps rq's own `rq:` keys (queues, jobs, registries); cbq never writ
 
 from __future__ import annotations
 
+import re
+import uuid
 from enum import Enum
 
 PREFIX = "cbq:"
@@ -69,6 +73,18 @@ def model_queue(queue: str, model: str | None) -> str:
     """The rq queue of a batch whose lines name `model`: workers serving that name listen on it (and on `queue`,
     for batches that name no model)."""
     return f"{queue}:{model}" if model else queue
+
+
+BATCH_ID_HEX_DIGITS = 16
+
+
+def new_batch_id() -> str:
+    return uuid.uuid4().hex[:BATCH_ID_HEX_DIGITS]
+
+
+def is_batch_id(text: str) -> bool:
+    """Whether `text` has the form `new_batch_id` gives (a store that lost its data is named only for these)."""
+    return re.fullmatch(f"[0-9a-f]{{{BATCH_ID_HEX_DIGITS}}}", text) is not None
 
 
 def batch(batch_id: str) -> str:
@@ -108,6 +124,7 @@ def all_batch_keys(batch_id: str) -> list[str]:
 
 
 BATCHES = f"{PREFIX}batches"
+STORE_MARKER = f"{PREFIX}store"
 WORKERS = f"{PREFIX}workers"
 
 

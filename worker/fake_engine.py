@@ -11,6 +11,7 @@ BOS: UTF-8 bytes are ids 0-255.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ FAKE_GPU_SECONDS_PER_TOKEN = 1e-5  # a made-up device cost, so accounting code s
 class _Pending:
     request: EngineRequest
     added_at: float
-    ready_at: float
+    ready_at: float  # math.inf while it waits for a running slot
 
 
 class FakeEngine:
@@ -34,6 +35,9 @@ class FakeEngine:
 
     Args:
         max_num_running: `has_capacity()` is True while fewer requests than this are unfinished.
+        num_slots: requests that run at once, in arrival order, each for `latency_seconds` from its start; the
+            rest wait inside the engine, as in the real one (which admits twice what it runs). None: every
+            request runs at once.
         max_model_len: prompts this long or longer finish with an ERROR result, like the real engine.
         latency_seconds: how long a request stays in flight before its result is ready (0: instant);
             a large value keeps requests in flight, so tests can abort or cancel them.
@@ -47,6 +51,7 @@ class FakeEngine:
         max_model_len: int = 4096,
         latency_seconds: float = 0.0,
         raise_on_prompt_substring: str | None = None,
+        num_slots: int | None = None,
     ):
         self.tokenizer = ByteTokenizer(add_bos=False)
         self.sampling_defaults: dict[str, Any] = {}  # no checkpoint, no generation_config
@@ -54,6 +59,7 @@ class FakeEngine:
         self.max_num_running = max_num_running
         self.latency_seconds = latency_seconds
         self.raise_on_prompt_substring = raise_on_prompt_substring
+        self.num_slots = num_slots
         self._lock = threading.Condition()
         self._pending: dict[str, _Pending] = {}
         self._done: list[EngineResult] = []
@@ -63,7 +69,7 @@ class FakeEngine:
 
     @classmethod
     def from_model(cls, model: str = "fake", **config_overrides: Any) -> FakeEngine:
-        allowed = {"max_num_running", "max_model_len", "latency_seconds", "raise_on_prompt_substring"}
+        allowed = {"max_num_running", "max_model_len", "latency_seconds", "raise_on_prompt_substring", "num_slots"}
         return cls(**{k: v for k, v in config_overrides.items() if k in allowed})
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -88,7 +94,9 @@ class FakeEngine:
             if len(req.prompt_ids) >= self.max_model_len or not req.prompt_ids:
                 self._done.append(self._error(req, now))
             else:
-                self._pending[req.request_id] = _Pending(req, now, now + self.latency_seconds)
+                ready_at = now + self.latency_seconds if self.num_slots is None else math.inf
+                self._pending[req.request_id] = _Pending(req, now, ready_at)
+                self._start_waiting(now)
             self._lock.notify_all()
 
     def abort(self, request_id: str) -> None:
@@ -96,6 +104,7 @@ class FakeEngine:
             pending = self._pending.pop(request_id, None)
             if pending is not None:
                 self._done.append(self._finish(pending, time.time(), cancelled=True))
+                self._start_waiting(time.time())
                 self._lock.notify_all()
 
     def get_results(self, timeout: float | None = 0) -> list[EngineResult]:
@@ -108,12 +117,16 @@ class FakeEngine:
                     done, self._done = self._done, []
                     return done
                 next_ready = min((p.ready_at for p in self._pending.values()), default=None)
-                wake_ats = [t for t in (deadline, next_ready) if t is not None]
+                wake_ats = [t for t in (deadline, next_ready) if t is not None and math.isfinite(t)]
                 self._lock.wait(max(0.0, min(wake_ats) - now) if wake_ats else None)
 
     def num_unfinished(self) -> int:
         with self._lock:
             return len(self._pending) + len(self._done)
+
+    def num_unstarted(self) -> int:
+        with self._lock:
+            return sum(1 for p in self._pending.values() if p.ready_at == math.inf)
 
     def has_capacity(self) -> bool:
         return self.num_unfinished() < self.max_num_running
@@ -128,7 +141,8 @@ class FakeEngine:
                 output_tokens=s.output_tokens,
                 busy_seconds=s.busy_seconds,
                 wall_seconds=wall,
-                num_running=len(self._pending),
+                num_running=sum(1 for p in self._pending.values() if p.ready_at != math.inf),
+                num_waiting=sum(1 for p in self._pending.values() if p.ready_at == math.inf),
             )
 
     def generate(self, requests: list[EngineRequest]) -> list[EngineResult]:
@@ -149,6 +163,20 @@ class FakeEngine:
         ready = [rid for rid, p in self._pending.items() if p.ready_at <= now]
         for rid in ready:
             self._done.append(self._finish(self._pending.pop(rid), now, cancelled=False))
+        if ready:
+            self._start_waiting(now)
+
+    def _start_waiting(self, now: float) -> None:
+        """Give the free running slots to the requests that wait, in arrival order (`num_slots` only)."""
+        if self.num_slots is None:
+            return
+        num_free = self.num_slots - sum(1 for p in self._pending.values() if p.ready_at != math.inf)
+        for pending in self._pending.values():
+            if num_free <= 0:
+                break
+            if pending.ready_at == math.inf:
+                pending.ready_at = now + self.latency_seconds
+                num_free -= 1
 
     def _finish(self, pending: _Pending, now: float, cancelled: bool) -> EngineResult:
         req = pending.request

@@ -178,8 +178,8 @@ class InFlightTable:
 
     def timed_out(self, now: float, num_running: int) -> list[tuple[InFlightJob, str]]:
         """Chunks past their --job-timeout, each with its failure message. A chunk's clock starts when its first request can
-        be scheduled, not when it is admitted: chunks are admitted ahead of the engine (up to twice what it
-        runs) and wait their turn. The engine schedules in admission order, so a chunk's turn has come once
+        be scheduled, not when it is admitted: chunks are admitted ahead of the engine (about one chunk beyond
+        what it runs) and wait their turn. The engine schedules in admission order, so a chunk's turn has come once
         fewer requests admitted before it are unfinished than the engine is running."""
         out = []
         num_ahead = 0

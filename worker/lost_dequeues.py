@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 from rq import Queue
@@ -34,6 +35,8 @@ from rq.exceptions import DequeueTimeout
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.utils import now as rq_now
+from rq.utils import utcparse
+from rq.worker_registration import get_keys as worker_keys
 
 log = logging.getLogger(__name__)
 QUEUED = JobStatus.QUEUED.value.encode()
@@ -42,10 +45,21 @@ QUEUED = JobStatus.QUEUED.value.encode()
 BLOCK_SLICE_SECONDS = 0.2
 
 
+class UndecodableEntry(ValueError):
+    """A queue entry that is not UTF-8 text, so no job id at all (anyone who can write to Redis can push one).
+    It was moved into the intermediate list like any other; `raw` is the entry as stored."""
+
+    def __init__(self, queue_key: str, raw: bytes):
+        super().__init__(f"the entry {raw[:80]!r} of {queue_key} is not UTF-8")
+        self.queue_key = queue_key
+        self.raw = raw
+
+
 def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | None) -> tuple[str, str] | None:
     """Move the next job id of the first non-empty queue of `queue_keys` (in order) into that queue's
     intermediate list; returns (queue key, job id). `timeout` None: return None at once when all are empty;
-    else block up to `timeout` seconds, then raise rq's DequeueTimeout (as rq's dequeue does)."""
+    else block up to `timeout` seconds, then raise rq's DequeueTimeout (as rq's dequeue does). An entry that
+    is not UTF-8 raises UndecodableEntry once moved (`worker.job_quarantine` takes it out)."""
     if not queue_keys:
         return None
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -53,7 +67,7 @@ def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | Non
         for key in queue_keys:
             job_id = conn.lmove(key, IntermediateQueue.get_intermediate_queue_key(key))
             if job_id is not None:
-                return key, _text(job_id)
+                return key, _job_id(key, job_id)
         if deadline is None:
             return None
         left = deadline - time.monotonic()
@@ -65,13 +79,29 @@ def take_next(conn: redis.Redis, queue_keys: Sequence[str], timeout: float | Non
         # Redis takes fractional seconds (redis-py types it int)
         job_id = conn.blmove(key, IntermediateQueue.get_intermediate_queue_key(key), block)  # type: ignore[arg-type]
         if job_id is not None:
-            return key, _text(job_id)
+            return key, _job_id(key, job_id)
         # fakeredis answers BLMOVE at once instead of blocking: wait here rather than spin
         time.sleep(max(0.0, blocked_from + block - time.monotonic()))
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _job_id(queue_key: str, value: bytes | str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise UndecodableEntry(queue_key, value) from None
+
+
+def decodable_ids(raw_ids: Sequence[bytes]) -> list[str]:
+    """The entries of a list that are UTF-8 text (the others are `worker.job_quarantine`'s to take out)."""
+    ids = []
+    for raw in raw_ids:
+        try:
+            ids.append(raw.decode())
+        except UnicodeDecodeError:
+            continue
+    return ids
 
 
 def forget_sighting(conn: redis.Redis, queue: Queue, job_id: str) -> None:
@@ -89,7 +119,7 @@ def requeue_lost_dequeues(conn: redis.Redis, queue: Queue, stuck_after: float) -
     reads too; it is cleared on the move, so a later loss of the same job starts a fresh grace period."""
     intermediate = queue.intermediate_queue
     requeued = []
-    for job_id in intermediate.get_job_ids():
+    for job_id in decodable_ids(cast("list[bytes]", conn.lrange(queue.intermediate_queue_key, 0, -1))):
         if job_id in queue.started_job_registry or conn.hget(Job.key_for(job_id), "status") != QUEUED:
             continue
         if intermediate.set_first_seen(job_id):  # the first sighting starts the clock
@@ -100,8 +130,27 @@ def requeue_lost_dequeues(conn: redis.Redis, queue: Queue, stuck_after: float) -
         if _move_back(conn, queue, job_id):
             conn.delete(intermediate.get_first_seen_key(job_id))
             requeued.append(job_id)
-            log.warning("job %s was lost between its dequeue and the reply (Redis failed); requeued", job_id)
+            cause = _cause(conn, queue, stuck_after)
+            log.warning("job %s was dequeued and never registered (%s); requeued", job_id, cause)
     return requeued
+
+
+def _cause(conn: redis.Redis, queue: Queue, stuck_after: float) -> str:
+    """Why a dequeue was never followed up: a worker of the queue that stopped heartbeating (killed as it took
+    the job) or, every worker being alive, a reply Redis never sent. A live worker heartbeats at least twice
+    per --stale-after, and `stuck_after` is at most that."""
+    silent = []
+    for key in sorted(worker_keys(queue)):
+        raw = cast("bytes | None", conn.hget(key, "last_heartbeat"))
+        try:
+            last = utcparse(raw.decode()) if raw is not None else None
+        except (UnicodeDecodeError, ValueError):
+            last = None
+        if last is None or (rq_now() - last).total_seconds() > 0.75 * stuck_after:
+            silent.append(key.rsplit(":", 1)[-1])
+    if silent:
+        return f"its worker was killed or stopped: {', '.join(silent[:3])} stopped heartbeating"
+    return "every worker of the queue is alive: Redis's reply to the dequeue was lost"
 
 
 def _move_back(conn: redis.Redis, queue: Queue, job_id: str) -> bool:

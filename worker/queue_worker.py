@@ -50,7 +50,7 @@ from rq.suspension import is_suspended
 from rq.utils import now as rq_now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
-from producer.store import cancelled_batch_ids, queue_admission
+from producer.store import MarkerWatch, cancelled_batch_ids, queue_admission, wiped_line
 from schemas.result import ResultLine
 from worker import rq_adapter
 from worker.admission import error_line, load_chunk_job
@@ -58,7 +58,7 @@ from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
 from worker.lost_dequeues import forget_sighting
-from worker.maintenance import REDIS_ERRORS, Outage, clean_queue_registries, touch
+from worker.maintenance import REDIS_ERRORS, HeartbeatClock, Outage, clean_queue_registries, touch
 from worker.output_parsers import OutputParsing
 from worker.result_writer import Outcome, ResultWriter
 from worker.rq_classes import CbqJob, CbqQueue
@@ -124,6 +124,13 @@ class CbqWorker(BaseWorker):
         name = name or f"cbq-{uuid.uuid4().hex[:12]}"
         super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer, **options)
         self.stale_after_seconds = int(stale_after_seconds)
+        # Heartbeats held up for longer than this may have let live executions expire (an idle turn blocks on
+        # its dequeue for a second, so two heartbeats of an idle worker can be that much more than one apart).
+        interval = options["job_monitoring_interval"]
+        self.heartbeat_clock = HeartbeatClock(
+            held_up_after=max(self.stale_after_seconds - interval, interval + IDLE_DEQUEUE_TIMEOUT_SECONDS + 1),
+            grace_seconds=self.stale_after_seconds,
+        )
         self.redis_outage_limit_seconds = redis_outage_limit_seconds
         self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
         self.engine = engine
@@ -132,6 +139,7 @@ class CbqWorker(BaseWorker):
         self.mode = mode
         self.stats_interval_seconds = stats_interval_seconds
         self.in_flight = InFlightTable(engine.abort, self.log, self.name)
+        self.store_marker = MarkerWatch(connection)  # tells a Redis that lost its data from a requeue
         self.writer = ResultWriter(
             connection,
             self.in_flight,
@@ -141,6 +149,7 @@ class CbqWorker(BaseWorker):
             log=self.log,
             worker_name=self.name,
             on_written=on_results_written,  # in the loop's thread, once Redis has them (`cbq run`'s journal)
+            is_store_wiped=self.store_marker.wiped,
         )
         # (job, queue, execution or None) dequeued when Redis failed mid-admission; admitted again after it
         self._interrupted_admissions: list[tuple[Job, Queue, Execution | None]] = []
@@ -151,6 +160,8 @@ class CbqWorker(BaseWorker):
         self._next_at: dict[str, float] = defaultdict(float)  # periodic task -> next time.monotonic()
         self.num_jobs_admitted = 0
         self.num_jobs_finished = 0
+        # the requests of the largest chunk admitted so far: how many may wait unstarted in the engine
+        self._num_reserve_requests = 1
 
     def _forget_execution(self, owner: InFlightJob) -> None:
         self.executions.pop(owner.execution.id, None)
@@ -178,7 +189,10 @@ class CbqWorker(BaseWorker):
             # rq's scheduler runs in a forked process, and the engine has already started CUDA. cbq retries
             # without intervals, so it needs no scheduler; run `rq worker --with-scheduler` elsewhere if wanted.
             raise ValueError("CbqWorker does not run rq's scheduler: it would fork after CUDA started")
+        registered_at = time.time()
         self.bootstrap(logging_level, date_format, log_format)
+        self.heartbeat_clock.reset(registered_at)
+        self.store_marker.start()
         rq_adapter.set_dequeue_strategy(self, dequeue_strategy)
         self._install_signal_handlers()
         self.engine.start()
@@ -241,12 +255,20 @@ class CbqWorker(BaseWorker):
         while True:
             outage.wait_for_redis(self.connection, self._keep_busy, lambda: len(self.writer.outcomes))
             try:
+                self._report_wiped_store()
                 # Heartbeats first: the executions may look abandoned by now, and this worker's cleanup is next.
                 self._heartbeat_all()
                 self._resume_interrupted_admissions()
                 return
             except REDIS_ERRORS:  # gone again (or still loading its data)
                 continue
+
+    def _report_wiped_store(self) -> None:
+        """Redis came back without its data (restarted without persistence): say so once per batch in flight;
+        the chunks are dropped as their results find no owner (`ResultWriter`)."""
+        if self.store_marker.wiped():
+            for batch_id in sorted(self.in_flight.batch_ids()):
+                self.log.error("Worker %s: %s", self.name, wiped_line(batch_id))
 
     def _keep_busy(self, seconds: float) -> None:
         """While Redis is away: stay healthy and keep taking the engine's results."""
@@ -260,7 +282,10 @@ class CbqWorker(BaseWorker):
             return False
         if max_jobs is not None and self.num_jobs_admitted >= max_jobs:
             return False
-        return self.engine.has_capacity()
+        # Fair sharing (docs/operations.md): at most about one chunk waits unstarted in the engine, so the
+        # rest of a large batch stays in the queue for a worker that joins; one chunk in reserve keeps every
+        # slot that frees busy until the next turn of this loop admits more.
+        return self.engine.has_capacity() and self.engine.num_unstarted() < self._num_reserve_requests
 
     def _admit_jobs(self, max_jobs: int | None) -> bool:
         """Dequeue and admit jobs while the engine has capacity. Returns True when the queues were empty."""
@@ -334,6 +359,7 @@ class CbqWorker(BaseWorker):
         except REDIS_ERRORS:
             self._interrupted_admissions.append((job, queue, execution))
             raise
+        self._num_reserve_requests = max(self._num_reserve_requests, len(work.to_run))
         for line in work.finished_now:
             self.writer.add(Outcome(owner, line, from_engine=False))
         for request, engine_request in work.to_run:
@@ -477,6 +503,7 @@ class CbqWorker(BaseWorker):
                 rq_adapter.exception_handlers(self),
                 min(self.stale_after_seconds, LOST_DEQUEUE_MAX_SECONDS),
                 self.stale_after_seconds,
+                self.heartbeat_clock.abandoned_before(),
             )
         self.last_cleaned_at = rq_now()  # type: ignore[assignment]  # rq declares it None
 
@@ -492,10 +519,20 @@ class CbqWorker(BaseWorker):
             self.log.warning("Worker %s: could not unregister (%s)", self.name, exc)
 
     def _heartbeat_all(self) -> None:
+        sent_at = time.time()
         if not self.in_flight:
             self.heartbeat()
         for owner in self.in_flight.owners():
             self.maintain_heartbeats(owner.job, owner.execution)
+        held_for = self.heartbeat_clock.written(sent_at)
+        if held_for is not None:
+            self.log.warning(
+                "Worker %s: no heartbeat could be written for %.0f s (Redis paused or unreachable); chunks that "
+                "expired meanwhile are not taken for abandoned for %d s, so live workers heartbeat them first",
+                self.name,
+                held_for,
+                self.stale_after_seconds,
+            )
 
     def _touch_health_file(self) -> None:
         if self.health_file is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import redis
 from rq.job import JobStatus
 
-from producer.store import queue_results
+from producer.store import queue_results, wiped_line
 from schemas import keys
 from schemas.request import Request
 from schemas.result import OUTCOME_OF_REASON, ResultLine
@@ -92,6 +92,7 @@ class ResultWriter:
         log: logging.Logger,
         worker_name: str,
         on_written: Callable[[list[ResultLine]], None] | None = None,
+        is_store_wiped: Callable[[], bool] = lambda: False,
     ):
         self.connection = connection
         self.table = table
@@ -107,6 +108,7 @@ class ResultWriter:
         self.num_requests_finished = 0
         # Called with each group of results once Redis has them (`cbq run`'s journal and progress line).
         self._on_written = on_written
+        self._is_store_wiped = is_store_wiped  # Redis lost its data (`producer.store.marker`)
 
     def add(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -244,12 +246,22 @@ class ResultWriter:
     def _disown(self, owner: InFlightJob) -> None:
         """Forget a chunk someone else owns now: abort what it has in the engine and drop what it has not
         written. Its new owner runs those requests (and skips the ones already written)."""
-        self.log.warning(
-            "Worker %s: job %s was re-enqueued while it ran here; dropping its %d unwritten requests",
-            self.worker_name,
-            owner.job.id,
-            len(owner.pending) + sum(1 for o in self.outcomes if o.owner is owner),
-        )
+        num_unwritten = len(owner.pending) + sum(1 for o in self.outcomes if o.owner is owner)
+        if self._is_store_wiped():  # no new owner: nothing of the batch is left to write to
+            self.log.error(
+                "Worker %s: %s; dropping job %s's %d unwritten requests",
+                self.worker_name,
+                wiped_line(owner.payload.batch_id),
+                owner.job.id,
+                num_unwritten,
+            )
+        else:
+            self.log.warning(
+                "Worker %s: job %s was re-enqueued while it ran here; dropping its %d unwritten requests",
+                self.worker_name,
+                owner.job.id,
+                num_unwritten,
+            )
         self.table.drop(owner)
         self._forget_execution(owner)
         self.outcomes = [o for o in self.outcomes if o.owner is not owner]

@@ -6,15 +6,18 @@
 - `cancel`: the cancel flag, and cancelling the chunk jobs still queued
 - `api_batches`: the OpenAI batch records of `cbq serve` (`cbq:api:` keys), with their project listings
 - `chunks`: a worker's reads of one chunk job (its batch's fields, its requests and results so far)
+- `marker`: the store marker (`cbq:store`), whose absence says Redis lost its data
 
 Imports redis, rq and pydantic, never torch and never `worker`: the worker imports this package, not the reverse.
 """
 
 from producer.store.api_batches import BatchRecord, BatchRecordNotFound, BatchRecords
 from producer.store.cancel import CancelReport, cancel_batch
+from producer.store.marker import MarkerWatch, wiped_line
 from producer.store.reads import (
     BatchNotFinished,
     BatchNotFound,
+    StoreWiped,
     cancelled_batch_ids,
     find_lost_requests,
     get_status,
@@ -43,7 +46,9 @@ __all__ = [
     "BatchRecords",
     "BatchNotFound",
     "CancelReport",
+    "MarkerWatch",
     "SourceChanged",
+    "StoreWiped",
     "SubmitConflict",
     "SubmitInterrupted",
     "SubmitOptions",
@@ -63,4 +68,5 @@ __all__ = [
     "read_meta",
     "submit_batch",
     "validate_lines",
+    "wiped_line",
 ]

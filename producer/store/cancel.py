@@ -48,7 +48,8 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
         with conn.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(queue.key)
-                queued = {job_id.decode() for job_id in pipe.lrange(queue.key, 0, -1)}
+                # errors="replace": a forged entry that is not UTF-8 is no chunk of a batch (a worker quarantines it)
+                queued = {job_id.decode(errors="replace") for job_id in pipe.lrange(queue.key, 0, -1)}
                 owned = [job_id for job_id in ranges if job_id in queued]
                 if not owned:
                     return CancelReport(batch_id, 0, 0)

@@ -25,6 +25,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import parse_composite_key
 
+from producer.store import marker
 from schemas import keys
 from schemas.keys import BatchField
 from schemas.request import Request
@@ -50,6 +51,13 @@ class BatchNotFound(LookupError):
         super().__init__(f"no batch {batch_id!r} (never submitted, or its results expired)")
 
 
+class StoreWiped(BatchNotFound):
+    """The batch's keys are missing and so is the store marker: Redis lost its data."""
+
+    def __init__(self, batch_id: str):
+        LookupError.__init__(self, marker.wiped_line(batch_id))
+
+
 class BatchNotFinished(RuntimeError):
     def __init__(self, status: BatchStatus):
         self.status = status
@@ -60,6 +68,9 @@ class BatchNotFinished(RuntimeError):
 def read_meta(conn: redis.Redis, batch_id: str) -> dict[str, str]:
     raw = conn.hgetall(keys.batch(batch_id))
     if not raw:
+        # a wiped store and one never used look alike: only an id that submit could have made is taken as lost
+        if keys.is_batch_id(batch_id) and marker.is_wiped(conn):
+            raise StoreWiped(batch_id)
         raise BatchNotFound(batch_id)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
 
@@ -246,7 +257,7 @@ def _live_job_ids(conn: redis.Redis, queue: str) -> set[str]:
     """Jobs of `queue` with an unexpired execution in rq's StartedJobRegistry (a worker heartbeats them)."""
     registry_key = StartedJobRegistry(queue, connection=conn).key
     entries = conn.zrangebyscore(registry_key, time.time(), "+inf")
-    return {parse_composite_key(entry.decode())[0] for entry in entries}
+    return {parse_composite_key(entry.decode(errors="replace"))[0] for entry in entries}
 
 
 _LOST_STATUSES = {

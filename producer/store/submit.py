@@ -11,7 +11,6 @@ a crash leaves nothing visible:
 from __future__ import annotations
 
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
 from producer import settings
+from producer.store import marker
 from schemas import keys
 from schemas.chat import checked_chat_template_kwargs
 from schemas.chunk import CHUNK_FUNC
@@ -280,7 +280,7 @@ def submit_batch(
     if num_requests == 0:
         return SubmitReport(None, 0, 0, sorted(skipped))
 
-    batch_id = uuid.uuid4().hex[:16]
+    batch_id = keys.new_batch_id()
     remaining = (p for p in parsed if p.custom_id is None or p.custom_id not in skipped)
     entries = (
         ResultLine.of_invalid_request(i, p)
@@ -428,6 +428,7 @@ def _commit(
             pipe.hset(name_key, mapping=custom_ids)
             pipe.expire(name_key, ttl)
         pipe.zadd(keys.BATCHES, {batch_id: time.time()})
+        marker.mark(pipe)
         for key in keys.all_batch_keys(batch_id):
             pipe.expire(key, ttl)
         try:

@@ -1,11 +1,13 @@
 """A fault soak (issue 31, item 4): batches flow through two or more `cbq worker` processes while a seeded random
-schedule SIGKILLs workers (a replacement starts at once), kills and restarts Redis, pauses it (SIGSTOP), and
-loses the replies of applied transactions through a TCP proxy. Used by `benchmarks/reliability.py --soak`
+schedule SIGKILLs workers (a replacement starts at once), kills and restarts Redis, pauses it (SIGSTOP),
+loses the replies of applied transactions through a TCP proxy, and pushes queue entries that are not UTF-8
+(issue 44) onto the head and the tail of the queue. Used by `benchmarks/reliability.py --soak`
 (minutes) and `tests/reliability/test_soak.py` (seconds).
 
 Invariants, checked throughout and at the end: every status read succeeds and reports no inconsistency;
 every batch finishes; every request has exactly one result line, completed; the counters equal the sums over
-the result lines (counter drift 0).
+the result lines (counter drift 0); every poison entry pushed was quarantined (a `cbq-bad-id-` placeholder in
+the FailedJobRegistry), and none is left in the queue or its intermediate list.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
 
 from producer import store
 from producer.store import SubmitOptions, submit_batch, validate_lines
 from schemas.keys import BatchField
 from tests.reliability.harness import RedisServer, ReplyDroppingProxy, WorkerProcess, wait_until
 
-FAULTS = ("worker_kill", "redis_restart", "redis_pause", "lost_replies")
+FAULTS = ("worker_kill", "poison_entries", "redis_restart", "redis_pause", "lost_replies")
 RECOVERY_FLAGS = ("--heartbeat-interval", "1", "--stale-after", "4", "--maintenance-interval", "1")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
@@ -60,13 +64,23 @@ class SoakReport:
     status_reads: int = 0
     status_failures: list[str] = field(default_factory=list)
     unfinished_batches: int = 0
+    poison_pushed: int = 0  # queue entries that are not UTF-8
+    poison_quarantined: int = 0
+    poison_left: int = 0  # still in the queue or its intermediate list at the end
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "faults": dict(self.faults)}
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.duplicated or self.counter_drift or self.status_failures)
+        return not (
+            self.lost
+            or self.duplicated
+            or self.counter_drift
+            or self.status_failures
+            or self.poison_left
+            or self.poison_quarantined != self.poison_pushed
+        )
 
 
 class Soak:
@@ -77,6 +91,7 @@ class Soak:
         self.redis.start()
         self.proxy = ReplyDroppingProxy(self.redis.port)
         self.conn = self.redis.connect()
+        self.queue = Queue("cbq", connection=self.conn, serializer=JSONSerializer)
         self.workers: list[WorkerProcess] = []
         self.batches: dict[str, int] = {}  # batch id -> requests
         self.done: set[str] = set()
@@ -145,9 +160,27 @@ class Soak:
             self.redis.proc.send_signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(*self.config.outage_seconds))
             self.redis.proc.send_signal(signal.SIGCONT)
+        elif fault == "poison_entries":
+            self._push_poison()
         else:  # the next results writes (they bump the counters) and admissions lose their replies
             self.proxy.drop_exec_replies(self.rng.randint(1, 3), BatchField.NUM_COMPLETED.value.encode())
             self.proxy.drop_exec_replies(1, BatchField.FIRST_STARTED_AT.value.encode())
+
+    def _push_poison(self) -> None:
+        """One entry at the head of the queue (the next dequeue takes it) and one at the tail."""
+        n = self.report.poison_pushed
+        try:
+            self.conn.lpush(self.queue.key, b"\xff\xfe head %d \x80" % n)
+            self.report.poison_pushed += 1
+            self.conn.rpush(self.queue.key, b"\xff\xfe tail %d \x80" % n)
+            self.report.poison_pushed += 1
+        except REDIS_ERRORS:
+            pass  # Redis is coming back: not pushed, not counted
+
+    def _poison_left(self) -> int:
+        keys = (self.queue.key, self.queue.intermediate_queue_key)
+        entries = [entry for key in keys for entry in self.conn.lrange(key, 0, -1)]
+        return sum(1 for entry in entries if entry.startswith(b"\xff\xfe"))
 
     def _top_up_batches(self) -> None:
         try:
@@ -192,6 +225,13 @@ class Soak:
 
     def _audit(self) -> None:
         r = self.report
+        try:  # an entry pushed at the tail is taken once the batches ahead of it are
+            wait_until(lambda: self._poison_left() == 0, timeout=15, interval=0.5)
+        except AssertionError:
+            pass
+        r.poison_left = self._poison_left()
+        placeholders = self.queue.failed_job_registry.get_job_ids()
+        r.poison_quarantined = sum(1 for job_id in placeholders if job_id.startswith("cbq-bad-id-"))
         for batch_id, n in self.batches.items():
             status = store.get_status(self.conn, batch_id)
             lines = list(store.iter_results(self.conn, batch_id, partial=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import signal
 import zlib
 
 from rq.job import Job
@@ -14,7 +15,13 @@ from rq.serializers import JSONSerializer
 
 from producer import store
 from schemas import keys
-from tests.reliability.conftest import FAST_RECOVERY_FLAGS, assert_exactly_once, submit_prompts
+from tests.reliability.conftest import (
+    FAST_RECOVERY_FLAGS,
+    SLOW_FAKE,
+    assert_exactly_once,
+    submit_prompts,
+    wait_until,
+)
 
 
 def _payload(job: Job) -> list:
@@ -79,3 +86,40 @@ def test_poison_jobs_fail_alone_with_their_reason(redis_server, start_worker, cb
     successor = start_worker("--fake-engine", "--burst", *FAST_RECOVERY_FLAGS)
     assert successor.wait(30) == 0, successor.output()
     assert_exactly_once(conn, again, 20)
+
+
+POISON_ENTRY = b"\xff\xfe not utf-8 \x80"
+
+
+def test_a_non_utf8_queue_entry_is_quarantined_and_maintenance_goes_on(
+    redis_server, start_worker, cbq, tmp_path
+):
+    """Issue 44, item 1: a non-UTF-8 entry on the queue list killed the worker that took it, and its id, left in
+    the intermediate list, made every worker's maintenance fail: a dead worker's chunks were never cleaned up."""
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 120, "--chunk-size", "10")
+    first = start_worker(*SLOW_FAKE)
+    second = start_worker(*SLOW_FAKE)
+    wait_until(lambda: store.get_status(conn, batch_id).num_running >= 40, timeout=30)
+    queue = Queue("cbq", connection=conn, serializer=JSONSerializer)
+    conn.lpush(queue.key, POISON_ENTRY)
+    conn.rpush(queue.key, POISON_ENTRY)
+    # as left by a worker killed right after it moved the entry, and a forged abandoned execution
+    conn.lpush(queue.intermediate_queue_key, b"\xfe moved")
+    conn.zadd(queue.started_job_registry.key, {b"\xfe started:execution": 1})
+    first.kill(signal.SIGKILL)  # its chunks wait for the abandoned-chunk cleanup of the other worker
+    first.wait()
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=60, context=second.output)
+    assert second.proc.poll() is None, second.output()
+    assert_exactly_once(conn, batch_id, 120)
+    assert conn.lrange(queue.key, 0, -1) == conn.lrange(queue.intermediate_queue_key, 0, -1) == []
+    assert conn.zrange(queue.started_job_registry.key, 0, -1) == []
+    placeholders = queue.failed_job_registry.get_job_ids()
+    assert len(placeholders) == 3 and all(p.startswith("cbq-bad-id-") for p in placeholders), placeholders
+    messages = [
+        Job.fetch(p, connection=conn, serializer=JSONSerializer).latest_result().exc_string
+        for p in placeholders
+    ]
+    assert all("not UTF-8" in m for m in messages), messages
+    assert any(r"\xff\xfe not utf-8" in m for m in messages), messages
+    assert "a queue entry rq rejects" in first.output() + second.output()

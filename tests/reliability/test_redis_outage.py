@@ -84,3 +84,73 @@ def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_clea
     run_burst_worker(conn, FakeEngine(latency_seconds=0.5))  # default recovery settings: stale after 40 s
     assert time.monotonic() - started < 15
     assert_exactly_once(conn, batch_id, 20)
+
+
+def test_a_redis_restarted_without_its_data_is_reported_as_wiped(tmp_path):
+    """Issue 44, item 5: Redis restarted without persistence. `cbq status` said "never submitted, or its results
+    expired" and the worker that the chunk "was re-enqueued"; both now say the store was wiped."""
+    from click.testing import CliRunner
+
+    from producer.cli import main
+    from tests.reliability.harness import RedisServer, WorkerProcess
+
+    server = RedisServer(tmp_path, durable=False)
+    server.start()
+    worker = None
+    try:
+        conn = server.connect()
+
+        def cbq(*args):
+            return CliRunner().invoke(main, [*map(str, args), "--redis-url", server.url])
+
+        batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
+        assert cbq("status", batch_id).exit_code == 0
+        worker = WorkerProcess(
+            server.url, tmp_path / "worker.log", "--fake-engine", "--fake-latency", "3", *FAST_RECOVERY_FLAGS
+        )
+        wait_until(lambda: store.get_status(conn, batch_id).num_running == 20, context=worker.output)
+        server.kill()
+        server.start()  # empty: no append-only file
+        out = cbq("status", batch_id)
+        assert out.exit_code == 1
+        wiped = f"the Redis store was wiped (no cbq marker): batch {batch_id}'s records are gone"
+        assert wiped in out.output, out.output
+        wait_until(lambda: wiped in worker.output(), timeout=20, context=worker.output)
+        assert "was re-enqueued" not in worker.output()
+        # A fresh store with a new batch: a typo'd id is just not found.
+        submit_prompts(cbq, tmp_path, 1)
+        assert "never submitted" in cbq("status", "b-no-such-batch").output
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait()
+        server.kill()
+
+
+def test_a_redis_pause_longer_than_stale_after_spends_no_retry(redis_server, start_worker, cbq, tmp_path):
+    """Issue 44, item 6: Redis paused (SIGSTOP) for longer than --stale-after expired every execution at once, and
+    the first cleanup after it took every chunk in flight for abandoned: one retry spent for each."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from schemas import keys
+
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 80, "--chunk-size", "10", "--retries", "2")
+    flags = ("--fake-engine", "--fake-latency", "8", "--max-num-seqs", "40", *FAST_RECOVERY_FLAGS)
+    workers = [start_worker(*flags), start_worker(*flags)]
+    wait_until(lambda: store.get_status(conn, batch_id).num_running == 80, timeout=30)
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    time.sleep(6)  # past --stale-after 4
+    redis_server.proc.send_signal(signal.SIGCONT)
+    logs = lambda: "\n".join(w.output() for w in workers)  # noqa: E731
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=40, context=logs)
+    assert_exactly_once(conn, batch_id, 80)
+    retries_left = [
+        Job.fetch(keys.chunk_job_id(batch_id, c), connection=conn, serializer=JSONSerializer).retries_left
+        for c in range(8)
+    ]
+    assert retries_left == [2] * 8, (retries_left, logs())
+    assert "re-enqueued while it ran here" not in logs()
+    assert "no heartbeat could be written" in logs()

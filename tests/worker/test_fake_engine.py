@@ -73,3 +73,22 @@ def test_raise_on_prompt_substring():
     engine = FakeEngine(raise_on_prompt_substring="boom")
     with pytest.raises(RuntimeError, match="FakeEngine told to fail"):
         engine.add_request(req("a", prompt="a boom b"))
+
+
+def test_running_slots_start_waiting_requests_in_arrival_order():
+    engine = FakeEngine(max_num_running=6, num_slots=2, latency_seconds=0.2)
+    engine.start()
+    for name in "abcd":
+        engine.add_request(req(name))
+    assert engine.num_unstarted() == 2 and engine.has_capacity()
+    assert (engine.stats().num_running, engine.stats().num_waiting) == (2, 2)
+    first = engine.get_results(timeout=5)
+    assert sorted(r.request_id for r in first) == ["a", "b"]
+    assert engine.num_unstarted() == 0 and engine.stats().num_running == 2
+    engine.abort("d")
+    rest = engine.get_results(timeout=5) + engine.get_results(timeout=5)
+    assert sorted((r.request_id, r.finish_reason) for r in rest) == [
+        ("c", FinishReason.LENGTH),
+        ("d", FinishReason.CANCELLED),
+    ]
+    engine.shutdown()

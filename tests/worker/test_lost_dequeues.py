@@ -3,6 +3,7 @@ intermediate list, QUEUED, held by no worker. It must run again soon, without co
 
 from __future__ import annotations
 
+import datetime
 import json
 import signal
 import time
@@ -155,3 +156,29 @@ def test_a_sighting_of_an_earlier_stay_in_the_intermediate_list_does_not_count(c
     lose_one_dequeue(conn, queue)
     assert requeue_lost_dequeues(conn, queue, stuck_after=30) == []
     assert queue.count == 0
+
+
+@pytest.mark.parametrize("worker_died", [False, True])
+def test_the_requeue_log_says_whether_a_worker_died_or_a_reply_was_lost(
+    conn, cbq, write_jsonl, caplog, worker_died
+):
+    """Issue 44, item 6: the log blamed Redis for every lost dequeue, also when a worker was killed."""
+    import logging
+
+    from rq.utils import now as rq_now
+    from rq.utils import utcformat
+
+    submit(cbq, write_jsonl, 8)
+    queue = Queue("cbq", connection=conn, serializer=JSONSerializer)
+    worker = CbqWorker(["cbq"], FakeEngine(), connection=conn, name="w-one")
+    worker.register_birth()
+    worker.heartbeat()
+    if worker_died:  # killed as it took the job: it stopped heartbeating then
+        conn.hset(worker.key, "last_heartbeat", utcformat(rq_now() - datetime.timedelta(minutes=5)))
+    job_id = lose_one_dequeue(conn, queue)
+    long_ago = (rq_now() - datetime.timedelta(minutes=5)).timestamp()
+    conn.set(queue.intermediate_queue.get_first_seen_key(job_id), long_ago)
+    with caplog.at_level(logging.WARNING, logger="worker.lost_dequeues"):
+        assert requeue_lost_dequeues(conn, queue, stuck_after=60) == [job_id]
+    expected = "w-one stopped heartbeating" if worker_died else "Redis's reply to the dequeue was lost"
+    assert expected in caplog.text, caplog.text

@@ -16,7 +16,7 @@ from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.registry import clean_registries
+from rq.registry import StartedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
 from rq.worker import BaseWorker, DequeueStrategy
 
@@ -119,6 +119,7 @@ RQ_SIGNATURES: list[tuple[Callable[..., Any], list[str]]] = [
     (BaseWorker.subscribe, []),
     (BaseWorker.teardown, []),
     (clean_registries, ["queue", "exception_handlers"]),
+    (StartedJobRegistry.cleanup, ["timestamp", "exception_handlers"]),  # worker.maintenance.clean_rq_registries
     (IntermediateQueue.cleanup, ["worker", "queue"]),
     (Execution.delete, ["job", "pipeline"]),
     # overridden by worker.rq_classes
@@ -156,3 +157,15 @@ def test_rq_reads_dependents_and_webhooks_only_through_what_cbq_overrides(rq_wor
     assert "job.dependents_key" in source
     assert "dependents_key_for(self.id)" in inspect.getsource(Job.__dict__["dependents_key"].fget)
     assert "send_webhooks" in inspect.getsource(BaseWorker.handle_job_failure)
+
+
+def test_the_registries_cbq_cleans_are_the_ones_rq_cleans():
+    """`worker.maintenance.clean_rq_registries` is rq's `clean_registries` with the abandoned cutoff given."""
+    import re
+
+    from worker import maintenance
+
+    def registries(func: Callable[..., Any]) -> list[str]:
+        return re.findall(r"(\w+Registry)(?:\(|\.all)", inspect.getsource(func))  # the ones it calls
+
+    assert registries(maintenance.clean_rq_registries) == registries(clean_registries)

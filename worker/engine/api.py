@@ -359,7 +359,7 @@ class TokenizerProtocol(Protocol):
 class EngineProtocol(Protocol):
     """What the queue worker (`CbqWorker`) and `cbq run` use of an engine; `Engine` and `FakeEngine` satisfy it.
 
-    `add_request`, `abort`, `get_results`, `has_capacity` and `stats` are called from another thread than the
+    `add_request`, `abort`, `get_results`, `has_capacity`, `num_unstarted` and `stats` are called from another thread than the
     step loop's, so an implementation makes them thread-safe.
     """
 
@@ -391,6 +391,10 @@ class EngineProtocol(Protocol):
 
     def has_capacity(self) -> bool:
         """Whether more requests would be useful now."""
+        ...
+
+    def num_unstarted(self) -> int:
+        """How many added requests (samples) no running slot holds yet: they wait inside the engine."""
         ...
 
     def stats(self) -> EngineStats: ...

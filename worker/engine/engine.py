@@ -211,6 +211,11 @@ class Engine:
         with self._lock:
             return self._num_unfinished
 
+    def num_unstarted(self) -> int:
+        """Samples added and not yet running (queued for the loop or waiting in the scheduler)."""
+        with self._lock:
+            return max(0, self._num_unfinished_samples - len(self.scheduler.running))
+
     def has_capacity(self) -> bool:
         """More requests are useful while fewer than enough wait to refill every running slot."""
         with self._lock:

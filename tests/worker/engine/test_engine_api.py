@@ -292,3 +292,23 @@ def test_bad_sampling_params_raise_value_errors(kwargs, message):
 def test_bad_engine_config_raises_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_num_unstarted_counts_what_no_running_slot_holds(llama):
+    """The worker admits a chunk only while fewer requests than a chunk wait unstarted (fair sharing)."""
+    _, tok = llama
+    engine = make_engine(llama, "async", max_num_seqs=2)
+    for req in small_requests(tok, 5, max_new_tokens=200):
+        engine.add_request(req)
+    assert engine.num_unstarted() == 5  # queued for the loop: not started yet
+    engine.start()
+    try:
+        deadline = time.monotonic() + 60
+        while engine.stats().num_running < 2:
+            assert time.monotonic() < deadline, "nothing started"
+            time.sleep(0.01)
+        assert engine.num_unstarted() == 3
+        collect(engine, 5)
+    finally:
+        engine.shutdown()
+    assert engine.num_unstarted() == 0
