@@ -35,6 +35,13 @@ class OfflineWorkload:
     seed: int
     num_warmup: int
 
+    def describe(self) -> str:
+        (p_lo, p_hi), (o_lo, o_hi) = self.prompt_len_range, self.output_len_range
+        return (
+            f"prompts N({self.prompt_len_mean:g}, {self.prompt_len_std:g}) clipped to {p_lo:,}-{p_hi:,}, outputs "
+            f"{o_lo}-{o_hi}, {self.num_requests:,} requests, a {self.num_warmup}-request warm-up"
+        )
+
 
 OFFLINE_WORKLOADS = {
     # MLPerf Inference's Llama-3.1-8B offline test (CNN/DailyMail summarization: prompts of about 780 tokens,

@@ -5,7 +5,9 @@ Variants run the same requests constrained to a small JSON schema and/or asking 
 (`--variant plain --variant json --variant logprobs5`), each in every mode, in one process; `--deterministic`
 runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process;
 `--precision bf16 --precision fp8` runs the model in bf16 and with FP8 weights and KV (`--quantization fp8
---kv-cache-dtype fp8`), one model after the other, in one process.
+--kv-cache-dtype fp8`), one model after the other, in one process. `--trace FILE` writes a Perfetto/Chrome
+timeline of every measured run's steps and a PNG of device busy over time (trace.py). Floors: floors.py; the
+table, ratios and result fields: report.py; the workloads: common.py (W1, W2, W5) and cache_workloads.py (W3, W4).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from worker.bench.common import (
 )
 from worker.bench.floors import engine_floors, measure_copy_bandwidth
 from worker.bench.report import ModeResult, print_ratios, print_table, slowest_steps, tokens_digest
+from worker.bench.trace import StepTracer, write_trace
 from worker.cli_options import (
     deterministic_option,
     gpu_memory_options,
@@ -48,14 +51,20 @@ PRECISIONS: dict[str, dict[str, str | None]] = {
 }
 
 
-def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
+def run_engine_mode(engine, reqs, mode: str, bandwidth: float, tracer: StepTracer | None = None) -> ModeResult:
+    """One measured run of `reqs` (`tracer`: its steps' spans are recorded, `--trace`)."""
     from worker.engine.kv_cache import kv_cache_dtype
 
     engine.reset_stats()
     with triton_compiles() as compiled:
+        if tracer is not None:
+            engine.trace_steps(tracer)
         t0 = time.perf_counter()
-        results = engine.generate(reqs)
-        wall = time.perf_counter() - t0
+        try:
+            results = engine.generate(reqs)
+        finally:
+            wall = time.perf_counter() - t0
+            engine.trace_steps(None)
     if compiled:
         click.echo(
             f"warning: {len(compiled)} Triton compile(s) during the measured {mode} run "
@@ -158,8 +167,8 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
     type=click.Choice([*WORKLOADS, *CACHE_WORKLOADS, *OFFLINE_WORKLOADS]),
     default="W1",
     show_default=True,
-    help="W1, W2: uniform lengths; W3, W4: a shared prefix, n samples; W5: MLPerf-shaped offline (prompts "
-    "N(780, 350) clipped to 100-2,000, outputs 30-128, 2,000 requests, a 64-request warm-up).",
+    help="W1, W2: uniform lengths; W3, W4: a shared prefix, n samples; W5: MLPerf-shaped offline "
+    f"({OFFLINE_WORKLOADS['W5'].describe()}).",
 )
 @click.option("--num-requests", type=int, default=None, help="Override the workload's request count.")
 @click.option(
@@ -232,6 +241,14 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--trace",
+    "trace_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a Perfetto/Chrome trace (JSON) of every measured run's steps (CPU preparation, H2D, compute, D2H "
+    "and CPU wait; a process per run) to this file, and the device's busy fraction over time beside it (.png).",
+)
 def engine_bench(
     models,
     workload,
@@ -254,6 +271,7 @@ def engine_bench(
     device,
     dtype,
     json_out,
+    trace_out,
 ):
     """Run a workload through the engine in sync and/or async mode and report throughput vs the floor."""
     import torch
@@ -274,6 +292,7 @@ def engine_bench(
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
+    traces: list[tuple[str, StepTracer]] = []  # --trace: each measured run's spans
     # --deterministic runs every setup twice in this process, deterministic then default (named MODE-...-
     # deterministic and MODE-...-default), so that the cost of the mode is measured on one warm device.
     determinisms = ["deterministic", "default"] if engine_config.pop("deterministic", False) else ["default"]
@@ -376,7 +395,11 @@ def engine_bench(
                 first_of_load = False
                 label = m + setup_suffix(decoder, gemm, determinism, model, precision)
                 label += f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else ""
-                result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
+                tracer = StepTracer(dev) if trace_out else None
+                result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth, tracer)
+                if tracer is not None:
+                    traces.append((label, tracer))
+                    result.extra["trace"] = tracer.summary()
                 result.extra.update(
                     model=model,
                     variant=variant_name(is_json, num_top),
@@ -448,8 +471,12 @@ def engine_bench(
             "precisions": list(precisions),
         },
         "results": {r.mode: asdict(r) for r in results},
+        "trace": trace_out,
         "hf_error": hf_error,
     }
+    if trace_out and traces:
+        trace_json, trace_png, drawn_by = write_trace(trace_out, traces)
+        click.echo(f"wrote {trace_json} and {trace_png} ({drawn_by})")
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
