@@ -3,14 +3,18 @@ its scaled-down twin through the command (warm-up of its first requests, the JSO
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import statistics
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from worker.bench import engine as bench_engine
 from worker.bench.common import OFFLINE_WORKLOADS, make_workload, workload_stats
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _clipped_normal_mean_std(mean: float, std: float, lo: float, hi: float) -> tuple[float, float]:
@@ -47,10 +51,12 @@ def test_w5_draws_2000_mlperf_shaped_requests_from_seed_7():
     assert [r.prompt_ids for r in make_workload("W5", 32000, num_requests=10)] == [r.prompt_ids for r in reqs[:10]]
 
 
-def test_bench_engine_runs_an_offline_workload_after_its_own_warm_up(tmp_path):
+def test_bench_engine_runs_an_offline_workload_after_its_own_warm_up_and_collects_w5(tmp_path):
+    """run_gpu.sh's w5 stage at CPU size: bf16 and FP8 in one process; collect_results.py's W5_bf16 and W5_fp8."""
     out = tmp_path / "w5.json"
     args = ["--model", "tiny-llama", "--workload", "W5-tiny", "--num-requests", "6", "--device", "cpu"]
-    args += ["--dtype", "float32", "--mode", "both", "--json-out", str(out)]
+    args += ["--dtype", "float32", "--mode", "async", "--precision", "bf16", "--precision", "fp8"]
+    args += ["--json-out", str(out)]
     result = CliRunner().invoke(bench_engine.engine_bench, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     report = json.loads(out.read_text())
@@ -59,9 +65,25 @@ def test_bench_engine_runs_an_offline_workload_after_its_own_warm_up(tmp_path):
     assert stats == {**workload_stats(make_workload("W5-tiny", 256, num_requests=6)), "num_warmup_requests": 4}
     assert 8 <= stats["prompt_len_min"] <= stats["prompt_len_mean"] <= stats["prompt_len_max"] <= 96
     assert 4 <= stats["output_len_min"] and stats["output_len_max"] <= 12
-    for mode in ("sync", "async"):
-        run = report["results"][mode]
+    assert set(report["results"]) == {"async-bf16", "async-fp8"}
+    for run in report["results"].values():
         assert run["output_tokens"] == round(stats["output_len_mean"] * 6)  # EOS ignored: every output at its length
         assert run["total_tok_s"] > run["output_tok_s"] > 0 and run["steps"] > 0
         assert {"floor_ratio", "serial_floor_ratio", "floor_tok_s", "gpu_busy", "extra"} <= set(run)
-    assert "async/sync output tok/s" in result.output and "W5-tiny on tiny-llama" in result.output
+    assert "async-fp8 / async-bf16 output tok/s" in result.output and "W5-tiny on tiny-llama" in result.output
+    collected = _collect_results().main([tmp_path])
+    assert set(collected) >= {"W5_bf16", "W5_fp8"}
+    for precision in ("bf16", "fp8"):
+        entry = collected[f"W5_{precision}"]
+        assert entry["async"]["output_tok_s"] == report["results"][f"async-{precision}"]["output_tok_s"]
+        assert entry["async"]["total_tok_s"] > 0 and entry["workload"] == stats and entry["date"] == report["date"]
+    want = report["results"]["async-fp8"]["output_tok_s"] / report["results"]["async-bf16"]["output_tok_s"]
+    assert collected["W5_fp8"]["fp8_over_bf16"] == want
+
+
+def _collect_results():
+    spec = importlib.util.spec_from_file_location("collect_results", REPO_ROOT / "benchmarks" / "collect_results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,11 +3,13 @@ spans in order and not overlapping on each track), the busy picture's PNG, and t
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import struct
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -69,8 +71,21 @@ def test_bench_engine_traces_sync_and_async_steps_and_draws_device_busy(tmp_path
         stages = [e for tid in (trace.H2D, trace.COMPUTE, trace.D2H) for e in spans[pid][tid + 1]]
         assert sum(e["dur"] for e in stages) / 1e6 == pytest.approx(run["gpu_ms"] * run["steps"] / 1000, rel=0.1)
     assert report["trace"] == str(trace_file)
+    (tmp_path / "w1_trace_results.json").write_text(out.read_text())  # run_gpu.sh trace's name for it
+    entry = _collect_results().main([tmp_path])["W1_trace"]
+    assert (entry["trace"], entry["png"]) == ("w1_trace.json", "w1_trace.png")
+    assert entry["async"]["trace_device_busy"] == report["results"]["async"]["extra"]["trace"]["device_busy"]
     png = (tmp_path / "w1_trace.png").read_bytes()
     assert png_size(png) == (400 * trace.BIN_WIDTH, 2 * trace.BAND_HEIGHT + 3 * trace.GAP)
+
+
+def _collect_results():
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("collect_results", root / "benchmarks" / "collect_results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_busy_fractions_are_the_covered_share_of_each_bin():
