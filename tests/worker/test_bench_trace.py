@@ -137,3 +137,33 @@ def test_matplotlib_draws_the_busy_picture_where_it_imports(tmp_path):
     assert trace.write_busy_png(tmp_path / "busy.png", [("sync", tracer), ("async", tracer)]) == "matplotlib"
     width, height = png_size((tmp_path / "busy.png").read_bytes())
     assert width > 100 and height > 100
+
+
+def test_cuda_marks_are_placed_by_their_time_after_the_calibration_event():
+    """On CUDA a mark is an event: its time is the calibration event's host instant plus the device time between
+    them, read once the event has completed (an end mark may complete just after the step's d2h_done)."""
+    from types import SimpleNamespace
+
+    class Event:
+        def __init__(self, ms: float):
+            self.ms, self.synchronized = ms, False
+
+        def synchronize(self):
+            self.synchronized = True
+
+    class Ref:
+        def elapsed_time(self, event):
+            assert event.synchronized, "read before it completed"
+            return event.ms
+
+    tracer = trace.StepTracer(None)
+    tracer._ref = Ref()
+    marks = SimpleNamespace(**{f"{stage}_{end}": Event(ms) for (stage, end), ms in zip(
+        [(s, e) for s in ("h2d", "compute", "d2h") for e in ("start", "end")], (1.0, 1.5, 2.0, 9.0, 9.5, 9.75), strict=True
+    )})  # fmt: skip
+    wait_start = tracer.origin + 0.002
+    tracer.on_step(marks, wait_start, wait_start + 0.008, SimpleNamespace(is_decode_only=True, num_seqs=4, num_tokens=4))
+    got = {trace.TRACKS[s.track]: (s.start, s.end, s.name) for s in tracer.spans}
+    assert got["H2D"][:2] == pytest.approx((0.001, 0.0015)) and got["compute"][:2] == pytest.approx((0.002, 0.009))
+    assert got["D2H"][:2] == pytest.approx((0.0095, 0.00975)) and got["CPU wait"][:2] == pytest.approx((0.002, 0.010))
+    assert got["compute"][2] == "decode 4" and tracer.num_steps == 1

@@ -85,6 +85,9 @@ class StepTracer:
         """A mark as seconds since the run began: a host time as is, a CUDA event through the calibration."""
         if isinstance(mark, float):
             return mark - self.origin
+        # NOTE: `wait` returned once d2h_done completed; an end mark recorded just after it on its stream may not
+        # have yet, and elapsed_time raises on an event that has not completed
+        mark.synchronize()
         return self._ref.elapsed_time(mark) / 1000.0
 
     def track_spans(self, track: int) -> list[Span]:
