@@ -85,8 +85,8 @@ class StepTracer:
         """A mark as seconds since the run began: a host time as is, a CUDA event through the calibration."""
         if isinstance(mark, float):
             return mark - self.origin
-        # NOTE: `wait` returned once d2h_done completed; an end mark recorded just after it on its stream may not
-        # have yet, and elapsed_time raises on an event that has not completed
+        # NOTE: elapsed_time raises on an event that has not completed. The runner records each end mark before the
+        # stage's done event, so after `wait` all have; the wait here costs nothing then, and guards the order.
         mark.synchronize()
         return self._ref.elapsed_time(mark) / 1000.0
 

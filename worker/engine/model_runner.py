@@ -283,9 +283,9 @@ class ModelRunner:
                 if marks is not None:
                     marks.h2d_start.record()
                 self._copy_inputs(slot, meta)
-                h2d_done.record()
-                if marks is not None:
+                if marks is not None:  # before h2d_done: complete whenever what waits on h2d_done runs
                     marks.h2d_end.record()
+                h2d_done.record()
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(h2d_done)
                 events.start.record()
@@ -336,9 +336,9 @@ class ModelRunner:
                 if lp_results is not None:
                     handle.logprobs = logprobs.copy_to_host(self._logprob_buffer(meta.slot), lp_results, True)
                 self._copy_prompt_logprobs(handle, non_blocking=True)
-                handle.events.d2h_done.record()
-                if marks is not None:
+                if marks is not None:  # before d2h_done, which `wait` synchronizes on
                     marks.d2h_end.record()
+                handle.events.d2h_done.record()
         handle.logits, handle.is_sampled = None, True
 
     def _copy_inputs(self, slot: IOSlot, meta: BatchMeta) -> None:

@@ -43,8 +43,8 @@ def test_device_spans_are_ordered_per_stream_and_on_the_host_clock(mode):
         assert all(-1e-3 <= s.start <= s.end <= end + 1e-3 for s in spans), track
     by_step = {(s.track, s.step): s for s in tracer.spans}
     for step in range(tracer.num_steps):  # a step's stages follow one another on the device
-        assert by_step[H2D, step].end <= by_step[COMPUTE, step].start + 1e-6
-        assert by_step[COMPUTE, step].end <= by_step[D2H, step].start + 1e-6
+        assert by_step[H2D, step].end <= by_step[COMPUTE, step].start + 1e-5  # each waits on the one before
+        assert by_step[COMPUTE, step].end <= by_step[D2H, step].start + 1e-5
         assert by_step[D2H, step].end <= by_step[WAIT, step].end + 1e-3  # the host saw the copy done after it ended
     del engine
     torch.cuda.empty_cache()
