@@ -87,3 +87,23 @@ def _collect_results():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_a_prefill_step_floor_is_its_flops_at_the_bf16_or_fp8_peak():
+    """W5 is prefill-bound: an 8,192-token step's floor is 2 x params x tokens at the peak of its linears' format
+    (bf16, or FP8 at twice the rate), whatever the bytes it reads at a bandwidth that makes them cheap."""
+    import pytest
+    import torch
+
+    from worker.bench import floors
+    from worker.engine.models import load_model
+
+    bf16, _ = load_model("tiny-llama", torch.device("cpu"), torch.bfloat16)
+    fp8, _ = load_model("tiny-llama", torch.device("cpu"), torch.bfloat16, quantization="fp8", keep_fp8=True)
+    step = [(8192, 10, 8192 * 400, 0.0)]  # ten 780-token prompts and a few decodes' worth of context
+    _, params = floors.model_bytes(bf16)
+    bf16_floor, bf16_serial = floors.engine_floors(bf16, step, 1e24)
+    fp8_floor, _ = floors.engine_floors(fp8, step, 1e24, kv_dtype=torch.float8_e4m3fn)
+    assert bf16_floor == pytest.approx(2 * params * 8192 / floors.PEAK_BF16_FLOPS) == pytest.approx(bf16_serial)
+    assert fp8_floor == pytest.approx(2 * floors.model_bytes(fp8)[1] * 8192 / floors.PEAK_FP8_FLOPS)
+    assert fp8_floor == pytest.approx(bf16_floor / 2)
