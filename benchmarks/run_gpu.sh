@@ -257,11 +257,13 @@ check_outputs() {  # stage, status of its run, files it must have written
     if [[ $status != 0 ]]; then echo "$stage: FAILED ($status)"; failed+=("$stage"); fi
 }
 if has w5; then
+    rm -f "$OUT/w5.json"  # a file left from an earlier run must not pass for this one
     bench 540 --model llama3-8b --workload W5 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --precision bf16 --precision fp8 --json-out "$OUT/w5.json" 2>&1 | tail -8
     check_outputs w5 "${PIPESTATUS[0]}" "$OUT/w5.json"
 fi
 if has trace; then
+    rm -f "$OUT"/w1_trace.json "$OUT"/w1_trace.png "$OUT"/w1_trace_results.json
     bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --trace "$OUT/w1_trace.json" --json-out "$OUT/w1_trace_results.json" 2>&1 | tail -8
     check_outputs trace "${PIPESTATUS[0]}" "$OUT/w1_trace.json" "$OUT/w1_trace.png" "$OUT/w1_trace_results.json"
