@@ -4,7 +4,8 @@ python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
     # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, fp8_quality.json,
-    # w1_fp8_step.json, w1_moe_fp8.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log), notes.json; a file in a later DIR replaces
+    # w1_fp8_step.json, w1_moe_fp8.json, w5.json, w1_trace_results.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log),
+    # notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
 
@@ -75,6 +76,12 @@ COMMANDS = {
     "of 3b6bd23^ and 390d273, four processes: before, after, before, after)",
     "TP1_W2": "bash benchmarks/run_gpu.sh tp1w2 (W2 async, --max-num-seqs 1024 --max-num-batched-tokens 8192, likewise)",
     "FP8_quality": "python3 -m worker.bench quality --model llama3-8b --num-prompts 4 --prompt-len 512 --decode-len 32",
+    # issue 49: MLPerf-shaped offline (W5), bf16 and FP8 weights + KV in one process; W1's step timeline
+    "W5_bf16": "python3 -m worker.bench engine --model llama3-8b --workload W5 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192 --precision bf16 --precision fp8",
+    "W5_fp8": "the W5_bf16 command (one process: bf16, then FP8 weights and KV)",
+    "W1_trace": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode both --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048 --trace w1_trace.json",
 }
 # issue 24: the Gemma 3 12B and Phi-4 14B shapes, each against Llama-3-8B run in the same process
 FAMILIES = "--model llama3-8b --model gemma3-12b --model phi4-14b --mode async --max-model-len 8192"
@@ -148,6 +155,40 @@ MOE_RUNS = {
 }
 
 
+OFFLINE_RUN = ("W5", "w5.json")  # issue 49: W5 at bf16 and FP8 in one process -> W5_bf16, W5_fp8
+TRACE_RUN = ("W1_trace", "w1_trace_results.json")  # issue 49 item 3: W1 sync and async with --trace
+
+
+def offline_entries(name: str, run: dict) -> dict:
+    """`bench engine --workload W5 --precision bf16 --precision fp8`: `W5_bf16` and `W5_fp8`, each with its runs by
+    mode (every field, total tok/s included: W5 is prefill-bound), the workload's measured lengths, and in
+    `W5_fp8` the ratio over bf16 of the same process."""
+    out: dict = {}
+    for mode, r in run["results"].items():
+        precision = r["extra"].get("precision") or "bf16"
+        entry = out.setdefault(f"{name}_{precision}", {})
+        entry[mode.split("-")[0]] = {f: r.get(f) for f in FIELDS}
+        entry.setdefault("triton_compiles_in_measured_run", {})[mode] = len(r["extra"].get("triton_compiles", []))
+    for entry in out.values():
+        entry.update(workload=run.get("workload_stats"), config=run["config"], date=run["date"])
+    bf16, fp8 = out.get(f"{name}_bf16", {}).get("async"), out.get(f"{name}_fp8", {}).get("async")
+    if bf16 and fp8:
+        out[f"{name}_fp8"]["fp8_over_bf16"] = fp8["output_tok_s"] / bf16["output_tok_s"]
+    return out
+
+
+def trace_entry(run: dict) -> dict:
+    """`bench engine --trace`: each mode's device busy fraction from its trace (and the engine's own), the files."""
+    entry: dict = {
+        mode: {"trace_device_busy": r["extra"].get("trace", {}).get("device_busy"), "gpu_busy": r["gpu_busy"],
+               "output_tok_s": r["output_tok_s"], "steps": r["steps"]}
+        for mode, r in run["results"].items()
+    }  # fmt: skip
+    trace = run.get("trace") or ""
+    entry.update(trace=Path(trace).name, png=Path(trace).with_suffix(".png").name, date=run["date"])
+    return entry
+
+
 def determinism_entry(run: dict) -> dict:
     """`bench engine --deterministic`'s two async runs: {deterministic, default, deterministic_over_default}."""
     by_kind = {
@@ -200,9 +241,11 @@ def main(srcs: list[Path]) -> dict:
     family_runs = {w: load(f"{w.lower()}_families.json") for w in ("W1", "W2")}
     fp8_runs = {name: load(file) for name, file in FP8_RUNS.items()}
     fp8_step = load(FP8_STEP_RUN[1])
+    offline, traced = load(OFFLINE_RUN[1]), load(TRACE_RUN[1])
     first = (
         w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
         or family_runs["W1"] or family_runs["W2"] or fp8_runs["W1_fp8"] or fp8_runs["W2_fp8"] or fp8_step
+        or offline or traced
     )  # fmt: skip
     if first is None:
         return {}
@@ -211,7 +254,7 @@ def main(srcs: list[Path]) -> dict:
         "torch": first["torch"],
         "date": max(
             r["date"]
-            for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values(), fp8_step)
+            for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values(), fp8_step, offline, traced)
             if r
         ),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
@@ -292,6 +335,10 @@ def main(srcs: list[Path]) -> dict:
             out[name] = precision_entry(run)
     if fp8_step:
         out[FP8_STEP_RUN[0]] = decode_gemm_entry(fp8_step)
+    if offline:
+        out.update(offline_entries(OFFLINE_RUN[0], offline))
+    if traced:
+        out[TRACE_RUN[0]] = trace_entry(traced)
     quality = load("fp8_quality.json")  # issue 26: what FP8 costs in accuracy, next to what it gains
     if quality:
         out["FP8_quality"] = quality
@@ -319,10 +366,10 @@ if __name__ == "__main__":
     srcs = [Path(a) for a in sys.argv[1:]] or [Path("benchmarks/h200")]
     result = main(srcs)
     if not result:
-        sys.exit(f"no w1.json, w2.json, w*_deterministic.json or w*_fp8.json in {', '.join(map(str, srcs))}: nothing to collect")
+        sys.exit(f"no w1.json, w2.json, w*_deterministic.json, w*_fp8.json or w5.json in {', '.join(map(str, srcs))}: nothing to collect")
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS), *FP8_RUNS, *TP1_RUNS)}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS), *FP8_RUNS, *TP1_RUNS, "W5_bf16", "W5_fp8", TRACE_RUN[0])}, indent=1
         )[:3000]
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [w5] [trace] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -244,6 +244,30 @@ if has fp8profilew2; then  # issue 26: the same for W2's steps (400 requests: mi
     timeout 400 python3 benchmarks/profile_step.py --workload w2 --precision bf16 --precision fp8 \
         --out "$OUT/profile_w2_fp8.txt" 2>&1 | tail -70
 fi
+# Issue 49: w5, the MLPerf-shaped offline workload (2,000 requests, prompts N(780, 350) in 100-2,000, outputs 30-128)
+# at bf16 and FP8 weights + KV in one process (W5_bf16, W5_fp8: about 1-2 minutes of generation per precision, plus
+# each load and its 64-request warm-up); trace, W1 sync and async with each step's spans (w1_trace.json, a process
+# per mode, for Perfetto) and device busy over time (w1_trace.png). Each says FAILED, and the call exits non-zero at
+# the end, if its run fails, times out or writes no file.
+failed=()
+check_outputs() {  # stage, status of its run, files it must have written
+    local stage=$1 status=$2 file
+    shift 2
+    for file in "$@"; do [[ -s $file ]] || status="${status:-0}, no $(basename "$file")"; done
+    if [[ $status != 0 ]]; then echo "$stage: FAILED ($status)"; failed+=("$stage"); fi
+}
+if has w5; then
+    rm -f "$OUT/w5.json"  # a file left from an earlier run must not pass for this one
+    bench 540 --model llama3-8b --workload W5 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --precision bf16 --precision fp8 --json-out "$OUT/w5.json" 2>&1 | tail -8
+    check_outputs w5 "${PIPESTATUS[0]}" "$OUT/w5.json"
+fi
+if has trace; then
+    rm -f "$OUT"/w1_trace.json "$OUT"/w1_trace.png "$OUT"/w1_trace_results.json
+    bench 300 --model llama3-8b --workload W1 --mode both --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --trace "$OUT/w1_trace.json" --json-out "$OUT/w1_trace_results.json" 2>&1 | tail -8
+    check_outputs trace "${PIPESTATUS[0]}" "$OUT/w1_trace.json" "$OUT/w1_trace.png" "$OUT/w1_trace_results.json"
+fi
 if has w2fp8; then  # W2_fp8
     bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --precision bf16 --precision fp8 --json-out "$OUT/w2_fp8.json" 2>&1 | tail -8
@@ -287,3 +311,4 @@ if has savecache; then
     fi
 fi
 ls -la "$OUT"
+if (( ${#failed[@]} )); then echo "FAILED stages: ${failed[*]}"; exit 1; fi

@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from worker.bench import engine as bench_engine
+from worker.bench import floors
 
 
 def test_engine_bench_reports_an_ab_of_decode_gemms_and_the_hf_row(tmp_path, monkeypatch):
@@ -55,7 +56,7 @@ def test_triton_compiles_records_what_the_hook_reports_and_restores_it():
 
 
 def test_the_serial_floor_adds_kv_reads_to_the_gemms_where_the_default_floor_hides_them():
-    peak = bench_engine.PEAK_BF16_FLOPS
+    peak = floors.PEAK_BF16_FLOPS
     weight_bytes, params, kv_per_token, bandwidth = 16e9, 8e9, 131072, 4e12
     compute_bound = (4096, 500, 400_000, 0.0)  # 4,096 tokens: 83 ms of FLOPs, 4 + 13 ms of bytes
     memory_bound = (32, 32, 24_576, 0.0)  # a W1-like decode step: all bytes
@@ -63,14 +64,14 @@ def test_the_serial_floor_adds_kv_reads_to_the_gemms_where_the_default_floor_hid
     kv_s = 400_000 * kv_per_token / bandwidth
 
     def floor(steps, serial):
-        return bench_engine.floor_seconds(steps, weight_bytes, params, kv_per_token, bandwidth, serial=serial)
+        return floors.floor_seconds(steps, weight_bytes, params, kv_per_token, bandwidth, serial=serial)
 
     assert floor([compute_bound], serial=False) == pytest.approx(gemm_s)
     assert floor([compute_bound], serial=True) == pytest.approx(gemm_s + kv_s)
     # where the weights dominate, both floors are the bytes read
     decode = (weight_bytes + 24_576 * kv_per_token) / bandwidth
     assert floor([memory_bound], serial=False) == pytest.approx(decode) == floor([memory_bound], serial=True)
-    assert bench_engine.floor_seconds([compute_bound], weight_bytes, params, kv_per_token, 0.0, serial=True) == 0.0
+    assert floors.floor_seconds([compute_bound], weight_bytes, params, kv_per_token, 0.0, serial=True) == 0.0
 
 
 def test_an_moe_model_takes_the_floor_that_counts_the_experts_its_steps_hit(tmp_path, monkeypatch):
@@ -84,18 +85,18 @@ def test_an_moe_model_takes_the_floor_that_counts_the_experts_its_steps_hit(tmp_
     model, _ = load_model("tiny-qwen3-moe", torch.device("cpu"), torch.float32)
     shape, bandwidth = MoeModelShape.from_config(model.config), 1e12
     decode = [(1, 1, 100, 0.0)]  # one token: 8 of the 16 experts in each layer
-    floor, serial = bench_engine.engine_floors(model, decode, bandwidth)
-    assert floor == pytest.approx(bench_engine.moe_floor_seconds(decode, shape, 4, bandwidth))
+    floor, serial = floors.engine_floors(model, decode, bandwidth)
+    assert floor == pytest.approx(floors.moe_floor_seconds(decode, shape, 4, bandwidth))
     assert serial >= floor > 0
-    weight_bytes, params = bench_engine.model_bytes(model)
-    dense_floor = bench_engine.floor_seconds(decode, weight_bytes, params, 2 * 2 * 2 * 16 * 4, bandwidth)
+    weight_bytes, params = floors.model_bytes(model)
+    dense_floor = floors.floor_seconds(decode, weight_bytes, params, 2 * 2 * 2 * 16 * 4, bandwidth)
     expert_bytes = 2 * 16 * 3 * 64 * 32 * 4  # layers x experts x (gate, up, down) x hidden x intermediate x fp32
     assert dense_floor - floor == pytest.approx(expert_bytes / 2 / bandwidth, rel=1e-6)  # half the experts unread
 
     calls = []
-    real = bench_engine.moe_floor_seconds
+    real = floors.moe_floor_seconds
     monkeypatch.setattr(bench_engine, "measure_copy_bandwidth", lambda device: bandwidth)
-    monkeypatch.setattr(bench_engine, "moe_floor_seconds", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    monkeypatch.setattr(floors, "moe_floor_seconds", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     out = tmp_path / "bench.json"
     args = ["--model", "tiny-qwen3-moe", "--workload", "tiny", "--num-requests", "4", "--device", "cpu"]
     result = CliRunner().invoke(bench_engine.engine_bench, [*args, "--mode", "async", "--json-out", str(out)])
@@ -120,10 +121,10 @@ def test_fp8_experts_are_read_at_a_byte_a_weight_in_the_moe_floor():
     decode = [(1, 1, 100, 0.0)]  # one token: 8 of the 16 experts in each of the 2 layers
     per_param = fp8_expert_bytes_per_param(shape.spec, Fp8ExpertFormat())
     assert 1 < per_param < 1.1  # 3 x 64 x 32 e4m3 weights and (2 x 32 + 64) fp32 scales an expert
-    floor, _ = bench_engine.engine_floors(model, decode, bandwidth)
-    fp8_floor = bench_engine.moe_floor_seconds(decode, shape, 4, bandwidth, False, per_param, bench_engine.PEAK_FP8_FLOPS)
+    floor, _ = floors.engine_floors(model, decode, bandwidth)
+    fp8_floor = floors.moe_floor_seconds(decode, shape, 4, bandwidth, False, per_param, floors.PEAK_FP8_FLOPS)
     assert floor == pytest.approx(fp8_floor)
-    dense_experts = bench_engine.moe_floor_seconds(decode, shape, 4, bandwidth)
+    dense_experts = floors.moe_floor_seconds(decode, shape, 4, bandwidth)
     assert dense_experts - floor == pytest.approx(2 * 8 * 3 * 64 * 32 * (4 - per_param) / bandwidth, rel=1e-6)
 
 
@@ -140,13 +141,13 @@ def test_the_dense_floor_reads_a_tied_head_and_bounds_sliding_layers_by_their_wi
         )  # fmt: skip
         return LlamaForCausalLM(config).to(torch.float32)
 
-    untied_bytes, untied_params = bench_engine.model_bytes(tiny(False))
-    tied_bytes, tied_params = bench_engine.model_bytes(tiny(True))
+    untied_bytes, untied_params = floors.model_bytes(tiny(False))
+    tied_bytes, tied_params = floors.model_bytes(tiny(True))
     assert tied_bytes == untied_bytes and tied_params == untied_params  # the head's 320 x 64 either way
     assert untied_params == sum(p.numel() for p in tiny(False).parameters()) - 320 * 64
     step = [(2, 2, 100, 0.0)]  # two decodes reading 100 cached tokens in all
-    full = bench_engine.floor_seconds(step, 0, 0, 1000, 1.0)
-    windowed = bench_engine.floor_seconds(step, 0, 0, 1000, 1.0, windows=(4, 0))
+    full = floors.floor_seconds(step, 0, 0, 1000, 1.0)
+    windowed = floors.floor_seconds(step, 0, 0, 1000, 1.0, windows=(4, 0))
     assert full == pytest.approx(100 * 1000) and windowed == pytest.approx((8 + 100) / 2 * 1000)
 
 

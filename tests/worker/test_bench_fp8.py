@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from worker.bench import engine as bench_engine
-from worker.bench import quality
+from worker.bench import floors, quality
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,6 +107,6 @@ def test_the_fp8_floor_reads_weights_and_kv_at_one_byte():
     bf16, _ = load_model("tiny-llama", torch.device("cpu"), torch.bfloat16)
     fp8, _ = load_model("tiny-llama", torch.device("cpu"), torch.bfloat16, quantization="fp8", keep_fp8=True)
     log = [(1, 1, 1000, 0.0)]  # one decode step reading 1,000 tokens of KV: bound by bytes
-    bf16_floor, _ = bench_engine.engine_floors(bf16, log, 1e9)
-    fp8_floor, _ = bench_engine.engine_floors(fp8, log, 1e9, kv_dtype=torch.float8_e4m3fn)
+    bf16_floor, _ = floors.engine_floors(bf16, log, 1e9)
+    fp8_floor, _ = floors.engine_floors(fp8, log, 1e9, kv_dtype=torch.float8_e4m3fn)
     assert fp8_floor < 0.6 * bf16_floor, (fp8_floor, bf16_floor)  # the head stays bf16; the rest halves

@@ -1,10 +1,16 @@
-"""The benchmark workloads: request counts and length ranges, as engine requests or as JSONL prompt lines."""
+"""The benchmark workloads: request counts and length distributions, as engine requests or as JSONL prompt lines.
+
+W1/W2 draw lengths uniformly from their ranges (WORKLOADS); W5 is MLPerf-shaped (OFFLINE_WORKLOADS: normal prompt
+lengths, its own seed and warm-up). Prefix caching and n > 1 (W3, W4) are in cache_workloads.py.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import random
+import statistics
+from dataclasses import dataclass
 
 WORKLOADS = {
     # name: (num_requests, prompt_len range, output_len range)
@@ -14,10 +20,44 @@ WORKLOADS = {
 }
 
 
+
+
+@dataclass(frozen=True)
+class OfflineWorkload:
+    """An MLPerf-shaped offline workload: prompt lengths normal (rounded, clipped to a range), outputs uniform,
+    EOS ignored, random token ids from its own seed, measured after a warm-up of `num_warmup` requests."""
+
+    num_requests: int
+    prompt_len_mean: float
+    prompt_len_std: float
+    prompt_len_range: tuple[int, int]
+    output_len_range: tuple[int, int]
+    seed: int
+    num_warmup: int
+
+    def describe(self) -> str:
+        (p_lo, p_hi), (o_lo, o_hi) = self.prompt_len_range, self.output_len_range
+        return (
+            f"prompts N({self.prompt_len_mean:g}, {self.prompt_len_std:g}) clipped to {p_lo:,}-{p_hi:,}, outputs "
+            f"{o_lo}-{o_hi}, {self.num_requests:,} requests, a {self.num_warmup}-request warm-up"
+        )
+
+
+OFFLINE_WORKLOADS = {
+    # MLPerf Inference's Llama-3.1-8B offline test (CNN/DailyMail summarization: prompts of about 780 tokens,
+    # outputs of at most 128) at issue 49's size: 2,000 requests, prefill-bound
+    "W5": OfflineWorkload(2000, 780.0, 350.0, (100, 2000), (30, 128), seed=7, num_warmup=64),
+    "W5-tiny": OfflineWorkload(8, 48.0, 20.0, (8, 96), (4, 12), seed=7, num_warmup=4),  # for CPU runs, tiny presets
+}
+
+
 def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int | None = None):
-    """Engine requests with random token ids below `vocab_limit`; every one runs to its length."""
+    """Engine requests with random token ids below `vocab_limit`; every one runs to its length. An offline
+    workload (W5) draws from its own seed."""
     from worker.engine.api import EngineRequest, SamplingParams
 
+    if name in OFFLINE_WORKLOADS:
+        return make_offline_workload(name, vocab_limit, num_requests)
     n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
     n = num_requests or n
     rng = random.Random(seed)
@@ -27,6 +67,38 @@ def make_workload(name: str, vocab_limit: int, seed: int = 0, num_requests: int 
         params = SamplingParams(max_new_tokens=rng.randint(o_lo, o_hi), ignore_eos=True)
         reqs.append(EngineRequest(f"{name}-{i}", prompt, params))
     return reqs
+
+
+def make_offline_workload(name: str, vocab_limit: int, num_requests: int | None = None):
+    """The requests of an OFFLINE_WORKLOADS entry: each prompt's length drawn from N(mean, std), rounded and
+    clipped to the range, then its output length uniform in its range (from Random(seed)); its token ids from
+    Random(seed + 1), so that the lengths do not depend on the vocabulary. A shorter run is a prefix of a longer."""
+    from worker.engine.api import EngineRequest, SamplingParams
+
+    spec = OFFLINE_WORKLOADS[name]
+    lengths, ids = random.Random(spec.seed), random.Random(spec.seed + 1)
+    (p_lo, p_hi), (o_lo, o_hi) = spec.prompt_len_range, spec.output_len_range
+    reqs = []
+    for i in range(num_requests or spec.num_requests):
+        prompt_len = min(p_hi, max(p_lo, round(lengths.gauss(spec.prompt_len_mean, spec.prompt_len_std))))
+        params = SamplingParams(max_new_tokens=lengths.randint(o_lo, o_hi), ignore_eos=True)
+        reqs.append(EngineRequest(f"{name}-{i}", [ids.randrange(vocab_limit) for _ in range(prompt_len)], params))
+    return reqs
+
+
+def workload_stats(reqs) -> dict:
+    """The lengths a run's requests have: what its report records next to the numbers."""
+    prompt_lens = [len(r.prompt_ids) for r in reqs]
+    output_lens = [r.sampling.max_new_tokens or 0 for r in reqs]
+    out: dict[str, float] = {"num_requests": len(reqs)}
+    for name, lens in (("prompt_len", prompt_lens), ("output_len", output_lens)):
+        out.update({
+            f"{name}_mean": statistics.fmean(lens),
+            f"{name}_std": statistics.pstdev(lens),
+            f"{name}_min": min(lens),
+            f"{name}_max": max(lens),
+        })  # fmt: skip
+    return out
 
 
 def warmup_requests(reqs, vocab_limit: int, full_length: bool = False):

@@ -5,22 +5,34 @@ Variants run the same requests constrained to a small JSON schema and/or asking 
 (`--variant plain --variant json --variant logprobs5`), each in every mode, in one process; `--deterministic`
 runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process;
 `--precision bf16 --precision fp8` runs the model in bf16 and with FP8 weights and KV (`--quantization fp8
---kv-cache-dtype fp8`), one model after the other, in one process.
+--kv-cache-dtype fp8`), one model after the other, in one process. `--trace FILE` writes a Perfetto/Chrome
+timeline of every measured run's steps and a PNG of device busy over time (trace.py). Floors: floors.py; the
+table, ratios and result fields: report.py; the workloads: common.py (W1, W2, W5) and cache_workloads.py (W3, W4).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import click
 
 from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
-from worker.bench.common import WORKLOADS, make_workload, triton_compiles, warmup_requests, with_variant
+from worker.bench.common import (
+    OFFLINE_WORKLOADS,
+    WORKLOADS,
+    make_workload,
+    triton_compiles,
+    warmup_requests,
+    with_variant,
+    workload_stats,
+)
+from worker.bench.floors import engine_floors, measure_copy_bandwidth
+from worker.bench.report import ModeResult, print_ratios, print_table, slowest_steps, tokens_digest
+from worker.bench.trace import StepTracer, write_trace
 from worker.cli_options import (
     deterministic_option,
     gpu_memory_options,
@@ -30,10 +42,6 @@ from worker.cli_options import (
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
-PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (8192^3 bf16 GEMM); a lead elsewhere
-# FP8 tensor cores: twice the bf16 rate on Hopper (the spec sheets' ratio; not measured here). The floor of a
-# model with FP8 linears computes its weight GEMMs at this rate, and reads its weights and KV at 1 byte each.
-PEAK_FP8_FLOPS = 2 * PEAK_BF16_FLOPS
 # `--precision`: what each name sets (EngineConfig fields; the model loads with its quantization)
 PRECISIONS: dict[str, dict[str, str | None]] = {
     "bf16": {"quantization": None, "kv_cache_dtype": "auto"},
@@ -43,172 +51,20 @@ PRECISIONS: dict[str, dict[str, str | None]] = {
 }
 
 
-@dataclass
-class ModeResult:
-    mode: str
-    output_tokens: int
-    wall_seconds: float
-    output_tok_s: float
-    total_tok_s: float
-    steps: int = 0
-    step_ms: float = 0.0  # wall time per step
-    gpu_ms: float = 0.0  # device time per step (CUDA events on the compute stream)
-    cpu_prep_ms: float = 0.0  # scheduling + batch building per step
-    mask_ms: float = 0.0  # host time computing constraint masks per step (overlaps the forward in async)
-    gpu_busy: float = 0.0  # device time / wall time
-    floor_seconds: float = 0.0  # sum over steps of max(bytes / bandwidth, flops / peak)
-    floor_ratio: float = 0.0  # floor_seconds / wall_seconds: 1.0 would be at the floor
-    floor_tok_s: float = 0.0
-    serial_floor_ratio: float = 0.0  # the same with GEMMs and KV reads back to back (floor_seconds' `serial`)
-    num_preemptions: int = 0
-    prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / looked up
-    extra: dict = field(default_factory=dict)
-
-
-def measure_copy_bandwidth(device) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    import torch
-
-    if device.type != "cuda":
-        return 0.0
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / 10
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / seconds
-
-
-def model_bytes(model) -> tuple[int, int]:
-    """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup, unless
-    it is tied to the LM head (Gemma), which reads it whole every step (`model.parameters()` holds it once). FP8
-    linears (quant/) hold their weights and scales as buffers: their bytes count, their scales are no parameters."""
-    from worker.engine.quant.linear import Fp8LinearModule
-
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    lookup_only = head is None or head.weight is not embed
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8LinearModule)]
-    tensors = [*model.parameters(), *(b for m in fp8 for b in m.buffers(recurse=False))]
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    params = sum(p.numel() for p in model.parameters()) + sum(m.weight.numel() for m in fp8)
-    if lookup_only:
-        return total - embed.numel() * embed.element_size(), params - embed.numel()
-    return total, params
-
-
-def floor_seconds(
-    step_log,
-    weight_bytes: int,
-    num_params: int,
-    kv_bytes_per_token: int,
-    bandwidth: float,
-    serial: bool = False,
-    windows: tuple[int, ...] = (),
-    peak_flops: float = PEAK_BF16_FLOPS,
-) -> float:
-    """Sum over the steps cbq ran of the least time each could take: max(bytes / bandwidth, flops / peak).
-
-    `serial`: the weight GEMMs (bound by streaming their weights or by their FLOPs, whichever is slower) and then
-    the KV reads, one after the other, as kernels on one stream run. The default floor lets a step's KV reads
-    hide under its GEMMs' compute; no engine that runs them back to back can reach it in a step where both are
-    large (W2's: benchmarks/archive/HISTORY.md, "why W2 stops at the serial bound").
-    `windows`: each layer's sliding window (0: full attention; () none slides): a sliding layer reads at most
-    `num_seqs * window` of the step's cached tokens (Gemma 3's five local layers in six; moe/cost.py alike)."""
-    if bandwidth <= 0:
-        return 0.0
-    total = 0.0
-    for num_tokens, num_seqs, context_tokens, _dev in step_log:
-        weights = weight_bytes / bandwidth
-        tokens_read = context_tokens
-        if windows:  # the mean over layers of what each reads
-            tokens_read = sum(min(context_tokens, num_seqs * w) if w else context_tokens for w in windows) / len(windows)
-        kv_reads = tokens_read * kv_bytes_per_token / bandwidth
-        compute = 2 * num_params * num_tokens / peak_flops
-        total += max(weights, compute) + kv_reads if serial else max(weights + kv_reads, compute)
-    return total
-
-
-def moe_floor_seconds(
-    step_log,
-    shape,
-    dtype_bytes: int,
-    bandwidth: float,
-    serial: bool = False,
-    expert_bytes_per_param: float | None = None,
-    peak_flops: float = PEAK_BF16_FLOPS,
-) -> float:
-    """`floor_seconds` for a mixture of experts (`shape`: moe/cost.py's MoeModelShape): each step reads the dense
-    weights, only the experts its tokens hit (distinct experts per layer), and the KV its attention reads (sliding
-    windows bounded), and computes the FLOPs of the parameters its tokens activate (moe/cost.py's `step_cost`).
-    `expert_bytes_per_param`: the experts' bytes a weight where they are not in the model dtype (FP8 experts)."""
-    from worker.engine.moe.cost import step_cost
-
-    if bandwidth <= 0:
-        return 0.0
-    total = 0.0
-    for num_tokens, num_seqs, context_tokens, _dev in step_log:
-        cost = step_cost(shape, num_tokens, num_seqs, context_tokens, dtype_bytes, expert_bytes_per_param)
-        weights = (cost.dense_bytes + cost.expert_bytes) / bandwidth
-        kv_reads = cost.kv_bytes / bandwidth
-        compute = cost.flops / peak_flops
-        total += max(weights, compute) + kv_reads if serial else max(weights + kv_reads, compute)
-    return total
-
-
-def engine_floors(model, step_log, bandwidth: float, kv_dtype=None) -> tuple[float, float]:
-    """(floor, serial floor) in seconds of the steps in `step_log`: a mixture of experts (its family declares a
-    sparse MLP) by `moe_floor_seconds`, a dense model by `floor_seconds` (every weight read every step).
-    `kv_dtype`: the KV cache's element type (default the model's; FP8 halves the KV bytes)."""
-    from worker.engine.attention_backend import sliding_windows_of
-    from worker.engine.kv_cache import kv_bytes_per_block
-    from worker.engine.models import family_for
-
-    if family_for(model.config)[0].moe is not None:
-        from worker.engine.moe.cost import MoeModelShape, fp8_expert_bytes_per_param
-        from worker.engine.moe.fp8_experts import expert_format_of
-
-        shape = MoeModelShape.from_config(model.config)
-        dtype_bytes = model.dtype.itemsize
-        # FP8 experts (moe/fp8_experts.py): 1 byte a weight and their scales, their GEMMs at the FP8 rate
-        fp8_experts = expert_format_of(model)
-        per_param = None if fp8_experts is None else fp8_expert_bytes_per_param(shape.spec, fp8_experts)
-        moe_peak = PEAK_BF16_FLOPS if fp8_experts is None else PEAK_FP8_FLOPS
-        return (
-            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, False, per_param, moe_peak),
-            moe_floor_seconds(step_log, shape, dtype_bytes, bandwidth, True, per_param, moe_peak),
-        )
-    from worker.engine.quant.linear import Fp8LinearModule
-
-    weight_bytes, num_params = model_bytes(model)
-    kv_per_token = kv_bytes_per_block(model.config, 1, kv_dtype or model.dtype)
-    windows = sliding_windows_of(model.config)
-    is_fp8 = any(isinstance(m, Fp8LinearModule) for m in model.modules())
-    peak = PEAK_FP8_FLOPS if is_fp8 else PEAK_BF16_FLOPS
-    return (
-        floor_seconds(step_log, weight_bytes, num_params, kv_per_token, bandwidth, windows=windows, peak_flops=peak),
-        floor_seconds(
-            step_log, weight_bytes, num_params, kv_per_token, bandwidth, serial=True, windows=windows, peak_flops=peak
-        ),
-    )
-
-
-def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
+def run_engine_mode(engine, reqs, mode: str, bandwidth: float, tracer: StepTracer | None = None) -> ModeResult:
+    """One measured run of `reqs` (`tracer`: its steps' spans are recorded, `--trace`)."""
     from worker.engine.kv_cache import kv_cache_dtype
 
     engine.reset_stats()
     with triton_compiles() as compiled:
+        if tracer is not None:
+            engine.trace_steps(tracer)
         t0 = time.perf_counter()
-        results = engine.generate(reqs)
-        wall = time.perf_counter() - t0
+        try:
+            results = engine.generate(reqs)
+        finally:
+            wall = time.perf_counter() - t0
+            engine.trace_steps(None)
     if compiled:
         click.echo(
             f"warning: {len(compiled)} Triton compile(s) during the measured {mode} run "
@@ -251,25 +107,6 @@ def run_engine_mode(engine, reqs, mode: str, bandwidth: float) -> ModeResult:
             "attention_tiles_by_step": getattr(engine.runner.attn_backend, "tiles_by_step", None),
         },
     )
-
-
-def tokens_digest(results) -> str:
-    """A hash of every request's tokens in request order: two runs of the same requests agree on every token
-    iff their digests are equal (sync vs async in deterministic mode)."""
-    digest = hashlib.sha256()
-    for r in sorted(results, key=lambda r: r.request_id):
-        for sample in r.all_samples:
-            digest.update(f"{r.request_id}:{sample.token_ids}\n".encode())
-    return digest.hexdigest()[:16]
-
-
-def slowest_steps(step_log, count: int = 3) -> list[dict]:
-    """The steps with the most device time (a stall inside one shows here first)."""
-    top = sorted(step_log, key=lambda step: -step[3])[:count]
-    return [
-        {"tokens": tokens, "seqs": seqs, "context_tokens": context, "device_ms": 1000 * device}
-        for tokens, seqs, context, device in top
-    ]
 
 
 def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
@@ -315,45 +152,6 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
     )
 
 
-def print_table(workload: str, model_name: str, results: list[ModeResult]) -> None:
-    cols = [
-        "mode",
-        "out tok/s",
-        "total tok/s",
-        "steps",
-        "step ms",
-        "gpu ms",
-        "prep ms",
-        "mask ms",
-        "busy",
-        "floor tok/s",
-        "floor ratio",
-        "serial ratio",
-        "preempt",
-        "cache hits",
-    ]
-    click.echo(f"\n{workload} on {model_name}")
-    click.echo(" | ".join(f"{c:>11}" for c in cols))
-    for r in results:
-        row = [
-            r.mode,
-            f"{r.output_tok_s:,.0f}",
-            f"{r.total_tok_s:,.0f}",
-            r.steps,
-            f"{r.step_ms:.2f}",
-            f"{r.gpu_ms:.2f}",
-            f"{r.cpu_prep_ms:.3f}",
-            f"{r.mask_ms:.3f}",
-            f"{r.gpu_busy:.1%}",
-            f"{r.floor_tok_s:,.0f}",
-            f"{r.floor_ratio:.2f}",
-            f"{r.serial_floor_ratio:.2f}",
-            r.num_preemptions,
-            f"{r.prefix_cache_hit_rate:.1%}",
-        ]
-        click.echo(" | ".join(f"{str(v):>11}" for v in row))
-
-
 @click.command("engine")
 @click.option(
     "--model",
@@ -365,7 +163,12 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
     "loaded and freed in turn; results are then named MODE-...-MODEL).",
 )
 @click.option(
-    "--workload", type=click.Choice(list(WORKLOADS) + list(CACHE_WORKLOADS)), default="W1", show_default=True
+    "--workload",
+    type=click.Choice([*WORKLOADS, *CACHE_WORKLOADS, *OFFLINE_WORKLOADS]),
+    default="W1",
+    show_default=True,
+    help="W1, W2: uniform lengths; W3, W4: a shared prefix, n samples; W5: MLPerf-shaped offline "
+    f"({OFFLINE_WORKLOADS['W5'].describe()}).",
 )
 @click.option("--num-requests", type=int, default=None, help="Override the workload's request count.")
 @click.option(
@@ -438,6 +241,14 @@ def print_table(workload: str, model_name: str, results: list[ModeResult]) -> No
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
 @click.option("--dtype", default=ENGINE_DEFAULTS.dtype, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--trace",
+    "trace_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a Perfetto/Chrome trace (JSON) of every measured run's steps (CPU preparation, H2D, compute, D2H "
+    "and CPU wait; a process per run) to this file, and the device's busy fraction over time beside it (.png).",
+)
 def engine_bench(
     models,
     workload,
@@ -460,6 +271,7 @@ def engine_bench(
     device,
     dtype,
     json_out,
+    trace_out,
 ):
     """Run a workload through the engine in sync and/or async mode and report throughput vs the floor."""
     import torch
@@ -480,6 +292,7 @@ def engine_bench(
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
     parsed = variants or [(constrain_json, top_logprobs)]
     results: list[ModeResult] = []
+    traces: list[tuple[str, StepTracer]] = []  # --trace: each measured run's spans
     # --deterministic runs every setup twice in this process, deterministic then default (named MODE-...-
     # deterministic and MODE-...-default), so that the cost of the mode is measured on one warm device.
     determinisms = ["deterministic", "default"] if engine_config.pop("deterministic", False) else ["default"]
@@ -538,7 +351,11 @@ def engine_bench(
                 reqs = make_cache_workload(workload, vocab_limit, not no_prefix_caching, num_requests=num_requests)
             else:
                 reqs = make_workload(workload, vocab_limit, num_requests=num_requests)
-            warmup = warmup_requests(reqs, vocab_limit)
+            offline = OFFLINE_WORKLOADS.get(workload)
+            if offline is not None:  # issue 49's method: warmed up by its first requests alone, at full length
+                warmup = warmup_requests(reqs[: offline.num_warmup], vocab_limit, full_length=True)
+            else:
+                warmup = warmup_requests(reqs, vocab_limit)
             first_of_load = True
             for decoder, gemm, determinism, m, (is_json, num_top) in runs:
                 config = EngineConfig(
@@ -560,7 +377,7 @@ def engine_bench(
                 # Compile every kernel variant the workload needs (and the grammar's tokenizer for a constrained
                 # run).
                 engine.generate(with_variant(warmup, is_json, num_top))
-                if first_of_load and dev.type == "cuda":
+                if first_of_load and dev.type == "cuda" and offline is None:
                     # NOTE: on the H200 a process's first measured run was up to ~19% slower on the device. The
                     # cause was a Triton compile inside a step (a prefill-kernel variant for a mixed step's counts,
                     # 1.4 s, which the step's device events count); the prefill kernel no longer specialises on
@@ -569,7 +386,8 @@ def engine_bench(
                     # other variant the workload needs (e.g. a decode split count only its mixed steps reach) is
                     # compiled before timing. Later loads (their own shapes or dtypes: kernels compile anew) run a
                     # quarter of it at full length, which reaches the same contexts and step mixes in a quarter of
-                    # the time; `triton_compiles` in each result says if any compile was still left.
+                    # the time; `triton_compiles` in each result says if any compile was still left. An offline
+                    # workload (W5) is measured as issue 49 defines it: after its own warm-up only.
                     full = warmup_requests(reqs, vocab_limit, full_length=True)
                     engine.generate(
                         with_variant(full if not results else full[: max(1, len(full) // 4)], is_json, num_top)
@@ -577,7 +395,11 @@ def engine_bench(
                 first_of_load = False
                 label = m + setup_suffix(decoder, gemm, determinism, model, precision)
                 label += f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else ""
-                result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth)
+                tracer = StepTracer(dev) if trace_out else None
+                result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth, tracer)
+                if tracer is not None:
+                    traces.append((label, tracer))
+                    result.extra["trace"] = tracer.summary()
                 result.extra.update(
                     model=model,
                     variant=variant_name(is_json, num_top),
@@ -614,50 +436,22 @@ def engine_bench(
         except Exception as exc:  # keep cbq's numbers even if transformers' API differs
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
-    by_mode = {r.mode: r for r in results}
-    suffixes = (
+    suffixes = [
         setup_suffix(d, g, k, n, p)
         for n in models
         for p in (precisions or [None])
         for d in decoders
         for g in decode_gemms
         for k in determinisms
-    )
-    for suffix in suffixes:
-        if f"sync{suffix}" in by_mode and f"async{suffix}" in by_mode:
-            ratio = by_mode[f"async{suffix}"].output_tok_s / by_mode[f"sync{suffix}"].output_tok_s
-            click.echo(f"async/sync output tok/s{suffix}: {ratio:.3f}")
-            same = by_mode[f"async{suffix}"].extra["tokens_digest"] == by_mode[f"sync{suffix}"].extra["tokens_digest"]
-            click.echo(f"async and sync tokens{suffix}: {'identical' if same else 'differ'}")
-    if len(determinisms) > 1:
-        for r in results:
-            other = by_mode.get(r.mode.replace("-deterministic", "-default"))
-            if "-deterministic" in r.mode and other is not None:
-                click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
-    if len(precisions) > 1:
-        for r in results:
-            precision = r.extra.get("precision")
-            other = by_mode.get(r.mode.replace(f"-{precision}", "-bf16"))
-            if precision not in (None, "bf16") and other is not None:
-                click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
-    plain = [r for r in results if r.extra.get("variant") == "plain"]
-    for r in results:
-        if "variant" not in r.extra:  # transformers' run
-            continue
-        base = next((p for p in plain if r.mode.replace(r.extra["variant"], "plain") == p.mode), None)
-        if base is not None and r is not base:
-            click.echo(f"{r.mode} / {base.mode} output tok/s: {r.output_tok_s / base.output_tok_s:.3f}")
-    if len(models) > 1:  # each model's floor ratio against the first's, run by run (issue 24: within 10%)
-        for r in results:
-            first = by_mode.get(r.mode.replace(r.extra.get("model", ""), models[0]))
-            if first is not None and r is not first and r.extra.get("model") and first.floor_ratio:
-                click.echo(f"{r.mode} floor ratio / {first.mode}'s: {r.floor_ratio / first.floor_ratio:.3f}")
+    ]
+    print_ratios(results, suffixes, list(models), len(determinisms) > 1, len(precisions) > 1)
     print_table(workload, ", ".join(models), results)
     report = {
         "workload": workload,
         "model": models[0] if len(models) == 1 else list(models),
         "models": list(models),
         "num_requests": len(reqs),
+        "workload_stats": {**workload_stats(reqs), "num_warmup_requests": len(warmup)},
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "copy_bandwidth_bytes_s": bandwidth,
@@ -677,8 +471,12 @@ def engine_bench(
             "precisions": list(precisions),
         },
         "results": {r.mode: asdict(r) for r in results},
+        "trace": trace_out,
         "hf_error": hf_error,
     }
+    if trace_out and traces:
+        trace_json, trace_png, drawn_by = write_trace(trace_out, traces)
+        click.echo(f"wrote {trace_json} and {trace_png} ({drawn_by})")
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

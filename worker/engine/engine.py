@@ -150,6 +150,7 @@ class Engine:
         )
         self._num_with_extras = 0  # unfinished sequences with a constraint or logprobs (loop thread only)
         self._num_with_prompt_logprobs = 0  # unfinished sequences that want prompt logprobs (likewise)
+        self._tracer: Any = None  # `trace_steps`
         self.runner.capture_graphs()
 
     @classmethod
@@ -247,6 +248,12 @@ class Engine:
         self.blocks.reset_cache_counters()
         self.step_log.clear()
         self._loop_start = None
+
+    def trace_steps(self, tracer: Any) -> None:
+        """`bench engine --trace`: from now on the loop gives `tracer.on_prep(start, end)` each step's host
+        preparation (scheduling and batch building, perf_counter seconds) and the runner its stage marks
+        (ModelRunner.tracer). None stops; off by default, when no mark is made."""
+        self._tracer = self.runner.tracer = tracer
 
     def start(self) -> None:
         if self._thread is not None:
@@ -356,6 +363,8 @@ class Engine:
             self._fail_unpreparable(plan, step, exc)
             return None
         self._stats.cpu_prep_seconds += schedule_seconds + handle.build_seconds
+        if self._tracer is not None:
+            self._tracer.on_prep(t0, t0 + schedule_seconds + handle.build_seconds)
         return _InflightStep(plan, handle, rows, mask_seqs)
 
     def _launch_masked_sampling(self, step: _InflightStep) -> None:

@@ -64,6 +64,20 @@ class _StepEvents:
 
 
 @dataclass
+class StageMarks:
+    """Tracing only (`ModelRunner.tracer` set): where one step's stages start and end. On CUDA, timing-enabled
+    events recorded on each stage's stream (compute's are `_StepEvents.start`/`end`); on CPU, where the stages run
+    in turn on the host, `time.perf_counter()` seconds."""
+
+    h2d_start: Any = None
+    h2d_end: Any = None
+    compute_start: Any = None
+    compute_end: Any = None
+    d2h_start: Any = None
+    d2h_end: Any = None
+
+
+@dataclass
 class StepHandle:
     """One launched step, until `ModelRunner.wait` returns its tokens."""
 
@@ -82,6 +96,7 @@ class StepHandle:
     prompt_rows: PromptRows | None = None
     prompt_device: prompt_logprobs.DeviceResults | None = None  # computed with the forward, until copied down
     prompt_logprobs: prompt_logprobs.HostResults | None = None  # readable after `wait`
+    marks: StageMarks | None = None  # only while tracing
 
 
 def attention_backend_for(model: Any, choice: str, is_cuda: bool) -> AttentionBackend:
@@ -99,6 +114,10 @@ class StepBuildError(RuntimeError):
 class ModelRunner:
     """Executes steps: builds each plan into the next IO slot (the two slots alternate on every launch), carries
     over tokens still being sampled by the step in flight, and runs the forward and sampling on the device."""
+
+    # `bench engine --trace` (Engine.trace_steps): None, or an object whose `on_step(marks, wait_start, wait_end,
+    # meta)` gets each waited step's StageMarks and the host seconds `wait` blocked. None: no mark is made.
+    tracer: Any = None
 
     def __init__(
         self,
@@ -224,11 +243,14 @@ class ModelRunner:
     def wait(self, handle: StepHandle) -> tuple[list[int], float]:
         """Block until the step's tokens are on the host. Returns (token ids, device seconds of the step)."""
         assert handle.is_sampled, "a step with constrained rows needs launch_sampling before wait"
+        wait_start = time.perf_counter() if self.tracer is not None else 0.0
         if handle.events is not None:
             handle.events.d2h_done.synchronize()
             seconds = handle.events.start.elapsed_time(handle.events.end) / 1000.0
         else:
             seconds = handle.cpu_seconds
+        if self.tracer is not None:
+            self.tracer.on_step(handle.marks, wait_start, time.perf_counter(), handle.meta)
         return handle.sampled_host[: handle.meta.num_sample_rows].tolist(), seconds
 
     def _launch(self, meta: BatchMeta, extras: SamplingExtras | None, prompt_rows: PromptRows | None) -> StepHandle:
@@ -236,9 +258,13 @@ class ModelRunner:
         # Slots alternate on every launch, so the previous step's sampled ids live in the other slot.
         prev_sampled = self.builder.slots[1 - meta.slot].sampled_dev
         defer_sampling = extras is not None and bool(extras.mask_rows)
+        marks = StageMarks() if self.tracer is not None else None
         if not self.is_cuda:
             t0 = time.perf_counter()
             self._copy_inputs(slot, meta)
+            if marks is not None:
+                marks.h2d_start, marks.h2d_end = t0, time.perf_counter()
+                marks.compute_start = marks.h2d_end
             logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled, prompt_rows)
             logits, prompt_device = self._split_prompt_rows(logits, meta, prompt_rows)
             handle = StepHandle(meta, slot.sampled_host, None, cpu_seconds=time.perf_counter() - t0)
@@ -247,9 +273,18 @@ class ModelRunner:
             events = _StepEvents(
                 torch.cuda.Event(), *(torch.cuda.Event(enable_timing=True) for _ in range(2))
             )
+            if marks is not None:
+                marks.h2d_start, marks.h2d_end, marks.d2h_start, marks.d2h_end = (
+                    torch.cuda.Event(enable_timing=True) for _ in range(4)
+                )
+                marks.compute_start, marks.compute_end = events.start, events.end
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(self.slot_compute_done[meta.slot])
+                if marks is not None:
+                    marks.h2d_start.record()
                 self._copy_inputs(slot, meta)
+                if marks is not None:  # before h2d_done: complete whenever what waits on h2d_done runs
+                    marks.h2d_end.record()
                 h2d_done.record()
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(h2d_done)
@@ -261,6 +296,7 @@ class ModelRunner:
                     self.slot_compute_done[meta.slot].record()
             handle = StepHandle(meta, slot.sampled_host, events)
         handle.extras, handle.logits, handle.is_greedy_in_graph = extras, logits, is_greedy_in_graph
+        handle.marks = marks
         handle.prompt_rows, handle.prompt_device = prompt_rows, prompt_device
         if not defer_sampling:
             self.launch_sampling(handle)
@@ -272,13 +308,18 @@ class ModelRunner:
         meta = handle.meta
         slot = self.builder.slots[meta.slot]
         rows = meta.num_sample_rows
+        marks = handle.marks
         if handle.events is None:
             t0 = time.perf_counter()
             lp_results = self._sample(slot, handle, bitmask)
+            if marks is not None:
+                marks.compute_end = marks.d2h_start = time.perf_counter()
             slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows])
             if lp_results is not None:
                 handle.logprobs = logprobs.copy_to_host(self._logprob_buffer(meta.slot), lp_results, False)
             self._copy_prompt_logprobs(handle, non_blocking=False)
+            if marks is not None:
+                marks.d2h_end = time.perf_counter()
             handle.cpu_seconds += time.perf_counter() - t0
         else:
             compute_done = torch.cuda.Event()
@@ -289,10 +330,14 @@ class ModelRunner:
                 self.slot_compute_done[meta.slot] = compute_done
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(compute_done)
+                if marks is not None:
+                    marks.d2h_start.record()
                 slot.sampled_host[:rows].copy_(slot.sampled_dev[:rows], non_blocking=True)
                 if lp_results is not None:
                     handle.logprobs = logprobs.copy_to_host(self._logprob_buffer(meta.slot), lp_results, True)
                 self._copy_prompt_logprobs(handle, non_blocking=True)
+                if marks is not None:  # before d2h_done, which `wait` synchronizes on
+                    marks.d2h_end.record()
                 handle.events.d2h_done.record()
         handle.logits, handle.is_sampled = None, True
 
