@@ -17,6 +17,8 @@ DEFAULT_RESULT_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_CHUNK_SIZE = 64
 # A chunk whose worker died is re-enqueued this many times (finished requests are skipped).
 DEFAULT_RETRIES = 2
+# Seconds one Redis outage may last before a worker or `cbq wait` gives up.
+DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS = 300
 NO_JOB_TIMEOUT = -1  # the default: a chunk's time depends on the load of the engine, so no limit
 
 
@@ -24,12 +26,14 @@ def default_redis_url() -> str:
     return os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for `url` (redis://, rediss:// with TLS, unix://; passwords in the URL are fine).
+def connect(url: str, **options) -> redis.Redis:
+    """A client for `url` (redis://, rediss:// with TLS, unix://; passwords in the URL are fine). `options`:
+    redis.Redis keyword arguments (socket timeouts, retry).
 
     Responses stay bytes: rq needs that, and cbq decodes what it reads itself.
     """
-    return redis.Redis.from_url(url, health_check_interval=30)
+    options.setdefault("health_check_interval", 30)
+    return redis.Redis.from_url(url, **options)
 
 
 def in_process_redis() -> redis.Redis:
@@ -40,9 +44,15 @@ def in_process_redis() -> redis.Redis:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, for messages."""
+    """The URL with any password replaced (a Sentinel URL's sentinel_password too), for messages."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    if ":" in userinfo:
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:***{at}{hostlist}")
+    if "sentinel_password=" in parts.query:
+        query = "&".join(
+            "sentinel_password=***" if item.startswith("sentinel_password=") else item
+            for item in parts.query.split("&")
+        )
+        parts = parts._replace(query=query)
+    return urlunsplit(parts)
