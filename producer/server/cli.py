@@ -34,16 +34,19 @@ def is_loopback(host: str) -> bool:
 
 def connect_redis(url: str) -> redis.Redis:
     """The server's Redis client: bounded socket timeouts and one retry, so that a request fails fast (503) while
-    Redis is down or stalled instead of holding a thread; checked once here."""
-    conn = redis.Redis.from_url(
-        url,
-        health_check_interval=30,
-        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
-        # One quick retry of a dropped connection; a timeout is not retried (a stalled Redis would cost each
-        # retry a reconnect handshake of socket timeouts more).
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1, supported_errors=(redis.ConnectionError,)),
-    )
+    Redis is down or stalled instead of holding a thread; checked once here. A `redis+sentinel://` URL follows
+    its primary through a failover (`settings.connect`)."""
+    try:
+        conn = settings.connect(
+            url,
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+            # One quick retry of a dropped connection; a timeout is not retried (a stalled Redis would cost each
+            # retry a reconnect handshake of socket timeouts more).
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1, supported_errors=(redis.ConnectionError,)),
+        )
+    except ValueError as exc:  # a malformed URL
+        raise click.BadParameter(str(exc), param_hint="--redis-url") from None
     try:
         conn.ping()
     except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, redis.ResponseError) as exc:
