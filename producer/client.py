@@ -174,13 +174,15 @@ class Client:
         on_line: Callable[[str | bytes], None] | None = None,
         endpoint: str | None = None,
         model: str | None = None,
+        max_errors: int | None = None,
     ) -> ValidatedFile:
         """Parse every line of `source` (nothing is enqueued). Files are read line by line and not kept:
         submitting reads them again, so a file of any size needs memory only for its custom_ids. A callable
         source opens its lines anew on each call (the same lines each time). `endpoint`: the OpenAI endpoint
         every OpenAI line's url must name (a batch of the Batch API). `model`: the one model lines may name
-        (default: the first one a line names); a line naming another fails alone as `model_not_found`."""
-        checks = {"on_line": on_line, "endpoint": endpoint, "model": model}
+        (default: the first one a line names); a line naming another fails alone as `model_not_found`.
+        `max_errors`: keep the first that many format errors, count the others (`num_errors_dropped`)."""
+        checks = {"on_line": on_line, "endpoint": endpoint, "model": model, "max_errors": max_errors}
         if callable(source):
             return validate_lines(source(), reread=source, **checks)
         if isinstance(source, str | os.PathLike):

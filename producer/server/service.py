@@ -3,10 +3,13 @@
 Owns the transitions of `batch_object.py`'s status diagram; the records themselves live in `producer.store`.
 Everything else goes through `producer.client`, like the CLI. Every call names the `Principal` it acts for: a
 batch of another project is not found.
-Slow work (validating a 200 MB file, writing output files) runs on a small thread pool, never in a request:
+Slow work (validating a 200 MB file, writing output files) runs on small thread pools, never in a request:
 - `create` records the batch as validating and queues `_validate_and_submit`, which streams the input file from
   disk line by line, and either submits it (in_progress) or records OpenAI-shaped errors (failed). Whatever goes
-  wrong there (a file that is not UTF-8, a bug) ends the batch `failed`, never stuck in `validating`.
+  wrong there (a file that is not UTF-8, a bug) ends the batch `failed`, never stuck in `validating`. Validations
+  run `max_validations` at a time (one by default; the others wait, `validating`), and each keeps only the first
+  errors it finds (`MAX_REPORTED_ERRORS`, what the record keeps) and counts the rest, so a file of a million bad
+  lines costs the server no more memory than one of a thousand.
 - `view` reads the cbq status; once every request has finished it queues `_finalize` (at most one per batch
   across server processes, through a Redis lock), which streams the results into an output file and an error
   file; when the window has run out it cancels what is left first.
@@ -55,6 +58,7 @@ class BatchService:
         ttl_seconds: int,
         chunk_size: int,
         max_threads: int = 2,
+        max_validations: int = 1,
         validation_stale_seconds: int = VALIDATION_STALE_SECONDS,
     ):
         self.client = client
@@ -64,15 +68,17 @@ class BatchService:
         self.chunk_size = chunk_size
         self.validation_stale_seconds = validation_stale_seconds
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbq-server")
+        self._validations = ThreadPoolExecutor(max_workers=max_validations, thread_name_prefix="cbq-validate")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._validations.shutdown(wait=False, cancel_futures=True)
 
     # --- create ------------------------------------------------------------------------------------------------
 
     def create(self, principal: Principal, **fields) -> dict:
         record = self.records.create(principal.project, **fields)
-        self._pool.submit(self._validate_or_fail, record.id)
+        self._validations.submit(self._validate_or_fail, record.id)
         return batch_object(record, None)
 
     def _validate_or_fail(self, api_batch_id: str) -> None:
@@ -101,7 +107,9 @@ class BatchService:
             self.records.update(api_batch_id, errors=errors, failed_at=int(time.time()))
             return
         validated = self.client.validate(
-            lambda: self.files.iter_lines(record.input_file_id), endpoint=record.endpoint
+            lambda: self.files.iter_lines(record.input_file_id),
+            endpoint=record.endpoint,
+            max_errors=MAX_REPORTED_ERRORS - 1,  # and one entry that counts the others
         )
         errors = [_error_entry(e) for e in validated.errors]  # format errors; invalid requests fail alone
         if not errors and not validated.requests:
@@ -109,6 +117,12 @@ class BatchService:
         now = int(time.time())
         if errors:
             errors.sort(key=lambda e: e["line"] or 0)
+            if validated.num_errors_dropped:
+                message = (
+                    f"{validated.num_errors_dropped} more errors are not listed "
+                    f"({validated.num_errors} lines in all have errors)"
+                )
+                errors.append(_entry("too_many_errors", message, None, None))
             self.records.update(api_batch_id, errors=errors[:MAX_REPORTED_ERRORS], failed_at=now)
             return
         current = self.records.get(api_batch_id)
