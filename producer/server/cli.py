@@ -83,6 +83,13 @@ def connect_redis(url: str) -> redis.Redis:
     help="Open connections past this get 503 and are closed.",
 )
 @click.option(
+    "--max-connections-per-client",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Open connections from one client address past this get 503 and are closed (default: half of "
+    "--max-connections; behind a reverse proxy every client has its address, so set it to --max-connections).",
+)
+@click.option(
     "--header-timeout",
     "header_timeout_s",
     type=click.FloatRange(min=0.1),
@@ -96,7 +103,9 @@ def connect_redis(url: str) -> redis.Redis:
     type=click.FloatRange(min=0.1),
     default=30.0,
     show_default=True,
-    help="Seconds a request body may stall between two pieces (then 408).",
+    # NOTE: 64 KiB is limits.MIN_BODY_BYTES_PER_S (limits.py needs uvicorn, imported only when serve runs).
+    help="Seconds a request body has to arrive whole, plus one per 64 KiB it delivered (then 408): a slow "
+    "link's large upload passes, a trickle of bytes does not.",
 )
 @click.option(
     "--keep-alive-timeout",
@@ -117,6 +126,7 @@ def serve(
     max_file_bytes,
     chunk_size,
     max_connections,
+    max_connections_per_client,
     header_timeout_s,
     body_timeout_s,
     keep_alive_timeout_s,
@@ -157,6 +167,7 @@ def serve(
         body_timeout_s=body_timeout_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
         max_connections=max_connections,
+        max_connections_per_client=max_connections_per_client,
     )
     app = create_app(
         client, files, api_keys=api_keys, ttl_seconds=ttl_seconds, chunk_size=chunk_size, limits=limits
@@ -169,6 +180,6 @@ def serve(
         host=host,
         port=port,
         log_level=log_level.lower(),
-        http=guarded_h11_protocol(header_timeout_s, max_connections),
+        http=guarded_h11_protocol(header_timeout_s, max_connections, limits.client_connection_share),
         timeout_keep_alive=keep_alive_timeout_s,
     )
