@@ -90,7 +90,13 @@ def create_app(
 ):
     """The ASGI app. `api_keys` empty: no authentication (the CLI then binds loopback only)."""
     limits = limits or ServerLimits(max_file_bytes=files.max_bytes)
-    service = BatchService(client, files, ttl_seconds=ttl_seconds, chunk_size=chunk_size)
+    service = BatchService(
+        client,
+        files,
+        ttl_seconds=ttl_seconds,
+        chunk_size=chunk_size,
+        max_lines_per_file=limits.max_lines_per_file,
+    )
     stop_cleanup = threading.Event()
 
     # --- files ------------------------------------------------------------------------------------------------

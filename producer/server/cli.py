@@ -13,6 +13,7 @@ from redis.retry import Retry
 from producer import settings
 from producer.client import Client
 from producer.options import chunk_size_option, queue_option, redis_url_option, ttl_option
+from producer.server.service import DEFAULT_MAX_LINES_PER_FILE
 
 API_KEYS_ENV = "CBQ_API_KEYS"
 FILES_DIR_ENV = "CBQ_FILES_DIR"
@@ -74,6 +75,14 @@ def connect_redis(url: str) -> redis.Redis:
     show_default=True,
     help="Largest accepted upload (enforced while it streams in).",
 )
+@click.option(
+    "--max-lines-per-file",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_LINES_PER_FILE,
+    show_default=True,
+    help="Lines an input file may have (more fail its batch): the server holds about 220 bytes per request while "
+    "it validates and submits a file.",
+)
 @chunk_size_option
 @click.option(
     "--max-connections",
@@ -124,6 +133,7 @@ def serve(
     files_dir,
     ttl_seconds,
     max_file_bytes,
+    max_lines_per_file,
     chunk_size,
     max_connections,
     max_connections_per_client,
@@ -168,6 +178,7 @@ def serve(
         keep_alive_timeout_s=keep_alive_timeout_s,
         max_connections=max_connections,
         max_connections_per_client=max_connections_per_client,
+        max_lines_per_file=max_lines_per_file,
     )
     app = create_app(
         client, files, api_keys=api_keys, ttl_seconds=ttl_seconds, chunk_size=chunk_size, limits=limits

@@ -28,6 +28,8 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from producer.server.service import DEFAULT_MAX_LINES_PER_FILE
+
 MAX_JSON_BODY_BYTES = 1 << 20  # POST /v1/batches and every other route but the upload
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # slack over the file limit for the form's other parts and boundaries
 CONNECTIONS_RETRY_AFTER_SECONDS = 1
@@ -42,6 +44,7 @@ class ServerLimits:
     keep_alive_timeout_s: int = 5
     max_connections: int = 256
     max_connections_per_client: int | None = None  # None: half of max_connections
+    max_lines_per_file: int = DEFAULT_MAX_LINES_PER_FILE  # of an input file (`service.py`)
 
     @property
     def client_connection_share(self) -> int:

@@ -9,7 +9,8 @@ Slow work (validating a 200 MB file, writing output files) runs on small thread 
   wrong there (a file that is not UTF-8, a bug) ends the batch `failed`, never stuck in `validating`. Validations
   run `max_validations` at a time (one by default; the others wait, `validating`), and each keeps only the first
   errors it finds (`MAX_REPORTED_ERRORS`, what the record keeps) and counts the rest, so a file of a million bad
-  lines costs the server no more memory than one of a thousand.
+  lines costs the server no more memory than one of a thousand. A file of more than `max_lines_per_file` lines
+  fails at that line, so what a validation holds (the custom_ids) stays bounded too.
 - `view` reads the cbq status; once every request has finished it queues `_finalize` (at most one per batch
   across server processes, through a Redis lock), which streams the results into an output file and an error
   file; when the window has run out it cancels what is left first.
@@ -37,6 +38,9 @@ log = logging.getLogger("cbq.server")
 
 SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+# Lines of one input file: what the server holds of a file while validating and submitting it grows with its
+# requests (their custom_ids, about 220 bytes each), and this keeps that under about 110 MB.
+DEFAULT_MAX_LINES_PER_FILE = 500_000
 # A batch still validating this long after it was created lost its validation (the server restarted, or Redis was
 # unreachable when it ended); validating a 200 MB file takes about a minute.
 VALIDATION_STALE_SECONDS = 3600
@@ -59,6 +63,7 @@ class BatchService:
         chunk_size: int,
         max_threads: int = 2,
         max_validations: int = 1,
+        max_lines_per_file: int = DEFAULT_MAX_LINES_PER_FILE,
         validation_stale_seconds: int = VALIDATION_STALE_SECONDS,
     ):
         self.client = client
@@ -67,6 +72,7 @@ class BatchService:
         self.ttl_seconds = ttl_seconds
         self.chunk_size = chunk_size
         self.validation_stale_seconds = validation_stale_seconds
+        self.max_lines_per_file = max_lines_per_file
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbq-server")
         self._validations = ThreadPoolExecutor(max_workers=max_validations, thread_name_prefix="cbq-validate")
 
@@ -106,11 +112,20 @@ class BatchService:
             errors = [_entry("invalid_encoding", message, None, 1)]
             self.records.update(api_batch_id, errors=errors, failed_at=int(time.time()))
             return
-        validated = self.client.validate(
-            lambda: self.files.iter_lines(record.input_file_id),
-            endpoint=record.endpoint,
-            max_errors=MAX_REPORTED_ERRORS - 1,  # and one entry that counts the others
-        )
+        try:
+            validated = self.client.validate(
+                lambda: self._bounded_lines(record.input_file_id),
+                endpoint=record.endpoint,
+                max_errors=MAX_REPORTED_ERRORS - 1,  # and one entry that counts the others
+            )
+        except _TooManyLines:
+            message = (
+                f"the file has more than {self.max_lines_per_file} lines, this server's limit "
+                "(--max-lines-per-file); split it into several batches"
+            )
+            errors = [_entry("too_many_lines", message, None, self.max_lines_per_file + 1)]
+            self.records.update(api_batch_id, errors=errors, failed_at=int(time.time()))
+            return
         errors = [_error_entry(e) for e in validated.errors]  # format errors; invalid requests fail alone
         if not errors and not validated.requests:
             errors.append(_entry("empty_file", "the input file has no requests", None, None))
@@ -135,6 +150,12 @@ class BatchService:
         self.records.update(api_batch_id, cbq_batch_id=batch.id, in_progress_at=now)
         if self.records.get(api_batch_id).cancelling_at:  # cancelled while it was being submitted
             batch.cancel()
+
+    def _bounded_lines(self, file_id: str):
+        for line_no, line in enumerate(self.files.iter_lines(file_id), start=1):
+            if line_no > self.max_lines_per_file:  # before anything of the line is kept
+                raise _TooManyLines
+            yield line
 
     # --- read --------------------------------------------------------------------------------------------------
 
@@ -248,6 +269,10 @@ class BatchService:
             fn(*args)
         except Exception:
             log.exception("%s%s failed", fn.__name__, args)
+
+
+class _TooManyLines(Exception):
+    pass
 
 
 def _error_entry(error: RequestLineError) -> dict:

@@ -118,3 +118,15 @@ def test_a_file_of_many_errors_keeps_the_first_and_counts_the_rest(fake_redis, t
     assert errors[-1]["code"] == "too_many_errors"
     assert errors[-1]["message"] == f"500 more errors are not listed ({MAX_REPORTED_ERRORS + 499} lines in all have errors)"
     service.shutdown()
+
+
+def test_a_file_past_the_line_limit_fails_at_that_line(fake_redis, tmp_path):
+    service = _service(fake_redis, tmp_path, stale_seconds=3600)
+    service.max_lines_per_file = 5
+    lines = [f'{{"custom_id": "r{i}", "prompt": "x"}}\n'.encode() for i in range(6)]
+    assert _settled(service, _upload(service, b"".join(lines[:5]))["id"])["status"] == "in_progress"
+    batch = _settled(service, _upload(service, b"".join(lines))["id"])
+    assert batch["status"] == "failed", batch
+    [error] = batch["errors"]["data"]
+    assert error["code"] == "too_many_lines" and error["line"] == 6 and "--max-lines-per-file" in error["message"]
+    service.shutdown()
