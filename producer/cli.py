@@ -15,6 +15,7 @@ import threading
 import time
 
 import click
+import redis
 
 from producer import settings
 from producer.cli_common import format_status, reopenable_lines, status_json, write_result_lines
@@ -23,9 +24,12 @@ from producer.client import (
     BatchNotFound,
     Client,
     NothingToSubmit,
+    OutageRetry,
+    RedisUnreachable,
     SourceChanged,
     SubmitConflict,
     SubmitInterrupted,
+    one_line_error,
 )
 from producer.lazy_group import PluginGroup
 from producer.options import (
@@ -48,6 +52,10 @@ from schemas.sampling import Sampling
 PROGRESS_MIN_LINES = 5000  # smaller files validate and store in a blink; no bar
 PROGRESS_MIN_BYTES = 1 << 20  # the validation bar counts bytes
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_REDIS_UNREACHABLE = 3  # `wait`, `status`, `results`: Redis stayed unreachable past --redis-outage-limit
+# The reading commands' Redis timeouts: a paused Redis is noticed (and retried) after this, not waited on forever.
+READ_SOCKET_TIMEOUT_S = 5.0
+READ_CONNECT_TIMEOUT_S = 2.0
 
 
 # `serve` is the producer's own (in producer/server, with the optional `server` extra), imported only when used.
@@ -254,16 +262,28 @@ def _error_json(error) -> dict:
 # --- status / wait -------------------------------------------------------------------------------------------
 
 
+redis_outage_limit_option = click.option(
+    "--redis-outage-limit",
+    type=click.FloatRange(min=0),
+    default=settings.DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
+    show_default=True,
+    help="Seconds an unreachable Redis is retried (one notice on stderr) before the command gives up with exit "
+    f"status {EXIT_REDIS_UNREACHABLE}.",
+)
+
+
 @main.command()
 @click.argument("batch_id")
 @redis_url_option
+@redis_outage_limit_option
 @json_option
-def status(batch_id, redis_url, as_json):
+def status(batch_id, redis_url, redis_outage_limit, as_json):
     """Counts, token totals, rates and ETA of a batch, and whether a live worker serves its queue."""
-    client = _client(redis_url)
-    with _batch_errors(batch_id):
-        st = client.batch(batch_id).status()
-    num_workers = len(_live_workers(client, st.queue))
+    with _riding_outages(redis_url, redis_outage_limit) as retry:
+        client = _reading_client(redis_url, retry)
+        with _batch_errors(batch_id):
+            st = retry(client.batch(batch_id).status)
+        num_workers = len(retry(_live_workers, client, st.queue))
     if as_json:
         echo_json({**status_json(st), "num_live_workers": num_workers})
         return
@@ -281,28 +301,31 @@ def status(batch_id, redis_url, as_json):
 @click.option(
     "--timeout", type=click.FloatRange(min=0), default=None, help="Give up after N seconds (exit 1)."
 )
+@redis_outage_limit_option
 @json_option
-def wait(batch_id, redis_url, interval, timeout, as_json):
+def wait(batch_id, redis_url, interval, timeout, redis_outage_limit, as_json):
     """Show progress until BATCH_ID has finished, and say so while no live worker serves its queue.
 
+    A Redis outage (a restart, a pause, a failover) is ridden out: one line on stderr, then the wait goes on.
     Exit status: 0 when every request completed, 2 when the batch finished with failed or cancelled
-    requests, 1 on error or --timeout. Write the results whatever it returns:
-    `cbq wait ID; cbq results ID -o out.jsonl --errors errors.jsonl`.
+    requests, 3 when Redis stayed unreachable past --redis-outage-limit, 1 on another error or --timeout.
+    Write the results whatever it returns: `cbq wait ID; cbq results ID -o out.jsonl --errors errors.jsonl`.
     """
-    client = _client(redis_url)
-    batch = client.batch(batch_id)
-    with _batch_errors(batch_id):
-        first = batch.status()
-        watch = _WorkerWatch(client, first.queue)
-        with click.progressbar(length=first.num_total, label=f"batch {batch_id}", file=sys.stderr) as bar:
+    with _riding_outages(redis_url, redis_outage_limit) as retry:
+        client = _reading_client(redis_url, retry)
+        batch = client.batch(batch_id)
+        with _batch_errors(batch_id):
+            first = retry(batch.status)
+            watch = _WorkerWatch(client, first.queue)
+            with click.progressbar(length=first.num_total, label=f"batch {batch_id}", file=sys.stderr) as bar:
 
-            def report(st) -> None:
-                bar.update(st.num_finished - bar.pos)
-                note = None if st.is_done else watch.change()
-                if note:
-                    click.echo(f"\n{note}", err=True)
+                def report(st) -> None:
+                    bar.update(st.num_finished - bar.pos)
+                    note = None if st.is_done else retry(watch.change)
+                    if note:
+                        click.echo(f"\n{note}", err=True)
 
-            st = batch.wait(progress=report, interval=interval, timeout=timeout)
+                st = batch.wait(progress=report, interval=interval, timeout=timeout, retry=retry)
     if as_json:
         echo_json(status_json(st))
     else:
@@ -371,11 +394,22 @@ class _WorkerWatch:
 @format_option
 @errors_option
 @click.option("--partial", is_flag=True, help="Write the finished requests of an unfinished batch.")
-def results(batch_id, redis_url, output, output_format, errors, partial):
-    """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included."""
-    with _batch_errors(batch_id):
-        lines = _client(redis_url).batch(batch_id).results(format=output_format, partial=partial)
-        num_written, num_errors = write_result_lines(output, lines, output_format, errors)
+@redis_outage_limit_option
+def results(batch_id, redis_url, output, output_format, errors, partial, redis_outage_limit):
+    """Write the results of BATCH_ID as JSONL, in input order, failed and cancelled requests included.
+
+    Files are written atomically, so a Redis outage while they are written starts them again once it answers; on
+    stdout, an outage past the first line ends the command (exit status 3)."""
+    with _riding_outages(redis_url, redis_outage_limit) as retry:
+        batch = _reading_client(redis_url, retry).batch(batch_id)
+
+        def write() -> tuple[int, int]:
+            lines = retry(batch.results, format=output_format, partial=partial)
+            return write_result_lines(output, lines, output_format, errors)
+
+        with _batch_errors(batch_id):
+            is_restartable = output != "-" and errors != "-"  # nothing went out yet when a file is retried
+            num_written, num_errors = retry(write) if is_restartable else write()
     if output != "-":
         click.echo(f"wrote {num_written} results to {output}", err=True)
     if errors is not None and errors != "-":
@@ -459,6 +493,42 @@ def stats(redis_url, limit, as_json):
 
 def _client(redis_url: str, queue: str | None = None) -> Client:
     return Client(connection=open_redis(redis_url), queue=queue)
+
+
+@contextlib.contextmanager
+def _riding_outages(redis_url: str, limit_s: float):
+    """An `OutageRetry` that says once per outage, on stderr, that Redis is being retried; past `limit_s`, a
+    one-line error and exit status EXIT_REDIS_UNREACHABLE (a Redis error no retry covers gets the same)."""
+    where = settings.redact_url(redis_url)
+
+    def on_outage(exc: Exception) -> None:
+        click.echo(f"\nRedis unreachable, retrying for up to {limit_s:g} s: {where} ({one_line_error(exc)})", err=True)
+
+    def on_recovery(seconds: float) -> None:
+        click.echo(f"Redis answers again after {seconds:.0f} s", err=True)
+
+    try:
+        yield OutageRetry(limit_s, on_outage, on_recovery)
+    except (RedisUnreachable, redis.ConnectionError, redis.TimeoutError) as exc:
+        detail = str(exc) if isinstance(exc, RedisUnreachable) else one_line_error(exc)
+        click.echo(f"Error: cannot reach Redis at {where}: {detail}", err=True)
+        sys.exit(EXIT_REDIS_UNREACHABLE)
+
+
+def _reading_client(redis_url: str, retry: OutageRetry) -> Client:
+    """A client whose first PING rides out an outage (`open_redis` fails at once), and whose reads time out after
+    READ_SOCKET_TIMEOUT_S, so that a paused Redis is noticed and retried too."""
+    try:
+        conn = settings.connect(
+            redis_url, socket_timeout=READ_SOCKET_TIMEOUT_S, socket_connect_timeout=READ_CONNECT_TIMEOUT_S
+        )
+    except ValueError as exc:  # a malformed URL
+        raise click.BadParameter(str(exc), param_hint="--redis-url") from None
+    try:
+        retry(conn.ping)
+    except (redis.AuthenticationError, redis.ResponseError) as exc:
+        raise click.ClickException(f"cannot use Redis at {settings.redact_url(redis_url)}: {exc}") from None
+    return Client(connection=conn)
 
 
 @contextlib.contextmanager

@@ -44,12 +44,16 @@ from schemas.sampling import Sampling
 from schemas.status import BatchStatus, WorkerStats
 
 __all__ = [
+    "REDIS_ERRORS",
     "Batch",
     "BatchNotFinished",
     "BatchNotFound",
     "Client",
     "InvalidInput",
     "NothingToSubmit",
+    "OutageRetry",
+    "RedisUnreachable",
+    "one_line_error",
     "SourceChanged",
     "Submission",
     "SubmitConflict",
@@ -61,6 +65,58 @@ Source = str | os.PathLike | Iterable[dict | str | bytes]
 # Opens a source's lines anew at each call (validation reads them once, submission again).
 Reopen = Callable[[], Iterable[str | bytes]]
 OutputFormat = Literal["cbq", "openai"]
+# What a restarting, paused or failing-over Redis raises (BusyLoadingError, ReadOnlyError after a failover and
+# redis-py's "no master found" are ConnectionErrors too).
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+OUTAGE_BACKOFF_SECONDS = (0.25, 5.0)  # first and longest wait between two tries, as the workers wait
+
+
+class RedisUnreachable(ConnectionError):
+    """Redis did not answer for longer than an `OutageRetry`'s limit."""
+
+
+@dataclass
+class OutageRetry:
+    """Calls a Redis read again, with a growing backoff, while Redis is unreachable, for at most `limit_s` seconds
+    of one outage; past that raises `RedisUnreachable`. `on_outage(exc)` hears the first failure of each outage,
+    `on_recovery(seconds)` its end. Only for reads and idempotent calls: a write retried after a lost reply
+    could apply twice."""
+
+    limit_s: float = settings.DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS
+    on_outage: Callable[[Exception], None] | None = None
+    on_recovery: Callable[[float], None] | None = None
+
+    def __call__(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        outage_started: float | None = None
+        delay, longest = OUTAGE_BACKOFF_SECONDS
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except REDIS_ERRORS as exc:
+                if isinstance(exc, redis.AuthenticationError):  # a ConnectionError that no wait cures
+                    raise
+                now = time.monotonic()
+                if outage_started is None:
+                    outage_started = now
+                    if self.on_outage is not None:
+                        self.on_outage(exc)
+                elapsed = now - outage_started
+                if elapsed >= self.limit_s:
+                    raise RedisUnreachable(
+                        f"Redis unreachable for {elapsed:.0f} s (limit {self.limit_s:g} s): {one_line_error(exc)}"
+                    ) from None
+                time.sleep(min(delay, self.limit_s - elapsed))
+                delay = min(2 * delay, longest)
+                continue
+            if outage_started is not None and self.on_recovery is not None:
+                self.on_recovery(time.monotonic() - outage_started)
+            return result
+
+
+def one_line_error(exc: Exception) -> str:
+    """`exc` as one line with its type, for notices."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class InvalidInput(ValueError):
@@ -118,13 +174,15 @@ class Client:
         on_line: Callable[[str | bytes], None] | None = None,
         endpoint: str | None = None,
         model: str | None = None,
+        max_errors: int | None = None,
     ) -> ValidatedFile:
         """Parse every line of `source` (nothing is enqueued). Files are read line by line and not kept:
         submitting reads them again, so a file of any size needs memory only for its custom_ids. A callable
         source opens its lines anew on each call (the same lines each time). `endpoint`: the OpenAI endpoint
         every OpenAI line's url must name (a batch of the Batch API). `model`: the one model lines may name
-        (default: the first one a line names); a line naming another fails alone as `model_not_found`."""
-        checks = {"on_line": on_line, "endpoint": endpoint, "model": model}
+        (default: the first one a line names); a line naming another fails alone as `model_not_found`.
+        `max_errors`: keep the first that many format errors, count the others (`num_errors_dropped`)."""
+        checks = {"on_line": on_line, "endpoint": endpoint, "model": model, "max_errors": max_errors}
         if callable(source):
             return validate_lines(source(), reread=source, **checks)
         if isinstance(source, str | os.PathLike):
@@ -229,16 +287,19 @@ class Batch:
         progress: bool | Callable[[BatchStatus], None] = False,
         interval: float = 1.0,
         timeout: float | None = None,
+        retry: OutageRetry | None = None,
     ) -> BatchStatus:
         """Poll until every request has finished; returns the final status.
 
         progress=True draws a bar on stderr; a callable gets every status read. Raises TimeoutError after
-        `timeout` seconds (the batch keeps running).
+        `timeout` seconds (the batch keeps running). `retry`: each status read rides out a Redis outage through
+        it (raising `RedisUnreachable` past its limit); without it, the first Redis error is raised.
         """
+        read = self.status if retry is None else lambda: retry(self.status)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with _progress_reporter(progress, self.id, self.status()) as report:
+        with _progress_reporter(progress, self.id, read()) as report:
             while True:
-                st = self.status()
+                st = read()
                 report(st)
                 if st.is_done:
                     return st

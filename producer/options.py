@@ -208,7 +208,10 @@ def ttl_option(f: Callable) -> Callable:
 
 def open_redis(url: str) -> redis.Redis:
     """Connect and check that Redis answers, turning failures into a clear user error."""
-    conn = settings.connect(url)
+    try:
+        conn = settings.connect(url)
+    except ValueError as exc:  # a malformed URL
+        raise click.BadParameter(str(exc), param_hint="--redis-url") from None
     try:
         conn.ping()
     except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, redis.ResponseError) as exc:

@@ -23,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Route
 
@@ -90,7 +90,13 @@ def create_app(
 ):
     """The ASGI app. `api_keys` empty: no authentication (the CLI then binds loopback only)."""
     limits = limits or ServerLimits(max_file_bytes=files.max_bytes)
-    service = BatchService(client, files, ttl_seconds=ttl_seconds, chunk_size=chunk_size)
+    service = BatchService(
+        client,
+        files,
+        ttl_seconds=ttl_seconds,
+        chunk_size=chunk_size,
+        max_lines_per_file=limits.max_lines_per_file,
+    )
     stop_cleanup = threading.Event()
 
     # --- files ------------------------------------------------------------------------------------------------
@@ -243,7 +249,13 @@ def create_app(
         return body_too_large(exc)
 
     async def body_timeout(request: Request, exc: BodyTimeout):
+        log.warning("%s %s: 408, %s", request.method, request.url.path, exc)
         return error_response(408, str(exc), "invalid_request_error", None, "request_timeout", _CLOSE)
+
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        # The client closed its connection before its body was whole: one line, and an answer no one reads.
+        log.warning("%s %s: the client went away before its body arrived", request.method, request.url.path)
+        return error_response(400, "the client disconnected", "invalid_request_error", None, None, _CLOSE)
 
     async def redis_down(request: Request, exc: Exception):
         log.warning("%s %s: Redis is unreachable: %s", request.method, request.url.path, exc)
@@ -291,6 +303,7 @@ def create_app(
         HTTPException: http_error,
         BodyTooLarge: too_large,
         BodyTimeout: body_timeout,
+        ClientDisconnect: client_gone,
         redis.ConnectionError: redis_down,  # BusyLoadingError too
         redis.TimeoutError: redis_down,
         Exception: server_error,

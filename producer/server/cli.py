@@ -13,6 +13,7 @@ from redis.retry import Retry
 from producer import settings
 from producer.client import Client
 from producer.options import chunk_size_option, queue_option, redis_url_option, ttl_option
+from producer.server.service import DEFAULT_MAX_LINES_PER_FILE
 
 API_KEYS_ENV = "CBQ_API_KEYS"
 FILES_DIR_ENV = "CBQ_FILES_DIR"
@@ -34,16 +35,19 @@ def is_loopback(host: str) -> bool:
 
 def connect_redis(url: str) -> redis.Redis:
     """The server's Redis client: bounded socket timeouts and one retry, so that a request fails fast (503) while
-    Redis is down or stalled instead of holding a thread; checked once here."""
-    conn = redis.Redis.from_url(
-        url,
-        health_check_interval=30,
-        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
-        # One quick retry of a dropped connection; a timeout is not retried (a stalled Redis would cost each
-        # retry a reconnect handshake of socket timeouts more).
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1, supported_errors=(redis.ConnectionError,)),
-    )
+    Redis is down or stalled instead of holding a thread; checked once here. A `redis+sentinel://` URL follows
+    its primary through a failover (`settings.connect`)."""
+    try:
+        conn = settings.connect(
+            url,
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+            # One quick retry of a dropped connection; a timeout is not retried (a stalled Redis would cost each
+            # retry a reconnect handshake of socket timeouts more).
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1, supported_errors=(redis.ConnectionError,)),
+        )
+    except ValueError as exc:  # a malformed URL
+        raise click.BadParameter(str(exc), param_hint="--redis-url") from None
     try:
         conn.ping()
     except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, redis.ResponseError) as exc:
@@ -71,6 +75,14 @@ def connect_redis(url: str) -> redis.Redis:
     show_default=True,
     help="Largest accepted upload (enforced while it streams in).",
 )
+@click.option(
+    "--max-lines-per-file",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_LINES_PER_FILE,
+    show_default=True,
+    help="Lines an input file may have (more fail its batch): the server holds about 220 bytes per request while "
+    "it validates and submits a file.",
+)
 @chunk_size_option
 @click.option(
     "--max-connections",
@@ -78,6 +90,13 @@ def connect_redis(url: str) -> redis.Redis:
     default=256,
     show_default=True,
     help="Open connections past this get 503 and are closed.",
+)
+@click.option(
+    "--max-connections-per-client",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Open connections from one client address past this get 503 and are closed (default: half of "
+    "--max-connections; behind a reverse proxy every client has its address, so set it to --max-connections).",
 )
 @click.option(
     "--header-timeout",
@@ -93,7 +112,9 @@ def connect_redis(url: str) -> redis.Redis:
     type=click.FloatRange(min=0.1),
     default=30.0,
     show_default=True,
-    help="Seconds a request body may stall between two pieces (then 408).",
+    # NOTE: 64 KiB is limits.MIN_BODY_BYTES_PER_S (limits.py needs uvicorn, imported only when serve runs).
+    help="Seconds a request body has to arrive whole, plus one per 64 KiB it delivered (then 408): a slow "
+    "link's large upload passes, a trickle of bytes does not.",
 )
 @click.option(
     "--keep-alive-timeout",
@@ -112,8 +133,10 @@ def serve(
     files_dir,
     ttl_seconds,
     max_file_bytes,
+    max_lines_per_file,
     chunk_size,
     max_connections,
+    max_connections_per_client,
     header_timeout_s,
     body_timeout_s,
     keep_alive_timeout_s,
@@ -154,6 +177,8 @@ def serve(
         body_timeout_s=body_timeout_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
         max_connections=max_connections,
+        max_connections_per_client=max_connections_per_client,
+        max_lines_per_file=max_lines_per_file,
     )
     app = create_app(
         client, files, api_keys=api_keys, ttl_seconds=ttl_seconds, chunk_size=chunk_size, limits=limits
@@ -166,6 +191,6 @@ def serve(
         host=host,
         port=port,
         log_level=log_level.lower(),
-        http=guarded_h11_protocol(header_timeout_s, max_connections),
+        http=guarded_h11_protocol(header_timeout_s, max_connections, limits.client_connection_share),
         timeout_keep_alive=keep_alive_timeout_s,
     )

@@ -3,12 +3,15 @@ and their enforcement; the routes never see a body past its limit.
 
 - `BodyLimitMiddleware` (ASGI): a request body is counted as it streams in, so a chunked upload without a
   Content-Length is stopped at its route's limit (413) instead of being spooled to disk first; a declared
-  Content-Length over the limit is refused before anything is read; a body that stalls for `body_timeout_s`
-  between two pieces gets 408. Both close the connection, so the rest of the body is never read.
+  Content-Length over the limit is refused before anything is read; a body must arrive whole by a deadline,
+  `body_timeout_s` after its headers plus one second per MIN_BODY_BYTES_PER_S bytes it delivered (a 200 MB
+  upload over a slow link passes; a byte now and then does not), or it gets 408. Both close the connection, so
+  the rest of the body is never read, and a client dropped so costs one log line.
 - `guarded_h11_protocol` (uvicorn's h11 protocol): a connection must deliver a request's headers within
-  `header_timeout_s` of opening or of its previous response (idle and half-sent connections are closed), and
-  past `max_connections` open connections a new one gets 503 and is closed at once; a request h11 cannot parse
-  (headers over h11's 16 KiB included) gets a 400 in OpenAI's shape. uvicorn itself closes an idle keep-alive
+  `header_timeout_s` of opening or of its previous response (idle and half-sent connections are closed); past
+  `max_connections` open connections, or past `max_connections_per_client` from one client address, a new one
+  gets 503 and is closed at once, so one client cannot hold the whole cap; a request h11 cannot parse (headers
+  over h11's 16 KiB included) gets a 400 in OpenAI's shape. uvicorn itself closes an idle keep-alive
   connection after `--keep-alive-timeout`.
 
 NOTE: the protocol subclass relies on uvicorn's H11Protocol members (`cycle`, `connections`, `transport`, `loop`,
@@ -25,9 +28,12 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from producer.server.service import DEFAULT_MAX_LINES_PER_FILE
+
 MAX_JSON_BODY_BYTES = 1 << 20  # POST /v1/batches and every other route but the upload
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # slack over the file limit for the form's other parts and boundaries
 CONNECTIONS_RETRY_AFTER_SECONDS = 1
+MIN_BODY_BYTES_PER_S = 64 * 1024  # a body's deadline grows one second per this many bytes it delivered
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,14 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: int = 5
     max_connections: int = 256
+    max_connections_per_client: int | None = None  # None: half of max_connections
+    max_lines_per_file: int = DEFAULT_MAX_LINES_PER_FILE  # of an input file (`service.py`)
+
+    @property
+    def client_connection_share(self) -> int:
+        if self.max_connections_per_client is not None:
+            return self.max_connections_per_client
+        return max(1, self.max_connections // 2)
 
     def body_limit(self, method: str, path: str) -> tuple[int, BodyTooLarge]:
         """The most bytes a request's body may have, and the error past them."""
@@ -56,8 +70,11 @@ class BodyTooLarge(Exception):
 
 
 class BodyTimeout(Exception):
-    def __init__(self, timeout_s: float):
-        super().__init__(f"the request body stalled for more than {timeout_s:g} seconds")
+    def __init__(self, deadline_s: float, num_received: int):
+        super().__init__(
+            f"the request body did not arrive within {deadline_s:.1f} seconds ({num_received} bytes came; "
+            f"a body has the server's --body-timeout plus one second per {MIN_BODY_BYTES_PER_S} bytes)"
+        )
 
 
 class BodyLimitMiddleware:
@@ -82,15 +99,22 @@ class BodyLimitMiddleware:
         num_received = 0
         is_body_complete = False
         timeout_s = self.limits.body_timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
 
         async def counted_receive():
             nonlocal num_received, is_body_complete
             if is_body_complete:  # what follows is the wait for a disconnect, as long as a response streams
                 return await receive()
+            # One deadline for the whole body, not per piece: a trickle of bytes must not hold a connection.
+            deadline_s = timeout_s + num_received / MIN_BODY_BYTES_PER_S
+            remaining = started + deadline_s - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), timeout_s)
+                if remaining <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), remaining)
             except TimeoutError:
-                raise BodyTimeout(timeout_s) from None
+                raise BodyTimeout(deadline_s, num_received) from None
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > limit_bytes:
@@ -101,24 +125,47 @@ class BodyLimitMiddleware:
         await self.app(scope, counted_receive, send)
 
 
-def guarded_h11_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a header timeout and a connection cap (pass it as uvicorn's `http`)."""
+def guarded_h11_protocol(
+    header_timeout_s: float, max_connections: int, max_connections_per_client: int | None = None
+) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header timeout, a connection cap and a share of it per client address
+    (`max_connections_per_client`, None: no share; pass it as uvicorn's `http`)."""
+    retry_after = {"retry-after": str(CONNECTIONS_RETRY_AFTER_SECONDS)}
     rejection = _raw_error(
         503,
         "Service Unavailable",
         "The server has too many open connections; retry shortly.",
         "server_error",
         "too_many_connections",
-        {"retry-after": str(CONNECTIONS_RETRY_AFTER_SECONDS)},
+        retry_after,
     )
+    client_rejection = _raw_error(
+        503,
+        "Service Unavailable",
+        "This client has too many open connections to the server; close some or retry shortly.",
+        "server_error",
+        "too_many_connections",
+        retry_after,
+    )
+    num_open_by_client: dict[str, int] = {}  # one event loop: no lock
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _client_key: str | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            self._client_key = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
+            num_open_by_client[self._client_key] = num_open_by_client.get(self._client_key, 0) + 1
             if len(self.connections) > max_connections:
                 transport.write(rejection)
+                transport.close()
+                return
+            share = max_connections_per_client
+            if share is not None and num_open_by_client[self._client_key] > share:
+                self.logger.info("refusing a connection: %s has %d open already", self._client_key, share)
+                transport.write(client_rejection)
                 transport.close()
                 return
             self._arm_header_timer()
@@ -131,6 +178,11 @@ def guarded_h11_protocol(header_timeout_s: float, max_connections: int) -> type[
         def connection_lost(self, exc) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
+            if self._client_key is not None:
+                left = num_open_by_client.pop(self._client_key) - 1
+                if left:
+                    num_open_by_client[self._client_key] = left
+                self._client_key = None
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:

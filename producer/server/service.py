@@ -3,10 +3,14 @@
 Owns the transitions of `batch_object.py`'s status diagram; the records themselves live in `producer.store`.
 Everything else goes through `producer.client`, like the CLI. Every call names the `Principal` it acts for: a
 batch of another project is not found.
-Slow work (validating a 200 MB file, writing output files) runs on a small thread pool, never in a request:
+Slow work (validating a 200 MB file, writing output files) runs on small thread pools, never in a request:
 - `create` records the batch as validating and queues `_validate_and_submit`, which streams the input file from
   disk line by line, and either submits it (in_progress) or records OpenAI-shaped errors (failed). Whatever goes
-  wrong there (a file that is not UTF-8, a bug) ends the batch `failed`, never stuck in `validating`.
+  wrong there (a file that is not UTF-8, a bug) ends the batch `failed`, never stuck in `validating`. Validations
+  run `max_validations` at a time (one by default; the others wait, `validating`), and each keeps only the first
+  errors it finds (`MAX_REPORTED_ERRORS`, what the record keeps) and counts the rest, so a file of a million bad
+  lines costs the server no more memory than one of a thousand. A file of more than `max_lines_per_file` lines
+  fails at that line, so what a validation holds (the custom_ids) stays bounded too.
 - `view` reads the cbq status; once every request has finished it queues `_finalize` (at most one per batch
   across server processes, through a Redis lock), which streams the results into an output file and an error
   file; when the window has run out it cancels what is left first.
@@ -35,6 +39,9 @@ log = logging.getLogger("cbq.server")
 
 SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL, RESPONSES_URL)
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+# Lines of one input file: what the server holds of a file while validating and submitting it grows with its
+# requests (their custom_ids, about 200 bytes each): 500,000 took a server from 53 to 151 MB peak RSS.
+DEFAULT_MAX_LINES_PER_FILE = 500_000
 # A batch still validating this long after it was created lost its validation (the server restarted, or Redis was
 # unreachable when it ended); validating a 200 MB file takes about a minute.
 VALIDATION_STALE_SECONDS = 3600
@@ -56,6 +63,8 @@ class BatchService:
         ttl_seconds: int,
         chunk_size: int,
         max_threads: int = 2,
+        max_validations: int = 1,
+        max_lines_per_file: int = DEFAULT_MAX_LINES_PER_FILE,
         validation_stale_seconds: int = VALIDATION_STALE_SECONDS,
     ):
         self.client = client
@@ -64,16 +73,19 @@ class BatchService:
         self.ttl_seconds = ttl_seconds
         self.chunk_size = chunk_size
         self.validation_stale_seconds = validation_stale_seconds
+        self.max_lines_per_file = max_lines_per_file
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbq-server")
+        self._validations = ThreadPoolExecutor(max_workers=max_validations, thread_name_prefix="cbq-validate")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._validations.shutdown(wait=False, cancel_futures=True)
 
     # --- create ------------------------------------------------------------------------------------------------
 
     def create(self, principal: Principal, **fields) -> dict:
         record = self.records.create(principal.project, **fields)
-        self._pool.submit(self._validate_or_fail, record.id)
+        self._validations.submit(self._validate_or_fail, record.id)
         return batch_object(record, None)
 
     def _validate_or_fail(self, api_batch_id: str) -> None:
@@ -101,15 +113,32 @@ class BatchService:
             errors = [_entry("invalid_encoding", message, None, 1)]
             self.records.update(api_batch_id, errors=errors, failed_at=int(time.time()))
             return
-        validated = self.client.validate(
-            lambda: self.files.iter_lines(record.input_file_id), endpoint=record.endpoint
-        )
+        try:
+            validated = self.client.validate(
+                lambda: self._bounded_lines(record.input_file_id),
+                endpoint=record.endpoint,
+                max_errors=MAX_REPORTED_ERRORS - 1,  # and one entry that counts the others
+            )
+        except _TooManyLines:
+            message = (
+                f"the file has more than {self.max_lines_per_file} lines, this server's limit "
+                "(--max-lines-per-file); split it into several batches"
+            )
+            errors = [_entry("too_many_lines", message, None, self.max_lines_per_file + 1)]
+            self.records.update(api_batch_id, errors=errors, failed_at=int(time.time()))
+            return
         errors = [_error_entry(e) for e in validated.errors]  # format errors; invalid requests fail alone
         if not errors and not validated.requests:
             errors.append(_entry("empty_file", "the input file has no requests", None, None))
         now = int(time.time())
         if errors:
             errors.sort(key=lambda e: e["line"] or 0)
+            if validated.num_errors_dropped:
+                message = (
+                    f"{validated.num_errors_dropped} more errors are not listed "
+                    f"({validated.num_errors} lines in all have errors)"
+                )
+                errors.append(_entry("too_many_errors", message, None, None))
             self.records.update(api_batch_id, errors=errors[:MAX_REPORTED_ERRORS], failed_at=now)
             return
         current = self.records.get(api_batch_id)
@@ -122,6 +151,12 @@ class BatchService:
         self.records.update(api_batch_id, cbq_batch_id=batch.id, in_progress_at=now)
         if self.records.get(api_batch_id).cancelling_at:  # cancelled while it was being submitted
             batch.cancel()
+
+    def _bounded_lines(self, file_id: str):
+        for line_no, line in enumerate(self.files.iter_lines(file_id), start=1):
+            if line_no > self.max_lines_per_file:  # before anything of the line is kept
+                raise _TooManyLines
+            yield line
 
     # --- read --------------------------------------------------------------------------------------------------
 
@@ -235,6 +270,10 @@ class BatchService:
             fn(*args)
         except Exception:
             log.exception("%s%s failed", fn.__name__, args)
+
+
+class _TooManyLines(Exception):
+    pass
 
 
 def _error_entry(error: RequestLineError) -> dict:

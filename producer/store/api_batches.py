@@ -11,6 +11,7 @@ write; the listings are sorted sets that lose an id when a listing finds its rec
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -21,6 +22,9 @@ from schemas import keys
 
 MAX_REPORTED_ERRORS = 1000  # validation errors kept on a failed batch (the file may have millions of lines)
 FINALIZE_LOCK_SECONDS = 600  # a server process that died while finalizing releases the batch after this
+# What `create` makes; any other id (one with a `:`, which would name another key such as the finalize lock) is not
+# found before it reaches Redis.
+API_BATCH_ID_RE = re.compile(r"^batch_[0-9a-f]{24}$")
 
 
 class BatchRecordNotFound(LookupError):
@@ -101,6 +105,8 @@ class BatchRecords:
         return record
 
     def get(self, api_batch_id: str) -> BatchRecord:
+        if not API_BATCH_ID_RE.fullmatch(api_batch_id):
+            raise BatchRecordNotFound(api_batch_id)
         raw = self.conn.hgetall(keys.api_batch(api_batch_id))
         if not raw:
             raise BatchRecordNotFound(api_batch_id)

@@ -121,6 +121,12 @@ class ValidatedFile:
     requests: ValidRequests  # every request, those that fail alone included (`requests.invalid`)
     errors: list[RequestLineError] = field(default_factory=list)  # format errors: the file is refused
     num_blank_lines: int = 0
+    # Format errors past `validate_lines`' max_errors: counted, not kept (`errors` holds the first ones).
+    num_errors_dropped: int = 0
+
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors) + self.num_errors_dropped
 
     @property
     def invalid(self) -> list[InvalidRequest]:
@@ -148,6 +154,7 @@ def validate_lines(
     reread: Callable[[], Iterable[str | bytes]] | None = None,
     endpoint: str | None = None,
     model: str | None = None,
+    max_errors: int | None = None,
 ) -> ValidatedFile:
     """Parse every line (1-based line numbers) and flag duplicate custom_ids, naming both lines.
 
@@ -155,8 +162,19 @@ def validate_lines(
     again when iterated. `on_line` sees each raw line (progress by bytes or by lines). `endpoint`: the batch's
     OpenAI endpoint, which every OpenAI line's url must be (a format error otherwise, as OpenAI's). `model`:
     the one model the lines may name (`cbq run`: the one it serves); by default, the first model a line names.
-    A line naming another fails alone as `model_not_found`."""
+    A line naming another fails alone as `model_not_found`. `max_errors`: keep only the first that many format
+    errors and count the others (`num_errors_dropped`), so that a file of a million bad lines costs no more
+    memory than one of a thousand; the file is refused either way."""
     errors: list[RequestLineError] = []
+    num_errors_dropped = 0
+
+    def add_error(error: RequestLineError) -> None:
+        nonlocal num_errors_dropped
+        if max_errors is not None and len(errors) >= max_errors:
+            num_errors_dropped += 1
+        else:
+            errors.append(error)
+
     invalid: list[InvalidRequest] = []
     kept: list[Entry] | None = [] if reread is None else None
     custom_ids: list[str | None] = []
@@ -173,20 +191,20 @@ def validate_lines(
         except InvalidRequest as exc:
             entry = exc
         except RequestLineError as exc:
-            errors.append(exc)
+            add_error(exc)
             continue
         if entry is None:
             num_blank += 1
             continue
         if endpoint is not None and entry.url is not None and entry.url != endpoint:
             message = f"the line's url {entry.url} differs from the batch's endpoint {endpoint}"
-            errors.append(RequestLineError(line_no, [FieldIssue("url", message, "mismatched_endpoint")]))
+            add_error(RequestLineError(line_no, [FieldIssue("url", message, "mismatched_endpoint")]))
             continue
         if entry.custom_id is not None:
             first = first_line_of.setdefault(entry.custom_id, line_no)
             if first != line_no:
                 issue = FieldIssue("custom_id", f"duplicate custom_id {entry.custom_id!r} (first on line {first})")
-                errors.append(RequestLineError(line_no, [issue]))
+                add_error(RequestLineError(line_no, [issue]))
                 continue
         if model is None and isinstance(entry, ParsedRequest):
             model = entry.model
@@ -197,11 +215,12 @@ def validate_lines(
         custom_ids += [member.custom_id for member in members]  # one per stored request
         if kept is not None:
             kept += members
+    # NOTE: with errors dropped, `skip` misses their lines; no matter, since a file with errors is refused.
     skip = frozenset(e.line_no for e in errors if e.line_no is not None)
     requests = ValidRequests(
         custom_ids, kept=kept, reread=reread, skip_lines=skip, checksum=crc, invalid=invalid, model=model
     )
-    return ValidatedFile(requests, errors, num_blank)
+    return ValidatedFile(requests, errors, num_blank, num_errors_dropped)
 
 
 @dataclass(frozen=True)

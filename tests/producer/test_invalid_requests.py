@@ -39,7 +39,7 @@ FILES = {
 
 @pytest.fixture
 def cbq(fake_redis, monkeypatch):
-    monkeypatch.setattr(settings, "connect", lambda url: fake_redis)
+    monkeypatch.setattr(settings, "connect", lambda url, **options: fake_redis)
 
     def invoke(*args):
         return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)

@@ -16,7 +16,7 @@ from worker.cli import served_model_name
 
 @pytest.fixture
 def cbq(fake_redis, monkeypatch):
-    monkeypatch.setattr(settings, "connect", lambda url: fake_redis)
+    monkeypatch.setattr(settings, "connect", lambda url, **options: fake_redis)
     return lambda *args: CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 

@@ -6,13 +6,13 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer import settings
-from producer.cli import main
+from producer.cli import EXIT_REDIS_UNREACHABLE, main
 
 
 @pytest.fixture
 def cbq(conn, monkeypatch):
     """Run `cbq ARGS...` in-process against the test's Redis (whatever --redis-url says)."""
-    monkeypatch.setattr(settings, "connect", lambda url: conn)
+    monkeypatch.setattr(settings, "connect", lambda url, **options: conn)
     runner = CliRunner()
 
     def invoke(*args, input=None):
@@ -183,7 +183,7 @@ def test_lines_split_on_newlines_only(cbq, conn, tmp_path):
 
 
 def test_result_ttl_comes_from_the_environment(conn, monkeypatch, tmp_path):
-    monkeypatch.setattr(settings, "connect", lambda url: conn)
+    monkeypatch.setattr(settings, "connect", lambda url, **options: conn)
     path = write_jsonl(tmp_path, [{"prompt": "a"}])
     result = CliRunner(env={"CBQ_RESULT_TTL": "321"}).invoke(main, ["submit", path])
     batch_id = result.stdout.strip()
@@ -196,8 +196,9 @@ def test_redis_url_comes_from_the_environment():
 
 
 def test_unreachable_redis_is_a_clear_error():
-    result = CliRunner().invoke(main, ["status", "b", "--redis-url", "redis://:secret@127.0.0.1:1/0"])
-    assert result.exit_code == 1
+    url = "redis://:secret@127.0.0.1:1/0"
+    result = CliRunner().invoke(main, ["status", "b", "--redis-url", url, "--redis-outage-limit", "0"])
+    assert result.exit_code == EXIT_REDIS_UNREACHABLE
     assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in result.stderr
     assert "secret" not in result.stderr
 

@@ -17,7 +17,7 @@ from worker.queue_worker import CbqWorker
 @pytest.fixture
 def cbq(conn, monkeypatch):
     """Run `cbq ARGS...` in-process against the test's Redis (whatever --redis-url says)."""
-    monkeypatch.setattr(settings, "connect", lambda url: conn)
+    monkeypatch.setattr(settings, "connect", lambda url, **options: conn)
     runner = CliRunner()
 
     def invoke(*args, input=None):

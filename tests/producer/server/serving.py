@@ -22,6 +22,7 @@ class ServeProcess:
 
     def __init__(self, redis_url: str, tmp: Path, *args: str, api_keys: str = ""):
         self.port = free_port()
+        self.redis_url = redis_url
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.files_dir = tmp / "files"
         self.log_path = tmp / "serve.log"

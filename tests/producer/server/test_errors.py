@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import redis
 
 from tests.producer.server.serving import ServeProcess, request
 from tests.reliability.harness import RedisServer
@@ -143,6 +144,19 @@ def test_errors_have_openai_shape(server, method, path, body, status):
     assert error["type"] == "invalid_request_error"
     if status == 405:
         assert "allow" in response.headers
+
+
+def test_batch_ids_that_name_internal_keys_are_not_found(client, server):
+    """An id with a `:` (the finalize lock's key is the record's key plus `:final`) or one that matches another
+    internal key is a clean 404, never a 500 from a Redis type error."""
+    batch = _settle(client, _create(client, _jsonl(1).encode()).id)
+    assert batch.status == "in_progress", batch
+    client.batches.retrieve(batch.id)  # a view of an in-progress batch; then take the lock as finalizing would
+    redis.Redis.from_url(server.redis_url).set(f"cbq:api:batch:{batch.id}:final", "1")
+    for batch_id in (f"{batch.id}:final", f"{batch.id}:x", "batch_", batch.id.upper(), f"{batch.id}%0A"):
+        for method, path in (("GET", f"/v1/batches/{batch_id}"), ("POST", f"/v1/batches/{batch_id}/cancel")):
+            request(server, method, path, KEY).assert_openai_error(404, "not_found")
+    assert client.batches.retrieve(batch.id).id == batch.id
 
 
 def test_a_wrong_key_gets_an_openai_401(server):

@@ -53,6 +53,7 @@ IN_FLIGHT_BYTES = MAX_FILE_BYTES + _kernel_buffer_bytes() + (1 << 20)
 def server(tmp_path_factory, private_redis_url):
     tmp = tmp_path_factory.mktemp("limits")
     args = ["--max-file-bytes", str(MAX_FILE_BYTES), "--max-connections", str(MAX_CONNECTIONS)]
+    args += ["--max-connections-per-client", str(MAX_CONNECTIONS)]  # the share: test_slow_clients.py
     args += [
         "--header-timeout",
         str(TIMEOUT_S),
