@@ -24,6 +24,7 @@ from producer.server.auth import Principal
 from producer.server.batch_object import batch_object
 from producer.server.files import FileStore
 from producer.store.api_batches import MAX_REPORTED_ERRORS, BatchRecord, BatchRecordNotFound, BatchRecords
+from schemas.embeddings import EMBEDDINGS_URL
 from schemas.errors import RequestLineError
 from schemas.json_line import jsonl_safe
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
@@ -32,7 +33,7 @@ from schemas.status import BatchStatus
 
 log = logging.getLogger("cbq.server")
 
-SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 # A batch still validating this long after it was created lost its validation (the server restarted, or Redis was
 # unreachable when it ended); validating a 200 MB file takes about a minute.

@@ -92,6 +92,8 @@ class EmbeddingEngine:
         self.device = device
         self.max_batch_tokens = max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 16384)
         self.max_batch_size = max_batch_size
+        embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]  # transformers' PreTrainedModel
+        self.num_token_ids = max(tokenizer.vocab_size, int(embeddings.num_embeddings))  # ids the model can look up
         if self.max_batch_tokens < spec.max_seq_length:
             raise ValueError(
                 f"max_num_batched_tokens {self.max_batch_tokens} is below the model's max_seq_length "
@@ -100,7 +102,7 @@ class EmbeddingEngine:
         self._lock = threading.Condition()
         self._pending: deque[_Pending] = deque()
         self._results: list[EngineResult] = []
-        self._results_ready = threading.Condition(self._lock)
+        self._results_ready = self._lock  # one condition: new requests for the loop, new results for readers
         self._cancelled: set[str] = set()
         self._stats = EngineStats()
         self._num_running = 0
@@ -145,6 +147,17 @@ class EmbeddingEngine:
             torch_device,
             max_batch_tokens=max_num_batched_tokens,
             max_batch_size=max_num_seqs or DEFAULT_MAX_BATCH_SIZE,
+        )
+
+    def describe(self, model: str, served_name: str) -> str:
+        """The worker's start-up line for this engine."""
+        spec = self.spec
+        kind = "decoder" if spec.is_decoder else "encoder"
+        return (
+            f"engine: embedding model {model} ({spec.model_type} {kind}, {spec.pooling} pooling"
+            f"{', normalized' if spec.normalize else ''}, dimension {spec.dimension}), served as {served_name}, "
+            f"{self.device}, {str(next(self.model.parameters()).dtype).removeprefix('torch.')}; inputs up to "
+            f"{spec.max_seq_length} tokens, batches up to {self.max_batch_tokens} tokens / {self.max_batch_size} inputs"
         )
 
     # --- EngineProtocol ----------------------------------------------------------------------------------------
@@ -194,10 +207,8 @@ class EmbeddingEngine:
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"the input has {len(ids)} tokens; this model embeds at most {self.spec.max_seq_length}",
             )
-        vocab = self._tokenizer.vocab_size
-        embed_rows = self.model.get_input_embeddings().num_embeddings
-        if min(ids) < 0 or max(ids) >= max(vocab, embed_rows):
-            return ErrorCode.INVALID_PROMPT, f"token ids must be in [0, {max(vocab, embed_rows)})"
+        if min(ids) < 0 or max(ids) >= self.num_token_ids:
+            return ErrorCode.INVALID_PROMPT, f"token ids must be in [0, {self.num_token_ids})"
         reason = self.spec.check_dimensions(request.dimensions)
         if reason is not None:
             return ErrorCode.INVALID_VALUE, reason
@@ -351,3 +362,17 @@ def finish_vectors(pooled: torch.Tensor, normalize: bool, dimensions: list[int |
                 row = torch.nn.functional.normalize(row, p=2, dim=-1)
         out.append(row.tolist())
     return out
+
+
+def build_embedding_engine(model: str, tensor_parallel_size: int = 1, **config: Any) -> EmbeddingEngine:
+    """The embedding engine for checkpoint folder `model`, from the generation engine's settings (see
+    `EmbeddingEngine.from_model` for the ones it reads). Raises `ModelLoadError` for what it cannot run."""
+    from worker.embedding.checkpoint import EmbeddingCheckpointError
+    from worker.engine.models import ModelLoadError
+
+    if tensor_parallel_size > 1:
+        raise ModelLoadError("an embedding model runs on one GPU: give --tensor-parallel-size 1 (or run one worker per GPU)")
+    try:
+        return EmbeddingEngine.from_model(model, **config)
+    except EmbeddingCheckpointError as exc:
+        raise ModelLoadError(str(exc)) from None
