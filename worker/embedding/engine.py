@@ -330,7 +330,8 @@ class EmbeddingEngine:
     @torch.inference_mode()
     def embed(self, batch_ids: list[list[int]], dimensions: list[int | None] | None = None) -> list[list[float]]:
         """One batch's embeddings (as the requests get them), in order. Inputs are padded on the right to the
-        longest (real tokens keep positions 0..n-1; a decoder's causal mask keeps them from seeing the pads)."""
+        longest (real tokens keep positions 0..n-1; a decoder's causal mask keeps them from seeing the pads, an
+        encoder's padding mask does)."""
         longest = max(len(ids) for ids in batch_ids)
         lengths_cpu = torch.tensor([len(ids) for ids in batch_ids], dtype=torch.long)
         input_ids = torch.full((len(batch_ids), longest), self.pad_token_id, dtype=torch.long)
@@ -339,9 +340,14 @@ class EmbeddingEngine:
         mask_cpu = (torch.arange(longest).unsqueeze(0) < lengths_cpu.unsqueeze(1)).long()
         input_ids = input_ids.to(self.device, non_blocking=True)
         mask = mask_cpu.to(self.device, non_blocking=True)
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask}
+        kwargs: dict[str, Any] = {"input_ids": input_ids}
         if self.spec.is_decoder:
-            kwargs["use_cache"] = False  # a prefill only: nothing is kept after the batch
+            # A prefill only: nothing is kept after the batch. No padding mask: under the causal mask a real token
+            # sees only the tokens before it, all real (the pads come after), so the outputs at real positions are
+            # the same, and attention runs its plain causal kernel instead of a masked one.
+            kwargs["use_cache"] = False
+        else:
+            kwargs["attention_mask"] = mask
         hidden = self.model(**kwargs).last_hidden_state
         pooled = pool(hidden, mask, lengths_cpu.to(self.device), self.spec.pooling)
         return finish_vectors(pooled, self.spec.normalize, dimensions or [None] * len(batch_ids))
