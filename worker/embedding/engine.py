@@ -109,6 +109,7 @@ class EmbeddingEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._started_at: float | None = None
+        self._last_finished = 0.0  # time.time() when the last batch's vectors came back
 
     # --- building ----------------------------------------------------------------------------------------------
 
@@ -246,23 +247,37 @@ class EmbeddingEngine:
     # --- the step loop -----------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # One batch in flight: batch N+1 is launched before batch N's vectors are copied back and turned into
+        # results, so that host work overlaps the device's (the copy is the loop's one sync).
+        in_flight: _InFlight | None = None
         while True:
             with self._lock:
-                while not self._pending and not self._stopping:
+                while not self._pending and not self._stopping and in_flight is None:
                     self._lock.wait()
                 if self._stopping:
                     return
-                batch = self._take_batch()
-                self._num_running = len(batch)
-            started = time.time()
-            try:
-                vectors = self.embed([item.request.prompt_ids for item in batch],
-                                     [item.request.dimensions for item in batch])
-                error = None
-            except Exception as exc:  # a failed forward fails its batch, not the engine
-                vectors, error = None, f"the forward pass failed: {exc!r}"
-            finished = time.time()
-            self._record(batch, vectors, error, started, finished)
+                batch = self._take_batch() if self._pending else []
+                self._num_running = len(batch) + (len(in_flight.batch) if in_flight else 0)
+            launched = None
+            if batch:
+                try:
+                    launched = _InFlight(batch, self.launch([i.request.prompt_ids for i in batch]), time.time())
+                except Exception as exc:  # a failed forward fails its batch, not the engine
+                    self._record(batch, None, f"the forward pass failed: {exc!r}", time.time(), time.time())
+            if in_flight is not None:
+                self._complete(in_flight)
+            in_flight = launched
+
+    def _complete(self, done: _InFlight) -> None:
+        try:
+            vectors, error = self.finish(done.pooled, [i.request.dimensions for i in done.batch]), None
+        except Exception as exc:
+            vectors, error = None, f"the forward pass failed: {exc!r}"
+        finished = time.time()
+        # device time: from its launch, or from the end of the batch before it (which held the device until then)
+        started = max(done.launched_at, self._last_finished)
+        self._last_finished = finished
+        self._record(done.batch, vectors, error, started, finished)
 
     def _take_batch(self) -> list[_Pending]:
         """The oldest request's bucket, oldest first, up to the batch bounds. Called under the lock."""
@@ -291,7 +306,7 @@ class EmbeddingEngine:
             self._stats.steps += 1
             self._stats.prompt_tokens += num_tokens
             self._stats.busy_seconds += seconds
-            self._num_running = 0
+            self._num_running = max(0, self._num_running - len(batch))
             for i, item in enumerate(batch):
                 request = item.request
                 if request.request_id in self._cancelled:
@@ -327,18 +342,24 @@ class EmbeddingEngine:
 
     # --- the forward -------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def embed(self, batch_ids: list[list[int]], dimensions: list[int | None] | None = None) -> list[list[float]]:
-        """One batch's embeddings (as the requests get them), in order. Inputs are padded on the right to the
-        longest (real tokens keep positions 0..n-1; a decoder's causal mask keeps them from seeing the pads, an
-        encoder's padding mask does)."""
+        """One batch's embeddings (as the requests get them), in order: `launch`, then `finish`."""
+        return self.finish(self.launch(batch_ids), dimensions or [None] * len(batch_ids))
+
+    @torch.inference_mode()
+    def launch(self, batch_ids: list[list[int]]) -> torch.Tensor:
+        """Queue one batch's forward, pooling and normalization on the device (no sync): the [batch, dim] fp32
+        vectors. Inputs are padded on the right to the longest (real tokens keep positions 0..n-1; a decoder's
+        causal mask keeps them from seeing the pads, an encoder's padding mask does)."""
         longest = max(len(ids) for ids in batch_ids)
         lengths_cpu = torch.tensor([len(ids) for ids in batch_ids], dtype=torch.long)
-        input_ids = torch.full((len(batch_ids), longest), self.pad_token_id, dtype=torch.long)
+        input_ids_cpu = torch.full((len(batch_ids), longest), self.pad_token_id, dtype=torch.long)
         for row, ids in enumerate(batch_ids):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            input_ids_cpu[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask_cpu = (torch.arange(longest).unsqueeze(0) < lengths_cpu.unsqueeze(1)).long()
-        input_ids = input_ids.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":  # pinned, so that the copies are asynchronous
+            input_ids_cpu, mask_cpu, lengths_cpu = (t.pin_memory() for t in (input_ids_cpu, mask_cpu, lengths_cpu))
+        input_ids = input_ids_cpu.to(self.device, non_blocking=True)
         mask = mask_cpu.to(self.device, non_blocking=True)
         kwargs: dict[str, Any] = {"input_ids": input_ids}
         if self.spec.is_decoder:
@@ -349,17 +370,28 @@ class EmbeddingEngine:
         else:
             kwargs["attention_mask"] = mask
         hidden = self.model(**kwargs).last_hidden_state
-        pooled = pool(hidden, mask, lengths_cpu.to(self.device), self.spec.pooling)
-        return finish_vectors(pooled, self.spec.normalize, dimensions or [None] * len(batch_ids))
+        pooled = pool(hidden, mask, lengths_cpu.to(self.device, non_blocking=True), self.spec.pooling).float()
+        if self.spec.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        return pooled
+
+    @torch.inference_mode()
+    def finish(self, pooled: torch.Tensor, dimensions: list[int | None]) -> list[list[float]]:
+        """The launched batch's vectors on the host (waits for the device), each cut to its request's Matryoshka
+        `dimensions` and normalized again when the model normalizes."""
+        return truncate_rows(pooled.cpu(), self.spec.normalize, dimensions)
 
 
-def finish_vectors(pooled: torch.Tensor, normalize: bool, dimensions: list[int | None]) -> list[list[float]]:
-    """Normalize (when the checkpoint has a Normalize module), then each row's Matryoshka truncation, normalized
-    again when the model normalizes (as sentence-transformers' `truncate_dim` followed by normalization)."""
-    pooled = pooled.float()
-    if normalize:
-        pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
-    rows = pooled.cpu()
+@dataclass
+class _InFlight:
+    batch: list[_Pending]
+    pooled: torch.Tensor  # on the device, until `finish` copies it back
+    launched_at: float
+
+
+def truncate_rows(rows: torch.Tensor, normalize: bool, dimensions: list[int | None]) -> list[list[float]]:
+    """Each row cut to its Matryoshka `dimensions` (None: whole), normalized again when the model normalizes (as
+    sentence-transformers' `truncate_dim` after its Normalize module, then normalization)."""
     out = []
     for row, dims in zip(rows, dimensions, strict=True):
         if dims is not None and dims < row.shape[0]:

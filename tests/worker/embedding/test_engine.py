@@ -115,13 +115,13 @@ def test_refuses_what_the_model_cannot_run(embedding_checkpoints):
 def test_batches_keep_padding_within_a_bucket(embedding_checkpoints):
     engine = EmbeddingEngine.from_model(str(embedding_checkpoints["bert"]), device="cpu", max_num_batched_tokens=2048)
     seen: list[list[int]] = []
-    embed = engine.embed
+    launch = engine.launch
 
-    def recording(batch_ids, dimensions=None):
+    def recording(batch_ids):
         seen.append([len(ids) for ids in batch_ids])
-        return embed(batch_ids, dimensions)
+        return launch(batch_ids)
 
-    engine.embed = recording  # type: ignore[method-assign]
+    engine.launch = recording  # type: ignore[method-assign]
     rng = random.Random(0)
     requests = [EmbeddingRequest(f"r{i}", [7] * rng.randint(1, 200)) for i in range(120)]
     results = _run(engine, requests)
