@@ -36,7 +36,7 @@ _LEGACY_MODES = {
 }
 _SUPPORTED_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
 # The transformers families each architecture runs as: encoders (bidirectional) and decoders (causal).
-ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "modernbert", "distilbert", "mpnet", "nomic_bert"})
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "modernbert", "distilbert", "mpnet"})
 DECODER_TYPES = frozenset({"qwen2", "qwen3", "mistral", "llama"})
 
 

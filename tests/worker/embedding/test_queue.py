@@ -102,6 +102,11 @@ def test_openai_embedding_lines_through_submit_worker_results(
     assert all(line["usage"]["completion_tokens"] == 0 for line in cbq_lines)
     assert all(line["usage"]["gpu_seconds"] > 0 for line in cbq_lines if line["finish_reason"] == "stop")
 
+    stats = json.loads(cbq("stats", "--json").stdout)
+    [published] = [w for w in stats["workers"] if w["worker_name"] == worker.name]
+    assert published["model_kind"] == "embed" and published["prompt_tokens"] > 0
+    assert published["prompt_tokens_per_second"] > 0 and published["output_tokens"] == 0
+    assert " embed " in cbq("stats").stdout
     metrics = {m.name: m for m in WorkerCollector(worker).collect()}
     kinds = {s.labels["model_kind"]: s.value for s in metrics["cbq_worker_model_kind"].samples}
     assert kinds == {"generate": 0.0, "embed": 1.0}
