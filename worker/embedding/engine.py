@@ -90,7 +90,8 @@ class EmbeddingEngine:
         self.spec = spec
         self.pad_token_id = pad_token_id
         self.device = device
-        self.max_batch_tokens = max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 16384)
+        default_tokens = max(DEFAULT_MAX_BATCH_TOKENS.get(device.type, 16384), spec.max_seq_length)
+        self.max_batch_tokens = max_batch_tokens or default_tokens  # by default, room for the longest input
         self.max_batch_size = max_batch_size
         embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]  # transformers' PreTrainedModel
         self.num_token_ids = max(tokenizer.vocab_size, int(embeddings.num_embeddings))  # ids the model can look up

@@ -3,6 +3,7 @@ by length, and what it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -178,3 +179,16 @@ def _set_pooling(path, **flags) -> None:
     config_path = path / "1_Pooling" / "config.json"
     config = json.loads(config_path.read_text()) | flags
     config_path.write_text(json.dumps(config))
+
+
+def test_the_default_batch_holds_the_longest_input(embedding_checkpoints):
+    loaded = EmbeddingEngine.from_model(str(embedding_checkpoints["bert"]), device="cpu")
+    long_spec = dataclasses.replace(loaded.spec, max_seq_length=8192)  # bge-m3's, over the CPU default of 4,096
+
+    def build(**kwargs):
+        return EmbeddingEngine(loaded.model, loaded.tokenizer, long_spec, 0, loaded.device, **kwargs)
+
+    assert build().max_batch_tokens == 8192
+    assert build(max_batch_tokens=16384).max_batch_tokens == 16384
+    with pytest.raises(ValueError, match="below the model's max_seq_length"):
+        build(max_batch_tokens=4096)
