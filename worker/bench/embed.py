@@ -197,14 +197,15 @@ def embed_bench(workload, num, shapes, reference_num, no_reference, max_num_batc
                 max_batch_tokens=max_num_batched_tokens, **({"max_batch_size": max_num_seqs} if max_num_seqs else {}),
             )
             run_cbq(engine, texts[: min(len(texts), 512)])  # warm-up: kernels chosen, allocator grown
+            before = engine.stats()
             cbq_seconds, cbq_checked = run_cbq(engine, texts)
-            stats = engine.stats()
+            after = engine.stats()
             row: dict[str, Any] = {
                 "workload": workload, "shape": shape, "num_inputs": num, "num_tokens": num_tokens,
                 "device": str(torch_device), "dtype": str(torch_dtype).removeprefix("torch."),
                 "cbq": {"seconds": cbq_seconds, "inputs_per_s": num / cbq_seconds,
-                        "tokens_per_s": num_tokens / cbq_seconds, "batches": stats.steps,
-                        "busy_seconds": stats.busy_seconds,
+                        "tokens_per_s": num_tokens / cbq_seconds, "batches": after.steps - before.steps,
+                        "busy_seconds": after.busy_seconds - before.busy_seconds,
                         "max_batch_tokens": engine.max_batch_tokens, "max_batch_size": engine.max_batch_size},
             }
             if not no_reference:
