@@ -15,7 +15,7 @@ from tests.fixtures.checkpoints import corpus
 from tests.fixtures.embedding_checkpoints import EMBEDDING_FAMILIES
 from worker.embedding.checkpoint import EmbeddingCheckpointError, read_embedding_spec
 from worker.embedding.engine import BUCKET_RATIO, EmbeddingEngine, EmbeddingRequest, EmbeddingResult
-from worker.engine.api import ErrorCode, FinishReason
+from worker.engine.api import EngineProtocol, ErrorCode, FinishReason, TokenizerProtocol
 
 COSINE_MIN = 0.99999
 
@@ -135,6 +135,7 @@ def test_batches_keep_padding_within_a_bucket(embedding_checkpoints):
 
 def test_abort_of_a_waiting_request_cancels_it(embedding_checkpoints):
     engine = EmbeddingEngine.from_model(str(embedding_checkpoints["bert"]), device="cpu")
+    assert isinstance(engine, EngineProtocol) and isinstance(engine.tokenizer, TokenizerProtocol)
     engine.add_request(EmbeddingRequest("a", [5, 6, 7]))  # not started: it waits
     engine.abort("a")
     [result] = engine.get_results()
