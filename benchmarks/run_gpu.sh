@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [w5] [trace] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -301,6 +301,21 @@ if has w2hf; then
         --compare-hf --hf-num-requests 200 --hf-output-len 256 --json-out "$OUT/w2_hf.json" 2>&1 | tail -6
 fi
 python3 benchmarks/collect_results.py "$OUT" >/dev/null && cp benchmarks/results.json "$OUT/results.json"
+# Issue 48 item 4: W7 (bulk embedding) through cbq's embedding engine vs sentence-transformers' encode(batch_size=256)
+# in the same process, bf16. sentence-transformers and its imports (scikit-learn, scipy, joblib, threadpoolctl) come
+# as wheels in .whl/. The 8B shape embeds about 100-200 inputs/s, so one call runs W7_NUM inputs (20,000 by default;
+# 100,000 would outlast the 10-minute call) and sentence-transformers the first W7_REF_NUM; their rates are compared.
+if has w7; then
+    timeout 580 python3 -m worker.bench embed --shape qwen3-embedding-8b --num "${W7_NUM:-20000}" \
+        --reference-num "${W7_REF_NUM:-5000}" --json-out "$OUT/w7_qwen3_embedding_8b.json" 2>&1 | tail -6
+fi
+if has w7bert; then
+    timeout 580 python3 -m worker.bench embed --shape bert-large --num "${W7_BERT_NUM:-100000}" \
+        --json-out "$OUT/w7_bert_large.json" 2>&1 | tail -6
+fi
+if has embedtests; then  # the embedding engine on CUDA vs sentence-transformers, fp32 and bf16 (needs its wheels too)
+    timeout 420 python3 -m pytest -q -m gpu tests/worker/embedding -p no:cacheprovider 2>&1 | tee "$OUT/gpu_embed_tests.log" | tail -5
+fi
 if has savecache; then
     tar -C "$TRITON_CACHE_DIR" -cf - . | xz -T0 -6 > /tmp/triton-cache.tar.xz
     size=$(stat -c %s /tmp/triton-cache.tar.xz)

@@ -469,12 +469,13 @@ def stats(redis_url, limit, as_json):
     click.echo("models: " + (", ".join(f"{m} ({k} worker{'s' * (k > 1)})" for m, k in sorted(models.items())) or "none"))
     click.echo(f"workers ({len(workers)})")
     click.echo(
-        f"  {'name':<24} {'state':<9} {'model':<16} {'in flight':>9} {'tok/s':>9} {'gpu busy':>8} {'prep ms':>8} {'cache hit':>9} {'done':>8}"
+        f"  {'name':<24} {'state':<9} {'model':<16} {'kind':<8} {'in flight':>9} {'tok/s':>9} {'gpu busy':>8} {'prep ms':>8} {'cache hit':>9} {'done':>8}"
     )
-    for w in workers:
+    for w in workers:  # tok/s: output tokens of a generation model, prompt tokens of an embedding model
+        rate = w.prompt_tokens_per_second if w.model_kind == "embed" else w.output_tokens_per_second
         click.echo(
-            f"  {w.worker_name:<24} {w.state:<9} {w.model[:16]:<16} {w.num_in_flight_requests:>9} "
-            f"{w.output_tokens_per_second:>9.1f} {w.busy_fraction:>8.0%} {w.cpu_prep_ms_per_step:>8.2f} "
+            f"  {w.worker_name:<24} {w.state:<9} {w.model[:16]:<16} {w.model_kind:<8} {w.num_in_flight_requests:>9} "
+            f"{rate:>9.1f} {w.busy_fraction:>8.0%} {w.cpu_prep_ms_per_step:>8.2f} "
             f"{w.prefix_cache_hit_rate:>9.0%} {w.num_requests_finished:>8}"
         )
     click.echo(f"batches (latest {len(recent)})")

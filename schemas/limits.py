@@ -33,3 +33,5 @@ MAX_TOOL_CALLS = 128  # per assistant message in an input transcript
 MAX_CUSTOM_ID_CHARS = 512
 MAX_TEMPLATE_KWARGS = 16  # names in chat_template_kwargs
 MAX_TEMPLATE_STRING_CHARS = 256  # a string value in chat_template_kwargs
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's bound)
+MAX_EMBEDDING_DIMENSIONS = 65536  # `dimensions`; the model's own dimension bounds it further

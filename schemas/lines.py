@@ -7,6 +7,7 @@ Owns the input contract of `cbq submit`:
   "body": {"prompt" | "messages", "max_tokens", "temperature", ...}}` (`schemas.openai_body`), or
   `"url": "/v1/responses"` with `{"input", "instructions", "max_output_tokens", ...}` (`schemas.responses_body`:
   stored and run as the chat it means)
+- embeddings `{"input": ...}` and OpenAI's `/v1/embeddings` lines (`schemas.embeddings`)
 
 An output constraint is spelled `json_schema`, `regex` or `choice` on simple and chat lines, and
 `response_format` in OpenAI bodies; logprobs are `logprobs: k` on simple and chat lines and in completions
@@ -26,9 +27,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
 
 from schemas.chat import ChatMessage, ChatTemplateKwargs
+from schemas.embeddings import EMBEDDINGS_URL, EmbeddingBody, EmbeddingLine, EmbeddingOptions
 from schemas.errors import FieldIssue, InvalidRequest, RequestLineError, issues_from_validation_error
 from schemas.json_line import BLANK, LONE_SURROGATE, load_json_line
-from schemas.limits import MAX_CHOICES, MAX_PROMPTS
+from schemas.limits import MAX_CHOICES, MAX_EMBEDDING_INPUTS, MAX_PROMPTS
 from schemas.openai_body import (
     COMPLETIONS_URL,
     ChatCompletionBody,
@@ -124,7 +126,7 @@ class ChoiceGroup(StrictModel):
     the request's one line, its choices grouped by prompt (choice i*n + j is sample j of prompt i)."""
 
     position: int = Field(ge=0)
-    size: int = Field(ge=2, le=MAX_PROMPTS)
+    size: int = Field(ge=2, le=max(MAX_PROMPTS, MAX_EMBEDDING_INPUTS))  # an embeddings request's inputs too
 
 
 def _one_prompt(prompt: str | list[int]) -> dict[str, Any]:
@@ -156,6 +158,7 @@ class Request(StrictModel):
     n: NumSamples = 1
     return_token_ids: bool = False
     echo: bool = False  # completions bodies: the output text (and logprobs) start with the prompt's
+    embedding: EmbeddingOptions | None = None  # set exactly for an embedding request (schemas/embeddings.py)
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self):
@@ -166,6 +169,10 @@ class Request(StrictModel):
     @property
     def is_chat(self) -> bool:
         return self.messages is not None
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.embedding is not None
 
 
 class ParsedRequest(StrictModel):
@@ -189,6 +196,7 @@ class ParsedRequest(StrictModel):
     overrides: Sampling = Sampling()
     n: NumSamples = 1
     echo: bool = False
+    embedding: EmbeddingOptions | None = None
 
     def members(self) -> list[ParsedRequest]:
         """The requests this line stores: itself, or one per prompt of a completions request with several."""
@@ -235,11 +243,12 @@ class ParsedRequest(StrictModel):
             n=self.n,
             return_token_ids=return_token_ids,
             echo=self.echo,
+            embedding=self.embedding,
         )
 
 
 _SHAPE_HINT = (
-    'expected {"prompt": ...}, {"messages": [...]}, or an OpenAI Batch line '
+    'expected {"prompt": ...}, {"messages": [...]}, {"input": ...} (embeddings), or an OpenAI Batch line '
     '{"custom_id", "method", "url", "body"}'
 )
 _OPENAI_KEYS = {"method", "url", "body"}
@@ -265,6 +274,8 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
         envelope = _validate(OpenAIBatchLine, obj, line_no)
         _surrogate_in_request(surrogate_at, line_no, envelope.custom_id, envelope.url)
         return _parse_openai_body(envelope, line_no)
+    if "input" in obj and not {"prompt", "messages"} & obj.keys():
+        return _parse_embedding_line(obj, line_no, surrogate_at)
     if ("prompt" in obj) == ("messages" in obj):
         hint = "give either prompt or messages, not both" if "prompt" in obj else _SHAPE_HINT
         raise RequestLineError(line_no, [FieldIssue("", hint)])
@@ -310,8 +321,38 @@ def _surrogate_in_request(field: str | None, line_no: int, custom_id: str | None
         raise InvalidRequest(line_no, [FieldIssue(field, LONE_SURROGATE)], custom_id, url)
 
 
+def _parse_embedding_line(obj: dict[str, Any], line_no: int, surrogate_at: str | None) -> ParsedRequest:
+    try:
+        custom_id = _custom_id_adapter.validate_python(obj.get("custom_id"))
+    except ValidationError as exc:
+        raise RequestLineError(line_no, issues_from_validation_error(exc, EmbeddingLine, ("custom_id",))) from None
+    _surrogate_in_request(surrogate_at, line_no, custom_id)
+    line = _validate(EmbeddingLine, obj, line_no, fails_alone=(custom_id, None))
+    return _embedding_request(line_no, custom_id, "prompt", None, None, line.input, line.options())
+
+
+def _embedding_request(
+    line_no: int,
+    custom_id: str | None,
+    shape: Shape,
+    url: OpenAIUrl | None,
+    model: str | None,
+    inputs: list[str | list[int]],
+    options: EmbeddingOptions,
+) -> ParsedRequest:
+    of_input: dict[str, Any] = _one_prompt(inputs[0]) if len(inputs) == 1 else {"group_prompts": inputs}
+    return ParsedRequest(
+        line_no=line_no, custom_id=custom_id, shape=shape, url=url, model=model, embedding=options, **of_input
+    )
+
+
 def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest:
     fails_alone = (envelope.custom_id, envelope.url)
+    if envelope.url == EMBEDDINGS_URL:
+        embed = _validate(EmbeddingBody, envelope.body, line_no, ("body",), fails_alone)
+        return _embedding_request(
+            line_no, envelope.custom_id, "openai", envelope.url, embed.model, embed.input, embed.options()
+        )
     body: CompletionBody | ChatCompletionBody
     responses = None
     if envelope.url == COMPLETIONS_URL:

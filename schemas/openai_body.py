@@ -36,7 +36,7 @@ from schemas.tools import Tool, ToolCallPlan, ToolChoice, forced_call, function_
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
-OpenAIUrl = Literal["/v1/completions", "/v1/chat/completions", "/v1/responses"]  # responses: schemas/responses_body.py
+OpenAIUrl = Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]  # responses: schemas/responses_body.py; embeddings: schemas/embeddings.py
 CustomId = Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)]
 
 # OpenAI body field -> the cbq sampling field it sets; every field of `SharedSampling` keeps its name.

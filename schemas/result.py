@@ -10,6 +10,7 @@ from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.embeddings import embedding_list_body
 from schemas.errors import InvalidRequest
 from schemas.lines import Request
 from schemas.openai_body import CHAT_COMPLETIONS_URL
@@ -162,6 +163,9 @@ class ResultLine(ParsedParts):
     # null for the first (nothing precedes it), as vLLM's `prompt_logprobs`.
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None
     echo: EchoedPrompt | None = None  # completions bodies with `echo`, when the request did not fail
+    # An embedding request that did not fail: floats, or the base64 of their little-endian float32 bytes when the
+    # request asked `encoding_format: "base64"` (schemas/embeddings.py).
+    embedding: list[float] | str | None = None
 
     @model_validator(mode="after")
     def _error_iff_failed(self):
@@ -270,6 +274,11 @@ def to_openai_output(
         return OpenAIBatchOutputLine(
             id=line_id, custom_id=custom_id, response=OpenAIResponse(status_code=200, request_id=request_id, body=body)
         )
+    if request.is_embedding:
+        assert result.embedding is not None, "a finished embedding request has its embedding"
+        body = embedding_list_body([result.embedding], model, result.usage.prompt_tokens)
+        response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
+        return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
     usage = OpenAIUsage(
         prompt_tokens=result.usage.prompt_tokens,
         completion_tokens=result.usage.completion_tokens,
@@ -321,6 +330,11 @@ def merge_choice_group(members: list[OpenAIBatchOutputLine], num_samples: int) -
     if failed is not None:
         return failed.model_copy(update={"id": first.id})
     bodies = [line.response.body for line in members if line.response is not None]
+    if bodies[0].get("object") == "list":  # an embeddings request's inputs: data[i] is input i
+        embeddings = [item["embedding"] for body in bodies for item in body["data"]]
+        merged = embedding_list_body(embeddings, bodies[0]["model"], sum(b["usage"]["prompt_tokens"] for b in bodies))
+        assert first.response is not None
+        return first.model_copy(update={"response": first.response.model_copy(update={"body": merged})})
     choices = [
         {**choice, "index": position * num_samples + choice["index"]}
         for position, body in enumerate(bodies)

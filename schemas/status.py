@@ -71,6 +71,7 @@ class WorkerStats(_Model):
     hostname: str
     pid: int
     model: str
+    model_kind: str = "generate"  # "generate" or "embed" (an embedding model: prompt tokens only)
     mode: str | None = None
     queues: list[str]
     started_at: float
@@ -84,6 +85,7 @@ class WorkerStats(_Model):
     prompt_tokens: int = 0
     output_tokens: int = 0
     output_tokens_per_second: float = 0.0
+    prompt_tokens_per_second: float = 0.0  # what an embedding model's throughput is counted in
     busy_fraction: float = 0.0  # device busy time / wall time of the engine loop
     cpu_prep_ms_per_step: float = 0.0
     num_preemptions: int = 0

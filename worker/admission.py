@@ -36,6 +36,7 @@ from schemas.result import (
     Usage,
 )
 from schemas.sampling import NEUTRAL_VALUES, OutputConstraint, Sampling
+from worker.embedding.admission import ModelTask, embedding_result_line, kind_refusal, to_embedding_request
 from worker.engine.api import (
     ChatOptions,
     Constraint,
@@ -83,13 +84,16 @@ def load_chunk_job(
     tokenizer: TokenizerProtocol,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
+    task: ModelTask = ModelTask(),
 ) -> ChunkWork:
     """`load_chunk` for rq job `job_id`, once its function and arguments (rq's `func_name`, `kwargs`) are
     checked to be a cbq chunk's. Raises ValueError (or pydantic's) for anything else: that job fails."""
     if func_name != CHUNK_FUNC:
         raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
     payload = ChunkPayload.model_validate(kwargs)
-    return load_chunk(conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing)
+    return load_chunk(
+        conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing, task=task
+    )
 
 
 def load_chunk(
@@ -99,12 +103,14 @@ def load_chunk(
     job_id: str | None = None,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
+    task: ModelTask = ModelTask(),
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
     payload fails its job before anything is read or allocated for its range. `model_defaults`: the
     engine's `sampling_defaults` (what the checkpoint's generation_config sets); `parsing`: the worker's output
-    parsers (a constraint then applies after the reasoning)."""
+    parsers (a constraint then applies after the reasoning); `task`: the served model's kind (a line of the
+    other kind fails alone, worker/embedding/admission.py)."""
     batch = read_chunk_batch(conn, payload.batch_id, job_id)
     if batch is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
@@ -131,7 +137,7 @@ def load_chunk(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
             )
         else:
-            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing)
+            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing, task)
     return work
 
 
@@ -142,6 +148,7 @@ def _expand_one(
     tokenizer: TokenizerProtocol,
     model_defaults: Mapping[str, Any],
     parsing: OutputParsing | None = None,
+    task: ModelTask = ModelTask(),
 ) -> None:
     try:
         request = Request.model_validate_json(raw_request)
@@ -155,10 +162,17 @@ def _expand_one(
             error_line(index, request.custom_id, f"stored request has index {request.index}")
         )
         return
+    refused = kind_refusal(request, task)
+    if refused is not None:
+        work.finished_now.append(refused)
+        return
     try:
-        engine_request = to_engine_request(
-            request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing
-        )
+        if request.is_embedding:
+            engine_request = to_embedding_request(request, tokenizer, task, work.payload.batch_id, work.created_at)
+        else:
+            engine_request = to_engine_request(
+                request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing
+            )
     except (UnsupportedField, ConstraintAfterReasoningError, NoChatTemplate) as exc:  # what this worker cannot do: a 400
         if isinstance(exc, NoChatTemplate):
             code, param = "invalid_value", "messages"
@@ -291,6 +305,8 @@ def to_result_line(
 ) -> ResultLine:
     """The result line of one engine result. A failed request reports no completion tokens: it returns no text
     (the engine counts the token a grammar rejected, the one that failed it)."""
+    if request.is_embedding:
+        return embedding_result_line(request, result, one_line)
     reason = result.finish_reason.value
     succeeded = reason in ("stop", "length")
     usage = dataclasses.asdict(result.usage)

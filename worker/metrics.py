@@ -39,6 +39,15 @@ class WorkerCollector:
             "cbq_worker_requests_finished", "Requests written back to Redis.", worker.num_requests_finished
         )
         yield counter("cbq_worker_jobs_finished", "Chunk jobs finished (rq jobs).", worker.num_jobs_finished)
+        kind = GaugeMetricFamily(
+            "cbq_worker_model_kind",
+            "1 for the kind of model this worker serves: generate (completions, chat) or embed (embeddings).",
+            labels=[*labels, "model_kind"],
+        )
+        served_kind = getattr(getattr(worker, "model_task", None), "kind", "generate")
+        for model_kind in ("generate", "embed"):
+            kind.add_metric([*name, model_kind], 1.0 if served_kind == model_kind else 0.0)
+        yield kind
         tokens = CounterMetricFamily(
             "cbq_engine_tokens", "Tokens computed by the engine.", labels=[*labels, "kind"]
         )

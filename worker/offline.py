@@ -25,6 +25,7 @@ from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL, SamplingOverr
 from schemas.responses_body import RESPONSES_URL
 from schemas.result import ResultLine
 from worker.admission import to_engine_request, to_result_line
+from worker.embedding.admission import ModelTask, kind_refusal, to_embedding_request
 from worker.engine.api import EngineProtocol, EngineRequest
 from worker.output_parsers import OutputParsing, chat_template_text
 
@@ -112,11 +113,19 @@ class LLM:
         results: dict[int, ResultLine] = {}
         pending: dict[str, Any] = {}  # engine request id -> request
         engine_requests: list[EngineRequest] = []
+        task = ModelTask.of(self.engine)
         for request in requests:
+            refused = kind_refusal(request, task)  # an embedding input for a generation model, or the reverse
+            if refused is not None:
+                results[request.index] = refused
+                continue
             try:
-                engine_requests.append(
-                    to_engine_request(request, tokenizer, call, time.time(), parsing=self.output_parsing)
-                )
+                if request.is_embedding:
+                    engine_requests.append(to_embedding_request(request, tokenizer, task, call, time.time()))
+                else:
+                    engine_requests.append(
+                        to_engine_request(request, tokenizer, call, time.time(), parsing=self.output_parsing)
+                    )
                 pending[engine_requests[-1].request_id] = request
             except Exception as exc:  # a chat template that fails on this conversation: this input fails
                 results[request.index] = ResultLine(

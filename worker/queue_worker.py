@@ -54,6 +54,7 @@ from producer.store import MarkerWatch, cancelled_batch_ids, queue_admission, wi
 from schemas.result import ResultLine
 from worker import rq_adapter
 from worker.admission import error_line, load_chunk_job
+from worker.embedding.admission import ModelTask
 from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
@@ -135,6 +136,7 @@ class CbqWorker(BaseWorker):
         self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
         self.engine = engine
         self.output_parsing = output_parsing  # tool-call and reasoning parsers for chat outputs (None: none)
+        self.model_task = ModelTask.of(engine)  # generation or embedding: lines of the other kind fail alone
         self.model_name = model_name
         self.mode = mode
         self.stats_interval_seconds = stats_interval_seconds
@@ -336,6 +338,7 @@ class CbqWorker(BaseWorker):
                     self.engine.tokenizer,
                     self.engine.sampling_defaults,
                     self.output_parsing,
+                    self.model_task,
                 )
             except REDIS_ERRORS:
                 raise
@@ -551,6 +554,7 @@ class CbqWorker(BaseWorker):
             started_at=self._started_at,
             state=state,
             engine_stats=self.engine.stats(),
+            model_kind=self.model_task.kind,
             num_in_flight_jobs=len(self.in_flight),
             num_in_flight_requests=self.in_flight.num_requests,
             num_jobs_finished=self.num_jobs_finished,

@@ -18,6 +18,9 @@ _PER_CHUNK_PREFIX = "Successfully completed"  # rq's INFO line for every finishe
 def describe_engine(engine: Any, model: str, served_name: str) -> str:
     """One line: model, served name, device, dtype, decoder path, KV capacity and the concurrency it allows at
     full context. `engine` is an `Engine` (anything else, e.g. the FakeEngine, gets a short line)."""
+    describe = getattr(engine, "describe", None)  # the embedding engine says its own
+    if describe is not None:
+        return describe(model, served_name)
     runner = getattr(engine, "runner", None)
     if runner is None:
         return f"engine: {type(engine).__name__} (no model), served as {served_name}"

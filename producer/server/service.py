@@ -28,6 +28,7 @@ from producer.server.auth import Principal
 from producer.server.batch_object import batch_object
 from producer.server.files import FileStore
 from producer.store.api_batches import MAX_REPORTED_ERRORS, BatchRecord, BatchRecordNotFound, BatchRecords
+from schemas.embeddings import EMBEDDINGS_URL
 from schemas.errors import RequestLineError
 from schemas.json_line import jsonl_safe
 from schemas.request import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
@@ -37,7 +38,7 @@ from schemas.status import BatchStatus
 
 log = logging.getLogger("cbq.server")
 
-SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL, RESPONSES_URL)
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL)
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 # Lines of one input file: what the server holds of a file while validating and submitting it grows with its
 # requests (their custom_ids, about 200 bytes each): 500,000 took a server from 53 to 151 MB peak RSS.

@@ -319,7 +319,7 @@ def test_an_invalid_file_fails_the_batch_with_openai_shaped_errors(stack, client
     assert stack.conn.zcard("cbq:batches") == num_cbq_batches  # nothing was enqueued
 
     with pytest.raises(openai.BadRequestError) as info:
-        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/moderations", completion_window="24h")
     assert info.value.body["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError):
         client.batches.create(

@@ -25,7 +25,7 @@ FORMAT_ERRORS = {
     "empty custom_id": openai({"prompt": "x"}, "/v1/completions", custom_id=""),
     "a native custom_id too long": {"prompt": "x", "custom_id": "c" * 513},
     "wrong method": openai(CHAT, method="GET"),
-    "wrong url": openai(CHAT, url="/v1/embeddings"),
+    "wrong url": openai(CHAT, url="/v1/moderations"),
     "body not an object": openai("x"),
     "unknown envelope key": openai(CHAT, extra=1),
 }

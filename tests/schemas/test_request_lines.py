@@ -236,7 +236,7 @@ def test_completion_lines_take_no_chat_template_kwargs():
         ),
         ({"messages": [{"role": "user"}]}, "line 7: messages[0]: content is required (it may be null only beside tool_calls)"),
         ({"prompt": "x", "messages": []}, "line 7: give either prompt or messages, not both"),
-        ({"text": "x"}, 'line 7: expected {"prompt": ...}, {"messages": [...]}, or an OpenAI Batch line'),
+        ({"text": "x"}, 'line 7: expected {"prompt": ...}, {"messages": [...]}, {"input": ...} (embeddings), or an OpenAI Batch line'),
     ],
 )
 def test_simple_and_chat_errors(obj, expected):
@@ -382,8 +382,8 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body: give max_tokens or max_completion_tokens, not both",
         ),
         (
-            openai_line({"prompt": "x"}, url="/v1/embeddings"),
-            "line 7: url: Input should be '/v1/completions', '/v1/chat/completions' or '/v1/responses'",
+            openai_line({"prompt": "x"}, url="/v1/moderations"),
+            "line 7: url: Input should be '/v1/completions', '/v1/chat/completions', '/v1/responses' or '/v1/embeddings'",
         ),
         (openai_line({"prompt": "x"}, method="GET"), "line 7: method: Input should be 'POST'"),
         (

@@ -3,6 +3,7 @@
 - `engine`: a workload through the engine, sync vs async, against the memory/compute floor and transformers
 - `queue`: requests/s one worker process moves through Redis, with the instant FakeEngine
 - `e2e`: engine-only vs through-Redis tok/s on the same requests
+- `embed`: W7, bulk embedding, through the embedding engine vs sentence-transformers' `encode`
 - `quality`: teacher-forced logits of FP8 weights / FP8 KV vs the model dtype (mean KL, top-1 agreement)
 - `common`: the workloads every benchmark draws from
 
@@ -26,7 +27,9 @@ from producer.lazy_group import LazyGroup
         "queue": "worker.bench.queue:queue_bench",
         "e2e": "worker.bench.e2e:e2e_bench",
         "quality": "worker.bench.quality:quality_bench",
+        "embed": "worker.bench.embed:embed_bench",
     },
 )
 def bench():
-    """Benchmarks: engine throughput (GPU or CPU), queue throughput, end-to-end through Redis, FP8 quality."""
+    """Benchmarks: engine throughput (GPU or CPU), queue throughput, end-to-end through Redis, FP8 quality,
+    bulk embedding."""

@@ -28,6 +28,7 @@ class ErrorCode(str, Enum):
 
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt leaves no room in the context
     INVALID_PROMPT = "invalid_prompt"  # empty, or token ids outside the vocabulary
+    INVALID_VALUE = "invalid_value"  # a field the model cannot honour (an embedding's `dimensions`)
 
 
 # What a field left as None means when the model's generation_config does not set it either.

@@ -15,7 +15,14 @@ from .parallel.runner import build_sharded_engine
 
 
 def build_engine(model: str = "tiny-llama", **config_overrides: Any) -> Engine:
-    """`Engine.from_model`, or at `tensor_parallel_size` > 1 the replica's rank 0 (its helper ranks spawned)."""
+    """`Engine.from_model`, or at `tensor_parallel_size` > 1 the replica's rank 0 (its helper ranks spawned); for
+    a sentence-transformers checkpoint (a folder with modules.json), the embedding engine (worker/embedding)."""
+    from worker.embedding.checkpoint import is_embedding_checkpoint
+
+    if is_embedding_checkpoint(model):
+        from worker.embedding.engine import build_embedding_engine
+
+        return build_embedding_engine(model, **config_overrides)  # type: ignore[return-value]  # an EngineProtocol
     config = EngineConfig(**config_overrides)
     if config.tensor_parallel_size > 1:
         return build_sharded_engine(model, config)

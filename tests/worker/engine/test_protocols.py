@@ -1,4 +1,4 @@
-"""`Engine` and `FakeEngine` satisfy `EngineProtocol`; both tokenizers satisfy `TokenizerProtocol`.
+"""`Engine`, `FakeEngine` and `EmbeddingEngine` satisfy `EngineProtocol`; both tokenizers satisfy `TokenizerProtocol`.
 
 Checked twice: at run time (member names, through `runtime_checkable`) and by mypy, which `.ci/run` points
 at this file, so the assignments below fail type checking when a signature drifts from the protocol.
@@ -6,6 +6,7 @@ at this file, so the assignments below fail type checking when a signature drift
 
 from __future__ import annotations
 
+from worker.embedding.engine import EmbeddingEngine
 from worker.engine.api import EngineProtocol, TokenizerProtocol
 from worker.engine.engine import Engine
 from worker.engine.tokenizer import ByteTokenizer, HFTokenizer
@@ -17,6 +18,10 @@ def _engine_is_an_engine(engine: Engine) -> EngineProtocol:
 
 
 def _fake_engine_is_an_engine(engine: FakeEngine) -> EngineProtocol:
+    return engine
+
+
+def _embedding_engine_is_an_engine(engine: EmbeddingEngine) -> EngineProtocol:
     return engine
 
 

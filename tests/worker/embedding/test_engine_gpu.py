@@ -1,0 +1,33 @@
+"""The embedding engine on CUDA against sentence-transformers' `encode` on the same checkpoint and device: fp32 to
+the CPU test's bound, bf16 to a looser one (run on the H200 by benchmarks/run_gpu.sh's `embedtests`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker.embedding.test_engine import _run, _texts
+from worker.embedding.engine import EmbeddingEngine, EmbeddingRequest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("dtype, cosine_min", [("fp32", 0.99999), ("bf16", 0.99)])
+@pytest.mark.parametrize("family", ["qwen3", "bert", "xlm_roberta", "modernbert"])
+def test_cuda_equals_sentence_transformers(family, dtype, cosine_min, embedding_checkpoints):
+    from sentence_transformers import SentenceTransformer
+
+    path = embedding_checkpoints[family]
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    texts = _texts(64, seed=2)
+    st = SentenceTransformer(str(path), device="cuda", model_kwargs={"dtype": torch_dtype})
+    reference = st.encode(texts, convert_to_tensor=True, batch_size=16).float().cpu()
+    engine = EmbeddingEngine.from_model(str(path), device="cuda", dtype=dtype, max_num_batched_tokens=2048)
+    requests = [EmbeddingRequest(f"r{i}", engine.tokenizer.encode(engine.spec.prompt + t)) for i, t in enumerate(texts)]
+    results = _run(engine, requests)
+    got = torch.tensor([results[f"r{i}"].embedding for i in range(len(texts))])
+    cosine = torch.nn.functional.cosine_similarity(got, reference, dim=-1)
+    assert cosine.min().item() >= cosine_min, cosine
