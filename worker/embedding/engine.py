@@ -236,6 +236,11 @@ class EmbeddingEngine:
         with self._lock:
             return len(self._pending) < PENDING_BATCHES * self.max_batch_size
 
+    def num_unstarted(self) -> int:
+        """Inputs added and not yet in a batch: what the worker's fair-sharing bound counts."""
+        with self._lock:
+            return len(self._pending)
+
     def stats(self) -> EngineStats:
         with self._lock:
             stats = EngineStats(**vars(self._stats))
