@@ -41,6 +41,31 @@ def reopenable_lines(file) -> Iterator[tuple[Callable[[], Iterator[bytes]], int]
         yield reopen, file.seek(0, os.SEEK_END)
 
 
+def check_output_path(path: str, param_hint: str, input_path: str | None = None) -> None:
+    """A one-line click error, before any work, for an output path that cannot be written: its folder is
+    missing or not writable, or it is the input file itself (through a symlink or another spelling too)."""
+    if path == "-":
+        return
+    if input_path not in (None, "-", "<stdin>") and _is_same_file(path, input_path):
+        raise click.ClickException(f"{param_hint} {path} is the input file: give another path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise click.ClickException(f"{param_hint} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.ClickException(f"{param_hint} {path}: the folder {folder} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise click.ClickException(f"{param_hint} {path} is not writable")
+
+
+def _is_same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links too
+    except OSError:  # one of them does not exist yet
+        return False
+
+
 def format_status(st: BatchStatus) -> str:
     name = f" ({st.name})" if st.name else ""
     eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"

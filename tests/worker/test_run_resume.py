@@ -87,6 +87,37 @@ def test_a_run_killed_with_sigkill_resumes_and_writes_every_request_once(input_f
     assert not journal.exists()  # removed after success
 
 
+def test_ctrl_c_exits_130_leaves_no_output_and_resumes(input_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    journal = Path(str(out) + JOURNAL_SUFFIX)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "run", str(input_file), "-o", str(out), *SLOW],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while journal_lines(journal) < 1 + 20 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before Ctrl-C: {proc.stderr.read().decode()[-2000:]}"
+        os.kill(proc.pid, signal.SIGINT)
+        stderr = proc.communicate(timeout=60)[1].decode()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted by SIGINT before the batch finished" in stderr
+    assert not out.exists() and not list(tmp_path.glob("*.tmp*"))  # no partial output at the final path
+    num_journaled = journal_lines(journal) - 1
+    assert 20 <= num_journaled < NUM_REQUESTS and f"{num_journaled} of {NUM_REQUESTS} results are kept" in stderr
+
+    result = run_cbq(input_file, "-o", out, *FAST)
+    assert result.exit_code == 0, result.output
+    assert f"{num_journaled} done by the interrupted run" in result.stderr
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == list(range(NUM_REQUESTS))
+
+
 def interrupted_journal(input_file: Path, out: Path, num_kept: int, monkeypatch) -> Path:
     """The journal a run leaves when killed after `num_kept` results: a finished run's (kept, not removed),
     cut after its first `num_kept` results."""
