@@ -17,7 +17,13 @@ import time
 import click
 
 from producer import settings
-from producer.cli_common import format_status, reopenable_lines, status_json, write_result_lines
+from producer.cli_common import (
+    format_status,
+    reopenable_lines,
+    status_json,
+    warn_overridden_defaults,
+    write_result_lines,
+)
 from producer.client import (
     BatchNotFinished,
     BatchNotFound,
@@ -131,7 +137,8 @@ def submit(
     Every line is validated first. A format error (not JSON, not an object, a missing or duplicate custom_id)
     refuses the file: each bad line is reported and nothing is enqueued. A request that is invalid otherwise
     fails alone (status 400, counted failed) and the others run, unless --strict.
-    Blank lines are skipped. Sampling flags are batch defaults; values on a line win.
+    Blank lines are skipped. Sampling flags are batch defaults; values on a line win, as in vLLM (a note says
+    when lines override a flag).
     """
     if job_timeout != settings.NO_JOB_TIMEOUT and job_timeout < 1:
         raise click.BadParameter(
@@ -145,6 +152,7 @@ def submit(
     report_validation(validated, strict, "enqueued")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
+    warn_overridden_defaults(validated, defaults)
 
     batch = None
     interrupt = _DeferredInterrupt()

@@ -66,6 +66,29 @@ def _is_same_file(a: str, b: str) -> bool:
         return False
 
 
+def warn_overridden_defaults(validated, defaults) -> None:
+    """One stderr line per sampling flag that some lines override with their own value (values on a line win,
+    as in vLLM, where the flags are defaults too). `validated`: a `ValidatedFile`; `defaults`: the flags'
+    `Sampling`. Reads the requests once more, only when a flag was given."""
+    given = defaults.given()
+    if not given:
+        return
+    overridden = dict.fromkeys(given, 0)
+    for request in validated.requests:
+        overrides = getattr(request, "overrides", None)  # None: a request that fails alone
+        for name, value in given.items():
+            if overrides is not None and getattr(overrides, name) not in (None, value):
+                overridden[name] += 1
+    for name, count in overridden.items():
+        if count:
+            spelled = f"{name} (or max_tokens)" if name == "max_new_tokens" else name
+            click.echo(
+                f"note: --{name.replace('_', '-')} {given[name]} is a default: {count} line(s) give their own "
+                f"{spelled}, which wins",
+                err=True,
+            )
+
+
 def format_status(st: BatchStatus) -> str:
     name = f" ({st.name})" if st.name else ""
     eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"

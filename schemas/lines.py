@@ -92,6 +92,17 @@ class _NativeLine(SharedSampling, NativeSpelling, _NativeConstraint):
     custom_id: CustomId | None = None
     n: NumSamples = Field(1, description=N_DESCRIPTION)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _max_tokens_is_max_new_tokens(cls, data: Any) -> Any:
+        """`max_tokens` (OpenAI's and vLLM's name) is taken for `max_new_tokens` on cbq's own lines too."""
+        if isinstance(data, dict) and "max_tokens" in data:
+            if "max_new_tokens" in data:
+                raise ValueError("give max_new_tokens or max_tokens, not both")
+            data = {**data, "max_new_tokens": data["max_tokens"]}
+            del data["max_tokens"]
+        return data
+
     @model_validator(mode="after")
     def _min_tokens_within_max(self):
         check_min_tokens(self.min_tokens, self.max_new_tokens, "max_new_tokens")

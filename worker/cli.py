@@ -16,7 +16,13 @@ from typing import Any, cast
 import click
 from click.core import ParameterSource
 
-from producer.cli_common import check_output_path, format_status, reopenable_lines, write_result_lines
+from producer.cli_common import (
+    check_output_path,
+    format_status,
+    reopenable_lines,
+    warn_overridden_defaults,
+    write_result_lines,
+)
 from producer.client import Client, SourceChanged
 from producer.options import (
     chat_template_kwargs_option,
@@ -290,7 +296,13 @@ def worker(
 
 
 @click.command()
-@click.argument("file", type=click.File("rb"))
+@click.argument("file", type=click.File("rb"), required=False)
+@click.option(
+    "-i",
+    "--input-file",
+    type=click.File("rb"),
+    help="The input file, as vLLM's run-batch names it: the same as FILE.",
+)
 @click.option(
     "-o",
     "--output",
@@ -331,6 +343,7 @@ def worker(
 @click.option("--fake-latency", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def run(
     file,
+    input_file,
     output,
     fresh,
     model,
@@ -360,7 +373,13 @@ def run(
     the whole pipeline with one command and nothing to set up. A run that is killed (or stopped with Ctrl-C:
     exit 130) keeps its finished results in OUTPUT.cbq-journal and leaves OUTPUT unwritten: the same command
     again runs only the rest. If FILE changed meanwhile it refuses, unless --fresh.
+
+    Sampling flags (--max-new-tokens, --temperature, ...) are defaults, as in vLLM: a line's own value wins
+    (the run says so when lines override a flag). vLLM's flags are taken where they mean the same.
     """
+    if (file is None) == (input_file is None):
+        raise click.UsageError("give the input file once: FILE or -i/--input-file")
+    file = file or input_file
     try:
         _run(file, output, fresh, model, mode, device, fake_engine, engine_config, served_model_name_,
              tool_call_parser, reasoning_parser, redis_url, queue, output_format, errors, chunk_size,
@@ -383,8 +402,11 @@ def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, s
     served_name = served_model_name(model, served_model_name_)
     validated = client.validate(reopen, model=served_name)  # a line naming another model fails: model_not_found
     report_validation(validated, strict, "run")
-    if not validated.requests:
-        raise click.ClickException("no requests in the input")
+    if not validated.requests:  # as vLLM's run-batch: an empty output, exit 0
+        write_result_lines(output, iter(()), output_format, errors)
+        click.echo(f"no requests in the input: {output} is empty", err=True)
+        return
+    warn_overridden_defaults(validated, defaults)
     settings = {
         "model": served_name,
         "sampling": defaults.given(),

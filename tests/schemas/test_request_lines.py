@@ -406,3 +406,18 @@ def test_error_carries_line_field_and_all_issues():
     assert error.message == "Input should be greater than or equal to 0"
     assert [i.field for i in error.issues] == ["temperature", "top_p"]
     assert str(error).splitlines()[1] == "line 12: top_p: Input should be less than or equal to 1"
+
+
+def test_vllm_spellings_on_cbq_lines():
+    from schemas.errors import InvalidRequest
+    from schemas.lines import parse_request_line
+
+    line = parse_request_line('{"prompt": "a", "max_tokens": 3, "top_k": -1}', 1)
+    assert line.overrides.given() == {"max_new_tokens": 3, "top_k": 0}  # -1: no top-k, as vLLM's
+    chat = parse_request_line('{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0, "prompt_logprobs": 1}', 1)
+    assert chat.overrides.max_new_tokens == 0
+    body = '{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "top_k": -1}}'
+    assert parse_request_line(body, 1).overrides.top_k == 0
+    for bad in ('{"prompt": "a", "max_tokens": 3, "max_new_tokens": 3}', '{"prompt": "a", "top_k": -2}'):
+        with pytest.raises(InvalidRequest):
+            parse_request_line(bad, 1)

@@ -89,3 +89,33 @@ def test_the_worker_announces_the_demo_model_too(real_redis, private_redis_url):
     )
     assert result.exit_code == 0, result.output
     assert "warning: no --model and no CBQ_MODEL: running the random-weight 'tiny-llama' demo preset" in result.stderr
+
+
+def test_input_file_as_vllm_names_it_and_the_line_wins_over_the_flag(tmp_path):
+    path = tmp_path / "in.jsonl"
+    lines = [{"custom_id": "own", "prompt": "abcdefgh", "max_tokens": 3}, {"custom_id": "flag", "prompt": "abcdefgh"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    result = run_cbq("-i", path, "-o", out, "--fake-engine", "--max-new-tokens", "5")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: --max-new-tokens 5 is a default: 1 line(s) give their own max_new_tokens (or max_tokens), which wins"
+    ]
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["own"]["usage"]["completion_tokens"] == 3 and by_id["flag"]["usage"]["completion_tokens"] == 5
+    same = run_cbq("-i", path, "-o", tmp_path / "o2.jsonl", "--fake-engine", "--max-new-tokens", "3", "--fresh")
+    assert same.exit_code == 0 and "note:" not in same.stderr  # the line says what the flag says
+    both = run_cbq(path, "-i", path, "-o", out, "--fake-engine")
+    assert both.exit_code == 2 and "give the input file once" in both.stderr
+    assert "-i, --input-file" in CliRunner().invoke(main, ["run", "--help"]).output
+
+
+def test_an_empty_file_gives_an_empty_output_and_exit_0(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "out.jsonl"
+    out.write_text("old\n")
+    result = run_cbq("-i", empty, "-o", out, "--fake-engine")
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == "" and "no requests in the input" in result.stderr
