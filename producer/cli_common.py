@@ -11,6 +11,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 
 import click
@@ -89,9 +90,14 @@ def warn_overridden_defaults(validated, defaults) -> None:
             )
 
 
-def format_status(st: BatchStatus) -> str:
+def format_status(st: BatchStatus, device: str = "device", wall_seconds: float | None = None) -> str:
+    """`st` as text. `device`: what ran it, when known ("CPU", "GPU"); its seconds are the engine's step time.
+    `wall_seconds`: the wall time to show (default: from submission to the last result, or to now)."""
     name = f" ({st.name})" if st.name else ""
     eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
+    if wall_seconds is None:
+        end = st.last_finished_at if st.is_done and st.last_finished_at else time.time()
+        wall_seconds = max(end - st.created_at, 0.0) if st.created_at else 0.0
     if st.num_stalled:
         eta += f" ({st.num_stalled} requests wait for a dead worker's chunks to be re-enqueued)"
     model = ""
@@ -102,9 +108,9 @@ def format_status(st: BatchStatus) -> str:
             f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}{model}",
             f"  total {st.num_total}  queued {st.num_queued}  running {st.num_running}  "
             f"completed {st.num_completed}  failed {st.num_failed}  cancelled {st.num_cancelled}",
-            f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  gpu {st.gpu_seconds:.2f} s",
+            f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  {device} {st.gpu_seconds:.2f} s",
             f"  rate {st.requests_per_second:.1f} req/s  {st.completion_tokens_per_second:.1f} completion tok/s  "
-            f"ETA {eta}",
+            f"ETA {eta}  wall {wall_seconds:.1f} s",
             *(f"  inconsistent: {issue}" for issue in st.inconsistencies),
         ]
     )

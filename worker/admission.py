@@ -290,12 +290,15 @@ def to_result_line(
     request: Request, result: EngineResult, tokenizer: TokenizerProtocol, parsing: OutputParsing | None = None
 ) -> ResultLine:
     """The result line of one engine result. A failed request reports no completion tokens: it returns no text
-    (the engine counts the token a grammar rejected, the one that failed it)."""
+    (the engine counts the token a grammar rejected, the one that failed it); one refused before it ran (an
+    `error_code`) no prompt tokens either, its error names the prompt's length."""
     reason = result.finish_reason.value
     succeeded = reason in ("stop", "length")
     usage = dataclasses.asdict(result.usage)
     if reason == "error":
         usage["completion_tokens"] = 0
+        if result.error_code is not None:  # refused before it ran (a prompt too long for the context): it
+            usage["prompt_tokens"] = 0  # processed no tokens, so none count in the batch's totals
 
     def parsed(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:  # a chat output's parsed parts
         if parsing is None or not request.is_chat or reason not in ("stop", "length"):

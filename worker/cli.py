@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -392,6 +393,7 @@ def run(
 def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, served_model_name_,
          tool_call_parser, reasoning_parser, redis_url, queue, output_format, errors, chunk_size,
          return_token_ids, log_level, progress_interval, strict, defaults, chat_template_kwargs, fake_latency):
+    started_at = time.monotonic()
     input_name = getattr(file, "name", None)
     for path, hint in ((output, "-o/--output"), (errors, "--errors")):
         if path is not None:
@@ -475,9 +477,20 @@ def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, s
         if journal is not None:
             journal.close()
 
+    def summary() -> str:  # this run's rates over this run's time (not the journaled results')
+        status = batch.status()
+        seconds = max(progress.elapsed_seconds(), 1e-9)
+        this_run = status.model_copy(
+            update={
+                "requests_per_second": progress.num_done_here / seconds,
+                "completion_tokens_per_second": progress.num_output_tokens / seconds,
+            }
+        )
+        return format_status(this_run, _device_name(engine), wall_seconds=time.monotonic() - started_at)
+
     status = batch.status()
     if not status.is_done and journal is not None:  # OUTPUT stays unwritten: the journal has what finished
-        click.echo(format_status(status), err=True)
+        click.echo(summary(), err=True)
         _stopped_early(
             cbq_worker.stop_signum,
             f"{journal.num_finished} of {num_total} results are kept in {journal.path} and {output} was not "
@@ -486,7 +499,7 @@ def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, s
     lines = cast("Iterator[ResultLine | OpenAIBatchOutputLine]", batch.results(format=output_format, partial=True))
     write_result_lines(output, lines, output_format, errors)
     status = batch.status()
-    click.echo(format_status(status), err=True)
+    click.echo(summary(), err=True)
     if is_demo:
         click.echo(f"({DEMO_MODEL_NOTE})", err=True)
     if not status.is_done:  # only to stdout (-o -): there is no journal to resume from
@@ -495,6 +508,12 @@ def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, s
         journal.remove()
     if status.num_failed:
         sys.exit(2)
+
+
+def _device_name(engine: Any) -> str:
+    """What ran the engine's steps, for the summary: "GPU" or "CPU" (the fake engine: "device")."""
+    kind = getattr(getattr(engine, "device", None), "type", None)
+    return {"cuda": "GPU", "cpu": "CPU"}.get(kind or "", "device")
 
 
 def _stopped_early(signum: int | None, what: str) -> None:

@@ -127,7 +127,13 @@ def test_status_results_and_cancel_without_a_worker(cbq, conn, tmp_path):
     assert cbq("results", batch_id, "--partial").stdout == ""
 
     cancelled = json.loads(cbq("cancel", batch_id, "--json").stdout)
-    assert cancelled == {"batch_id": batch_id, "num_chunks_dequeued": 3, "num_requests_cancelled": 5}
+    assert cancelled == {
+        "batch_id": batch_id,
+        "num_chunks_dequeued": 3,
+        "num_requests_cancelled": 5,
+        "num_requests_aborting": 0,
+        "already_finished": False,
+    }
     assert queue_count(conn) == 0
     status = json.loads(cbq("status", batch_id, "--json").stdout)
     assert (status["num_cancelled"], status["state"]) == (5, "cancelled")

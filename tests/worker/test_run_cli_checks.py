@@ -119,3 +119,18 @@ def test_an_empty_file_gives_an_empty_output_and_exit_0(tmp_path):
     result = run_cbq("-i", empty, "-o", out, "--fake-engine")
     assert result.exit_code == 0, result.output
     assert out.read_text() == "" and "no requests in the input" in result.stderr
+
+
+def test_a_prompt_refused_for_its_length_adds_no_tokens_and_the_summary_names_the_device(tmp_path):
+    path = tmp_path / "in.jsonl"
+    lines = [{"custom_id": "ok", "prompt": "hi", "max_new_tokens": 2}, {"custom_id": "long", "prompt": "word " * 200}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    result = run_cbq(path, "-o", out, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "32")
+    assert result.exit_code == 2, result.output  # one request failed
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["long"]["error_code"] == "context_length_exceeded" and "the context is 32 tokens" in by_id["long"]["error"]
+    assert by_id["long"]["usage"]["prompt_tokens"] == 0  # it never ran
+    tokens_line = next(line for line in result.stderr.splitlines() if line.startswith("  tokens: "))
+    assert tokens_line.startswith(f"  tokens: prompt {by_id['ok']['usage']['prompt_tokens']}  completion 2  CPU ")
+    assert " gpu " not in result.stderr
