@@ -19,6 +19,7 @@ Blank lines are skipped: `parse_request_line` returns None for them, so editors'
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
@@ -50,6 +51,7 @@ from schemas.sampling import (
 from schemas.strict import StrictModel
 from schemas.tools import ForcedToolCall
 
+OPENAI_URLS: tuple[str, ...] = typing.get_args(OpenAIUrl)
 Choice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice")
 
@@ -163,6 +165,7 @@ class Request(StrictModel):
     n: NumSamples = 1
     return_token_ids: bool = False
     echo: bool = False  # completions bodies: the output text (and logprobs) start with the prompt's
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt blocks
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self):
@@ -195,6 +198,8 @@ class ParsedRequest(StrictModel):
     overrides: Sampling = Sampling()
     n: NumSamples = 1
     echo: bool = False
+    return_token_ids: bool = False  # an OpenAI body's (vLLM's field); the batch's flag sets it for every line
+    cache_salt: str | None = None
 
     def members(self) -> list[ParsedRequest]:
         """The requests this line stores: itself, or one per prompt of a completions request with several."""
@@ -238,8 +243,9 @@ class ParsedRequest(StrictModel):
             tool_call=self.tool_call,
             sampling=Sampling(**merged),
             n=self.n,
-            return_token_ids=return_token_ids,
+            return_token_ids=return_token_ids or self.return_token_ids,
             echo=self.echo,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -267,6 +273,11 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
     is_openai = bool(_OPENAI_KEYS & obj.keys())
     _surrogate_in_format(surrogate_at, line_no, is_openai)
     if is_openai:
+        url = obj.get("url")
+        if isinstance(url, str) and url not in OPENAI_URLS:  # an endpoint cbq does not serve: that line fails
+            known = _validate(OpenAIBatchLine, {**obj, "url": COMPLETIONS_URL}, line_no)  # the rest of the format
+            message = f"cbq serves {' and '.join(OPENAI_URLS)}, not {url!r}"
+            raise InvalidRequest(line_no, [FieldIssue("url", message)], known.custom_id, url)
         envelope = _validate(OpenAIBatchLine, obj, line_no)
         _surrogate_in_request(surrogate_at, line_no, envelope.custom_id, envelope.url)
         return _parse_openai_body(envelope, line_no)
@@ -327,7 +338,7 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
         body = chat = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {
             "messages": chat.messages,
-            "chat_template_kwargs": chat.chat_template_kwargs,
+            "chat_template_kwargs": chat.template_kwargs(),
             "tools": [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None,
             "tool_call": chat.tool_call(),
         }
@@ -340,6 +351,8 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
         overrides=body.overrides(),
         n=body.n or 1,
         prompt_options=body.prompt_options(),
+        return_token_ids=bool(body.return_token_ids),
+        cache_salt=body.cache_salt,
         **of_endpoint,
     )
 

@@ -222,6 +222,10 @@ def to_engine_request(
         sampling=sampling,
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
+        # An OpenAI body's token limit is checked against the context, as OpenAI's and vLLM's servers do;
+        # cbq's own lines keep theirs capped by it.
+        max_tokens_within_context=request.shape == "openai" and request.sampling.max_new_tokens is not None,
+        cache_salt=request.cache_salt,
     )
 
 

@@ -338,9 +338,24 @@ def openai_line(body, url="/v1/completions", **envelope):
         ),
         (openai_line({"prompt": "x", "tools": TOOLS}), "line 7: body.tools: unknown or unsupported field"),
         (
-            openai_line({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}, "/v1/chat/completions"),
-            "line 7: body.reasoning_effort: cbq does not support reasoning_effort (an open model's thinking is a switch "
-            'in its chat template: give chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3) yet',
+            openai_line({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, "/v1/chat/completions"),
+            "line 7: body.reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium' or 'high'",
+        ),
+        (
+            openai_line({"prompt": "x", "reasoning_effort": "low"}),  # a chat template's variable: chats only
+            "line 7: body.reasoning_effort: unknown or unsupported field",
+        ),
+        (
+            openai_line(
+                {
+                    "messages": [{"role": "user", "content": "x"}],
+                    "tools": TOOLS,
+                    "tool_choice": NAMED("f"),
+                    "guided_regex": "a+",
+                },
+                "/v1/chat/completions",
+            ),
+            "line 7: body: give structured_outputs (or guided_*) or a forced tool call, not both",
         ),
         (
             openai_line({"prompt": "x", "stream_options": {"include_usage": True}}),
@@ -382,8 +397,8 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body: give max_tokens or max_completion_tokens, not both",
         ),
         (
-            openai_line({"prompt": "x"}, url="/v1/embeddings"),
-            "line 7: url: Input should be '/v1/completions' or '/v1/chat/completions'",
+            openai_line({"prompt": "x"}, url="/v1/embeddings"),  # fails alone (InvalidRequest), as in vLLM
+            "line 7: url: cbq serves /v1/completions and /v1/chat/completions, not '/v1/embeddings'",
         ),
         (openai_line({"prompt": "x"}, method="GET"), "line 7: method: Input should be 'POST'"),
         (

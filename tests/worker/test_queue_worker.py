@@ -338,7 +338,7 @@ def test_failing_requests_do_not_take_down_the_worker(cbq, conn, burst_worker, w
     burst_worker(FakeEngine(max_model_len=50, raise_on_prompt_substring="boom"))
     lines = results_of(cbq, batch_id)
     assert [r["finish_reason"] for r in lines] == ["length", "error", "error", "error", "length"]
-    assert lines[1]["error"] == "prompt has 100 tokens; max_model_len is 50"
+    assert lines[1]["error"].startswith("prompt has 100 tokens; the context is 50 tokens")
     assert "FakeEngine told to fail" in lines[2]["error"]
     status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.num_failed) == (2, 3)
