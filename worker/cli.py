@@ -262,11 +262,11 @@ def worker(
         raise click.BadParameter("must be at least twice --heartbeat-interval", param_hint="--stale-after")
     if not fake_engine:
         check_model(model)  # before anything waits for Redis
-    warn_if_demo_model(fake_engine)
+    is_demo = warn_if_demo_model(fake_engine)
     conn = open_redis(redis_url)
     engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
     served_name = served_model_name(model, served_model_name_)
-    click.echo(describe_engine(engine, model, served_name), err=True)
+    click.echo(describe_engine(engine, model, served_name) + (f" ({DEMO_MODEL_NOTE})" if is_demo else ""), err=True)
     cbq_worker = CbqWorker(
         [keys.model_queue(queue, served_name), queue],  # its model's batches first, then those naming none
         engine,
@@ -429,7 +429,7 @@ def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, s
         if journal is not None and not journal.is_resumed:
             journal.remove()  # it holds nothing yet
         raise
-    click.echo(describe_engine(engine, model, served_name), err=True)
+    click.echo(describe_engine(engine, model, served_name) + (f" ({DEMO_MODEL_NOTE})" if is_demo else ""), err=True)
     output_parsing = choose_output_parsing(engine, tool_call_parser, reasoning_parser)
     try:
         batch = client.submit(

@@ -304,10 +304,9 @@ def _same_as_model(flag: str):
             return
         if os.path.isdir(value) and os.path.isdir(model) and os.path.samefile(value, model):
             return
-        raise click.BadParameter(
-            f"cbq loads the tokenizer of --model ({model}); a different one is not supported: put its files in a "
-            "copy of the checkpoint folder and pass that as --model",
-            param_hint=flag,
+        raise click.ClickException(
+            f"{flag} {value}: cbq loads the tokenizer of --model ({model}); a different one is not supported: put "
+            "its files in a copy of the checkpoint folder and pass that as --model"
         )
 
     return check
@@ -315,10 +314,9 @@ def _same_as_model(flag: str):
 
 def _revision(_ctx, _param, value: str | None) -> None:
     if value not in (None, "main"):
-        raise click.BadParameter(
-            f"cbq loads a hub model's main revision; to run {value!r}, download it first "
-            f"(huggingface-cli download NAME --revision {value} --local-dir DIR) and pass --model DIR",
-            param_hint="--revision",
+        raise click.ClickException(
+            f"--revision {value}: cbq loads a hub model's main revision; to run {value!r}, download it first "
+            f"(huggingface-cli download NAME --revision {value} --local-dir DIR) and pass --model DIR"
         )
 
 
@@ -326,7 +324,7 @@ def _refuse_remote_code(_ctx, _param, value: bool) -> None:
     if value:
         from worker.engine.models.registry import MODULES  # only here: it imports torch
 
-        raise click.UsageError(
+        raise click.ClickException(
             "--trust-remote-code: cbq never runs a checkpoint's own code; it runs its own implementation of "
             f"these model types: {', '.join(sorted(MODULES))}"
         )

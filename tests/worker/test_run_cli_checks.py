@@ -46,13 +46,17 @@ def test_the_output_may_not_be_the_input(input_file, tmp_path, monkeypatch):
     assert input_file.read_bytes() == before and not (tmp_path / "out.jsonl").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
-def test_an_output_folder_that_is_missing_or_not_writable_is_refused_before_any_work(input_file, tmp_path):
+def test_an_output_folder_that_is_missing_or_not_writable_is_refused_before_any_work(
+    input_file, tmp_path, monkeypatch
+):
     missing = run_cbq(input_file, "-o", tmp_path / "nope" / "out.jsonl", "--fake-engine")
     assert "does not exist" in one_line_error(missing) and "batch" not in missing.stderr
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
+    if os.geteuid() == 0:  # root writes anywhere: the folder answers as it would to anyone else
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(locked) and real_access(path, mode))
     try:
         result = run_cbq(input_file, "-o", locked / "out.jsonl", "--fake-engine")
         assert "is not writable" in one_line_error(result) and "batch" not in result.stderr
@@ -77,6 +81,8 @@ def test_the_random_weight_demo_model_is_announced(input_file, tmp_path):
     assert len(warnings) == 1 and "random-weight 'tiny-llama' demo preset" in warnings[0]
     assert "outputs are noise" in warnings[0]
     assert demo.stderr.rstrip().endswith("(random-weight 'tiny-llama' demo preset: outputs are noise)")
+    engine_line = next(line for line in demo.stderr.splitlines() if line.startswith("engine:"))
+    assert engine_line.endswith("(random-weight 'tiny-llama' demo preset: outputs are noise)")
     named = run_cbq(input_file, "-o", out, "--model", "tiny-llama", env={"CBQ_MODEL": None})
     assert named.exit_code == 0 and "demo preset" not in named.stderr  # asked for by name
     fake = run_cbq(input_file, "-o", out, "--fake-engine", env={"CBQ_MODEL": None})
