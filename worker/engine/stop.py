@@ -85,7 +85,8 @@ def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
     """Decoded output without a final stop token, cut before the first stop string (after it, with
     `include_stop_str_in_output`)."""
     params = seq.sampling
-    text = decode(seq.output_ids[: num_text_tokens(seq.output_ids, params, eos_token_ids)], params, tokenizer)
+    text_ids = seq.output_ids[: num_text_tokens(seq.output_ids, params, eos_token_ids)]
+    text = decode(text_ids, params, tokenizer)
     if params.stop:
         # NOTE: a stop string inside the first min_tokens tokens did not stop the output: search after them.
         skip = len(decode(seq.output_ids[: params.min_tokens], params, tokenizer)) if params.min_tokens else 0
@@ -94,7 +95,7 @@ def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
             cut, stop = min(found)
             text = text[: cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
         elif params.skip_special_tokens:
-            text = _cut_in_special_text(seq.output_ids, params, tokenizer, text)
+            text = _cut_in_special_text(text_ids, params, tokenizer, text)
     return text
 
 
