@@ -18,7 +18,13 @@ import click
 import redis
 
 from producer import settings
-from producer.cli_common import format_status, reopenable_lines, status_json, write_result_lines
+from producer.cli_common import (
+    format_status,
+    reopenable_lines,
+    status_json,
+    warn_overridden_defaults,
+    write_result_lines,
+)
 from producer.client import (
     BatchNotFinished,
     BatchNotFound,
@@ -139,7 +145,8 @@ def submit(
     Every line is validated first. A format error (not JSON, not an object, a missing or duplicate custom_id)
     refuses the file: each bad line is reported and nothing is enqueued. A request that is invalid otherwise
     fails alone (status 400, counted failed) and the others run, unless --strict.
-    Blank lines are skipped. Sampling flags are batch defaults; values on a line win.
+    Blank lines are skipped. Sampling flags are batch defaults; values on a line win, as in vLLM (a note says
+    when lines override a flag).
     """
     if job_timeout != settings.NO_JOB_TIMEOUT and job_timeout < 1:
         raise click.BadParameter(
@@ -153,6 +160,7 @@ def submit(
     report_validation(validated, strict, "enqueued")
     if not validated.requests:
         raise click.ClickException("no requests in the input")
+    warn_overridden_defaults(validated, defaults)
 
     batch = None
     interrupt = _DeferredInterrupt()
@@ -424,7 +432,8 @@ def results(batch_id, redis_url, output, output_format, errors, partial, redis_o
 @redis_url_option
 @json_option
 def cancel(batch_id, redis_url, as_json):
-    """Cancel BATCH_ID: queued requests never run, running ones are aborted by their workers."""
+    """Cancel BATCH_ID: queued requests never run, running ones are aborted by their workers. A batch that
+    already finished is left as it is."""
     with _batch_errors(batch_id):
         report = _client(redis_url).batch(batch_id).cancel()
     if as_json:
@@ -433,12 +442,17 @@ def cancel(batch_id, redis_url, as_json):
                 "batch_id": batch_id,
                 "num_chunks_dequeued": report.num_chunks_dequeued,
                 "num_requests_cancelled": report.num_requests_cancelled,
+                "num_requests_aborting": report.num_requests_aborting,
+                "already_finished": report.already_finished,
             }
         )
+    elif report.already_finished:
+        click.echo(f"batch {batch_id} had already finished: nothing to cancel (its status is unchanged)")
     else:
+        num_queued = report.num_requests_cancelled - report.num_requests_aborting
         click.echo(
-            f"cancelled batch {batch_id}: {report.num_requests_cancelled} queued requests cancelled; "
-            "running requests are being aborted by their workers"
+            f"cancelled batch {batch_id}: {report.num_requests_cancelled} requests cancelled ({num_queued} "
+            f"queued, cancelled now; {report.num_requests_aborting} on workers, being aborted)"
         )
 
 
@@ -469,7 +483,7 @@ def stats(redis_url, limit, as_json):
     click.echo("models: " + (", ".join(f"{m} ({k} worker{'s' * (k > 1)})" for m, k in sorted(models.items())) or "none"))
     click.echo(f"workers ({len(workers)})")
     click.echo(
-        f"  {'name':<24} {'state':<9} {'model':<16} {'kind':<8} {'in flight':>9} {'tok/s':>9} {'gpu busy':>8} {'prep ms':>8} {'cache hit':>9} {'done':>8}"
+        f"  {'name':<24} {'state':<9} {'model':<16} {'kind':<8} {'in flight':>9} {'tok/s':>9} {'busy':>8} {'prep ms':>8} {'cache hit':>9} {'done':>8}"
     )
     for w in workers:  # tok/s: output tokens of a generation model, prompt tokens of an embedding model
         rate = w.prompt_tokens_per_second if w.model_kind == "embed" else w.output_tokens_per_second
@@ -480,7 +494,7 @@ def stats(redis_url, limit, as_json):
         )
     click.echo(f"batches (latest {len(recent)})")
     click.echo(
-        f"  {'batch':<18} {'state':<10} {'done/total':>13} {'failed':>7} {'prompt tok':>11} {'compl tok':>10} {'gpu s':>8}"
+        f"  {'batch':<18} {'state':<10} {'done/total':>13} {'failed':>7} {'prompt tok':>11} {'compl tok':>10} {'device s':>8}"
     )
     for b in recent:
         click.echo(

@@ -11,6 +11,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 
 import click
@@ -41,9 +42,62 @@ def reopenable_lines(file) -> Iterator[tuple[Callable[[], Iterator[bytes]], int]
         yield reopen, file.seek(0, os.SEEK_END)
 
 
-def format_status(st: BatchStatus) -> str:
+def check_output_path(path: str, param_hint: str, input_path: str | None = None) -> None:
+    """A one-line click error, before any work, for an output path that cannot be written: its folder is
+    missing or not writable, or it is the input file itself (through a symlink or another spelling too)."""
+    if path == "-":
+        return
+    if input_path not in (None, "-", "<stdin>") and _is_same_file(path, input_path):
+        raise click.ClickException(f"{param_hint} {path} is the input file: give another path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise click.ClickException(f"{param_hint} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.ClickException(f"{param_hint} {path}: the folder {folder} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise click.ClickException(f"{param_hint} {path} is not writable")
+
+
+def _is_same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links too
+    except OSError:  # one of them does not exist yet
+        return False
+
+
+def warn_overridden_defaults(validated, defaults) -> None:
+    """One stderr line per sampling flag that some lines override with their own value (values on a line win,
+    as in vLLM, where the flags are defaults too). `validated`: a `ValidatedFile`; `defaults`: the flags'
+    `Sampling`. Reads the requests once more, only when a flag was given."""
+    given = defaults.given()
+    if not given:
+        return
+    overridden = dict.fromkeys(given, 0)
+    for request in validated.requests:
+        overrides = getattr(request, "overrides", None)  # None: a request that fails alone
+        for name, value in given.items():
+            if overrides is not None and getattr(overrides, name) not in (None, value):
+                overridden[name] += 1
+    for name, count in overridden.items():
+        if count:
+            spelled = f"{name} (or max_tokens)" if name == "max_new_tokens" else name
+            click.echo(
+                f"note: --{name.replace('_', '-')} {given[name]} is a default: {count} line(s) give their own "
+                f"{spelled}, which wins",
+                err=True,
+            )
+
+
+def format_status(st: BatchStatus, device: str = "device", wall_seconds: float | None = None) -> str:
+    """`st` as text. `device`: what ran it, when known ("CPU", "GPU"); its seconds are the engine's step time.
+    `wall_seconds`: the wall time to show (default: from submission to the last result, or to now)."""
     name = f" ({st.name})" if st.name else ""
     eta = "-" if st.eta_seconds is None else f"{st.eta_seconds:.0f} s"
+    if wall_seconds is None:
+        end = st.last_finished_at if st.is_done and st.last_finished_at else time.time()
+        wall_seconds = max(end - st.created_at, 0.0) if st.created_at else 0.0
     if st.num_stalled:
         eta += f" ({st.num_stalled} requests wait for a dead worker's chunks to be re-enqueued)"
     model = ""
@@ -54,9 +108,9 @@ def format_status(st: BatchStatus) -> str:
             f"batch {st.batch_id}{name} on queue {st.queue}: {st.state}{model}",
             f"  total {st.num_total}  queued {st.num_queued}  running {st.num_running}  "
             f"completed {st.num_completed}  failed {st.num_failed}  cancelled {st.num_cancelled}",
-            f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  gpu {st.gpu_seconds:.2f} s",
+            f"  tokens: prompt {st.prompt_tokens}  completion {st.completion_tokens}  {device} {st.gpu_seconds:.2f} s",
             f"  rate {st.requests_per_second:.1f} req/s  {st.completion_tokens_per_second:.1f} completion tok/s  "
-            f"ETA {eta}",
+            f"ETA {eta}  wall {wall_seconds:.1f} s",
             *(f"  inconsistent: {issue}" for issue in st.inconsistencies),
         ]
     )

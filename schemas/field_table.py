@@ -26,7 +26,7 @@ def _num(value: float) -> str:
 def _rows() -> dict[str, tuple[str, str]]:
     penalty = f"{_num(-L.MAX_PENALTY)} to {_num(L.MAX_PENALTY)}"
     return {
-        "`max_new_tokens` (OpenAI body: `max_tokens` or `max_completion_tokens`; `null` = not given)": (
+        "`max_new_tokens` (also `max_tokens`, as vLLM's; OpenAI body: `max_tokens` or `max_completion_tokens`; `null` = not given)": (
             "generation_config's `max_new_tokens`, else the rest of the context (context length minus prompt)",
             f"0 to {_num(L.MAX_NEW_TOKENS_LIMIT)}; 0 (score the prompt, generate nothing) only with `prompt_logprobs` "
             "or a completions body's `echo`",
@@ -37,8 +37,10 @@ def _rows() -> dict[str, tuple[str, str]]:
             f"0 to {_num(L.MAX_TEMPERATURE)}",
         ),
         "`top_p`": ("generation_config's, else 1", "(0, 1]"),
-        "`top_k`": ("generation_config's, else 0 (no cut)", f"0 to {_num(L.MAX_TOP_K)}"),
-        "`seed`": ("none (the request id seeds the draws)", f"any int64: {_num(L.MIN_SEED)} to {_num(L.MAX_SEED)}"),
+        "`top_k`": ("generation_config's, else 0 (no cut)", f"0 to {_num(L.MAX_TOP_K)}; -1 (vLLM's no cut) is 0"),
+        "`seed`": (
+            "none (the request id seeds the draws); the `--seed` flag is every request's default seed (vLLM's "
+            "`--seed` seeds the engine instead)", f"any int64: {_num(L.MIN_SEED)} to {_num(L.MAX_SEED)}"),
         "`stop`": (
             "none",
             f"at most {L.MAX_STOP_STRINGS} strings (or one string), each 1 to {L.MAX_STOP_STRING_CHARS} characters",

@@ -22,6 +22,7 @@ Blank lines are skipped: `parse_request_line` returns None for them, so editors'
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
@@ -55,6 +56,7 @@ from schemas.sampling import (
 from schemas.strict import StrictModel
 from schemas.tools import ForcedToolCall
 
+OPENAI_URLS: tuple[str, ...] = typing.get_args(OpenAIUrl)
 Choice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice")
 
@@ -96,6 +98,17 @@ class _NativeLine(SharedSampling, NativeSpelling, _NativeConstraint):
 
     custom_id: CustomId | None = None
     n: NumSamples = Field(1, description=N_DESCRIPTION)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_tokens_is_max_new_tokens(cls, data: Any) -> Any:
+        """`max_tokens` (OpenAI's and vLLM's name) is taken for `max_new_tokens` on cbq's own lines too."""
+        if isinstance(data, dict) and "max_tokens" in data:
+            if "max_new_tokens" in data:
+                raise ValueError("give max_new_tokens or max_tokens, not both")
+            data = {**data, "max_new_tokens": data["max_tokens"]}
+            del data["max_tokens"]
+        return data
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self):
@@ -159,6 +172,7 @@ class Request(StrictModel):
     return_token_ids: bool = False
     echo: bool = False  # completions bodies: the output text (and logprobs) start with the prompt's
     embedding: EmbeddingOptions | None = None  # set exactly for an embedding request (schemas/embeddings.py)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt blocks
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self):
@@ -197,6 +211,8 @@ class ParsedRequest(StrictModel):
     n: NumSamples = 1
     echo: bool = False
     embedding: EmbeddingOptions | None = None
+    return_token_ids: bool = False  # an OpenAI body's (vLLM's field); the batch's flag sets it for every line
+    cache_salt: str | None = None
 
     def members(self) -> list[ParsedRequest]:
         """The requests this line stores: itself, or one per prompt of a completions request with several."""
@@ -241,9 +257,10 @@ class ParsedRequest(StrictModel):
             responses=self.responses,
             sampling=Sampling(**merged),
             n=self.n,
-            return_token_ids=return_token_ids,
+            return_token_ids=return_token_ids or self.return_token_ids,
             echo=self.echo,
             embedding=self.embedding,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -271,6 +288,11 @@ def parse_request_line(text: str | bytes, line_no: int) -> ParsedRequest | None:
     is_openai = bool(_OPENAI_KEYS & obj.keys())
     _surrogate_in_format(surrogate_at, line_no, is_openai)
     if is_openai:
+        url = obj.get("url")
+        if isinstance(url, str) and url not in OPENAI_URLS:  # an endpoint cbq does not serve: that line fails
+            known = _validate(OpenAIBatchLine, {**obj, "url": COMPLETIONS_URL}, line_no)  # the rest of the format
+            message = f"cbq serves {', '.join(OPENAI_URLS[:-1])} and {OPENAI_URLS[-1]}, not {url!r}"
+            raise InvalidRequest(line_no, [FieldIssue("url", message)], known.custom_id, url)
         envelope = _validate(OpenAIBatchLine, obj, line_no)
         _surrogate_in_request(surrogate_at, line_no, envelope.custom_id, envelope.url)
         return _parse_openai_body(envelope, line_no)
@@ -368,7 +390,7 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
             body = _validate(ChatCompletionBody, envelope.body, line_no, ("body",), fails_alone)
         of_endpoint = {
             "messages": body.messages,
-            "chat_template_kwargs": body.chat_template_kwargs,
+            "chat_template_kwargs": body.template_kwargs(),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
             "tool_call": body.tool_call(),
         }
@@ -382,6 +404,8 @@ def _parse_openai_body(envelope: OpenAIBatchLine, line_no: int) -> ParsedRequest
         n=body.n or 1,
         prompt_options=body.prompt_options(),
         responses=responses,
+        return_token_ids=bool(body.return_token_ids),
+        cache_salt=body.cache_salt,
         **of_endpoint,
     )
 

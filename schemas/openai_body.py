@@ -59,8 +59,6 @@ _UNSUPPORTED_FIELDS = {
     "modalities": "output modalities other than text",
     "prediction": "predicted outputs",
     "web_search_options": "web search",
-    "reasoning_effort": "reasoning_effort (an open model's thinking is a switch in its chat template: give "
-    'chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3)',
     "verbosity": "verbosity (an OpenAI model setting)",
 }
 # Values of those fields that ask for nothing (generated files often spell their defaults out). Not
@@ -104,6 +102,63 @@ class _ResponseFormat(StrictModel):
         return None
 
 
+class _StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (its `StructuredOutputsParams`), for the kinds cbq constrains: `json` (a
+    schema, or its JSON text), `regex`, `choice`, `json_object`. A grammar or structural tag is refused."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+    disable_any_whitespace: bool | None = None  # cbq's JSON is always compact
+    disable_fallback: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+    def constraint(self) -> OutputConstraint | None:
+        return vllm_constraint(self.json_, self.regex, self.choice, self.json_object, self.grammar,
+                               self.structural_tag, "structured_outputs.")
+
+
+def vllm_constraint(
+    schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    json_object: bool | None,
+    grammar: str | None,
+    structural_tag: Any = None,
+    prefix: str = "guided_",
+) -> OutputConstraint | None:
+    """The constraint vLLM's fields ask for (at most one), compiled; ValueError naming the field otherwise."""
+    names = {"json": schema, "regex": regex, "choice": choice, "json_object": json_object or None,
+             "grammar": grammar, "structural_tag": structural_tag}  # fmt: skip
+    given = [name for name, value in names.items() if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one constraint, not {' and '.join(prefix + name for name in given)}")
+    if not given:
+        return None
+    if given[0] in ("grammar", "structural_tag"):
+        raise PydanticCustomError(
+            "unsupported_parameter",
+            "cbq does not support {what} constraints yet (json, regex, choice and json_object are)",
+            {"what": prefix + given[0]},
+        )
+    if schema is not None:
+        spec = schema if isinstance(schema, str) else json_text(schema)
+        try:
+            json.loads(spec)
+        except ValueError:
+            raise ValueError(f"{prefix}json is not a JSON schema") from None
+        return OutputConstraint.checked("json_schema", spec)
+    if regex is not None:
+        return OutputConstraint.checked("regex", regex)
+    if choice is not None:
+        return OutputConstraint.checked("choice", json_text(choice))
+    return OutputConstraint(kind="json_object")
+
+
 class _BodyFields(StrictModel):
     """The body fields every OpenAI endpoint shares besides sampling. Fields that do nothing at their accepted
     value are taken so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`,
@@ -132,8 +187,22 @@ class _BodyFields(StrictModel):
     modalities: Any = Field(None, exclude=True)
     prediction: Any = Field(None, exclude=True)
     web_search_options: Any = Field(None, exclude=True)
-    reasoning_effort: Any = Field(None, exclude=True)
     verbosity: Any = Field(None, exclude=True)
+    # vLLM's request extensions. `request_id` and `priority` change no output: cbq names its requests (batch id
+    # and index) and runs a batch in input order. `cache_salt`: only requests with the same salt share cached
+    # prompt blocks. `return_token_ids`: the choices carry their token ids.
+    request_id: str | None = Field(None, max_length=MAX_CUSTOM_ID_CHARS)
+    priority: int | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CUSTOM_ID_CHARS)
+    return_token_ids: bool | None = None
+    # vLLM's output constraints: `structured_outputs`, and the older `guided_*` fields it replaced.
+    structured_outputs: _StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # cbq's one backend is llguidance
+    guided_whitespace_pattern: str | None = None  # ignored: cbq's JSON is compact
 
 
 class _OpenAIBody(SharedSampling, _BodyFields):
@@ -194,7 +263,24 @@ class _OpenAIBody(SharedSampling, _BodyFields):
         return None
 
     def output_constraint(self) -> OutputConstraint | None:
-        return self.response_format.output_constraint() if self.response_format else None
+        if self.response_format and self.response_format.output_constraint():
+            return self.response_format.output_constraint()
+        return self._vllm_constraint()
+
+    def _vllm_constraint(self) -> OutputConstraint | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return vllm_constraint(self.guided_json, self.guided_regex, self.guided_choice, None, self.guided_grammar)
+
+    @model_validator(mode="after")
+    def _one_constraint_field(self):
+        guided = [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(self, n)]
+        spelled = [*(["response_format"] if self.response_format and self.response_format.type != "text" else []),
+                   *(["structured_outputs"] if self.structured_outputs is not None else []), *guided]  # fmt: skip
+        if len(spelled) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(spelled)}")
+        self._vllm_constraint()  # compiles, or names the field that does not
+        return self
 
 
 class CompletionBody(CompletionPrompt, PromptSpelling, _OpenAIBody):
@@ -218,13 +304,26 @@ class ChatCompletionBody(ChatSpelling, _OpenAIBody):
     tool_choice: ToolChoice | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
+    # OpenAI's (and gpt-oss's) knob: handed to the chat template as the variable `reasoning_effort`, as vLLM
+    # does; a template that does not read it ignores it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _one_output_constraint(self):
         call = forced_call(self.tools, self.tool_choice)
-        if call is not None and call.is_forced and self.response_format and self.response_format.output_constraint():
+        if call is None or not call.is_forced:
+            return self
+        if self.response_format and self.response_format.output_constraint():
             raise ValueError("give response_format or a forced tool call, not both")
+        if self._vllm_constraint():
+            raise ValueError("give structured_outputs (or guided_*) or a forced tool call, not both")
         return self
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: `reasoning_effort`, then the body's chat_template_kwargs (which win)."""
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        merged = effort | (self.chat_template_kwargs or {})
+        return merged or None
 
     def tool_call(self) -> ToolCallPlan | None:
         return forced_call(self.tools, self.tool_choice)

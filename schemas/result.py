@@ -317,6 +317,9 @@ def to_openai_output(
             for choice in choices:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(result.prompt_logprobs)
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "choices": choices, **common}
+    if request.return_token_ids:  # vLLM's return_token_ids: each choice's generated ids
+        for choice, sample in zip(choices, result.all_samples, strict=True):
+            choice["token_ids"] = sample.token_ids
     response = OpenAIResponse(status_code=200, request_id=request_id, body=body)
     return OpenAIBatchOutputLine(id=line_id, custom_id=custom_id, response=response)
 
@@ -361,7 +364,8 @@ def _chat_message(sample: Sample, request: Request, request_id: str) -> dict[str
         calls, content = [{"id": f"call_{request_id}_{sample.index}", "type": "function", "function": function}], None
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if sample.reasoning_content is not None:
-        message["reasoning_content"] = sample.reasoning_content  # vLLM's field for it
+        message["reasoning"] = sample.reasoning_content  # vLLM's field for it
+        message["reasoning_content"] = sample.reasoning_content  # its older name, as vLLM kept it for a while
     if calls:
         message["tool_calls"] = calls
     return message

@@ -49,6 +49,11 @@ def _one_string_is_a_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
+def _minus_one_keeps_all(value: Any) -> Any:
+    """top_k -1 is vLLM's (and transformers') "no top-k", cbq's 0."""
+    return 0 if value == -1 and not isinstance(value, bool) else value
+
+
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 StopStrings = Annotated[
     list[StopString], Field(max_length=MAX_STOP_STRINGS), BeforeValidator(_one_string_is_a_list)
@@ -125,13 +130,19 @@ class SharedSampling(StrictModel):
         description="Keep the most likely tokens up to this total probability; 1 keeps all "
         "(default: the model's generation_config, else 1).",
     )
-    top_k: int | None = Field(
+    top_k: Annotated[int | None, BeforeValidator(_minus_one_keeps_all)] = Field(
         None,
         ge=0,
         le=MAX_TOP_K,
-        description="Keep the k most likely tokens; 0 keeps all (default: the model's generation_config, else 0).",
+        description="Keep the k most likely tokens; 0 (or -1, vLLM's spelling) keeps all (default: the model's "
+        "generation_config, else 0).",
     )
-    seed: Seed | None = Field(None, description="Random seed; without one, the request id seeds the draws.")
+    seed: Seed | None = Field(
+        None,
+        description="Random seed; without one, the request id seeds the draws. As a batch flag it is every "
+        "request's default seed, so a request's draws depend only on it and the request (vLLM's --seed seeds "
+        "the engine's one random state instead): lines with the same prompt and seed draw the same tokens.",
+    )
     stop: StopStrings | None = Field(None, description="Strings that end the output (the text is cut before them).")
     stop_token_ids: StopTokenIds | None = Field(None, description="Token ids that end the output.")
     ignore_eos: bool | None = Field(None, description="Keep generating after the end-of-sequence token.")
@@ -230,7 +241,8 @@ class NativeSpelling(StrictModel):
     max_new_tokens: MaxNewTokens | None = Field(
         None,
         description="Most tokens to generate (default: the model's generation_config, else the rest of the "
-        "context); 0 with prompt_logprobs scores the prompt only.",
+        "context); 0 with prompt_logprobs scores the prompt only. As a batch flag it is a default: a line's "
+        "own max_new_tokens (or max_tokens) wins, as in vLLM.",
     )
     logprobs: NumLogprobs | None = Field(
         None, description="Return each output token's log-probability and this many most likely alternatives."

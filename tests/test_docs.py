@@ -112,3 +112,19 @@ def _run_blocks(
         assert proc.returncode == 0, (
             f"{path.name}, {lang} block {i + 1} failed:\n{code}\n--- output ---\n{output[-3000:]}"
         )
+
+
+def test_the_readme_says_what_a_new_user_needs_before_each_step():
+    """What a fresh clone trips on: bare `cbq` after a venv install, a client that waits for no worker, `cbq
+    serve` without its extra, and a torch pin that reads as a requirement."""
+    text = (ROOT / "README.md").read_text()
+    sections = {
+        title: " ".join(body.split()) for title, body in re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    }
+    two_commands = sections["Two commands"]
+    assert "source .venv/bin/activate" in two_commands and ".venv/bin/cbq" in two_commands
+    assert "CPU development machines" in two_commands and "it is not a requirement" in two_commands
+    assert "random-weight `tiny-llama` demo preset and says so" in two_commands
+    client = sections["Python client"]
+    assert "running worker" in client.split("```")[0]  # said before the snippet
+    assert "pip install -e '.[server]'" in sections["OpenAI-compatible Batch API"]

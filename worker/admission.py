@@ -236,6 +236,10 @@ def to_engine_request(
         sampling=sampling,
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
+        # An OpenAI body's token limit is checked against the context, as OpenAI's and vLLM's servers do;
+        # cbq's own lines keep theirs capped by it.
+        max_tokens_within_context=request.shape == "openai" and request.sampling.max_new_tokens is not None,
+        cache_salt=request.cache_salt,
     )
 
 
@@ -304,7 +308,8 @@ def to_result_line(
     request: Request, result: EngineResult, tokenizer: TokenizerProtocol, parsing: OutputParsing | None = None
 ) -> ResultLine:
     """The result line of one engine result. A failed request reports no completion tokens: it returns no text
-    (the engine counts the token a grammar rejected, the one that failed it)."""
+    (the engine counts the token a grammar rejected, the one that failed it); one refused before it ran (an
+    `error_code`) no prompt tokens either, its error names the prompt's length."""
     if request.is_embedding:
         return embedding_result_line(request, result, one_line)
     reason = result.finish_reason.value
@@ -312,6 +317,8 @@ def to_result_line(
     usage = dataclasses.asdict(result.usage)
     if reason == "error":
         usage["completion_tokens"] = 0
+        if result.error_code is not None:  # refused before it ran (a prompt too long for the context): it
+            usage["prompt_tokens"] = 0  # processed no tokens, so none count in the batch's totals
 
     def parsed(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:  # a chat output's parsed parts
         if parsing is None or not request.is_chat or reason not in ("stop", "length"):

@@ -8,13 +8,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any, cast
 
 import click
+from click.core import ParameterSource
 
-from producer.cli_common import format_status, reopenable_lines, write_result_lines
+from producer.cli_common import (
+    check_output_path,
+    format_status,
+    reopenable_lines,
+    warn_overridden_defaults,
+    write_result_lines,
+)
 from producer.client import Client, SourceChanged
 from producer.options import (
     chat_template_kwargs_option,
@@ -33,7 +42,13 @@ from producer.store import queue_results
 from schemas import keys
 from schemas.result import OpenAIBatchOutputLine, ResultLine
 from worker import queue_worker
-from worker.cli_options import engine_options, output_parser_options, served_model_name
+from worker.cli_options import (
+    DEFAULT_MODEL,
+    MODEL_ENV,
+    engine_options,
+    output_parser_options,
+    served_model_name,
+)
 from worker.maintenance import RedisUnavailable
 from worker.queue_worker import CbqWorker
 from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
@@ -120,6 +135,34 @@ def check_model(model: str) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # as shells report a Ctrl-C
+DEMO_MODEL_NOTE = f"random-weight {DEFAULT_MODEL!r} demo preset: outputs are noise"
+
+
+def log_level_option(default: str, help_text: str):
+    return click.option(
+        "--log-level",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        default=default,
+        show_default=True,
+        help=help_text,
+    )
+
+
+def warn_if_demo_model(fake_engine: bool) -> bool:
+    """One stderr line when --model was left to its default (no --model, no CBQ_MODEL): the engine is the
+    random-weight demo preset, whose outputs are noise. Returns whether it was."""
+    if fake_engine or click.get_current_context().get_parameter_source("model") is not ParameterSource.DEFAULT:
+        return False
+    click.echo(
+        f"warning: no --model and no {MODEL_ENV}: running the {DEMO_MODEL_NOTE} (give --model PATH-OR-HUB-ID "
+        "for a real model)",
+        err=True,
+    )
+    return True
+
+
 def recovery_options(f):
     """How fast a dead worker's chunks come back, and how long a Redis outage is ridden out."""
     f = click.option(
@@ -161,7 +204,7 @@ def recovery_options(f):
 @queue_option
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
 @click.option("--name", help="Worker name (default: a random one).")
-@click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
+@log_level_option("INFO", "Logging level.")
 @click.option(
     "--metrics-port",
     type=click.IntRange(1, 65535),
@@ -219,10 +262,11 @@ def worker(
         raise click.BadParameter("must be at least twice --heartbeat-interval", param_hint="--stale-after")
     if not fake_engine:
         check_model(model)  # before anything waits for Redis
+    is_demo = warn_if_demo_model(fake_engine)
     conn = open_redis(redis_url)
     engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
     served_name = served_model_name(model, served_model_name_)
-    click.echo(describe_engine(engine, model, served_name), err=True)
+    click.echo(describe_engine(engine, model, served_name) + (f" ({DEMO_MODEL_NOTE})" if is_demo else ""), err=True)
     cbq_worker = CbqWorker(
         [keys.model_queue(queue, served_name), queue],  # its model's batches first, then those naming none
         engine,
@@ -253,13 +297,20 @@ def worker(
 
 
 @click.command()
-@click.argument("file", type=click.File("rb"))
+@click.argument("file", type=click.File("rb"), required=False)
+@click.option(
+    "-i",
+    "--input-file",
+    type=click.File("rb"),
+    help="The input file, as vLLM's run-batch names it: the same as FILE.",
+)
 @click.option(
     "-o",
     "--output",
     required=True,
     type=click.Path(dir_okay=False, allow_dash=True),
-    help=f"Results file, written atomically at the end. Results are journaled to OUTPUT{JOURNAL_SUFFIX} as they "
+    help="Results file, written at the end (to a temporary file beside it, then renamed): a run stopped early "
+    f"leaves it unwritten. Results are journaled to OUTPUT{JOURNAL_SUFFIX} as they "
     "finish, so a run that was killed resumes when run again.",
 )
 @click.option(
@@ -279,7 +330,7 @@ def worker(
 @errors_option
 @chunk_size_option
 @click.option("--token-ids", "return_token_ids", is_flag=True, help="Also return generated token ids.")
-@click.option("--log-level", default="WARNING", show_default=True, help="Worker logging level.")
+@log_level_option("WARNING", "Worker logging level.")
 @click.option(
     "--progress-interval",
     type=click.FloatRange(min=0.1),
@@ -293,6 +344,7 @@ def worker(
 @click.option("--fake-latency", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def run(
     file,
+    input_file,
     output,
     fresh,
     model,
@@ -319,17 +371,44 @@ def run(
     """Submit FILE, run it with an in-process worker, and write the results to OUTPUT, in input order.
 
     Producer and worker share one process and, unless --redis-url is given, an in-process Redis (fakeredis):
-    the whole pipeline with one command and nothing to set up. A run that is killed (or stopped with Ctrl-C)
-    keeps its finished results in OUTPUT.cbq-journal: the same command again runs only the rest. If FILE
-    changed meanwhile it refuses, unless --fresh.
+    the whole pipeline with one command and nothing to set up. A run that is killed (or stopped with Ctrl-C:
+    exit 130) keeps its finished results in OUTPUT.cbq-journal and leaves OUTPUT unwritten: the same command
+    again runs only the rest. If FILE changed meanwhile it refuses, unless --fresh.
+
+    Sampling flags (--max-new-tokens, --temperature, ...) are defaults, as in vLLM: a line's own value wins
+    (the run says so when lines override a flag). vLLM's flags are taken where they mean the same.
     """
+    if (file is None) == (input_file is None):
+        raise click.UsageError("give the input file once: FILE or -i/--input-file")
+    file = file or input_file
+    try:
+        _run(file, output, fresh, model, mode, device, fake_engine, engine_config, served_model_name_,
+             tool_call_parser, reasoning_parser, redis_url, queue, output_format, errors, chunk_size,
+             return_token_ids, log_level, progress_interval, strict, defaults, chat_template_kwargs, fake_latency)
+    except KeyboardInterrupt:  # before the worker's own handlers are in place (loading, validating)
+        click.echo("interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, served_model_name_,
+         tool_call_parser, reasoning_parser, redis_url, queue, output_format, errors, chunk_size,
+         return_token_ids, log_level, progress_interval, strict, defaults, chat_template_kwargs, fake_latency):
+    started_at = time.monotonic()
+    input_name = getattr(file, "name", None)
+    for path, hint in ((output, "-o/--output"), (errors, "--errors")):
+        if path is not None:
+            check_output_path(path, hint, input_name if isinstance(input_name, str) else None)
+    is_demo = warn_if_demo_model(fake_engine)
     client = Client(connection=open_redis(redis_url) if redis_url else in_process_redis(), queue=queue)
     reopen, _ = click.get_current_context().with_resource(reopenable_lines(file))
     served_name = served_model_name(model, served_model_name_)
     validated = client.validate(reopen, model=served_name)  # a line naming another model fails: model_not_found
     report_validation(validated, strict, "run")
-    if not validated.requests:
-        raise click.ClickException("no requests in the input")
+    if not validated.requests:  # as vLLM's run-batch: an empty output, exit 0
+        write_result_lines(output, iter(()), output_format, errors)
+        click.echo(f"no requests in the input: {output} is empty", err=True)
+        return
+    warn_overridden_defaults(validated, defaults)
     settings = {
         "model": served_name,
         "sampling": defaults.given(),
@@ -350,7 +429,7 @@ def run(
         if journal is not None and not journal.is_resumed:
             journal.remove()  # it holds nothing yet
         raise
-    click.echo(describe_engine(engine, model, served_name), err=True)
+    click.echo(describe_engine(engine, model, served_name) + (f" ({DEMO_MODEL_NOTE})" if is_demo else ""), err=True)
     output_parsing = choose_output_parsing(engine, tool_call_parser, reasoning_parser)
     try:
         batch = client.submit(
@@ -390,28 +469,59 @@ def run(
     demote_per_chunk_lines()
     try:
         cbq_worker.work(burst=True, logging_level=log_level)
+    except SystemExit:  # a second signal: cold stop (the chunks in flight were handed back)
+        if cbq_worker.stop_signum is None:
+            raise
     finally:
         progress.finish()
         if journal is not None:
             journal.close()
 
+    def summary() -> str:  # this run's rates over this run's time (not the journaled results')
+        status = batch.status()
+        seconds = max(progress.elapsed_seconds(), 1e-9)
+        this_run = status.model_copy(
+            update={
+                "requests_per_second": progress.num_done_here / seconds,
+                "completion_tokens_per_second": progress.num_output_tokens / seconds,
+            }
+        )
+        return format_status(this_run, _device_name(engine), wall_seconds=time.monotonic() - started_at)
+
+    status = batch.status()
+    if not status.is_done and journal is not None:  # OUTPUT stays unwritten: the journal has what finished
+        click.echo(summary(), err=True)
+        _stopped_early(
+            cbq_worker.stop_signum,
+            f"{journal.num_finished} of {num_total} results are kept in {journal.path} and {output} was not "
+            "written: run the same command to resume",
+        )
     lines = cast("Iterator[ResultLine | OpenAIBatchOutputLine]", batch.results(format=output_format, partial=True))
     write_result_lines(output, lines, output_format, errors)
     status = batch.status()
-    click.echo(format_status(status), err=True)
-    if not status.is_done:
-        kept = (
-            f"; finished results are kept in {journal.path}: run the same command to resume"
-            if journal
-            else ""
-        )
-        raise click.ClickException(
-            f"the worker stopped before the batch finished; partial results written{kept}"
-        )
+    click.echo(summary(), err=True)
+    if is_demo:
+        click.echo(f"({DEMO_MODEL_NOTE})", err=True)
+    if not status.is_done:  # only to stdout (-o -): there is no journal to resume from
+        _stopped_early(cbq_worker.stop_signum, "partial results written")
     if journal is not None:
         journal.remove()
     if status.num_failed:
         sys.exit(2)
+
+
+def _device_name(engine: Any) -> str:
+    """What ran the engine's steps, for the summary: "GPU" or "CPU" (the fake engine: "device")."""
+    kind = getattr(getattr(engine, "device", None), "type", None)
+    return {"cuda": "GPU", "cpu": "CPU"}.get(kind or "", "device")
+
+
+def _stopped_early(signum: int | None, what: str) -> None:
+    """End a run whose batch did not finish: exit 128 + the signal that stopped it (130 for Ctrl-C), else 1."""
+    if signum is None:
+        raise click.ClickException(f"the worker stopped before the batch finished; {what}")
+    click.echo(f"interrupted by {signal.Signals(signum).name} before the batch finished; {what}", err=True)
+    sys.exit(128 + signum)
 
 
 # EngineConfig fields that change what a run outputs: a journal written under other values is not resumed.

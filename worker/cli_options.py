@@ -19,6 +19,7 @@ from worker.engine.config import KV_CACHE_DTYPES, MODES, QUANTIZATIONS, EngineCo
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
 ENGINE_DEFAULTS = EngineConfig()  # help texts show these; flags left unset keep them
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,8 @@ def config_flags(*flags: ConfigFlag) -> Callable:
     def decorate(f: Callable) -> Callable:
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
-            given = {flag.config_field: flag.to_config(kwargs.pop(flag.param_name)) for flag in flags}
-            config = {**kwargs.pop("engine_config", {}), **{k: v for k, v in given.items() if v is not None}}
+            given = [(flag.config_field, flag.to_config(kwargs.pop(flag.param_name))) for flag in flags]
+            config = {**kwargs.pop("engine_config", {}), **{k: v for k, v in given if v is not None}}
             return f(*args, engine_config=config, **kwargs)
 
         for flag in reversed(flags):
@@ -160,9 +161,11 @@ engine_tuning_options = config_flags(
         ("--dtype", "dtype"),
         "dtype",
         {
-            "type": click.Choice(["auto", "bfloat16", "float16", "float32"]),
-            "help": f"Model dtype (default: {ENGINE_DEFAULTS.dtype}, i.e. bfloat16 on CUDA, float32 on CPU).",
+            "type": click.Choice(["auto", "bfloat16", "float16", "float32", *DTYPE_ALIASES]),
+            "help": f"Model dtype (default: {ENGINE_DEFAULTS.dtype}, i.e. bfloat16 on CUDA, float32 on CPU); "
+            "half and float are vLLM's spellings of float16 and float32.",
         },
+        to_config=lambda dtype: DTYPE_ALIASES.get(dtype, dtype),
     ),
     *GPU_MEMORY_FLAGS,
     *QUANTIZATION_FLAGS,
@@ -176,14 +179,28 @@ engine_tuning_options = config_flags(
         },
     ),
     ConfigFlag(
+        ("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching"),
+        "enable_prefix_caching",
+        {
+            "help": "Reuse the KV blocks of shared prompt prefixes (default), or compute every prompt whole "
+            "(vLLM's names; --no-prefix-caching is the same as the second).",
+        },
+    ),
+    ConfigFlag(
         ("--no-prefix-caching", "no_prefix_caching"),
         "enable_prefix_caching",
+        {"is_flag": True, "default": False, "hidden": True},
+        to_config=lambda no_caching: False if no_caching else None,
+    ),
+    ConfigFlag(
+        ("--enforce-eager", "enforce_eager"),
+        "use_cuda_graphs",
         {
             "is_flag": True,
             "default": False,
-            "help": "Compute every prompt whole instead of reusing the KV blocks of shared prefixes.",
+            "help": "Run decode steps eagerly instead of replaying CUDA graphs (as vLLM's; no effect on the CPU).",
         },
-        to_config=lambda no_caching: False if no_caching else None,
+        to_config=lambda eager: False if eager else None,
     ),
     DETERMINISTIC_FLAG,
     TENSOR_PARALLEL_FLAG,
@@ -207,20 +224,23 @@ def engine_options(f: Callable) -> Callable:
             ("--chat-template", "chat_template"),
             "chat_template",
             {
-                "type": click.File("r", encoding="utf-8"),
-                "help": "A Jinja chat template file, used instead of the tokenizer's (needed for chat lines when "
-                "the checkpoint has none: they fail otherwise).",
+                "metavar": "FILE-OR-TEMPLATE",
+                "callback": _chat_template_text,
+                "help": "A Jinja chat template, used instead of the tokenizer's (needed for chat lines when "
+                "the checkpoint has none: they fail otherwise): a file, or as in vLLM the template itself.",
             },
-            to_config=lambda file: file.read() if file is not None else None,
         )
     )(f)
     f = click.option(
         "--served-model-name",
         "served_model_name_",
-        default=None,
+        multiple=True,
+        callback=_one_served_name,
         help="The model name this worker serves (default: the checkpoint folder's name, or the preset or hub "
-        "name). Batches whose lines name a model go to that model's queue; outputs carry this name.",
+        "name). Batches whose lines name a model go to that model's queue; outputs carry this name. One name: "
+        "given twice, it is refused.",
     )(f)
+    f = _vllm_model_flags(f)
     f = click.option(
         "--fake-engine",
         is_flag=True,
@@ -241,9 +261,95 @@ def engine_options(f: Callable) -> Callable:
     f = click.option(
         "--model",
         envvar=MODEL_ENV,
+        is_eager=True,  # processed first: --tokenizer compares with it
         default=DEFAULT_MODEL,
         show_default=True,
         help=f"Engine preset name, local checkpoint folder or hub id (org/name). Env: {MODEL_ENV}.",
+    )(f)
+    return f
+
+
+def _chat_template_text(_ctx, _param, value: str | None) -> str | None:
+    """--chat-template's text: the file it names, else (as vLLM takes it) the value itself when it reads as a
+    Jinja template."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(f"cannot read {value}: {exc}") from None
+    if any(mark in value for mark in "{}\n"):  # as vLLM tells a template given inline from a path
+        return value
+    raise click.BadParameter(f"{value!r} is neither a file nor a Jinja template ({{{{ ... }}}} or {{% ... %}})")
+
+
+def _one_served_name(_ctx, _param, names: tuple[str, ...]) -> str | None:
+    distinct = list(dict.fromkeys(names))
+    if len(distinct) > 1:
+        raise click.BadParameter(
+            f"given {len(distinct)} names ({', '.join(distinct)}): a worker serves one model name; start one "
+            "worker per name",
+        )
+    return distinct[0] if distinct else None
+
+
+def _same_as_model(flag: str):
+    """A vLLM flag cbq takes only at vLLM's default, the model itself (cbq loads the checkpoint's own)."""
+
+    def check(ctx: click.Context, _param, value: str | None) -> None:
+        model = ctx.params.get("model")
+        if value is None or model is None or value == model:
+            return
+        if os.path.isdir(value) and os.path.isdir(model) and os.path.samefile(value, model):
+            return
+        raise click.ClickException(
+            f"{flag} {value}: cbq loads the tokenizer of --model ({model}); a different one is not supported: put "
+            "its files in a copy of the checkpoint folder and pass that as --model"
+        )
+
+    return check
+
+
+def _revision(_ctx, _param, value: str | None) -> None:
+    if value not in (None, "main"):
+        raise click.ClickException(
+            f"--revision {value}: cbq loads a hub model's main revision; to run {value!r}, download it first "
+            f"(huggingface-cli download NAME --revision {value} --local-dir DIR) and pass --model DIR"
+        )
+
+
+def _refuse_remote_code(_ctx, _param, value: bool) -> None:
+    if value:
+        from worker.engine.models.registry import MODULES  # only here: it imports torch
+
+        raise click.ClickException(
+            "--trust-remote-code: cbq never runs a checkpoint's own code; it runs its own implementation of "
+            f"these model types: {', '.join(sorted(MODULES))}"
+        )
+
+
+def _vllm_model_flags(f: Callable) -> Callable:
+    """vLLM's model-loading flags, taken where they mean the same in cbq and refused in one line where not."""
+    f = click.option(
+        "--trust-remote-code",
+        is_flag=True,
+        expose_value=False,
+        callback=_refuse_remote_code,
+        help="Refused: cbq runs its own implementation of each supported family, never a checkpoint's code.",
+    )(f)
+    f = click.option(
+        "--revision",
+        expose_value=False,
+        callback=_revision,
+        help="vLLM's hub revision: only main (the default); for another, download it and pass the folder.",
+    )(f)
+    f = click.option(
+        "--tokenizer",
+        expose_value=False,
+        callback=_same_as_model("--tokenizer"),
+        help="vLLM's tokenizer flag: accepted when it names the model itself (cbq loads the checkpoint's).",
     )(f)
     return f
 

@@ -17,7 +17,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.api import EngineRequest, EngineResult, EngineStats, ErrorCode, FinishReason, Usage
+from worker.engine.api import (
+    EngineRequest,
+    EngineResult,
+    EngineStats,
+    ErrorCode,
+    FinishReason,
+    Usage,
+    context_length_error,
+)
 from worker.engine.tokenizer import ByteTokenizer
 
 FAKE_GPU_SECONDS_PER_TOKEN = 1e-5  # a made-up device cost, so accounting code sees non-zero numbers
@@ -91,7 +99,7 @@ class FakeEngine:
         now = time.time()
         with self._lock:
             self.num_added += 1
-            if len(req.prompt_ids) >= self.max_model_len or not req.prompt_ids:
+            if context_length_error(req, self.max_model_len) or not req.prompt_ids:
                 self._done.append(self._error(req, now))
             else:
                 ready_at = now + self.latency_seconds if self.num_slots is None else math.inf
@@ -151,7 +159,7 @@ class FakeEngine:
         results = []
         with self._lock:
             for req in requests:
-                if len(req.prompt_ids) >= self.max_model_len or not req.prompt_ids:
+                if context_length_error(req, self.max_model_len) or not req.prompt_ids:
                     results.append(self._error(req, now))
                 else:
                     results.append(self._finish(_Pending(req, now, now), now, cancelled=False))
@@ -222,9 +230,7 @@ class FakeEngine:
 
     def _error(self, req: EngineRequest, now: float) -> EngineResult:
         n = len(req.prompt_ids)
-        message = (
-            "empty prompt" if n == 0 else f"prompt has {n} tokens; max_model_len is {self.max_model_len}"
-        )
+        message = "empty prompt" if n == 0 else context_length_error(req, self.max_model_len)
         return EngineResult(
             request_id=req.request_id,
             text="",

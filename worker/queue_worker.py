@@ -159,6 +159,7 @@ class CbqWorker(BaseWorker):
         self._stop_execution_ids: thread_queue.SimpleQueue[str] = thread_queue.SimpleQueue()
         self._started_at = time.time()
         self._is_suspended = False
+        self.stop_signum: int | None = None  # the first SIGINT/SIGTERM that stopped this worker, if one did
         self._next_at: dict[str, float] = defaultdict(float)  # periodic task -> next time.monotonic()
         self.num_jobs_admitted = 0
         self.num_jobs_finished = 0
@@ -580,6 +581,7 @@ class CbqWorker(BaseWorker):
 
     def request_stop(self, signum: Any, frame: Any) -> None:
         """First SIGINT/SIGTERM: stop admitting and drain what is in flight. A second one: cold stop."""
+        self.stop_signum = signum
         rq_adapter.request_warm_stop(self)
         signal.signal(signal.SIGINT, self.request_force_stop)
         signal.signal(signal.SIGTERM, self.request_force_stop)

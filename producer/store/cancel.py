@@ -10,7 +10,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from producer.store.reads import chunk_ranges, read_meta
+from producer.store.reads import chunk_ranges, get_status, read_meta
 from producer.store.writes import queue_results
 from schemas import keys
 from schemas.keys import BatchField
@@ -24,7 +24,11 @@ CANCEL_ATTEMPTS = 20  # WATCH retries when workers keep dequeuing while cancel l
 class CancelReport:
     batch_id: str
     num_chunks_dequeued: int  # removed from the queue before any worker took them
-    num_requests_cancelled: int  # written as cancelled right away; running ones follow as workers abort them
+    # Every request without a result when cancel ran: those of dequeued chunks, written as cancelled right
+    # away, and `num_requests_aborting`, which workers hold (running, or waiting in their engine).
+    num_requests_cancelled: int
+    num_requests_aborting: int = 0
+    already_finished: bool = False  # every request had its result: nothing was changed
 
 
 def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
@@ -36,6 +40,9 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
        So a chunk is owned either by a worker or by cancel, and a crash leaves nothing half-cancelled.
     """
     meta = read_meta(conn, batch_id)
+    already_cancelled = BatchField.CANCELLED_AT.value in meta  # cancel again: complete what the first began
+    if not already_cancelled and get_status(conn, batch_id).is_done:  # a finished batch stays as it ended
+        return CancelReport(batch_id, 0, 0, already_finished=True)
     ttl_seconds = int(meta[BatchField.TTL_SECONDS.value])
     with conn.pipeline(transaction=True) as pipe:
         pipe.set(keys.batch_cancel(batch_id), "1", ex=ttl_seconds)
@@ -52,7 +59,7 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
                 queued = {job_id.decode(errors="replace") for job_id in pipe.lrange(queue.key, 0, -1)}
                 owned = [job_id for job_id in ranges if job_id in queued]
                 if not owned:
-                    return CancelReport(batch_id, 0, 0)
+                    return _with_aborting(conn, CancelReport(batch_id, 0, 0))
                 results = _cancelled_results(conn, batch_id, [i for j in owned for i in range(*ranges[j])])
                 jobs = [
                     j
@@ -67,10 +74,20 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> CancelReport:
                         job.cancel(pipeline=pipe)
                 queue_results(pipe, batch_id, ttl_seconds, results)
                 pipe.execute()
-                return CancelReport(batch_id, len(owned), len(results))
+                return _with_aborting(conn, CancelReport(batch_id, len(owned), len(results)))
             except redis.WatchError:
                 continue  # a worker took a chunk meanwhile: look again
     raise RuntimeError(f"could not cancel batch {batch_id}: the queue kept changing; run cancel again")
+
+
+def _with_aborting(conn: redis.Redis, report: CancelReport) -> CancelReport:
+    """`report` with the requests still without a result after the queued ones were written: the workers
+    holding them abort them."""
+    status = get_status(conn, report.batch_id)
+    aborting = status.num_total - status.num_finished
+    report.num_requests_aborting = aborting
+    report.num_requests_cancelled += aborting
+    return report
 
 
 def _cancelled_results(conn: redis.Redis, batch_id: str, indices: list[int]) -> list[ResultLine]:

@@ -410,7 +410,7 @@ def test_worker_metrics_move_with_a_batch(stack, client, tmp_path):
 
 
 def test_cancel_stops_a_running_batch(client, tmp_path):
-    lines = openai_lines(32, max_tokens=1000, ignore_eos=True)
+    lines = openai_lines(32, max_tokens=900, ignore_eos=True)  # long, within the 1,024-token context
     uploaded = client.files.create(
         file=write_jsonl(tmp_path / "long.jsonl", lines).open("rb"), purpose="batch"
     )

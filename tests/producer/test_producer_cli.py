@@ -127,7 +127,13 @@ def test_status_results_and_cancel_without_a_worker(cbq, conn, tmp_path):
     assert cbq("results", batch_id, "--partial").stdout == ""
 
     cancelled = json.loads(cbq("cancel", batch_id, "--json").stdout)
-    assert cancelled == {"batch_id": batch_id, "num_chunks_dequeued": 3, "num_requests_cancelled": 5}
+    assert cancelled == {
+        "batch_id": batch_id,
+        "num_chunks_dequeued": 3,
+        "num_requests_cancelled": 5,
+        "num_requests_aborting": 0,
+        "already_finished": False,
+    }
     assert queue_count(conn) == 0
     status = json.loads(cbq("status", batch_id, "--json").stdout)
     assert (status["num_cancelled"], status["state"]) == (5, "cancelled")
@@ -293,3 +299,16 @@ def test_result_files_keep_one_line_per_result_when_text_holds_line_separators(t
     assert write_result_lines(str(out), lines, "cbq") == (4, 0)
     written = out.read_text(encoding="utf-8")
     assert [json.loads(line)["text"] for line in written.splitlines()] == texts
+
+
+def test_submit_notes_the_sampling_flags_that_lines_override(cbq, tmp_path):
+    lines = [{"prompt": "a", "max_tokens": 3, "temperature": 0.5}, {"prompt": "b", "temperature": 0.7}, {"prompt": "c"}]
+    result = cbq("submit", write_jsonl(tmp_path, lines), "--max-new-tokens", "8", "--temperature", "0.7")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: --max-new-tokens 8 is a default: 1 line(s) give their own max_new_tokens (or max_tokens), which wins",
+        "note: --temperature 0.7 is a default: 1 line(s) give their own temperature, which wins",
+    ]
+    quiet = cbq("submit", write_jsonl(tmp_path, lines, "b.jsonl"))
+    assert quiet.exit_code == 0 and "note:" not in quiet.stderr

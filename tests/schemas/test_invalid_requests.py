@@ -25,7 +25,7 @@ FORMAT_ERRORS = {
     "empty custom_id": openai({"prompt": "x"}, "/v1/completions", custom_id=""),
     "a native custom_id too long": {"prompt": "x", "custom_id": "c" * 513},
     "wrong method": openai(CHAT, method="GET"),
-    "wrong url": openai(CHAT, url="/v1/moderations"),
+    "wrong url and no custom_id": {"method": "POST", "url": "/v1/moderations", "body": CHAT},
     "body not an object": openai("x"),
     "unknown envelope key": openai(CHAT, extra=1),
 }
@@ -37,6 +37,7 @@ INVALID_REQUESTS = {
     "unsupported": (openai({**CHAT, "audio": {"voice": "x"}}), "audio", "unsupported_parameter"),
     "bad message": (openai({"messages": [{"role": "robot", "content": "x"}]}), "messages[0].role", "invalid_value"),
     "native line": ({"prompt": "x", "custom_id": "n1", "top_p": 0}, "top_p", "invalid_value"),
+    "a url cbq does not serve": (openai(CHAT, url="/v1/moderations"), "url", "invalid_value"),  # as vLLM's run-batch
 }
 
 

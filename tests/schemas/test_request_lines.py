@@ -338,9 +338,24 @@ def openai_line(body, url="/v1/completions", **envelope):
         ),
         (openai_line({"prompt": "x", "tools": TOOLS}), "line 7: body.tools: unknown or unsupported field"),
         (
-            openai_line({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}, "/v1/chat/completions"),
-            "line 7: body.reasoning_effort: cbq does not support reasoning_effort (an open model's thinking is a switch "
-            'in its chat template: give chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3) yet',
+            openai_line({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, "/v1/chat/completions"),
+            "line 7: body.reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium' or 'high'",
+        ),
+        (
+            openai_line({"prompt": "x", "reasoning_effort": "low"}),  # a chat template's variable: chats only
+            "line 7: body.reasoning_effort: unknown or unsupported field",
+        ),
+        (
+            openai_line(
+                {
+                    "messages": [{"role": "user", "content": "x"}],
+                    "tools": TOOLS,
+                    "tool_choice": NAMED("f"),
+                    "guided_regex": "a+",
+                },
+                "/v1/chat/completions",
+            ),
+            "line 7: body: give structured_outputs (or guided_*) or a forced tool call, not both",
         ),
         (
             openai_line({"prompt": "x", "stream_options": {"include_usage": True}}),
@@ -382,8 +397,8 @@ def openai_line(body, url="/v1/completions", **envelope):
             "line 7: body: give max_tokens or max_completion_tokens, not both",
         ),
         (
-            openai_line({"prompt": "x"}, url="/v1/moderations"),
-            "line 7: url: Input should be '/v1/completions', '/v1/chat/completions', '/v1/responses' or '/v1/embeddings'",
+            openai_line({"prompt": "x"}, url="/v1/moderations"),  # fails alone (InvalidRequest), as in vLLM
+            "line 7: url: cbq serves /v1/completions, /v1/chat/completions, /v1/responses and /v1/embeddings, not '/v1/moderations'",
         ),
         (openai_line({"prompt": "x"}, method="GET"), "line 7: method: Input should be 'POST'"),
         (
@@ -406,3 +421,18 @@ def test_error_carries_line_field_and_all_issues():
     assert error.message == "Input should be greater than or equal to 0"
     assert [i.field for i in error.issues] == ["temperature", "top_p"]
     assert str(error).splitlines()[1] == "line 12: top_p: Input should be less than or equal to 1"
+
+
+def test_vllm_spellings_on_cbq_lines():
+    from schemas.errors import InvalidRequest
+    from schemas.lines import parse_request_line
+
+    line = parse_request_line('{"prompt": "a", "max_tokens": 3, "top_k": -1}', 1)
+    assert line.overrides.given() == {"max_new_tokens": 3, "top_k": 0}  # -1: no top-k, as vLLM's
+    chat = parse_request_line('{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0, "prompt_logprobs": 1}', 1)
+    assert chat.overrides.max_new_tokens == 0
+    body = '{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "top_k": -1}}'
+    assert parse_request_line(body, 1).overrides.top_k == 0
+    for bad in ('{"prompt": "a", "max_tokens": 3, "max_new_tokens": 3}', '{"prompt": "a", "top_k": -2}'):
+        with pytest.raises(InvalidRequest):
+            parse_request_line(bad, 1)

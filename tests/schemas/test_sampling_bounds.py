@@ -129,4 +129,4 @@ def test_the_docs_have_the_generated_field_table_and_it_lists_every_field():
 
 def test_the_field_table_reads_its_bounds_from_the_limits(monkeypatch):
     monkeypatch.setattr(limits, "MAX_TOP_K", 12_345)
-    assert "| `top_k` | generation_config's, else 0 (no cut) | 0 to 12,345 |" in field_table()
+    assert "| `top_k` | generation_config's, else 0 (no cut) | 0 to 12,345; -1 (vLLM's no cut) is 0 |" in field_table()

@@ -38,7 +38,7 @@ def test_context_length_caps_output_and_too_long_prompts_are_errors():
         [req("a", max_new_tokens=10), req("b", prompt="x" * 13), req("c", prompt="")]
     )
     assert capped.usage.completion_tokens == 2 and capped.finish_reason == FinishReason.LENGTH
-    assert too_long.finish_reason == FinishReason.ERROR and "max_model_len is 13" in too_long.error
+    assert too_long.finish_reason == FinishReason.ERROR and "the context is 13 tokens" in too_long.error
     assert empty.finish_reason == FinishReason.ERROR and empty.error == "empty prompt"
 
 

@@ -137,6 +137,7 @@ def test_cancel_aborts_running_requests(cbq, conn, write_jsonl):
     _wait_until(lambda: store.get_status(conn, batch_id).num_running == 20)
     report = json.loads(cbq("cancel", batch_id, "--json").stdout)
     assert report["num_chunks_dequeued"] == 0  # the worker owns all three chunks
+    assert (report["num_requests_cancelled"], report["num_requests_aborting"]) == (20, 20)  # requests, not chunks
     thread.join(timeout=10)
     assert not thread.is_alive()
     lines = results_of(cbq, batch_id)
@@ -145,6 +146,19 @@ def test_cancel_aborts_running_requests(cbq, conn, write_jsonl):
     assert (status.num_cancelled, status.state) == (20, "cancelled")
     job = Job.fetch(keys.chunk_job_id(batch_id, 0), connection=conn, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FINISHED and job.return_value()["num_cancelled"] == 8
+
+
+def test_cancel_of_a_finished_batch_changes_nothing_and_says_so(cbq, conn, burst_worker, write_jsonl):
+    batch_id = submit(cbq, write_jsonl, mixed_requests(4), "--chunk-size", "2")
+    burst_worker()
+    before = store.get_status(conn, batch_id)
+    assert before.state == "done"
+    text = cbq("cancel", batch_id)
+    assert text.exit_code == 0 and "had already finished: nothing to cancel" in text.stdout
+    report = json.loads(cbq("cancel", batch_id, "--json").stdout)
+    assert report["already_finished"] and report["num_requests_cancelled"] == 0
+    after = store.get_status(conn, batch_id)
+    assert (after.state, after.cancelled_at, after.num_completed) == ("done", None, before.num_completed)
 
 
 def test_rq_stop_execution_command_stops_one_chunk(cbq, conn, write_jsonl):
@@ -324,7 +338,7 @@ def test_failing_requests_do_not_take_down_the_worker(cbq, conn, burst_worker, w
     burst_worker(FakeEngine(max_model_len=50, raise_on_prompt_substring="boom"))
     lines = results_of(cbq, batch_id)
     assert [r["finish_reason"] for r in lines] == ["length", "error", "error", "error", "length"]
-    assert lines[1]["error"] == "prompt has 100 tokens; max_model_len is 50"
+    assert lines[1]["error"].startswith("prompt has 100 tokens; the context is 50 tokens")
     assert "FakeEngine told to fail" in lines[2]["error"]
     status = store.get_status(conn, batch_id)
     assert (status.num_completed, status.num_failed) == (2, 3)
@@ -443,7 +457,8 @@ def test_cancel_racing_a_worker_dequeue_never_double_owns_a_chunk(cbq, conn, wri
     monkeypatch.setattr(store.cancel.Job, "fetch_many", fetch_many_while_a_worker_dequeues)
     report = store.cancel_batch(conn, batch_id)
     assert taken and taken[0] is not None
-    assert report.num_chunks_dequeued == 2 and report.num_requests_cancelled == 6
+    assert report.num_chunks_dequeued == 2
+    assert (report.num_requests_cancelled, report.num_requests_aborting) == (9, 3)  # 3 are the worker's to abort
     assert conn.llen(queue_key) == 0
     cancelled = {
         r.index for r in store.iter_results(conn, batch_id, partial=True) if r.finish_reason == "cancelled"

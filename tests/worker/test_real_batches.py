@@ -92,6 +92,9 @@ def test_an_openai_batch_file_runs_unedited_and_parses_with_openai_types(llama3,
             assert records and all(len(r.top_logprobs) == 2 for r in records if hasattr(r, "top_logprobs"))
             if isinstance(parsed, ChatCompletion):
                 assert b"".join(bytes(r.bytes) for r in records).decode() == text
+        if "structured_outputs" in request:  # vLLM's fields: its constraint, and the token ids it asked for
+            assert text in request["structured_outputs"]["choice"] and choice.finish_reason == "stop"
+            assert body["choices"][0]["token_ids"] and len(body["choices"][0]["token_ids"]) <= request["max_tokens"]
         if "json_schema" in request.get("response_format", {}):
             assert choice.finish_reason == "stop"
             jsonschema.validate(json.loads(text), request["response_format"]["json_schema"]["schema"])

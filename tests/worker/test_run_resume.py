@@ -87,6 +87,37 @@ def test_a_run_killed_with_sigkill_resumes_and_writes_every_request_once(input_f
     assert not journal.exists()  # removed after success
 
 
+def test_ctrl_c_exits_130_leaves_no_output_and_resumes(input_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    journal = Path(str(out) + JOURNAL_SUFFIX)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "run", str(input_file), "-o", str(out), *SLOW],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while journal_lines(journal) < 1 + 20 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before Ctrl-C: {proc.stderr.read().decode()[-2000:]}"
+        os.kill(proc.pid, signal.SIGINT)
+        stderr = proc.communicate(timeout=60)[1].decode()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted by SIGINT before the batch finished" in stderr
+    assert not out.exists() and not list(tmp_path.glob("*.tmp*"))  # no partial output at the final path
+    num_journaled = journal_lines(journal) - 1
+    assert 20 <= num_journaled < NUM_REQUESTS and f"{num_journaled} of {NUM_REQUESTS} results are kept" in stderr
+
+    result = run_cbq(input_file, "-o", out, *FAST)
+    assert result.exit_code == 0, result.output
+    assert f"{num_journaled} done by the interrupted run" in result.stderr
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == list(range(NUM_REQUESTS))
+
+
 def interrupted_journal(input_file: Path, out: Path, num_kept: int, monkeypatch) -> Path:
     """The journal a run leaves when killed after `num_kept` results: a finished run's (kept, not removed),
     cut after its first `num_kept` results."""
@@ -162,3 +193,35 @@ def test_progress_lines_plain_and_on_a_terminal():
     progress.finish()
     assert tty.getvalue().startswith("\r\x1b[2K") and tty.getvalue().endswith("ETA 0 s\n")
     assert tty.getvalue().count("\n") == 1
+
+
+def test_after_a_resume_the_rates_count_only_this_runs_work(input_file, tmp_path, monkeypatch):
+    out = tmp_path / "out.jsonl"
+    interrupted_journal(input_file, out, 110, monkeypatch)
+    # 10 requests left, 4 at a time for 0.2 s each: at least 0.6 s, so at most 10 / 0.6 = 17 req/s here; the
+    # 120 results over this run's time would read 120 / 0.6 = 200 req/s or so.
+    slow = ["--fake-engine", "--fake-latency", "0.2", "--max-num-seqs", "4", "--chunk-size", "8"]
+    result = run_cbq(input_file, "-o", out, *slow)
+    assert result.exit_code == 0, result.output
+    rate_line = next(line for line in result.stderr.splitlines() if line.startswith("  rate "))
+    requests_per_second = float(rate_line.split()[1])
+    completion_tok_per_second = float(rate_line.split()[3])
+    assert 0 < requests_per_second <= 17, rate_line
+    assert 0 < completion_tok_per_second <= 4 * 17, rate_line  # 4 tokens a request
+    assert " wall " in rate_line and "device 0." in result.stderr  # the fake engine: no device name
+
+
+def test_the_eta_waits_for_a_rate_worth_extrapolating():
+    now = [100.0]
+    result = ResultLine(index=0, finish_reason="stop", usage=Usage(completion_tokens=1))
+    progress = RunProgress(1000, stream=io.StringIO(), is_tty=False, interval_seconds=1e9, clock=lambda: now[0])
+    now[0] += 5.0  # loading and the first prefills: no results yet
+    progress.update([result])
+    assert progress.line().endswith("ETA -")  # one early result says nothing about the rate
+    now[0] += 1.0
+    progress.update([result] * 99)
+    assert progress.line().endswith("ETA -")  # still warming up
+    now[0] += 2.0  # 3 s since the first result, 99 more done since: 33 a second
+    assert progress.line().endswith("ETA 27 s"), progress.line()  # 900 / 33 a second; not 900 * 8 s / 100 = 72 s
+    progress.update([result] * 900)
+    assert progress.line().endswith("ETA 0 s")

@@ -202,6 +202,29 @@ class EngineRequest:
     # Parallel samples of this prompt. They share its KV blocks; sample i draws from a stream derived from
     # (seed, i) (`sampler.sample_seed`), sample 0 from the seed itself, so n = 1 gives sample 0.
     n: int = 1
+    # OpenAI's and vLLM's servers: a token limit that does not fit the context after the prompt refuses the
+    # request (400, context_length_exceeded). Otherwise the limit is capped by the context.
+    max_tokens_within_context: bool = False
+    # vLLM's: requests share cached prompt blocks only with requests of the same salt (None: no salt).
+    cache_salt: str | None = None
+
+
+def context_length_error(req: EngineRequest, max_model_len: int) -> str | None:
+    """Why `req` cannot run in a context of `max_model_len` tokens (ErrorCode.CONTEXT_LENGTH_EXCEEDED), or
+    None: a prompt that leaves no token to generate, or a strict token limit past the context."""
+    n = len(req.prompt_ids)
+    if n >= max_model_len:
+        return (
+            f"prompt has {n} tokens; the context is {max_model_len} tokens and at least one must be left for "
+            "generation"
+        )
+    wanted = req.sampling.max_new_tokens
+    if req.max_tokens_within_context and wanted is not None and n + wanted > max_model_len:
+        return (
+            f"the model's context length is {max_model_len} tokens, and the request asks for {n + wanted} "
+            f"({n} in the prompt, max_tokens {wanted}): lower max_tokens or shorten the prompt"
+        )
+    return None
 
 
 @dataclass

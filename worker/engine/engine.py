@@ -20,6 +20,7 @@ masks depend on those tokens (grammar.py): launch N+1's forward, process N, then
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import queue
 import threading
@@ -42,6 +43,7 @@ from .api import (
     SampleOutput,
     TokenizerProtocol,
     Usage,
+    context_length_error,
 )
 from .block_manager import BlockManager
 from .config import EngineConfig, context_len
@@ -469,12 +471,9 @@ class Engine:
         n = len(req.prompt_ids)
         if n == 0:
             return "empty prompt: at least one token is needed", ErrorCode.INVALID_PROMPT
-        if n >= self.max_model_len:
-            message = (
-                f"prompt has {n} tokens; the context is {self.max_model_len} tokens and at least one "
-                "must be left for generation"
-            )
-            return message, ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        too_long = context_length_error(req, self.max_model_len)
+        if too_long:
+            return too_long, ErrorCode.CONTEXT_LENGTH_EXCEEDED
         vocab = self.model.config.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
@@ -508,6 +507,7 @@ class Engine:
                 sampling,
                 sample_seed(seed & 0x7FFFFFFF, i),
                 sample_index=i,
+                kv_namespace=_kv_namespace(req.cache_salt),
                 arrival_time=arrival_time,
                 matcher=matchers[i],
             )
@@ -626,3 +626,11 @@ def _num_samples(req: EngineRequest) -> int:
     """What `req` counts against capacity; an invalid `n` (rejected at once) counts as 1."""
     valid = isinstance(req.n, int) and 1 <= req.n <= MAX_SAMPLES_PER_REQUEST
     return req.n if valid else 1
+
+
+def _kv_namespace(cache_salt: str | None) -> bytes:
+    """The root of a request's block hash chain (`Sequence.kv_namespace`): its cache salt's, so requests of
+    different salts never share a cached block (the salt is hashed, so no salt spells another's chain)."""
+    if cache_salt is None:
+        return b""
+    return b"salt:" + hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()

@@ -4,6 +4,11 @@ Stop strings are found by decoding only a tail window of the output each step (c
 the window holds enough tokens for the longest stop string because most tokens decode to at least
 one byte (it widens when some decode to nothing). The final text is cut just before the first
 occurrence.
+
+As transformers' `StopStringCriteria` matches stop strings against the tokens' own strings, special tokens
+included, a stop string also stops when it spans part of a special token's text that the output leaves out
+(`skip_special_tokens`): "end<|im" stops on "end" followed by `<|im_end|>`. The text is then cut where the
+stop string began.
 """
 
 from __future__ import annotations
@@ -35,15 +40,28 @@ def check_stop(
 
 def _tail_has_stop_string(seq: Sequence, tokenizer) -> bool:
     stop = seq.sampling.stop
+    if _tail_text_has(stop, seq.output_ids, seq.sampling.skip_special_tokens, seq.sampling, tokenizer):
+        return True
+    # the special tokens' text too, as transformers matches stop strings (see the module docstring)
+    return seq.sampling.skip_special_tokens and _tail_text_has(stop, seq.output_ids, False, seq.sampling, tokenizer)
+
+
+def _tail_text_has(stop: tuple[str, ...], ids: list[int], skip_special: bool, params, tokenizer) -> bool:
     window = max(len(s.encode("utf-8")) for s in stop) + _WINDOW_SLACK_TOKENS
-    tail = decode(seq.output_ids[-window:], seq.sampling, tokenizer)
+    tail = _decode(ids[-window:], skip_special, params, tokenizer)
     # NOTE: some ids decode to nothing (special tokens, the byte tokenizer's unused ids), so a window of
     # tokens can hold too little text: widen it until the tail is long enough or covers the whole output.
     min_chars = max(len(s) for s in stop) + _WINDOW_SLACK_TOKENS
-    while len(tail) < min_chars and window < len(seq.output_ids):
+    while len(tail) < min_chars and window < len(ids):
         window *= 2
-        tail = decode(seq.output_ids[-window:], seq.sampling, tokenizer)
+        tail = _decode(ids[-window:], skip_special, params, tokenizer)
     return any(s in tail for s in stop)
+
+
+def _decode(ids: list[int], skip_special: bool, params: SamplingParams, tokenizer) -> str:
+    return tokenizer.decode(
+        ids, skip_special_tokens=skip_special, spaces_between_special_tokens=params.spaces_between_special_tokens
+    )
 
 
 def special_stop_token_ids(stop: tuple[str, ...], tokenizer) -> dict[str, int]:
@@ -67,7 +85,8 @@ def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
     """Decoded output without a final stop token, cut before the first stop string (after it, with
     `include_stop_str_in_output`)."""
     params = seq.sampling
-    text = decode(seq.output_ids[: num_text_tokens(seq.output_ids, params, eos_token_ids)], params, tokenizer)
+    text_ids = seq.output_ids[: num_text_tokens(seq.output_ids, params, eos_token_ids)]
+    text = decode(text_ids, params, tokenizer)
     if params.stop:
         # NOTE: a stop string inside the first min_tokens tokens did not stop the output: search after them.
         skip = len(decode(seq.output_ids[: params.min_tokens], params, tokenizer)) if params.min_tokens else 0
@@ -75,7 +94,29 @@ def final_text(seq: Sequence, eos_token_ids: frozenset[int], tokenizer) -> str:
         if found:
             cut, stop = min(found)
             text = text[: cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
+        elif params.skip_special_tokens:
+            text = _cut_in_special_text(text_ids, params, tokenizer, text)
     return text
+
+
+def _cut_in_special_text(ids: list[int], params: SamplingParams, tokenizer, text: str) -> str:
+    """`text` cut where a stop string begins that only the text with special tokens spells (it spans part of
+    a special token's text), or `text` as it is."""
+    raw = _decode(ids, False, params, tokenizer)
+    skip = len(_decode(ids[: params.min_tokens], False, params, tokenizer)) if params.min_tokens else 0
+    found = [(i, s) for i, s in ((raw.find(s, skip), s) for s in params.stop) if i >= 0]
+    if not found:
+        return text
+    cut, stop = min(found)
+    # The stop string ends at the last tokens (it stopped the output there): walk back to the tokens wholly
+    # before it, then add what a visible token cut by it shows before the cut.
+    num_before = len(ids)
+    while num_before > 0 and len(_decode(ids[:num_before], False, params, tokenizer)) > cut:
+        num_before -= 1
+    kept = decode(ids[:num_before], params, tokenizer)
+    if num_before < len(ids) and decode(ids[num_before : num_before + 1], params, tokenizer):
+        kept += raw[len(_decode(ids[:num_before], False, params, tokenizer)) : cut]
+    return kept + stop if params.include_stop_str_in_output else kept
 
 
 def decode(ids: list[int], params: SamplingParams, tokenizer) -> str:

@@ -213,3 +213,24 @@ def test_blocks_of_a_failed_step_are_never_shared(llama):
     assert got.token_ids == want.token_ids
     assert got.usage.cached_tokens == 32
     assert_clean(engine)
+
+
+def test_a_cache_salt_keeps_requests_from_sharing_cached_blocks():
+    """vLLM's cache_salt: a prompt's cached blocks serve only requests with the same salt (and no salt only
+    requests without one); the output is the same either way."""
+    engine = Engine.from_model("tiny-llama", device="cpu", dtype="float32", mode="sync")
+    prompt = [1] + list(range(10, 10 + 47))  # two full blocks and a partial one
+
+    def cached(request_id: str, salt: str | None) -> tuple[int, list[int]]:
+        [result] = engine.generate(
+            [EngineRequest(request_id, prompt, SamplingParams(max_new_tokens=2), cache_salt=salt)]
+        )
+        return result.usage.cached_tokens, result.token_ids
+
+    first_cached, first_ids = cached("a", None)
+    assert first_cached == 0
+    assert cached("b", None)[0] == 32  # same prompt, no salt: both full blocks are hits
+    salted, salted_ids = cached("c", "tenant-1")
+    assert salted == 0 and salted_ids == first_ids
+    assert cached("d", "tenant-1")[0] == 32
+    assert cached("e", "tenant-2")[0] == 0

@@ -228,3 +228,23 @@ def test_engine_context_length_gives_length(llama, base, mode):
     res = rerun(llama, mode, prompt, max_model_len=max_model_len, ignore_eos=True)
     assert res.finish_reason == FinishReason.LENGTH
     assert res.token_ids == out[:6], "prompt + output fill the context exactly"
+
+
+def test_a_stop_string_spanning_part_of_a_special_tokens_text_stops_as_in_transformers():
+    # "<pad>" is a special token: decoding leaves it out, so "end<pa" never shows in the text, but
+    # transformers' StopStringCriteria matches the tokens' own strings, specials included.
+    out = ids_of("the end") + [TOK.pad_token_id] + ids_of(" more")
+    reason, n = run_check(out, stop=("end<pa",))
+    assert (reason, n) == (FinishReason.STOP, len(ids_of("the end")) + 1)
+    assert final_text(seq_with(out[:n], stop=("end<pa",)), EOS_IDS, TOK) == "the "
+    assert final_text(seq_with(out[:n], stop=("end<pa",), include_stop_str_in_output=True), EOS_IDS, TOK) == (
+        "the end<pa"
+    )
+    assert final_text(seq_with(out[:n], stop=("d<pad",)), EOS_IDS, TOK) == "the en"  # cut inside a token's text
+    # A stop string inside the special token's text alone stops on that token.
+    assert run_check(out, stop=("pad>",)) == (FinishReason.STOP, len(ids_of("the end")) + 1)
+    assert final_text(seq_with(out[:n], stop=("pad>",)), EOS_IDS, TOK) == "the end"
+    # With the special tokens kept in the text, that text is what is matched, as before.
+    kept = seq_with(out[:n], stop=("end<pa",), skip_special_tokens=False)
+    assert final_text(kept, EOS_IDS, TOK) == "the "
+    assert run_check(ids_of("the end more"), stop=("end<pa",)) == (None, len(ids_of("the end more")))
