@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import fakeredis
 import pytest
@@ -18,6 +19,24 @@ from tests.reliability.harness import RedisServer
 
 
 def pytest_configure(config):
+    _share_the_cores_between_xdist_workers()
+    _cap_the_gpu_share()
+
+
+def _share_the_cores_between_xdist_workers() -> None:
+    """Under pytest-xdist (`-n N`), each of the N worker processes would start one torch (OpenMP) thread per
+    core, N times as many busy threads as cores; each worker, and the processes its tests start, get their
+    share of the cores instead. OMP_NUM_THREADS set by hand wins."""
+    num_workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not num_workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // int(num_workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # read by torch when it loads, here and in subprocesses
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def _cap_the_gpu_share() -> None:
     """CBQ_TEST_GPU_SHARE=f (0 < f <= 1): this test process takes at most that share of the GPU, so that several
     groups of the `gpu` suite run side by side on one device (benchmarks/run_gpu.sh's `suite` stage): PyTorch's
     allocator is capped at the share, and an engine sizes its KV cache from the share (of the device's total,

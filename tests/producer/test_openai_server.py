@@ -34,6 +34,7 @@ pytestmark = pytest.mark.redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-2"
+STARTUP_S = 120.0  # for the server and the worker to come up
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
 
 
@@ -103,8 +104,15 @@ def stack(tmp_path_factory, private_redis_url):
         stderr=subprocess.STDOUT,
     )
     try:
-        _wait_for("the server", lambda: _get(f"http://127.0.0.1:{port}/health"), [server])
-        _wait_for("the worker's metrics", lambda: _get(f"http://127.0.0.1:{metrics_port}/metrics"), [worker])
+        # Starting means importing torch and loading a model: over 30 s on a loaded 2-core machine, with the
+        # suite's other worker processes beside it.
+        _wait_for("the server", lambda: _get(f"http://127.0.0.1:{port}/health"), [server], timeout=STARTUP_S)
+        _wait_for(
+            "the worker's metrics",
+            lambda: _get(f"http://127.0.0.1:{metrics_port}/metrics"),
+            [worker],
+            timeout=STARTUP_S,
+        )
         yield Stack(
             f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{metrics_port}/metrics", queue, conn, env
         )

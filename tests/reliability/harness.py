@@ -54,29 +54,44 @@ class RedisServer:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
+        self.has_run = False  # once it has, the port and the URL the tests hold stay
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                *(("--appendonly", "yes", "--appendfsync", "always") if self.durable else ("--appendonly", "no")),
-                "--dir",
-                str(self.data_dir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(self.answers, timeout=10)
+        """Start the server (again, after a kill: same port, same data) and wait until it answers. Tests run
+        in parallel processes, so another one may bind the free port first: then this server exits at once,
+        and on its first start takes another port; a server on the port that is not ours never counts."""
+        for _ in range(5):
+            proc = self.proc = subprocess.Popen(
+                [
+                    "redis-server",
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    *(("--appendonly", "yes", "--appendfsync", "always") if self.durable else ("--appendonly", "no")),
+                    "--dir",
+                    str(self.data_dir),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            wait_until(lambda proc=proc: proc.poll() is not None or self.answers(), timeout=10)
+            if proc.poll() is None:
+                self.has_run = True
+                return
+            if self.has_run:
+                raise AssertionError(f"redis-server exited ({proc.returncode}) on restart: port {self.port} taken")
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+        raise AssertionError("redis-server found no free port in 5 tries")
 
     def answers(self) -> bool:
+        """This object's server (not another process's on the same port) answers."""
         try:
-            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.2).ping())
+            conn = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+            return self.proc is not None and conn.info("server")["process_id"] == self.proc.pid
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             return False
 

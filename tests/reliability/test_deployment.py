@@ -1,7 +1,7 @@
 """docker-compose.yml (issue 10, deployment): every cbq command it runs, or tells the reader to run, exists in the
 CLI with those options, and the stack keeps its data: Redis with an fsynced append-only file on a named volume,
 not on the host's 6379, restart policies and healthchecks, a GPU worker by default, a non-root image.
-(`.ci/run` also validates the file with `docker-compose config`.)"""
+(test_compose_gpu_host.py also validates the file against the compose-spec JSON schema.)"""
 
 from __future__ import annotations
 
