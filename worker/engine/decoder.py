@@ -1,5 +1,5 @@
 """The owned decoder: cbq's own forward over the paged KV cache, for every family whose declaration
-(models/spec.py) it implements. `unimplemented` checks each declared property against what this file
+(families/spec.py) it implements. `unimplemented` checks each declared property against what this file
 computes, so a family that declares anything else keeps transformers' forward ("auto") or is refused ("owned").
 
 Every family the gate passes takes the Triton kernels below on CUDA, the declaration read as kernel flags (no
@@ -62,25 +62,18 @@ import torch.nn.functional as F
 from . import deterministic as invariant
 from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
+from .families.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan, longrope_original_len
 from .fused_weights import LayerWeights, fold_norms, layer_weights, submodule
 from .kernels import decode_gemm
 from .kernels import fused as fk
 from .kv_cache import head_dim_of
-from .layer_ops import (
-    ACTIVATIONS,
-    NORM_MATH,
-    NORMS,
-    QK_NORM_SPANS,
-    fp8_rows_args,
-    layer_ops,
-)
+from .layer_ops import ACTIVATIONS, NORM_MATH, NORMS, QK_NORM_SPANS, fp8_rows_args, layer_ops
 from .models import ModelLoadError, family_for
-from .models.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan, longrope_original_len
+from .models.moe_from_model import moe_layer_weights
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
-from .moe.from_model import moe_layer_weights
 
 if TYPE_CHECKING:
-    from .parallel.shard_build import TensorParallel
+    from .layers.tensor_parallel import TensorParallel
 
 
 def unsupported_reason(model) -> str | None:
@@ -131,7 +124,7 @@ class OwnedDecoder:
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
         config = model.config
-        # A tensor-parallel shard (parallel/shard_model.py): `model` holds this rank's heads and columns, and `tp`
+        # A tensor-parallel shard (models/shard_model.py): `model` holds this rank's heads and columns, and `tp`
         # sums or gathers between them. None: the whole model is here (TP=1), and no collective runs.
         self.tp = tp
         self.family, self.args = family_for(config)
@@ -388,7 +381,7 @@ def build_decoder(
     (quantization kernel + cuBLASLt) until the H200 has measured the FP8 small-step path faster.
     `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA).
     `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py).
-    `tp`: `model` is one rank's shard (parallel/shard_model.py): always the owned decoder, with its collectives."""
+    `tp`: `model` is one rank's shard (models/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if deterministic:

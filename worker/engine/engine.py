@@ -46,11 +46,11 @@ from .api import (
 from .block_manager import BlockManager
 from .config import EngineConfig, context_len
 from .describe import describe_step
+from .families.spec import longrope_original_len
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
-from .models.spec import longrope_original_len
 from .parallel.group import RankFailure
 from .prompt_logprobs import record as record_prompt_logprobs
 from .sampler import sample_seed
@@ -108,7 +108,7 @@ class Engine:
         model: Any,
         tokenizer: TokenizerProtocol,
         config: EngineConfig | None = None,
-        make_runner: Callable[..., ModelRunner] = ModelRunner,  # a tensor-parallel rank 0's (parallel/runner.py)
+        make_runner: Callable[..., ModelRunner] = ModelRunner,  # a tensor-parallel rank 0's (ranks.py)
     ):
         self.config = config = config or EngineConfig()
         self.model = model

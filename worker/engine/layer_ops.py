@@ -12,9 +12,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .families.spec import Activation, NormKind, QKNormSpan
 from .kernels import decode_gemm
 from .kernels import fused as fk
-from .models.spec import Activation, NormKind, QKNormSpan
 from .quant import small_step as fp8_step
 from .quant.fp8 import Fp8Rows, takes_rows
 from .quant.kernels import act_mul_per_token_quant

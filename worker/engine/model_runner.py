@@ -37,14 +37,14 @@ from .attention_backend import (
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig, context_len
 from .decoder import build_decoder
+from .families.spec import longrope_original_len
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of, num_blocks_from_memory
-from .models.spec import longrope_original_len
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
 
 if TYPE_CHECKING:
-    from .parallel.shard_build import TensorParallel
+    from .layers.tensor_parallel import TensorParallel
 
 # Decode batch sizes that get a CUDA graph; a decode step pads up to the next one. Dense where batches
 # are small (every padded row costs a full row of weights traffic), coarser where they are large.
@@ -107,7 +107,7 @@ class ModelRunner:
         device: torch.device,
         num_kv_blocks: int,
         max_model_len: int,
-        tp: TensorParallel | None = None,  # `model` is one rank's shard (parallel/shard_model.py)
+        tp: TensorParallel | None = None,  # `model` is one rank's shard (models/shard_model.py)
     ):
         self.model = model
         self.config = config
@@ -207,7 +207,7 @@ class ModelRunner:
 
     def _launch_built(self, step: StepDescription, meta: BatchMeta) -> StepHandle:
         """Queue `step`, already built into its slot (`meta`). The hook a tensor-parallel rank 0 overrides to send
-        the step to its helpers first (parallel/runner.py): only a step that builds reaches another rank."""
+        the step to its helpers first (ranks.py): only a step that builds reaches another rank."""
         return self._launch(meta, step.extras, step.prompt_rows)
 
     def unbuildable(self, step: StepDescription) -> list[tuple[int, Exception]]:

@@ -31,7 +31,7 @@ from worker.engine.engine import Engine
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import ModelLoadError, load_model
 from worker.engine.parallel.group import RankFailure
-from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
+from worker.engine.ranks import ShardRunner, build_sharded_engine
 
 from .conftest import hf_generate, randomize_score_correction_bias
 

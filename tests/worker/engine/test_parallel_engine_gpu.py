@@ -14,7 +14,7 @@ from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model
-from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
+from worker.engine.ranks import ShardRunner, build_sharded_engine
 
 from .conftest import make_requests
 from .test_engine_gpu import token_agreement

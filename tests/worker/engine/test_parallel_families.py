@@ -29,7 +29,7 @@ from tests.fixtures.checkpoints import gemma3_multimodal_model, save_experts_as_
 from worker.engine.engine import Engine
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import load_model, preset_config
-from worker.engine.parallel.runner import ShardRunner
+from worker.engine.ranks import ShardRunner
 
 from .conftest import hf_generate
 from .test_parallel_engine import CONFIG, make_requests

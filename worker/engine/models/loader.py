@@ -5,9 +5,9 @@ pass: config.json -> its quantization (quant/: FP8 formats, `--quantization fp8`
 other is refused in one line) -> its family (registry.py; a config the family does not implement stops here,
 before any weights) -> generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
 
-gpt-oss's MXFP4 release is read by slice as the one rank of a world of one (parallel/shard_build.py
+gpt-oss's MXFP4 release is read by slice as the one rank of a world of one (models/shard_build.py
 `load_whole_model`: every tensor straight onto the device, the experts dequantized to the model dtype one at a
-time by parallel/shard_experts.py, the reader the tensor-parallel ranks use), not by transformers' mxfp4
+time by layers/experts.py, the reader the tensor-parallel ranks use), not by transformers' mxfp4
 quantizer (which needs a GPU and the `kernels` package).
 
 Quantization is a property of each linear: on sm89+ CUDA a quantized linear is an `Fp8LinearModule` (FP8
@@ -28,9 +28,12 @@ import os
 import torch
 
 from ..api import SamplingParams
+from ..families.registry import MODULES, family_of
+from ..families.spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
+from ..moe import moe_layer_ids, spec_from_config
+from ..moe.cost import MoeModelShape, check_weights_fit, weight_bytes
 from ..moe.fp8 import Fp8ExpertFormat
 from ..moe.fp8_experts import quantize_model_experts
-from ..parallel.shard_build import load_whole_model
 from ..quant import (
     Fp8Config,
     UnsupportedQuantization,
@@ -40,12 +43,11 @@ from ..quant import (
     refuse_gguf,
 )
 from ..quant.linear import keeps_fp8, quantize_linears
-from ..quant.loader import SparseLayers, load_quantized_model
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .errors import ModelLoadError
 from .errors import one_line as _one_line
-from .registry import MODULES, family_of
-from .spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
+from .quant_loader import SparseLayers, load_quantized_model
+from .shard_build import load_whole_model
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
 
@@ -424,10 +426,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def check_moe_fit(config, dtype: torch.dtype, gpu_free_bytes: int, fp8_experts: Fp8ExpertFormat | None = None) -> str:
     """For a mixture of experts: its weights' bytes in `dtype` against the GPU's free bytes, from the config alone
     (before anything is allocated). Every expert is held once, gpt-oss's too (the owned decoder moves them into the
-    kernels' layout a layer at a time: moe/from_model.py); `fp8_experts`: the experts are kept in FP8 (1 byte a
+    kernels' layout a layer at a time: models/moe_from_model.py); `fp8_experts`: the experts are kept in FP8 (1 byte a
     weight and their scales). Returns the line that says the numbers; a `ModelLoadError` with them when nothing is
     left for the KV cache."""
-    from ..moe.cost import MoeModelShape, check_weights_fit, weight_bytes
 
     weights = weight_bytes(MoeModelShape.from_config(config), dtype.itemsize, fp8_experts=fp8_experts)
     try:
@@ -553,7 +554,6 @@ def _quantization(config, requested: str | None) -> Fp8Config | None:
 
 def sparse_layers(config, family: Family) -> SparseLayers | None:
     """Where a mixture of experts' sparse layers sit, for the quantized loader (None: a dense model)."""
-    from ..moe import moe_layer_ids, spec_from_config
 
     if family.moe is None:
         return None

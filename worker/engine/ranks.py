@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from ..batch import BatchMeta, IOSlot
-from ..config import EngineConfig
-from ..engine import Engine
-from ..kv_cache import kv_cache_dtype, num_blocks_from_memory
-from ..model_runner import ModelRunner, StepHandle
-from ..models import PRESETS, ModelLoadError, family_for, loader, preset_config, resolve_device
-from ..step import PromptRows, StepDescription
-from .group import (
+from .batch import BatchMeta, IOSlot
+from .config import EngineConfig, context_len
+from .engine import Engine
+from .kv_cache import kv_cache_dtype, num_blocks_from_memory
+from .model_runner import ModelRunner, StepHandle
+from .models import PRESETS, ModelLoadError, family_for, loader, preset_config, resolve_device
+from .models.shard_model import TensorParallel, load_shard, unsupported_reason
+from .parallel.group import (
     DEFAULT_TIMEOUT_S,
     ParallelState,
     RankFailure,
@@ -47,8 +47,8 @@ from .group import (
     launch_ranks,
     min_over_ranks,
 )
-from .messages import ControlChannel, RunStep, Shutdown, serve_forever
-from .shard_model import TensorParallel, load_shard, unsupported_reason
+from .parallel.messages import ControlChannel, RunStep, Shutdown, serve_forever
+from .step import PromptRows, StepDescription
 
 logger = logging.getLogger("cbq.parallel")
 
@@ -165,7 +165,6 @@ def agree_num_kv_blocks(state: ParallelState, model: Any, config: EngineConfig) 
 
 def serve_rank(state: ParallelState, model_name: str, config: EngineConfig, keep_fp8: bool | None = None) -> None:
     """A helper rank's whole life (launch_ranks' target): its shard, its runner, rank 0's steps."""
-    from ..config import context_len
 
     torch.set_grad_enabled(False)
     model, tp, _ = load_shard(model_name, state, config, keep_fp8)

@@ -1,0 +1,48 @@
+"""`TensorParallel`: the owned decoder's collectives on a sharded model (None in the decoder at one rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.group import ParallelState, all_reduce, gather_to_first, sum_in_rank_order
+from .embedding import VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The owned decoder's collectives on a sharded model (decoder.py calls these; None there at TP=1)."""
+
+    state: ParallelState
+    embedding: VocabParallelEmbedding  # the rank's vocabulary rows; the decoder's embed_weight is its weight
+    vocab_size: int
+    # --deterministic: partial sums added in rank order (group.sum_in_rank_order), so that a row's bits do not
+    # follow the step's size through the all-reduce's algorithm. The embedding's all-reduce needs nothing: each
+    # token's row is one rank's, the others add zeros.
+    fixed_order: bool = False
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        return sum_in_rank_order(self.state, x) if self.fixed_order else all_reduce(self.state, x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of `input_ids` [T] -> [T, hidden], every rank's rows filled in by an all-reduce."""
+        return self.embedding(input_ids)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel GEMM's partial output summed over the ranks (the attention's o, the MLP's down)."""
+        return self._sum(x)
+
+    def mean_square(self, xf: torch.Tensor) -> torch.Tensor:
+        """[T, W] fp32, this rank's slice of a projection -> [T, 1]: the mean of squares over the whole projection
+        (OLMo 2's q/k norms), one all-reduce of [T]. Every rank holds a slice of the same width W; where KV heads
+        are replicated (fewer than ranks) each head is held by N / KVH ranks, so the sum over ranks counts it that
+        many times and N * W is that many whole projections: the quotient is the mean either way."""
+        sums = self._sum(xf.pow(2).sum(-1, keepdim=True))
+        return sums / (xf.shape[-1] * self.state.world_size)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns [R, V/N] -> the full logits [R, V] on rank 0, which samples; the other
+        ranks get their own part back (never sampled from)."""
+        full = gather_to_first(self.state, logits, dim=-1)
+        return logits if full is None else full[..., : self.vocab_size]
