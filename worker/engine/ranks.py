@@ -1,19 +1,19 @@
-"""The model runner of one rank of a tensor-parallel replica, and the engine built over it.
+"""A tensor-parallel replica: the engine built over rank 0's model runner, and a helper rank's life.
 
-Owns, on rank 0, the replica's `RankGroup` (through its `ShardRunner`) and the control channel; on a helper,
-nothing beyond its runner. The engine, its scheduler, block manager, tokenizer and grammar matchers live on rank
-0 only; the helpers hold a model shard, a KV cache for their heads and a batch builder, nothing else.
+Owns nothing after building: rank 0's `RankGroup` and control channel are its runner's `Replica`
+(parallel/messages.py); each rank runs the one `ModelRunner`, told its rank by that data. The engine, its
+scheduler, block manager, tokenizer and grammar matchers live on rank 0 only; the helpers hold a model shard, a
+KV cache for their heads and a batch builder, nothing else.
 
-Each step (rank 0, `ModelRunner.launch` with `ShardRunner._launch_built`): build the step into the next IO slot (a
-step that cannot be built is refused there, before any rank sees it), send its `StepDescription` to the helpers
+Each step (rank 0, `ModelRunner.launch`): build the step into the next IO slot (a step that cannot be built is refused there, before any rank sees it), send its `StepDescription` to the helpers
 (messages.py), then run the same forward as they do: every rank enters the layers' collectives
-(shard_model.TensorParallel) in one order. Rank 0 alone samples, from the logits gathered on it. In async mode a
+(layers/tensor_parallel.TensorParallel) in one order. Rank 0 alone samples, from the logits gathered on it. In async mode a
 step's decode inputs are the previous step's sampled ids, read on the device (carry-over), so rank 0 broadcasts
 each step's sampled ids to the helpers' own IO slots, and every rank fills the placeholders the same way.
 
 A helper (`serve_rank`, spawned by group.launch_ranks) loads its shard, agrees with the others on the number of
 KV blocks (the smallest any rank has room for: block ids are shared), and runs `serve_forever` over a
-`ShardRunner` until rank 0 sends Shutdown; a helper exits when rank 0 does.
+`ModelRunner` until rank 0 sends Shutdown; a helper exits when rank 0 does.
 
 Failure: a step that fails on rank 0 after its description went out (a helper died, a collective timed out,
 rank 0's own forward raised) leaves the ranks out of step, so it ends the group and is raised as a
@@ -31,127 +31,22 @@ from typing import Any
 
 import torch
 
-from .batch import BatchMeta, IOSlot
 from .config import EngineConfig, context_len
 from .engine import Engine
 from .kv_cache import kv_cache_dtype, num_blocks_from_memory
-from .model_runner import ModelRunner, StepHandle
+from .model_runner import ModelRunner
 from .models import PRESETS, ModelLoadError, family_for, loader, preset_config, resolve_device
-from .models.shard_model import TensorParallel, load_shard, unsupported_reason
+from .models.shard_model import load_shard, unsupported_reason
 from .parallel.group import (
     DEFAULT_TIMEOUT_S,
     ParallelState,
     RankFailure,
-    RankGroup,
-    broadcast_from_first,
     launch_ranks,
     min_over_ranks,
 )
-from .parallel.messages import ControlChannel, RunStep, Shutdown, serve_forever
-from .step import PromptRows, StepDescription
+from .parallel.messages import Replica, serve_forever
 
 logger = logging.getLogger("cbq.parallel")
-
-
-class ShardRunner(ModelRunner):
-    """A ModelRunner over one rank's shard. On rank 0 (`group` given) `launch` also sends each step to the
-    helpers; on a helper `execute_step` runs what rank 0 sent. Only rank 0 samples."""
-
-    def __init__(
-        self,
-        model: Any,
-        config: EngineConfig,
-        device: torch.device,
-        num_kv_blocks: int,
-        max_model_len: int,
-        tp: TensorParallel,
-        group: RankGroup | None = None,
-        measured: bool = False,
-    ):
-        # Both before the base's build, which agrees the cache's size over the ranks. `measured`: the size came from
-        # each rank's free memory (not --num-kv-blocks); rank 0's config holds the agreed count, so it is told.
-        self.state: ParallelState = tp.state
-        self._measured = measured
-        super().__init__(model, config, device, num_kv_blocks, max_model_len, tp=tp)
-        self.group = group
-        assert (group is not None) == self.state.is_first_rank, "rank 0 holds the group"
-        self.channel = ControlChannel(self.state)
-        # Async mode: the next step's decode inputs are this step's samples, read on every rank.
-        self._shares_samples = config.is_async and self.state.world_size > 1
-
-    def _measures_again(self, config: EngineConfig) -> bool:
-        return self._measured
-
-    def _agree_num_kv_blocks(self, num_kv_blocks: int) -> int:
-        """Measured again once each rank's decoder is built: a block id names the same block on every rank."""
-        return min_over_ranks(self.state, num_kv_blocks)
-
-    @property
-    def _use_graphs(self) -> bool:
-        return self.state.world_size == 1 and ModelRunner._use_graphs.fget(self)  # type: ignore[attr-defined]
-
-    # -- rank 0 -----------------------------------------------------------------------------------
-    def _launch_built(self, step: StepDescription, meta: BatchMeta) -> StepHandle:
-        """On rank 0: the step (known to build) goes to every helper, then runs here. On a helper: it runs."""
-        if self.group is None:
-            return super()._launch_built(step, meta)
-        self.group.check()
-        try:
-            self.channel.send(RunStep(step))
-            return super()._launch_built(step, meta)
-        except Exception as error:  # the ranks are out of step: the group is over
-            raise self.group.failure_after(error) from error
-
-    def launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
-        if self.group is None:
-            super().launch_sampling(handle, bitmask)
-            return
-        try:
-            super().launch_sampling(handle, bitmask)
-        except Exception as error:  # the samples' broadcast failed: a helper is gone
-            raise self.group.failure_after(error) from error
-
-    def _sample(self, slot: IOSlot, handle: StepHandle, bitmask: torch.Tensor | None):
-        rows = handle.meta.num_sample_rows
-        if not self.state.is_first_rank:  # the helper's logits are its vocabulary part: rank 0's samples come
-            if self._shares_samples:
-                broadcast_from_first(self.state, slot.sampled_dev[:rows])
-            return None
-        results = super()._sample(slot, handle, bitmask)
-        if self._shares_samples:
-            broadcast_from_first(self.state, slot.sampled_dev[:rows])
-        return results
-
-    def _split_prompt_rows(
-        self, logits: torch.Tensor, meta: BatchMeta, prompt_rows: PromptRows | None
-    ) -> tuple[torch.Tensor, Any]:
-        """A helper's logits are its vocabulary part: the prompt tokens' ids index past it (a device-side assert on
-        CUDA), and rank 0 alone reports the logprobs, so a helper computes none."""
-        if self.state.is_first_rank or prompt_rows is None:
-            return super()._split_prompt_rows(logits, meta, prompt_rows)
-        return logits[: meta.num_sample_rows], None
-
-    def close(self) -> None:
-        """Tell the helpers to stop and wait for them (rank 0)."""
-        if self.group is None:
-            return
-        self.group.stop_watching()
-        if self.group.failure is None:
-            try:
-                self.channel.send(Shutdown())
-            except RuntimeError:
-                pass  # a helper already gone: close() reports how it ended
-        self.group.close()
-
-    # -- helpers ----------------------------------------------------------------------------------
-    # NOTE: a helper never waits for its steps. Reusing an IO slot's host buffers is still safe: rank 0 sends
-    # step N+2 (the next one in this slot) only after it waited for step N's samples, which needed every rank's
-    # collectives of step N, which this rank's stream ran after the slot's host-to-device copy.
-    def execute_step(self, step: StepDescription) -> None:
-        """Run the step rank 0 sent: the same build, forward and (received) samples."""
-        handle = self.launch(step)
-        if not handle.is_sampled:  # rank 0 samples constrained rows later; its samples still come
-            self.launch_sampling(handle)
 
 
 def agree_num_kv_blocks(state: ParallelState, model: Any, config: EngineConfig) -> int:
@@ -170,7 +65,8 @@ def serve_rank(state: ParallelState, model_name: str, config: EngineConfig, keep
     model, tp, _ = load_shard(model_name, state, config, keep_fp8)
     num_blocks = agree_num_kv_blocks(state, model, config)
     max_model_len = context_len(config, model.config, num_blocks)
-    runner = ShardRunner(model, config, state.device, num_blocks, max_model_len, tp, measured=not config.num_kv_blocks)
+    replica = Replica(state, None, measured=not config.num_kv_blocks, shares_samples=config.is_async)
+    runner = ModelRunner(model, config, state.device, num_blocks, max_model_len, tp=tp, replica=replica)
     with torch.inference_mode():
         serve_forever(state, runner)
 
@@ -235,8 +131,9 @@ def build_sharded_engine(
     measured = not config.num_kv_blocks
     config = dataclasses.replace(config, num_kv_blocks=num_blocks)
 
-    def make_runner(model, config, device, num_kv_blocks, max_model_len) -> ShardRunner:
-        return ShardRunner(model, config, device, num_kv_blocks, max_model_len, tp, group, measured=measured)
+    def make_runner(model, config, device, num_kv_blocks, max_model_len) -> ModelRunner:
+        replica = Replica(group.state, group, measured=measured, shares_samples=config.is_async)
+        return ModelRunner(model, config, device, num_kv_blocks, max_model_len, tp=tp, replica=replica)
 
     try:
         engines.append(Engine(model, tokenizer, config, make_runner=make_runner))

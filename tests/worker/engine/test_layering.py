@@ -159,3 +159,15 @@ def test_parallel_holds_only_ranks_messages_and_memory() -> None:
 def test_cycle_finder_finds_a_circle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_rank_runs_the_one_model_runner() -> None:
+    """A tensor-parallel rank differs from one process by data (its TensorParallel and Replica), not a subclass."""
+    subclasses = [
+        f"{path.relative_to(ENGINE)}:{node.name}"
+        for path in ENGINE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(base, ast.Name | ast.Attribute) and ast.unparse(base).endswith("ModelRunner") for base in node.bases)
+    ]
+    assert subclasses == []

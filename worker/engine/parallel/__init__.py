@@ -55,9 +55,9 @@ Wired (ranks.py, models/shard_model.py): `--tensor-parallel-size N` / `EngineCon
 `Engine.from_model` call `ranks.build_sharded_engine`: rank 0 spawns ranks 1..N-1 (`serve_rank`), every rank
 builds its shard model (`models/shard_model.load_shard`: the family's transformers model at the rank's sizes, its
 parameters views of the layers above, loaded by slice), the ranks agree on the KV blocks, and rank 0's
-`ShardRunner` sends each step's `StepDescription` before running it. The owned decoder calls
-`TensorParallel.embed/reduce/gather_logits/mean_square` (decoder.py; None at TP=1, where nothing here is
-built).
+`ModelRunner` (its `Replica` the data that says so) sends each step's `StepDescription` before running it. The
+owned decoder calls `TensorParallel.embed/reduce/gather_logits/mean_square` (decoder.py; None at TP=1, where
+nothing here is built).
 
 Sharded families: every family the owned decoder runs. Fused q/k/v and gate/up checkpoints (Phi-3/4, GLM-4) are
 read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss are split by intermediate size
