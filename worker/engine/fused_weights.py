@@ -47,7 +47,8 @@ class LayerWeights:
     k_norm: torch.Tensor | None
 
     @property
-    def is_fp8(self) -> bool:
+    def is_quantized(self) -> bool:
+        """Whether any of its GEMMs is a quantized linear's (FP8: `Fp8Weight`)."""
         return any(isinstance(w, Fp8Weight) for w in (self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight))
 
 

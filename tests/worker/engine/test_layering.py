@@ -171,3 +171,33 @@ def test_every_rank_runs_the_one_model_runner() -> None:
         and any(isinstance(base, ast.Name | ast.Attribute) and ast.unparse(base).endswith("ModelRunner") for base in node.bases)
     ]
     assert subclasses == []
+
+
+COLLECTIVES = {"reduce", "all_reduce", "all_gather", "gather_to_first", "gather_logits", "sum_in_rank_order"}
+
+
+def _code_names(path: Path) -> set[str]:
+    """Every name the code of `path` uses (variables, attributes, imports, arguments, definitions), not its text."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+    return names
+
+
+def test_decoder_names_no_precision_and_no_collective() -> None:
+    """The owned decoder runs each linear through its ops and its shard: what precision a weight has and which
+    collective completes a projection are the layer ops' and the shard's (layer_ops.py, layers/tensor_parallel.py)."""
+    names = _code_names(ENGINE / "decoder.py")
+    assert sorted(n for n in names if "fp8" in n.lower()) == []
+    assert sorted(names & COLLECTIVES) == []

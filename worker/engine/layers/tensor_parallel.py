@@ -1,13 +1,44 @@
-"""`TensorParallel`: the owned decoder's collectives on a sharded model (None in the decoder at one rank)."""
+"""What the owned decoder asks of the part of the model it holds (`Shard`): its embedding lookup, the completion of a
+row-parallel projection's output and of the LM head's logits. `TensorParallel` on a tensor-parallel rank (its
+collectives: the partial sums all-reduced, the vocabulary's logits gathered on rank 0), `WholeModel` at one rank
+(none). The decoder calls these and names no collective."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from ..parallel.group import ParallelState, all_reduce, gather_to_first, sum_in_rank_order
 from .embedding import VocabParallelEmbedding
+
+
+class Shard(Protocol):
+    """The model part one decoder runs (the whole model at one rank)."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def row_parallel_out(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class WholeModel:
+    """One rank holds everything: the embedding is a plain lookup, a projection's output and the logits are whole."""
+
+    embed_weight: torch.Tensor
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_weight)
+
+    def row_parallel_out(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
 
 
 @dataclass(frozen=True)
@@ -46,3 +77,12 @@ class TensorParallel:
         ranks get their own part back (never sampled from)."""
         full = gather_to_first(self.state, logits, dim=-1)
         return logits if full is None else full[..., : self.vocab_size]
+
+    def row_parallel_out(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output (the attention's o, the MLP's down or its experts split by intermediate
+        size): this rank's partial sum -> the sum over the ranks (the bias on rank 0 only)."""
+        return self.reduce(x)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns -> the full logits on rank 0, contiguous (the other ranks: their part)."""
+        return self.gather_logits(logits).contiguous()

@@ -56,8 +56,8 @@ Wired (ranks.py, models/shard_model.py): `--tensor-parallel-size N` / `EngineCon
 builds its shard model (`models/shard_model.load_shard`: the family's transformers model at the rank's sizes, its
 parameters views of the layers above, loaded by slice), the ranks agree on the KV blocks, and rank 0's
 `ModelRunner` (its `Replica` the data that says so) sends each step's `StepDescription` before running it. The
-owned decoder calls `TensorParallel.embed/reduce/gather_logits/mean_square` (decoder.py; None at TP=1, where
-nothing here is built).
+owned decoder reads its part of the model as a `Shard` (layers/tensor_parallel.py: `TensorParallel.embed`,
+`row_parallel_out`, `full_logits`, and `mean_square`; `WholeModel` at TP=1, where nothing here is built).
 
 Sharded families: every family the owned decoder runs. Fused q/k/v and gate/up checkpoints (Phi-3/4, GLM-4) are
 read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss are split by intermediate size
