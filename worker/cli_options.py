@@ -322,7 +322,7 @@ def _revision(_ctx, _param, value: str | None) -> None:
 
 def _refuse_remote_code(_ctx, _param, value: bool) -> None:
     if value:
-        from worker.engine.models.registry import MODULES  # only here: it imports torch
+        from worker.engine.families.registry import MODULES  # only here: it imports torch
 
         raise click.ClickException(
             "--trust-remote-code: cbq never runs a checkpoint's own code; it runs its own implementation of "

@@ -1,5 +1,5 @@
 """The owned decoder: cbq's own forward over the paged KV cache, for every family whose declaration
-(models/spec.py) it implements. `unimplemented` checks each declared property against what this file
+(families/spec.py) it implements. `unimplemented` checks each declared property against what this file
 computes, so a family that declares anything else keeps transformers' forward ("auto") or is refused ("owned").
 
 Every family the gate passes takes the Triton kernels below on CUDA, the declaration read as kernel flags (no
@@ -54,33 +54,22 @@ CUDA-graph capturable. Logits are computed only for the rows asked for.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from . import deterministic as invariant
 from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
+from .families.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan, longrope_original_len
 from .fused_weights import LayerWeights, fold_norms, layer_weights, submodule
 from .kernels import decode_gemm
 from .kernels import fused as fk
 from .kv_cache import head_dim_of
-from .layer_ops import (
-    ACTIVATIONS,
-    NORM_MATH,
-    NORMS,
-    QK_NORM_SPANS,
-    fp8_rows_args,
-    layer_ops,
-)
+from .layer_ops import ACTIVATIONS, NORM_MATH, NORMS, QK_NORM_SPANS, layer_ops, rows_for
+from .layers.tensor_parallel import Shard, TensorParallel, WholeModel
 from .models import ModelLoadError, family_for
-from .models.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan, longrope_original_len
+from .models.moe_from_model import moe_layer_weights
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
-from .moe.from_model import moe_layer_weights
-
-if TYPE_CHECKING:
-    from .parallel.shard_build import TensorParallel
 
 
 def unsupported_reason(model) -> str | None:
@@ -131,8 +120,9 @@ class OwnedDecoder:
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
         config = model.config
-        # A tensor-parallel shard (parallel/shard_model.py): `model` holds this rank's heads and columns, and `tp`
-        # sums or gathers between them. None: the whole model is here (TP=1), and no collective runs.
+        # A tensor-parallel shard (models/shard_model.py): `model` holds this rank's heads and columns, and `tp`
+        # sums or gathers between them. None: the whole model is here (TP=1). `shard` is either, as the forward
+        # reads it (layers/tensor_parallel.py).
         self.tp = tp
         self.family, self.args = family_for(config)
         self.num_heads = config.num_attention_heads
@@ -142,6 +132,7 @@ class OwnedDecoder:
         self.parallel_blocks = self.family.layer.parallel_blocks
         fold = self.norm_math.fold
         self.embed_weight = submodule(model, self.family.embed_path).weight
+        self.shard: Shard = tp if tp is not None else WholeModel(self.embed_weight)
         self.final_norm = submodule(model, self.family.final_norm_path).weight
         self.final_norm = fold(self.final_norm) if fold is not None else self.final_norm
         self.lm_head = model.get_output_embeddings().weight  # the embedding itself when tied
@@ -187,18 +178,17 @@ class OwnedDecoder:
         norm, act = self.family.norm, self.args.activation
         self.ops = layer_ops(self.use_triton, False, norm=norm, activation=act)
         # Steps of at most decode_gemm.MAX_TOKENS tokens (None: they take `ops` too). Its GEMMs take each weight as
-        # it is: bf16/fp16 (kernels/decode_gemm.py) or FP8 (quant/small_step.py); `build_decoder` decides whether
-        # an FP8 model takes this path.
-        self.is_fp8 = any(w.is_fp8 for w in self.layers)
-        # Per layer, the kernels that quantize their output rows for the FP8 GEMM after them: (attention-in norm,
-        # MLP-in norm) add_norm_fp8 arguments and act·mul's gate_up_act_fp8 arguments (down), or None where the
-        # consumer takes unquantized rows (not FP8, another scheme, a sparse MLP's router). Parallel blocks: one
-        # norm feeds QKV and gate/up, so its rows stay unquantized and each linear quantizes.
-        self.fp8_rows = [
+        # it is, through its own method (layer_ops.py); `build_decoder` decides whether a quantized model takes this path.
+        self.is_quantized = any(w.is_quantized for w in self.layers)
+        # Per layer, how the kernels before the QKV, gate/up and down GEMMs write their rows for them (the
+        # attention-in norm, the MLP-in norm, act·mul): as that linear's method reads them (`layer_ops.rows_for`),
+        # or None for plain rows (a sparse MLP's router too). Parallel blocks: one norm feeds QKV and gate/up, so its
+        # rows stay plain and each linear takes them as they are.
+        self.input_rows = [
             (
-                None if self.parallel_blocks else fp8_rows_args(w.qkv_weight),
-                None if self.parallel_blocks or w.gate_up_weight is None else fp8_rows_args(w.gate_up_weight),
-                None if w.gate_up_weight is None else fp8_rows_args(w.down_weight),
+                None if self.parallel_blocks else rows_for(w.qkv_weight),
+                None if self.parallel_blocks or w.gate_up_weight is None else rows_for(w.gate_up_weight),
+                None if w.gate_up_weight is None else rows_for(w.down_weight),
             )
             for w in self.layers
         ]
@@ -221,16 +211,15 @@ class OwnedDecoder:
         if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
             ops = self.small_step_ops
         args, eps = self.args, self.eps
-        hidden = F.embedding(input_ids, self.embed_weight) if self.tp is None else self.tp.embed(input_ids)
+        hidden = self.shard.embed(input_ids)
         residual = None
         # What the next add+norm applies to `hidden` before adding it to the residual: the post-norm of the block
         # that made it and the residual multiplier (the embedding scale, before the first layer).
         post_norm, scale = None, self.embed_scale
-        fp8_norm = ops.add_norm_fp8  # an FP8 model's norms that quantize their output (None: this path has none)
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
-            attn_fp8, mlp_fp8, down_fp8 = self.fp8_rows[layer_idx]
-            add_norm = ops.add_norm if attn_fp8 is None or fp8_norm is None else partial(fp8_norm, **attn_fp8)
+            attn_rows, mlp_rows, down_rows = self.input_rows[layer_idx]
+            add_norm = ops.add_norm_into(attn_rows)
             normed, residual = add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
             q = self._qkv_rope_write(
                 normed, positions, w, layer_idx, k_cache, v_cache, attn, ops, attn.kv_scale(layer_idx)
@@ -239,9 +228,7 @@ class OwnedDecoder:
                 q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
                 sinks=self.layer_sinks[layer_idx],
             )  # fmt: skip
-            hidden = ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias)
-            if self.tp is not None:  # row-parallel o: each rank holds a partial sum (the bias on rank 0 only)
-                hidden = self.tp.reduce(hidden)
+            hidden = self.shard.row_parallel_out(ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias))
             post_norm, scale = w.attn_out_norm, args.residual_scale
             if self.parallel_blocks:
                 # Cohere: the MLP reads the attention's input, and the layer's output is (residual + attention) +
@@ -249,27 +236,21 @@ class OwnedDecoder:
                 # refuses post-norms and a residual multiplier on these blocks)
                 residual = residual + hidden
             else:
-                add_norm = ops.add_norm if mlp_fp8 is None or fp8_norm is None else partial(fp8_norm, **mlp_fp8)
+                add_norm = ops.add_norm_into(mlp_rows)
                 normed, residual = add_norm(hidden, residual, w.mlp_in_norm, eps, x_weight=post_norm, x_scale=scale)
             moe = self.moe_layers[layer_idx]
             if moe is not None:
                 hidden = moe_forward(normed, moe, self.moe_spec, self.moe_workspace)
-            elif down_fp8 is not None and ops.gate_up_act_fp8 is not None:  # act·mul quantizes down's rows
-                activated = ops.gate_up_act_fp8(normed, w.gate_up_weight, w.gate_up_bias, **down_fp8)
+            else:  # act·mul writes its rows as down reads them
+                activated = ops.gate_up_act_into(down_rows)(normed, w.gate_up_weight, w.gate_up_bias)
                 hidden = ops.linear(activated, w.down_weight, w.down_bias)
-            else:
-                activated = ops.gate_up_act(normed, w.gate_up_weight, w.gate_up_bias)
-                hidden = ops.linear(activated, w.down_weight, w.down_bias)
-            if self.tp is not None:  # row-parallel down (and experts split by intermediate size)
-                hidden = self.tp.reduce(hidden)
+            hidden = self.shard.row_parallel_out(hidden)  # down's, or the experts' (split by intermediate size)
             post_norm = w.mlp_out_norm
         if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         normed, _ = ops.add_norm(hidden, residual, self.final_norm, eps, x_weight=post_norm, x_scale=scale)
-        logits = ops.linear(normed, self.lm_head, None)
-        if self.tp is not None:  # this rank's vocabulary columns -> the full logits on rank 0
-            logits = self.tp.gather_logits(logits).contiguous()
+        logits = self.shard.full_logits(ops.linear(normed, self.lm_head, None))
         return ops.logits_epilogue(logits, args.logits_divisor, args.logits_scale, args.final_softcap)
 
     def _init_moe(self, model, layers, sparse: set[int], max_num_tokens: int) -> None:
@@ -388,7 +369,7 @@ def build_decoder(
     (quantization kernel + cuBLASLt) until the H200 has measured the FP8 small-step path faster.
     `max_num_tokens`: the most tokens a step holds (sizes an MoE model's expert workspace on CUDA).
     `deterministic`: always the owned decoder, with batch-invariant ops (deterministic.py).
-    `tp`: `model` is one rank's shard (parallel/shard_model.py): always the owned decoder, with its collectives."""
+    `tp`: `model` is one rank's shard (models/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if deterministic:

@@ -40,7 +40,6 @@ from .api import (
     ErrorCode,
     FinishReason,
     ResolvedSampling,
-    SampleOutput,
     TokenizerProtocol,
     Usage,
     context_length_error,
@@ -48,18 +47,19 @@ from .api import (
 from .block_manager import BlockManager
 from .config import EngineConfig, context_len
 from .describe import describe_step
+from .families.spec import longrope_original_len
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
-from .models.spec import longrope_original_len
 from .parallel.group import RankFailure
 from .prompt_logprobs import record as record_prompt_logprobs
+from .results import request_result
 from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
 from .step import StepDescription
-from .stop import bad_words_token_ids, check_stop, final_text, num_text_tokens, special_stop_token_ids
+from .stop import bad_words_token_ids, check_stop, special_stop_token_ids
 
 logger = logging.getLogger("cbq.engine")
 
@@ -110,7 +110,7 @@ class Engine:
         model: Any,
         tokenizer: TokenizerProtocol,
         config: EngineConfig | None = None,
-        make_runner: Callable[..., ModelRunner] = ModelRunner,  # a tensor-parallel rank 0's (parallel/runner.py)
+        make_runner: Callable[..., ModelRunner] = ModelRunner,  # a tensor-parallel rank 0's (ranks.py)
     ):
         self.config = config = config or EngineConfig()
         self.model = model
@@ -555,58 +555,7 @@ class Engine:
                 sample.matcher = None
         if all(sample.is_finished for sample in samples):  # always so after a group-wide finish
             del self._requests[seq.request_id]
-            self._put_result(self._request_result(samples, error), len(samples))
-
-    def _request_result(self, samples: list[Sequence], error: str | None) -> EngineResult:
-        first = samples[0]
-        failed = [s for s in samples if s.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)]
-        reason = failed[0].finish_reason if failed else first.finish_reason
-        assert reason is not None
-        outputs = [
-            SampleOutput(
-                s.sample_index,
-                "" if reason == FinishReason.ERROR else final_text(s, self.eos_token_ids, self.tokenizer),
-                list(s.output_ids),
-                s.finish_reason or reason,
-                s.output_logprobs[: num_text_tokens(s.output_ids, s.sampling, self.eos_token_ids)]
-                if s.sampling.logprobs is not None
-                else None,
-            )
-            for s in samples
-        ]
-        finish_time = max(s.finish_time or 0.0 for s in samples)
-        first_scheduled = min(
-            (s.first_scheduled_time for s in samples if s.first_scheduled_time), default=None
-        )
-        first_token = min((s.first_token_time for s in samples if s.first_token_time), default=None)
-        usage = Usage(
-            prompt_tokens=len(first.prompt_ids),
-            completion_tokens=sum(len(s.output_ids) for s in samples),
-            cached_tokens=first.num_cached_tokens,
-            gpu_seconds=sum(s.gpu_seconds for s in samples),
-            queue_seconds=max(0.0, (first_scheduled or finish_time) - first.arrival_time),
-            ttft_seconds=max(0.0, (first_token or finish_time) - first.arrival_time),
-            latency_seconds=max(0.0, finish_time - first.arrival_time),
-        )
-        out = outputs[0]
-        prompt_logprobs = None
-        if first.wants_prompt_logprobs and not failed:
-            prompt_logprobs = list(first.prompt_logprobs)
-            assert len(prompt_logprobs) == len(first.prompt_ids), (
-                f"{first.request_id}: {len(prompt_logprobs)} prompt logprobs for {len(first.prompt_ids)} tokens"
-            )
-        return EngineResult(
-            first.request_id,
-            out.text,
-            out.token_ids,
-            reason,
-            usage,
-            error,
-            logprobs=out.logprobs,
-            samples=outputs if len(samples) > 1 else [],
-            prompt_logprobs=prompt_logprobs,
-            prompt_ids=list(first.prompt_ids) if prompt_logprobs is not None else None,
-        )
+            self._put_result(request_result(samples, error, self.eos_token_ids, self.tokenizer), len(samples))
 
     def _emit_error(self, req: EngineRequest, error: str, code: ErrorCode | None = None) -> None:
         usage = Usage(prompt_tokens=len(req.prompt_ids))

@@ -1,6 +1,6 @@
 """Build an engine for a model name: in this process, or as rank 0 of a tensor-parallel replica. Owns nothing.
 
-Above both the engine and the replica's runner (parallel/runner.py builds an Engine over its ShardRunner), so
+Above both the engine and the replica's runner (ranks.py builds an Engine over rank 0's ModelRunner and its Replica), so
 that neither imports the other's builder: what callers with a `--tensor-parallel-size` (the worker, `cbq run`,
 the offline LLM, the benchmarks) call.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .engine import Engine
-from .parallel.runner import build_sharded_engine
+from .ranks import build_sharded_engine
 
 
 def build_engine(model: str = "tiny-llama", **config_overrides: Any) -> Engine:

@@ -1,7 +1,7 @@
 """Load-time weight fusion for the owned decoder. Owns nothing after building: the HF model keeps
 owning every parameter.
 
-`layer_weights` reads one transformers decoder layer through its family's `LayerSpec` (models/spec.py): each
+`layer_weights` reads one transformers decoder layer through its family's `LayerSpec` (families/spec.py): each
 `LinearSpec` whose parts are several linears reading the same input (q/k/v, gate/up) becomes one weight (and
 bias), so each is one GEMM. `fuse_rows` does not copy: the fused tensor is allocated once and each linear's
 parameter is rebound to a view of its rows. So the transformers model keeps working (tests use it as the
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .models.spec import LayerSpec, LinearSpec, Quant
+from .families.spec import LayerSpec, LinearSpec, Quant
 from .quant.fp8 import Fp8Linear
 from .quant.linear import Fp8LinearModule, Fp8Weight
 
@@ -47,7 +47,8 @@ class LayerWeights:
     k_norm: torch.Tensor | None
 
     @property
-    def is_fp8(self) -> bool:
+    def is_quantized(self) -> bool:
+        """Whether any of its GEMMs is a quantized linear's (FP8: `Fp8Weight`)."""
         return any(isinstance(w, Fp8Weight) for w in (self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight))
 
 

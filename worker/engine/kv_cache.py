@@ -46,7 +46,7 @@ def check_kv_cache_dtype(config: EngineConfig, device: torch.device) -> None:
             )
 
 
-# A model's per-layer FP8 KV scales, set by the checkpoint loader (quant/loader.py) when the checkpoint has them.
+# A model's per-layer FP8 KV scales, set by the checkpoint loader (models/quant_loader.py) when the checkpoint has them.
 KV_SCALES_ATTR = "cbq_kv_scales"
 
 

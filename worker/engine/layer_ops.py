@@ -12,9 +12,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .families.spec import Activation, NormKind, QKNormSpan
 from .kernels import decode_gemm
 from .kernels import fused as fk
-from .models.spec import Activation, NormKind, QKNormSpan
 from .quant import small_step as fp8_step
 from .quant.fp8 import Fp8Rows, takes_rows
 from .quant.kernels import act_mul_per_token_quant
@@ -64,17 +64,32 @@ class LayerOps:
     qkv_rope_epilogue: bool = False
     qkv_rope_write: Callable = decode_gemm.decode_qkv_rope_write  # that GEMM
     # add_norm whose normed rows come out quantized per token (quant/fp8.py Fp8Rows), for a norm whose one consumer
-    # is an FP8 linear that reads them (`fp8_rows_args`); None: add_norm everywhere
+    # is an FP8 linear that reads them (`rows_for`); None: add_norm everywhere
     add_norm_fp8: Callable | None = None
     # (x, fused [gate; up] weight, bias, scale_ub=) -> act·mul's rows quantized per token (Fp8Rows), for an FP8
-    # down projection that reads them (`fp8_rows_args`); None: gate_up_act, and the down GEMM quantizes
+    # down projection that reads them (`rows_for`); None: gate_up_act, and the down GEMM quantizes
     gate_up_act_fp8: Callable | None = None
 
+    def add_norm_into(self, rows: dict | None) -> Callable:
+        """The add+norm for a norm whose one consumer reads its rows as `rows` says (`rows_for`): quantized per token
+        by the norm (`add_norm_fp8`), or `add_norm` where `rows` is None or this path has no such kernel."""
+        if rows is None or self.add_norm_fp8 is None:
+            return self.add_norm
+        return partial(self.add_norm_fp8, **rows)
 
-def fp8_rows_args(weight) -> dict | None:
-    """The arguments of `LayerOps.add_norm_fp8` or `gate_up_act_fp8` for the kernel whose one consumer is `weight`,
-    or None where that consumer needs the rows unquantized (not FP8, or a scheme that does not quantize per
-    token: quant/fp8.py `takes_rows`)."""
+    def gate_up_act_into(self, rows: dict | None) -> Callable:
+        """The gate/up GEMM and act·mul for a down projection that reads their rows as `rows` says (`rows_for`):
+        quantized per token by act·mul (`gate_up_act_fp8`), or `gate_up_act` (the down GEMM quantizes, if at all)."""
+        if rows is None or self.gate_up_act_fp8 is None:
+            return self.gate_up_act
+        return partial(self.gate_up_act_fp8, **rows)
+
+
+def rows_for(weight) -> dict | None:
+    """How the kernel before `weight`'s GEMM writes its rows when that GEMM is their one consumer: the arguments of
+    `LayerOps.add_norm_fp8` or `gate_up_act_fp8` for an FP8 weight that reads per-token quantized rows, or None
+    where it needs them as they are (not FP8, or a scheme that does not quantize per token: quant/fp8.py
+    `takes_rows`)."""
     if isinstance(weight, Fp8Weight) and takes_rows(weight.layer):
         return {"scale_ub": weight.layer.scheme.activation_scale_ub}
     return None

@@ -14,6 +14,10 @@ code runs synchronously.
 
 A step with constrained rows (`SamplingExtras.mask_rows`) stops after the forward: the engine calls
 `launch_sampling(handle, bitmask)` once the masks are known (grammar.py explains the ordering).
+
+Tensor parallelism is data, not a subclass: one rank's runner gets its shard's `TensorParallel` (the decoder's
+collectives) and its `Replica` (parallel/messages.py: rank, group, control channel). Rank 0 sends each step to
+the helpers before running it and alone samples; a helper runs what rank 0 sent (`execute_step`).
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ from .attention_backend import (
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig, context_len
 from .decoder import build_decoder
+from .families.spec import longrope_original_len
 from .grammar import apply_token_bitmask
 from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of, num_blocks_from_memory
-from .models.spec import longrope_original_len
+from .parallel.messages import Replica
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
 
 if TYPE_CHECKING:
-    from .parallel.shard_build import TensorParallel
+    from .layers.tensor_parallel import TensorParallel
 
 # Decode batch sizes that get a CUDA graph; a decode step pads up to the next one. Dense where batches
 # are small (every padded row costs a full row of weights traffic), coarser where they are large.
@@ -126,11 +131,13 @@ class ModelRunner:
         device: torch.device,
         num_kv_blocks: int,
         max_model_len: int,
-        tp: TensorParallel | None = None,  # `model` is one rank's shard (parallel/shard_model.py)
+        tp: TensorParallel | None = None,  # `model` is one rank's shard (models/shard_model.py)
+        replica: Replica | None = None,  # with `tp`: this rank's part in the replica (ranks.py)
     ):
         self.model = model
         self.config = config
         self.device = device
+        self.replica = replica
         self.is_cuda = device.type == "cuda"
         register_paged_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -154,11 +161,17 @@ class ModelRunner:
             tp=tp,
         )
 
-        if self._measures_again(config):
+        # `measured`: the cache's size came from free memory, not --num-kv-blocks (a replica's rank 0 holds the
+        # agreed count in its config, so its replica says so).
+        measured = replica.measured if replica is not None else not config.num_kv_blocks
+        if measured:
             # The engine sized the cache before the decoder was built; what the build keeps (the MoE workspace, any
             # weight a family's decoder does not take as a view) must come out of it, or the cache does not fit.
-            now = num_blocks_from_memory(model.config, kv_cache_dtype(config, model.dtype), device, config)
-            num_kv_blocks = self._agree_num_kv_blocks(min(num_kv_blocks, now))
+            num_kv_blocks = min(
+                num_kv_blocks, num_blocks_from_memory(model.config, kv_cache_dtype(config, model.dtype), device, config)
+            )
+            if replica is not None:
+                num_kv_blocks = replica.agree_num_kv_blocks(num_kv_blocks)
             max_model_len = min(max_model_len, context_len(config, model.config, num_kv_blocks))
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(
@@ -196,18 +209,12 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self._logprob_buffers: list[logprobs.LogprobBuffers | None] = [None, None]  # made on first use
 
-    def _measures_again(self, config: EngineConfig) -> bool:
-        """Whether the cache's size was measured (not given: --num-kv-blocks), so is measured again after the build."""
-        return not config.num_kv_blocks
-
-    def _agree_num_kv_blocks(self, num_kv_blocks: int) -> int:
-        """The blocks this runner's cache gets, given what it has room for (tensor parallelism: every rank's least)."""
-        return num_kv_blocks
-
     @property
     def _use_graphs(self) -> bool:
-        # NOTE: the torch attention reads sequence lengths on the host, so it cannot be captured
-        return self.is_cuda and self.config.use_cuda_graphs and self.attn_backend.name == "triton"
+        # NOTE: the torch attention reads sequence lengths on the host, so it cannot be captured; nor, untested,
+        # the all-reduce of a replica of more than one rank
+        one_rank = self.replica is None or self.replica.state.world_size == 1
+        return self.is_cuda and self.config.use_cuda_graphs and self.attn_backend.name == "triton" and one_rank
 
     # -- one step ---------------------------------------------------------------------------------
     def launch(self, step: StepDescription) -> StepHandle:
@@ -219,15 +226,25 @@ class ModelRunner:
         except Exception as exc:
             raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
         build_seconds = time.perf_counter() - t0
-        handle = self._launch_built(step, meta)
+        if self.replica is None:
+            handle = self._launch(meta, step.extras, step.prompt_rows)
+        else:  # rank 0: only a step that builds reaches another rank
+            self.replica.check()
+            with self.replica.in_step():
+                self.replica.send_step(step)
+                handle = self._launch(meta, step.extras, step.prompt_rows)
         handle.build_seconds = build_seconds
         self._next_slot ^= 1
         return handle
 
-    def _launch_built(self, step: StepDescription, meta: BatchMeta) -> StepHandle:
-        """Queue `step`, already built into its slot (`meta`). The hook a tensor-parallel rank 0 overrides to send
-        the step to its helpers first (parallel/runner.py): only a step that builds reaches another rank."""
-        return self._launch(meta, step.extras, step.prompt_rows)
+    # NOTE: a helper never waits for its steps. Reusing an IO slot's host buffers is still safe: rank 0 sends
+    # step N+2 (the next one in this slot) only after it waited for step N's samples, which needed every rank's
+    # collectives of step N, which this rank's stream ran after the slot's host-to-device copy.
+    def execute_step(self, step: StepDescription) -> None:
+        """A replica's helper: run the step rank 0 sent, the same build, forward and (received) samples."""
+        handle = self.launch(step)
+        if not handle.is_sampled:  # rank 0 samples constrained rows later; its samples still come
+            self.launch_sampling(handle)
 
     def unbuildable(self, step: StepDescription) -> list[tuple[int, Exception]]:
         """After a StepBuildError: the sequences (by index in `step`) that cannot be built even alone, with why.
@@ -305,6 +322,13 @@ class ModelRunner:
     def launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
         """Queue the sampling of a launched step and its D2H copy. `bitmask`: host rows [len(mask_rows),
         ceil(V / 32)] int32 for `extras.mask_rows`, pinned on CUDA and unchanged until the step is waited for."""
+        if self.replica is None:
+            self._launch_sampling(handle, bitmask)
+            return
+        with self.replica.in_step():  # the samples' broadcast failed: a helper is gone
+            self._launch_sampling(handle, bitmask)
+
+    def _launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None) -> None:
         meta = handle.meta
         slot = self.builder.slots[meta.slot]
         rows = meta.num_sample_rows
@@ -365,9 +389,13 @@ class ModelRunner:
     def _split_prompt_rows(
         self, logits: torch.Tensor, meta: BatchMeta, prompt_rows: PromptRows | None
     ) -> tuple[torch.Tensor, prompt_logprobs.DeviceResults | None]:
-        """The sample rows' logits, and the prompt rows' logprobs computed from the rest (in the compute stream)."""
+        """The sample rows' logits, and the prompt rows' logprobs computed from the rest (in the compute stream).
+        A replica's helper computes none: its logits are its vocabulary part, which the prompt tokens' ids index
+        past (a device-side assert on CUDA), and rank 0 alone reports the logprobs."""
         if prompt_rows is None:
             return logits, None
+        if self.replica is not None and not self.replica.samples:
+            return logits[: meta.num_sample_rows], None
         return prompt_logprobs.split_logits(logits, meta.num_sample_rows, prompt_rows)
 
     def _copy_prompt_logprobs(self, handle: StepHandle, non_blocking: bool) -> None:
@@ -378,7 +406,17 @@ class ModelRunner:
     def _sample(
         self, slot: IOSlot, handle: StepHandle, bitmask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Sample into `slot.sampled_dev`; returns the logprob results on the device, if any rows asked."""
+        """Sample into `slot.sampled_dev` (a replica's helper: receive rank 0's samples there, in async mode);
+        returns the logprob results on the device, if any rows asked."""
+        if self.replica is None:
+            return self._sample_here(slot, handle, bitmask)
+        results = self._sample_here(slot, handle, bitmask) if self.replica.samples else None
+        self.replica.share_samples(slot.sampled_dev[: handle.meta.num_sample_rows])
+        return results
+
+    def _sample_here(
+        self, slot: IOSlot, handle: StepHandle, bitmask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         d = slot.dev
         meta, extras, logits = handle.meta, handle.extras, handle.logits
         assert logits is not None, "sampling a step twice"
@@ -522,7 +560,9 @@ class ModelRunner:
         return out.logits[0]
 
     def close(self) -> None:
-        """Release what the runner holds besides memory (nothing here; a tensor-parallel rank 0's helpers)."""
+        """Release what the runner holds besides memory: a replica's rank 0 stops its helpers."""
+        if self.replica is not None:
+            self.replica.close()
 
     # -- CUDA graphs ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -22,7 +22,7 @@ positions whose logprobs it has recorded, and its prefill chunks are shortened s
 `prompt_logprobs.MAX_ROWS_PER_STEP` such rows. `max_new_tokens` 0 (scoring) samples once, at the prompt's end,
 and the engine drops that token.
 
-longrope (`long_rope_after`: the model's original context, models/spec.py `longrope_original_len`). In Phi-3's
+longrope (`long_rope_after`: the model's original context, families/spec.py `longrope_original_len`). In Phi-3's
 `generate` a sequence's K/V all rotate with one table: the short factors while it is at most that long, the long
 ones once longer (its prompt is one forward, so a long prompt is long from its first chunk; and the step that makes
 a sequence longer recomputes its whole cache). Here a sequence's table is a function of its length as the scheduler

@@ -16,8 +16,8 @@ from tests.fixtures.checkpoints import gemma3_multimodal_model
 from worker.engine.config import EngineConfig
 from worker.engine.decoder import build_decoder, unimplemented, unsupported_reason
 from worker.engine.engine import Engine
+from worker.engine.families.registry import MODULES, family_of
 from worker.engine.models import PRESETS, ModelLoadError, family_for, load_model, preset_config
-from worker.engine.models.registry import MODULES, family_of
 
 from .conftest import TINY_FAMILIES, TINY_MOE_FAMILIES, hf_greedy, make_requests
 

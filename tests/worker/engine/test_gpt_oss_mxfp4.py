@@ -1,5 +1,5 @@
-"""gpt-oss as released (experts in MXFP4) through the one-process loader (`load_model`: parallel/shard_model.py
-`load_whole_model`, the experts by shard_experts.py's reader at a world of one), on the CPU in fp32: the loaded
+"""gpt-oss as released (experts in MXFP4) through the one-process loader (`load_model`: models/shard_model.py
+`load_whole_model`, the experts by layers/experts.py's reader at a world of one), on the CPU in fp32: the loaded
 experts are exactly the dequantized codes and every other parameter exactly the saved tensor; the engine's greedy
 output equals `model.generate` of the loaded model token for token (owned and hf decoders, sync and async, chunked
 prefill); what cbq does not run is refused in one line. test_engine_moe_gpu.py checks the same load on CUDA in bf16."""
@@ -166,7 +166,7 @@ def test_a_hub_release_is_downloaded_without_its_other_copies():
     """gpt-oss's hub repos hold the weights twice (`original/`, another format): only the top level is fetched."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from worker.engine.parallel.shard_build import DOWNLOAD_ALLOW, DOWNLOAD_IGNORE
+    from worker.engine.models.shard_build import DOWNLOAD_ALLOW, DOWNLOAD_IGNORE
 
     repo = ["config.json", "generation_config.json", "model.safetensors.index.json", "model-00000-of-00002.safetensors",
             "tokenizer.json", "tokenizer_config.json", "original/model.safetensors", "original/config.json",

@@ -24,8 +24,8 @@ from worker.engine.kv_cache import (
     kv_scales_of,
     num_blocks_from_memory,
 )
+from worker.engine.models.quant_loader import read_kv_scales
 from worker.engine.quant.fp8 import FP8_MAX, to_fp8
-from worker.engine.quant.loader import read_kv_scales
 from worker.engine.quant.methods import Fp8CheckpointError
 
 from .conftest import make_requests

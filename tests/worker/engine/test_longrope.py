@@ -29,9 +29,9 @@ from worker.engine.config import EngineConfig
 from worker.engine.decoder import OwnedDecoder, build_decoder, longrope_tables, rotary_tables
 from worker.engine.describe import describe_step
 from worker.engine.engine import Engine
+from worker.engine.families.spec import longrope_original_len
 from worker.engine.kernels import fused as fk
 from worker.engine.models import ModelLoadError, load_model, preset_config
-from worker.engine.models.spec import longrope_original_len
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.tokenizer import ByteTokenizer

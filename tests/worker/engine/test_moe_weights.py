@@ -1,7 +1,7 @@
 """Stacked expert weights from every checkpoint naming (worker/engine/moe/weights.py) and the MXFP4
 dequantizer (mxfp4.py): known FP4 codes and scales, agreement with transformers' own MXFP4 reader, the
 per-expert and stacked names loading to the same tensors, and gpt-oss's MXFP4 release read by the loaders' reader
-(parallel/shard_experts.py, here at a world of one) to transformers' dequantized parameters."""
+(layers/experts.py, here at a world of one) to transformers' dequantized parameters."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from worker.engine.models.gpt_oss import FAMILY as GPT_OSS
+from worker.engine.families.gpt_oss import FAMILY as GPT_OSS
+from worker.engine.layers.experts import load_expert_shard
+from worker.engine.models.shard_build import ModelSource
 from worker.engine.moe import load_moe_layer, spec_from_config
 from worker.engine.moe.mxfp4 import E2M1_TABLE, dequantize_mxfp4
 from worker.engine.parallel.group import ParallelState
-from worker.engine.parallel.shard_build import ModelSource
-from worker.engine.parallel.shard_experts import load_expert_shard
 
 from .test_moe_reference import layer_from_block, random_block
 
@@ -83,7 +83,7 @@ def test_released_per_expert_names_load_like_stacked():
 
 def test_gpt_oss_mxfp4_checkpoint_loads_like_its_dequantized_weights():
     """The released layout ([E, 2I, H / 32, 16] blocks, interleaved gate/up rows) read as the one-process loader
-    reads it (shard_experts.py at a world of one) against transformers' dequantized [E, H, 2I] parameters (which
+    reads it (layers/experts.py at a world of one) against transformers' dequantized [E, H, 2I] parameters (which
     test_moe_reference checks against GptOssMLP), and stacked by load_moe_layer as the owned decoder stacks them."""
     config, block = random_block("gpt_oss")
     spec = spec_from_config(config)
@@ -164,8 +164,8 @@ def test_per_expert_modules_are_stacked_once_and_rebound_to_views_of_the_stack()
     weights are one stack, each expert's linears become views of it, and the layer computes what they did."""
     from torch import nn
 
-    from worker.engine.models.spec import MoeMlpSpec
-    from worker.engine.moe.from_model import moe_layer_weights
+    from worker.engine.families.spec import MoeMlpSpec
+    from worker.engine.models.moe_from_model import moe_layer_weights
     from worker.engine.moe.reference import moe_forward_ref
     from worker.engine.moe.spec import MoeSpec
 
@@ -210,8 +210,8 @@ def test_gpt_oss_experts_move_into_the_kernels_layout_once_and_generate_is_uncha
     tensors."""
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
+    from worker.engine.families.gpt_oss import ExpertsInKernelLayout
     from worker.engine.models import load_model
-    from worker.engine.models.gpt_oss import ExpertsInKernelLayout
 
     model, tok = load_model("tiny-gpt-oss", torch.device("cpu"), torch.float32)
     ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])

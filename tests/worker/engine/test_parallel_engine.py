@@ -31,7 +31,7 @@ from worker.engine.engine import Engine
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import ModelLoadError, load_model
 from worker.engine.parallel.group import RankFailure
-from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
+from worker.engine.ranks import build_sharded_engine
 
 from .conftest import hf_generate, randomize_score_correction_bias
 
@@ -114,7 +114,7 @@ def sharded_engine(checkpoints):
 def test_greedy_equals_generate_at_tp2(checkpoints, sharded_engine, name, mode):
     _, requests, reference = checkpoints[name]
     engine = sharded_engine(name, mode)
-    assert isinstance(engine.runner, ShardRunner) and engine.runner.state.world_size == 2
+    assert engine.runner.replica is not None and engine.runner.replica.state.world_size == 2
     num_preemptions = engine.scheduler.num_preemptions
     results = engine.generate(requests)
     for request, result in zip(requests, results, strict=True):
@@ -256,8 +256,8 @@ def test_killed_helper_ends_the_run_with_a_rank_failure():
     """While generating: the step raises it. While idle on the loop thread: the loop ends with it at once."""
     timeout_s = 20
     engine = build_sharded_engine("tiny-llama", EngineConfig(mode="async", num_kv_blocks=32, tensor_parallel_size=2), timeout_s=timeout_s)
-    assert isinstance(engine.runner, ShardRunner) and engine.runner.group is not None
-    (pid,) = engine.runner.group.helper_pids
+    assert engine.runner.replica is not None and engine.runner.replica.group is not None
+    (pid,) = engine.runner.replica.group.helper_pids
     request = EngineRequest("a", [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0))
     assert len(engine.generate([request])[0].token_ids) == 4
     engine.start()  # idle on its thread, as a worker with an empty queue
@@ -280,8 +280,8 @@ def test_hung_helper_ends_the_step_within_the_collective_timeout():
     engine = build_sharded_engine(
         "tiny-llama", EngineConfig(mode="sync", num_kv_blocks=32, tensor_parallel_size=2), timeout_s=timeout_s
     )
-    assert isinstance(engine.runner, ShardRunner) and engine.runner.group is not None
-    (pid,) = engine.runner.group.helper_pids
+    assert engine.runner.replica is not None and engine.runner.replica.group is not None
+    (pid,) = engine.runner.replica.group.helper_pids
     os.kill(pid, signal.SIGSTOP)  # alive, but never answers
     start = time.monotonic()
     try:

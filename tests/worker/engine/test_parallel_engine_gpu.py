@@ -14,7 +14,7 @@ from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model
-from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
+from worker.engine.ranks import build_sharded_engine
 
 from .conftest import make_requests
 from .test_engine_gpu import token_agreement
@@ -55,7 +55,7 @@ def test_world_size_1_through_the_sharded_path_equals_the_engine(requests, model
     del engine
     torch.cuda.empty_cache()
     sharded = build_sharded_engine(model, config, world_size=1)
-    assert isinstance(sharded.runner, ShardRunner) and sharded.runner.decoder is not None
+    assert sharded.runner.replica is not None and sharded.runner.decoder is not None
     assert sharded.runner.decoder.tp is not None
     assert len(sharded.runner.graphs) == graphs > 0, "decode steps replay CUDA graphs at world size 1"
     got = [r.token_ids for r in sharded.generate(requests)]

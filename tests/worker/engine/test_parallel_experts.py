@@ -1,4 +1,4 @@
-"""Each rank's slice of a sparse layer's experts (parallel/shard_experts.py), from every checkpoint layout: the
+"""Each rank's slice of a sparse layer's experts (layers/experts.py), from every checkpoint layout: the
 ranks' slices put back together are the whole layer, whichever layout they were read from (stacked, per-expert,
 gpt-oss's interleaved one, its MXFP4 release with slices that start and end inside a 32-value group)."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.models.gpt_oss import FAMILY as GPT_OSS
-from worker.engine.models.mixtral import FAMILY as MIXTRAL
+from worker.engine.families.gpt_oss import FAMILY as GPT_OSS
+from worker.engine.families.mixtral import FAMILY as MIXTRAL
+from worker.engine.layers.experts import load_expert_shard
+from worker.engine.models.shard_build import ModelSource
 from worker.engine.moe.mxfp4 import dequantize_mxfp4
 from worker.engine.moe.spec import MoeSpec
 from worker.engine.parallel.group import ParallelState
-from worker.engine.parallel.shard_build import ModelSource
-from worker.engine.parallel.shard_experts import load_expert_shard
 
 E, H, INTER = 3, 64, 96  # at TP=4 each rank holds 24 of the 96 features: three 32-value groups, cut mid-group
 LAYER = "model.layers.0"

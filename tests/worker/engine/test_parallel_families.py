@@ -29,7 +29,6 @@ from tests.fixtures.checkpoints import gemma3_multimodal_model, save_experts_as_
 from worker.engine.engine import Engine
 from worker.engine.engine_builder import build_engine
 from worker.engine.models import load_model, preset_config
-from worker.engine.parallel.runner import ShardRunner
 
 from .conftest import hf_generate
 from .test_parallel_engine import CONFIG, make_requests
@@ -96,7 +95,7 @@ def test_greedy_equals_generate_at_tp2(checkpoints, name, mode):
     path, reference = built[name]
     engine = build_engine(path, mode=mode, tensor_parallel_size=2, **SMALL_CACHE)
     try:
-        assert isinstance(engine.runner, ShardRunner) and engine.runner.state.world_size == 2
+        assert engine.runner.replica is not None and engine.runner.replica.state.world_size == 2
         results = engine.generate(requests)
         for request, result in zip(requests, results, strict=True):
             assert result.token_ids == reference[request.request_id], request.request_id

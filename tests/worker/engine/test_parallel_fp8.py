@@ -1,5 +1,5 @@
 """FP8 at --tensor-parallel-size 2 over gloo on the CPU (issue 27): each rank's FP8 linears hold their slice with
-the scales of that slice (parallel/shard_fp8.py), so greedy output equals the one-process engine's on the same
+the scales of that slice (models/shard_fp8.py), so greedy output equals the one-process engine's on the same
 checkpoint token for token (fp32): block-wise FP8 and static per-tensor FP8 kept in FP8 (`keep_fp8`: the owned
 decoder fuses the rank's FP8 rows and runs the emulated FP8 GEMM), and block-wise, per-channel and
 `--quantization fp8` dequantized (the CPU's default). The per-channel scales themselves are checked against one
@@ -19,8 +19,8 @@ from tests.fixtures.fp8_checkpoints import FP8_SHAPE, build_fp8_checkpoint, buil
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import ModelLoadError, load_model
-from worker.engine.parallel.runner import ShardRunner, build_sharded_engine
 from worker.engine.quant.linear import Fp8LinearModule
+from worker.engine.ranks import build_sharded_engine
 
 from .test_parallel_engine import make_requests
 
@@ -66,7 +66,7 @@ def test_greedy_at_tp2_equals_one_process(tmp_path_factory, fmt, keep_fp8):
     config = EngineConfig(quantization=quantization, **CONFIG)
     sharded = build_sharded_engine(path, config, world_size=2, keep_fp8=keep_fp8)
     try:
-        assert isinstance(sharded.runner, ShardRunner)
+        assert sharded.runner.replica is not None
         kept = [m for m in sharded.model.modules() if isinstance(m, Fp8LinearModule)]
         assert len(kept) == (7 * sharded.model.config.num_hidden_layers if keep_fp8 else 0)
         results = sharded.generate(requests)
@@ -158,8 +158,8 @@ def test_quantization_fp8_on_a_shard_leaves_the_sparse_mlps_dense():
     Fp8LinearModules, nothing under a sparse MLP is."""
     from worker.engine.models import family_for
     from worker.engine.models.loader import sparse_layers
+    from worker.engine.models.shard_model import load_shard
     from worker.engine.parallel.group import ParallelState
-    from worker.engine.parallel.shard_model import load_shard
 
     state = ParallelState(rank=0, world_size=1, device=CPU)
     model, _, _ = load_shard("tiny-qwen2-moe", state, EngineConfig(quantization="fp8"), keep_fp8=True)
@@ -175,8 +175,8 @@ def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
     """A rank never casts bare FP8 values into a weight: a quantized linear without its scale names the tensor."""
     from safetensors.torch import save_file
 
-    from worker.engine.parallel.checkpoint import SafetensorsCheckpoint
-    from worker.engine.parallel.shard_fp8 import Fp8ShardSource
+    from worker.engine.checkpoint import SafetensorsCheckpoint
+    from worker.engine.models.shard_fp8 import Fp8ShardSource
     from worker.engine.quant import BlockFp8Config
 
     save_file(

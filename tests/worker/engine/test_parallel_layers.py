@@ -16,19 +16,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from worker.engine.parallel.checkpoint import SafetensorsCheckpoint
-from worker.engine.parallel.group import ParallelState, all_gather, launch_ranks
-from worker.engine.parallel.layers import (
+from worker.engine.checkpoint import SafetensorsCheckpoint
+from worker.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
-    head_shard,
-    shard_for,
-    vocab_shard,
 )
+from worker.engine.parallel.group import ParallelState, all_gather, launch_ranks
+from worker.engine.parallel.memory import head_shard, shard_for, vocab_shard
 from worker.engine.parallel.messages import StepDriver, serve_forever
 
 HIDDEN, INTER, HEAD_DIM, NUM_HEADS, VOCAB = 16, 24, 4, 4, 33  # vocab not divisible by 2: padded

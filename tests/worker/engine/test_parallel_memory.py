@@ -1,4 +1,4 @@
-"""memory.py counts every parameter of a real model at TP=1, and splits it as layers.py does at TP=N."""
+"""memory.py counts every parameter of a real model at TP=1, and splits it as layers/ does at TP=N."""
 
 from __future__ import annotations
 

@@ -20,8 +20,13 @@ from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model
-from worker.engine.quant import CBQ_RUNS, OnlineFp8Config, checkpoint_quantization, dequantize_state_dict
-from worker.engine.quant.loader import checkpoint_tensors, linear_module_names, load_dequantized_model
+from worker.engine.models.quant_loader import (
+    checkpoint_tensors,
+    dequantize_state_dict,
+    linear_module_names,
+    load_dequantized_model,
+)
+from worker.engine.quant import CBQ_RUNS, OnlineFp8Config, checkpoint_quantization
 
 FAMILY = {"fp8-block": "qwen3", "ct-channel-dynamic": "llama3", "ct-tensor-static": "llama3", "ct-block": "qwen3",
           "fbgemm": "llama3"}  # the families that ship each format

@@ -84,7 +84,7 @@ def _check_fp8_decoder(model, tokenizer, num_requests: int = 6) -> None:
     """The owned decoder holds FP8 GEMM weights, views the modules' bytes, and decodes as `generate` does."""
     engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=64))
     decoder = engine.runner.decoder
-    assert decoder is not None and decoder.is_fp8 and decoder.small_step_ops is None
+    assert decoder is not None and decoder.is_quantized and decoder.small_step_ops is None
     attn = model.model.layers[-1].self_attn
     qkv_modules = [attn.q_proj, attn.k_proj, attn.v_proj]
     if all(isinstance(m, Fp8LinearModule) for m in qkv_modules):  # fbgemm's release leaves attention in bf16
@@ -199,7 +199,7 @@ def test_gpu_quantization_fp8_runs_fp8_gemms_that_match_their_emulation(monkeypa
     print(f"small-llama --quantization fp8: logits rel {rel:.4f}, top-1 agreement {top1:.3f} vs the emulation")
     assert rel < GPU_LOGITS_REL and top1 >= GPU_TOP1, (rel, top1)
     engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=512))
-    assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
+    assert engine.runner.decoder is not None and engine.runner.decoder.is_quantized
     # The first token is one more top-1 of the same FP8 math run two ways (the engine's fused GEMMs and attention
     # vs transformers' forward): GPU_TOP1's bound, not more. 64 prompts, not 16: at the H200's top-1 of about
     # 0.75 (2026-12-01: 11 of 16, then 9 of 16 against a bound of 10), 16 draws fall under 0.6 one run in twelve.
@@ -228,7 +228,7 @@ def test_gpu_checkpoint_formats_run_fp8_gemms_in_the_owned_decoder(tmp_path, mon
     print(f"{fmt}: logits rel {rel:.4f}, top-1 agreement {top1:.3f} vs the emulation")
     assert rel < GPU_LOGITS_REL and top1 >= GPU_TOP1, (fmt, rel, top1)
     engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=256))
-    assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
+    assert engine.runner.decoder is not None and engine.runner.decoder.is_quantized
     reqs = _requests(tokenizer, 8)
     results = engine.generate(reqs)
     firsts = [r.token_ids[:1] == _greedy(model, tokenizer, q)[:1] for q, r in zip(reqs, results, strict=True)]

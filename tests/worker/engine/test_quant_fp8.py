@@ -201,7 +201,7 @@ def test_online_quantization_reads_a_dense_weight():
 
 
 def test_the_state_dict_skips_kv_scales_and_names_what_the_config_does_not_account_for():
-    from worker.engine.quant import dequantize_state_dict
+    from worker.engine.models.quant_loader import dequantize_state_dict
     from worker.engine.quant.config import CompressedTensorsFp8Config
 
     channel = CompressedTensorsFp8Config(((("Linear",), CHANNEL),), ignore=("lm_head",))

@@ -186,7 +186,7 @@ def test_owned_decoder_multiplies_the_fp8_attention_and_dense_experts(loaded, fm
     reqs, ref = references(loaded, fmt, keep_fp8=True)
     engine = Engine(model, tok, EngineConfig(decoder="owned", max_num_batched_tokens=40))
     decoder = engine.runner.decoder
-    assert decoder is not None and decoder.is_fp8
+    assert decoder is not None and decoder.is_quantized
     sparse = [i for i, w in enumerate(decoder.moe_layers) if w is not None]
     assert sparse and all(decoder.moe_layers[i].experts.gate_up.dtype == torch.float32 for i in sparse)
     for req, res in zip(reqs, engine.generate(reqs), strict=True):
@@ -207,7 +207,7 @@ def test_quantization_fp8_on_an_moe_quantizes_its_attention_and_dense_mlps_only(
             assert torch.equal(layer.mlp.shared_expert.up_proj.weight, plain.mlp.shared_expert.up_proj.weight)
             assert torch.equal(layer.mlp.experts.down_proj, plain.mlp.experts.down_proj)
     engine = Engine(model, tok, EngineConfig(decoder="owned", max_num_batched_tokens=40))
-    assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
+    assert engine.runner.decoder is not None and engine.runner.decoder.is_quantized
     reqs = _requests(256, num=5)
     ref = {r.request_id: greedy(model, tok, r) for r in reqs}
     assert {r.request_id: r.token_ids for r in engine.generate(reqs)} == ref
@@ -278,7 +278,7 @@ def test_gpu_fp8_moe_loads_fp8_attention_and_fp8_experts(release, fmt):
     down = dequantize_down(experts.down_proj[3], experts.down_proj_scale[3], experts.format).cpu()
     assert torch.equal(down, dequantized(tensors, f"{prefix}.3.down_proj"))
     engine = Engine(model, tok, EngineConfig(decoder="owned", max_num_batched_tokens=256))
-    assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
+    assert engine.runner.decoder is not None and engine.runner.decoder.is_quantized
     reqs = _requests(model.config.vocab_size, num=16)
     results = engine.generate(reqs)
     firsts = [r.token_ids[:1] == greedy(model, tok, q)[:1] for q, r in zip(reqs, results, strict=True)]

@@ -456,12 +456,12 @@ def check_decoder_opt_in(device: str) -> None:
     # GEMMs quantize them: the same bits
     from worker.engine import decoder as decoder_mod
 
-    fp8_rows_args = decoder_mod.fp8_rows_args
-    decoder_mod.fp8_rows_args = lambda *args, **kwargs: None
+    rows_for = decoder_mod.rows_for
+    decoder_mod.rows_for = lambda *args, **kwargs: None
     try:
         (_, _, gemm_quantized), _ = run(fused_qkv=True)
     finally:
-        decoder_mod.fp8_rows_args = fp8_rows_args
+        decoder_mod.rows_for = rows_for
     assert torch.equal(step, gemm_quantized), (step - gemm_quantized).abs().max()
     (_, _, unfused_step), launches = run(fused_qkv=False)
     # one launch more per layer: the QKV GEMM plain, then qkv_rope_write
@@ -507,8 +507,8 @@ def test_decode_gemm_auto_and_triton_take_fp8_models_onto_the_small_step_and_cub
     ):  # fmt: skip
         decoder = decoder_mod.build_decoder(model, "owned", cpu, 64, use_triton=fk.HAVE_TRITON, gemm=gemm)
         assert decoder is not None
-        assert decoder.is_fp8 == (model is fp8_model)
-        assert (decoder.small_step_ops is not None) == (takes_it and fk.HAVE_TRITON), (gemm, decoder.is_fp8)
+        assert decoder.is_quantized == (model is fp8_model)
+        assert (decoder.small_step_ops is not None) == (takes_it and fk.HAVE_TRITON), (gemm, decoder.is_quantized)
 
 
 @pytest.mark.gpu
@@ -591,7 +591,7 @@ def test_gpu_engine_with_decode_gemm_triton_runs_fp8_small_steps_in_cuda_graphs(
     outputs = {}
     for gemm in ("cublas", "triton"):
         engine = Engine(model, tokenizer, EngineConfig(decoder="owned", decode_gemm=gemm, max_num_batched_tokens=2048))
-        assert engine.runner.decoder is not None and engine.runner.decoder.is_fp8
+        assert engine.runner.decoder is not None and engine.runner.decoder.is_quantized
         assert (engine.runner.decoder.small_step_ops is not None) == (gemm == "triton")
         outputs[gemm] = [r.token_ids for r in engine.generate(reqs)]
         del engine

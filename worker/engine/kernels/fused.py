@@ -44,7 +44,7 @@ ACT_SILU, ACT_GELU_TANH = 0, 1
 
 def mean_square(xf: torch.Tensor) -> torch.Tensor:
     """[..., W] fp32 -> [..., 1]: the RMSNorm statistic over the last dimension, all of it here. A tensor-parallel
-    shard passes its own (parallel/shard_model.TensorParallel.mean_square): the sum over the ranks' slices."""
+    shard passes its own (layers/tensor_parallel.TensorParallel.mean_square): the sum over the ranks' slices."""
     return xf.pow(2).mean(-1, keepdim=True)
 
 

@@ -1,5 +1,7 @@
-"""Model families and loading. `loader.py` reads a checkpoint (or builds a preset); `registry.py` maps a
-config's model_type to its family module (llama.py, gemma2.py, ...), each of which fills in `spec.Family`.
+"""Loading a model: `loader.py` reads a checkpoint (or builds a preset, `presets.py`) in one process; `shard_model.py` and
+`shard_build.py` build a tensor-parallel rank's shard by slice (`shard_fp8.py`: its FP8 linears); `quant_loader.py`
+reads a quantized checkpoint's linears (and an MoE's experts) kept FP8 or dequantized; `moe_from_model.py` the
+owned decoder's expert views of a loaded model. The family declarations it reads are families/'s.
 """
 
 from .loader import (

@@ -1,11 +1,11 @@
 """`Fp8Experts`: a sparse layer's routed experts kept in FP8 inside the transformers model, in the place of its
 stacked experts module (Qwen3MoeExperts, Glm4MoeNaiveMoe, ...), as quant/linear.py's `Fp8LinearModule` takes an
 `nn.Linear`'s. Owns the FP8 expert tensors (buffers, so `.to(device)` moves them); the owned decoder reads them as
-views (`weights`, from_model.py), transformers' forward runs their emulation (reference.experts_fp8_emulated), so
+views (`weights`, models/moe_from_model.py), transformers' forward runs their emulation (reference.experts_fp8_emulated), so
 `model.generate` still runs, slowly: it is the reference path, not the hot one.
 
 Made at load, on CUDA with FP8 tensor cores (`models.load_model`'s `keep_fp8_experts`), from an FP8 checkpoint's
-per-expert linears (quant/loader.py, through parallel/shard_experts.py's `read_fp8_experts`) or by
+per-expert linears (models/quant_loader.py, through layers/experts.py's `read_fp8_experts`) or by
 `--quantization fp8` (`quantize_model_experts`: each layer's experts quantized per output channel where they lie,
 one layer at a time, the layer's bf16 experts freed as its FP8 ones take their place). Only the families whose
 transformers module holds the kernels' layout (`MoeMlpSpec.kernel_layout`): gpt-oss's experts (MXFP4 in its

@@ -16,7 +16,7 @@ Checkpoint names understood (`layer_prefix` is e.g. "model.layers.3"):
   - released Qwen2-MoE/Qwen3-MoE: `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`;
     released Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down), `block_sparse_moe.gate`.
   - released gpt-oss (MXFP4 experts) is not read here: the loader dequantizes it into transformers' gpt-oss
-    parameters (parallel/shard_experts.py, the one MXFP4 reader), which this then reads as above.
+    parameters (layers/experts.py, the one MXFP4 reader), which this then reads as above.
   - Qwen2-MoE's shared expert: `mlp.shared_expert.{gate,up,down}_proj.weight`, `mlp.shared_expert_gate.weight`;
     GLM-4.5's: `mlp.shared_experts.{gate,up,down}_proj.weight` (ungated), its router's correction bias
     `mlp.gate.e_score_correction_bias` [E] (fp32 in the release).

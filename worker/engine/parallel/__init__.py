@@ -20,18 +20,10 @@ How the ranks run (the worker is rank 0; `serve` is module-level so spawn can pi
     driver = StepDriver(group, Runner(model_path, group.state))
     result = driver.run(step)     # every rank runs `step`; rank 0's result (its logits) comes back
     driver.shutdown()             # or a RankFailure from run(): the worker exits 1
-- layers.py: Column/MergedColumn/QKV/Row-parallel linears, the vocab-parallel embedding and the
-  LM head; each loads only its slice from the checkpoint; `shard_for`, `head_shard`, `vocab_shard`.
-- checkpoint.py: safetensors tensors by name, read by slice (`RowBlock`: one block of a fused tensor's rows;
-  `RenamedCheckpoint`: a multimodal checkpoint's language model under the text model's names).
-- shard_experts.py: a rank's slice of every expert of a sparse layer, from any checkpoint layout (stacked,
-  per-expert, gpt-oss's interleaved one and its MXFP4 release, dequantized by slice).
-- memory.py: weight bytes per rank at TP=N; `check_fits` refuses a load with the numbers.
-- shard_fp8.py: FP8 on a shard: an FP8 checkpoint's weights read by slice with their scales
-  (`Fp8ShardSource`; per-channel scales with their rows, per-tensor ones replicated, block-wise by whole
-  [128, 128] blocks, a boundary inside a block refused), kept FP8 or dequantized; `--quantization fp8`
-  quantized per rank with one process's scales (`quantize_shard`: o/down's row absmax is the ranks' largest).
-
+- memory.py: the split of a dimension over the ranks (`shard_for`, `head_shard`, `vocab_shard`), weight bytes per
+  rank at TP=N; `check_fits` refuses a load with the numbers.
+The layers that hold a rank's part of each weight are layers/'s (used at every world size); the shard's loading is
+models/'s (shard_model.py, shard_build.py, shard_fp8.py); rank 0's engine and a helper's life are ranks.py's.
 How a model file uses the layers (it does not change with the world size):
 
     class Attention(nn.Module):
@@ -59,13 +51,13 @@ heads' entries. Everything between a column layer and the row layer after it (ro
 local to the rank's heads/features, so the existing kernels run unchanged on smaller shapes. Each rank sizes its
 own KV cache for its `num_kv_heads` heads from its own free memory.
 
-Wired (runner.py, shard_model.py): `--tensor-parallel-size N` / `EngineConfig.tensor_parallel_size` makes
-`Engine.from_model` call `runner.build_sharded_engine`: rank 0 spawns ranks 1..N-1 (`serve_rank`), every rank
-builds its shard model (`shard_model.load_shard`: the family's transformers model at the rank's sizes, its
+Wired (ranks.py, models/shard_model.py): `--tensor-parallel-size N` / `EngineConfig.tensor_parallel_size` makes
+`Engine.from_model` call `ranks.build_sharded_engine`: rank 0 spawns ranks 1..N-1 (`serve_rank`), every rank
+builds its shard model (`models/shard_model.load_shard`: the family's transformers model at the rank's sizes, its
 parameters views of the layers above, loaded by slice), the ranks agree on the KV blocks, and rank 0's
-`ShardRunner` sends each step's `StepDescription` before running it. The owned decoder calls
-`TensorParallel.embed/reduce/gather_logits/mean_square` (decoder.py; None at TP=1, where nothing here is
-built).
+`ModelRunner` (its `Replica` the data that says so) sends each step's `StepDescription` before running it. The
+owned decoder reads its part of the model as a `Shard` (layers/tensor_parallel.py: `TensorParallel.embed`,
+`row_parallel_out`, `full_logits`, and `mean_square`; `WholeModel` at TP=1, where nothing here is built).
 
 Sharded families: every family the owned decoder runs. Fused q/k/v and gate/up checkpoints (Phi-3/4, GLM-4) are
 read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss are split by intermediate size
@@ -73,8 +65,8 @@ read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss ar
 the one-process loader reads it as the one rank of a world of one, `shard_build.load_whole_model`). An FP8 KV
 cache (--kv-cache-dtype fp8) holds each rank's own KV heads, with one process's static scales (1.0).
 
-FP8 (shard_fp8.py, not layers.py's linear methods, which the shard model does not use) on a mixture of experts
-keeps what is under a sparse MLP in the model dtype, the experts dequantized by shard_experts.py from the inner
+FP8 (models/shard_fp8.py, not layers/linear.py's linear methods, which the shard model does not use) on a mixture of experts
+keeps what is under a sparse MLP in the model dtype, the experts dequantized by layers/experts.py from the inner
 checkpoint, as one process loads them.
 
 Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), a row-parallel linear's per-token

@@ -1,7 +1,7 @@
 """Weight bytes per rank of a decoder at tensor-parallel size N, to refuse a load that cannot fit, and
 the KV-cache bytes a token takes on one rank.
 
-Owns nothing. Counts what layers.py holds on one rank: its shard of every split tensor (q/k/v by
+Owns nothing. Counts what layers/ holds on one rank: its shard of every split tensor (q/k/v by
 head, o, gate/up, down, experts by intermediate size, the padded vocabulary of the embedding and an
 untied lm_head) and a full copy of every replicated one (norms, row-parallel biases, the MoE router,
 and KV heads when there are fewer KV heads than ranks).
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from ..moe.spec import SUPPORTED_MODEL_TYPES as MOE_MODEL_TYPES
 from ..moe.spec import spec_from_config
-from .layers import head_shard, shard_for, vocab_shard
 
 GB = 1e9
 
@@ -140,3 +139,71 @@ def check_fits(
             f"but rank {rank} has {free / GB:.1f} GB free; split it over more GPUs"
         )
     return need
+
+
+# --- the split, for any rank ------------------------------------------------------------------------
+
+
+def shard_for(size: int, rank: int, world_size: int, what: str = "size") -> slice:
+    """Rank `rank`'s contiguous part of `size` items split evenly over `world_size` ranks."""
+    if size % world_size:
+        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {world_size}")
+    n = size // world_size
+    return slice(rank * n, (rank + 1) * n)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds: its q heads and the KV heads they read."""
+
+    q_heads: slice
+    kv_heads: slice
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads.stop - self.q_heads.start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads.stop - self.kv_heads.start
+
+
+def head_shard(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> HeadShard:
+    """q heads split evenly; KV heads split too, or, when there are fewer KV heads than ranks,
+    replicated: each rank then holds the one KV head its q heads use (grouped-query attention)."""
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+        )
+    q_heads = shard_for(num_heads, rank, world_size, "num_attention_heads")
+    if num_kv_heads >= world_size:
+        kv_heads = shard_for(num_kv_heads, rank, world_size, "num_key_value_heads")
+    else:
+        if world_size % num_kv_heads:
+            raise ValueError(
+                f"tensor-parallel size {world_size} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
+        kv_head = rank * num_kv_heads // world_size
+        kv_heads = slice(kv_head, kv_head + 1)
+    group_size = num_heads // num_kv_heads
+    assert (
+        q_heads.start // group_size == kv_heads.start
+        and (q_heads.stop - 1) // group_size == kv_heads.stop - 1
+    ), f"rank {rank}'s q heads {q_heads} do not read exactly KV heads {kv_heads}"
+    return HeadShard(q_heads, kv_heads)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows one rank holds: [start, stop) of the real vocabulary, stored in
+    `num_rows` rows (the padded vocabulary over the world size; rows past `stop` are zeros)."""
+
+    start: int
+    stop: int
+    num_rows: int
+
+
+def vocab_shard(vocab_size: int, rank: int, world_size: int) -> VocabShard:
+    num_rows = -(-vocab_size // world_size)
+    start = rank * num_rows
+    return VocabShard(start, max(start, min(start + num_rows, vocab_size)), num_rows)

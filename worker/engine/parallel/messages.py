@@ -19,16 +19,18 @@ from the queue is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .group import ParallelState, RankGroup
+from .group import ParallelState, RankGroup, broadcast_from_first, min_over_ranks
 
 
 class StepDescription(Protocol):
@@ -175,3 +177,67 @@ class StepDriver(Generic[StepT]):
             except RuntimeError:
                 pass  # a helper already gone: close() reports how it ended
         self.group.close(timeout_s)
+
+
+class Replica:
+    """One rank's part in a tensor-parallel replica, as its model runner reads it (data, not a subclass): its
+    `ParallelState`, its control channel and, on rank 0, the `RankGroup`. Rank 0 sends each step before running
+    it and alone samples; in async mode its samples are broadcast to every rank, whose next step's carry-over
+    rows read them. `measured`: the KV cache's size came from each rank's free memory (not --num-kv-blocks), so
+    it is measured again after the build and agreed over the ranks."""
+
+    def __init__(self, state: ParallelState, group: RankGroup | None, *, measured: bool, shares_samples: bool):
+        assert (group is not None) == state.is_first_rank, "rank 0 holds the group"
+        self.state = state
+        self.group = group
+        self.measured = measured
+        self.shares_samples = shares_samples and state.world_size > 1
+        self.channel = ControlChannel(state)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples (rank 0): a helper's logits are its vocabulary part."""
+        return self.state.is_first_rank
+
+    def agree_num_kv_blocks(self, num_kv_blocks: int) -> int:
+        """Every rank's least: a block id names the same block on every rank."""
+        return min_over_ranks(self.state, num_kv_blocks)
+
+    def check(self) -> None:
+        """Rank 0: raise the group's RankFailure if a helper is gone (before a step goes out)."""
+        if self.group is not None:
+            self.group.check()
+
+    def send_step(self, step: StepDescription) -> None:
+        """Rank 0: the step (known to build) goes to every helper; a helper runs what it received."""
+        if self.group is not None:
+            self.channel.send(RunStep(step))
+
+    @contextlib.contextmanager
+    def in_step(self) -> Iterator[None]:
+        """Rank 0: a failure inside a step that went out leaves the ranks out of step, so it ends the group and is
+        raised as the group's RankFailure. A helper's failure is its own (rank 0 sees it through the group)."""
+        if self.group is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as error:
+            raise self.group.failure_after(error) from error
+
+    def share_samples(self, sampled: torch.Tensor) -> None:
+        """Async mode: rank 0's sampled ids into every rank's `sampled` (in place)."""
+        if self.shares_samples:
+            broadcast_from_first(self.state, sampled)
+
+    def close(self) -> None:
+        """Rank 0: tell the helpers to stop and wait for them."""
+        if self.group is None:
+            return
+        self.group.stop_watching()
+        if self.group.failure is None:
+            try:
+                self.channel.send(Shutdown())
+            except RuntimeError:
+                pass  # a helper already gone: close() reports how it ended
+        self.group.close()

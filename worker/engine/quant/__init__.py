@@ -11,9 +11,9 @@
   small_step.py  the small decode steps' FP8 GEMM (<= 32 rows): x quantized per token inside one PDL kernel,
               act·mul in the gate/up variant's epilogue, rotary + the KV write in the QKV variant's; the
               decoder's path with decode_gemm "triton"
-  loader.py   reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
+  models/quant_loader.py reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
               or dequantized into a plain transformers model (the CPU path); a mixture of experts' experts,
-              read by parallel/shard_experts.py, kept FP8 on sm89+ CUDA (moe/fp8_experts.py) or dequantized;
+              read by layers/experts.py, kept FP8 on sm89+ CUDA (moe/fp8_experts.py) or dequantized;
               every other linear under a sparse MLP dequantized
   linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
               apply), `Fp8Weight` (what the owned decoder multiplies), `quantize_linears` (--quantization
@@ -29,7 +29,7 @@ per-token-group quantizations are separate kernels; small steps with decode_gemm
 GEMM (small_step.py).
 
 Under `--tensor-parallel-size` (dense models) the ranks read their slices of the FP8 weights with those slices'
-scales, or quantize their slices with one process's per-channel scales: parallel/shard_fp8.py.
+scales, or quantize their slices with one process's per-channel scales: models/shard_fp8.py.
 
 `--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """
@@ -56,7 +56,6 @@ from .config import (
 )
 from .fp8 import Fp8Linear, dequantize_weight, fp8_linear_emulated
 from .kernels import fp8_linear
-from .loader import dequantize_state_dict, load_dequantized_model
 from .methods import Fp8CheckpointError, Fp8LinearMethod, linear_method
 
 __all__ = [
@@ -76,13 +75,11 @@ __all__ = [
     "UnsupportedQuantization",
     "WeightScale",
     "checkpoint_quantization",
-    "dequantize_state_dict",
     "dequantize_weight",
     "fp8_linear",
     "fp8_linear_emulated",
     "has_mxfp4_experts",
     "linear_method",
-    "load_dequantized_model",
     "moe_quantization",
     "refuse_gguf",
 ]

@@ -20,7 +20,7 @@
 Each answers `scheme_for(module_name)`: the module's `Fp8Scheme`, or None when that linear is not quantized.
 `moe_quantization` is the same for a mixture of experts, narrowed to the formats whose experts cbq reads (kept FP8
 on sm89+ GPUs for the FP8 grouped GEMMs, dequantized at load elsewhere). gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized,
-none of its linears) is not a linear format: the loader dequantizes its experts (parallel/shard_experts.py) and never asks for one here.
+none of its linears) is not a linear format: the loader dequantizes its experts (layers/experts.py) and never asks for one here.
 Everything else (AWQ, GPTQ, bitsandbytes, GGUF, int8 compressed-tensors, FP8 variants not listed above)
 raises `UnsupportedQuantization` with one line that names the field and what cbq runs (`CBQ_RUNS`).
 """
@@ -215,7 +215,7 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
 
 def moe_quantization(quantization_config: Any, model_type: str, requested: str | None = None) -> Fp8Config | None:
     """`checkpoint_quantization` for a mixture of experts, whose other linears run as in a dense model. The experts
-    are read one linear an expert (parallel/shard_experts.py), in the formats tested on the releases' layouts:
+    are read one linear an expert (layers/experts.py), in the formats tested on the releases' layouts:
     block-wise "fp8" (Qwen3-*-FP8) and compressed-tensors with per-channel weights (GLM-4.5-Air-FP8). In one process
     on sm89+ CUDA they stay FP8 for the FP8 grouped GEMMs (moe/fp8.py: block-wise, or per-channel with dynamic
     per-token activations; a static input scale's experts are dequantized); on the CPU and under tensor parallelism

@@ -86,7 +86,7 @@ def quantize_linears(
     `nn.Linear` the config quantizes becomes an `Fp8LinearModule` (`keep_fp8`) or takes the dequantized FP8
     weight (the emulation of weight rounding that runs on the CPU). `stays_dense`: linears left as they are (a
     mixture of experts' sparse MLPs, which the MoE kernels multiply in the model dtype)."""
-    assert not quant.is_serialized, "a checkpoint's FP8 weights are loaded (quant/loader.py), not quantized"
+    assert not quant.is_serialized, "a checkpoint's FP8 weights are loaded (models/quant_loader.py), not quantized"
     for name, module in list(model.named_modules()):
         method = linear_method(quant, name)  # None for the output head (it may be the embedding, tied)
         if not isinstance(module, nn.Linear) or method is None or stays_dense(name):

@@ -4,7 +4,7 @@ linear module's name and reads that linear's tensors from a checkpoint's state d
 A method knows three things about its format's linears:
   load(tensors, prefix)    the `Fp8Linear` of module `prefix`: its FP8 weight and scales, read under the
                            format's names and checked against the shapes the releases ship
-  dequantize(layer, dtype) the weight in the compute dtype (the CPU path, loader.py)
+  dequantize(layer, dtype) the weight in the compute dtype (the CPU path, models/quant_loader.py)
   apply(layer, x, bias)    the FP8 GEMM: x quantized as the format asks, then kernels.fp8_linear
 
 `linear_method(config, module_name)` gives the method for one linear, or None where that linear stays in the

@@ -27,7 +27,7 @@ the fused q/k/v scales per channel where they differ). It equals this GEMM then 
 Where x is quantized, for dynamic per-token schemes (the same bits every way): inside the GEMM (X_QUANT "gemm"),
 by kernels.per_token_quant first (X_QUANT "kernel"), or by the norm before it: `fp8_add_rmsnorm` is the decoder's
 add+RMSNorm with the normed rows quantized in the same program (`Fp8Rows`), which the decoder uses where the
-norm's one consumer is an FP8 linear that reads per-token rows (layer_ops.fp8_rows_args: QKV and gate/up), so
+norm's one consumer is an FP8 linear that reads per-token rows (layer_ops.rows_for: QKV and gate/up), so
 those two linears per layer need no quantization at all. (Large steps do the same, and their act·mul quantizes
 down's rows: kernels.act_mul_per_token_quant.)
 

@@ -2,10 +2,10 @@
 full layers alternating, YaRN rotary; RMSNorm with the weight multiplied in fp32 (the norms stay fp32); a sparse
 MLP in every layer: the top-4 router logits (with a bias) softmaxed over those four, experts with biases and the
 clamped SwiGLU. Released checkpoints store the experts in MXFP4: cbq dequantizes them to the model dtype at load,
-in one process as under tensor parallelism (parallel/shard_experts.py; loader.py reads the release as the one rank
+in one process as under tensor parallelism (layers/experts.py; models/loader.py reads the release as the one rank
 of a world of one), into transformers' GptOssExperts parameters ([E, H, 2I], gate and up columns interleaved).
 The owned decoder's build moves each layer's experts into the kernels' [gate; up] layout and puts
-`ExpertsInKernelLayout` in transformers' module's place (moe/from_model.py), so the experts are held once."""
+`ExpertsInKernelLayout` in transformers' module's place (models/moe_from_model.py), so the experts are held once."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which family module runs a checkpoint: config.json's `model_type` -> module under worker/engine/models/.
+"""Which family module runs a checkpoint: config.json's `model_type` -> module under worker/engine/families/.
 Owns that map. Adding a family = its module, one line here, and its tests. Modules import on first use.
 """
 

@@ -27,88 +27,20 @@ say how its scale grid maps to rows: not built yet.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import RowBlock, SliceSource, TensorSlice
-from .group import ParallelState, all_gather, all_reduce, gather_to_first
-
-# --- the split, for any rank ------------------------------------------------------------------------
-
-
-def shard_for(size: int, rank: int, world_size: int, what: str = "size") -> slice:
-    """Rank `rank`'s contiguous part of `size` items split evenly over `world_size` ranks."""
-    if size % world_size:
-        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {world_size}")
-    n = size // world_size
-    return slice(rank * n, (rank + 1) * n)
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """The attention heads one rank holds: its q heads and the KV heads they read."""
-
-    q_heads: slice
-    kv_heads: slice
-
-    @property
-    def num_q_heads(self) -> int:
-        return self.q_heads.stop - self.q_heads.start
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.kv_heads.stop - self.kv_heads.start
-
-
-def head_shard(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> HeadShard:
-    """q heads split evenly; KV heads split too, or, when there are fewer KV heads than ranks,
-    replicated: each rank then holds the one KV head its q heads use (grouped-query attention)."""
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-        )
-    q_heads = shard_for(num_heads, rank, world_size, "num_attention_heads")
-    if num_kv_heads >= world_size:
-        kv_heads = shard_for(num_kv_heads, rank, world_size, "num_key_value_heads")
-    else:
-        if world_size % num_kv_heads:
-            raise ValueError(
-                f"tensor-parallel size {world_size} is not a multiple of num_key_value_heads {num_kv_heads}"
-            )
-        kv_head = rank * num_kv_heads // world_size
-        kv_heads = slice(kv_head, kv_head + 1)
-    group_size = num_heads // num_kv_heads
-    assert (
-        q_heads.start // group_size == kv_heads.start
-        and (q_heads.stop - 1) // group_size == kv_heads.stop - 1
-    ), f"rank {rank}'s q heads {q_heads} do not read exactly KV heads {kv_heads}"
-    return HeadShard(q_heads, kv_heads)
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """The vocabulary rows one rank holds: [start, stop) of the real vocabulary, stored in
-    `num_rows` rows (the padded vocabulary over the world size; rows past `stop` are zeros)."""
-
-    start: int
-    stop: int
-    num_rows: int
-
-
-def vocab_shard(vocab_size: int, rank: int, world_size: int) -> VocabShard:
-    num_rows = -(-vocab_size // world_size)
-    start = rank * num_rows
-    return VocabShard(start, max(start, min(start + num_rows, vocab_size)), num_rows)
-
+from ..checkpoint import RowBlock, SliceSource, TensorSlice
+from ..parallel.group import ParallelState, all_gather, all_reduce
+from ..parallel.memory import head_shard, shard_for
 
 # --- loading ----------------------------------------------------------------------------------------
 
 
-def _copy_into(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+def copy_into(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
             f"{what}: the checkpoint's slice {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
@@ -116,7 +48,7 @@ def _copy_into(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.copy_(loaded)
 
 
-def _check_dim(loaded: TensorSlice, dim: int, expected: int, what: str) -> None:
+def check_dim(loaded: TensorSlice, dim: int, expected: int, what: str) -> None:
     shape = loaded.get_shape()
     if len(shape) <= dim or shape[dim] != expected:
         raise ValueError(f"{what}: checkpoint shape {shape}, expected {expected} along dim {dim}")
@@ -217,9 +149,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
         """Copy this rank's rows of the full checkpoint tensor `loaded` into `param`."""
-        _check_dim(loaded, 0, self.output_size, what)
+        check_dim(loaded, 0, self.output_size, what)
         rows = shard_for(self.output_size, self.state.rank, self.state.world_size, what)
-        _copy_into(param.data, loaded[rows], what)
+        copy_into(param.data, loaded[rows], what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         """Load `{prefix}.weight` (and `.bias`) from the checkpoint, reading only this rank's rows."""
@@ -257,10 +189,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight", shard_id: int = 0
     ) -> None:
         """Copy this rank's rows of output `shard_id` (0: gate, 1: up) into their place in `param`."""
-        _check_dim(loaded, 0, self.output_sizes[shard_id], what)
+        check_dim(loaded, 0, self.output_sizes[shard_id], what)
         offset = sum(self.output_sizes_per_rank[:shard_id])
         size = self.output_sizes_per_rank[shard_id]
-        _copy_into(param.data[offset : offset + size], loaded[self.row_shards[shard_id]], what)
+        copy_into(param.data[offset : offset + size], loaded[self.row_shards[shard_id]], what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         raise TypeError("a merged layer loads several tensors: call load_merged(source, prefixes)")
@@ -278,7 +210,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         their own, so the rank reads only its slice of each."""
         for name, param in self._params_to_load(prefix):
             fused, offset = source.get_slice(name), 0
-            _check_dim(fused, 0, self.output_size, name)
+            check_dim(fused, 0, self.output_size, name)
             for shard_id, size in enumerate(self.output_sizes):
                 self.weight_loader(param, RowBlock(fused, offset, offset + size, name), name, shard_id)
                 offset += size
@@ -327,13 +259,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Copy this rank's heads of q_proj, k_proj or v_proj (`shard_id`) into their place in `param`."""
         heads = self.heads.q_heads if shard_id == "q" else self.heads.kv_heads
         total_heads = self.num_heads if shard_id == "q" else self.num_kv_heads
-        _check_dim(loaded, 0, total_heads * self.head_dim, what)
+        check_dim(loaded, 0, total_heads * self.head_dim, what)
         offset = {"q": 0, "k": self.q_size_per_rank, "v": self.q_size_per_rank + self.kv_size_per_rank}[
             shard_id
         ]
         size = (heads.stop - heads.start) * self.head_dim
         rows = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
-        _copy_into(param.data[offset : offset + size], loaded[rows], what)
+        copy_into(param.data[offset : offset + size], loaded[rows], what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         raise TypeError(
@@ -353,7 +285,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         blocks = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
         for name, param in self._params_to_load(prefix):
             fused = source.get_slice(name)
-            _check_dim(fused, 0, self.output_size, name)
+            check_dim(fused, 0, self.output_size, name)
             for shard_id in self.SHARD_IDS:
                 self.weight_loader(param, RowBlock(fused, *blocks[shard_id], name), name, shard_id)
 
@@ -398,75 +330,13 @@ class RowParallelLinear(_ParallelLinear):
     def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
         """2-D parameters: this rank's columns; 1-D (bias): the whole tensor, replicated."""
         if param.dim() == 1:
-            _check_dim(loaded, 0, self.output_size, what)
-            _copy_into(param.data, loaded[:], what)
+            check_dim(loaded, 0, self.output_size, what)
+            copy_into(param.data, loaded[:], what)
             return
-        _check_dim(loaded, 1, self.input_size, what)
-        _copy_into(param.data, loaded[:, self.cols], what)
+        check_dim(loaded, 1, self.input_size, what)
+        copy_into(param.data, loaded[:, self.cols], what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         """Load `{prefix}.weight` (this rank's columns) and `.bias` (whole)."""
         for name, param in self._params_to_load(prefix):
             self.weight_loader(param, source.get_slice(name), name)
-
-
-# --- vocabulary ----------------------------------------------------------------------------------------
-
-
-class VocabParallelEmbedding(nn.Module):
-    """An embedding whose vocabulary rows are split over the ranks (`vocab_shard`)."""
-
-    def __init__(
-        self,
-        vocab_size: int,
-        embedding_dim: int,
-        state: ParallelState,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-    ):
-        super().__init__()
-        self.state = state
-        self.vocab_size = vocab_size
-        self.embedding_dim = embedding_dim
-        self.shard = vocab_shard(vocab_size, state.rank, state.world_size)
-        weight = torch.zeros(
-            self.shard.num_rows, embedding_dim, dtype=dtype or torch.get_default_dtype(), device=device
-        )
-        self.weight = nn.Parameter(weight, requires_grad=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.state.world_size == 1:
-            return F.embedding(input_ids, self.weight)
-        local_ids = input_ids - self.shard.start
-        is_here = (local_ids >= 0) & (local_ids < self.shard.num_rows)
-        hidden = F.embedding(local_ids.masked_fill(~is_here, 0), self.weight)
-        hidden.masked_fill_(~is_here.unsqueeze(-1), 0)
-        return all_reduce(self.state, hidden)
-
-    def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
-        """This rank's vocabulary rows; padding rows stay zero."""
-        _check_dim(loaded, 0, self.vocab_size, what)
-        num_real = self.shard.stop - self.shard.start
-        param.data[num_real:].zero_()
-        if num_real > 0:
-            _copy_into(param.data[:num_real], loaded[self.shard.start : self.shard.stop], what)
-
-    def load_from(self, source: SliceSource, prefix: str) -> None:
-        self.weight_loader(self.weight, source.get_slice(f"{prefix}.weight"), f"{prefix}.weight")
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over a vocabulary split like VocabParallelEmbedding's: [T, vocab_size] on rank 0 (the
-    rank that samples), None on the others. Plain F.linear: no linear_method (no quantized heads yet)."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = gather_to_first(self.state, F.linear(hidden, self.weight), dim=-1)
-        return None if logits is None else logits[..., : self.vocab_size]
-
-    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        """Share the input embedding's shard (tie_word_embeddings): same split, same rows."""
-        assert embedding.shard == self.shard and embedding.embedding_dim == self.embedding_dim, (
-            "tied shapes differ"
-        )
-        self.weight = embedding.weight

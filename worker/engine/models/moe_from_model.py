@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..families.spec import MoeMlpSpec
 from ..fused_weights import fuse_rows, submodule
-from ..models.spec import MoeMlpSpec
-from .fp8_experts import Fp8Experts
-from .spec import MoeSpec
-from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights, load_moe_layer
+from ..moe.fp8_experts import Fp8Experts
+from ..moe.spec import MoeSpec
+from ..moe.weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights, load_moe_layer
 
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 

@@ -1,7 +1,7 @@
 """Building one rank's shard model from a checkpoint read by slice (the tensor-parallel ranks', and at a world of one
 the one-process loader's for gpt-oss's MXFP4 release). Owns nothing after building: returns the model.
 
-Below both shard_model.py (the ranks' loading, refusals and collectives) and models/loader.py (one process): it
+Below both shard_model.py (the ranks' loading, refusals and collectives) and loader.py (one process): it
 imports neither, so the loader can read a checkpoint the way the ranks do (`load_whole_model`) without a cycle.
 What it builds is described in shard_model.py's docstring.
 """
@@ -18,63 +18,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
+from ..families.spec import Family, LayerSpec, QKNormSpan
 from ..fused_weights import submodule
-from ..models.errors import ModelLoadError, one_line
-from ..models.spec import Family, LayerSpec, QKNormSpan
-from ..moe import moe_layer_ids, spec_from_config
-from ..quant import has_mxfp4_experts
-from .checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
-from .group import ParallelState, all_reduce, gather_to_first, sum_in_rank_order
-from .layers import (
+from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.experts import load_expert_shard
+from ..layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
-    head_shard,
-    shard_for,
 )
-from .shard_experts import load_expert_shard
+from ..layers.tensor_parallel import TensorParallel
+from ..moe import moe_layer_ids, spec_from_config
+from ..parallel.group import ParallelState
+from ..parallel.memory import head_shard, shard_for
+from ..quant import has_mxfp4_experts
+from .errors import ModelLoadError, one_line
 from .shard_fp8 import Fp8ShardSource
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """The owned decoder's collectives on a sharded model (decoder.py calls these; None there at TP=1)."""
-
-    state: ParallelState
-    embedding: VocabParallelEmbedding  # the rank's vocabulary rows; the decoder's embed_weight is its weight
-    vocab_size: int
-    # --deterministic: partial sums added in rank order (group.sum_in_rank_order), so that a row's bits do not
-    # follow the step's size through the all-reduce's algorithm. The embedding's all-reduce needs nothing: each
-    # token's row is one rank's, the others add zeros.
-    fixed_order: bool = False
-
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        return sum_in_rank_order(self.state, x) if self.fixed_order else all_reduce(self.state, x)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states of `input_ids` [T] -> [T, hidden], every rank's rows filled in by an all-reduce."""
-        return self.embedding(input_ids)
-
-    def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """A row-parallel GEMM's partial output summed over the ranks (the attention's o, the MLP's down)."""
-        return self._sum(x)
-
-    def mean_square(self, xf: torch.Tensor) -> torch.Tensor:
-        """[T, W] fp32, this rank's slice of a projection -> [T, 1]: the mean of squares over the whole projection
-        (OLMo 2's q/k norms), one all-reduce of [T]. Every rank holds a slice of the same width W; where KV heads
-        are replicated (fewer than ranks) each head is held by N / KVH ranks, so the sum over ranks counts it that
-        many times and N * W is that many whole projections: the quotient is the mean either way."""
-        sums = self._sum(xf.pow(2).sum(-1, keepdim=True))
-        return sums / (xf.shape[-1] * self.state.world_size)
-
-    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary columns [R, V/N] -> the full logits [R, V] on rank 0, which samples; the other
-        ranks get their own part back (never sampled from)."""
-        full = gather_to_first(self.state, logits, dim=-1)
-        return logits if full is None else full[..., : self.vocab_size]
 
 
 class ModelSource:
@@ -281,7 +242,7 @@ class _LayerLoader:
 def _load_moe(
     model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
 ) -> None:
-    """A sparse layer: the router (replicated) and every expert's slice of columns (shard_experts.py), and a shared
+    """A sparse layer: the router (replicated) and every expert's slice of columns (layers/experts.py), and a shared
     expert split like a dense MLP, its gate replicated (left to the generic pass)."""
     assert family.moe is not None
     spec = spec_from_config(config)
@@ -325,7 +286,7 @@ def load_whole_model(
     """The whole model of a checkpoint as the one shard of a world of one (no process group): a plain transformers
     model (no quantizer: `shard_config` drops quantization_config) read by slice straight onto `device`, ready for
     `generate` and the owned decoder. The one-process loader's path for gpt-oss's MXFP4 release, whose experts
-    shard_experts.py dequantizes to `dtype` (transformers' own mxfp4 integration needs a GPU and other packages).
+    layers/experts.py dequantizes to `dtype` (transformers' own mxfp4 integration needs a GPU and other packages).
     `config`: the model's (a multimodal checkpoint's text config, its names mapped by `renames`)."""
     source = open_checkpoint(local_folder(name_or_path), renames, name_or_path)
     model, _ = build_shard(config, family, source, ParallelState(rank=0, world_size=1, device=device), dtype)

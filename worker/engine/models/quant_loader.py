@@ -10,7 +10,7 @@ the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU. Owns no
                               the FP8 weights and scales), generation_config.json read as from_pretrained does
   load_dequantized_model(...) the same with every weight dequantized (the CPU path)
 
-A mixture of experts (`SparseLayers`): its experts are read one linear an expert by parallel/shard_experts.py (the
+A mixture of experts (`SparseLayers`): its experts are read one linear an expert by layers/experts.py (the
 reader the tensor-parallel ranks and gpt-oss's MXFP4 release use). With `keep_fp8_experts` (sm89+ CUDA) and a
 format the FP8 grouped GEMMs compute (moe/fp8.py: per-channel weights with per-token activations, or block-wise)
 they stay FP8, each layer's `Fp8Experts` (moe/fp8_experts.py) holding the release's e4m3 bytes and scales;
@@ -33,21 +33,22 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..families.spec import MoeMlpSpec
 from ..kv_cache import KV_SCALES_ATTR
-from .config import Fp8Config
-from .fp8 import FP8_DTYPE
-from .linear import Fp8LinearModule, replace_module
-from .methods import Fp8CheckpointError, linear_method
-
-if TYPE_CHECKING:
-    from ..models.spec import MoeMlpSpec
-    from ..moe.fp8 import Fp8ExpertFormat
-    from ..moe.spec import MoeSpec
+from ..layers.experts import read_experts, read_fp8_experts
+from ..moe.fp8 import Fp8ExpertFormat, checkpoint_expert_format
+from ..moe.fp8_experts import replace_experts
+from ..moe.spec import MoeSpec
+from ..parallel.group import ParallelState
+from ..quant.config import Fp8Config
+from ..quant.fp8 import FP8_DTYPE
+from ..quant.linear import Fp8LinearModule, replace_module
+from ..quant.methods import Fp8CheckpointError, linear_method
 
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
@@ -114,7 +115,6 @@ class SparseLayers:
         """The format the experts are kept in on FP8 tensor cores (None: they run dequantized): a checkpoint's own,
         as its first expert's linear is quantized, or `--quantization fp8`'s per-channel one. gpt-oss's experts
         (`kernel_layout` False: not transformers' stacked [E, 2I, H]) are never kept FP8."""
-        from ..moe.fp8 import Fp8ExpertFormat, checkpoint_expert_format
 
         if quant is None or not self.layer_prefixes or not self.mlp.kernel_layout:
             return None
@@ -283,8 +283,6 @@ def _keep_fp8_experts(
 ) -> set[str]:
     """Each sparse layer's experts as the checkpoint's FP8 tensors (shard_experts.read_fp8_experts), an `Fp8Experts`
     in the place of the layer's experts module, a layer at a time; returns the model names now loaded."""
-    from ..moe.fp8_experts import replace_experts
-    from ..parallel.shard_experts import read_fp8_experts
 
     source = _RecordedReads(tensors, read)
     loaded: set[str] = set()
@@ -299,10 +297,8 @@ def _keep_fp8_experts(
 def _read_experts(
     tensors: CheckpointTensors, sparse: SparseLayers, quant: Fp8Config, dtype: torch.dtype, read: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each sparse layer's stacked experts, dequantized to `dtype` by shard_experts.py's reader at a world of one
+    """Each sparse layer's stacked experts, dequantized to `dtype` by layers/experts.py's reader at a world of one
     (on the CPU, one expert's linear at a time)."""
-    from ..parallel.group import ParallelState  # parallel/ builds on models/, which builds on this module
-    from ..parallel.shard_experts import read_experts
 
     whole = ParallelState(rank=0, world_size=1, device=torch.device("cpu"))
     source = _RecordedReads(tensors, read)

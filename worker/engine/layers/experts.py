@@ -33,17 +33,17 @@ from typing import Any
 
 import torch
 
-from ..models.spec import MoeMlpSpec
+from ..checkpoint import Checkpoint
+from ..families.spec import MoeMlpSpec
 from ..moe.fp8 import Fp8ExpertFormat, stack_expert_linears
 from ..moe.mxfp4 import VALUES_PER_GROUP, dequantize_mxfp4
 from ..moe.spec import MoeSpec
 from ..moe.weights import ExpertWeights
+from ..parallel.group import ParallelState
+from ..parallel.memory import shard_for
 from ..quant.config import Fp8Config
 from ..quant.fp8 import FP8_DTYPE, Fp8Linear
 from ..quant.methods import dequantized_weight, linear_method
-from .checkpoint import Checkpoint
-from .group import ParallelState
-from .layers import shard_for
 
 # The MLP's name in checkpoints (Mixtral's releases keep `block_sparse_moe`, which transformers renames `mlp`), and
 # the names of the per-expert linears (gate, up, down).

@@ -1,5 +1,5 @@
 """One rank's shard of a model (built by shard_build.py; loaded, checked and refused here): a transformers model built at the rank's sizes, its weights loaded through the
-parallel layers (layers.py), each reading only its slice of the checkpoint.
+parallel layers (layers/), each reading only its slice of the checkpoint.
 
 Owns nothing after building: returns the shard model (which owns its parameters) and its `TensorParallel`.
 
@@ -10,7 +10,7 @@ parameters are views of the parallel layers' weights: q/k/v rows of one `QKVPara
 one `MergedColumnParallelLinear` (so fused_weights.py finds them adjacent and copies nothing), o and down the
 columns of a `RowParallelLinear` (their bias on rank 0 only: the all-reduce then adds it once), the embedding
 and LM head a `VocabParallelEmbedding`'s padded vocabulary rows, attention sinks the rank's q heads' entries, a
-sparse layer's experts their intermediate columns (shard_experts.py). Norms and per-head q/k norms are
+sparse layer's experts their intermediate columns (layers/experts.py). Norms and per-head q/k norms are
 replicated; q/k norms over the whole projection (OLMo 2) hold the rank's heads' entries. Its transformers
 forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s collectives, runs it.
 
@@ -20,7 +20,7 @@ A preset (random weights) has no files: each rank builds the whole model with th
 as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`; a multimodal
 one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice; a dense FP8
 checkpoint's linears with their scales, and `--quantization fp8` on the rank's shard: shard_fp8.py; an FP8
-mixture of experts' experts dequantized from the inner checkpoint by shard_experts.py).
+mixture of experts' experts dequantized from the inner checkpoint by layers/experts.py).
 """
 
 from __future__ import annotations
@@ -31,15 +31,16 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import Checkpoint
 from ..config import EngineConfig
-from ..models import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
-from ..models.spec import Family
+from ..families.spec import Family
+from ..layers.tensor_parallel import TensorParallel
+from ..parallel.group import ParallelState
+from ..parallel.memory import DecoderShape, check_fits
 from ..quant import Fp8Config
 from ..quant.linear import keeps_fp8
-from .checkpoint import Checkpoint
-from .group import ParallelState
-from .memory import DecoderShape, check_fits
-from .shard_build import ModelSource, TensorParallel, build_shard, local_folder, open_checkpoint
+from . import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
+from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint
 from .shard_fp8 import Fp8ShardSource, keep_fp8_linears, quantize_shard
 
 __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's; building is shard_build.py's
@@ -49,7 +50,7 @@ __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's
 
 # Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
 # columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike), in the checkpoint
-# layouts shard_experts.py reads.
+# layouts layers/experts.py reads.
 SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
 
 

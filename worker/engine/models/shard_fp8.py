@@ -24,7 +24,7 @@ fine as one process's, at no collective per GEMM). Per-token-group activations (
 a rank's aligned columns) and static ones are one process's.
 
 Mixtures of experts: every linear under a sparse MLP stays in the model dtype (`stays_dense`), as in one process
-(quant/loader.py): cbq's MoE kernels multiply plain weights. The experts are read by shard_experts.py from the
+(models/quant_loader.py): cbq's MoE kernels multiply plain weights. The experts are read by layers/experts.py from the
 inner checkpoint, each expert's FP8 weight dequantized whole and then sliced (its blocks need not align with the
 rank's columns); a shared expert and the router read by slice, dequantized.
 """
@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.errors import ModelLoadError
+from ..checkpoint import Checkpoint, TensorSlice
+from ..parallel.group import ParallelState, all_gather
 from ..quant.config import Fp8Config, WeightScale
 from ..quant.fp8 import Fp8Linear, quantize_weight_per_channel
 from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import Fp8LinearMethod, linear_method
-from .checkpoint import Checkpoint, TensorSlice
-from .group import ParallelState, all_gather
+from .errors import ModelLoadError
 
 
 class Fp8ShardSource:
