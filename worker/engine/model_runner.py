@@ -45,6 +45,7 @@ from .families.spec import longrope_original_len
 from .grammar import apply_token_bitmask
 from .kv_cache import (
     allocate_kv_cache,
+    check_latent_cache_dtype,
     kv_cache_dtype,
     kv_scales_of,
     num_blocks_from_memory,
@@ -161,6 +162,7 @@ class ModelRunner:
                 num_kv_blocks = replica.agree_num_kv_blocks(num_kv_blocks)
             max_model_len = min(max_model_len, context_len(config, model.config, num_kv_blocks))
         self.num_kv_blocks = num_kv_blocks
+        check_latent_cache_dtype(model.config, config)
         self.kv_caches = allocate_kv_cache(
             model.config, num_kv_blocks, config.block_size, kv_cache_dtype(config, model.dtype), device,
             latent=uses_latent_cache(model.config, config),
