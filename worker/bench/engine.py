@@ -468,7 +468,7 @@ def engine_bench(
     from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
     from worker.engine.models.loader import check_moe_fit
     from worker.engine.moe.fp8_experts import expert_format_of
-    from worker.engine.parallel.runner import build_sharded_engine, sharded_model_config
+    from worker.engine.ranks import build_sharded_engine, sharded_model_config
 
     if len(precisions) > 1 and compare_hf:
         raise click.UsageError("--compare-hf runs one model: give at most one --precision with it")
