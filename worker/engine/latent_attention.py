@@ -11,7 +11,9 @@ written once. Attention never expands them: with kv_b_proj's rows split per head
 absorbed into the latent space, [W_UK^T q_nope; q_rope] (kv_lora + rope wide), and attends, as multi-query attention
 with one shared head, over the cache rows themselves; the output sum_j p_j W_UV c_j is W_UV (sum_j p_j c_j): the
 attention's first kv_lora columns times W_UV. The same for prefill and decode steps (fp32 gives `generate`'s greedy
-tokens; the rounding differs from expanded attention by the order of the products).
+tokens; the rounding differs from expanded attention by the order of the products). On CUDA a decode step's rows
+attend through kernels/latent_attention.py (its twin: `latent_decode_attention_ref`); prefill and mixed steps through
+the backend's paged attention with the cache as one shared head.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 import torch
 
+from .attention import paged_attention_ref
 from .attention_backend import AttentionMetadata
+from .kernels.latent_attention import latent_decode_attention as latent_decode_kernel
 from .quant.fp8 import FP8_DTYPE, dequantize_weight
 
 LATENT_FORWARD_ATTR = "cbq_transformers_forward"  # the module's own forward, kept beside the latent one
@@ -89,9 +93,18 @@ def latent_attention_forward(
     meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, meta.kv_scale(module.layer_idx))
     w_uk, w_uv = absorbed_weights(module, hidden_states.dtype)
     q_latent = torch.einsum("htn,hnc->thc", q_nope[0], w_uk)  # [T, H, kv_lora]
-    query = torch.cat((q_latent, q_rope[0].transpose(0, 1)), dim=-1)  # [T, H, kv_lora + rope]
-    out = meta.backend.attend(query, cache, cache, meta, module.scaling, module.layer_idx)
-    out = torch.einsum("thc,hvc->thv", out[..., :kv_lora], w_uv)  # [T, H, v]
+    q_rope = q_rope[0].transpose(0, 1)  # [T, H, rope]
+    num_seqs = meta.context_lens.shape[0]
+    if meta.backend.name == "triton" and (meta.is_decode_only or meta.num_decode_seqs == num_seqs):
+        # one row per sequence: the latent decode kernel (each cache tile loaded once, heads in blocks of 16)
+        out = latent_decode_kernel(
+            q_latent.contiguous(), q_rope, cache, meta.block_tables, meta.context_lens, module.scaling,
+            max_context_len=meta.max_context_len,
+        )  # fmt: skip
+    else:  # prefill and mixed steps: the backend's paged attention, the cache as one shared head
+        query = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, kv_lora + rope]
+        out = meta.backend.attend(query, cache, cache, meta, module.scaling, module.layer_idx)[..., :kv_lora]
+    out = torch.einsum("thc,hvc->thv", out, w_uv)  # [T, H, v]
     return module.o_proj(out.reshape(batch, num_tokens, heads * module.v_head_dim)), None
 
 
@@ -107,3 +120,20 @@ def install_latent_attention(model: Any) -> int:
             module.forward = types.MethodType(latent_attention_forward, module)
         count += 1
     return count
+
+
+def latent_decode_attention_ref(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """kernels/latent_attention.py's CPU twin: the torch paged attention with the cache as one shared head (K and V
+    the same rows), the output's latent columns. One query row per sequence; returns [B, H, kv_lora_rank]."""
+    num_seqs = q_latent.shape[0]
+    cu_seqlens = torch.arange(num_seqs + 1, dtype=torch.int32, device=q_latent.device)
+    query = torch.cat((q_latent, q_rope), dim=-1)
+    out = paged_attention_ref(query, cache, cache, block_tables, cu_seqlens, context_lens, scale)
+    return out[..., : q_latent.shape[-1]]

@@ -29,7 +29,7 @@ def _model(name: str):
     return model
 
 
-def _meta(caches, positions: range, blocks: list[int]) -> AttentionMetadata:
+def _meta(caches, positions: range, blocks: list[int], backend=None) -> AttentionMetadata:
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions], dtype=torch.int32)
     return AttentionMetadata(
         kv_caches=caches,
@@ -40,12 +40,13 @@ def _meta(caches, positions: range, blocks: list[int]) -> AttentionMetadata:
         max_query_len=len(positions),
         max_context_len=positions.stop,
         is_decode_only=len(positions) == 1,
-        backend=AttentionBackend(),
+        backend=backend or AttentionBackend(),
     )
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_latent_attention_equals_expanded_attention(name):
+def test_latent_attention_equals_expanded_attention(name, backend=None):
+    """`backend`: the Triton one, in the interpreter (test below): its decode step runs the latent decode kernel."""
     model = _model(name)
     attention = model.model.layers[1].self_attn
     hidden = torch.randn(1, 11, model.config.hidden_size)
@@ -62,7 +63,8 @@ def test_latent_attention_equals_expanded_attention(name):
         for span in (range(0, 6), range(6, 10), range(10, 11)):  # two prefill chunks, then a decode step
             rows = (slice(None), slice(span.start, span.stop))
             part_rotary = tuple(t[rows] for t in rotary) if isinstance(rotary, tuple) else rotary[rows]
-            out, _ = attention(hidden[rows], position_embeddings=part_rotary, attention_mask=None, cbq=_meta(caches, span, blocks))
+            meta = _meta(caches, span, blocks, backend)
+            out, _ = attention(hidden[rows], position_embeddings=part_rotary, attention_mask=None, cbq=meta)
             parts.append(out)
     torch.testing.assert_close(torch.cat(parts, dim=1), expected, rtol=1e-5, atol=1e-5)
     width = model.config.kv_lora_rank + model.config.qk_rope_head_dim
@@ -106,3 +108,58 @@ print("latent shapes match")
 @needs_triton
 def test_triton_attention_runs_the_latent_cache_shapes_in_the_interpreter():
     _interpret(LATENT_SHAPES_CHECK, "latent shapes match")
+
+
+LATENT_KERNEL_CHECK = r"""
+import torch
+from tests.worker.engine.test_attention_triton import _patch_triton_interpreter
+from worker.engine.kernels.latent_attention import latent_decode_attention
+from worker.engine.latent_attention import latent_decode_attention_ref
+
+_patch_triton_interpreter()
+torch.manual_seed(0)
+block = 16
+for heads, latent, rope, ctx_lens, splits, dtype in (
+    # two head blocks (the second masked), a padded rope width, an empty sequence
+    (20, 32, 8, [37, 1, 0, 70], 32, torch.float32),
+    (16, 64, 16, [5, 48], 1, torch.float32),  # one split: the kernel writes the output itself
+    (16, 512, 64, [40, 3], 32, torch.bfloat16),  # the releases' widths (V2-Lite's 16 heads), as the H200 runs them
+):
+    num_seqs = len(ctx_lens)
+    cache = torch.randn(24, block, 1, latent + rope).to(dtype)
+    tables = torch.randperm(23)[: num_seqs * 5].reshape(num_seqs, 5).add(1).to(torch.int32)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    q_latent = torch.randn(num_seqs, heads, latent).to(dtype)
+    q_rope = torch.randn(num_seqs, heads, rope).to(dtype)
+    scale = 0.2 if dtype == torch.float32 else 0.05
+    out = latent_decode_attention(q_latent, q_rope, cache, tables, ctx, scale, max_context_len=80, max_num_splits=splits)
+    ref = latent_decode_attention_ref(q_latent.float(), q_rope.float(), cache.float(), tables, ctx, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    assert out[ctx == 0].abs().sum() == 0
+print("latent kernel matches")
+"""
+
+
+@needs_triton
+def test_latent_decode_kernel_matches_its_twin_in_the_interpreter():
+    _interpret(LATENT_KERNEL_CHECK, "latent kernel matches")
+
+
+TRITON_LAYER_CHECK = r"""
+from tests.worker.engine.test_attention_triton import _patch_triton_interpreter
+from tests.worker.engine.test_latent_attention import test_latent_attention_equals_expanded_attention
+from worker.engine.attention_backend import TritonAttentionBackend
+
+_patch_triton_interpreter()
+for name in ("v2-lite", "v3"):
+    test_latent_attention_equals_expanded_attention(name, TritonAttentionBackend())
+print("triton latent layer matches")
+"""
+
+
+@needs_triton
+def test_latent_attention_through_the_triton_backend_in_the_interpreter():
+    """The CUDA path's wiring: the latent row written by the Triton writer, prefill chunks through the varlen kernel,
+    the decode step through the latent decode kernel; equal to transformers' expanded attention."""
+    _interpret(TRITON_LAYER_CHECK, "triton latent layer matches")
