@@ -201,3 +201,9 @@ def test_an_fp8_latent_cache_is_refused_in_one_line(deepseek):
         Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=8))
     engine = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", decoder="hf", num_kv_blocks=8))
     assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+
+
+def test_deterministic_mode_is_refused_in_one_line(deepseek):
+    _, model, tok = deepseek("v2-lite")
+    with pytest.raises(ValueError, match="multi-head latent attention runs neither --deterministic"):
+        Engine(model, tok, EngineConfig(deterministic=True, num_kv_blocks=8))
