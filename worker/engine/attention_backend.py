@@ -213,12 +213,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q = query[0].transpose(0, 1)  # [T, H, D], strided: the kernels take any strides but the last
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    v_dim = v.shape[-1]
+    if v_dim < k.shape[-1]:  # latent attention's expanded heads (DeepSeek): V narrower than K, zero-padded to it
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - v_dim))
     meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.kv_scale(layer_idx))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = meta.backend.attend(
         q, k_cache, v_cache, meta, scale, layer_idx, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
     )
-    return out[None], None  # [1, T, H, D], no attention weights
+    return out[None, ..., :v_dim], None  # [1, T, H, Dv], no attention weights
 
 
 def _additive_mask(attention_mask, query: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:

@@ -65,11 +65,23 @@ from .fused_weights import LayerWeights, fold_norms, layer_weights, submodule
 from .kernels import decode_gemm
 from .kernels import fused as fk
 from .kv_cache import head_dim_of
+from .latent_attention import install_latent_attention
 from .layer_ops import ACTIVATIONS, NORM_MATH, NORMS, QK_NORM_SPANS, layer_ops, rows_for
 from .layers.tensor_parallel import Shard, TensorParallel, WholeModel
 from .models import ModelLoadError, family_for
 from .models.moe_from_model import moe_layer_weights
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
+
+
+def _latent_attention_model(model, choice: str, deterministic: bool, tp: TensorParallel | None) -> None:
+    """A multi-head latent attention model runs transformers' layers (no owned decoder yet: returns None). Under any
+    decoder but "hf" (transformers' attention over an expanded per-head cache) its attention modules run cbq's latent
+    attention over the latent cache (latent_attention.py, kv_cache.uses_latent_cache)."""
+    if deterministic or tp is not None:
+        raise ValueError("multi-head latent attention runs neither --deterministic nor tensor parallelism yet")
+    if choice != "hf":
+        install_latent_attention(model)
+    return None
 
 
 def unsupported_reason(model) -> str | None:
@@ -89,6 +101,8 @@ def unsupported_reason(model) -> str | None:
 def unimplemented(family: Family, args: DecoderArgs) -> str | None:
     """The first property `family` declares (with `args` read from a config) that this decoder does not compute."""
     layer = family.layer
+    if family.mla is not None:
+        return f"{family.name}: multi-head latent attention"
     if family.norm not in NORMS:
         return f"{family.name}: norm {family.norm.value}"
     if args.activation not in ACTIVATIONS:
@@ -372,6 +386,8 @@ def build_decoder(
     `tp`: `model` is one rank's shard (models/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
+    if getattr(model.config, "kv_lora_rank", None):  # latent attention: transformers' layers, cbq's attention
+        return _latent_attention_model(model, choice, deterministic, tp)
     if deterministic:
         use_triton = use_triton and decode_gemm.HAVE_TRITON
         invariant.check_supported(choice, unsupported_reason(model))

@@ -10,7 +10,9 @@ scales, or a checkpoint's. Static per-tensor scales keep a cached prefix block v
 the softmax scale and the output); bf16 K/V of a Llama-shaped model sit well inside e4m3's ±448, and e4m3's
 relative precision (2^-4) does not depend on the magnitude within its normal range.
 
-Layout: one tensor [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i's (K, V) are views.
+Layout: one tensor [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i's (K, V) are views. Multi-head
+latent attention (DeepSeek) keeps one row of kv_lora_rank + qk_rope_head_dim values per token per layer instead
+(`uses_latent_cache`): [layers, num_blocks, block_size, 1, width], each layer's K and V views the same rows.
 """
 
 from __future__ import annotations
@@ -63,8 +65,43 @@ def head_dim_of(model_config: Any) -> int:
     return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
 
 
-def kv_bytes_per_block(model_config: Any, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * head_dim_of(model_config)
+def cache_head_dim(model_config: Any) -> int:
+    """The width of one head's K (and V) in the cache: the attention head size, or for multi-head latent attention
+    (DeepSeek-V2/V3, `kv_lora_rank` set) each head's expanded key, qk_nope_head_dim + qk_rope_head_dim, its value
+    (v_head_dim, no wider) padded to it (attention_backend.py)."""
+    if getattr(model_config, "kv_lora_rank", None):
+        qk_head_dim = model_config.qk_nope_head_dim + model_config.qk_rope_head_dim
+        return max(qk_head_dim, model_config.v_head_dim)
+    return head_dim_of(model_config)
+
+
+def uses_latent_cache(model_config: Any, config: EngineConfig) -> bool:
+    """Multi-head latent attention (`kv_lora_rank` set) keeps its latent in the cache, except under decoder "hf"
+    (transformers' attention, which hands cbq each head's expanded K and V)."""
+    return bool(getattr(model_config, "kv_lora_rank", None)) and config.decoder != "hf"
+
+
+def check_latent_cache_dtype(model_config: Any, config: EngineConfig) -> None:
+    """A ValueError (one line) for an FP8 latent cache: its quality against the model dtype's is not measured (the
+    FP8 K/V cache's bound is for per-head K and V)."""
+    if uses_latent_cache(model_config, config) and config.kv_cache_dtype == "fp8":
+        raise ValueError(
+            "--kv-cache-dtype fp8 is not supported for multi-head latent attention's latent cache yet (its quality is "
+            "not measured); decoder 'hf' keeps per-head K/V, which an FP8 cache holds"
+        )
+
+
+def latent_width(model_config: Any) -> int:
+    """A latent cache's values per token per layer: the normed latent and the rotated shared key."""
+    return int(model_config.kv_lora_rank + model_config.qk_rope_head_dim)
+
+
+def kv_bytes_per_block(model_config: Any, block_size: int, dtype: torch.dtype, latent: bool = False) -> int:
+    """`latent`: the cache of `uses_latent_cache` (one row per token per layer, K and V the same values)."""
+    if latent:
+        per_token = model_config.num_hidden_layers * latent_width(model_config)
+    else:
+        per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * cache_head_dim(model_config)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -73,7 +110,7 @@ def num_blocks_from_memory(
 ) -> int:
     """Blocks that fit the budget: on CUDA `kv_budget_bytes` of the device as it is now (the model loaded),
     on the CPU `kv_cache_bytes_cpu`. Raises ValueError when not even two blocks fit."""
-    per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+    per_block = kv_bytes_per_block(model_config, config.block_size, dtype, uses_latent_cache(model_config, config))
     if device.type == "cuda":
         import gc
 
@@ -101,9 +138,14 @@ def kv_budget_bytes(total_bytes: int, free_bytes: int, gpu_memory_utilization: f
 
 
 def allocate_kv_cache(
-    model_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, latent: bool = False
 ) -> KVCaches:
+    """`latent`: [layers, num_blocks, block_size, 1, latent_width] and each layer's K and V the same view (one shared
+    head: latent_attention.py); else per-head K and V."""
     num_layers = model_config.num_hidden_layers
-    shape = (num_layers, 2, num_blocks, block_size, model_config.num_key_value_heads, head_dim_of(model_config))
+    if latent:
+        latent_cache = torch.zeros((num_layers, num_blocks, block_size, 1, latent_width(model_config)), dtype=dtype, device=device)
+        return [(latent_cache[i], latent_cache[i]) for i in range(num_layers)]
+    shape = (num_layers, 2, num_blocks, block_size, model_config.num_key_value_heads, cache_head_dim(model_config))
     cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

@@ -43,7 +43,14 @@ from .config import EngineConfig, context_len
 from .decoder import build_decoder
 from .families.spec import longrope_original_len
 from .grammar import apply_token_bitmask
-from .kv_cache import allocate_kv_cache, kv_cache_dtype, kv_scales_of, num_blocks_from_memory
+from .kv_cache import (
+    allocate_kv_cache,
+    check_latent_cache_dtype,
+    kv_cache_dtype,
+    kv_scales_of,
+    num_blocks_from_memory,
+    uses_latent_cache,
+)
 from .parallel.messages import Replica
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
@@ -174,9 +181,11 @@ class ModelRunner:
                 num_kv_blocks = replica.agree_num_kv_blocks(num_kv_blocks)
             max_model_len = min(max_model_len, context_len(config, model.config, num_kv_blocks))
         self.num_kv_blocks = num_kv_blocks
+        check_latent_cache_dtype(model.config, config)
         self.kv_caches = allocate_kv_cache(
-            model.config, num_kv_blocks, config.block_size, kv_cache_dtype(config, model.dtype), device
-        )
+            model.config, num_kv_blocks, config.block_size, kv_cache_dtype(config, model.dtype), device,
+            latent=uses_latent_cache(model.config, config),
+        )  # fmt: skip
         if config.deterministic:  # its probe of the device's attention kernels needs the cache's shape and dtype
             self.attn_backend = deterministic.attention_backend(
                 self.attn_backend, self.kv_caches[0][0], model.config.num_attention_heads, model.dtype

@@ -79,7 +79,7 @@ def test_sparse_layers_are_where_transformers_puts_them(model_type, overrides):
         (MixtralConfig(hidden_act="relu"), r"mixtral config field hidden_act='relu'"),
         (
             LlamaConfig(),
-            r"model type 'llama' has no MoE spec \(supported: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe\)",
+            r"model type 'llama' has no MoE spec \(supported: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe, deepseek_v2, deepseek_v3\)",
         ),
         (Qwen3MoeConfig(n_group=8), r"qwen3_moe config field n_group=8 .* does not read it"),
         (Qwen2MoeConfig(routed_scaling_factor=2.5), r"routed_scaling_factor=2\.5"),

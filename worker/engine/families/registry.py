@@ -28,6 +28,8 @@ MODULES = {  # model_type -> family module
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
     "glm4_moe": "glm4_moe",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",  # Kimi K2 and Moonlight too
 }
 
 

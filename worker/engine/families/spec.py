@@ -113,6 +113,23 @@ class MoeMlpSpec:
 
 
 @dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3), by attribute path under the transformers layer. The query comes
+    from `q_proj`, or where the config sets `q_lora_rank` from `q_a_proj`, `q_a_norm` and `q_b_proj`; `kv_a_proj`
+    gives each token's latent (`kv_lora_rank` values, normed by `kv_a_norm`) and its rotary key (`qk_rope_head_dim`,
+    shared by the heads); `kv_b_proj` expands the latent into each head's no-rotary key and value."""
+
+    q_proj: str
+    q_a_proj: str
+    q_a_norm: str
+    q_b_proj: str
+    kv_a_proj: str
+    kv_a_norm: str
+    kv_b_proj: str
+    o_proj: str
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
     """The numbers a family reads from one config (`Family.read`); neutral values leave the math unchanged."""
 
@@ -151,6 +168,8 @@ class Family:
     # Multimodal checkpoints whose language model this family runs (text lines only): their model_type ->
     # regex renames of their weight names onto the text model's (the loader reads only those weights).
     wrappers: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Multi-head latent attention in place of q/k/v (DeepSeek-V2/V3); None: the attention `layer` declares.
+    mla: MlaSpec | None = None
     moe: MoeMlpSpec | None = None  # the sparse MLP of the layers `moe.moe_layer_ids` names (None: all dense)
     # Attention sinks: a learned logit per head in the softmax (gpt-oss), by path under the layer (None: none).
     attention_sinks: str | None = None

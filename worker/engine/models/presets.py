@@ -64,6 +64,53 @@ _GLM45_AIR = dict(
     tie_word_embeddings=False,
 )
 
+_DEEPSEEK_LITE = dict(  # what DeepSeek-V2-Lite and Moonlight-16B-A3B share
+    hidden_size=2048,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_group=1,
+    topk_group=1,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+)
+
+_DEEPSEEK_V2_LITE = dict(
+    _DEEPSEEK_LITE,
+    vocab_size=102400,
+    intermediate_size=10944,
+    topk_method="greedy",
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+    },  # fmt: skip
+)
+
+_MOONLIGHT = dict(
+    _DEEPSEEK_LITE,
+    vocab_size=163840,
+    intermediate_size=11264,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.446,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+)
+
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-llama": ("llama", dict(_TINY)),
     "tiny-qwen3": ("qwen3", dict(_TINY)),
@@ -315,6 +362,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
     # "-23l" cut: its first 23 layers, the same per-layer shape (53B, 106 GB in bf16).
     "glm45-air": ("glm4_moe", _GLM45_AIR),
     "glm45-air-23l": ("glm4_moe", dict(_GLM45_AIR, num_hidden_layers=23)),
+    # DeepSeek-class shapes (multi-head latent attention: 512 latent + 64 rotary values per token per layer), for
+    # benchmarks. DeepSeek-V2-Lite: 15.7B, 2.4B active (64 experts of 1408, softmax top-6, two shared experts, layer
+    # 0 a dense MLP of 10944, no q LoRA, YaRN 40x with mscale 0.707). Moonlight-16B-A3B: V3-shaped (sigmoid routing
+    # with the correction bias, one group, top-6 of 64 renormalised and scaled by 2.446, two shared experts).
+    "deepseek-v2-lite": ("deepseek_v2", _DEEPSEEK_V2_LITE),
+    "moonlight-16b-a3b": ("deepseek_v3", _MOONLIGHT),
     # The gpt-oss-20b shape (24 layers, 32 experts of 2880, top-4, sinks, 128-token windows every other layer), for
     # benchmarks; its experts in bf16 (the release's MXFP4 is dequantized at load).
     "gptoss-20b": (

@@ -58,6 +58,8 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
     """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
     path does not split correctly, refused rather than computed wrong."""
     layer = family.layer
+    if family.mla is not None:
+        return f"{family.name}: multi-head latent attention is not sharded yet"
     if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
     if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):

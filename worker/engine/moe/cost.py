@@ -47,6 +47,10 @@ class MoeModelShape:
     moe_layers: tuple[int, ...]
     dense_intermediate_size: int  # the MLP of the layers that are not in moe_layers
     mxfp4_experts: bool  # the checkpoint stores the experts' matrices as MXFP4
+    # Multi-head latent attention (DeepSeek): its projections' parameters per layer, in place of q/k/v/o's (0: none)
+    mla_params: int = 0
+    # ... and its cache's values per token per layer, the latent and the shared rotary key (0: per-head K and V)
+    latent_width: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> MoeModelShape:
@@ -80,10 +84,14 @@ class MoeModelShape:
             moe_layers=moe_layer_ids(config),
             dense_intermediate_size=dense_intermediate_size(config),
             mxfp4_experts=quant_method == "mxfp4",
+            mla_params=mla_params_per_layer(config),
+            latent_width=config.kv_lora_rank + config.qk_rope_head_dim if getattr(config, "kv_lora_rank", None) else 0,
         )
 
     @property
     def attention_params_per_layer(self) -> int:
+        if self.mla_params:
+            return self.mla_params + 2 * self.spec.hidden_size  # and the layer's two RMSNorms
         hidden, q_width, kv_width = (
             self.spec.hidden_size,
             self.num_heads * self.head_dim,
@@ -135,6 +143,9 @@ class MoeModelShape:
         return self.expert_matrix_params + self.expert_bias_params
 
     def kv_bytes_per_token_per_layer(self, dtype_bytes: int) -> int:
+        """What attention reads per cached token: per-head K and V, or latent attention's one row."""
+        if self.latent_width:
+            return self.latent_width * dtype_bytes
         return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
@@ -243,3 +254,18 @@ def fp8_expert_bytes_per_param(spec: MoeSpec, fmt: Fp8ExpertFormat) -> float:
     """`step_cost`'s `expert_bytes_per_param` for FP8 experts: an expert's e4m3 matrices and scales over its
     parameters (kept FP8, experts have no biases: gpt-oss's, the biased ones, stay in the model dtype)."""
     return fmt.bytes_per_expert(spec) / spec.params_per_expert
+
+
+def mla_params_per_layer(config: Any) -> int:
+    """Multi-head latent attention's parameters in one layer (0 without it): the query (full, or q_a, its norm and
+    q_b), kv_a_proj_with_mqa (latent and rotary key), the latent's norm, kv_b_proj (each head's key and value), o."""
+    kv_lora = getattr(config, "kv_lora_rank", None)
+    if not kv_lora:
+        return 0
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    q_lora = getattr(config, "q_lora_rank", None)
+    query = hidden * q_lora + q_lora + q_lora * heads * qk_head if q_lora else hidden * heads * qk_head
+    kv_b = kv_lora * heads * (config.qk_nope_head_dim + config.v_head_dim)
+    kv = hidden * (kv_lora + config.qk_rope_head_dim) + kv_lora + kv_b
+    return query + kv + heads * config.v_head_dim * hidden

@@ -4,11 +4,11 @@
 are normalised and scaled, which biases exist, the experts' activation and the shared expert. Weight layout
 is not part of it (every family's experts are stored the same way, `weights.py`), nor is the attention.
 
-`spec_from_config` knows five families (qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe) and refuses, in one
+`spec_from_config` knows seven families (qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe, deepseek_v2/v3) and refuses, in one
 line, any config field that would change the math in a way this package does not compute, and any quantization
 whose experts cbq cannot read (quant/config.py `moe_quantization`: FP8 experts kept FP8 on sm89+ GPUs, fp8.py).
 `moe_layer_ids` says which decoder layers are sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM-4.5's
-`first_k_dense_replace`); the others are dense MLPs of `dense_intermediate_size`.
+and DeepSeek's `first_k_dense_replace`); the others are dense MLPs of `dense_intermediate_size`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Activation(str, Enum):
     CLAMPED_SWIGLU = "clamped_swiglu"
 
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,20 @@ _FOREIGN_ROUTING_FIELDS = ("n_group", "topk_group", "topk_method", "scoring_func
 # glm4_moe reads n_group, topk_group and routed_scaling_factor; its router always computes what DeepSeek-V3's
 # configs call these, so only these values pass
 _GLM4_MOE_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# What each family's router computes, in DeepSeek's config names; the other routing fields are read below.
+# DeepSeek-V2's "group_limited_greedy" (the 236B release: the best topk_group groups by their best softmax score) is
+# not computed here.
+_FIXED = {
+    "glm4_moe": _GLM4_MOE_FIXED,
+    "deepseek_v3": _GLM4_MOE_FIXED,
+    "deepseek_v2": {"topk_method": "greedy", "scoring_func": "softmax"},
+}
+_READS = {  # routing fields a family reads (the rest of _FOREIGN_ROUTING_FIELDS must be absent, 1.0, or _FIXED's)
+    "glm4_moe": ("n_group", "topk_group", "routed_scaling_factor"),
+    "deepseek_v3": ("n_group", "topk_group", "routed_scaling_factor"),
+    # greedy top-k ignores the groups (DeepseekV2TopkRouter)
+    "deepseek_v2": ("n_group", "topk_group", "routed_scaling_factor"),
+}
 
 
 def spec_from_config(config: Any) -> MoeSpec:
@@ -145,8 +159,9 @@ def spec_from_config(config: Any) -> MoeSpec:
         value = _get(config, field)
         if value is None or (field == "routed_scaling_factor" and value == 1.0):
             continue
-        if model_type == "glm4_moe" and (field not in _GLM4_MOE_FIXED or _GLM4_MOE_FIXED[field] == value):
-            continue  # read below, or DeepSeek's name for what Glm4MoeTopkRouter computes
+        fixed = _FIXED.get(model_type, {})
+        if field in _READS.get(model_type, ()) or fixed.get(field, object()) == value:
+            continue  # read below, or DeepSeek's name for what the family's router computes
         raise _refuse(model_type, field, value, f"{model_type} in transformers does not read it")
     quant = _get(config, "quantization_config")
     if quant is not None and not has_mxfp4_experts(config):
@@ -172,7 +187,16 @@ def spec_from_config(config: Any) -> MoeSpec:
             expert_intermediate_size=config.intermediate_size,
             norm_topk_prob=True,  # MixtralTopKRouter always renormalises the chosen weights
         )
-    elif model_type == "glm4_moe":
+    elif model_type == "deepseek_v2":
+        _check_silu(config, model_type)
+        family = dict(
+            num_experts=config.n_routed_experts,
+            expert_intermediate_size=config.moe_intermediate_size,
+            # DeepseekV2TopkRouter: softmax over all experts, top-k, never renormalised (norm_topk_prob unread)
+            routed_scaling_factor=float(config.routed_scaling_factor),
+            shared_expert_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+        )
+    elif model_type in ("glm4_moe", "deepseek_v3"):
         _check_silu(config, model_type)
         family = dict(
             # n_routed_experts: the release's name (transformers 5.24 also maps num_local_experts onto it)
@@ -181,9 +205,9 @@ def spec_from_config(config: Any) -> MoeSpec:
             scoring=RouterScoring.SIGMOID,
             norm_topk_prob=bool(config.norm_topk_prob),
             routed_scaling_factor=float(config.routed_scaling_factor),
-            # Glm4MoeMoE always builds its shared MLP (ungated), n_shared_experts experts wide
+            # Glm4MoeMoE / DeepseekV3MoE always build their shared MLP (ungated), n_shared_experts experts wide
             shared_expert_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-            has_score_correction_bias=True,  # Glm4MoeTopkRouter always has one (zeros where not trained)
+            has_score_correction_bias=True,  # their routers always have one (zeros where not trained)
             num_groups=int(config.n_group),
             topk_groups=int(config.topk_group),
         )
@@ -209,7 +233,9 @@ def spec_from_config(config: Any) -> MoeSpec:
 def moe_layer_ids(config: Any) -> tuple[int, ...]:
     """Decoder layers whose MLP is sparse, as transformers builds them; the rest are dense MLPs."""
     num_layers = config.num_hidden_layers
-    if config.model_type == "glm4_moe":  # the first k layers dense (GLM-4.5-Air: 1, GLM-4.5: 3)
+    # the first k layers dense (GLM-4.5-Air, DeepSeek-V2-Lite: 1, GLM-4.5, DeepSeek-V3: 3); transformers' DeepSeek
+    # models do not read moe_layer_freq (every release sets 1)
+    if config.model_type in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
         return tuple(range(config.first_k_dense_replace, num_layers))
     if config.model_type not in ("qwen3_moe", "qwen2_moe"):
         return tuple(range(num_layers))  # Mixtral and gpt-oss: every layer
@@ -222,5 +248,5 @@ def moe_layer_ids(config: Any) -> tuple[int, ...]:
 
 def dense_intermediate_size(config: Any) -> int:
     """Intermediate size of the dense MLP in the layers `moe_layer_ids` leaves out (0 where none can exist)."""
-    with_dense = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+    with_dense = ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
     return int(config.intermediate_size) if config.model_type in with_dense else 0

@@ -1,0 +1,209 @@
+"""DeepSeek-class models (multi-head latent attention) from release-shaped checkpoints through the whole engine
+(fp32, CPU): greedy output equals `model.generate` token for token for DeepSeek-V2-Lite's shape (no q LoRA, YaRN
+with mscale, softmax greedy routing, two shared experts, a dense first layer) and DeepSeek-V3's (q LoRA, grouped
+sigmoid routing with its correction bias, block-wise FP8 weights dequantized at load, the MTP layer shipped and not
+loaded), in sync and async mode, with chunked prefill, forced preemption, the prefix cache on and off, through
+transformers' forward with cbq's paged attention ("hf": each head's expanded K and V in the cache) and with cbq's
+latent attention ("auto", "owned": latent_attention.py, kv_lora_rank + qk_rope_head_dim values per token per layer
+in the cache, the query absorbed into the latent space)."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from tests.fixtures.deepseek_checkpoints import SHAPES, build_deepseek_checkpoint
+from worker.engine.config import EngineConfig
+from worker.engine.decoder import unsupported_reason
+from worker.engine.engine import Engine
+from worker.engine.families.deepseek_v2 import mla_softmax_scale
+from worker.engine.kv_cache import cache_head_dim, kv_bytes_per_block, latent_width
+from worker.engine.latent_attention import install_latent_attention, is_latent_cache
+from worker.engine.models import ModelLoadError, load_model
+from worker.engine.moe import moe_layer_ids, spec_from_config
+from worker.engine.moe.spec import RouterScoring
+
+from .conftest import hf_greedy, make_requests
+from .test_engine_exact import assert_diverse
+from .test_engine_prefix_cache import assert_clean, shared_prefix_requests
+
+NAMES = list(SHAPES)
+REQUESTS = {"v2-lite": (12, 160), "v3": (8, 120)}  # (requests, longest prompt) of the mixed references
+SCENARIOS = {
+    "default": dict(),
+    "chunked_prefill": dict(max_num_batched_tokens=40),
+    "preemption": dict(num_kv_blocks=24, max_num_batched_tokens=128),
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """name -> (checkpoint, model, tokenizer), each built and loaded once."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            checkpoint = build_deepseek_checkpoint(tmp_path_factory.mktemp(name), name)
+            model, tok = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
+            cache[name] = (checkpoint, model, tok)
+        return cache[name]
+
+    return get
+
+
+_REFERENCES: dict[tuple[str, str], tuple[list, dict]] = {}
+
+
+def references(deepseek, name: str, kind: str):
+    if (name, kind) not in _REFERENCES:
+        _, model, tok = deepseek(name)
+        seed = zlib.crc32(name.encode()) % 1000
+        num, max_prompt = REQUESTS[name]  # V3's fixture is 4x wider (FP8 blocks): fewer, shorter requests
+        if kind == "mixed":
+            reqs = make_requests(tok, num, seed=seed, max_prompt=max_prompt, max_new=24)
+        else:
+            reqs = shared_prefix_requests(tok, seed=seed, num=num - 2, max_new=16)
+        _REFERENCES[name, kind] = (reqs, {r.request_id: hf_greedy(model, tok, r) for r in reqs})
+    return _REFERENCES[name, kind]
+
+
+DECODERS = ["hf", "auto"]  # transformers' attention over expanded K/V; cbq's over the latent
+
+
+def run_and_compare(model, tok, reqs, ref, config: EngineConfig) -> Engine:
+    engine = Engine(model, tok, config)
+    assert engine.runner.decoder is None, "transformers' layers run a latent attention model"
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    assert is_latent_cache(k_cache, v_cache) == (config.decoder != "hf")
+    results = engine.generate(reqs)
+    for req, res in zip(reqs, results, strict=True):
+        assert res.token_ids == ref[req.request_id], f"{req.request_id} (prompt {len(req.prompt_ids)} tokens)"
+    assert_clean(engine)
+    return engine
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_generate(deepseek, name, scenario, mode, decoder):
+    _, model, tok = deepseek(name)
+    reqs, ref = references(deepseek, name, "mixed")
+    assert_diverse(ref)
+    config = EngineConfig(mode=mode, decoder=decoder, enable_prefix_caching=False, **SCENARIOS[scenario])
+    engine = run_and_compare(model, tok, reqs, ref, config)
+    if scenario == "preemption":
+        assert engine.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
+    if scenario == "chunked_prefill":
+        assert max(len(r.prompt_ids) for r in reqs) > 40
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_with_prefix_cache_equals_generate(deepseek, name, mode, decoder):
+    _, model, tok = deepseek(name)
+    reqs, ref = references(deepseek, name, "shared")
+    config = EngineConfig(mode=mode, decoder=decoder, enable_prefix_caching=True, max_num_batched_tokens=40)
+    engine = run_and_compare(model, tok, reqs, ref, config)
+    assert engine.stats().prefix_cache_hits > 0, "the shared prefixes were meant to hit the cache"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_latent_cache_holds_one_row_per_token_and_generate_is_unchanged(deepseek, name):
+    """"owned" and "auto" keep kv_lora_rank + qk_rope_head_dim values per token per layer (K and V one tensor); the
+    owned fused decoder names why it does not run the model; transformers' forward outside the engine is its own."""
+    _, model, tok = deepseek(name)
+    assert unsupported_reason(model) == f"{model.config.model_type}: multi-head latent attention"
+    engine = Engine(model, tok, EngineConfig(decoder="owned", num_kv_blocks=8))
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    config = model.config
+    assert k_cache.shape == (8, 16, 1, config.kv_lora_rank + config.qk_rope_head_dim) and is_latent_cache(k_cache, v_cache)
+    assert len(engine.runner.kv_caches) == config.num_hidden_layers
+    checkpoint, _, _ = deepseek(name)
+    fresh, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
+    ids = torch.tensor([[tok.bos_token_id, *range(60, 90)]])
+    with torch.no_grad():
+        before = fresh(ids).logits
+        assert install_latent_attention(fresh) == config.num_hidden_layers
+        assert install_latent_attention(fresh) == config.num_hidden_layers  # idempotent
+        after = fresh(ids).logits  # no cbq metadata: transformers' own attention
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_v2_lite_reads_the_release_knobs(deepseek):
+    checkpoint, model, _ = deepseek("v2-lite")
+    config = model.config
+    assert checkpoint.config["q_lora_rank"] is None and model.model.layers[0].self_attn.q_proj is not None
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["mscale_all_dim"] == 0.707
+    # qk_head_dim^-0.5 times mscale(40, 0.707)^2: YaRN's softmax factor enters the scale
+    mscale = 0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1.0
+    assert mla_softmax_scale(config) == pytest.approx(24**-0.5 * mscale**2)
+    assert model.model.layers[1].self_attn.scaling == pytest.approx(mla_softmax_scale(config))
+    spec = spec_from_config(config)
+    assert (spec.scoring, spec.top_k, spec.norm_topk_prob, spec.shared_expert_intermediate_size) == (
+        RouterScoring.SOFTMAX, 6, False, 64
+    )
+    assert moe_layer_ids(config) == (1, 2)
+    # "hf": each head's expanded K (16 + 8) and V (16, padded to 24) per token per layer; the latent: 32 + 8
+    assert cache_head_dim(config) == 24
+    assert kv_bytes_per_block(config, 1, torch.float32) == 2 * 3 * 4 * 24 * 4
+    assert latent_width(config) == 40 and kv_bytes_per_block(config, 1, torch.float32, latent=True) == 3 * 40 * 4
+
+
+def test_v3_fp8_release_loads_without_its_mtp_layer(deepseek):
+    """The block-wise FP8 weights are dequantized on the CPU (weight * scale per [128, 128] block), the MTP layer's
+    weights are left unread, the correction bias is the checkpoint's."""
+    from safetensors import safe_open
+
+    checkpoint, model, _ = deepseek("v3")
+    assert len(model.model.layers) == checkpoint.config["num_hidden_layers"] == 3
+    index = json.loads((checkpoint.path / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.self_attn.kv_b_proj"
+
+    def tensor(key):
+        with safe_open(checkpoint.path / index[key], "pt") as f:
+            return f.get_tensor(key)
+
+    weight, scale_inv = tensor(f"{name}.weight"), tensor(f"{name}.weight_scale_inv")
+    assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+    rows, cols = weight.shape
+    scales = scale_inv.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    torch.testing.assert_close(model.get_submodule(name).weight, weight.float() * scales, rtol=0, atol=0)
+    bias = tensor("model.layers.2.mlp.gate.e_score_correction_bias")
+    torch.testing.assert_close(model.model.layers[2].mlp.gate.e_score_correction_bias, bias.float())
+    assert bias.abs().sum() > 0
+    spec = spec_from_config(model.config)
+    assert (spec.scoring, spec.num_groups, spec.topk_groups, spec.routed_scaling_factor) == (
+        RouterScoring.SIGMOID, 4, 2, 2.5
+    )
+
+
+def test_unsupported_routing_is_refused_in_one_line(tmp_path):
+    """DeepSeek-V2 (236B)'s group-limited greedy routing is not computed: refused at load, naming the field."""
+    from transformers import AutoConfig
+
+    from worker.engine.models.loader import family_for
+
+    raw = {k: v for k, v in SHAPES["v2-lite"].items() if k != "model_type"}
+    config = AutoConfig.for_model("deepseek_v2", **dict(raw, topk_method="group_limited_greedy", n_group=8, topk_group=3))
+    with pytest.raises(ModelLoadError, match="topk_method='group_limited_greedy'"):
+        family_for(config)
+
+
+def test_an_fp8_latent_cache_is_refused_in_one_line(deepseek):
+    """Its quality is not measured; decoder "hf" keeps per-head K/V in FP8 as any model's."""
+    _, model, tok = deepseek("v2-lite")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported for multi-head latent attention"):
+        Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=8))
+    engine = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", decoder="hf", num_kv_blocks=8))
+    assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+
+
+def test_deterministic_mode_is_refused_in_one_line(deepseek):
+    _, model, tok = deepseek("v2-lite")
+    with pytest.raises(ValueError, match="multi-head latent attention runs neither --deterministic"):
+        Engine(model, tok, EngineConfig(deterministic=True, num_kv_blocks=8))

@@ -1,0 +1,139 @@
+"""Multi-head latent attention over a paged latent cache (DeepSeek-V2/V3, Kimi K2, Moonlight): the torch reference.
+
+Owns the latent attention's forward, installed beside transformers' own on each attention module of a family that
+declares `Family.mla` (`install_latent_attention`). A step whose metadata carries a latent cache (kv_cache.py:
+`kv_lora_rank + qk_rope_head_dim` values per token per layer, K and V one tensor) runs it; anything else (a plain
+forward, `model.generate`, decoder "hf" with its expanded per-head cache) runs transformers' forward unchanged.
+
+Per token the cache holds the normed latent c (kv_lora_rank) and the rotated shared key k_rope (qk_rope_head_dim),
+written once. Attention never expands them: with kv_b_proj's rows split per head into W_UK [nope, kv_lora] and W_UV
+[v, kv_lora], head h's score q_nope.(W_UK c) + q_rope.k_rope is (W_UK^T q_nope).c + q_rope.k_rope, so the query is
+absorbed into the latent space, [W_UK^T q_nope; q_rope] (kv_lora + rope wide), and attends, as multi-query attention
+with one shared head, over the cache rows themselves; the output sum_j p_j W_UV c_j is W_UV (sum_j p_j c_j): the
+attention's first kv_lora columns times W_UV. The same for prefill and decode steps (fp32 gives `generate`'s greedy
+tokens; the rounding differs from expanded attention by the order of the products). On CUDA a decode step's rows
+attend through kernels/latent_attention.py (its twin: `latent_decode_attention_ref`); prefill and mixed steps through
+the backend's paged attention with the cache as one shared head.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+from .attention import paged_attention_ref
+from .attention_backend import AttentionMetadata
+from .kernels.latent_attention import latent_decode_attention as latent_decode_kernel
+from .quant.fp8 import FP8_DTYPE, dequantize_weight
+
+LATENT_FORWARD_ATTR = "cbq_transformers_forward"  # the module's own forward, kept beside the latent one
+DEQUANTIZED_KV_B_ATTR = "cbq_kv_b_dequantized"
+
+
+def is_latent_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """A latent cache is one tensor per layer: its K and V views are the same rows (kv_cache.allocate_kv_cache)."""
+    return k_cache.data_ptr() == v_cache.data_ptr() and k_cache.shape == v_cache.shape
+
+
+def absorbed_weights(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's weight split per head: W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora] (views). An FP8 kv_b_proj
+    (`Fp8LinearModule`, kept FP8 on sm89+) is dequantized to `dtype` once and kept beside it (V3: 17M values a layer)."""
+    weight = module.kv_b_proj.weight
+    if weight.dtype == FP8_DTYPE:
+        weight = module.__dict__.get(DEQUANTIZED_KV_B_ATTR)
+        if weight is None or weight.dtype != dtype:
+            weight = dequantize_weight(module.kv_b_proj.layer, dtype)
+            module.__dict__[DEQUANTIZED_KV_B_ATTR] = weight
+    per_head = weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
+    return per_head[:, : module.qk_nope_head_dim], per_head[:, module.qk_nope_head_dim :]
+
+
+def _rotate(module: Any, q_rope: torch.Tensor, k_rope: torch.Tensor, position_embeddings):
+    """transformers' own rotary for the module's family (q [1, H, T, r], k [1, 1, T, r]), so the rotated values are
+    the bits its forward computes: V2's complex product, V3's interleaved (or half-split) pairs."""
+    modeling = sys.modules[type(module).__module__]
+    if hasattr(modeling, "apply_rotary_emb"):  # DeepSeek-V2: position_embeddings are the complex freqs_cis
+        return modeling.apply_rotary_emb(q_rope, k_rope, position_embeddings.to(q_rope.device))
+    cos, sin = position_embeddings
+    if module.config.rope_interleave:
+        return modeling.apply_rotary_pos_emb_interleave(q_rope, k_rope, cos, sin)
+    return modeling.apply_rotary_pos_emb(q_rope, k_rope, cos, sin)
+
+
+def latent_attention_forward(
+    module: Any,
+    hidden_states: torch.Tensor,
+    position_embeddings: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+):
+    """transformers' DeepSeek attention forward, with the latent cache of the step's metadata (`cbq`)."""
+    meta: AttentionMetadata | None = kwargs.get("cbq")
+    if meta is None or not is_latent_cache(*meta.kv_caches[module.layer_idx]):
+        original = getattr(module, LATENT_FORWARD_ATTR)
+        return original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+    batch, num_tokens = hidden_states.shape[:-1]
+    assert batch == 1, "the engine lays a step's tokens end to end"
+    heads, nope, rope, kv_lora = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank
+    if module.q_lora_rank is None:
+        q = module.q_proj(hidden_states)
+    else:
+        q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+    q = q.view(batch, num_tokens, heads, nope + rope).transpose(1, 2)  # [1, H, T, qk]
+    q_nope, q_rope = torch.split(q, [nope, rope], dim=-1)
+    latent, k_rope = torch.split(module.kv_a_proj_with_mqa(hidden_states), [kv_lora, rope], dim=-1)
+    latent = module.kv_a_layernorm(latent)
+    q_rope, k_rope = _rotate(module, q_rope, k_rope.view(batch, 1, num_tokens, rope), position_embeddings)
+
+    cache, _ = meta.kv_caches[module.layer_idx]  # [blocks, block_size, 1, kv_lora + rope]
+    row = torch.cat((latent[0], k_rope[0, 0]), dim=-1)[:, None]  # [T, 1, kv_lora + rope]
+    meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, meta.kv_scale(module.layer_idx))
+    w_uk, w_uv = absorbed_weights(module, hidden_states.dtype)
+    q_latent = torch.einsum("htn,hnc->thc", q_nope[0], w_uk)  # [T, H, kv_lora]
+    q_rope = q_rope[0].transpose(0, 1)  # [T, H, rope]
+    num_seqs = meta.context_lens.shape[0]
+    if meta.backend.name == "triton" and (meta.is_decode_only or meta.num_decode_seqs == num_seqs):
+        # one row per sequence: the latent decode kernel (each cache tile loaded once, heads in blocks of 16)
+        out = latent_decode_kernel(
+            q_latent.contiguous(), q_rope, cache, meta.block_tables, meta.context_lens, module.scaling,
+            max_context_len=meta.max_context_len,
+        )  # fmt: skip
+    else:  # prefill and mixed steps: the backend's paged attention, the cache as one shared head
+        query = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, kv_lora + rope]
+        out = meta.backend.attend(query, cache, cache, meta, module.scaling, module.layer_idx)[..., :kv_lora]
+    out = torch.einsum("thc,hvc->thv", out, w_uv)  # [T, H, v]
+    return module.o_proj(out.reshape(batch, num_tokens, heads * module.v_head_dim)), None
+
+
+def install_latent_attention(model: Any) -> int:
+    """Give every DeepSeek attention module of `model` the latent forward (its own kept for everything else).
+    Idempotent; returns how many modules carry it."""
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "kv_a_proj_with_mqa"):
+            continue
+        if not hasattr(module, LATENT_FORWARD_ATTR):
+            setattr(module, LATENT_FORWARD_ATTR, module.forward)
+            module.forward = types.MethodType(latent_attention_forward, module)
+        count += 1
+    return count
+
+
+def latent_decode_attention_ref(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """kernels/latent_attention.py's CPU twin: the torch paged attention with the cache as one shared head (K and V
+    the same rows), the output's latent columns. One query row per sequence; returns [B, H, kv_lora_rank]."""
+    num_seqs = q_latent.shape[0]
+    cu_seqlens = torch.arange(num_seqs + 1, dtype=torch.int32, device=q_latent.device)
+    query = torch.cat((q_latent, q_rope), dim=-1)
+    out = paged_attention_ref(query, cache, cache, block_tables, cu_seqlens, context_lens, scale)
+    return out[..., : q_latent.shape[-1]]
