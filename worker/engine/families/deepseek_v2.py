@@ -17,7 +17,7 @@ to the key's width, `kv_cache.cache_head_dim`). The owned decoder does not run t
 
 from __future__ import annotations
 
-from transformers.modeling_rope_utils import yarn_apply_mscale
+import math
 
 from ..moe import spec_from_config
 from .spec import (
@@ -37,7 +37,14 @@ from .spec import (
 def mla_softmax_scale(config) -> float:
     """What multiplies q.k: qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where set."""
     qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-    return float(yarn_apply_mscale(config.rope_parameters, qk_head_dim**-0.5))
+    # Written out rather than imported: transformers' `yarn_apply_mscale` is newer than 5.17 (the H200's).
+    scale = qk_head_dim**-0.5
+    rope = config.rope_parameters
+    mscale_all_dim = rope.get("mscale_all_dim", 0) if rope.get("rope_type", "default") != "default" else 0
+    if mscale_all_dim and rope["factor"] > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(rope["factor"]) + 1.0  # YaRN's get_mscale
+        scale *= mscale * mscale
+    return float(scale)
 
 
 def read(config) -> DecoderArgs:
