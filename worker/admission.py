@@ -22,6 +22,7 @@ from producer.store.chunks import read_chunk_batch, read_chunk_requests
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.lines import Request
+from schemas.media import image_refs
 from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
 from schemas.prompt import PromptOptions
 from schemas.result import (
@@ -48,6 +49,8 @@ from worker.engine.api import (
 from worker.engine.api import PromptLogprob as EnginePromptLogprob
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
 from worker.engine.tokenizer import NoChatTemplate
+from worker.media.load import ImageAdmission
+from worker.media.policy import MediaError
 from worker.output_parsers import (
     CallsMode,
     ConstraintAfterReasoningError,
@@ -57,6 +60,7 @@ from worker.output_parsers import (
 )
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+_TEXT_ONLY = ImageAdmission()
 _UNSET = object()
 
 
@@ -83,13 +87,16 @@ def load_chunk_job(
     tokenizer: TokenizerProtocol,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> ChunkWork:
     """`load_chunk` for rq job `job_id`, once its function and arguments (rq's `func_name`, `kwargs`) are
     checked to be a cbq chunk's. Raises ValueError (or pydantic's) for anything else: that job fails."""
     if func_name != CHUNK_FUNC:
         raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
     payload = ChunkPayload.model_validate(kwargs)
-    return load_chunk(conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing)
+    return load_chunk(
+        conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing, media=media
+    )
 
 
 def load_chunk(
@@ -99,12 +106,13 @@ def load_chunk(
     job_id: str | None = None,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
     payload fails its job before anything is read or allocated for its range. `model_defaults`: the
     engine's `sampling_defaults` (what the checkpoint's generation_config sets); `parsing`: the worker's output
-    parsers (a constraint then applies after the reasoning)."""
+    parsers (a constraint then applies after the reasoning); `media`: how a chat's images are read (or refused)."""
     batch = read_chunk_batch(conn, payload.batch_id, job_id)
     if batch is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
@@ -131,7 +139,7 @@ def load_chunk(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
             )
         else:
-            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing)
+            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing, media)
     return work
 
 
@@ -142,6 +150,7 @@ def _expand_one(
     tokenizer: TokenizerProtocol,
     model_defaults: Mapping[str, Any],
     parsing: OutputParsing | None = None,
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> None:
     try:
         request = Request.model_validate_json(raw_request)
@@ -157,11 +166,13 @@ def _expand_one(
         return
     try:
         engine_request = to_engine_request(
-            request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing
+            request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing, media
         )
-    except (UnsupportedField, ConstraintAfterReasoningError, NoChatTemplate) as exc:  # what this worker cannot do: a 400
+    except (UnsupportedField, ConstraintAfterReasoningError, NoChatTemplate, MediaError) as exc:  # a 400
         if isinstance(exc, NoChatTemplate):
             code, param = "invalid_value", "messages"
+        elif isinstance(exc, MediaError):  # an image this worker cannot read or its model cannot take
+            code, param = "invalid_value", exc.param
         else:
             code, param = "unsupported_parameter", exc.field
         work.finished_now.append(
@@ -200,8 +211,12 @@ def to_engine_request(
     arrival_time: float,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> EngineRequest:
+    """The engine's request for a stored one: its prompt tokenized, its images read (MediaError for a bad one,
+    before anything is tokenized), its sampling resolved."""
     options = request.prompt_options or PromptOptions()
+    images = media.images_of(image_refs(request.messages))
     if request.messages is not None:
         messages = [m.for_template() for m in request.messages]
         prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools, chat_options(options))
@@ -222,6 +237,7 @@ def to_engine_request(
         sampling=sampling,
         n=request.n,
         arrival_time=arrival_time,  # submission time: queue_seconds and latency include the wait in Redis
+        images=images,
     )
 
 

@@ -33,7 +33,7 @@ from producer.store import queue_results
 from schemas import keys
 from schemas.result import OpenAIBatchOutputLine, ResultLine
 from worker import queue_worker
-from worker.cli_options import engine_options, output_parser_options, served_model_name
+from worker.cli_options import engine_options, media_options, output_parser_options, served_model_name
 from worker.maintenance import RedisUnavailable
 from worker.queue_worker import CbqWorker
 from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
@@ -157,6 +157,7 @@ def recovery_options(f):
 @click.command()
 @engine_options
 @output_parser_options
+@media_options
 @redis_url_option
 @queue_option
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
@@ -194,6 +195,7 @@ def worker(
     served_model_name_,
     tool_call_parser,
     reasoning_parser,
+    media_policy,
     redis_url,
     queue,
     burst,
@@ -227,6 +229,7 @@ def worker(
         [keys.model_queue(queue, served_name), queue],  # its model's batches first, then those naming none
         engine,
         output_parsing=choose_output_parsing(engine, tool_call_parser, reasoning_parser),
+        media_policy=media_policy,
         connection=conn,
         model_name=served_name,
         mode=mode,
@@ -269,6 +272,7 @@ def worker(
 )
 @engine_options
 @output_parser_options
+@media_options
 @click.option(
     "--redis-url",
     default=None,
@@ -303,6 +307,7 @@ def run(
     served_model_name_,
     tool_call_parser,
     reasoning_parser,
+    media_policy,
     redis_url,
     queue,
     output_format,
@@ -386,6 +391,7 @@ def run(
         name=f"cbq-run-{os.getpid()}",
         on_results_written=on_results_written,
         output_parsing=output_parsing,
+        media_policy=media_policy,
     )
     demote_per_chunk_lines()
     try:

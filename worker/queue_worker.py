@@ -59,6 +59,8 @@ from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
 from worker.lost_dequeues import forget_sighting
 from worker.maintenance import REDIS_ERRORS, Outage, clean_queue_registries, touch
+from worker.media.load import ImageAdmission
+from worker.media.policy import MediaPolicy
 from worker.output_parsers import OutputParsing
 from worker.result_writer import Outcome, ResultWriter
 from worker.rq_classes import CbqJob, CbqQueue
@@ -110,6 +112,7 @@ class CbqWorker(BaseWorker):
         health_file: str | None = None,
         on_results_written: Callable[[list[ResultLine]], None] | None = None,
         output_parsing: OutputParsing | None = None,
+        media_policy: MediaPolicy | None = None,
         **kwargs: Any,
     ):
         options = {
@@ -128,6 +131,8 @@ class CbqWorker(BaseWorker):
         self.health_file = health_file  # touched while the loop turns (container healthchecks read its age)
         self.engine = engine
         self.output_parsing = output_parsing  # tool-call and reasoning parsers for chat outputs (None: none)
+        # What a chat's images may be read from (worker/media/); refused at once when the engine takes none.
+        self.media = ImageAdmission(media_policy or MediaPolicy(), engine.accepts_images, model_name or "this model")
         self.model_name = model_name
         self.mode = mode
         self.stats_interval_seconds = stats_interval_seconds
@@ -311,6 +316,7 @@ class CbqWorker(BaseWorker):
                     self.engine.tokenizer,
                     self.engine.sampling_defaults,
                     self.output_parsing,
+                    self.media,
                 )
             except REDIS_ERRORS:
                 raise

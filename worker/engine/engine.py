@@ -118,6 +118,7 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         # Defaults for what a request leaves unset (SamplingParams fields that are None).
         self.sampling_defaults = generation_defaults(model) if config.generation_config_defaults else {}
+        self.accepts_images = False  # every family this engine runs is text-only (worker/media/ refuses first)
         check_kv_cache_dtype(config, self.device)
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(
             model.config, kv_cache_dtype(config, model.dtype), self.device, config
@@ -455,6 +456,8 @@ class Engine:
         n = len(req.prompt_ids)
         if n == 0:
             return "empty prompt: at least one token is needed", ErrorCode.INVALID_PROMPT
+        if req.images and not self.accepts_images:
+            return "this model takes text only: the request has images", ErrorCode.INVALID_PROMPT
         if n >= self.max_model_len:
             message = (
                 f"prompt has {n} tokens; the context is {self.max_model_len} tokens and at least one "
