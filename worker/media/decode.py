@@ -19,8 +19,10 @@ def decode_image(param: str, data: bytes, policy: MediaPolicy) -> Image.Image:
         with warnings.catch_warnings():  # the pixel cap below is this worker's; Pillow's own warning is noise
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=FORMATS)
-    except (UnidentifiedImageError, Image.DecompressionBombError):
+    except UnidentifiedImageError:
         raise MediaError(param, "the image is not a PNG, JPEG, WebP or GIF that can be read") from None
+    except Image.DecompressionBombError:  # Pillow's own bound, far above the worker's default
+        raise MediaError(param, f"the image has more pixels than this worker's {policy.max_image_pixels}") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise MediaError(param, f"the image is truncated or corrupt: {exc}") from None
     width, height = image.size

@@ -64,3 +64,21 @@ def test_a_text_only_model_refuses_images_before_reading_them():
         ImageAdmission(MediaPolicy(), accepts_images=False, model_name="tiny-llama").images_of(refs)
     assert info.value.param == "messages[1].content[0].image_url.url"
     assert ImageAdmission().images_of([]) == ()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height and whose pixel data is one byte: nothing to allocate for."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    return b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+
+
+def test_a_huge_header_is_refused_before_any_pixel_is_decoded():
+    for width, height in ((8000, 8000), (20000, 20000)):  # under Pillow's own bomb bound, and over it
+        with pytest.raises(MediaError, match="pixels"):
+            decode_image(PARAM, png_header_only(width, height), MediaPolicy())
