@@ -39,7 +39,7 @@ def load_images(refs: Sequence[ImageRef], policy: MediaPolicy) -> tuple[EngineIm
 
 
 # The model families whose images this cbq runs (model_type values); a text-only model's refusal names them.
-IMAGE_MODEL_TYPES: tuple[str, ...] = ()
+IMAGE_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl",)  # worker/engine/families/: the families with `vision`
 
 
 def text_only_refusal(model_name: str) -> str:

@@ -28,6 +28,7 @@ MODULES = {  # model_type -> family module
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
     "glm4_moe": "glm4_moe",
+    "qwen2_5_vl": "qwen2_5_vl",  # with its images (Family.vision)
 }
 
 
