@@ -41,10 +41,14 @@ class PromptImage:
     """One image of a prompt: what the vision tower reads, and where its pads sit in the expanded prompt."""
 
     content_hash: str
-    pixel_values: np.ndarray = field(repr=False)  # [t*h*w patches, patch values], float32
+    image: Any = field(repr=False)  # the decoded picture (PIL), from which its pixels are made again if need be
     grid: ImageGrid
     start: int  # index of its first pad in the prompt
     num_tokens: int
+    # [t*h*w patches, patch values] float32, made at admission (off the step loop); the encoder empties it once
+    # the image's embeddings are cached (a 1024x768 image's are ~19 MB, its picture 2.4 MB), and makes them
+    # again from `image` if the cache dropped them before the image's last chunk or a preemption's recompute.
+    pixels: list[np.ndarray] = field(default_factory=list, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,9 @@ class ImagePrompts:
         for image, e in zip(images, encoded, strict=True):
             start = expanded.index(self.image_token_id, start)
             num_tokens = e.grid.num_tokens(merge)
-            prompt_images.append(PromptImage(image.content_hash, e.pixel_values, e.grid, start, num_tokens))
+            prompt_images.append(
+                PromptImage(image.content_hash, image.image, e.grid, start, num_tokens, [e.pixel_values])
+            )
             start += num_tokens
         return expanded, SequenceImages(tuple(prompt_images), positions, delta)
 
@@ -119,7 +125,7 @@ class StepImages:
 
     positions: np.ndarray  # [3, T] int64: every real token's M-RoPE position
     spans: tuple[ImageSpan, ...]
-    images: dict[str, PromptImage]  # by content hash: each image a span names
+    images: dict[str, list[PromptImage]]  # by content hash: the images the spans name (one picture, any request)
 
 
 def step_images(chunks: Iterable[tuple[SequenceImages | None, int, int]]) -> StepImages | None:
@@ -130,7 +136,7 @@ def step_images(chunks: Iterable[tuple[SequenceImages | None, int, int]]) -> Ste
         return None
     positions: list[np.ndarray] = []
     spans: list[ImageSpan] = []
-    named: dict[str, PromptImage] = {}
+    named: dict[str, list[PromptImage]] = {}
     offset = 0  # the chunk's first row among the step's
     for images, start, num_tokens in chunks:
         end = start + num_tokens
@@ -142,7 +148,7 @@ def step_images(chunks: Iterable[tuple[SequenceImages | None, int, int]]) -> Ste
                 lo, hi = max(image.start, start), min(image.start + image.num_tokens, end)
                 if lo < hi:
                     spans.append(ImageSpan(image.content_hash, offset + lo - start, lo - image.start, hi - lo))
-                    named[image.content_hash] = image
+                    named.setdefault(image.content_hash, []).append(image)
         offset += num_tokens
     return StepImages(np.concatenate(positions, axis=1), tuple(spans), named)
 
@@ -153,6 +159,7 @@ class ImageEncoder:
 
     def __init__(self, model: Any, device: torch.device, cache_bytes: int = ENCODER_CACHE_BYTES):
         self.model = model
+        self.processor = QwenVLImages(model.name_or_path)  # for pixels made again (PromptImage.pixels)
         self.device = device
         self.cache_bytes = cache_bytes
         self.merge_size: int = model.vision_config.spatial_merge_size
@@ -183,10 +190,10 @@ class ImageEncoder:
         batch through the vision tower. Held here for the step, whatever the cache evicts meanwhile."""
         held: dict[str, torch.Tensor] = {}
         missing: list[PromptImage] = []
-        for content_hash, image in step.images.items():
+        for content_hash, images in step.images.items():
             cached = self._cache.get(content_hash)
             if cached is None:
-                missing.append(image)
+                missing.append(next((i for i in images if i.pixels), images[0]))
             else:
                 self._cache.move_to_end(content_hash)
                 held[content_hash] = cached
@@ -194,16 +201,27 @@ class ImageEncoder:
             for image, embeddings in zip(missing, self._encode(missing), strict=True):
                 held[image.content_hash] = embeddings
                 self._put(image.content_hash, embeddings)
+        for content_hash, images in step.images.items():
+            if content_hash in self._cache:
+                for image in images:
+                    image.pixels.clear()
         return held
 
     def _encode(self, images: list[PromptImage]) -> list[torch.Tensor]:
         tower = self.model.vision_tower
-        pixels = torch.from_numpy(np.concatenate([image.pixel_values for image in images]))
+        pixels = torch.from_numpy(np.concatenate([self._pixels_of(image) for image in images]))
         grid = torch.tensor([[image.grid.t, image.grid.h, image.grid.w] for image in images])
         out = tower(pixels.to(self.device, tower.dtype), grid_thw=grid.to(self.device))
         self.num_encoded += len(images)
         merged = out.pooler_output  # [sum of the images' tokens, hidden]
         return list(torch.split(merged, [image.num_tokens for image in images]))
+
+    def _pixels_of(self, image: PromptImage) -> np.ndarray:
+        if image.pixels:
+            return image.pixels[0]
+        encoded = self.processor.encode(image.image)
+        assert encoded.grid == image.grid, f"image {image.content_hash[:12]}: its pixels made again differ in shape"
+        return encoded.pixel_values
 
     def _put(self, content_hash: str, embeddings: torch.Tensor) -> None:
         size = embeddings.numel() * embeddings.element_size()

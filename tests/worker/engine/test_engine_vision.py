@@ -15,6 +15,7 @@ from schemas.chat import ChatMessage
 from tests.fixtures.vision_checkpoints import build_qwen2_5_vl
 from worker.engine.api import EngineImage, EngineRequest, FinishReason, SamplingParams
 from worker.engine.engine import Engine
+from worker.engine.multimodal import step_images
 from worker.media.load import content_hash
 from worker.media.qwen_vl import QwenVLImages
 
@@ -195,3 +196,20 @@ def test_bad_image_requests_fail_alone(checkpoint):
 def test_owned_decoder_is_refused_for_images(checkpoint):
     with pytest.raises(ValueError, match="decoder 'hf'"):
         engine(checkpoint, decoder="owned")
+
+
+def test_pixels_are_dropped_once_cached_and_made_again_after_an_eviction(checkpoint):
+    eng = engine(checkpoint, mode="sync")
+    req = request(checkpoint, "one", "describe the picture", [picture((100, 70), 0)])
+    prompt_ids, images = eng.image_prompts.prepare(req.prompt_ids, req.images)
+    assert images is not None and images.images[0].pixels  # made at admission
+    step = step_images([(images, 0, len(prompt_ids))])
+    ids = torch.tensor(prompt_ids)
+    encoder = eng.runner.images
+    with torch.inference_mode():
+        first, positions = encoder.inputs(ids, step, len(prompt_ids))
+        assert not images.images[0].pixels  # its embeddings are cached: the request keeps its picture only
+        encoder._cache.clear()  # noqa: SLF001 - as an eviction leaves it
+        again, _ = encoder.inputs(ids, step, len(prompt_ids))
+    assert encoder.num_encoded == 2 and torch.equal(first, again)
+    assert positions.shape == (3, 1, len(prompt_ids)) and torch.equal(positions[:, 0], torch.from_numpy(images.positions))
