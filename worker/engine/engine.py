@@ -184,8 +184,9 @@ class Engine:
         if self.image_prompts is not None:  # pads expanded before the prompt's length is checked
             try:
                 prompt_ids, images = self.image_prompts.prepare(req.prompt_ids, req.images)
-            except ValueError as exc:
-                self._emit_error(req, f"images: {exc}", ErrorCode.INVALID_PROMPT)
+            except Exception as exc:  # the processor's own refusals (an aspect ratio over 200) too: never raises
+                why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                self._emit_error(req, f"images: {why}", ErrorCode.INVALID_PROMPT)
                 return
             req = replace(req, prompt_ids=prompt_ids)
         refusal = self._validate(req)

@@ -18,6 +18,7 @@ Three owners, one per place the images pass through:
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,6 +167,8 @@ class ImageEncoder:
         self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._num_bytes = 0
         self.num_encoded = 0  # images the tower ran on (cache misses), for tests and profiles
+        self._seconds = 0.0  # the tower's device time, of the runs whose events were read
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: runs not read yet
 
     def inputs(self, input_ids: torch.Tensor, step: StepImages, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs_embeds [1, num_tokens, hidden], position_ids [3, 1, num_tokens]) for the step's `input_ids`
@@ -207,11 +210,30 @@ class ImageEncoder:
                     image.pixels.clear()
         return held
 
+    @property
+    def encode_seconds(self) -> float:
+        """The vision tower's time so far (its share of a run's step time, for profiles). On CUDA this waits for
+        the runs queued: read it after a run, not in the step loop."""
+        for start, end in self._events:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000.0
+        self._events.clear()
+        return self._seconds
+
     def _encode(self, images: list[PromptImage]) -> list[torch.Tensor]:
         tower = self.model.vision_tower
+        t0 = time.perf_counter()
         pixels = torch.from_numpy(np.concatenate([self._pixels_of(image) for image in images]))
         grid = torch.tensor([[image.grid.t, image.grid.h, image.grid.w] for image in images])
-        out = tower(pixels.to(self.device, tower.dtype), grid_thw=grid.to(self.device))
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+            out = tower(pixels.to(self.device, tower.dtype), grid_thw=grid.to(self.device))
+            events[1].record()
+            self._events.append(events)
+        else:
+            out = tower(pixels.to(self.device, tower.dtype), grid_thw=grid.to(self.device))
+            self._seconds += time.perf_counter() - t0
         self.num_encoded += len(images)
         merged = out.pooler_output  # [sum of the images' tokens, hidden]
         return list(torch.split(merged, [image.num_tokens for image in images]))

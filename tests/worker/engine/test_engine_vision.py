@@ -13,7 +13,7 @@ from PIL import Image
 
 from schemas.chat import ChatMessage
 from tests.fixtures.vision_checkpoints import build_qwen2_5_vl
-from worker.engine.api import EngineImage, EngineRequest, FinishReason, SamplingParams
+from worker.engine.api import EngineImage, EngineRequest, ErrorCode, FinishReason, SamplingParams
 from worker.engine.engine import Engine
 from worker.engine.multimodal import step_images
 from worker.media.load import content_hash
@@ -128,6 +128,7 @@ def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode):
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate(checkpoint, reference, req), req.request_id
     assert eng.runner.images is not None and eng.runner.images.num_encoded == 3  # each image encoded once
+    assert 0 < eng.runner.images.encode_seconds < eng.stats().busy_seconds  # the tower's share of the steps
 
 
 def test_preemption_recomputes_the_images(checkpoint, reference):
@@ -187,10 +188,13 @@ def test_bad_image_requests_fail_alone(checkpoint):
     missing = EngineRequest("missing", good.prompt_ids, good.sampling)  # a pad and no image
     extra = request(checkpoint, "extra", "describe", [picture((100, 70), 0)])
     extra.images = extra.images * 2  # two images, one pad
-    results = eng.generate([good, missing, extra])
+    thin = request(checkpoint, "thin", "describe", [Image.new("RGB", (2000, 5))])
+    results = eng.generate([good, missing, extra, thin])
     assert results[0].finish_reason != FinishReason.ERROR
     assert "image placeholder" in results[1].error and "no images" in results[1].error
     assert "wrote 1 image placeholders for 2 images" in results[2].error
+    assert "aspect ratio must be smaller than 200" in results[3].error  # the processor's own bound
+    assert all(r.error_code == ErrorCode.INVALID_PROMPT for r in results[1:])
 
 
 def test_owned_decoder_is_refused_for_images(checkpoint):
