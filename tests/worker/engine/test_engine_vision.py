@@ -111,12 +111,21 @@ def test_images_equal_generate(checkpoint, reference, mode):
         assert result.finish_reason != FinishReason.ERROR, result.error
         assert result.token_ids == generate(checkpoint, reference, req), req.request_id
     # image tokens are prompt tokens: usage counts them (OpenAI does)
-    expanded = QwenVLImages(checkpoint.path).expand(reqs[0].prompt_ids, [ImageGridOf(checkpoint, reqs[0])])
+    expanded = QwenVLImages(checkpoint.path).expand(reqs[0].prompt_ids, [grid_of(checkpoint, reqs[0])])
     assert results[0].usage.prompt_tokens == len(expanded) > len(reqs[0].prompt_ids)
 
 
-def ImageGridOf(checkpoint, req):  # noqa: N802 - reads as the value it is
+def grid_of(checkpoint, req: EngineRequest):
+    """The grid of the request's first image, as the processor sizes it."""
     return QwenVLImages(checkpoint.path).encode(req.images[0].image).grid
+
+
+def test_parallel_samples_share_the_images(checkpoint, reference):
+    req = request(checkpoint, "pair", "describe the picture", [picture((100, 70), 3)])
+    req.n = 2
+    (result,) = engine(checkpoint, mode="async").generate([req])
+    expected = generate(checkpoint, reference, req)
+    assert [sample.token_ids for sample in result.samples] == [expected, expected]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -174,7 +183,7 @@ def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, refe
         cached.append(result.usage.cached_tokens)
     assert got == expected
     if prefix_caching:
-        prompt_len = len(QwenVLImages(checkpoint.path).expand(first.prompt_ids, [ImageGridOf(checkpoint, first)]))
+        prompt_len = len(QwenVLImages(checkpoint.path).expand(first.prompt_ids, [grid_of(checkpoint, first)]))
         pad_start = first.prompt_ids.index(QwenVLImages(checkpoint.path).image_token_id)
         assert cached[1] >= prompt_len - 8  # the image and the text after it: all but the last block
         assert 0 < cached[2] <= pad_start // 8 * 8  # the text before the image only
