@@ -131,7 +131,8 @@ class ModelRunner:
             if reason is not None:
                 raise ValueError(f"deterministic mode: {reason}")
         # A vision-language model's vision tower and embeddings cache (None: text only). Its language model runs
-        # on transformers' forward (decoder "hf"): the owned decoder has no M-RoPE yet.
+        # on transformers' forward (decoder "hf"): the owned decoder has no M-RoPE yet. Only steps with image rows
+        # take input embeddings and [3, 1, T] positions; the others (decodes: graphs) run on ids and positions.
         self.images = ImageEncoder(model, device) if is_vision_model(model) else None
         if self.images is not None and (config.decoder == "owned" or config.deterministic or tp is not None):
             raise ValueError("a vision-language model runs on decoder 'hf' (or 'auto'), one rank, not deterministic")
@@ -201,8 +202,7 @@ class ModelRunner:
         # NOTE: the torch attention reads sequence lengths on the host, so it cannot be captured; nor, untested,
         # the all-reduce of a replica of more than one rank
         one_rank = self.replica is None or self.replica.state.world_size == 1
-        is_text = self.images is None  # NOTE: a decode graph would replay without the M-RoPE delta
-        return self.is_cuda and self.config.use_cuda_graphs and self.attn_backend.name == "triton" and one_rank and is_text
+        return self.is_cuda and self.config.use_cuda_graphs and self.attn_backend.name == "triton" and one_rank
 
     # -- one step ---------------------------------------------------------------------------------
     def launch(self, step: StepDescription) -> StepHandle:
@@ -350,7 +350,9 @@ class ModelRunner:
         """The step's logits (its sample rows', then any prompt rows'), and whether a decode graph already wrote
         their greedy ids into the slot."""
         key = (meta.slot, meta.num_seqs)
-        if meta.is_decode_only and key in self.graphs:
+        if images is not None and not images.spans:
+            images = None  # no image rows: M-RoPE's three rows are alike, the step's positions (batch.py) say them
+        if meta.is_decode_only and key in self.graphs and images is None:
             assert prompt_rows is None, "a decode-only step has no prompt rows"
             self.graphs[key].replay()  # also writes the logits' argmax into slot.sampled_dev
             return self.graph_logits[key], True

@@ -122,7 +122,8 @@ class ImageSpan:
 
 @dataclass(frozen=True)
 class StepImages:
-    """A step's multimodal inputs, as plain values (part of the step description)."""
+    """A step's multimodal inputs, as plain values (part of the step description). Outside image tokens the three
+    rows are alike: a step without spans runs on token ids and row 0 as its positions (a decode graph too)."""
 
     positions: np.ndarray  # [3, T] int64: every real token's M-RoPE position
     spans: tuple[ImageSpan, ...]

@@ -226,3 +226,9 @@ def test_pixels_are_dropped_once_cached_and_made_again_after_an_eviction(checkpo
         again, _ = encoder.inputs(ids, step, len(prompt_ids))
     assert encoder.num_encoded == 2 and torch.equal(first, again)
     assert positions.shape == (3, 1, len(prompt_ids)) and torch.equal(positions[:, 0], torch.from_numpy(images.positions))
+    # outside image tokens the three rows are alike: a step without image rows runs on row 0 (batch.py), graphs too
+    is_text = np.asarray(prompt_ids) != eng.image_prompts.image_token_id
+    assert (images.positions[:, is_text] == images.positions[0, is_text]).all()
+    decode = step_images([(images, len(prompt_ids) + 4, 1)])
+    assert decode is not None and not decode.spans
+    assert (decode.positions == len(prompt_ids) + 4 + images.delta).all() and images.delta < 0
