@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from schemas.limits import MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_STRING_CHARS, MAX_TOOL_CALLS
+from schemas.media import ContentPart, ImageUrlPart
 from schemas.strict import StrictModel
 
 
@@ -39,12 +40,13 @@ class _PastToolCall(StrictModel):
 
 class ChatMessage(StrictModel):
     """One chat message. OpenAI's forms are accepted and normalized: the `developer` role is `system`, and
-    content given as a list of text parts is their texts joined by newlines (image, audio and file parts are
-    rejected: cbq generates text from text). Transcripts of tool use are taken too: an assistant turn with
+    content given as a list of text parts is their texts joined by newlines. A user message's content with
+    `image_url` parts stays a list of text and image parts (`schemas/media.py`; the worker fetches the images);
+    audio and file parts are rejected. Transcripts of tool use are taken too: an assistant turn with
     `tool_calls` (its content may be null) and `tool` turns answering them by `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None
+    content: str | list[ContentPart] | None = None  # a list only when it holds an image
     name: str | None = Field(None, min_length=1, max_length=64)  # a participant's name, given to the template
     tool_calls: list[_PastToolCall] | None = Field(None, min_length=1, max_length=MAX_TOOL_CALLS)
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)
@@ -61,12 +63,19 @@ class ChatMessage(StrictModel):
             raise ValueError("a tool message has a tool_call_id, and only a tool message")
         if self.content is None and self.tool_calls is None:
             raise ValueError("content is required (it may be null only beside tool_calls)")
+        if isinstance(self.content, list) and self.role != "user":
+            raise ValueError("only a user message may hold image_url parts")
         return self
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it (transformers' convention): no unset fields, and tool-call
         arguments as objects where they are JSON objects."""
         message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # the templates' convention for an image: {"type": "image"}
+            message["content"] = [
+                {"type": "image"} if isinstance(part, ImageUrlPart) else {"type": "text", "text": part.text}
+                for part in self.content
+            ]
         for call in message.get("tool_calls", []):
             try:
                 arguments = json.loads(call["function"]["arguments"])
@@ -90,17 +99,34 @@ class ChatMessage(StrictModel):
 
 
 def _text_of_parts(parts: list[Any]) -> Any:
+    """Text parts joined into one string; parts with an image are left as they are, for their own model."""
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            return _checked_parts(parts)
         if kind != "text":
-            if kind in ("image_url", "input_image", "input_audio", "file"):
-                raise ValueError(f"content parts of type {kind!r} are not supported: cbq takes text only")
-            raise ValueError('content parts must be {"type": "text", "text": "..."}')
+            if kind in ("input_image", "input_audio", "file"):
+                raise ValueError(f"content parts of type {kind!r} are not supported: cbq takes text and image_url")
+            raise ValueError('content parts must be {"type": "text", "text": "..."} or {"type": "image_url", ...}')
         if set(part) != {"type", "text"} or not isinstance(part["text"], str):
             raise ValueError('a text part is {"type": "text", "text": "..."}')
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+_parts_adapter: TypeAdapter[list[Any]] = TypeAdapter(list[ContentPart])
+
+
+def _checked_parts(parts: list[Any]) -> list[Any]:
+    """Text and image parts, each checked here so that an error names the part rather than the union's arms."""
+    try:
+        return _parts_adapter.validate_python(parts, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        index, _tag, *inside = first["loc"]  # (part index, the union's tag, the field inside the part)
+        where = ".".join([f"content[{index}]", *map(str, inside)])
+        raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 # apply_chat_template's own parameters, and names its templates read from it: not template variables.

@@ -35,3 +35,5 @@ MAX_TEMPLATE_KWARGS = 16  # names in chat_template_kwargs
 MAX_TEMPLATE_STRING_CHARS = 256  # a string value in chat_template_kwargs
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's bound)
 MAX_EMBEDDING_DIMENSIONS = 65536  # `dimensions`; the model's own dimension bounds it further
+MAX_IMAGES_PER_REQUEST = 16  # image parts in one chat request (the worker's --limit-mm-per-prompt may lower it)
+MAX_IMAGE_URL_CHARS = 32 * 2**20  # an image part's url: a base64 data URL of about 24 MB at most

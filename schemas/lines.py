@@ -25,13 +25,22 @@ from __future__ import annotations
 import typing
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from schemas.chat import ChatMessage, ChatTemplateKwargs
 from schemas.embeddings import EMBEDDINGS_URL, EmbeddingBody, EmbeddingLine, EmbeddingOptions
 from schemas.errors import FieldIssue, InvalidRequest, RequestLineError, issues_from_validation_error
 from schemas.json_line import BLANK, LONE_SURROGATE, load_json_line
 from schemas.limits import MAX_CHOICES, MAX_EMBEDDING_INPUTS, MAX_PROMPTS
+from schemas.media import at_most_images
 from schemas.openai_body import (
     COMPLETIONS_URL,
     ChatCompletionBody,
@@ -126,7 +135,7 @@ class PromptLine(_NativeLine, PromptSpelling):
 
 
 class ChatLine(_NativeLine, ChatSpelling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1), AfterValidator(at_most_images)]
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 

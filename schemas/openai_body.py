@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from schemas.chat import ChatMessage, ChatTemplateKwargs
 from schemas.limits import MAX_CUSTOM_ID_CHARS, MAX_TOOLS
+from schemas.media import at_most_images
 from schemas.prompt import ChatSpelling, CompletionPrompt, PromptSpelling
 from schemas.sampling import (
     N_DESCRIPTION,
@@ -298,7 +299,7 @@ class CompletionBody(CompletionPrompt, PromptSpelling, _OpenAIBody):
 
 
 class ChatCompletionBody(ChatSpelling, _OpenAIBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1), AfterValidator(at_most_images)]
     chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, not OpenAI's
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # see schemas/tools.py
     tool_choice: ToolChoice | None = None

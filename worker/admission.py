@@ -22,6 +22,7 @@ from producer.store.chunks import read_chunk_batch, read_chunk_requests
 from schemas import keys
 from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.lines import Request
+from schemas.media import image_refs
 from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
 from schemas.prompt import PromptOptions
 from schemas.result import (
@@ -49,6 +50,8 @@ from worker.engine.api import (
 from worker.engine.api import PromptLogprob as EnginePromptLogprob
 from worker.engine.api import TokenLogprob as EngineTokenLogprob
 from worker.engine.tokenizer import NoChatTemplate
+from worker.media.load import ImageAdmission
+from worker.media.policy import MediaError
 from worker.output_parsers import (
     CallsMode,
     ConstraintAfterReasoningError,
@@ -58,6 +61,7 @@ from worker.output_parsers import (
 )
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+_TEXT_ONLY = ImageAdmission()
 _UNSET = object()
 
 
@@ -85,6 +89,7 @@ def load_chunk_job(
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
     task: ModelTask = ModelTask(),
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> ChunkWork:
     """`load_chunk` for rq job `job_id`, once its function and arguments (rq's `func_name`, `kwargs`) are
     checked to be a cbq chunk's. Raises ValueError (or pydantic's) for anything else: that job fails."""
@@ -92,7 +97,7 @@ def load_chunk_job(
         raise ValueError(f"not a cbq chunk job: it calls {func_name!r}, expected {CHUNK_FUNC!r}")
     payload = ChunkPayload.model_validate(kwargs)
     return load_chunk(
-        conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing, task=task
+        conn, payload, tokenizer, job_id=job_id, model_defaults=model_defaults, parsing=parsing, task=task, media=media
     )
 
 
@@ -104,13 +109,14 @@ def load_chunk(
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
     task: ModelTask = ModelTask(),
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> ChunkWork:
     """Read a chunk's requests and expand them. The payload is checked against its batch first (its range
     inside the batch and, given `job_id`, equal to the range submit recorded for that job), so a forged
     payload fails its job before anything is read or allocated for its range. `model_defaults`: the
     engine's `sampling_defaults` (what the checkpoint's generation_config sets); `parsing`: the worker's output
     parsers (a constraint then applies after the reasoning); `task`: the served model's kind (a line of the
-    other kind fails alone, worker/embedding/admission.py)."""
+    other kind fails alone, worker/embedding/admission.py); `media`: how a chat's images are read (or refused)."""
     batch = read_chunk_batch(conn, payload.batch_id, job_id)
     if batch is None:
         raise BatchGone(f"batch {payload.batch_id} not found (expired or deleted)")
@@ -137,7 +143,7 @@ def load_chunk(
                 ResultLine(custom_id=_custom_id(raw_request), index=index, finish_reason="cancelled")
             )
         else:
-            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing, task)
+            _expand_one(work, index, raw_request, tokenizer, model_defaults, parsing, task, media)
     return work
 
 
@@ -149,6 +155,7 @@ def _expand_one(
     model_defaults: Mapping[str, Any],
     parsing: OutputParsing | None = None,
     task: ModelTask = ModelTask(),
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> None:
     try:
         request = Request.model_validate_json(raw_request)
@@ -171,11 +178,13 @@ def _expand_one(
             engine_request = to_embedding_request(request, tokenizer, task, work.payload.batch_id, work.created_at)
         else:
             engine_request = to_engine_request(
-                request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing
+                request, tokenizer, work.payload.batch_id, work.created_at, model_defaults, parsing, media
             )
-    except (UnsupportedField, ConstraintAfterReasoningError, NoChatTemplate) as exc:  # what this worker cannot do: a 400
+    except (UnsupportedField, ConstraintAfterReasoningError, NoChatTemplate, MediaError) as exc:  # what this worker cannot do: a 400
         if isinstance(exc, NoChatTemplate):
             code, param = "invalid_value", "messages"
+        elif isinstance(exc, MediaError):  # an image this worker cannot read or its model cannot take
+            code, param = "invalid_value", exc.param
         else:
             code, param = "unsupported_parameter", exc.field
         work.finished_now.append(
@@ -214,8 +223,12 @@ def to_engine_request(
     arrival_time: float,
     model_defaults: Mapping[str, Any] = _NO_DEFAULTS,
     parsing: OutputParsing | None = None,
+    media: ImageAdmission = _TEXT_ONLY,
 ) -> EngineRequest:
+    """The engine's request for a stored one: its prompt tokenized, its images read (MediaError for a bad one,
+    before anything is tokenized), its sampling resolved."""
     options = request.prompt_options or PromptOptions()
+    images = media.images_of(image_refs(request.messages))
     if request.messages is not None:
         messages = [m.for_template() for m in request.messages]
         prompt_ids = tokenizer.encode_chat(messages, request.chat_template_kwargs, request.tools, chat_options(options))
@@ -240,6 +253,7 @@ def to_engine_request(
         # cbq's own lines keep theirs capped by it.
         max_tokens_within_context=request.shape == "openai" and request.sampling.max_new_tokens is not None,
         cache_salt=request.cache_salt,
+        images=images,
     )
 
 

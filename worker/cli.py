@@ -46,6 +46,7 @@ from worker.cli_options import (
     DEFAULT_MODEL,
     MODEL_ENV,
     engine_options,
+    media_options,
     output_parser_options,
     served_model_name,
 )
@@ -200,6 +201,7 @@ def recovery_options(f):
 @click.command()
 @engine_options
 @output_parser_options
+@media_options
 @redis_url_option
 @queue_option
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
@@ -237,6 +239,7 @@ def worker(
     served_model_name_,
     tool_call_parser,
     reasoning_parser,
+    media_policy,
     redis_url,
     queue,
     burst,
@@ -271,6 +274,7 @@ def worker(
         [keys.model_queue(queue, served_name), queue],  # its model's batches first, then those naming none
         engine,
         output_parsing=choose_output_parsing(engine, tool_call_parser, reasoning_parser),
+        media_policy=media_policy,
         connection=conn,
         model_name=served_name,
         mode=mode,
@@ -320,6 +324,7 @@ def worker(
 )
 @engine_options
 @output_parser_options
+@media_options
 @click.option(
     "--redis-url",
     default=None,
@@ -355,6 +360,7 @@ def run(
     served_model_name_,
     tool_call_parser,
     reasoning_parser,
+    media_policy,
     redis_url,
     queue,
     output_format,
@@ -383,7 +389,7 @@ def run(
     file = file or input_file
     try:
         _run(file, output, fresh, model, mode, device, fake_engine, engine_config, served_model_name_,
-             tool_call_parser, reasoning_parser, redis_url, queue, output_format, errors, chunk_size,
+             tool_call_parser, reasoning_parser, media_policy, redis_url, queue, output_format, errors, chunk_size,
              return_token_ids, log_level, progress_interval, strict, defaults, chat_template_kwargs, fake_latency)
     except KeyboardInterrupt:  # before the worker's own handlers are in place (loading, validating)
         click.echo("interrupted", err=True)
@@ -391,7 +397,7 @@ def run(
 
 
 def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, served_model_name_,
-         tool_call_parser, reasoning_parser, redis_url, queue, output_format, errors, chunk_size,
+         tool_call_parser, reasoning_parser, media_policy, redis_url, queue, output_format, errors, chunk_size,
          return_token_ids, log_level, progress_interval, strict, defaults, chat_template_kwargs, fake_latency):
     started_at = time.monotonic()
     input_name = getattr(file, "name", None)
@@ -465,6 +471,7 @@ def _run(file, output, fresh, model, mode, device, fake_engine, engine_config, s
         name=f"cbq-run-{os.getpid()}",
         on_results_written=on_results_written,
         output_parsing=output_parsing,
+        media_policy=media_policy,
     )
     demote_per_chunk_lines()
     try:

@@ -7,6 +7,7 @@ Nothing here imports torch: `cbq --help` imports this module.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -378,3 +379,94 @@ def output_parser_options(f: Callable) -> Callable:
         "([TOOL_CALLS]), harmony (gpt-oss); auto picks from the chat template, none leaves calls in the content.",
     )(f)
     return f
+
+
+def _image_limit(value: str | None) -> int | None:
+    """vLLM's --limit-mm-per-prompt JSON ({"image": N}); only images are taken."""
+    if value is None:
+        return None
+    try:
+        limits = json.loads(value)
+    except ValueError:
+        raise click.BadParameter('a JSON object such as {"image": 4}') from None
+    if not isinstance(limits, dict) or set(limits) - {"image"} or not isinstance(limits.get("image", 0), int):
+        raise click.BadParameter('only {"image": N} is taken: cbq reads no audio or video')
+    return limits.get("image")
+
+
+def media_options(f: Callable) -> Callable:
+    """The flags of `MediaPolicy` (worker/media/): where a chat's images may be read from, and their limits.
+    The command receives them as one `media_policy` keyword."""
+    from worker.media.policy import (
+        DEFAULT_FETCH_TIMEOUT_SECONDS,
+        DEFAULT_MAX_IMAGE_BYTES,
+        DEFAULT_MAX_IMAGE_PIXELS,
+        MediaPolicy,
+    )
+
+    names = ("allowed_local_media_path", "allowed_media_domains", "limit_mm_per_prompt", "max_image_bytes",
+             "max_image_pixels", "media_fetch_timeout")  # fmt: skip
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        given = {name: kwargs.pop(name) for name in names}
+        domains = frozenset(d for entry in given["allowed_media_domains"] for d in entry.split(",") if d.strip())
+        fields = {
+            "allowed_local_media_path": given["allowed_local_media_path"],
+            "allowed_media_domains": domains,
+            "max_images_per_request": _image_limit(given["limit_mm_per_prompt"]),
+            "max_image_bytes": given["max_image_bytes"],
+            "max_image_pixels": given["max_image_pixels"],
+            "fetch_timeout_seconds": given["media_fetch_timeout"],
+        }
+        try:
+            policy = MediaPolicy(**{k: v for k, v in fields.items() if v is not None})
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        return f(*args, media_policy=policy, **kwargs)
+
+    options = [
+        click.option(
+            "--allowed-local-media-path",
+            type=click.Path(exists=True, file_okay=False),
+            default=None,
+            help="A directory whose files chat lines may name as images (file:///path URLs): only files whose "
+            "real path, symlinks resolved, lies under it. Default: no local files.",
+        ),
+        click.option(
+            "--allowed-media-domains",
+            multiple=True,
+            help="A host name (repeat the flag, or separate by commas) whose http(s) image URLs the worker "
+            "fetches; redirects are followed only to listed hosts; IP addresses are never fetched. Default: "
+            "none (data: URLs only).",
+        ),
+        click.option(
+            "--limit-mm-per-prompt",
+            default=None,
+            help=f'Images per request at most, as vLLM writes it: {{"image": N}} (default and most: '
+            f"{MediaPolicy().max_images_per_request}).",
+        ),
+        click.option(
+            "--max-image-bytes",
+            type=click.IntRange(min=1),
+            default=None,
+            help=f"Bytes of one image at most, encoded (default {DEFAULT_MAX_IMAGE_BYTES}).",
+        ),
+        click.option(
+            "--max-image-pixels",
+            type=click.IntRange(min=1),
+            default=None,
+            help=f"Pixels of one image at most, width x height, checked before decoding (default "
+            f"{DEFAULT_MAX_IMAGE_PIXELS}).",
+        ),
+        click.option(
+            "--media-fetch-timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help=f"Seconds one image's http(s) fetch may take, redirects included (default "
+            f"{DEFAULT_FETCH_TIMEOUT_SECONDS:g}).",
+        ),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper

@@ -6,7 +6,8 @@ measured without a model. Owns its own request table; it knows nothing about Red
 Output rule (an "echo"): generated token k is prompt token k (cycling), so the text is the start of the
 prompt, `max_new_tokens` bytes long unless a stop string or stop token id ends it first. Sampling parameters
 other than the length and stop conditions are ignored. The tokenizer is the engine's byte tokenizer without
-BOS: UTF-8 bytes are ids 0-255.
+BOS: UTF-8 bytes are ids 0-255. It takes images: the worker reads and decodes them as for a vision model, and the
+byte template renders each as "<image>".
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class FakeEngine:
     ):
         self.tokenizer = ByteTokenizer(add_bos=False)
         self.sampling_defaults: dict[str, Any] = {}  # no checkpoint, no generation_config
+        self.accepts_images = True  # images are read and decoded as for a real model; the echo shows "<image>"
         self.max_model_len = max_model_len
         self.max_num_running = max_num_running
         self.latency_seconds = latency_seconds

@@ -27,6 +27,8 @@ from schemas.result import ResultLine
 from worker.admission import to_engine_request, to_result_line
 from worker.embedding.admission import ModelTask, kind_refusal, to_embedding_request
 from worker.engine.api import EngineProtocol, EngineRequest
+from worker.media.load import ImageAdmission
+from worker.media.policy import MediaError, MediaPolicy
 from worker.output_parsers import OutputParsing, chat_template_text
 
 RESULT_POLL_SECONDS = 0.1
@@ -55,10 +57,12 @@ class LLM:
         *,
         tool_call_parser: str = "auto",
         reasoning_parser: str = "auto",
+        media_policy: MediaPolicy | None = None,
         **engine_options: Any,
     ):
         """`model`: a preset, a local checkpoint folder or a hub id (org/name). `tool_call_parser`,
-        `reasoning_parser`: as `cbq run`'s flags (worker/output_parsers). `engine_options`: `EngineConfig`
+        `reasoning_parser`: as `cbq run`'s flags (worker/output_parsers). `media_policy`: where a chat's images
+        may be read from (worker/media/policy.py; default: data: URLs only). `engine_options`: `EngineConfig`
         fields (`device`, `dtype`, `max_model_len`, `gpu_memory_utilization`, `num_kv_blocks`, ...)."""
         from worker.engine.engine_builder import build_engine
         from worker.engine.models import PRESETS
@@ -69,6 +73,7 @@ class LLM:
         self.engine: EngineProtocol = build_engine(model, **engine_options)
         template = chat_template_text(self.engine.tokenizer)
         self.output_parsing = OutputParsing.choose(tool_call_parser, reasoning_parser, template)
+        self.media = ImageAdmission(media_policy or MediaPolicy(), self.engine.accepts_images, model)
         self._calls = itertools.count()
 
     def generate(
@@ -124,9 +129,18 @@ class LLM:
                     engine_requests.append(to_embedding_request(request, tokenizer, task, call, time.time()))
                 else:
                     engine_requests.append(
-                        to_engine_request(request, tokenizer, call, time.time(), parsing=self.output_parsing)
+                        to_engine_request(request, tokenizer, call, time.time(), parsing=self.output_parsing, media=self.media)
                     )
                 pending[engine_requests[-1].request_id] = request
+            except MediaError as exc:  # an image this model cannot take or this process cannot read
+                results[request.index] = ResultLine(
+                    custom_id=request.custom_id,
+                    index=request.index,
+                    finish_reason="error",
+                    error=str(exc),
+                    error_code="invalid_value",
+                    error_param=exc.param,
+                )
             except Exception as exc:  # a chat template that fails on this conversation: this input fails
                 results[request.index] = ResultLine(
                     custom_id=request.custom_id,

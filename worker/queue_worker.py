@@ -60,6 +60,8 @@ from worker.inflight import InFlightJob, InFlightTable
 from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
 from worker.lost_dequeues import forget_sighting
 from worker.maintenance import REDIS_ERRORS, HeartbeatClock, Outage, clean_queue_registries, touch
+from worker.media.load import ImageAdmission
+from worker.media.policy import MediaPolicy
 from worker.output_parsers import OutputParsing
 from worker.result_writer import Outcome, ResultWriter
 from worker.rq_classes import CbqJob, CbqQueue
@@ -111,6 +113,7 @@ class CbqWorker(BaseWorker):
         health_file: str | None = None,
         on_results_written: Callable[[list[ResultLine]], None] | None = None,
         output_parsing: OutputParsing | None = None,
+        media_policy: MediaPolicy | None = None,
         **kwargs: Any,
     ):
         options = {
@@ -137,6 +140,8 @@ class CbqWorker(BaseWorker):
         self.engine = engine
         self.output_parsing = output_parsing  # tool-call and reasoning parsers for chat outputs (None: none)
         self.model_task = ModelTask.of(engine)  # generation or embedding: lines of the other kind fail alone
+        # What a chat's images may be read from (worker/media/); refused at once when the engine takes none.
+        self.media = ImageAdmission(media_policy or MediaPolicy(), engine.accepts_images, model_name or "this model")
         self.model_name = model_name
         self.mode = mode
         self.stats_interval_seconds = stats_interval_seconds
@@ -340,6 +345,7 @@ class CbqWorker(BaseWorker):
                     self.engine.sampling_defaults,
                     self.output_parsing,
                     self.model_task,
+                    self.media,
                 )
             except REDIS_ERRORS:
                 raise

@@ -362,6 +362,25 @@ def test_an_invalid_request_fails_alone_and_the_others_run(stack, client, tmp_pa
     assert "logit_bias: token ids must be in [0, 320)" in errors[1]["message"]
 
 
+def test_an_image_line_fails_alone_on_a_text_only_model(stack, client, tmp_path):
+    """OpenAI batch lines with image parts pass the server as they are; the text-only worker refuses the one with
+    an image, naming the part, before fetching it."""
+    lines = openai_lines(2)
+    lines[1]["body"]["messages"][0]["content"] = [
+        {"type": "text", "text": "What is in it?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png", "detail": "low"}},
+    ]
+    uploaded = client.files.create(file=write_jsonl(tmp_path / "images.jsonl", lines).open("rb"), purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch, _ = wait_for_batch(client, created.id)
+    assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 1, 1), batch
+    (failed,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    error = failed["response"]["body"]["error"]
+    assert (failed["custom_id"], failed["response"]["status_code"]) == ("r1", 400)
+    assert (error["param"], error["code"]) == ("messages[0].content[1].image_url.url", "invalid_value")
+    assert error["message"].startswith("tiny-llama takes text only: images run on")
+
+
 def test_list_batches_pages_with_after_and_limit(client):
     listed = client.batches.list(limit=100).data
     assert len(listed) >= 3 and [b.created_at for b in listed] == sorted(

@@ -374,7 +374,16 @@ def openai_line(body, url="/v1/completions", **envelope):
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                 "/v1/chat/completions",
             ),
-            "line 7: body.messages[0]: content parts of type 'image_url' are not supported: cbq takes text only",
+            "line 7: body.messages[0]: content[0].image_url.url: an image url is a data: URL (base64), an http(s) "
+            "URL or a file: URL",
+        ),
+        (
+            openai_line(
+                {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+                "/v1/chat/completions",
+            ),
+            "line 7: body.messages[0]: content parts of type 'input_audio' are not supported: cbq takes text and "
+            "image_url",
         ),
         (
             openai_line({"prompt": "x", "best_of": 2}),

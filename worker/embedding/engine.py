@@ -100,6 +100,7 @@ class EmbeddingEngine:
                 f"max_num_batched_tokens {self.max_batch_tokens} is below the model's max_seq_length "
                 f"{spec.max_seq_length}: its longest inputs could not run"
             )
+        self.accepts_images = False  # text embedding models: a line with images fails alone at admission
         self._lock = threading.Condition()
         self._pending: deque[_Pending] = deque()
         self._results: list[EngineResult] = []

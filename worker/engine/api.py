@@ -193,6 +193,15 @@ class ResolvedSampling(SamplingParams):
 MAX_SAMPLES_PER_REQUEST = MAX_SAMPLES  # bound on `EngineRequest.n` (schemas.limits: OpenAI's own limit)
 
 
+@dataclass(frozen=True)
+class EngineImage:
+    """One image of a request, decoded on the worker (`worker/media/`): its RGB pixels (a PIL image, which the
+    model's own processor sizes) and a hash of them, by which the encoder and prefix caches know it."""
+
+    content_hash: str
+    image: Any
+
+
 @dataclass
 class EngineRequest:
     request_id: str
@@ -207,6 +216,8 @@ class EngineRequest:
     max_tokens_within_context: bool = False
     # vLLM's: requests share cached prompt blocks only with requests of the same salt (None: no salt).
     cache_salt: str | None = None
+    # The chat's images in the order its template renders them; only an engine whose `accepts_images` takes any.
+    images: tuple[EngineImage, ...] = ()
 
 
 def context_length_error(req: EngineRequest, max_model_len: int) -> str | None:
@@ -392,6 +403,8 @@ class EngineProtocol(Protocol):
 
     # The defaults the checkpoint's generation_config sets, by cbq field name (what None resolves to first).
     sampling_defaults: dict[str, Any]
+    # Whether requests may carry images (`EngineRequest.images`): a vision-language model's engine.
+    accepts_images: bool
 
     def start(self) -> None:
         """Start the step loop in a background thread."""

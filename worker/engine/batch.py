@@ -188,6 +188,8 @@ class BatchBuilder:
                 "a token rotating with the short table lies past longrope's original context"
             )
             h["positions"][:num_real_tokens] += is_long * self.long_rope_row_offset
+        if step.images is not None:  # a vision model (multimodal.py): M-RoPE's rows, alike outside image tokens
+            h["positions"][:num_real_tokens] = step.images.positions[0]
         h["positions"][num_real_tokens:num_tokens] = 0
         slot.write_block_tables(step.block_tables, num_seqs)
         tables = h["block_tables"]

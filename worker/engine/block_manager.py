@@ -9,7 +9,8 @@ so kernels never need a "skip" branch on the decode path. It is never handed out
 
 Prefix caching. A full block is named by a hash chain: the hash of its parent block's hash and its own
 token ids; the chain's root is `Sequence.kv_namespace` (empty today; an adapter id would go there, or
-anything else that changes a block's K/V for the same tokens), marked apart for a sequence that rotates with
+anything else that changes a block's K/V for the same tokens), and a block where an image's pads start mixes
+in that image's content hash (`Sequence.images`), so that the same pads of another picture never match; marked apart for a sequence that rotates with
 longrope's long factors (`Sequence.long_rope`): the same tokens' K/V differ between the two tables. Blocks are
 shared by reference count, never copied: a sequence only ever writes positions past its shared prefix, so shared
 blocks are read-only.
@@ -201,6 +202,8 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else seq.kv_namespace + (LONG_ROPE_ROOT if seq.long_rope else b"")
+            if seq.images is not None:  # the images whose pads start here: the same pads, another picture
+                parent += seq.images.block_salt(i, bs)
             hashes.append(block_hash(parent, seq.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]
 

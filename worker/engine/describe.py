@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .multimodal import step_images
 from .prompt_logprobs import rows_of_chunk
 from .scheduler import ScheduledChunk, StepPlan
 from .sequence import Sequence
@@ -23,13 +24,15 @@ def describe_step(
     extras: bool = False,
     prompt_logprobs: bool = False,
     long_rope: bool = False,
+    images: bool = False,
 ) -> tuple[StepDescription, dict[Sequence, int]]:
     """The description of `plan`, and each sampling sequence's output row in it (the next step's `prev_rows`).
 
     `prev_rows`: sequences whose newest token the step in flight still samples, with its output row there.
     `extras`: look for logprobs, penalties and masks (the engine says whether any unfinished sequence has one).
     `prompt_logprobs`: look for prompt rows (likewise; a decode-only step never has any).
-    `long_rope`: the model runs longrope: say which sequences rotate with its long table."""
+    `long_rope`: the model runs longrope: say which sequences rotate with its long table.
+    `images`: some unfinished sequence has images: their positions and image rows (multimodal.py)."""
     chunks = plan.chunks
     num_seqs = len(chunks)
     is_decode_only = plan.is_decode_only
@@ -89,6 +92,7 @@ def describe_step(
         extras=sampling_extras(sample_seqs, eos_token_ids) if extras else None,
         prompt_rows=prompt_rows(chunks) if prompt_logprobs and not is_decode_only else None,
         long_rope=np.fromiter((c.seq.long_rope for c in chunks), dtype=bool, count=num_seqs) if long_rope else None,
+        images=step_images((c.seq.images, c.start, c.num_tokens) for c in chunks) if images else None,
     )
     return description, {seq: row for row, seq in enumerate(sample_seqs)}
 

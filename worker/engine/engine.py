@@ -52,6 +52,7 @@ from .grammar import GrammarCompiler, GrammarError, TokenMasks
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
+from .multimodal import ImagePrompts, SequenceImages, is_vision_model
 from .parallel.group import RankFailure
 from .prompt_logprobs import record as record_prompt_logprobs
 from .results import request_result
@@ -69,6 +70,7 @@ logger = logging.getLogger("cbq.engine")
 class _Add:
     request: EngineRequest
     matcher: Any = None  # its constraint's grammar matcher, compiled in the caller's thread
+    images: SequenceImages | None = None  # its images, processed in the caller's thread (its prompt expanded)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,11 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         # Defaults for what a request leaves unset (SamplingParams fields that are None).
         self.sampling_defaults = generation_defaults(model) if config.generation_config_defaults else {}
+        # A vision-language model's image processing (multimodal.py); a text-only engine refuses images (and
+        # worker/media/ before it fetches any).
+        self.image_prompts = ImagePrompts(model) if is_vision_model(model) else None
+        self.accepts_images = self.image_prompts is not None
+        self._num_with_images = 0  # unfinished sequences with images (loop thread only)
         check_kv_cache_dtype(config, self.device)
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(
             model.config, kv_cache_dtype(config, model.dtype), self.device, config
@@ -176,6 +183,15 @@ class Engine:
         keep = req.sampling.truncate_prompt_tokens
         if keep is not None and len(req.prompt_ids) > keep:
             req = replace(req, prompt_ids=req.prompt_ids[-keep:])  # vLLM's truncation: the last k tokens
+        images = None
+        if self.image_prompts is not None:  # pads expanded before the prompt's length is checked
+            try:
+                prompt_ids, images = self.image_prompts.prepare(req.prompt_ids, req.images)
+            except Exception as exc:  # the processor's own refusals (an aspect ratio over 200) too: never raises
+                why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                self._emit_error(req, f"images: {why}", ErrorCode.INVALID_PROMPT)
+                return
+            req = replace(req, prompt_ids=prompt_ids)
         refusal = self._validate(req)
         matcher = None
         if not refusal and req.sampling.constraint is not None:
@@ -186,7 +202,7 @@ class Engine:
         if refusal:
             self._emit_error(req, *refusal)
             return
-        self._inbox.put(_Add(req, matcher))
+        self._inbox.put(_Add(req, matcher, images))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -353,6 +369,7 @@ class Engine:
             extras=self._num_with_extras > 0,
             prompt_logprobs=self._num_with_prompt_logprobs > 0,
             long_rope=self.scheduler.long_rope_after is not None,
+            images=self._num_with_images > 0,
         )
         mask_seqs = None
         if step.extras is not None and step.extras.mask_rows:
@@ -455,7 +472,7 @@ class Engine:
             message = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             while True:
                 if isinstance(message, _Add):
-                    self._admit(message.request, message.matcher)
+                    self._admit(message.request, message.matcher, message.images)
                 elif isinstance(message, _Fail):
                     raise message.error
                 elif isinstance(message, _Abort):
@@ -471,6 +488,8 @@ class Engine:
         n = len(req.prompt_ids)
         if n == 0:
             return "empty prompt: at least one token is needed", ErrorCode.INVALID_PROMPT
+        if req.images and not self.accepts_images:
+            return "this model takes text only: the request has images", ErrorCode.INVALID_PROMPT
         too_long = context_length_error(req, self.max_model_len)
         if too_long:
             return too_long, ErrorCode.CONTEXT_LENGTH_EXCEEDED
@@ -485,7 +504,7 @@ class Engine:
             return f"n must be an integer in [1, {MAX_SAMPLES_PER_REQUEST}], got {req.n!r}", ErrorCode.INVALID_PROMPT
         return None
 
-    def _admit(self, req: EngineRequest, matcher: Any = None) -> None:
+    def _admit(self, req: EngineRequest, matcher: Any = None, images: SequenceImages | None = None) -> None:
         if req.request_id in self._requests:
             self._emit_error(req, f"duplicate request id {req.request_id!r} while the first is still running")
             return
@@ -510,9 +529,12 @@ class Engine:
                 kv_namespace=_kv_namespace(req.cache_salt),
                 arrival_time=arrival_time,
                 matcher=matchers[i],
+                images=images,
             )
             for i in range(req.n)
         ]
+        if images is not None:
+            self._num_with_images += len(samples)
         if sampling.needs_extras:
             self._num_with_extras += len(samples)
         if samples[0].wants_prompt_logprobs:
@@ -552,6 +574,8 @@ class Engine:
                     self._num_with_extras -= 1
                 if sample.wants_prompt_logprobs:
                     self._num_with_prompt_logprobs -= 1
+                if sample.images is not None:
+                    self._num_with_images -= 1
                 sample.matcher = None
         if all(sample.is_finished for sample in samples):  # always so after a group-wide finish
             del self._requests[seq.request_id]

@@ -51,6 +51,7 @@ from .kv_cache import (
     num_blocks_from_memory,
     uses_latent_cache,
 )
+from .multimodal import ImageEncoder, StepImages, is_vision_model
 from .parallel.messages import Replica
 from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
 from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
@@ -155,6 +156,12 @@ class ModelRunner:
             reason = deterministic.unsupported_reason(self.is_cuda, self.sliding_windows, self.attn_backend)
             if reason is not None:
                 raise ValueError(f"deterministic mode: {reason}")
+        # A vision-language model's vision tower and embeddings cache (None: text only). Its language model runs
+        # on transformers' forward (decoder "hf"): the owned decoder has no M-RoPE yet. Only steps with image rows
+        # take input embeddings and [3, 1, T] positions; the others (decodes: graphs) run on ids and positions.
+        self.images = ImageEncoder(model, device) if is_vision_model(model) else None
+        if self.images is not None and (config.decoder == "owned" or config.deterministic or tp is not None):
+            raise ValueError("a vision-language model runs on decoder 'hf' (or 'auto'), one rank, not deterministic")
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,
@@ -236,12 +243,12 @@ class ModelRunner:
             raise StepBuildError(f"{type(exc).__name__}: {exc}") from exc
         build_seconds = time.perf_counter() - t0
         if self.replica is None:
-            handle = self._launch(meta, step.extras, step.prompt_rows)
+            handle = self._launch(meta, step.extras, step.prompt_rows, step.images)
         else:  # rank 0: only a step that builds reaches another rank
             self.replica.check()
             with self.replica.in_step():
                 self.replica.send_step(step)
-                handle = self._launch(meta, step.extras, step.prompt_rows)
+                handle = self._launch(meta, step.extras, step.prompt_rows, step.images)
         handle.build_seconds = build_seconds
         self._next_slot ^= 1
         return handle
@@ -279,7 +286,13 @@ class ModelRunner:
             self.tracer.on_step(handle.marks, wait_start, time.perf_counter(), handle.meta)
         return handle.sampled_host[: handle.meta.num_sample_rows].tolist(), seconds
 
-    def _launch(self, meta: BatchMeta, extras: SamplingExtras | None, prompt_rows: PromptRows | None) -> StepHandle:
+    def _launch(
+        self,
+        meta: BatchMeta,
+        extras: SamplingExtras | None,
+        prompt_rows: PromptRows | None,
+        images: StepImages | None = None,
+    ) -> StepHandle:
         slot = self.builder.slots[meta.slot]
         # Slots alternate on every launch, so the previous step's sampled ids live in the other slot.
         prev_sampled = self.builder.slots[1 - meta.slot].sampled_dev
@@ -291,7 +304,7 @@ class ModelRunner:
             if marks is not None:
                 marks.h2d_start, marks.h2d_end = t0, time.perf_counter()
                 marks.compute_start = marks.h2d_end
-            logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled, prompt_rows)
+            logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled, prompt_rows, images)
             logits, prompt_device = self._split_prompt_rows(logits, meta, prompt_rows)
             handle = StepHandle(meta, slot.sampled_host, None, cpu_seconds=time.perf_counter() - t0)
         else:
@@ -315,7 +328,7 @@ class ModelRunner:
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(h2d_done)
                 events.start.record()
-                logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled, prompt_rows)
+                logits, is_greedy_in_graph = self._forward_logits(slot, meta, prev_sampled, prompt_rows, images)
                 logits, prompt_device = self._split_prompt_rows(logits, meta, prompt_rows)
                 if defer_sampling:  # guards the slot's inputs even if the sampling is never launched
                     self.slot_compute_done[meta.slot] = torch.cuda.Event()
@@ -381,19 +394,26 @@ class ModelRunner:
         slot.tables_dev[: meta.num_seqs].copy_(slot.tables_host[: meta.num_seqs], non_blocking=nb)
 
     def _forward_logits(
-        self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor, prompt_rows: PromptRows | None = None
+        self,
+        slot: IOSlot,
+        meta: BatchMeta,
+        prev_sampled: torch.Tensor,
+        prompt_rows: PromptRows | None = None,
+        images: StepImages | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """The step's logits (its sample rows', then any prompt rows'), and whether a decode graph already wrote
         their greedy ids into the slot."""
         key = (meta.slot, meta.num_seqs)
-        if meta.is_decode_only and key in self.graphs:
+        if images is not None and not images.spans:
+            images = None  # no image rows: M-RoPE's three rows are alike, the step's positions (batch.py) say them
+        if meta.is_decode_only and key in self.graphs and images is None:
             assert prompt_rows is None, "a decode-only step has no prompt rows"
             self.graphs[key].replay()  # also writes the logits' argmax into slot.sampled_dev
             return self.graph_logits[key], True
         indices = slot.dev["logits_indices"][: meta.num_sample_rows]
         if prompt_rows is not None:  # the LM head runs on these extra rows only
             indices = torch.cat([indices, self._to_device(list(prompt_rows.token_indices), indices.dtype)])
-        return self._forward_slot(slot, meta, prev_sampled, logits_indices=indices), False
+        return self._forward_slot(slot, meta, prev_sampled, logits_indices=indices, images=images), False
 
     def _split_prompt_rows(
         self, logits: torch.Tensor, meta: BatchMeta, prompt_rows: PromptRows | None
@@ -520,7 +540,12 @@ class ModelRunner:
         return buffers
 
     def _forward_slot(
-        self, slot: IOSlot, meta: BatchMeta, prev_sampled: torch.Tensor, logits_indices: torch.Tensor | int
+        self,
+        slot: IOSlot,
+        meta: BatchMeta,
+        prev_sampled: torch.Tensor,
+        logits_indices: torch.Tensor | int,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
         """The forward of the step in `slot` (what a decode graph captures): carry-over gather, then `_forward`."""
         d = slot.dev
@@ -544,7 +569,7 @@ class ModelRunner:
             kv_scales=self.kv_scales,
             num_decode_seqs=meta.num_decode_seqs,
         )
-        return self._forward(input_ids, d["positions"][:num_tokens], attn, logits_indices)
+        return self._forward(input_ids, d["positions"][:num_tokens], attn, logits_indices, images)
 
     def _forward(
         self,
@@ -552,9 +577,18 @@ class ModelRunner:
         positions: torch.Tensor,
         attn: AttentionMetadata,
         logits_indices: torch.Tensor | int,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
         """The model: token ids [T] at positions [T], with this step's attention metadata. Returns the logits of
-        the rows `logits_indices` picks ([R, vocab]; 0 keeps them all)."""
+        the rows `logits_indices` picks ([R, vocab]; 0 keeps them all). `images`: a vision-language model's step
+        with images, whose embeddings and M-RoPE positions (multimodal.py) replace the ids and `positions`."""
+        if images is not None:
+            assert self.images is not None, "a step with images on a text-only model"
+            embeds, position_ids = self.images.inputs(input_ids, images, input_ids.shape[0])
+            out = self.model(
+                inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=logits_indices, use_cache=False, cbq=attn
+            )
+            return out.logits[0]
         if self.decoder is not None:
             return self.decoder(
                 input_ids, positions, attn, logits_indices if torch.is_tensor(logits_indices) else None

@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .api import FinishReason, PromptLogprob, ResolvedSampling, TokenLogprob
+
+if TYPE_CHECKING:
+    from .multimodal import SequenceImages
 
 
 class SeqStatus(enum.Enum):
@@ -32,6 +35,9 @@ class Sequence:
     # Mixed into the root of the block hash chain: anything besides the token ids that changes the K/V
     # (an adapter id, say). Empty today.
     kv_namespace: bytes = b""
+    # A vision-language model's request with images: its images, their pads' places and the prompt's M-RoPE
+    # positions (multimodal.py; shared by the request's samples). The block hashes mix in its images' content.
+    images: SequenceImages | None = None
     arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling.logprobs is set

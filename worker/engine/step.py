@@ -14,8 +14,12 @@ single input token is still being sampled by the previous step (async mode) name
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .multimodal import StepImages
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ class StepDescription:
     prompt_rows: PromptRows | None = None  # rows whose logits score prompt tokens (prompt_logprobs.py)
     # [B] bool, for a longrope model: the sequence rotates with the long table (Sequence.long_rope); None: none does.
     long_rope: np.ndarray | None = None
+    # A vision-language model's step holding a sequence with images: M-RoPE positions and image rows (multimodal.py).
+    images: StepImages | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -155,7 +155,11 @@ class HFTokenizer:
 
 
 def transcript_text(message: dict[str, Any]) -> str:
-    """A message's text where no chat template renders it: its content, else the calls it made, as JSON."""
-    if message.get("content") is not None:
-        return message["content"]
+    """A message's text where no chat template renders it: its content (an image part as "<image>"), else the
+    calls it made, as JSON."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(part["text"] if part["type"] == "text" else "<image>" for part in content)
+    if content is not None:
+        return content
     return json.dumps([call["function"] for call in message.get("tool_calls", [])], ensure_ascii=False)

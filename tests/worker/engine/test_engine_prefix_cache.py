@@ -127,7 +127,7 @@ def defer_compute(engine: Engine, fail_step: int | None = None) -> list[str]:
     )
     num_steps = 0
 
-    def launch(meta, extras=None, prompt_rows=None):
+    def launch(meta, extras=None, prompt_rows=None, images=None):  # images: a vision model's (none here)
         return StepHandle(
             meta, runner.builder.slots[meta.slot].sampled_host, None, extras=extras, is_sampled=True,
             prompt_rows=prompt_rows,

@@ -30,6 +30,7 @@ MODULES = {  # model_type -> family module
     "glm4_moe": "glm4_moe",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",  # Kimi K2 and Moonlight too
+    "qwen2_5_vl": "qwen2_5_vl",  # with its images (Family.vision)
 }
 
 

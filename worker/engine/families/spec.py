@@ -146,6 +146,15 @@ class DecoderArgs:
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language family's image side. The whole checkpoint loads as transformers' `model_class`; its
+    vision tower runs as transformers wrote it, and its language model runs on decoder "hf" (transformers' layers
+    with cbq's paged attention): the owned decoder has no multimodal rotary yet."""
+
+    model_class: str  # transformers' class of the whole checkpoint
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything the loader and the owned decoder need to know about one model family."""
 
@@ -177,6 +186,8 @@ class Family:
     # original_max_position_embeddings (Phi3ForCausalLM.prepare_inputs_for_generation), so cbq runs "longrope"
     # exactly: per sequence, see `longrope_original_len`. False: longrope is refused at load.
     longrope: bool = False
+    # Takes images (None: text only; a multimodal checkpoint read through `wrappers` has its text lines only).
+    vision: VisionSpec | None = None
 
 
 def is_neutral(value: Any) -> bool:

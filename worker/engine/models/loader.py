@@ -49,6 +49,7 @@ from .errors import one_line as _one_line
 from .presets import PRESETS, preset_config
 from .quant_loader import SparseLayers, load_quantized_model
 from .shard_build import load_whole_model
+from .vision import load_vision_model
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
 
@@ -158,10 +159,14 @@ def load_model(
         fp8_experts = fp8_expert_format(config, family, quant) if keep_fp8_experts else None
         _check_fit(config, family, device, dtype, fp8_experts)
         text_config, key_mapping = _text_model(config, family)
+        if family.vision is not None and quant is not None:
+            raise ModelLoadError(f"{family.name} runs unquantized (decoder 'hf', which takes its images)")
         try:
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
-            if quant is not None and quant.is_serialized:  # FP8 weights in the checkpoint: read by quant/
+            if family.vision is not None:  # the whole vision-language model (models/vision.py)
+                model = load_vision_model(name_or_path, family, generation_config, dtype, device)
+            elif quant is not None and quant.is_serialized:  # FP8 weights in the checkpoint: read by quant/
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
                     sparse=sparse_layers(config, family), keep_fp8_experts=keep_fp8_experts,
@@ -236,6 +241,8 @@ def _text_model(config, family: Family):
     """The config of the model cbq runs and the renames of its weight names: the checkpoint's own, or for a
     multimodal checkpoint whose family runs its language model, that model's (which ties its embeddings as
     the whole checkpoint does, since the whole decides what was saved)."""
+    if family.vision is not None:  # the whole model loads; its language model's config is read
+        return config.get_text_config(), None
     key_mapping = family.wrappers.get(config.model_type)
     if key_mapping is None:
         return config, None

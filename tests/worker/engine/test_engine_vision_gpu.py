@@ -1,0 +1,52 @@
+"""Qwen2.5-VL with images on the CUDA path (Triton attention, streams, decode steps padded to the graph buckets,
+the vision tower on the GPU): in fp32, greedy tokens equal `generate` on the same device. Run on the H200 by
+benchmarks/run_gpu.sh; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.engine import Engine
+
+from .test_engine_vision import checkpoint, generate, mixed_requests  # noqa: F401 - fixtures and helpers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_cuda(checkpoint):  # noqa: F811 - the imported fixture
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).cuda().eval()
+
+
+def generate_cuda(checkpoint, model, req) -> list[int]:  # noqa: F811
+    """`generate` on the GPU: the test module's reference with its inputs moved there."""
+    original = model.generate
+
+    def on_device(**inputs):
+        return original(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()})
+
+    model.generate = on_device
+    try:
+        return generate(checkpoint, model, req)
+    finally:
+        del model.generate
+
+
+@pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 7)])
+def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget):  # noqa: F811
+    reqs = mixed_requests(checkpoint)
+    engine = Engine.from_model(
+        str(checkpoint.path), device="cuda", dtype="float32", mode=mode, max_num_batched_tokens=budget,
+        num_kv_blocks=256,
+    )  # fmt: skip
+    assert engine.runner.decoder is None and engine.runner.images is not None
+    results = engine.generate(reqs)
+    for req, result in zip(reqs, results, strict=True):
+        assert result.token_ids == generate_cuda(checkpoint, reference_cuda, req), req.request_id
+    assert engine.runner.images.encode_seconds > 0

@@ -1,0 +1,66 @@
+"""A vision-language checkpoint as the engine runs it (families/spec.py `VisionSpec`): transformers' whole model,
+behind the face of a causal LM whose `config` is its language model's, so that the engine's sizing (KV cache,
+vocabulary, context) reads the text model as for any other family.
+
+Owns nothing beyond the wrapped model. `forward` is the language model's (token ids or input embeddings, with
+cbq's attention metadata); `vision_tower` and `embed_tokens` are what the engine's image inputs
+(multimodal.py) run before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..families.spec import Family
+
+
+class VisionLanguageModel(torch.nn.Module):
+    """transformers' vision-language model, its language model's config as `config`."""
+
+    def __init__(self, whole: Any):
+        super().__init__()
+        self.whole = whole
+        self.config = whole.config.get_text_config()  # the object the language model reads
+        self.config.tie_word_embeddings = whole.config.tie_word_embeddings  # the whole decides what was saved
+        self.vision_config = whole.config.vision_config
+        self.image_token_id: int = whole.config.image_token_id
+        self.name_or_path: str = whole.name_or_path  # its processor's files (preprocessor_config.json)
+        self.generation_config = whole.generation_config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.whole.dtype
+
+    @property
+    def vision_tower(self) -> torch.nn.Module:
+        return self.whole.model.visual
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.whole.get_input_embeddings()
+
+    def set_attn_implementation(self, implementation: str) -> None:
+        """The language model's attention; the vision tower keeps sdpa (cbq's paged attention is causal, over
+        the KV cache: the tower attends within each image, and within its windows)."""
+        self.whole.set_attn_implementation({"text_config": implementation, "vision_config": "sdpa"})
+
+    def forward(self, **kwargs: Any) -> Any:
+        """transformers' forward without images: `input_ids` or `inputs_embeds` [1, T(, H)], `position_ids`
+        [1, T] (text: the three rotary rows alike) or [3, 1, T] (M-RoPE), `logits_to_keep`, cbq's metadata."""
+        return self.whole(**kwargs)
+
+
+def load_vision_model(
+    name_or_path: str, family: Family, generation_config: Any, dtype: torch.dtype, device: torch.device
+) -> VisionLanguageModel:
+    """The whole checkpoint (vision tower, projector and language model) as `family.vision` names its class."""
+    import transformers
+
+    assert family.vision is not None, f"{family.name} takes no images"
+    model_class = getattr(transformers, family.vision.model_class)
+    whole = model_class.from_pretrained(
+        name_or_path, generation_config=generation_config, dtype=dtype, trust_remote_code=False
+    ).to(device)
+    return VisionLanguageModel(whole)

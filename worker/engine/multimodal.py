@@ -1,0 +1,257 @@
+"""Images in the engine, for a vision-language family (families/spec.py `VisionSpec`; models/vision.py).
+
+Three owners, one per place the images pass through:
+
+- `ImagePrompts` (admission, in the caller's thread): a request's images through the checkpoint's own image
+  processor (worker/media/qwen_vl.py), its prompt's image pads expanded to one token per merged patch, and the
+  prompt's multimodal rotary positions (M-RoPE). The result, `SequenceImages`, is immutable and shared by the
+  request's samples; it also names the KV blocks an image's pads start in (`block_salt`), so the prefix cache
+  never matches one image's K/V for another's.
+- `step_images` (the step description): the step's M-RoPE positions ([3, T]: a prompt token's own rows, a
+  generated token's text position + the request's delta in all three) and which rows of the step take which
+  image's embedding rows; a chunk of prefill may start or end inside an image.
+- `ImageEncoder` (the model runner): runs the vision tower batched over the step's images that its cache does
+  not hold, keeps their embeddings by content hash (least recently used first out, bounded in bytes), and makes
+  the step's input embeddings: the token embeddings with the image rows put in their places.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.media.qwen_vl import ImageGrid, QwenVLImages, mrope_positions
+
+# The encoder cache's default bound: embeddings of ~1,300 images of 1024x768 on a 7B model in bf16.
+ENCODER_CACHE_BYTES = 4 << 30
+
+
+def is_vision_model(model: Any) -> bool:
+    """Whether the engine's model takes images (models/vision.py `VisionLanguageModel`)."""
+    return hasattr(model, "vision_tower")
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt: what the vision tower reads, and where its pads sit in the expanded prompt."""
+
+    content_hash: str
+    image: Any = field(repr=False)  # the decoded picture (PIL), from which its pixels are made again if need be
+    grid: ImageGrid
+    start: int  # index of its first pad in the prompt
+    num_tokens: int
+    # [t*h*w patches, patch values] float32, made at admission (off the step loop); the encoder empties it once
+    # the image's embeddings are cached (a 1024x768 image's are ~19 MB, its picture 2.4 MB), and makes them
+    # again from `image` if the cache dropped them before the image's last chunk or a preemption's recompute.
+    pixels: list[np.ndarray] = field(default_factory=list, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class SequenceImages:
+    """A request's images and its prompt's M-RoPE positions (the request's samples share it)."""
+
+    images: tuple[PromptImage, ...]
+    positions: np.ndarray = field(repr=False)  # [3, prompt_len] int64
+    delta: int  # a generated token at index i rotates at i + delta in all three rows
+
+    def block_salt(self, block_index: int, block_size: int) -> bytes:
+        """What block `block_index`'s hash mixes in besides its tokens: the content hashes of the images whose pads
+        start in it (the hash chain carries them to every later block)."""
+        return b"".join(
+            image.content_hash.encode()
+            for image in self.images
+            if image.start // block_size == block_index
+        )
+
+    def positions_of(self, start: int, end: int) -> np.ndarray:
+        """[3, end - start] rotary positions of tokens start..end-1 (prompt, then generated)."""
+        prompt_len = self.positions.shape[1]
+        out = np.empty((3, end - start), dtype=np.int64)
+        split = min(max(prompt_len, start), end)
+        out[:, : split - start] = self.positions[:, start:split]
+        out[:, split - start :] = np.arange(split, end) + self.delta
+        return out
+
+
+class ImagePrompts:
+    """A vision-language checkpoint's image processing, for admission (runs in the caller's thread)."""
+
+    def __init__(self, model: Any):
+        self.processor = QwenVLImages(model.name_or_path)
+        self.image_token_id = self.processor.image_token_id
+
+    def prepare(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], SequenceImages | None]:
+        """The prompt with its image pads expanded, and its images; ValueError (one line) when the prompt's pads
+        and the images do not pair up. `images`: `EngineImage`s in the order the chat template wrote them."""
+        if not images:
+            if self.image_token_id in prompt_ids:
+                raise ValueError("the prompt holds image placeholder tokens but the request has no images")
+            return list(prompt_ids), None
+        encoded = [self.processor.encode(image.image) for image in images]
+        grids = [e.grid for e in encoded]
+        expanded = self.processor.expand(prompt_ids, grids)
+        merge = self.processor.merge_size
+        positions, delta = mrope_positions(expanded, grids, self.image_token_id, merge)
+        prompt_images = []
+        start = 0
+        for image, e in zip(images, encoded, strict=True):
+            start = expanded.index(self.image_token_id, start)
+            num_tokens = e.grid.num_tokens(merge)
+            prompt_images.append(
+                PromptImage(image.content_hash, image.image, e.grid, start, num_tokens, [e.pixel_values])
+            )
+            start += num_tokens
+        return expanded, SequenceImages(tuple(prompt_images), positions, delta)
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Rows of a step that take rows of an image's embeddings."""
+
+    content_hash: str
+    step_row: int  # the first, among the step's tokens
+    embed_row: int  # the first of the image's embedding rows it takes
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class StepImages:
+    """A step's multimodal inputs, as plain values (part of the step description). Outside image tokens the three
+    rows are alike: a step without spans runs on token ids and row 0 as its positions (a decode graph too)."""
+
+    positions: np.ndarray  # [3, T] int64: every real token's M-RoPE position
+    spans: tuple[ImageSpan, ...]
+    images: dict[str, list[PromptImage]]  # by content hash: the images the spans name (one picture, any request)
+
+
+def step_images(chunks: Iterable[tuple[SequenceImages | None, int, int]]) -> StepImages | None:
+    """The step's positions and image rows from its chunks, each (the sequence's images, first token, number of
+    tokens), in step order; None when no sequence of the step has images (its positions are the plain ones)."""
+    chunks = list(chunks)
+    if all(images is None for images, _, _ in chunks):
+        return None
+    positions: list[np.ndarray] = []
+    spans: list[ImageSpan] = []
+    named: dict[str, list[PromptImage]] = {}
+    offset = 0  # the chunk's first row among the step's
+    for images, start, num_tokens in chunks:
+        end = start + num_tokens
+        if images is None:
+            positions.append(np.broadcast_to(np.arange(start, end), (3, num_tokens)))
+        else:
+            positions.append(images.positions_of(start, end))
+            for image in images.images:
+                lo, hi = max(image.start, start), min(image.start + image.num_tokens, end)
+                if lo < hi:
+                    spans.append(ImageSpan(image.content_hash, offset + lo - start, lo - image.start, hi - lo))
+                    named.setdefault(image.content_hash, []).append(image)
+        offset += num_tokens
+    return StepImages(np.concatenate(positions, axis=1), tuple(spans), named)
+
+
+class ImageEncoder:
+    """The model runner's image side: the vision tower, the embeddings cache (by content hash, LRU, at most
+    `cache_bytes`), and each image step's input embeddings and rotary positions."""
+
+    def __init__(self, model: Any, device: torch.device, cache_bytes: int = ENCODER_CACHE_BYTES):
+        self.model = model
+        self.processor = QwenVLImages(model.name_or_path)  # for pixels made again (PromptImage.pixels)
+        self.device = device
+        self.cache_bytes = cache_bytes
+        self.merge_size: int = model.vision_config.spatial_merge_size
+        self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self._num_bytes = 0
+        self.num_encoded = 0  # images the tower ran on (cache misses), for tests and profiles
+        self._seconds = 0.0  # the tower's device time, of the runs whose events were read
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: runs not read yet
+
+    def inputs(self, input_ids: torch.Tensor, step: StepImages, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs_embeds [1, num_tokens, hidden], position_ids [3, 1, num_tokens]) for the step's `input_ids`
+        [num_tokens] (padding rows past the real tokens sit at position 0)."""
+        embeddings = self._embeddings(step)
+        embeds = self.model.embed_tokens(input_ids)
+        if step.spans:
+            rows = torch.cat([torch.arange(s.step_row, s.step_row + s.num_rows) for s in step.spans])
+            values = torch.cat(
+                [embeddings[s.content_hash][s.embed_row : s.embed_row + s.num_rows] for s in step.spans]
+            )
+            embeds = embeds.index_copy(0, rows.to(self.device), values.to(embeds.dtype))
+        positions = np.zeros((3, num_tokens), dtype=np.int64)
+        positions[:, : step.positions.shape[1]] = step.positions
+        host = torch.from_numpy(positions)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return embeds[None], host.to(self.device, non_blocking=True)[:, None]
+
+    def _embeddings(self, step: StepImages) -> dict[str, torch.Tensor]:
+        """Each image the step's spans name: its embeddings [tokens, hidden], encoding the ones not cached in one
+        batch through the vision tower. Held here for the step, whatever the cache evicts meanwhile."""
+        held: dict[str, torch.Tensor] = {}
+        missing: list[PromptImage] = []
+        for content_hash, images in step.images.items():
+            cached = self._cache.get(content_hash)
+            if cached is None:
+                missing.append(next((i for i in images if i.pixels), images[0]))
+            else:
+                self._cache.move_to_end(content_hash)
+                held[content_hash] = cached
+        if missing:
+            for image, embeddings in zip(missing, self._encode(missing), strict=True):
+                held[image.content_hash] = embeddings
+                self._put(image.content_hash, embeddings)
+        for content_hash, images in step.images.items():
+            if content_hash in self._cache:
+                for image in images:
+                    image.pixels.clear()
+        return held
+
+    @property
+    def encode_seconds(self) -> float:
+        """The vision tower's time so far (its share of a run's step time, for profiles). On CUDA this waits for
+        the runs queued: read it after a run, not in the step loop."""
+        for start, end in self._events:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000.0
+        self._events.clear()
+        return self._seconds
+
+    def _encode(self, images: list[PromptImage]) -> list[torch.Tensor]:
+        tower = self.model.vision_tower
+        t0 = time.perf_counter()
+        pixels = torch.from_numpy(np.concatenate([self._pixels_of(image) for image in images]))
+        grid = torch.tensor([[image.grid.t, image.grid.h, image.grid.w] for image in images])
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+            out = tower(pixels.to(self.device, tower.dtype), grid_thw=grid.to(self.device))
+            events[1].record()
+            self._events.append(events)
+        else:
+            out = tower(pixels.to(self.device, tower.dtype), grid_thw=grid.to(self.device))
+            self._seconds += time.perf_counter() - t0
+        self.num_encoded += len(images)
+        merged = out.pooler_output  # [sum of the images' tokens, hidden]
+        return list(torch.split(merged, [image.num_tokens for image in images]))
+
+    def _pixels_of(self, image: PromptImage) -> np.ndarray:
+        if image.pixels:
+            return image.pixels[0]
+        encoded = self.processor.encode(image.image)
+        assert encoded.grid == image.grid, f"image {image.content_hash[:12]}: its pixels made again differ in shape"
+        return encoded.pixel_values
+
+    def _put(self, content_hash: str, embeddings: torch.Tensor) -> None:
+        size = embeddings.numel() * embeddings.element_size()
+        if size > self.cache_bytes:
+            return  # used for this step only
+        while self._num_bytes + size > self.cache_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self._num_bytes -= evicted.numel() * evicted.element_size()
+        self._cache[content_hash] = embeddings
+        self._num_bytes += size
