@@ -334,7 +334,7 @@ if has w7bert; then
         --json-out "$OUT/w7_bert_large.json" 2>&1 | tail -6
 fi
 if has embedtests; then  # the embedding engine on CUDA vs sentence-transformers, fp32 and bf16 (needs its wheels too)
-    timeout 420 python3 -m pytest -q -m gpu tests/worker/embedding -p no:cacheprovider 2>&1 | tee "$OUT/gpu_embed_tests.log" | tail -5
+    timeout 420 python3 -m pytest -q -m gpu tests/worker/embedding/test_engine_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_embed_tests.log" | tail -5
 fi
 if has savecache; then
     tar -C "$TRITON_CACHE_DIR" -cf - . | xz -T0 -6 > /tmp/triton-cache.tar.xz
