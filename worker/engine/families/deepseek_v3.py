@@ -9,8 +9,11 @@ releases are block-wise FP8 (`weight_scale_inv`, [128, 128] blocks), which quant
 
 from __future__ import annotations
 
-from .deepseek_v2 import LAYER, MLA, MOE, read
-from .spec import Family, NormKind, UnsupportedConfig
+import dataclasses
+
+from . import deepseek_v2
+from .deepseek_v2 import read
+from .spec import UnsupportedConfig
 
 
 def read_v3(config):
@@ -20,13 +23,5 @@ def read_v3(config):
     return read(config)
 
 
-FAMILY = Family(
-    name="deepseek_v3",
-    model_types=("deepseek_v3",),
-    layer=LAYER,
-    norm=NormKind.RMS,
-    read=read_v3,
-    moe=MOE,
-    mla=MLA,
-    rotary_interleaved=True,
-)
+# V2's layers, latent attention and experts; only the name and the config check differ.
+FAMILY = dataclasses.replace(deepseek_v2.FAMILY, name="deepseek_v3", model_types=("deepseek_v3",), read=read_v3)
