@@ -50,6 +50,7 @@ from rq.suspension import is_suspended
 from rq.utils import now as rq_now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
+from producer import settings
 from producer.store import MarkerWatch, cancelled_batch_ids, queue_admission, wiped_line
 from schemas.result import ResultLine
 from worker import rq_adapter
@@ -78,7 +79,7 @@ DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 10
 DEFAULT_STALE_AFTER_SECONDS = 40
 LOST_DEQUEUE_MAX_SECONDS = 50  # requeue a lost dequeue before rq's intermediate cleanup (60 s) fails it
 DEFAULT_MAINTENANCE_INTERVAL_SECONDS = 15
-DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS = 300
+DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS = settings.DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS  # one default for workers and `cbq wait`
 WORKER_TTL_SECONDS = 60  # rq derives the client's socket timeout from it (minus 5 s): a hung Redis is noticed
 COLD_STOP_EXIT_CODE = 1
 
