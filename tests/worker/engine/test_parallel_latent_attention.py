@@ -5,7 +5,8 @@ rank's heads' rows, o_proj by their columns, reduced), the latent replicated (ev
 latent: kv_lora_rank + qk_rope_head_dim values per token per layer), the dense first layer split as dense TP, the
 experts and shared experts by intermediate size (one all-reduce for both). Sync and async, chunked prefill,
 preemption and the prefix cache. DeepSeek-V3's FP8 fixture is refused in one line: its q_b_proj rows per rank (2
-heads x 48) cut the [128, 128] blocks.
+heads x 48) cut the [128, 128] blocks; the same fixture widened so that every split lands on a block (as the
+releases' do) equals one process at TP=2, its FP8 weights dequantized by each rank from its own blocks.
 
 Each engine spawns one helper process: one engine per mode, the cases few and the requests small.
 """
@@ -22,6 +23,8 @@ from worker.engine.engine_builder import build_engine
 from worker.engine.latent_attention import is_latent_cache
 from worker.engine.layers.tensor_parallel import GatheredLogits, ReducedOutput
 from worker.engine.models import ModelLoadError, load_model
+from worker.engine.quant.linear import Fp8LinearModule
+from worker.engine.ranks import build_sharded_engine
 
 from .conftest import hf_greedy, make_requests
 
@@ -39,6 +42,7 @@ def v2_lite(tmp_path_factory):
     for request in requests[1::2]:
         request.prompt_ids[1:1] = requests[2].prompt_ids[1:41]
     reference = [hf_greedy(model, tok, r) for r in requests]
+    assert len({t for ids in reference for t in ids}) >= 20, "varied text, or equality would prove little"
     one = Engine(model, tok, EngineConfig(**CONFIG))
     single = [r.token_ids for r in one.generate(requests)]
     return str(checkpoint.path), requests, reference, single
@@ -70,6 +74,45 @@ def test_greedy_equals_one_process_at_tp2(v2_lite, mode):
         assert engine.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
         assert engine.blocks.num_cache_hits > 0, "the shared prefix was meant to be reused"
         engine.blocks.check_integrity([])
+    finally:
+        engine.close()
+
+
+# DeepSeek-V3's fixture made wide enough that every split lands on the [128, 128] FP8 blocks at TP=2, as the release's
+# do: q_b_proj 4 heads x 128 rows, kv_b_proj 4 x (64 + 64), o_proj 4 x 64 columns, the dense MLP's 512 and the shared
+# expert's 256 intermediate columns (the routed experts are dequantized whole and then sliced: any size).
+V3_BLOCK_ALIGNED = dict(
+    hidden_size=256, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+    intermediate_size=512, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def v3_aligned(tmp_path_factory):
+    return build_deepseek_checkpoint(tmp_path_factory.mktemp("v3-aligned"), "v3", overrides=V3_BLOCK_ALIGNED)
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8):
+    """Each rank reads its rows / columns of the block-wise FP8 linears with their blocks' scales (shard_fp8.py) and
+    dequantizes them (one process's values, so greedy tokens equal `generate`'s too), or keeps them FP8 as sm89+ GPUs
+    do (`keep_fp8`: the GEMM emulated on the CPU; the replicated latent projections kept FP8 as well), as one
+    process keeps them."""
+    model, tok = load_model(str(v3_aligned.path), torch.device("cpu"), torch.float32, keep_fp8=keep_fp8)
+    requests = make_requests(tok, 5, seed=3, max_prompt=60, max_new=10)
+    config = EngineConfig(**dict(CONFIG, num_kv_blocks=32))
+    expected = [r.token_ids for r in Engine(model, tok, config).generate(requests)]
+    assert len({t for ids in expected for t in ids}) >= 12, "varied text, or equality would prove little"
+    if not keep_fp8:
+        assert expected == [hf_greedy(model, tok, r) for r in requests]
+    del model
+    engine = build_sharded_engine(str(v3_aligned.path), config, world_size=2, keep_fp8=keep_fp8)
+    try:
+        attention = engine.model.model.layers[1].self_attn
+        assert engine.model.config.num_attention_heads == 2
+        fp8 = [isinstance(m, Fp8LinearModule) for m in (attention.kv_a_proj_with_mqa, attention.q_a_proj)]
+        assert fp8 == [keep_fp8, keep_fp8]
+        assert [r.token_ids for r in engine.generate(requests)] == expected
     finally:
         engine.close()
 

@@ -213,8 +213,9 @@ class _LayerLoader:
     def latent_attention(self, mla: MlaSpec, config: Any) -> None:
         """Multi-head latent attention split by head: the query projection (q_proj, or q_b_proj after the low-rank
         q_a_proj) and kv_b_proj (each head's no-rotary key and value rows) by the rank's heads' rows, o_proj by their
-        columns. The latent's projection and norms (kv_a_proj_with_mqa, kv_a_layernorm, q_a_proj, q_a_layernorm) are
-        left to the generic pass, replicated: every rank writes and reads the whole latent."""
+        columns. The latent's projections (kv_a_proj_with_mqa, and q_a_proj) whole on every rank: each rank writes and
+        reads the whole latent. Read here rather than by the generic pass after the layers, so that an FP8 one is kept
+        FP8 by `after_layer` as the split ones are; their norms (kv_a_layernorm, q_a_layernorm) are left to that pass."""
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         query = mla.q_proj if config.q_lora_rank is None else mla.q_b_proj
         query_input = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
@@ -228,6 +229,10 @@ class _LayerLoader:
             column.load_from(self.source, self.name(part))
             _bind_rows(self.model, [self.name(part)], column, [column.output_size_per_rank])
         self.row(mla.o_proj, config.num_attention_heads * config.v_head_dim, config.hidden_size)
+        for replicated in (mla.kv_a_proj,) if config.q_lora_rank is None else (mla.kv_a_proj, mla.q_a_proj):
+            for param in ("weight", "bias") if self.has_bias(replicated) else ("weight",):
+                name = f"{self.name(replicated)}.{param}"
+                _set_param(self.model, name, self.source.get_slice(name)[:].to(**self.kw))
 
     def dense_mlp(self, spec: LayerSpec, config: Any) -> None:
         """gate/up by rows of the intermediate size (separate or shipped fused), down by columns."""
