@@ -174,13 +174,14 @@ if has w2gptoss; then
 fi
 # Issue 47, random bf16 weights: the DeepSeek-V2-Lite and Moonlight-16B-A3B shapes (multi-head latent attention over
 # the paged latent cache, latent_attention.py; floors from the latent's bytes and the active experts) beside
-# Llama-3-8B in one process (W1_mla, W2_mla); mlatests: their CPU exactness tests and the latent shapes' kernels;
+# Llama-3-8B in one process (W1_mla, W2_mla); mlatests: their CPU exactness tests (TP=2 over gloo included) and the
+# latent shapes' kernels;
 # mlagpu: their GPU tests.
 if has mlatests; then
     timeout 540 python3 -m pytest -q tests/worker/engine/test_engine_exact_deepseek.py tests/worker/engine/test_latent_attention.py \
-        tests/worker/engine/test_deepseek_shapes.py -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log" | tail -25
+        tests/worker/engine/test_deepseek_shapes.py tests/worker/engine/test_parallel_latent_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log" | tail -25
 fi
-if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixtures, bf16 graph vs eager
+if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixtures, bf16 graph vs eager, TP=2 over gloo
     timeout 540 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_deepseek_gpu.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/mla_gpu_tests.log" | tail -25
 fi
