@@ -98,7 +98,9 @@ def assert_exactly_once(conn: redis.Redis, batch_id: str, n: int) -> None:
 def lose_result_write(conn: redis.Redis, batch_id: str, index: int) -> None:
     """Undo one request's result write, its line and its counters, as a failover to a replica that had not
     received the transaction loses it (its chunk's completion, a later write, may have reached the new primary)."""
-    line = json.loads(conn.hget(keys.batch_results(batch_id), index))
+    raw = conn.hget(keys.batch_results(batch_id), index)
+    assert isinstance(raw, bytes), f"request {index} has no result to lose"
+    line = json.loads(raw)
     meta = keys.batch(batch_id)
     with conn.pipeline(transaction=True) as pipe:
         pipe.hdel(keys.batch_results(batch_id), index)
