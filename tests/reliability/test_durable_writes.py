@@ -25,6 +25,7 @@ from tests.reliability.conftest import assert_exactly_once, wait_until
 from tests.reliability.harness import DelayingProxy, RedisServer, WorkerProcess
 from tests.worker.conftest import run_burst_worker
 from worker.fake_engine import FakeEngine
+from worker.metrics import WorkerCollector
 from worker.replica_wait import ReplicaWait
 
 REPLICATION_DELAY_SECONDS = 0.3
@@ -117,9 +118,11 @@ def test_a_replica_that_does_not_answer_is_logged_and_the_batch_still_finishes(
         primary = nodes.primary.connect()
         batch_id = submit(primary, 20)
         with caplog.at_level(logging.WARNING, logger="worker.replica_wait"):
-            run_burst_worker(primary, FakeEngine(), replica_wait=replica_wait)
+            worker = run_burst_worker(primary, FakeEngine(), replica_wait=replica_wait)
         assert_exactly_once(primary, batch_id, 20)
         assert replica_wait.shortfalls > 0
+        metrics = {m.name: m for m in WorkerCollector(worker).collect()}
+        assert metrics["cbq_worker_replica_wait_shortfalls"].samples[0].value == replica_wait.shortfalls
         assert "reached fewer than 1 Redis replicas within 0.05 s" in caplog.text
     finally:
         nodes.replica.proc.send_signal(signal.SIGCONT)
