@@ -128,14 +128,14 @@ def test_a_replica_that_does_not_answer_is_logged_and_the_batch_still_finishes(
         nodes.replica.proc.send_signal(signal.SIGCONT)
 
 
-def test_the_worker_flag_issues_wait(nodes, tmp_path):
+@pytest.mark.parametrize("how", ["flags", "env"])
+def test_the_worker_options_issue_wait(nodes, tmp_path, how):
     primary = nodes.primary.connect()
     batch_id = submit(primary, 30)
     before = wait_calls(primary)
-    worker = WorkerProcess(
-        nodes.primary.url, tmp_path / "worker.log", "--fake-engine", "--burst", "--redis-wait-replicas", "1",
-        "--redis-wait-timeout", "10",
-    )  # fmt: skip
+    flags = ("--redis-wait-replicas", "1", "--redis-wait-timeout", "10") if how == "flags" else ()
+    env = {"CBQ_REDIS_WAIT_REPLICAS": "1", "CBQ_REDIS_WAIT_TIMEOUT": "10"} if how == "env" else None
+    worker = WorkerProcess(nodes.primary.url, tmp_path / "worker.log", "--fake-engine", "--burst", *flags, env=env)
     try:
         assert worker.wait(120) == 0, worker.output()
     finally:
@@ -155,3 +155,26 @@ def test_a_write_no_longer_on_the_server_is_not_confirmed(redis_server):
     assert not replica_wait.confirm(conn, marker, seq=4, marker_ttl_seconds=60)
     assert replica_wait.confirm(conn, marker, seq=3, marker_ttl_seconds=60) and replica_wait.shortfalls == 1
     assert conn.get(marker) == b"3" and 0 < conn.ttl(marker) <= 60
+
+
+class UnconfirmedOnce(ReplicaWait):
+    """Says the first write is not on the server (as after a failover between the write and its WAIT)."""
+
+    calls = 0
+
+    def confirm(self, conn, marker_key, seq, marker_ttl_seconds):
+        self.calls += 1
+        return self.calls > 1
+
+
+def test_an_unconfirmed_write_stays_in_doubt_and_is_counted_once(redis_server, caplog):
+    conn = redis_server.connect()
+    batch_id = submit(conn, 20)
+    replica_wait = UnconfirmedOnce(1, timeout_seconds=0.01)
+    with caplog.at_level(logging.WARNING):
+        run_burst_worker(conn, FakeEngine(), replica_wait=replica_wait)
+    # The next attempt read the marker: the write had gone through, so it counted it instead of sending it again.
+    assert replica_wait.calls >= 2
+    assert "write 1 went through though its reply was lost; not repeating it" in caplog.text
+    assert_exactly_once(conn, batch_id, 20)
+    assert conn.hlen(keys.batch_running(batch_id)) == 0
