@@ -1,7 +1,7 @@
 """Fault injection at scale (issue 10): worker kills, Redis outages and poison inputs against real processes.
 
     python benchmarks/reliability.py [--requests 1600] [--outages 3,60] [--json-out benchmarks/reliability.json]
-    python benchmarks/reliability.py --soak 600 [--seed 0] [--workers 2] [--slow-clients 4] [--sentinel] [--json-out ...]
+    python benchmarks/reliability.py --soak 600 [--seed 0] [--workers 2] [--slow-clients 4] [--sentinel [--wait-replicas 1]] [--json-out ...]
 
 `--soak SECONDS` runs the fault soak instead (issue 31; `tests/reliability/soak.py`): batches keep flowing
 through `--workers` worker processes while a seeded random schedule SIGKILLs workers, kills and restarts Redis,
@@ -213,6 +213,9 @@ def main() -> None:
         "--slow-clients", type=int, default=4, help="slow-body clients at a time against cbq serve (0: no server)"
     )
     parser.add_argument("--sentinel", action="store_true", help="soak a Sentinel deployment through failovers")
+    parser.add_argument(
+        "--wait-replicas", type=int, default=0, help="the soak's workers' --redis-wait-replicas (0: off)"
+    )
     args = parser.parse_args()
     if args.soak:
         with tempfile.TemporaryDirectory() as tmp:
@@ -222,6 +225,7 @@ def main() -> None:
                 num_workers=args.workers,
                 slow_clients=args.slow_clients,
                 sentinel=args.sentinel,
+                wait_replicas=args.wait_replicas,
             )
             report = Soak(Path(tmp), config).run().as_dict()
         report = {"scenario": "fault soak", "config": config.__dict__, **report}

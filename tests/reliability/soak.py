@@ -61,6 +61,7 @@ class SoakConfig:
     slow_clients: int = 0  # slow-body clients at a time against a `cbq serve` (0: no server)
     serve_body_timeout_seconds: float = 3.0
     sentinel: bool = False  # a Sentinel deployment and failovers instead of one server and its faults
+    wait_replicas: int = 0  # the workers' --redis-wait-replicas (durable result writes; 0: off)
 
     @property
     def faults(self) -> tuple[str, ...]:
@@ -189,6 +190,8 @@ class Soak:
             "--max-num-seqs",
             str(c.max_num_seqs),
         )
+        if c.wait_replicas:
+            flags += ("--redis-wait-replicas", str(c.wait_replicas), "--redis-wait-timeout", "1")
         log_path = self.root / f"worker{len(self.workers)}.log"
         self.workers.append(WorkerProcess(self.url, log_path, *flags, *RECOVERY_FLAGS))
 

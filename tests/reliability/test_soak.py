@@ -1,7 +1,7 @@
 """The fault soak, short (benchmarks/reliability.py --soak runs it for minutes): two workers, every kind of
 fault in turn (worker SIGKILL, Redis kill and restart, Redis paused, lost replies, queue entries that are not
 UTF-8), a `cbq serve` held busy by slow-body clients throughout, then every invariant; and the same with Redis
-behind Sentinel, whose faults are failovers."""
+behind Sentinel, whose faults are failovers, and workers whose result writes wait for the replica."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def test_a_short_soak_through_sentinel_failovers_loses_nothing(tmp_path):
         slow_clients=2,
         serve_body_timeout_seconds=2.0,
         sentinel=True,
+        wait_replicas=1,  # durable result writes across the failovers (a second at most while no replica is up)
     )
     report = Soak(tmp_path, config).run()
     summary = report.as_dict()
