@@ -141,24 +141,24 @@ def find_orphans(conn: redis.Redis, queue: Queue) -> list[str]:
 
 def requeue_orphan(conn: redis.Redis, queue: Queue, job_id: str) -> str | None:
     """Put `job_id` back at the head of `queue`, QUEUED, if it still is an orphan: QUEUED or STARTED and in none
-    of the queue, its intermediate list and its registry, or FINISHED with requests that have no result; all
-    read under WATCH, so nothing can take it or write its results meanwhile. Returns what made it an orphan (for
-    the log), None when it was not requeued."""
+    of the queue, its intermediate list and its registry, or FINISHED with requests that have no result; the job
+    and the lists read under WATCH, so nothing can take it meanwhile. Returns what made it an orphan (for the
+    log), None when it was not requeued."""
     job_key = Job.key_for(job_id)
     batch_id = keys.batch_of_chunk_job(job_id)
     with conn.pipeline(transaction=True) as pipe:
         try:
             if batch_id is None:
                 return None
-            results_key = keys.batch_results(batch_id)
-            pipe.watch(
-                job_key, queue.key, queue.intermediate_queue_key, queue.started_job_registry.key, results_key
-            )
+            # Not the results hash: the batch's other chunks write it all the time, and this would rarely get
+            # through. A result that lands meanwhile makes the requeue needless, which costs a run that skips it.
+            pipe.watch(job_key, queue.key, queue.intermediate_queue_key, queue.started_job_registry.key)
             status = pipe.hget(job_key, "status")
             if status == FINISHED:
                 recorded = cast("bytes | None", pipe.hget(keys.batch_jobs(batch_id), job_id))
                 total = cast("bytes | None", pipe.hget(keys.batch(batch_id), BatchField.NUM_REQUESTS.value))
                 indices = _indices(_text(recorded or b""), int(total) if total and _is_below(0, total) else 0)
+                results_key = keys.batch_results(batch_id)
                 results = cast("list[bytes | None]", pipe.hmget(results_key, indices)) if indices else []
                 if not (missing := sum(1 for result in results if result is None)):
                     return None
