@@ -64,6 +64,7 @@ from worker.maintenance import REDIS_ERRORS, HeartbeatClock, Outage, clean_queue
 from worker.media.load import ImageAdmission
 from worker.media.policy import MediaPolicy
 from worker.output_parsers import OutputParsing
+from worker.replica_wait import ReplicaWait
 from worker.result_writer import Outcome, ResultWriter
 from worker.rq_classes import CbqJob, CbqQueue
 from worker.stats_publisher import publish_stats
@@ -115,6 +116,7 @@ class CbqWorker(BaseWorker):
         on_results_written: Callable[[list[ResultLine]], None] | None = None,
         output_parsing: OutputParsing | None = None,
         media_policy: MediaPolicy | None = None,
+        replica_wait: ReplicaWait | None = None,  # --redis-wait-replicas: WAIT after each result write
         **kwargs: Any,
     ):
         options = {
@@ -158,6 +160,7 @@ class CbqWorker(BaseWorker):
             worker_name=self.name,
             on_written=on_results_written,  # in the loop's thread, once Redis has them (`cbq run`'s journal)
             is_store_wiped=self.store_marker.wiped,
+            replica_wait=replica_wait,
         )
         # (job, queue, execution or None) dequeued when Redis failed mid-admission; admitted again after it
         self._interrupted_admissions: list[tuple[Job, Queue, Execution | None]] = []
