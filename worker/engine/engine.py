@@ -171,7 +171,12 @@ class Engine:
             raise ValueError("Engine.from_model runs one process: build a tensor-parallel engine with build_engine")
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        hf_model, tokenizer = load_model(model, device, dtype, seed=config.seed, quantization=config.quantization)
+        # A checkpoint whose text alone runs on the owned decoder (Gemma 3 4B-27B) loads with its images where
+        # transformers' decoder runs it ("hf", or "auto" off CUDA): the owned decoder takes no images.
+        images = config.decoder == "hf" or (config.decoder == "auto" and device.type != "cuda")
+        hf_model, tokenizer = load_model(
+            model, device, dtype, seed=config.seed, quantization=config.quantization, images=images
+        )
         return cls(hf_model, tokenizer, config)
 
     # -- public API (thread-safe) -----------------------------------------------------------------
@@ -192,6 +197,10 @@ class Engine:
                 self._emit_error(req, f"images: {why}", ErrorCode.INVALID_PROMPT)
                 return
             req = replace(req, prompt_ids=prompt_ids)
+            too_long = _image_over_budget(images, self.config.max_num_batched_tokens)
+            if too_long:
+                self._emit_error(req, f"images: {too_long}", ErrorCode.INVALID_PROMPT)
+                return
         refusal = self._validate(req)
         matcher = None
         if not refusal and req.sampling.constraint is not None:
@@ -593,6 +602,19 @@ class Engine:
             self._num_unfinished -= 1
             self._num_unfinished_samples -= num_samples
         self._results.put(result)
+
+
+def _image_over_budget(images: SequenceImages | None, budget: int) -> str | None:
+    """Why a request's image cannot run, or None: a bidirectional image (Gemma 3) is computed in one step."""
+    if images is None or not images.bidirectional:
+        return None
+    longest = max(image.num_tokens for image in images.images)
+    if longest <= budget:
+        return None
+    return (
+        f"an image takes {longest} tokens, more than the step's token budget (max_num_batched_tokens {budget}); "
+        "its tokens attend to each other both ways, so one step computes it whole"
+    )
 
 
 def _num_samples(req: EngineRequest) -> int:
