@@ -30,10 +30,16 @@ import numpy as np
 import torch
 
 from worker.media.gemma3 import Gemma3Images
+from worker.media.pixtral import PixtralImages
 from worker.media.qwen_vl import ImageGrid, QwenVLImages
 
+ImageFormat = QwenVLImages | Gemma3Images | PixtralImages
 # The image formats, by the name a family's `VisionSpec.images` gives (models/vision.py keeps it on the model).
-IMAGE_FORMATS: dict[str, type[QwenVLImages] | type[Gemma3Images]] = {"qwen_vl": QwenVLImages, "gemma3": Gemma3Images}
+IMAGE_FORMATS: dict[str, type[ImageFormat]] = {
+    "qwen_vl": QwenVLImages,
+    "gemma3": Gemma3Images,
+    "pixtral": PixtralImages,
+}
 
 # The encoder cache's default bound: embeddings of ~1,300 images of 1024x768 on a 7B model in bf16.
 ENCODER_CACHE_BYTES = 4 << 30
@@ -44,7 +50,7 @@ def is_vision_model(model: Any) -> bool:
     return hasattr(model, "vision_tower")
 
 
-def image_format(model: Any) -> QwenVLImages | Gemma3Images:
+def image_format(model: Any) -> ImageFormat:
     """The model's image processing, read from its checkpoint's files."""
     return IMAGE_FORMATS[model.image_format](model.name_or_path)
 
@@ -55,9 +61,14 @@ class PromptImage:
 
     content_hash: str
     image: Any = field(repr=False)  # the decoded picture (PIL), from which its pixels are made again if need be
-    grid: ImageGrid | None  # Qwen-VL's patch grid (None: a format whose images are all one shape)
+    # What the tower reads beside the pixels: Qwen-VL's patch grid, Pixtral's (height, width); None for a format
+    # whose images are all one shape (Gemma 3).
+    grid: ImageGrid | tuple[int, int] | None
     start: int  # index of its first pad in the prompt
-    num_tokens: int
+    num_tokens: int  # of its region in the prompt
+    # The region's token ids where it holds more than image tokens (Pixtral's row breaks): the encoder's rows go
+    # to its image tokens, in order, and the others keep their token embeddings. None: all image tokens.
+    layout: tuple[int, ...] | None
     # [t*h*w patches, patch values] float32, made at admission (off the step loop); the encoder empties it once
     # the image's embeddings are cached (a 1024x768 image's are ~19 MB, its picture 2.4 MB), and makes them
     # again from `image` if the cache dropped them before the image's last chunk or a preemption's recompute.
@@ -140,8 +151,9 @@ class ImagePrompts:
         for image, e in zip(images, encoded, strict=True):
             start = expanded.index(self.image_token_id, start)
             num_tokens = self.processor.num_tokens(e)  # type: ignore[arg-type]
+            layout = tuple(self.processor.layout(e)) if isinstance(self.processor, PixtralImages) else None  # type: ignore[arg-type]
             prompt_images.append(
-                PromptImage(image.content_hash, image.image, e.grid, start, num_tokens, [e.pixel_values])
+                PromptImage(image.content_hash, image.image, e.grid, start, num_tokens, layout, [e.pixel_values])
             )
             start += num_tokens
         return expanded, SequenceImages(tuple(prompt_images), positions, delta, self.processor.bidirectional)
@@ -279,11 +291,14 @@ class ImageEncoder:
 
     def _encode(self, images: list[PromptImage]) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        pixels = torch.from_numpy(np.concatenate([self._pixels_of(image) for image in images])).to(self.device)
+        arrays = [self._pixels_of(image) for image in images]
+        if arrays[0].ndim == 4:  # [1, 3, H, W] pictures: zero-padded to the batch's largest, as the processors do
+            height, width = max(a.shape[2] for a in arrays), max(a.shape[3] for a in arrays)
+            arrays = [np.pad(a, ((0, 0), (0, 0), (0, height - a.shape[2]), (0, width - a.shape[3]))) for a in arrays]
+        pixels = torch.from_numpy(np.concatenate(arrays)).to(self.device)
         grids = None
         if images[0].grid is not None:
-            grids = torch.tensor([[i.grid.t, i.grid.h, i.grid.w] for i in images if i.grid is not None])
-            grids = grids.to(self.device)
+            grids = torch.tensor([_grid_values(i.grid) for i in images]).to(self.device)
         if self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
@@ -294,7 +309,19 @@ class ImageEncoder:
             merged = self.model.encode_images(pixels, grids)
             self._seconds += time.perf_counter() - t0
         self.num_encoded += len(images)
-        return list(torch.split(merged, [image.num_tokens for image in images]))  # of [sum of tokens, hidden]
+        counts = [image.num_tokens if image.layout is None else image.layout.count(self.processor.image_token_id) for image in images]
+        features = torch.split(merged, counts)  # of [sum of the images' image tokens, hidden]
+        return [self._region(image, rows) for image, rows in zip(images, features, strict=True)]
+
+    def _region(self, image: PromptImage, features: torch.Tensor) -> torch.Tensor:
+        """The rows of the image's region in the prompt: its features, between its layout's other tokens'
+        embeddings (Pixtral's row breaks)."""
+        if image.layout is None:
+            return features
+        ids = torch.tensor(image.layout, device=self.device)
+        region = self.model.embed_tokens(ids).to(features.dtype)
+        region[ids == self.processor.image_token_id] = features
+        return region
 
     def _pixels_of(self, image: PromptImage) -> np.ndarray:
         if image.pixels:
@@ -312,3 +339,10 @@ class ImageEncoder:
             self._num_bytes -= evicted.numel() * evicted.element_size()
         self._cache[content_hash] = embeddings
         self._num_bytes += size
+
+
+def _grid_values(grid: ImageGrid | tuple[int, int] | None) -> list[int]:
+    if isinstance(grid, ImageGrid):
+        return [grid.t, grid.h, grid.w]
+    assert grid is not None, "an image of a format with grids has none"
+    return list(grid)

@@ -36,15 +36,23 @@ class VisionLanguageModel(torch.nn.Module):
 
     @property
     def vision_tower(self) -> torch.nn.Module:
-        return self.whole.model.visual if self.image_format == "qwen_vl" else self.whole.model.vision_tower
+        model = self.whole.model
+        return model.visual if hasattr(model, "visual") else model.vision_tower
 
     def encode_images(self, pixels: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
         """The images' embeddings in the language model's space, [sum of their tokens, hidden], in image order.
-        `pixels`: the processor's (Qwen-VL: every image's patches, with `grids` [N, 3]; Gemma 3: [N, 3, S, S])."""
+        `pixels`: the processor's (Qwen-VL: every image's patches, with `grids` [N, 3]; Gemma 3: [N, 3, S, S];
+        Pixtral: [N, 3, H, W] zero-padded, with `grids` [N, 2], each image's height and width)."""
         tower = self.vision_tower
         pixels = pixels.to(self.whole.dtype)
         if self.image_format == "qwen_vl":
             return tower(pixels, grid_thw=grids).pooler_output  # merged patches, projected
+        if self.image_format == "pixtral":  # Mistral 3: Pixtral's features (per image: a tuple) merged and projected
+            out = self.whole.model.get_image_features(
+                pixel_values=pixels, image_sizes=grids, vision_feature_layer=self.whole.config.vision_feature_layer
+            )
+            features = out.pooler_output if hasattr(out, "pooler_output") else out
+            return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
         # Gemma 3: SigLIP's last hidden state, pooled to mm_tokens_per_image and projected (transformers'
         # get_image_features, called through its parts: what it returns changed across transformers 5 releases)
         hidden = tower(pixel_values=pixels).last_hidden_state
