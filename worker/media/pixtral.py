@@ -1,4 +1,4 @@
-"""Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration, Pixtral's vision encoder) image inputs from a
+"""Mistral Small 3.1 (Mistral3ForConditionalGeneration, Pixtral's vision encoder) image inputs from a
 checkpoint's own files: each image resized (aspect kept, longest edge at most the processor's bound) to a
 multiple of the merged patch (`patch_size` x `spatial_merge_size`, 28 pixels in the releases) and normalized, and
 a prompt's `[IMG]` expanded as transformers' `PixtralProcessor` expands it: a row of `[IMG]` per row of merged

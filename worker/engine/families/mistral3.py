@@ -1,4 +1,4 @@
-"""Mistral Small 3.1 / 3.2 24B (Mistral3ForConditionalGeneration): Mistral's language model after Pixtral's vision
+"""Mistral Small 3.1 24B (and fine-tunes in its transformers layout) (Mistral3ForConditionalGeneration): Mistral's language model after Pixtral's vision
 encoder (2-D rotary patches, each image attending within itself), whose patches are merged 2x2 and projected into
 the places of the prompt's `[IMG]` tokens (a row of them per row of merged patches, closed by `[IMG_BREAK]`, the
 image by `[IMG_END]`: worker/media/pixtral.py). The whole checkpoint loads as transformers'

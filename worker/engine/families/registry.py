@@ -33,7 +33,7 @@ MODULES = {  # model_type -> family module
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",  # Kimi K2 and Moonlight too
     "qwen2_5_vl": "qwen2_5_vl",  # with its images (Family.vision)
-    "mistral3": "mistral3",  # Mistral Small 3.1 / 3.2, with its images
+    "mistral3": "mistral3",  # Mistral Small 3.1, with its images
 }
 
 # model_type -> the module that runs it with its images (decoder "hf": models/loader.py `load_model(images=...)`).
