@@ -54,6 +54,11 @@ class Gemma3Images:
         )  # what templates write
         self.end_id: int = config.get("eoi_token_index", config.get("eoi_token_id"))
         self.tokens_per_image: int = config.get("mm_tokens_per_image", 256)
+        window = config.get("text_config", {}).get("sliding_window") or 0
+        if 0 < window < self.tokens_per_image:
+            # NOTE: transformers 5 releases differ on an image's both-ways block in a sliding layer (inside the
+            # window or beside it); they agree when the window holds a whole image, as in every release (1024).
+            raise ValueError(f"a sliding window of {window} is shorter than an image's {self.tokens_per_image} tokens")
         self.processor = Gemma3ImageProcessorPil.from_pretrained(path)
         if self.processor.do_pan_and_scan:
             raise ValueError("preprocessor_config.json turns on pan-and-scan crops, which cbq does not run")

@@ -213,3 +213,16 @@ def test_owned_decoder_runs_the_text_alone(checkpoint, processor):
     results = eng.generate([text, image])
     assert results[0].finish_reason != FinishReason.ERROR
     assert "takes text only" in results[1].error
+
+
+def test_a_sliding_window_shorter_than_an_image_is_refused(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "short_window"
+    shutil.copytree(checkpoint.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 32
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="a sliding window of 32 is shorter than an image's 256 tokens"):
+        Gemma3Images(folder)
