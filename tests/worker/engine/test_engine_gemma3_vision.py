@@ -108,6 +108,8 @@ def mixed_requests(processor) -> list[EngineRequest]:
         request(processor, "two", "compare", [b, c], after="which is brighter?"),
         request(processor, "text", "no picture at all, just words", []),
         request(processor, "again", "describe the picture", [a], max_new_tokens=5),
+        # the image first: the template's "user\n" and the image's "\n\n" are one newline run in the text
+        request(processor, "lead", "", [c], after="what is this?"),
     ]
 
 
@@ -226,3 +228,30 @@ def test_a_sliding_window_shorter_than_an_image_is_refused(checkpoint, tmp_path)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="a sliding window of 32 is shorter than an image's 256 tokens"):
         Gemma3Images(folder)
+
+
+def test_expansion_joins_newline_runs_as_the_processors_text(checkpoint, tmp_path):
+    """With tokens for runs of newlines (Gemma's vocabulary has them), the image's "\\n\\n" and the newlines the
+    template wrote next to `<start_of_image>` tokenize as one run, as in the processor's expanded text."""
+    import shutil
+
+    from transformers import AutoTokenizer, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    folder = tmp_path / "newline_tokens"
+    shutil.copytree(checkpoint.path, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["\n\n", "\n\n\n", "\n\n\n\n"])
+    tokenizer.save_pretrained(folder)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil.from_pretrained(folder), tokenizer=tokenizer, image_seq_length=256
+    )
+    images = Gemma3Images(folder)
+    newline_runs = {tokenizer.convert_tokens_to_ids(t) for t in ("\n\n", "\n\n\n", "\n\n\n\n")}
+    for req in mixed_requests(processor):
+        if not req.images:
+            continue
+        expected = processor_inputs(processor, req)["input_ids"][0].tolist()
+        assert newline_runs & set(expected)
+        got = images.expand(req.prompt_ids, [images.encode(image.image) for image in req.images])
+        assert got == expected, req.request_id
