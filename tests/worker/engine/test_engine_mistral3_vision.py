@@ -165,3 +165,17 @@ def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, toke
         assert 0 < cached[2] <= image_start // 8 * 8
     else:
         assert cached == [0, 0, 0]
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "idefics3", "gemma3n", "pixtral"])
+def test_a_vision_checkpoint_cbq_does_not_run_is_refused_naming_those_it_runs(tmp_path, model_type):
+    import json
+
+    from worker.engine.models import ModelLoadError, load_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    message = str(info.value)
+    assert f"model type {model_type!r} is not supported" in message and "\n" not in message
+    assert all(name in message for name in ("qwen2_5_vl", "gemma3", "mistral3"))
