@@ -255,3 +255,13 @@ def test_expansion_joins_newline_runs_as_the_processors_text(checkpoint, tmp_pat
         assert newline_runs & set(expected)
         got = images.expand(req.prompt_ids, [images.encode(image.image) for image in req.images])
         assert got == expected, req.request_id
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_parallel_samples_share_the_images(checkpoint, processor, reference, block_size):
+    # the follower computes from the leader's last full prompt block: with 128 that block ends inside the image
+    req = request(processor, "pair", "describe the picture", [picture((100, 70), 3)])
+    req.n = 2
+    (result,) = engine(checkpoint, mode="async", block_size=block_size).generate([req])
+    expected = generate(processor, reference, req)
+    assert [sample.token_ids for sample in result.samples] == [expected, expected]
