@@ -171,12 +171,9 @@ class Engine:
             raise ValueError("Engine.from_model runs one process: build a tensor-parallel engine with build_engine")
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        # A checkpoint whose text alone runs on the owned decoder (Gemma 3 4B-27B) loads with its images where
-        # transformers' decoder runs it ("hf", or "auto" off CUDA): the owned decoder takes no images.
+        # Gemma 3 4B-27B load with their images where transformers' decoder runs them (the owned runs their text)
         images = config.decoder == "hf" or (config.decoder == "auto" and device.type != "cuda")
-        hf_model, tokenizer = load_model(
-            model, device, dtype, seed=config.seed, quantization=config.quantization, images=images
-        )
+        hf_model, tokenizer = load_model(model, device, dtype, config.seed, config.quantization, images=images)
         return cls(hf_model, tokenizer, config)
 
     # -- public API (thread-safe) -----------------------------------------------------------------
@@ -197,7 +194,7 @@ class Engine:
                 self._emit_error(req, f"images: {why}", ErrorCode.INVALID_PROMPT)
                 return
             req = replace(req, prompt_ids=prompt_ids)
-            too_long = _image_over_budget(images, self.config.max_num_batched_tokens)
+            too_long = images.budget_refusal(self.config.max_num_batched_tokens) if images is not None else None
             if too_long:
                 self._emit_error(req, f"images: {too_long}", ErrorCode.INVALID_PROMPT)
                 return
@@ -602,19 +599,6 @@ class Engine:
             self._num_unfinished -= 1
             self._num_unfinished_samples -= num_samples
         self._results.put(result)
-
-
-def _image_over_budget(images: SequenceImages | None, budget: int) -> str | None:
-    """Why a request's image cannot run, or None: a bidirectional image (Gemma 3) is computed in one step."""
-    if images is None or not images.bidirectional:
-        return None
-    longest = max(image.num_tokens for image in images.images)
-    if longest <= budget:
-        return None
-    return (
-        f"an image takes {longest} tokens, more than the step's token budget (max_num_batched_tokens {budget}); "
-        "its tokens attend to each other both ways, so one step computes it whole"
-    )
 
 
 def _num_samples(req: EngineRequest) -> int:

@@ -22,7 +22,6 @@ the helpers before running it and alone samples; a helper runs what rank 0 sent 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -586,9 +585,7 @@ class ModelRunner:
         if images is not None:
             assert self.images is not None, "a step with images on a text-only model"
             embeds, position_ids = self.images.inputs(input_ids, images, input_ids.shape[0])
-            key_limits = self.images.key_limits(images, input_ids.shape[0])
-            if key_limits is not None:  # a bidirectional image's rows see its last token (attention.py)
-                attn = dataclasses.replace(attn, key_limits=key_limits)
+            attn = self.images.attention(attn, images, input_ids.shape[0])  # a both-ways image's rows: key_limits
             out = self.model(
                 inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=logits_indices, use_cache=False, cbq=attn
             )

@@ -21,6 +21,7 @@ Three owners, one per place the images pass through:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,17 @@ class SequenceImages:
     positions: np.ndarray = field(repr=False)  # [3, prompt_len] int64
     delta: int  # a generated token at index i rotates at i + delta in all three rows
     bidirectional: bool = False  # an image's tokens attend to each other both ways in prefill (Gemma 3)
+
+    def budget_refusal(self, budget: int) -> str | None:
+        """Why the request cannot run with `budget` tokens a step, or None: a bidirectional image is computed in
+        one step (`whole_images`)."""
+        longest = max(image.num_tokens for image in self.images)
+        if not self.bidirectional or longest <= budget:
+            return None
+        return (
+            f"an image takes {longest} tokens, more than the step's token budget (max_num_batched_tokens "
+            f"{budget}); its tokens attend to each other both ways, so one step computes it whole"
+        )
 
     def whole_images(self, start: int, num_new: int) -> int:
         """`num_new` tokens from `start`, shortened so that the chunk does not end inside a bidirectional image
@@ -248,14 +260,14 @@ class ImageEncoder:
             self.device, non_blocking=True
         )
 
-    def key_limits(self, step: StepImages, num_tokens: int) -> torch.Tensor | None:
-        """[num_tokens] int32 on the device: the last key position each row sees (padding rows: 0), or None when
-        the step's attention is causal everywhere."""
+    def attention(self, attn: Any, step: StepImages, num_tokens: int) -> Any:
+        """The step's attention metadata (attention_backend.AttentionMetadata), with `key_limits` [num_tokens]
+        int32 on the device when a bidirectional image's rows see past themselves (padding rows: 0)."""
         if step.key_limits is None:
-            return None
+            return attn
         limits = np.zeros(num_tokens, dtype=np.int32)
         limits[: len(step.key_limits)] = step.key_limits
-        return torch.from_numpy(limits).to(self.device)
+        return dataclasses.replace(attn, key_limits=torch.from_numpy(limits).to(self.device))
 
     def _embeddings(self, step: StepImages) -> dict[str, torch.Tensor]:
         """Each image the step's spans name: its embeddings [tokens, hidden], encoding the ones not cached in one
