@@ -171,7 +171,9 @@ class Engine:
             raise ValueError("Engine.from_model runs one process: build a tensor-parallel engine with build_engine")
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        hf_model, tokenizer = load_model(model, device, dtype, seed=config.seed, quantization=config.quantization)
+        # Gemma 3 4B-27B load with their images where transformers' decoder runs them (the owned runs their text)
+        images = config.decoder == "hf" or (config.decoder == "auto" and device.type != "cuda")
+        hf_model, tokenizer = load_model(model, device, dtype, config.seed, config.quantization, images=images)
         return cls(hf_model, tokenizer, config)
 
     # -- public API (thread-safe) -----------------------------------------------------------------
@@ -192,6 +194,10 @@ class Engine:
                 self._emit_error(req, f"images: {why}", ErrorCode.INVALID_PROMPT)
                 return
             req = replace(req, prompt_ids=prompt_ids)
+            too_long = images.budget_refusal(self.config.max_num_batched_tokens) if images is not None else None
+            if too_long:
+                self._emit_error(req, f"images: {too_long}", ErrorCode.INVALID_PROMPT)
+                return
         refusal = self._validate(req)
         matcher = None
         if not refusal and req.sampling.constraint is not None:

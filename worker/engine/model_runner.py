@@ -585,6 +585,7 @@ class ModelRunner:
         if images is not None:
             assert self.images is not None, "a step with images on a text-only model"
             embeds, position_ids = self.images.inputs(input_ids, images, input_ids.shape[0])
+            attn = self.images.attention(attn, images, input_ids.shape[0])  # a both-ways image's rows: key_limits
             out = self.model(
                 inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=logits_indices, use_cache=False, cbq=attn
             )

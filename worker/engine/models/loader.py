@@ -123,6 +123,7 @@ def load_model(
     quantization: str | None = None,
     keep_fp8: bool | None = None,
     keep_fp8_experts: bool | None = None,
+    images: bool = False,
 ):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
     `quantization`: "fp8" quantizes an unquantized model at load (`--quantization`; an FP8 checkpoint keeps its
@@ -131,6 +132,9 @@ def load_model(
     `keep_fp8_experts`: a mixture of experts' routed experts stay FP8 too (`Fp8Experts`, the FP8 grouped GEMMs;
     quantized per channel under `--quantization fp8`); None: with `keep_fp8` on CUDA. The tests set it on the CPU,
     where Triton's interpreter runs the kernels; elsewhere the CPU keeps its experts in the model dtype.
+    `images`: a multimodal checkpoint whose family runs its text alone on the owned decoder (Gemma 3 4B-27B)
+    loads whole with its vision tower instead, where its folder holds preprocessor_config.json
+    (families/registry.py `IMAGE_MODULES`; decoder "hf" runs it).
 
     Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
     architecture, quantization or config value, custom code (`auto_map`), or files that cannot be read (a
@@ -156,6 +160,10 @@ def load_model(
         config = _load_config(name_or_path)
         quant = _quantization(config, quantization)
         family, _ = family_for(config)  # before reading any weights
+        if images and os.path.exists(os.path.join(name_or_path, "preprocessor_config.json")):
+            # the family that takes the checkpoint's images, where another runs its text alone (a folder without
+            # the image processor's file keeps to the text)
+            family = family_of(str(config.model_type), images=True) or family
         fp8_experts = fp8_expert_format(config, family, quant) if keep_fp8_experts else None
         _check_fit(config, family, device, dtype, fp8_experts)
         text_config, key_mapping = _text_model(config, family)
