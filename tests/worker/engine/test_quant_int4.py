@@ -318,3 +318,27 @@ def test_a_refused_checkpoint_fails_to_load_in_one_line(release, tmp_path):
     with pytest.raises(ModelLoadError) as info:
         load_model(str(target), CPU, torch.float32)
     assert str(info.value) == f"config.json quantization_config.bits 8 (gptq at 8 bits) is not supported; {CBQ_RUNS}"
+
+
+# -- on a GPU (the lead's `-m gpu` run): dequantized at load in bf16 until the W4A16 GEMM keeps them packed ---------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(("fmt", "moe"), [("gptq-act-order", False), ("ct-asym", False), ("awq", True)])
+def test_gpu_int4_checkpoint_loads_dequantized_and_runs_the_owned_decoder(release, fmt, moe):
+    cuda = torch.device("cuda")
+    r = release(fmt, moe)
+    model, tok = load_model(str(r.path), cuda, torch.bfloat16)
+    params = dict(model.named_parameters())
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert params[name].dtype == torch.bfloat16 and params[name].is_cuda
+    assert torch.equal(params[name].cpu(), r.dequantized[name].to(torch.bfloat16))
+    engine = Engine(model, tok, EngineConfig(decoder="owned", max_num_batched_tokens=256))
+    assert engine.runner.decoder is not None
+    prompts = _prompts(tok)
+    sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0)
+    results = engine.generate([EngineRequest(f"r{i}", ids, sampling) for i, ids in enumerate(prompts)])
+    firsts = [res.token_ids[:1] == _generate(model, ids)[:1] for ids, res in zip(prompts, results, strict=True)]
+    print(f"{fmt} ({'MoE' if moe else 'dense'}) on the GPU: first tokens agree with generate() on {sum(firsts)} of 4")
+    assert sum(firsts) >= 3
