@@ -140,6 +140,43 @@ def test_gptq_v2_zeros_are_stored_as_they_are():
     assert v1 is not None and not torch.equal(v1.dequantize(v1.load(tensors, "l"), torch.float32), expected)
 
 
+def _one_linear(groups: torch.Tensor, symmetric: bool, scale_dtype: torch.dtype):
+    torch.manual_seed(1)
+    weight = torch.randn(64, 256) * 0.05
+    q, scale, zero = _quantize(weight, groups, symmetric, scale_dtype)
+    return weight, q, scale, zero, (q - zero[:, groups]).float() * scale.float()[:, groups]
+
+
+def test_gptq_one_group_a_row_and_pack_quantized_channel_and_group_act_order():
+    """The layouts' other shapes: GPTQ `group_size: -1` (one group over K), compressed-tensors strategy "channel"
+    (weight_scale [N, 1]) and actorder "group" (weight_g_idx, the groups a permutation of the columns)."""
+    one_group = torch.zeros(256, dtype=torch.int64)
+    _, q, scale, zero, expected = _one_linear(one_group, True, torch.float16)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": True, "desc_act": False}
+    tensors = {"l.qweight": _words(q).t().contiguous(), "l.qzeros": _words((zero - 1).t() & 0xF),
+               "l.scales": scale.t().contiguous(), "l.g_idx": one_group.to(torch.int32)}
+    method = linear_method(checkpoint_quantization(gptq), "l")
+    assert method is not None and torch.equal(method.dequantize(method.load(tensors, "l"), torch.float32), expected)
+
+    ct_channel = _ct(weights={"strategy": "channel", "group_size": None})
+    _, q, scale, zero, expected = _one_linear(one_group, True, torch.bfloat16)
+    tensors = {"l.weight_packed": _words(q), "l.weight_scale": scale, "l.weight_shape": torch.tensor([64, 256])}
+    method = linear_method(checkpoint_quantization(ct_channel), "l")
+    assert method is not None and torch.equal(method.dequantize(method.load(tensors, "l"), torch.float32), expected)
+
+    shuffled = torch.empty(256, dtype=torch.int64)
+    shuffled[torch.randperm(256, generator=torch.Generator().manual_seed(2))] = torch.arange(256) // GROUP
+    weight, q, scale, zero, expected = _one_linear(shuffled, False, torch.bfloat16)
+    ct_group = _ct(weights={"symmetric": False, "actorder": "group"})
+    tensors = {"l.weight_packed": _words(q), "l.weight_scale": scale, "l.weight_shape": torch.tensor([64, 256]),
+               "l.weight_zero_point": _words(zero.t()).t().contiguous(), "l.weight_g_idx": shuffled.to(torch.int32)}
+    method = linear_method(checkpoint_quantization(ct_group), "l")
+    assert method is not None
+    layer = method.load(tensors, "l")
+    assert layer.perm is not None and torch.equal(method.dequantize(layer, torch.float32), expected)
+    assert ((expected - weight).abs() <= scale.float()[:, shuffled] / 2 * (1 + 1e-5) + 1e-7).all()
+
+
 def test_a_missing_or_misshapen_tensor_is_named(release):
     r = release("gptq")
     quant = checkpoint_quantization(json.loads((r.path / "config.json").read_text())["quantization_config"])
@@ -318,6 +355,17 @@ def test_a_refused_checkpoint_fails_to_load_in_one_line(release, tmp_path):
     with pytest.raises(ModelLoadError) as info:
         load_model(str(target), CPU, torch.float32)
     assert str(info.value) == f"config.json quantization_config.bits 8 (gptq at 8 bits) is not supported; {CBQ_RUNS}"
+
+
+def test_a_rank_of_tensor_parallelism_refuses_an_int4_checkpoint_in_one_line(release):
+    """The sharded loader reads FP8 linears by slice with their scales; INT4 ones run in one process for now."""
+    from worker.engine.models.shard_model import load_shard
+    from worker.engine.parallel.group import ParallelState
+
+    r = release("gptq")
+    with pytest.raises(ModelLoadError) as info:
+        load_shard(str(r.path), ParallelState(rank=0, world_size=1, device=CPU), EngineConfig())
+    assert str(info.value) == f"{r.path}: gptq INT4 checkpoints run in one process (--tensor-parallel-size 1)"
 
 
 # -- on a GPU (the lead's `-m gpu` run): dequantized at load in bf16 until the W4A16 GEMM keeps them packed ---------
