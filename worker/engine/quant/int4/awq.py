@@ -53,7 +53,8 @@ class AwqConfig(Int4Config):
 
 def parse(qc: Mapping[str, Any]) -> AwqConfig:
     check_bits(qc)
-    version = str(qc.get("version", VERSION)).lower()
+    given = qc.get("version", VERSION)
+    version = str(getattr(given, "value", given)).lower()  # transformers' AwqConfig holds an enum
     if version != VERSION:
         raise FormatRefused(f"{FIELD}.version {qc.get('version')!r} (AWQ checkpoints in the {VERSION} layout)")
     if qc.get("zero_point", True) is not True:

@@ -115,8 +115,8 @@ class CompressedTensorsInt4Method(Int4LinearMethod):
     format_name = f"compressed-tensors {FORMAT}"
 
     def tensor_names(self, prefix: str) -> list[str]:
-        names = [f"{prefix}.weight_packed", f"{prefix}.weight_scale", f"{prefix}.weight_shape"]
-        names += [] if self.scheme.symmetric else [f"{prefix}.weight_zero_point"]
+        # A symmetric scheme's zero point is 0 by definition: one stored beside it anyway is consumed, not read.
+        names = [f"{prefix}.weight_packed", f"{prefix}.weight_scale", f"{prefix}.weight_shape", f"{prefix}.weight_zero_point"]
         return names + ([f"{prefix}.weight_g_idx"] if self.scheme.act_order else [])
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Linear:
