@@ -52,7 +52,7 @@ class AwqConfig(Int4Config):
 
 
 def parse(qc: Mapping[str, Any]) -> AwqConfig:
-    check_bits(qc)
+    check_bits(qc, default=4)  # transformers' AwqConfig's default
     given = qc.get("version", VERSION)
     version = str(getattr(given, "value", given)).lower()  # transformers' AwqConfig holds an enum
     if version != VERSION:

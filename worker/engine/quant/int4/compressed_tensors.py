@@ -133,6 +133,8 @@ class CompressedTensorsInt4Method(Int4LinearMethod):
         scales = scales_of(expect(get(tensors, f"{prefix}.weight_scale"), f"{prefix}.weight_scale", (n, groups)),
                            f"{prefix}.weight_scale")
         zeros = None
+        if self.scheme.symmetric and f"{prefix}.weight_zero_point" in tensors:
+            tensors[f"{prefix}.weight_zero_point"]  # read (so a reader by slice counts it as read), not used: 0
         if not self.scheme.symmetric:
             if n % PACK:
                 raise QuantCheckpointError(f"{prefix}: N={n} zero points do not fill whole words")

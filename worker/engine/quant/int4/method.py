@@ -66,8 +66,10 @@ class Int4LinearMethod:
         return torch.nn.functional.linear(x, dequantize(layer, x.dtype), bias)
 
 
-def check_bits(qc: Mapping[str, object], field: str = "bits") -> None:
-    bits = qc.get(field)
+def check_bits(qc: Mapping[str, object], default: int | None = None) -> None:
+    """4 bits, or the refusal naming the config's (`default`: what the format's loaders assume when it is absent)."""
+    field = "bits"
+    bits = qc.get(field, default)
     if bits != 4:
         raise FormatRefused(f"{FIELD}.{field} {bits!r} ({qc.get('quant_method')} at {bits} bits)")
 
