@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -245,6 +245,10 @@ if has fp8all; then  # issue 26: every FP8 GPU test file but the KV ones (fp8tes
     timeout 480 python3 -m pytest -q -s -m gpu tests/worker/engine/test_quant_kernels.py tests/worker/engine/test_quant_decoder.py \
         tests/worker/engine/test_quant_small_step.py tests/worker/engine/test_moe_fp8.py tests/worker/engine/test_quant_moe.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_fp8_all_tests.log" | tail -30
+fi
+if has int4tests; then  # issue 46: INT4 checkpoints (GPTQ, AWQ gemm, pack-quantized) dequantized at load on CUDA, owned decoder
+    timeout 300 python3 -m pytest -q -s -m gpu tests/worker/engine/test_quant_int4.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4_tests.log" | tail -15
 fi
 if has fp8split; then  # split-K (kernels/split_k.py): each FP8 projection at split 1/2/4, the layer chain with and without
     timeout 200 python3 benchmarks/fp8_step_gemm.py --m 32 2>&1 | tee "$OUT/fp8_split_gemm.log" | grep -v "^    "

@@ -36,6 +36,7 @@ from ..moe.fp8 import Fp8ExpertFormat
 from ..moe.fp8_experts import quantize_model_experts
 from ..quant import (
     Fp8Config,
+    QuantConfig,
     UnsupportedQuantization,
     checkpoint_quantization,
     has_mxfp4_experts,
@@ -108,7 +109,7 @@ def _check_fit(
         logger.info(check_moe_fit(config, dtype, torch.cuda.mem_get_info(device)[0], fp8_experts))
 
 
-def fp8_expert_format(config, family: Family, quant: Fp8Config | None) -> Fp8ExpertFormat | None:
+def fp8_expert_format(config, family: Family, quant: QuantConfig | None) -> Fp8ExpertFormat | None:
     """The format a mixture of experts' experts are kept in where FP8 experts are kept (None: a dense model, or
     experts that run in the model dtype): the checkpoint's, or `--quantization fp8`'s per-channel one."""
     sparse = sparse_layers(config, family)
@@ -174,7 +175,7 @@ def load_model(
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             if family.vision is not None:  # the whole vision-language model (models/vision.py)
                 model = load_vision_model(name_or_path, family, generation_config, dtype, device)
-            elif quant is not None and quant.is_serialized:  # FP8 weights in the checkpoint: read by quant/
+            elif quant is not None and quant.is_serialized:  # FP8 or INT4 weights in the checkpoint: read by quant/
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
                     sparse=sparse_layers(config, family), keep_fp8_experts=keep_fp8_experts,
@@ -193,7 +194,7 @@ def load_model(
                 ).to(device)
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
-    if quant is not None and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
+    if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
         sparse = sparse_layers(model.config, family_for(model.config)[0])
         quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
         if sparse is not None and fp8_experts is not None:  # the routed experts per channel, a layer at a time
@@ -202,7 +203,7 @@ def load_model(
     return model, tokenizer
 
 
-def _quantization(config, requested: str | None) -> Fp8Config | None:
+def _quantization(config, requested: str | None) -> QuantConfig | None:
     """The quantization the linears run: the checkpoint's own, or `requested` on an unquantized one. None for
     gpt-oss's MXFP4 release too: its linears are unquantized, its experts dequantized at load."""
     if has_mxfp4_experts(config):

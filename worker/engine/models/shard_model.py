@@ -45,7 +45,7 @@ from ..layers.tensor_parallel import GatheredLogits, ReducedOutput, TensorParall
 from ..moe import moe_layer_ids
 from ..parallel.group import ParallelState
 from ..parallel.memory import DecoderShape, check_fits
-from ..quant import Fp8Config
+from ..quant import Fp8Config, QuantConfig
 from ..quant.linear import keeps_fp8, replace_module
 from . import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint
@@ -90,7 +90,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     dtype = resolve_dtype(engine_config.dtype, device)
     keep_fp8 = keeps_fp8(device) if keep_fp8 is None else keep_fp8
     tokenizer = None
-    quant: Fp8Config | None = None
+    quant: QuantConfig | None = None
     if name_or_path in PRESETS:
         # NOTE: every rank builds the whole random model (the same seed, as load_model does) and keeps its
         # shards; a checkpoint is read by slice instead.
@@ -112,7 +112,11 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
             eos = loader.checkpoint_eos_token_ids(config, generation_config)
             tokenizer = loader._load_tokenizer(path, eos)
         source = open_checkpoint(path, renames, name_or_path)
-        if quant is not None and quant.is_serialized:  # FP8 weights read by slice with their scales
+        if quant is not None and quant.is_serialized and not isinstance(quant, Fp8Config):
+            raise ModelLoadError(
+                f"{name_or_path}: {quant.quant_method} INT4 checkpoints run in one process (--tensor-parallel-size 1)"
+            )
+        if isinstance(quant, Fp8Config) and quant.is_serialized:  # FP8 weights read by slice with their scales
             source = Fp8ShardSource(source, quant, keep_fp8, _stays_dense(text_config, family))
         config = text_config
     family, _ = family_for(config)
@@ -123,7 +127,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     model, tp = build_shard(config, family, source, state, dtype, after_layer)
     if engine_config.deterministic:  # partial sums in rank order: a row's bits never follow the step's size
         tp = dataclasses.replace(tp, fixed_order=True)
-    if quant is not None and not quant.is_serialized:  # --quantization fp8
+    if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8
         quantize_shard(
             model, quant, state, _row_parallel_linears(config, family), keep_fp8, _stays_dense(config, family)
         )

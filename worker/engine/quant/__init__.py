@@ -1,7 +1,14 @@
-"""FP8 quantization (issue 26): a linear layer's quantization is a property of the layer, as in vLLM.
+"""Quantized weights: FP8 (issue 26) and INT4 weight-only (issue 46); a linear layer's quantization is a property
+of the layer, as in vLLM.
+
+  base.py     `QuantConfig` (every format's config: `scheme_for(module_name)`), the module-name rules the formats
+              share, `FormatRefused` and `QuantCheckpointError`
+  int4/       the INT4 weight-only formats, one module each (GPTQ, AWQ gemm, compressed-tensors pack-quantized),
+              read into one form (`int4/packed.py` `Int4Linear`); dequantized at load on every device for now
 
   config.py   `checkpoint_quantization(quantization_config, requested)`: the typed description of a
-              checkpoint's format (block-wise "fp8", compressed-tensors float-quantized, fbgemm_fp8) or of
+              checkpoint's format (block-wise "fp8", compressed-tensors float-quantized, fbgemm_fp8, the INT4
+              formats of int4/) or of
               `--quantization fp8`; the one-line refusal of everything else (`UnsupportedQuantization`);
               `has_mxfp4_experts(config)`: gpt-oss's release, whose MXFP4 experts the loader dequantizes
   methods.py  `linear_method(config, module_name)`: the method object of one linear (None: unquantized);
@@ -36,6 +43,7 @@ scales, or quantize their slices with one process's per-channel scales: models/s
 
 from __future__ import annotations
 
+from .base import QuantCheckpointError, QuantConfig
 from .config import (
     CBQ_RUNS,
     MOE_RUNS,
@@ -72,6 +80,8 @@ __all__ = [
     "Fp8LinearMethod",
     "Fp8Scheme",
     "OnlineFp8Config",
+    "QuantCheckpointError",
+    "QuantConfig",
     "UnsupportedQuantization",
     "WeightScale",
     "checkpoint_quantization",
