@@ -84,6 +84,7 @@ DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS = settings.DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS
 WORKER_TTL_SECONDS = 60  # rq derives the client's socket timeout from it (minus 5 s): a hung Redis is noticed
 COLD_STOP_EXIT_CODE = 1
 
+
 def check_stale_after(stale_after_seconds: float, heartbeat_interval_seconds: float) -> None:
     if stale_after_seconds < 2 * heartbeat_interval_seconds:
         raise ValueError(
