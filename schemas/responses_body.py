@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from schemas.chat import ChatTemplateKwargs
 from schemas.limits import MAX_IMAGE_URL_CHARS, MAX_TOOLS
-from schemas.openai_body import ChatCompletionBody
+from schemas.openai_body import ChatCompletionBody, IgnoredBodyFields
 from schemas.sampling import (
     MaxNewTokens,
     NumLogprobs,
@@ -338,9 +338,10 @@ class ResponseEcho(StrictModel):
     output_logprobs: bool = False  # `include` asks for the output text's logprobs
 
 
-class ResponsesBody(SharedSampling):
+class ResponsesBody(IgnoredBodyFields, SharedSampling):
     """A `/v1/responses` body: every field OpenAI documents, taken, refused with its reason, or at the value
-    that changes nothing; the sampling fields vLLM adds (`top_k`, `seed`, ...) by their names, as on chat."""
+    that changes nothing (`IgnoredBodyFields`: store, metadata, user, ...); the sampling fields vLLM adds
+    (`top_k`, `seed`, ...) by their names, as on chat."""
 
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     input: list[InputItem]  # a string is one user message
@@ -354,15 +355,6 @@ class ResponsesBody(SharedSampling):
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: NumLogprobs | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, as on chat bodies
-    # Accepted and ignored: they change no output. `store: true` (OpenAI's default) keeps nothing beyond the
-    # batch's own results (there is no Response retrieval).
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
     stream_options: None = None
     stream: bool | None = None
     background: bool | None = None

@@ -12,7 +12,8 @@ from openai.types.responses import Response
 from schemas.errors import InvalidRequest
 from schemas.lines import Request, parse_request_line
 from schemas.media import image_refs
-from schemas.result import ResultLine, ToolCall, Usage, to_openai_output
+from schemas.output_parts import ToolCall
+from schemas.result import ResultLine, Usage, to_openai_output
 from schemas.sampling import OutputConstraint
 
 WEATHER = {
