@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,9 @@ from ..moe import moe_layer_ids, spec_from_config
 from ..parallel.group import ParallelState
 from ..parallel.memory import head_shard, shard_for
 from ..quant import has_mxfp4_experts
+from ..quant.linear import Fp8LinearModule, replace_module
+from ..quant.methods import UNQUANTIZED_MODEL, Fp8LinearMethod, LinearMethods, fp8_linear_of, fp8_parts
 from .errors import ModelLoadError, one_line
-from .shard_fp8 import Fp8ShardSource
 
 
 class ModelSource:
@@ -115,11 +116,13 @@ def build_shard(
     source: Checkpoint,
     state: ParallelState,
     dtype: torch.dtype,
-    after_layer: Callable[[nn.Module], None] | None = None,
+    methods: LinearMethods = UNQUANTIZED_MODEL,
 ) -> tuple[nn.Module, TensorParallel]:
-    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names).
-    `after_layer(model)`: run once each decoder layer is loaded (FP8 linears take their layer's place there, so
-    that a rank holds one layer's weights in the model dtype at a time)."""
+    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names). Each
+    parallel linear takes its method from `methods` (`method_for(prefix)`: unquantized, an FP8 format kept FP8, or
+    read FP8 and dequantized), which reads its slices of the checkpoint's tensors; a linear kept FP8 takes the
+    transformers model's linears' place as `Fp8LinearModule`s viewing its rows, so a rank holds each FP8 weight
+    once and never in the model dtype."""
     from transformers import AutoModelForCausalLM
 
     cfg = shard_config(config, state)
@@ -130,21 +133,19 @@ def build_shard(
         for buffer_name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[buffer_name] = buffer.to(device)
-    # the model's own buffers the checkpoint stores (not those of modules `after_layer` puts in: FP8 linears')
+    # the model's own buffers the checkpoint stores (listed before FP8 linears take their modules' places)
     stored_buffers = [name for name, _ in model.named_buffers() if name in source]
     hidden = config.hidden_size
     layers = submodule(model, family.layers_path)
     sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
     kw: dict[str, Any] = dict(dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw)
+        loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw, methods)
         loader.attention(family, config, cfg.head_dim)
         if i in sparse:
-            _load_moe(model, loader.prefix, family, source, state, config, kw)
+            _load_moe(model, loader.prefix, family, source, state, config, kw, methods)
         else:
             loader.dense_mlp(family.layer, config)
-        if after_layer is not None:
-            after_layer(model)
     embed_name = f"{family.embed_path}.weight"
     embedding = VocabParallelEmbedding(config.vocab_size, hidden, state, **kw)
     embedding.load_from(source, family.embed_path)
@@ -177,6 +178,7 @@ class _LayerLoader:
     source: Checkpoint
     state: ParallelState
     kw: dict[str, Any]  # dtype and device
+    methods: LinearMethods
 
     def name(self, part: str) -> str:
         return f"{self.prefix}.{part}"
@@ -190,7 +192,7 @@ class _LayerLoader:
         spec, name = family.layer, self.name
         qkv = QKVParallelLinear(
             config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, self.state,
-            bias=self.has_bias(spec.qkv.parts[0]), **self.kw,
+            bias=self.has_bias(spec.qkv.parts[0]), method=self.methods.method_for(name(spec.qkv.parts[0])), **self.kw,
         )  # fmt: skip
         if len(spec.qkv.parts) == 1:  # shipped fused (Phi-3): the rank's heads out of each block of rows
             qkv.load_fused_qkv(self.source, name(spec.qkv.parts[0]))
@@ -211,8 +213,9 @@ class _LayerLoader:
         """gate/up by rows of the intermediate size (separate or shipped fused), down by columns."""
         name, inter = self.name, config.intermediate_size
         gate_up = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], self.state, bias=self.has_bias(spec.gate_up.parts[0]), **self.kw
-        )
+            config.hidden_size, [inter, inter], self.state, bias=self.has_bias(spec.gate_up.parts[0]),
+            method=self.methods.method_for(name(spec.gate_up.parts[0])), **self.kw,
+        )  # fmt: skip
         if len(spec.gate_up.parts) == 1:  # shipped fused (Phi-3, GLM-4): gate rows, then up rows
             gate_up.load_fused(self.source, name(spec.gate_up.parts[0]))
             sizes = [gate_up.output_size_per_rank]
@@ -225,10 +228,10 @@ class _LayerLoader:
     def row(self, part: str, input_size: int, output_size: int) -> None:
         """A row-parallel linear (o, down): the rank's columns; the bias on rank 0 only, so that the all-reduce
         after the GEMM adds it once."""
-        row = RowParallelLinear(input_size, output_size, self.state, bias=self.has_bias(part), **self.kw)
+        method = self.methods.method_for(self.name(part))
+        row = RowParallelLinear(input_size, output_size, self.state, bias=self.has_bias(part), method=method, **self.kw)
         row.load_from(self.source, self.name(part))
-        _set_param(self.model, f"{self.name(part)}.weight", row.get_parameter("weight"))
-        _set_param(self.model, f"{self.name(part)}.bias", row.bias if self.state.is_first_rank else None)
+        _bind_row(self.model, self.name(part), row, self.state.is_first_rank)
 
     def load_entries(self, name: str, entries: slice) -> None:
         """A per-head vector (sinks, a whole-projection norm): the rank's entries, checked against the shard's size."""
@@ -240,16 +243,17 @@ class _LayerLoader:
 
 
 def _load_moe(
-    model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
-) -> None:
+    model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict,
+    methods: LinearMethods,
+) -> None:  # fmt: skip
     """A sparse layer: the router (replicated) and every expert's slice of columns (layers/experts.py), and a shared
     expert split like a dense MLP, its gate replicated (left to the generic pass)."""
     assert family.moe is not None
     spec = spec_from_config(config)
-    # An FP8 checkpoint's experts: each expert's weight dequantized whole from the inner checkpoint, then sliced
-    # (the shard source would read them by slice, which needs the rank's columns on block boundaries).
-    inner, quant = (source.inner, source.quant) if isinstance(source, Fp8ShardSource) else (source, None)
-    for name, tensor in load_expert_shard(inner, prefix, family.moe, spec, state, quant, **kw).items():
+    # An FP8 checkpoint's experts: each expert's weight dequantized whole, then sliced (reading them by slice would
+    # need the rank's columns on block boundaries).
+    quant = methods.quant if methods.quant is not None and methods.quant.is_serialized else None
+    for name, tensor in load_expert_shard(source, prefix, family.moe, spec, state, quant, **kw).items():
         module_path, _, attr = name.rpartition(".")
         want = submodule(model, module_path)._parameters[attr]
         if want is not None and want.shape != tensor.shape:  # a checkpoint of other sizes than its config.json's
@@ -258,13 +262,16 @@ def _load_moe(
     if family.moe.shared_expert is not None:
         shared = f"{prefix}.{family.moe.shared_expert}"
         size = spec.shared_expert_intermediate_size
-        gate_up_layer = MergedColumnParallelLinear(config.hidden_size, [size, size], state, **kw)
         names = [f"{shared}.gate_proj", f"{shared}.up_proj"]
+        gate_up_layer = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], state, method=methods.method_for(names[0]), **kw
+        )
         gate_up_layer.load_merged(source, names)
         _bind_rows(model, names, gate_up_layer, gate_up_layer.output_sizes_per_rank)
-        down_layer = RowParallelLinear(size, config.hidden_size, state, **kw)
-        down_layer.load_from(source, f"{shared}.down_proj")
-        _set_param(model, f"{shared}.down_proj.weight", down_layer.get_parameter("weight"))
+        down = f"{shared}.down_proj"
+        down_layer = RowParallelLinear(size, config.hidden_size, state, method=methods.method_for(down), **kw)
+        down_layer.load_from(source, down)
+        _bind_row(model, down, down_layer, bias=False)
 
 
 def _param_name(model: nn.Module, module: nn.Module) -> str:
@@ -272,13 +279,35 @@ def _param_name(model: nn.Module, module: nn.Module) -> str:
 
 
 def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, sizes: list[int]) -> None:
-    """The linears `names` become views of consecutive row blocks of the column-parallel `layer`."""
+    """The linears `names` become views of consecutive row blocks of the column-parallel `layer`: their
+    parameters, or where the layer keeps FP8 weights, `Fp8LinearModule`s in their place holding views of its
+    rows and of their scales (fused_weights finds them adjacent and copies nothing)."""
+    if isinstance(layer.method, Fp8LinearMethod):
+        offset = 0
+        for linear, part in zip(names, fp8_parts(layer, sizes), strict=True):
+            size = part.out_features
+            bias = None if layer.bias is None else layer.bias[offset : offset + size]
+            replace_module(model, linear, Fp8LinearModule(layer.method, part, bias))
+            offset += size
+        return
     offset = 0
     for linear, size in zip(names, sizes, strict=True):
         _set_param(model, f"{linear}.weight", layer.get_parameter("weight")[offset : offset + size])
         if layer.bias is not None:
             _set_param(model, f"{linear}.bias", layer.bias[offset : offset + size])
         offset += size
+
+def _bind_row(model: nn.Module, name: str, layer: RowParallelLinear, bias: bool) -> None:
+    """Linear `name` becomes the row-parallel `layer`'s columns (an `Fp8LinearModule` where it keeps FP8); its
+    bias only where `bias` (rank 0: the all-reduce after the GEMM adds it once)."""
+    bias_part = layer.bias if bias else None
+    if isinstance(layer.method, Fp8LinearMethod):
+        replace_module(model, name, Fp8LinearModule(layer.method, fp8_linear_of(layer), bias_part))
+        return
+    _set_param(model, f"{name}.weight", layer.get_parameter("weight"))
+    if submodule(model, name).bias is not None or bias_part is not None:
+        _set_param(model, f"{name}.bias", bias_part)
+
 
 def load_whole_model(
     name_or_path: str, config: Any, family: Family, renames: dict[str, str] | None, device: torch.device, dtype: torch.dtype

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..checkpoint import TensorSlice
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SPLIT_ATTR = "cbq_split"  # the attribute a parameter's ParamSplit is kept under
 
 
@@ -135,6 +136,10 @@ class UnquantizedLinearMethod(LinearMethod):
         add_parameter(layer, "weight", weight, ParamSplit())
 
     def load_tensor(self, layer, name, tensor, what, part):
+        if tensor.dtype in FP8_DTYPES:  # bare FP8 values are not a weight without their scales
+            raise LinearLoadError(
+                f"{what} is FP8 ({tensor.dtype}), but the checkpoint's quantization_config leaves it unquantized"
+            )
         return tensor
 
     def apply(self, layer, x, bias):
