@@ -33,7 +33,6 @@ from ..layers.tensor_parallel import TensorParallel
 from ..moe import moe_layer_ids, spec_from_config
 from ..parallel.group import ParallelState
 from ..parallel.memory import head_shard, shard_for
-from ..quant import has_mxfp4_experts
 from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import UNQUANTIZED_MODEL, Fp8LinearMethod, LinearMethods, fp8_linear_of, fp8_parts
 from .errors import ModelLoadError, one_line
@@ -68,8 +67,8 @@ def shard_config(config: Any, state: ParallelState) -> Any:
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, state.rank, state.world_size)
     mlp = shard_for(config.intermediate_size, state.rank, state.world_size, "intermediate_size")
     shard = copy.deepcopy(config)
-    if has_mxfp4_experts(config):  # dequantized at load: the shard model holds plain weights
-        del shard.quantization_config
+    if hasattr(shard, "quantization_config"):  # the methods read the quantized tensors: transformers must not
+        del shard.quantization_config  # see a quantizer (its model holds plain weights or cbq's FP8 modules)
     shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shard.num_attention_heads = heads.num_q_heads
     shard.num_key_value_heads = heads.num_kv_heads
@@ -258,6 +257,8 @@ def _load_moe(
         want = submodule(model, module_path)._parameters[attr]
         if want is not None and want.shape != tensor.shape:  # a checkpoint of other sizes than its config.json's
             raise ValueError(f"{name}: the checkpoint's experts give {list(tensor.shape)}, the config {list(want.shape)}")
+        if want is not None and want.dtype != tensor.dtype:  # GLM-4.5's fp32 router in a bf16 model: read as
+            continue  # stored by the generic pass, in its parameter's own dtype, not through the model dtype
         _set_param(model, name, tensor)
     if family.moe.shared_expert is not None:
         shared = f"{prefix}.{family.moe.shared_expert}"
@@ -309,16 +310,37 @@ def _bind_row(model: nn.Module, name: str, layer: RowParallelLinear, bias: bool)
         _set_param(model, f"{name}.bias", bias_part)
 
 
+# Mixtures of experts whose experts the reader splits by intermediate size (each rank holds every expert's slice of
+# columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike), in the checkpoint
+# layouts layers/experts.py reads.
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
+
+
+def slice_reader_refuses(family: Family) -> str | None:
+    """Why `build_shard` cannot read this family's checkpoints (None: it can), at any world size: a layout it does
+    not split."""
+    layer = family.layer
+    if family.mla is not None:
+        return f"{family.name}: multi-head latent attention is not sharded yet"
+    if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
+        return f"{family.name}: its mixture-of-experts layers are not sharded yet"
+    if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
+        return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
+    if family.vision is not None:
+        return f"{family.name}: a vision-language model loads whole (models/vision.py)"
+    return None
+
+
 def load_whole_model(
-    name_or_path: str, config: Any, family: Family, renames: dict[str, str] | None, device: torch.device, dtype: torch.dtype
-) -> nn.Module:
+    source: Checkpoint, config: Any, family: Family, device: torch.device, dtype: torch.dtype,
+    methods: LinearMethods = UNQUANTIZED_MODEL,
+) -> nn.Module:  # fmt: skip
     """The whole model of a checkpoint as the one shard of a world of one (no process group): a plain transformers
-    model (no quantizer: `shard_config` drops quantization_config) read by slice straight onto `device`, ready for
-    `generate` and the owned decoder. The one-process loader's path for gpt-oss's MXFP4 release, whose experts
-    layers/experts.py dequantizes to `dtype` (transformers' own mxfp4 integration needs a GPU and other packages).
-    `config`: the model's (a multimodal checkpoint's text config, its names mapped by `renames`)."""
-    source = open_checkpoint(local_folder(name_or_path), renames, name_or_path)
-    model, _ = build_shard(config, family, source, ParallelState(rank=0, world_size=1, device=device), dtype)
+    model (no quantizer: `shard_config` drops quantization_config) read by slice straight onto `device`, each linear
+    through its method (`methods`), ready for `generate` and the owned decoder. The one-process loader's path for
+    every family `slice_reader_refuses` accepts (gpt-oss's MXFP4 experts dequantized to `dtype` by
+    layers/experts.py). `config`: the model's (a multimodal checkpoint's text config, `source` under its names)."""
+    model, _ = build_shard(config, family, source, ParallelState.single(device), dtype, methods)
     return model
 
 

@@ -59,29 +59,19 @@ from ..quant.methods import LinearMethods
 from ..quant.protocol import LinearLoadError
 from . import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from .quant_loader import AccountedCheckpoint
-from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint
+from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint, slice_reader_refuses
 
 __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's; building is shard_build.py's
 
 
 # --- what is sharded, and what is refused ---------------------------------------------------------------
 
-# Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
-# columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike), in the checkpoint
-# layouts layers/experts.py reads.
-SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
-
-
 def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
     """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
     path does not split correctly, refused rather than computed wrong."""
-    layer = family.layer
-    if family.mla is not None:
-        return f"{family.name}: multi-head latent attention is not sharded yet"
-    if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
-        return f"{family.name}: its mixture-of-experts layers are not sharded yet"
-    if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
-        return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
+    reason = slice_reader_refuses(family)
+    if reason is not None and family.vision is None:
+        return reason
     if engine_config.decoder == "hf":
         return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
     return None
