@@ -134,3 +134,28 @@ def test_the_config_object_hands_each_linear_its_method():
     online = LinearMethods(OnlineFp8Config(), keep_fp8=True, stays_dense=lambda name: ".experts." in name)
     assert online.method_for("model.layers.0.mlp.experts.0.up_proj") is UNQUANTIZED
     assert LinearMethods().method_for("model.layers.0.self_attn.q_proj") is UNQUANTIZED
+
+
+def test_per_tensor_scales_of_a_merged_layer_are_one_per_output_and_fused_per_row_where_they_differ():
+    """q/k/v with their own per-tensor scales: the layer multiplies with one scale per row (exact, as
+    `Fp8Linear.concat`), and each output's part keeps the scale it shipped (what the transformers model holds)."""
+    from worker.engine.layers.linear import QKVParallelLinear
+    from worker.engine.quant.config import ActivationScale, Fp8Scheme, WeightScale
+    from worker.engine.quant.fp8 import Fp8Linear, quantize_weight_per_tensor
+    from worker.engine.quant.methods import CompressedTensorsFp8LinearMethod, fp8_parts
+
+    scheme = Fp8Scheme(WeightScale.TENSOR, ActivationScale.STATIC)
+    torch.manual_seed(0)
+    tensors, pieces = {}, []
+    for name, rows, gain in (("q", 32, 1.0), ("k", 16, 3.0), ("v", 16, 0.5)):
+        w_fp8, scale = quantize_weight_per_tensor(torch.randn(rows, 32) * gain)
+        tensors |= {f"{name}.weight": w_fp8, f"{name}.weight_scale": scale.reshape(1), f"{name}.input_scale": torch.tensor([0.02])}
+        pieces.append(Fp8Linear(w_fp8, scale, scheme, torch.tensor(0.02)))
+    layer = QKVParallelLinear(32, 8, 4, 2, state(0, 1), method=CompressedTensorsFp8LinearMethod(scheme))
+    layer.load_qkv(Source(tensors), "q", "k", "v")
+    expected = Fp8Linear.concat(pieces)
+    assert torch.equal(layer.weight_scale, expected.weight_scale) and torch.equal(layer.weight, expected.weight)
+    x = torch.randn(3, 32)
+    assert torch.equal(layer(x), CompressedTensorsFp8LinearMethod(scheme).apply(expected, x, None))
+    for part, piece in zip(fp8_parts(layer, [32, 16, 16]), pieces, strict=True):
+        assert part.scheme == scheme and torch.equal(part.weight_scale, piece.weight_scale)

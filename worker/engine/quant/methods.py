@@ -113,7 +113,8 @@ class Fp8LinearMethod(LinearMethod):
             if bool((scales == scales[0]).all()):
                 layer.weight_scale = nn.Parameter(scales[0].clone(), requires_grad=False)
             else:
-                rows = getattr(layer, "output_sizes_per_rank", None) or [layer.weight.shape[0]]
+                sizes = getattr(layer, "sizes", None)  # a parallel layer's; a single linear's rows are its weight's
+                rows = list(sizes.output_sizes) if sizes is not None else [layer.weight.shape[0]]
                 per_row = torch.cat([s.expand(size) for s, size in zip(scales, rows, strict=True)])
                 layer.weight_scale = nn.Parameter(per_row.contiguous(), requires_grad=False)
                 setattr(layer, FP8_SCHEME_ATTR, replace(self.scheme, weight=WeightScale.CHANNEL))
