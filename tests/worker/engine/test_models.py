@@ -112,6 +112,21 @@ def test_a_checkpoint_is_read_by_slice_through_the_parallel_layers(tmp_path, mon
         assert first.weight.untyped_storage().data_ptr() == second.weight.untyped_storage().data_ptr()
 
 
+def test_a_checkpoint_with_only_pickled_weights_still_loads(tmp_path):
+    """pytorch_model.bin without safetensors (older releases): the slice reader reads safetensors only, so such a
+    folder takes transformers' from_pretrained."""
+    import os
+
+    model, _ = load_model("tiny-llama", CPU, torch.float32)
+    model.save_pretrained(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    loaded, _ = load_model(str(tmp_path), CPU, torch.float32)
+    original = dict(model.state_dict())
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, original[key]), key
+
+
 def tiny_gpt2_config():
     from transformers import GPT2Config
 

@@ -181,8 +181,10 @@ def load_model(
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             sparse = sparse_layers(config, family)
             methods = LinearMethods(quant, keep_fp8, sparse.holds if sparse is not None else lambda name: False)
-            by_slice = slice_reader_refuses(family) is None and not (
-                quant is not None and quant.is_serialized and fp8_experts is not None
+            by_slice = (
+                slice_reader_refuses(family) is None
+                and not (quant is not None and quant.is_serialized and fp8_experts is not None)
+                and not _only_pickled_weights(name_or_path)
             )
             if family.vision is not None:  # the whole vision-language model (models/vision.py)
                 model = load_vision_model(name_or_path, family, generation_config, dtype, device)
@@ -214,6 +216,15 @@ def load_model(
             quantize_model_experts(model, sparse.layer_prefixes, sparse.mlp.experts, sparse.spec)
     model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _only_pickled_weights(name_or_path: str) -> bool:
+    """A local folder whose weights are only pytorch_model*.bin (older releases): transformers reads those, the slice
+    reader reads safetensors only."""
+    if not os.path.isdir(name_or_path):
+        return False
+    files = os.listdir(name_or_path)
+    return not any(f.endswith(".safetensors") for f in files) and any(f.endswith(".bin") for f in files)
 
 
 def _read_by_slice(
