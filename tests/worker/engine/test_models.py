@@ -10,6 +10,7 @@ from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import PRESETS, SUPPORTED_MODEL_TYPES, load_model, preset_config
+from worker.engine.quant import linear_method
 from worker.engine.tokenizer import ByteTokenizer
 
 CPU = torch.device("cpu")
@@ -76,6 +77,54 @@ def test_saved_checkpoint_loads_back_by_path(tmp_path):
     assert greedy(by_path, by_path.tokenizer) == expected
     by_name = Engine.from_model("tiny-llama", device="cpu", mode="sync", num_kv_blocks=32)
     assert greedy(by_name, by_name.tokenizer) == expected
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_checkpoint_is_read_by_slice_through_the_parallel_layers(tmp_path, monkeypatch, quantization):
+    """The one loader: a bf16/fp32 checkpoint (and `--quantization fp8` on it) is read by slice at a world of one, as
+    the tensor-parallel ranks read it (no transformers from_pretrained): every value equal to the checkpoint's (or
+    its per-channel FP8 rounding), q/k/v and gate/up views of one parallel layer's weight each."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.quant import OnlineFp8Config
+    from worker.engine.quant.fp8 import dequantize_weight
+
+    model, _ = load_model("tiny-qwen3", CPU, torch.float32)
+    model.save_pretrained(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained ran on the owned path")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    loaded, _ = load_model(str(tmp_path), CPU, torch.float32, quantization=quantization)
+    assert "quantization_config" not in loaded.config.to_dict()
+    scheme = OnlineFp8Config().scheme_for("model.layers.0.mlp.up_proj")
+    original = dict(model.state_dict())
+    for key, value in loaded.state_dict().items():
+        expected = original[key]
+        if quantization and key.endswith("proj.weight"):  # rounded per output channel, then dequantized (CPU)
+            method = linear_method(OnlineFp8Config(), key.removesuffix(".weight"))
+            expected = dequantize_weight(method.load({key: expected}, key.removesuffix(".weight")), torch.float32)
+            assert method.scheme == scheme
+        assert torch.equal(value, expected), key
+    attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+    for first, second in ((attn.q_proj, attn.k_proj), (mlp.gate_proj, mlp.up_proj)):
+        assert first.weight.untyped_storage().data_ptr() == second.weight.untyped_storage().data_ptr()
+
+
+def test_a_checkpoint_with_only_pickled_weights_still_loads(tmp_path):
+    """pytorch_model.bin without safetensors (older releases): the slice reader reads safetensors only, so such a
+    folder takes transformers' from_pretrained."""
+    import os
+
+    model, _ = load_model("tiny-llama", CPU, torch.float32)
+    model.save_pretrained(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    loaded, _ = load_model(str(tmp_path), CPU, torch.float32)
+    original = dict(model.state_dict())
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, original[key]), key
 
 
 def tiny_gpt2_config():

@@ -1,5 +1,5 @@
 """FP8 at --tensor-parallel-size 2 over gloo on the CPU (issue 27): each rank's FP8 linears hold their slice with
-the scales of that slice (models/shard_fp8.py), so greedy output equals the one-process engine's on the same
+the scales of that slice (their layers' FP8 methods, quant/methods.py), so greedy output equals the one-process engine's on the same
 checkpoint token for token (fp32): block-wise FP8 and static per-tensor FP8 kept in FP8 (`keep_fp8`: the owned
 decoder fuses the rank's FP8 rows and runs the emulated FP8 GEMM), and block-wise, per-channel and
 `--quantization fp8` dequantized (the CPU's default). The per-channel scales themselves are checked against one
@@ -172,19 +172,23 @@ def test_quantization_fp8_on_a_shard_leaves_the_sparse_mlps_dense():
 
 
 def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
-    """A rank never casts bare FP8 values into a weight: a quantized linear without its scale names the tensor."""
+    """A rank never casts bare FP8 values into a weight: a quantized linear without its scale names the missing
+    tensor, and an FP8 weight of a linear its config leaves unquantized is named too."""
     from safetensors.torch import save_file
 
     from worker.engine.checkpoint import SafetensorsCheckpoint
-    from worker.engine.models.shard_fp8 import Fp8ShardSource
-    from worker.engine.quant import BlockFp8Config
+    from worker.engine.layers.linear import ColumnParallelLinear
+    from worker.engine.models.quant_loader import AccountedCheckpoint
+    from worker.engine.parallel.group import ParallelState
+    from worker.engine.quant import BlockFp8Config, LinearMethods
+    from worker.engine.quant.protocol import LinearLoadError
 
-    save_file(
-        {"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 128).to(torch.float8_e4m3fn)},
-        tmp_path / "m.safetensors",
-    )
-    source = Fp8ShardSource(
-        SafetensorsCheckpoint.from_dir(tmp_path), BlockFp8Config(block_shape=(128, 128)), False
-    )
-    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.up_proj.weight in FP8 but no scale"):
-        source.get_slice("model.layers.0.mlp.up_proj.weight")
+    prefix = "model.layers.0.mlp.up_proj"
+    save_file({f"{prefix}.weight": torch.zeros(128, 128).to(torch.float8_e4m3fn)}, tmp_path / "m.safetensors")
+    source = AccountedCheckpoint(SafetensorsCheckpoint.from_dir(tmp_path))
+    method = LinearMethods(BlockFp8Config(block_shape=(128, 128))).method_for(prefix)
+    layer = ColumnParallelLinear(128, 128, ParallelState.single(), method=method)
+    with pytest.raises(LinearLoadError, match=f"the checkpoint has no {prefix}.weight_scale_inv"):
+        layer.load_from(source, prefix)
+    with pytest.raises(LinearLoadError, match=f"{prefix}.weight is FP8 .*leaves it unquantized"):
+        ColumnParallelLinear(128, 128, ParallelState.single()).load_from(source, prefix)

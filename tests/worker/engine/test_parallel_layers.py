@@ -27,6 +27,7 @@ from worker.engine.layers.linear import (
 from worker.engine.parallel.group import ParallelState, all_gather, launch_ranks
 from worker.engine.parallel.memory import head_shard, shard_for, vocab_shard
 from worker.engine.parallel.messages import StepDriver, serve_forever
+from worker.engine.quant.protocol import LinearMethod, ParamSplit, add_parameter
 
 HIDDEN, INTER, HEAD_DIM, NUM_HEADS, VOCAB = 16, 24, 4, 4, 33  # vocab not divisible by 2: padded
 NUM_TOKENS = 7
@@ -112,24 +113,22 @@ def check_row(state, ckpt):
     return layer(inputs()[0])
 
 
-class Int8PerChannelMethod:
+class Int8PerChannelMethod(LinearMethod):
     """A stand-in quantized format: int8 weights and one scale per output channel, loaded by the
     same layer loaders (so a column layer splits the scales with their rows; a row layer keeps them)."""
 
-    def create_weights(self, layer, input_size, output_size, dtype, device) -> None:
-        weight = torch.empty(output_size, input_size, dtype=torch.int8, device=device)
-        layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
-        layer.register_parameter(
-            "weight_scale", nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
-        )
+    def create_weights(self, layer, sizes, dtype, device) -> None:
+        weight = torch.empty(sizes.output_size, sizes.input_size, dtype=torch.int8, device=device)
+        add_parameter(layer, "weight", weight, ParamSplit())
+        add_parameter(layer, "weight_scale", torch.empty(sizes.output_size, dtype=dtype), ParamSplit(0, None))
 
     def apply(self, layer, x, bias):
         return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale[:, None], bias)
 
 
 def check_quantized(state, ckpt):
-    column = ColumnParallelLinear(HIDDEN, 12, state, gather_output=True, linear_method=Int8PerChannelMethod())
-    row = RowParallelLinear(HIDDEN, 12, state, input_is_parallel=False, linear_method=Int8PerChannelMethod())
+    column = ColumnParallelLinear(HIDDEN, 12, state, gather_output=True, method=Int8PerChannelMethod())
+    row = RowParallelLinear(HIDDEN, 12, state, input_is_parallel=False, method=Int8PerChannelMethod())
     for layer in (column, row):
         layer.load_from(ckpt, "q8")
     x = inputs()[0]

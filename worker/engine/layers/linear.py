@@ -16,26 +16,33 @@ Owns each layer's shard of its weights (and biases). The arithmetic of the split
 At world_size 1 every layer is a plain linear/embedding with no collective, so a model file written
 with these layers does not change with the number of GPUs.
 
-Quantization: a linear layer holds a `linear_method` that creates its weights and applies the GEMM
-(`apply(layer, x, bias)`); `UnquantizedLinearMethod` is F.linear. A quantized method registers its
-own parameters (e.g. FP8 weights and per-output-channel scales); the loaders shard every parameter
-along the layer's split dimension (dim 0 for column layers; dim 1 of 2-D and none of 1-D parameters
-for row layers), so per-channel scales follow their rows. Block-wise scales would need the method to
-say how its scale grid maps to rows: not built yet.
+Quantization: a linear layer holds the method its config gave it (`quant/protocol.py`'s `LinearMethod`, from
+`LinearMethods.method_for(prefix)`), which creates the layer's parameters, converts each checkpoint slice and
+applies the GEMM; unquantized is F.linear. Every parameter says how it follows the weight's rows and columns
+(`ParamSplit`: per-channel scales with their rows, block-wise scales by their blocks, per-tensor ones replicated),
+so these layers read any format's slices with the same code (`load_parameter`), and call the method's
+`process_after_loading` once every tensor of the layer is in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import RowBlock, SliceSource, TensorSlice
 from ..parallel.group import ParallelState, all_gather, all_reduce
 from ..parallel.memory import head_shard, shard_for
+from ..quant.protocol import (
+    UNQUANTIZED,
+    LinearMethod,
+    LinearSizes,
+    checkpoint_name,
+    load_parameter,
+    split_of,
+    split_params,
+)
 
 # --- loading ----------------------------------------------------------------------------------------
 
@@ -54,68 +61,75 @@ def check_dim(loaded: TensorSlice, dim: int, expected: int, what: str) -> None:
         raise ValueError(f"{what}: checkpoint shape {shape}, expected {expected} along dim {dim}")
 
 
+def _rows_of(fused: TensorSlice, param: torch.Tensor, start: int, stop: int, total: int, name: str) -> TensorSlice:
+    """Rows [start, stop) of a fused weight as a tensor of their own, for parameter `param`: its own entries
+    (a block-wise scale's blocks), or the whole tensor where it does not follow the rows (a per-tensor scale)."""
+    split = split_of(param)
+    if split.output_dim != 0:
+        return fused
+    entries = split.mapped(slice(start, stop), total, split.output_block, name.rpartition(".")[0], "rows")
+    return RowBlock(fused, entries.start, entries.stop, name)
+
+
 # --- linear layers ----------------------------------------------------------------------------------
 
 
-class LinearMethod(Protocol):
-    """How a linear layer's weights are stored and multiplied (one object per format)."""
-
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_size: int,
-        dtype: torch.dtype,
-        device: torch.device | None,
-    ) -> None: ...
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
-
-
-class UnquantizedLinearMethod:
-    """Weights in the model dtype, F.linear."""
-
-    def create_weights(self, layer, input_size, output_size, dtype, device) -> None:
-        weight = torch.empty(output_size, input_size, dtype=dtype, device=device)
-        layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
-
-    def apply(self, layer, x, bias):
-        return F.linear(x, layer.weight, bias)
-
-
-UNQUANTIZED = UnquantizedLinearMethod()
-
-
 class _ParallelLinear(nn.Module):
-    """A linear layer holding [output_size_per_rank, input_size_per_rank] of a bigger one."""
+    """A linear layer holding [output_size_per_rank, input_size_per_rank] of a bigger one, its parameters the
+    method's (`sizes`: the rows of each logical output it stacks, its columns)."""
 
     bias: torch.Tensor | None
+    input_size: int  # the whole weight's columns
 
     def __init__(
         self,
         state: ParallelState,
-        input_size_per_rank: int,
-        output_size_per_rank: int,
+        sizes: LinearSizes,
         bias_size: int | None,
         dtype: torch.dtype | None,
         device: torch.device | None,
-        linear_method: LinearMethod | None,
+        method: LinearMethod | None,
     ):
         super().__init__()
         self.state = state
-        self.input_size_per_rank = input_size_per_rank
-        self.output_size_per_rank = output_size_per_rank
-        self.linear_method = linear_method or UNQUANTIZED
+        self.sizes = sizes
+        self.input_size_per_rank = sizes.input_size
+        self.output_size_per_rank = sizes.output_size
+        self.method = method or UNQUANTIZED
         dtype = dtype or torch.get_default_dtype()
-        self.linear_method.create_weights(self, input_size_per_rank, output_size_per_rank, dtype, device)
+        self.method.create_weights(self, sizes, dtype, device)
         bias = None
         if bias_size is not None:
             bias = nn.Parameter(torch.empty(bias_size, dtype=dtype, device=device), requires_grad=False)
         self.register_parameter("bias", bias)
 
-    def _params_to_load(self, prefix: str) -> list[tuple[str, nn.Parameter]]:
-        """(checkpoint name, parameter) of every parameter the layer holds, weight first."""
-        return [(f"{prefix}.{name}", param) for name, param in self.named_parameters(recurse=False)]
+    def _load_weights(
+        self, source: SliceSource, prefix: str, total: int, rows: slice, cols: slice, shard_index: int = 0,
+        fused: tuple[int, int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """Every parameter the method created, from `{prefix}.<its checkpoint name>`: rows `rows` and columns `cols`
+        of a weight [total, input_size] (logical output `shard_index`). `fused` (start, stop, fused_total): that
+        output is rows [start, stop) of a checkpoint tensor holding several."""
+        for name, param in split_params(self):
+            what = f"{prefix}.{checkpoint_name(name, param)}"
+            loaded = source.get_slice(what)
+            split = split_of(param)
+            for dim, size, block in (
+                (split.output_dim, total if fused is None else fused[2], split.output_block),
+                (split.input_dim, self.input_size, split.input_block),
+            ):  # the checkpoint's tensor is the whole weight's (its entries' count along each split dim)
+                if dim is not None and dim < len(loaded.get_shape()):
+                    check_dim(loaded, dim, split.entries(size, block), what)
+            if fused is not None:
+                loaded = _rows_of(loaded, param, *fused, what)
+            load_parameter(
+                self.method, self, name, loaded, what, sizes=self.sizes, weight_shape=(total, self.input_size),
+                rows=rows, cols=cols, shard_index=shard_index,
+            )  # fmt: skip
+
+    def finish_loading(self) -> None:
+        """The method's work once every tensor is in (quantizing at load, dequantizing, fusing scales)."""
+        self.method.process_after_loading(self)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -131,32 +145,43 @@ class ColumnParallelLinear(_ParallelLinear):
         gather_output: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
-        linear_method: LinearMethod | None = None,
-        output_size_per_rank: int | None = None,  # for the merged subclasses, which split differently
+        method: LinearMethod | None = None,
+        output_sizes_per_rank: Sequence[int] | None = None,  # for the merged subclasses, which split differently
     ):
         self.input_size = input_size
         self.output_size = output_size
         self.gather_output = gather_output
-        if output_size_per_rank is None:
+        if output_sizes_per_rank is None:
             rows = shard_for(output_size, state.rank, state.world_size, "output features")
-            output_size_per_rank = rows.stop - rows.start
-        bias_size = output_size_per_rank if bias else None
-        super().__init__(state, input_size, output_size_per_rank, bias_size, dtype, device, linear_method)
+            output_sizes_per_rank = [rows.stop - rows.start]
+        sizes = LinearSizes(input_size, tuple(output_sizes_per_rank))
+        bias_size = sizes.output_size if bias else None
+        super().__init__(state, sizes, bias_size, dtype, device, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_method.apply(self, x, self.bias)
+        y = self.method.apply(self, x, self.bias)
         return all_gather(self.state, y, dim=-1) if self.gather_output else y
 
-    def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
-        """Copy this rank's rows of the full checkpoint tensor `loaded` into `param`."""
-        check_dim(loaded, 0, self.output_size, what)
-        rows = shard_for(self.output_size, self.state.rank, self.state.world_size, what)
-        copy_into(param.data, loaded[rows], what)
+    def _load_output(
+        self, source: SliceSource, prefix: str, shard_id: int, total: int, rows: slice,
+        fused: tuple[int, int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """Logical output `shard_id` (`total` rows in the checkpoint; this rank holds `rows` of them) from
+        `{prefix}`: the method's parameters, then the bias rows into their place."""
+        self._load_weights(source, prefix, total, rows, slice(0, self.input_size), shard_id, fused)
+        if self.bias is not None:
+            bias = source.get_slice(f"{prefix}.bias")
+            if fused is not None:
+                bias = RowBlock(bias, fused[0], fused[1], f"{prefix}.bias")
+            offset = sum(self.sizes.output_sizes[:shard_id])
+            size = self.sizes.output_sizes[shard_id]
+            copy_into(self.bias.data[offset : offset + size], bias[rows], f"{prefix}.bias")
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
-        """Load `{prefix}.weight` (and `.bias`) from the checkpoint, reading only this rank's rows."""
-        for name, param in self._params_to_load(prefix):
-            self.weight_loader(param, source.get_slice(name), name)
+        """Load `{prefix}.weight` (and the method's other tensors, and `.bias`), reading only this rank's rows."""
+        rows = shard_for(self.output_size, self.state.rank, self.state.world_size, f"{prefix}.weight")
+        self._load_output(source, prefix, 0, self.output_size, rows)
+        self.finish_loading()
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -172,7 +197,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
-        linear_method: LinearMethod | None = None,
+        method: LinearMethod | None = None,
     ):
         self.output_sizes = list(output_sizes)
         self.row_shards = [
@@ -182,38 +207,29 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes_per_rank = [rows.stop - rows.start for rows in self.row_shards]
         super().__init__(
             input_size, sum(output_sizes), state, bias=bias, dtype=dtype, device=device,
-            linear_method=linear_method, output_size_per_rank=sum(self.output_sizes_per_rank),
+            method=method, output_sizes_per_rank=self.output_sizes_per_rank,
         )  # fmt: skip
-
-    def weight_loader(
-        self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight", shard_id: int = 0
-    ) -> None:
-        """Copy this rank's rows of output `shard_id` (0: gate, 1: up) into their place in `param`."""
-        check_dim(loaded, 0, self.output_sizes[shard_id], what)
-        offset = sum(self.output_sizes_per_rank[:shard_id])
-        size = self.output_sizes_per_rank[shard_id]
-        copy_into(param.data[offset : offset + size], loaded[self.row_shards[shard_id]], what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         raise TypeError("a merged layer loads several tensors: call load_merged(source, prefixes)")
 
     def load_merged(self, source: SliceSource, prefixes: Sequence[str]) -> None:
-        """Load `{p}.weight` (and `.bias`) for each prefix p (gate_proj, up_proj) into its place."""
+        """Load each prefix p's (gate_proj, up_proj) tensors into its place."""
         assert len(prefixes) == len(self.output_sizes), f"{len(self.output_sizes)} prefixes, got {prefixes}"
         for shard_id, prefix in enumerate(prefixes):
-            for name, param in self._params_to_load(prefix):
-                self.weight_loader(param, source.get_slice(name), name, shard_id)
+            self._load_output(source, prefix, shard_id, self.output_sizes[shard_id], self.row_shards[shard_id])
+        self.finish_loading()
 
     def load_fused(self, source: SliceSource, prefix: str) -> None:
-        """Load `{prefix}.weight` (and `.bias`) that the checkpoint ships fused, its outputs' rows stacked in order
-        (Phi-3's and GLM-4's gate_up_proj: gate rows, then up rows): each output's rows are read as a tensor of
-        their own, so the rank reads only its slice of each."""
-        for name, param in self._params_to_load(prefix):
-            fused, offset = source.get_slice(name), 0
-            check_dim(fused, 0, self.output_size, name)
-            for shard_id, size in enumerate(self.output_sizes):
-                self.weight_loader(param, RowBlock(fused, offset, offset + size, name), name, shard_id)
-                offset += size
+        """Load `{prefix}`'s tensors that the checkpoint ships fused, its outputs' rows stacked in order (Phi-3's
+        and GLM-4's gate_up_proj: gate rows, then up rows): each output's rows are read as a tensor of their own,
+        so the rank reads only its slice of each."""
+        offset = 0
+        for shard_id, size in enumerate(self.output_sizes):
+            fused = (offset, offset + size, self.output_size)
+            self._load_output(source, prefix, shard_id, size, self.row_shards[shard_id], fused)
+            offset += size
+        self.finish_loading()
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -234,7 +250,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
-        linear_method: LinearMethod | None = None,
+        method: LinearMethod | None = None,
     ):
         self.head_dim = head_dim
         self.num_heads = num_heads
@@ -242,9 +258,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.heads = head_shard(num_heads, num_kv_heads, state.rank, state.world_size)
         self.q_size_per_rank = self.heads.num_q_heads * head_dim
         self.kv_size_per_rank = self.heads.num_kv_heads * head_dim
+        self.output_sizes_per_rank = [self.q_size_per_rank, self.kv_size_per_rank, self.kv_size_per_rank]
         super().__init__(
             hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, state, bias=bias, dtype=dtype, device=device,
-            linear_method=linear_method, output_size_per_rank=self.q_size_per_rank + 2 * self.kv_size_per_rank,
+            method=method, output_sizes_per_rank=self.output_sizes_per_rank,
         )  # fmt: skip
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,19 +270,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, k, v = qkv.split([self.q_size_per_rank, kv, kv], dim=-1)
         return q, k, v
 
-    def weight_loader(
-        self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight", shard_id: str = "q"
-    ) -> None:
-        """Copy this rank's heads of q_proj, k_proj or v_proj (`shard_id`) into their place in `param`."""
+    def _rows(self, shard_id: str) -> tuple[int, slice]:
+        """(rows of q_proj, k_proj or v_proj in the checkpoint, this rank's heads' rows of them)."""
         heads = self.heads.q_heads if shard_id == "q" else self.heads.kv_heads
         total_heads = self.num_heads if shard_id == "q" else self.num_kv_heads
-        check_dim(loaded, 0, total_heads * self.head_dim, what)
-        offset = {"q": 0, "k": self.q_size_per_rank, "v": self.q_size_per_rank + self.kv_size_per_rank}[
-            shard_id
-        ]
-        size = (heads.stop - heads.start) * self.head_dim
-        rows = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
-        copy_into(param.data[offset : offset + size], loaded[rows], what)
+        return total_heads * self.head_dim, slice(heads.start * self.head_dim, heads.stop * self.head_dim)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         raise TypeError(
@@ -273,21 +282,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
     def load_qkv(self, source: SliceSource, q_prefix: str, k_prefix: str, v_prefix: str) -> None:
-        """Load q/k/v `.weight` (and `.bias`, as Qwen2 has) reading only this rank's heads."""
-        for shard_id, prefix in zip(self.SHARD_IDS, (q_prefix, k_prefix, v_prefix), strict=True):
-            for name, param in self._params_to_load(prefix):
-                self.weight_loader(param, source.get_slice(name), name, shard_id)
+        """Load q/k/v's tensors (and `.bias`, as Qwen2 has) reading only this rank's heads."""
+        for index, prefix in enumerate((q_prefix, k_prefix, v_prefix)):
+            total, rows = self._rows(self.SHARD_IDS[index])
+            self._load_output(source, prefix, index, total, rows)
+        self.finish_loading()
 
     def load_fused_qkv(self, source: SliceSource, prefix: str) -> None:
-        """Load `{prefix}.weight` (and `.bias`) that the checkpoint ships fused (Phi-3's qkv_proj: all q rows, then
-        k, then v), reading only this rank's heads of each."""
-        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        blocks = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
-        for name, param in self._params_to_load(prefix):
-            fused = source.get_slice(name)
-            check_dim(fused, 0, self.output_size, name)
-            for shard_id in self.SHARD_IDS:
-                self.weight_loader(param, RowBlock(fused, *blocks[shard_id], name), name, shard_id)
+        """Load `{prefix}`'s tensors that the checkpoint ships fused (Phi-3's qkv_proj: all q rows, then k, then v),
+        reading only this rank's heads of each."""
+        offset = 0
+        for index, shard_id in enumerate(self.SHARD_IDS):
+            total, rows = self._rows(shard_id)
+            self._load_output(source, prefix, index, total, rows, (offset, offset + total, self.output_size))
+            offset += total
+        self.finish_loading()
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -307,7 +316,7 @@ class RowParallelLinear(_ParallelLinear):
         reduce_results: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
-        linear_method: LinearMethod | None = None,
+        method: LinearMethod | None = None,
     ):
         self.input_size = input_size
         self.output_size = output_size
@@ -315,28 +324,27 @@ class RowParallelLinear(_ParallelLinear):
         self.reduce_results = reduce_results
         self.cols = shard_for(input_size, state.rank, state.world_size, "input features")
         bias_size = output_size if bias else None
-        super().__init__(
-            state, self.cols.stop - self.cols.start, output_size, bias_size, dtype, device, linear_method
-        )
+        sizes = LinearSizes(self.cols.stop - self.cols.start, (output_size,))
+        super().__init__(state, sizes, bias_size, dtype, device, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = x[..., self.cols]
         if not self.reduce_results:
-            return self.linear_method.apply(self, x, self.bias if self.state.is_first_rank else None)
-        y = all_reduce(self.state, self.linear_method.apply(self, x, None))
+            return self.method.apply(self, x, self.bias if self.state.is_first_rank else None)
+        y = all_reduce(self.state, self.method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
-    def weight_loader(self, param: torch.Tensor, loaded: TensorSlice, what: str = "weight") -> None:
-        """2-D parameters: this rank's columns; 1-D (bias): the whole tensor, replicated."""
-        if param.dim() == 1:
-            check_dim(loaded, 0, self.output_size, what)
-            copy_into(param.data, loaded[:], what)
-            return
-        check_dim(loaded, 1, self.input_size, what)
-        copy_into(param.data, loaded[:, self.cols], what)
+    def row_absmax(self, weight: torch.Tensor) -> torch.Tensor:
+        """Each row's absmax over every rank's columns (this rank holds part of each row): what a method that
+        quantizes per output channel at load needs for one process's scales (one all-gather of [N] floats)."""
+        return all_gather(self.state, weight.abs().amax(dim=-1).float()[None], dim=0).amax(dim=0)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
-        """Load `{prefix}.weight` (this rank's columns) and `.bias` (whole)."""
-        for name, param in self._params_to_load(prefix):
-            self.weight_loader(param, source.get_slice(name), name)
+        """Load `{prefix}`'s tensors (this rank's columns; a scale per row whole) and `.bias` (whole)."""
+        self._load_weights(source, prefix, self.output_size, slice(0, self.output_size), self.cols)
+        if self.bias is not None:
+            bias = source.get_slice(f"{prefix}.bias")
+            check_dim(bias, 0, self.output_size, f"{prefix}.bias")
+            copy_into(self.bias.data, bias[:], f"{prefix}.bias")
+        self.finish_loading()

@@ -5,10 +5,16 @@ pass: config.json -> its quantization (quant/: FP8 formats, `--quantization fp8`
 other is refused in one line) -> its family (registry.py; a config the family does not implement stops here,
 before any weights) -> generation_config.json -> the tokenizer (given the checkpoint's eos ids) -> the weights.
 
-gpt-oss's MXFP4 release is read by slice as the one rank of a world of one (models/shard_build.py
-`load_whole_model`: every tensor straight onto the device, the experts dequantized to the model dtype one at a
-time by layers/experts.py, the reader the tensor-parallel ranks use), not by transformers' mxfp4
-quantizer (which needs a GPU and the `kernels` package).
+One loader: a checkpoint is read by slice as the one rank of a world of one (models/shard_build.py
+`load_whole_model`, the reader the tensor-parallel ranks use: the family's transformers model built on meta, each
+linear read through its parallel layer and its method (quant/methods.py `LinearMethods`), straight onto the device,
+the model's parameters views of the layers' weights). bf16/fp16/fp32 checkpoints, FP8 ones (kept FP8 or
+dequantized after loading, each linear by its method), `--quantization fp8` (quantized per channel as each linear
+is loaded) and gpt-oss's MXFP4 release (its experts dequantized one at a time by layers/experts.py, not by
+transformers' mxfp4 quantizer, which needs a GPU and the `kernels` package) all take it. What it does not read
+keeps its own route: a vision-language model (models/vision.py), a family the reader does not split
+(`slice_reader_refuses`: multi-head latent attention, other MoE layouts: transformers' `from_pretrained`, or
+models/quant_loader.py for FP8), and an FP8 mixture of experts whose experts stay FP8 (models/quant_loader.py).
 
 Quantization is a property of each linear: on sm89+ CUDA a quantized linear is an `Fp8LinearModule` (FP8
 weight and scales, which the owned decoder multiplies with FP8 GEMMs); elsewhere its weight is dequantized to
@@ -30,6 +36,7 @@ import torch
 from ..api import SamplingParams
 from ..families.registry import MODULES, family_of
 from ..families.spec import DecoderArgs, Family, UnsupportedConfig, runtime_rope_fields, unhandled_fields
+from ..kv_cache import KV_SCALES_ATTR
 from ..moe import moe_layer_ids, spec_from_config
 from ..moe.cost import MoeModelShape, check_weights_fit, weight_bytes
 from ..moe.fp8 import Fp8ExpertFormat
@@ -44,12 +51,19 @@ from ..quant import (
     refuse_gguf,
 )
 from ..quant.linear import keeps_fp8, quantize_linears
+from ..quant.methods import LinearMethods
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .errors import ModelLoadError
 from .errors import one_line as _one_line
 from .presets import PRESETS, preset_config
-from .quant_loader import SparseLayers, load_quantized_model
-from .shard_build import load_whole_model
+from .quant_loader import (
+    AccountedCheckpoint,
+    SparseLayers,
+    checkpoint_tensors,
+    load_quantized_model,
+    read_kv_scales,
+)
+from .shard_build import load_whole_model, local_folder, open_checkpoint, slice_reader_refuses
 from .vision import load_vision_model
 
 SUPPORTED_MODEL_TYPES = tuple(MODULES)
@@ -147,6 +161,7 @@ def load_model(
         keep_fp8 = keeps_fp8(device)
     if keep_fp8_experts is None:
         keep_fp8_experts = keep_fp8 and device.type == "cuda"
+    read_by_slice = False  # the slice reader's methods quantize `--quantization fp8` linears as they load
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
         quant = _quantization(config, quantization)
@@ -173,16 +188,26 @@ def load_model(
         try:
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
+            sparse = sparse_layers(config, family)
+            fp8 = quant if isinstance(quant, Fp8Config) else None  # INT4 is read by quant_loader (below), not by slice
+            methods = LinearMethods(fp8, keep_fp8, sparse.holds if sparse is not None else lambda name: False)
+            by_slice = (
+                slice_reader_refuses(family, one_process=True) is None
+                and not (quant is not None and quant.is_serialized and fp8_experts is not None)
+                and (quant is None or fp8 is not None)
+                and not _only_pickled_weights(name_or_path)
+            )
             if family.vision is not None:  # the whole vision-language model (models/vision.py)
                 model = load_vision_model(name_or_path, family, generation_config, dtype, device)
+            elif by_slice or has_mxfp4_experts(config):  # the one reader (shard_build.load_whole_model)
+                model = _read_by_slice(name_or_path, text_config, family, key_mapping, fp8, methods, device, dtype)
+                model.generation_config = generation_config
+                read_by_slice = True
             elif quant is not None and quant.is_serialized:  # FP8 or INT4 weights in the checkpoint: read by quant/
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
-                    sparse=sparse_layers(config, family), keep_fp8_experts=keep_fp8_experts,
+                    sparse=sparse, keep_fp8_experts=keep_fp8_experts,
                 ).to(device)  # fmt: skip
-            elif has_mxfp4_experts(config):  # gpt-oss's release: read by slice, its experts dequantized to `dtype`
-                model = load_whole_model(name_or_path, text_config, family, key_mapping, device, dtype)
-                model.generation_config = generation_config
             else:
                 model = AutoModelForCausalLM.from_pretrained(
                     name_or_path,
@@ -196,11 +221,42 @@ def load_model(
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
     if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
         sparse = sparse_layers(model.config, family_for(model.config)[0])
-        quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
+        if not read_by_slice:  # the slice reader's methods quantized each linear as it was loaded
+            quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
         if sparse is not None and fp8_experts is not None:  # the routed experts per channel, a layer at a time
             quantize_model_experts(model, sparse.layer_prefixes, sparse.mlp.experts, sparse.spec)
     model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _only_pickled_weights(name_or_path: str) -> bool:
+    """A local folder whose weights are only pytorch_model*.bin (older releases): transformers reads those, the slice
+    reader reads safetensors only."""
+    if not os.path.isdir(name_or_path):
+        return False
+    files = os.listdir(name_or_path)
+    return not any(f.endswith(".safetensors") for f in files) and any(f.endswith(".bin") for f in files)
+
+
+def _read_by_slice(
+    name_or_path: str, config, family: Family, renames, quant: Fp8Config | None, methods: LinearMethods,
+    device: torch.device, dtype: torch.dtype,
+):  # fmt: skip
+    """The one reader at a world of one (`load_whole_model`). An FP8 checkpoint keeps the quantized loader's checks
+    (a missing scale, an FP8 tensor its config does not account for, named in one line) and its KV-cache scales."""
+    path = local_folder(name_or_path)
+    source = open_checkpoint(path, renames, name_or_path)
+    if quant is None or not quant.is_serialized:
+        return load_whole_model(source, config, family, device, dtype, methods)
+    accounted = AccountedCheckpoint(source)
+    model = load_whole_model(accounted, config, family, device, dtype, methods)
+    names = getattr(source, "names", None)
+    if names is not None:  # a multimodal checkpoint's renamed view lists no names: its FP8 is not checked here
+        accounted.check_unread(names(), config)
+    kv_scales = read_kv_scales(checkpoint_tensors(path), config.num_hidden_layers)
+    if kv_scales:
+        setattr(model, KV_SCALES_ATTR, kv_scales)
+    return model
 
 
 def _quantization(config, requested: str | None) -> QuantConfig | None:

@@ -63,6 +63,7 @@ _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 # the INT4 layouts' tensors (GPTQ, AWQ, compressed-tensors pack-quantized): never a plain model's
 _INT4_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
+_SAFETENSORS_DTYPES = {"F8_E4M3": "torch.float8_e4m3fn", "F32": "torch.float32", "BF16": "torch.bfloat16", "F16": "torch.float16"}
 
 
 class CheckpointTensors(Mapping[str, torch.Tensor]):
@@ -291,6 +292,39 @@ class _RecordedReads:
     def get_slice(self, name: str) -> Any:
         self.read.add(name)
         return self.tensors.get_slice(name)
+
+
+class AccountedCheckpoint:
+    """An FP8 checkpoint read by slice (the one reader, models/shard_build.py) that keeps this loader's checks: a
+    tensor its quantization_config needs and the checkpoint lacks is named (`Fp8CheckpointError`), and once the
+    model is read, `check_unread` names an FP8 weight or a scale nobody read (a linear the config leaves
+    unquantized), KV-cache scales and the layers transformers does not build excepted."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.read = inner, set[str]()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.inner
+
+    def get_slice(self, name: str) -> Any:
+        if name not in self.inner:
+            raise Fp8CheckpointError(f"the checkpoint has no {name}, which its quantization_config needs")
+        self.read.add(name)
+        return self.inner.get_slice(name)
+
+    def check_unread(self, names: Iterable[str], config: Any) -> None:
+        unbuilt = _unbuilt_layers(config)
+        for name in names:
+            if name in self.read or name.endswith(_KV_SCALE_SUFFIXES) or unbuilt(name):
+                continue
+            tensor = self.inner.get_slice(name)
+            dtype = str(tensor.get_dtype()) if hasattr(tensor, "get_dtype") else str(tensor[...].dtype)
+            if dtype.startswith(("F8", "torch.float8")) or name.endswith(_SCALE_SUFFIXES):
+                shown = _SAFETENSORS_DTYPES.get(dtype, dtype)
+                raise Fp8CheckpointError(
+                    f"the checkpoint has {name} ({shown}), but its quantization_config leaves "
+                    f"{name.rsplit('.', 1)[0]} unquantized"
+                )
 
 
 def _keep_fp8_experts(

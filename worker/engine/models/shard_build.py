@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +33,9 @@ from ..layers.tensor_parallel import TensorParallel
 from ..moe import moe_layer_ids, spec_from_config
 from ..parallel.group import ParallelState
 from ..parallel.memory import head_shard, shard_for
-from ..quant import has_mxfp4_experts
+from ..quant.linear import Fp8LinearModule, replace_module
+from ..quant.methods import UNQUANTIZED_MODEL, Fp8LinearMethod, LinearMethods, fp8_linear_of, fp8_parts
 from .errors import ModelLoadError, one_line
-from .shard_fp8 import Fp8ShardSource
 
 
 class ModelSource:
@@ -67,8 +67,8 @@ def shard_config(config: Any, state: ParallelState) -> Any:
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, state.rank, state.world_size)
     mlp = shard_for(config.intermediate_size, state.rank, state.world_size, "intermediate_size")
     shard = copy.deepcopy(config)
-    if has_mxfp4_experts(config):  # dequantized at load: the shard model holds plain weights
-        del shard.quantization_config
+    if hasattr(shard, "quantization_config"):  # the methods read the quantized tensors: transformers must not
+        del shard.quantization_config  # see a quantizer (its model holds plain weights or cbq's FP8 modules)
     shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shard.num_attention_heads = heads.num_q_heads
     shard.num_key_value_heads = heads.num_kv_heads
@@ -115,11 +115,13 @@ def build_shard(
     source: Checkpoint,
     state: ParallelState,
     dtype: torch.dtype,
-    after_layer: Callable[[nn.Module], None] | None = None,
+    methods: LinearMethods = UNQUANTIZED_MODEL,
 ) -> tuple[nn.Module, TensorParallel]:
-    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names).
-    `after_layer(model)`: run once each decoder layer is loaded (FP8 linears take their layer's place there, so
-    that a rank holds one layer's weights in the model dtype at a time)."""
+    """This rank's shard model of `config`, loaded from `source` (checkpoint names = the model's own names). Each
+    parallel linear takes its method from `methods` (`method_for(prefix)`: unquantized, an FP8 format kept FP8, or
+    read FP8 and dequantized), which reads its slices of the checkpoint's tensors; a linear kept FP8 takes the
+    transformers model's linears' place as `Fp8LinearModule`s viewing its rows, so a rank holds each FP8 weight
+    once and never in the model dtype."""
     from transformers import AutoModelForCausalLM
 
     cfg = shard_config(config, state)
@@ -130,24 +132,22 @@ def build_shard(
         for buffer_name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[buffer_name] = buffer.to(device)
-    # the model's own buffers the checkpoint stores (not those of modules `after_layer` puts in: FP8 linears')
+    # the model's own buffers the checkpoint stores (listed before FP8 linears take their modules' places)
     stored_buffers = [name for name, _ in model.named_buffers() if name in source]
     hidden = config.hidden_size
     layers = submodule(model, family.layers_path)
     sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
     kw: dict[str, Any] = dict(dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw)
+        loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw, methods)
         if family.mla is not None:
             loader.latent_attention(family.mla, config)
         else:
             loader.attention(family, config, cfg.head_dim)
         if i in sparse:
-            _load_moe(model, loader.prefix, family, source, state, config, kw)
+            _load_moe(model, loader.prefix, family, source, state, config, kw, methods)
         else:
             loader.dense_mlp(family.layer, config)
-        if after_layer is not None:
-            after_layer(model)
     embed_name = f"{family.embed_path}.weight"
     embedding = VocabParallelEmbedding(config.vocab_size, hidden, state, **kw)
     embedding.load_from(source, family.embed_path)
@@ -180,6 +180,7 @@ class _LayerLoader:
     source: Checkpoint
     state: ParallelState
     kw: dict[str, Any]  # dtype and device
+    methods: LinearMethods
 
     def name(self, part: str) -> str:
         return f"{self.prefix}.{part}"
@@ -193,7 +194,7 @@ class _LayerLoader:
         spec, name = family.layer, self.name
         qkv = QKVParallelLinear(
             config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, self.state,
-            bias=self.has_bias(spec.qkv.parts[0]), **self.kw,
+            bias=self.has_bias(spec.qkv.parts[0]), method=self.methods.method_for(name(spec.qkv.parts[0])), **self.kw,
         )  # fmt: skip
         if len(spec.qkv.parts) == 1:  # shipped fused (Phi-3): the rank's heads out of each block of rows
             qkv.load_fused_qkv(self.source, name(spec.qkv.parts[0]))
@@ -213,33 +214,37 @@ class _LayerLoader:
     def latent_attention(self, mla: MlaSpec, config: Any) -> None:
         """Multi-head latent attention split by head: the query projection (q_proj, or q_b_proj after the low-rank
         q_a_proj) and kv_b_proj (each head's no-rotary key and value rows) by the rank's heads' rows, o_proj by their
-        columns. The latent's projections (kv_a_proj_with_mqa, and q_a_proj) whole on every rank: each rank writes and
-        reads the whole latent. Read here rather than by the generic pass after the layers, so that an FP8 one is kept
-        FP8 by `after_layer` as the split ones are; their norms (kv_a_layernorm, q_a_layernorm) are left to that pass."""
+        columns. The latent's projections (kv_a_proj_with_mqa, and q_a_proj) whole on every rank (each rank writes and
+        reads the whole latent): a column layer of a world of one, so each is read through its method as the split ones
+        are (an FP8 one kept FP8); their norms (kv_a_layernorm, q_a_layernorm) are left to the generic pass."""
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         query = mla.q_proj if config.q_lora_rank is None else mla.q_b_proj
         query_input = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
         kv_b_rows = config.qk_nope_head_dim + config.v_head_dim
         # an even split of heads x rows-per-head rows is the rank's heads' rows (`shard_config`'s head_shard has
         # refused a head count the ranks do not divide)
-        split_by_head = ((query, query_input, qk_head_dim), (mla.kv_b_proj, config.kv_lora_rank, kv_b_rows))
-        for part, input_size, rows_per_head in split_by_head:
-            rows = config.num_attention_heads * rows_per_head
-            column = ColumnParallelLinear(input_size, rows, self.state, bias=self.has_bias(part), **self.kw)
+        split_by_head = ((query, query_input, config.num_attention_heads * qk_head_dim, self.state),
+                         (mla.kv_b_proj, config.kv_lora_rank, config.num_attention_heads * kv_b_rows, self.state))
+        whole = ParallelState.single(self.kw["device"])
+        latent_rows = config.kv_lora_rank + config.qk_rope_head_dim
+        replicated = [(mla.kv_a_proj, config.hidden_size, latent_rows, whole)]
+        if config.q_lora_rank is not None:
+            replicated.append((mla.q_a_proj, config.hidden_size, config.q_lora_rank, whole))
+        for part, input_size, rows, state in (*split_by_head, *replicated):
+            column = ColumnParallelLinear(
+                input_size, rows, state, bias=self.has_bias(part), method=self.methods.method_for(self.name(part)), **self.kw
+            )  # fmt: skip
             column.load_from(self.source, self.name(part))
             _bind_rows(self.model, [self.name(part)], column, [column.output_size_per_rank])
         self.row(mla.o_proj, config.num_attention_heads * config.v_head_dim, config.hidden_size)
-        for replicated in (mla.kv_a_proj,) if config.q_lora_rank is None else (mla.kv_a_proj, mla.q_a_proj):
-            for param in ("weight", "bias") if self.has_bias(replicated) else ("weight",):
-                name = f"{self.name(replicated)}.{param}"
-                _set_param(self.model, name, self.source.get_slice(name)[:].to(**self.kw))
 
     def dense_mlp(self, spec: LayerSpec, config: Any) -> None:
         """gate/up by rows of the intermediate size (separate or shipped fused), down by columns."""
         name, inter = self.name, config.intermediate_size
         gate_up = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], self.state, bias=self.has_bias(spec.gate_up.parts[0]), **self.kw
-        )
+            config.hidden_size, [inter, inter], self.state, bias=self.has_bias(spec.gate_up.parts[0]),
+            method=self.methods.method_for(name(spec.gate_up.parts[0])), **self.kw,
+        )  # fmt: skip
         if len(spec.gate_up.parts) == 1:  # shipped fused (Phi-3, GLM-4): gate rows, then up rows
             gate_up.load_fused(self.source, name(spec.gate_up.parts[0]))
             sizes = [gate_up.output_size_per_rank]
@@ -252,10 +257,10 @@ class _LayerLoader:
     def row(self, part: str, input_size: int, output_size: int) -> None:
         """A row-parallel linear (o, down): the rank's columns; the bias on rank 0 only, so that the all-reduce
         after the GEMM adds it once."""
-        row = RowParallelLinear(input_size, output_size, self.state, bias=self.has_bias(part), **self.kw)
+        method = self.methods.method_for(self.name(part))
+        row = RowParallelLinear(input_size, output_size, self.state, bias=self.has_bias(part), method=method, **self.kw)
         row.load_from(self.source, self.name(part))
-        _set_param(self.model, f"{self.name(part)}.weight", row.get_parameter("weight"))
-        _set_param(self.model, f"{self.name(part)}.bias", row.bias if self.state.is_first_rank else None)
+        _bind_row(self.model, self.name(part), row, self.state.is_first_rank)
 
     def load_entries(self, name: str, entries: slice) -> None:
         """A per-head vector (sinks, a whole-projection norm): the rank's entries, checked against the shard's size."""
@@ -267,31 +272,37 @@ class _LayerLoader:
 
 
 def _load_moe(
-    model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict
-) -> None:
+    model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict,
+    methods: LinearMethods,
+) -> None:  # fmt: skip
     """A sparse layer: the router (replicated) and every expert's slice of columns (layers/experts.py), and a shared
     expert split like a dense MLP, its gate replicated (left to the generic pass)."""
     assert family.moe is not None
     spec = spec_from_config(config)
-    # An FP8 checkpoint's experts: each expert's weight dequantized whole from the inner checkpoint, then sliced
-    # (the shard source would read them by slice, which needs the rank's columns on block boundaries).
-    inner, quant = (source.inner, source.quant) if isinstance(source, Fp8ShardSource) else (source, None)
-    for name, tensor in load_expert_shard(inner, prefix, family.moe, spec, state, quant, **kw).items():
+    # An FP8 checkpoint's experts: each expert's weight dequantized whole, then sliced (reading them by slice would
+    # need the rank's columns on block boundaries).
+    quant = methods.quant if methods.quant is not None and methods.quant.is_serialized else None
+    for name, tensor in load_expert_shard(source, prefix, family.moe, spec, state, quant, **kw).items():
         module_path, _, attr = name.rpartition(".")
         want = submodule(model, module_path)._parameters[attr]
         if want is not None and want.shape != tensor.shape:  # a checkpoint of other sizes than its config.json's
             raise ValueError(f"{name}: the checkpoint's experts give {list(tensor.shape)}, the config {list(want.shape)}")
+        if want is not None and want.dtype != tensor.dtype:  # GLM-4.5's fp32 router in a bf16 model: read as
+            continue  # stored by the generic pass, in its parameter's own dtype, not through the model dtype
         _set_param(model, name, tensor)
     if family.moe.shared_expert is not None:
         shared = f"{prefix}.{family.moe.shared_expert}"
         size = spec.shared_expert_intermediate_size
-        gate_up_layer = MergedColumnParallelLinear(config.hidden_size, [size, size], state, **kw)
         names = [f"{shared}.gate_proj", f"{shared}.up_proj"]
+        gate_up_layer = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], state, method=methods.method_for(names[0]), **kw
+        )
         gate_up_layer.load_merged(source, names)
         _bind_rows(model, names, gate_up_layer, gate_up_layer.output_sizes_per_rank)
-        down_layer = RowParallelLinear(size, config.hidden_size, state, **kw)
-        down_layer.load_from(source, f"{shared}.down_proj")
-        _set_param(model, f"{shared}.down_proj.weight", down_layer.get_parameter("weight"))
+        down = f"{shared}.down_proj"
+        down_layer = RowParallelLinear(size, config.hidden_size, state, method=methods.method_for(down), **kw)
+        down_layer.load_from(source, down)
+        _bind_row(model, down, down_layer, bias=False)
 
 
 def _param_name(model: nn.Module, module: nn.Module) -> str:
@@ -299,7 +310,17 @@ def _param_name(model: nn.Module, module: nn.Module) -> str:
 
 
 def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, sizes: list[int]) -> None:
-    """The linears `names` become views of consecutive row blocks of the column-parallel `layer`."""
+    """The linears `names` become views of consecutive row blocks of the column-parallel `layer`: their
+    parameters, or where the layer keeps FP8 weights, `Fp8LinearModule`s in their place holding views of its
+    rows and of their scales (fused_weights finds them adjacent and copies nothing)."""
+    if isinstance(layer.method, Fp8LinearMethod):
+        offset = 0
+        for linear, part in zip(names, fp8_parts(layer, sizes), strict=True):
+            size = part.out_features
+            bias = None if layer.bias is None else layer.bias[offset : offset + size]
+            replace_module(model, linear, Fp8LinearModule(layer.method, part, bias))
+            offset += size
+        return
     offset = 0
     for linear, size in zip(names, sizes, strict=True):
         _set_param(model, f"{linear}.weight", layer.get_parameter("weight")[offset : offset + size])
@@ -307,16 +328,50 @@ def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, 
             _set_param(model, f"{linear}.bias", layer.bias[offset : offset + size])
         offset += size
 
+def _bind_row(model: nn.Module, name: str, layer: RowParallelLinear, bias: bool) -> None:
+    """Linear `name` becomes the row-parallel `layer`'s columns (an `Fp8LinearModule` where it keeps FP8); its
+    bias only where `bias` (rank 0: the all-reduce after the GEMM adds it once)."""
+    bias_part = layer.bias if bias else None
+    if isinstance(layer.method, Fp8LinearMethod):
+        replace_module(model, name, Fp8LinearModule(layer.method, fp8_linear_of(layer), bias_part))
+        return
+    _set_param(model, f"{name}.weight", layer.get_parameter("weight"))
+    if submodule(model, name).bias is not None or bias_part is not None:
+        _set_param(model, f"{name}.bias", bias_part)
+
+
+# Mixtures of experts whose experts the reader splits by intermediate size (each rank holds every expert's slice of
+# columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike), in the checkpoint
+# layouts layers/experts.py reads.
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
+
+
+def slice_reader_refuses(family: Family, one_process: bool = False) -> str | None:
+    """Why `build_shard` cannot read this family's checkpoints (None: it can), at any world size: a layout it does
+    not split. `one_process`: for the one-process loader, which leaves multi-head latent attention to transformers'
+    loading (its shards put their collectives into transformers' modules, models/shard_model.py)."""
+    layer = family.layer
+    if family.mla is not None and one_process:
+        return f"{family.name}: multi-head latent attention loads through transformers in one process"
+    if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
+        return f"{family.name}: its mixture-of-experts layers are not sharded yet"
+    if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
+        return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
+    if family.vision is not None:
+        return f"{family.name}: a vision-language model loads whole (models/vision.py)"
+    return None
+
+
 def load_whole_model(
-    name_or_path: str, config: Any, family: Family, renames: dict[str, str] | None, device: torch.device, dtype: torch.dtype
-) -> nn.Module:
+    source: Checkpoint, config: Any, family: Family, device: torch.device, dtype: torch.dtype,
+    methods: LinearMethods = UNQUANTIZED_MODEL,
+) -> nn.Module:  # fmt: skip
     """The whole model of a checkpoint as the one shard of a world of one (no process group): a plain transformers
-    model (no quantizer: `shard_config` drops quantization_config) read by slice straight onto `device`, ready for
-    `generate` and the owned decoder. The one-process loader's path for gpt-oss's MXFP4 release, whose experts
-    layers/experts.py dequantizes to `dtype` (transformers' own mxfp4 integration needs a GPU and other packages).
-    `config`: the model's (a multimodal checkpoint's text config, its names mapped by `renames`)."""
-    source = open_checkpoint(local_folder(name_or_path), renames, name_or_path)
-    model, _ = build_shard(config, family, source, ParallelState(rank=0, world_size=1, device=device), dtype)
+    model (no quantizer: `shard_config` drops quantization_config) read by slice straight onto `device`, each linear
+    through its method (`methods`), ready for `generate` and the owned decoder. The one-process loader's path for
+    every family `slice_reader_refuses` accepts (gpt-oss's MXFP4 experts dequantized to `dtype` by
+    layers/experts.py). `config`: the model's (a multimodal checkpoint's text config, `source` under its names)."""
+    model, _ = build_shard(config, family, source, ParallelState.single(device), dtype, methods)
     return model
 
 

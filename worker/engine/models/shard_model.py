@@ -24,9 +24,25 @@ The config's `vocab_size` stays the full vocabulary (the engine validates ids an
 
 A preset (random weights) has no files: each rank builds the whole model with the same seed on its device,
 as `load_model` does, and keeps its shards. A checkpoint is read by slice (`SafetensorsCheckpoint`; a multimodal
-one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice; a dense FP8
-checkpoint's linears with their scales, and `--quantization fp8` on the rank's shard: shard_fp8.py; an FP8
-mixture of experts' experts dequantized from the inner checkpoint by layers/experts.py).
+one's language model through `RenamedCheckpoint`; gpt-oss's MXFP4 experts dequantized by slice; an FP8 mixture of
+experts' experts dequantized by layers/experts.py).
+
+Quantized linears: each parallel linear takes its method from `LinearMethods.method_for(prefix)` (quant/methods.py)
+and reads its slices through it, the same code at every world size:
+  per-channel  a column-parallel rank's rows keep their rows' scales; a row-parallel rank (o, down) holds every
+               scale (a row's scale covers all its columns, on every rank)
+  per-tensor   q/k/v's (or gate/up's) own scales, one each; fused per channel where they differ, as in one process
+  block-wise   the rank's [128, 128] blocks: its slice must start and end on block boundaries, refused in one line
+               where the shard boundary cuts a block (e.g. 64-dim KV heads split between ranks)
+  input_scale  a static per-tensor activation scale, replicated
+  `--quantization fp8`  per output channel after loading; a row-parallel rank's scale is the whole row's (the
+               largest of the ranks' row absmaxes: one all-gather of [N] floats per linear, at load), so every rank
+               holds exactly one process's FP8 weights
+Kept FP8 (sm89+), a linear is an `Fp8LinearModule` viewing its layer's rows; elsewhere it is dequantized after
+loading. Not one process's bits: a row-parallel linear's dynamic per-token activation scale is taken over the
+rank's slice of the input, as vLLM does (at least as fine as one process's, at no collective per GEMM).
+Mixtures of experts: every linear under a sparse MLP stays in the model dtype (read as shipped, then
+dequantized), as in one process; the experts are read by layers/experts.py.
 """
 
 from __future__ import annotations
@@ -47,31 +63,25 @@ from ..parallel.group import ParallelState
 from ..parallel.memory import DecoderShape, check_fits
 from ..quant import Fp8Config, QuantConfig
 from ..quant.linear import keeps_fp8, replace_module
+from ..quant.methods import LinearMethods
+from ..quant.protocol import LinearLoadError
 from . import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
-from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint
-from .shard_fp8 import Fp8ShardSource, keep_fp8_linears, quantize_shard
+from .quant_loader import AccountedCheckpoint
+from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint, slice_reader_refuses
 
 __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's; building is shard_build.py's
 
 
 # --- what is sharded, and what is refused ---------------------------------------------------------------
 
-# Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
-# columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike), in the checkpoint
-# layouts layers/experts.py reads.
-SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
-
-
 def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
     """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
     path does not split correctly, refused rather than computed wrong."""
-    layer = family.layer
     if family.mla is not None and engine_config.deterministic:
         return f"{family.name}: multi-head latent attention runs no --deterministic yet"
-    if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
-        return f"{family.name}: its mixture-of-experts layers are not sharded yet"
-    if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
-        return f"{family.name}: q/k/v in {len(layer.qkv.parts)} or gate/up in {len(layer.gate_up.parts)} linears"
+    reason = slice_reader_refuses(family)
+    if reason is not None and family.vision is None:
+        return reason
     if engine_config.decoder == "hf":
         return "tensor parallelism runs the owned decoder only (not decoder 'hf')"
     return None
@@ -83,7 +93,7 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
 
 def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineConfig, keep_fp8: bool | None = None):
     """(shard model, TensorParallel, tokenizer) of rank `state.rank`. The tokenizer is rank 0's only (None on
-    the others). `keep_fp8`: FP8 linears stay FP8 (`Fp8LinearModule`, shard_fp8.py) rather than dequantized;
+    the others). `keep_fp8`: FP8 linears stay FP8 (`Fp8LinearModule`) rather than dequantized;
     None: where FP8 tensor cores run them (sm89+ CUDA), as load_model decides. Raises ModelLoadError (one line)
     for what the sharded path does not run."""
     device = state.device
@@ -116,21 +126,21 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
             raise ModelLoadError(
                 f"{name_or_path}: {quant.quant_method} INT4 checkpoints run in one process (--tensor-parallel-size 1)"
             )
-        if isinstance(quant, Fp8Config) and quant.is_serialized:  # FP8 weights read by slice with their scales
-            source = Fp8ShardSource(source, quant, keep_fp8, _stays_dense(text_config, family))
+        if quant is not None and quant.is_serialized:  # a missing scale named as one process names it
+            source = AccountedCheckpoint(source)
         config = text_config
     family, _ = family_for(config)
-    fp8_source = source if isinstance(source, Fp8ShardSource) and keep_fp8 else None
-    if device.type == "cuda":  # FP8 weights kept: their linears at 1 byte (converted layer by layer at load)
-        _check_fits(config, family, state, dtype, name_or_path, 1 if fp8_source is not None else None)
-    after_layer = None if fp8_source is None else (lambda model: keep_fp8_linears(model, fp8_source))
-    model, tp = build_shard(config, family, source, state, dtype, after_layer)
+    kept_fp8 = quant is not None and keep_fp8
+    if device.type == "cuda":  # FP8 weights kept: their linears at 1 byte (each layer's, as it is loaded)
+        _check_fits(config, family, state, dtype, name_or_path, 1 if kept_fp8 else None)
+    assert quant is None or isinstance(quant, Fp8Config), "INT4 checkpoints were refused above"
+    methods = LinearMethods(quant, keep_fp8, _stays_dense(config, family))
+    try:
+        model, tp = build_shard(config, family, source, state, dtype, methods)
+    except LinearLoadError as exc:  # a checkpoint tensor that does not fit its format or the rank's split
+        raise ModelLoadError(str(exc)) from None
     if engine_config.deterministic:  # partial sums in rank order: a row's bits never follow the step's size
         tp = dataclasses.replace(tp, fixed_order=True)
-    if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8
-        quantize_shard(
-            model, quant, state, _row_parallel_linears(config, family), keep_fp8, _stays_dense(config, family)
-        )
     if family.mla is not None:  # transformers' forward runs it: the collectives go into its modules
         put_collectives_in_modules(model, family, config, tp)
     model.generation_config = generation_config
@@ -165,16 +175,6 @@ def _stays_dense(config: Any, family: Family):
     cbq's MoE kernels multiply unquantized (as one process loads them)."""
     sparse = loader.sparse_layers(config, family)
     return (lambda _: False) if sparse is None else sparse.holds
-
-
-def _row_parallel_linears(config: Any, family: Family) -> frozenset[str]:
-    """The linears whose rows a rank holds part of (o and down: split by columns)."""
-    layer = family.layer
-    return frozenset(
-        f"{family.layers_path}.{i}.{part}"
-        for i in range(config.num_hidden_layers)
-        for part in (layer.o.parts[0], layer.down.parts[0])
-    )
 
 
 def _check_fits(

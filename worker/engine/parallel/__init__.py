@@ -23,7 +23,7 @@ How the ranks run (the worker is rank 0; `serve` is module-level so spawn can pi
 - memory.py: the split of a dimension over the ranks (`shard_for`, `head_shard`, `vocab_shard`), weight bytes per
   rank at TP=N; `check_fits` refuses a load with the numbers.
 The layers that hold a rank's part of each weight are layers/'s (used at every world size); the shard's loading is
-models/'s (shard_model.py, shard_build.py, shard_fp8.py); rank 0's engine and a helper's life are ranks.py's.
+models/'s (shard_model.py, shard_build.py); rank 0's engine and a helper's life are ranks.py's.
 How a model file uses the layers (it does not change with the world size):
 
     class Attention(nn.Module):
@@ -65,9 +65,9 @@ read block by block; the experts of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss ar
 the one-process loader reads it as the one rank of a world of one, `shard_build.load_whole_model`). An FP8 KV
 cache (--kv-cache-dtype fp8) holds each rank's own KV heads, with one process's static scales (1.0).
 
-FP8 (models/shard_fp8.py, not layers/linear.py's linear methods, which the shard model does not use) on a mixture of experts
-keeps what is under a sparse MLP in the model dtype, the experts dequantized by layers/experts.py from the inner
-checkpoint, as one process loads them.
+FP8 runs through the parallel linears' methods (quant/methods.py, `LinearMethods.method_for`), which read each
+rank's slices with their scales; on a mixture of experts what is under a sparse MLP stays in the model dtype, the
+experts dequantized by layers/experts.py, as one process loads them.
 
 Not yet: CUDA-graph capture of the all-reduce (graphs are off at N > 1), a row-parallel linear's per-token
 activation scale over the whole row (each rank's slice's, as in vLLM), decoder

@@ -11,8 +11,13 @@ of the layer, as in vLLM.
               formats of int4/) or of
               `--quantization fp8`; the one-line refusal of everything else (`UnsupportedQuantization`);
               `has_mxfp4_experts(config)`: gpt-oss's release, whose MXFP4 experts the loader dequantizes
-  methods.py  `linear_method(config, module_name)`: the method object of one linear (None: unquantized);
-              it loads the linear's tensors (`Fp8Linear`), dequantizes them, and applies the GEMM
+  protocol.py the one linear-method protocol (`LinearMethod`: create_weights, load_tensor,
+              process_after_loading, apply), how each parameter follows the layer's split (`ParamSplit`), the
+              unquantized method and `load_parameter`, the one copy of a checkpoint slice into a parameter
+  methods.py  the FP8 formats as methods (block-wise, compressed-tensors, fbgemm, `--quantization fp8`, and
+              dequantized-at-load); `LinearMethods.method_for(prefix)`, the config object that hands each
+              parallel linear its method; `linear_method(config, module_name)`: a format's method for one linear
+              (None: unquantized). Adding a format: one module, one `_METHODS` line, its tests.
   fp8.py      plain-torch quantize/dequantize, `Fp8Linear`, and the emulation the kernels are checked against
   kernels.py  `fp8_linear`: Triton activation quantization, cuBLASLt `_scaled_mm`, the Triton block GEMM
   small_step.py  the small decode steps' FP8 GEMM (<= 32 rows): x quantized per token inside one PDL kernel,
@@ -35,8 +40,9 @@ Elsewhere the weights are dequantized to the compute dtype. On the large-step pa
 per-token-group quantizations are separate kernels; small steps with decode_gemm "triton" quantize inside the
 GEMM (small_step.py).
 
-Under `--tensor-parallel-size` (dense models) the ranks read their slices of the FP8 weights with those slices'
-scales, or quantize their slices with one process's per-channel scales: models/shard_fp8.py.
+Under `--tensor-parallel-size` (dense models) the parallel layers read their slices of the FP8 weights with those
+slices' scales through their methods, or quantize their slices with one process's per-channel scales
+(`OnlineFp8LinearMethod`, the row's absmax over the ranks).
 
 `--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """
@@ -64,7 +70,8 @@ from .config import (
 )
 from .fp8 import Fp8Linear, dequantize_weight, fp8_linear_emulated
 from .kernels import fp8_linear
-from .methods import Fp8CheckpointError, Fp8LinearMethod, linear_method
+from .methods import Fp8CheckpointError, Fp8LinearMethod, LinearMethods, linear_method
+from .protocol import UNQUANTIZED, LinearMethod, LinearSizes, ParamSplit
 
 __all__ = [
     "CBQ_RUNS",
@@ -78,6 +85,11 @@ __all__ = [
     "Fp8Config",
     "Fp8Linear",
     "Fp8LinearMethod",
+    "LinearMethod",
+    "LinearMethods",
+    "LinearSizes",
+    "ParamSplit",
+    "UNQUANTIZED",
     "Fp8Scheme",
     "OnlineFp8Config",
     "QuantCheckpointError",

@@ -1,24 +1,38 @@
-"""Quantization methods: one object per format (FP8's here, INT4's in int4/), as vLLM draws them. Owns nothing; each method is told a
-linear module's name and reads that linear's tensors from a checkpoint's state dict.
+"""The FP8 linear formats as methods of the one protocol (quant/protocol.py), and the config object that hands each
+linear its method. Owns nothing; each method's parameters are its layer's.
 
-A method knows three things about its format's linears:
-  load(tensors, prefix)    the `Fp8Linear` (INT4: `Int4Linear`) of module `prefix`, read under the format's names
-                           and checked against the shapes the releases ship
-  dequantize(layer, dtype) the weight in the compute dtype (the CPU path, models/quant_loader.py)
-  apply(layer, x, bias)    the GEMM: FP8's quantizes x as the format asks, then kernels.fp8_linear
+  Fp8LinearMethod (block-wise "fp8", compressed-tensors, fbgemm_fp8)  FP8 `weight` [N, K] and `weight_scale` in the
+                    layout the scheme names (per tensor: one per logical output of a merged layer; per channel [N];
+                    block-wise [ceil(N / bn), ceil(K / bk)], split by blocks), `input_scale` for static activations;
+                    the scale tensors of each release read under their names and checked against their shapes
+  OnlineFp8LinearMethod (`--quantization fp8`)  the weight read in the model dtype, quantized per output channel
+                    after loading (a row-parallel rank's scale is the whole row's: `layer.row_absmax`)
+  DequantizedLinearMethod  a format read as shipped, then run in the model dtype (the CPU; the linears under a
+                    mixture of experts' sparse MLP)
+  LinearMethods     `method_for(prefix)`: the method each linear of a model takes (`Fp8Config.scheme_for` says
+                    which are quantized, `keep_fp8` whether FP8 is kept)
+  INT4 (int4/: GPTQ, AWQ gemm, compressed-tensors pack-quantized) methods read a whole linear (`load` ->
+                    `Int4Linear`) and are dequantized at load by models/quant_loader.py; they join the protocol's
+                    slice loading with the packed GPU path
 
-`linear_method(config, module_name)` gives the method for one linear, or None where that linear stays in the
-compute dtype (an ignored module, the output head).
+Adding a format: one module with its method class, one line in `_METHODS` (its config type -> method), its tests.
+`linear_method(config, module_name)` gives a format's method for one linear, or None where the config leaves it
+unquantized; a method's `load(tensors, prefix)` reads one whole linear through the protocol (a world of one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from .base import QuantCheckpointError, QuantConfig
 from .config import (
+    ActivationScale,
     BlockFp8Config,
     CompressedTensorsFp8Config,
     FbgemmFp8Config,
@@ -32,13 +46,28 @@ from .int4.awq import AwqConfig, AwqInt4Method
 from .int4.compressed_tensors import CompressedTensorsInt4Config, CompressedTensorsInt4Method
 from .int4.gptq import GptqConfig, GptqInt4Method
 from .int4.method import Int4LinearMethod
+from .protocol import (
+    UNQUANTIZED,
+    LinearLoadError,
+    LinearMethod,
+    LinearSizes,
+    ParamSplit,
+    add_parameter,
+    checkpoint_name,
+    load_whole_linear,
+    split_params,
+)
 
 
-class Fp8CheckpointError(QuantCheckpointError):
+class Fp8CheckpointError(LinearLoadError, QuantCheckpointError):
     """A checkpoint's tensors do not match its quantization_config; the message names the tensor."""
 
 
-class Fp8LinearMethod:
+FP8_SCHEME_ATTR = "fp8_scheme"  # the scheme a loaded layer runs (per-tensor scales that differ become per channel)
+SHARD_SCALES_ATTR = "fp8_shard_scales"  # a merged layer's per-tensor scales, one per logical output, as shipped
+
+
+class Fp8LinearMethod(LinearMethod):
     """Common to the serialized formats: `<prefix>.weight` in FP8 and `<prefix>.<weight_scale_name>`."""
 
     format_name = ""
@@ -51,36 +80,86 @@ class Fp8LinearMethod:
     def for_config(cls, config: QuantConfig, scheme: Fp8Scheme) -> Fp8LinearMethod:
         return cls(scheme)
 
+    # -- the protocol
+    def create_weights(self, layer, sizes, dtype, device) -> None:
+        n, k, shards = sizes.output_size, sizes.input_size, len(sizes.output_sizes)
+        add_parameter(layer, "weight", torch.empty(n, k, dtype=FP8_DTYPE, device=device), ParamSplit())
+        scale_name = self.weight_scale_name
+        if self.scheme.weight is WeightScale.TENSOR:
+            shape: tuple[int, ...] = (shards,)
+            split = ParamSplit(None, None, per_shard=True, checkpoint_name=scale_name)
+        elif self.scheme.weight is WeightScale.CHANNEL:
+            shape, split = (n,), ParamSplit(0, None, checkpoint_name=scale_name)
+        else:
+            assert self.scheme.block_shape is not None
+            bn, bk = self.scheme.block_shape
+            split = ParamSplit(0, 1, bn, bk, checkpoint_name=scale_name, what="block-wise FP8 blocks")
+            shape = (sum(split.entries(size, bn) for size in sizes.output_sizes), split.entries(k, bk))
+        add_parameter(layer, "weight_scale", torch.empty(shape, dtype=torch.float32, device=device), split)
+        if self.scheme.activation is ActivationScale.STATIC:
+            static = torch.empty(shards, dtype=torch.float32, device=device)
+            add_parameter(layer, "input_scale", static, ParamSplit(None, None, per_shard=True))
+        else:
+            layer.register_parameter("input_scale", None)
+        setattr(layer, FP8_SCHEME_ATTR, self.scheme)
+
+    def load_tensor(self, layer, name, tensor, what, part):
+        n, k = part
+        if name == "weight":
+            if tensor.dtype != FP8_DTYPE or tensor.dim() != 2:
+                raise Fp8CheckpointError(
+                    f"{what} is {tensor.dtype} {list(tensor.shape)}; {self.format_name} needs a 2-D "
+                    f"float8_e4m3fn weight here"
+                )
+            return tensor
+        if name == "weight_scale":
+            return self._weight_scale(tensor, what, n, k)
+        return self._per_tensor(tensor, what)
+
+    def process_after_loading(self, layer) -> None:
+        """A merged layer's per-tensor scales: one scale when its outputs' are equal, else one per row (exact, as
+        `Fp8Linear.concat`); static input scales: the largest (the releases ship them equal)."""
+        if self.scheme.weight is WeightScale.TENSOR:
+            scales = layer.weight_scale.data
+            setattr(layer, SHARD_SCALES_ATTR, scales.clone())
+            if bool((scales == scales[0]).all()):
+                layer.weight_scale = nn.Parameter(scales[0].clone(), requires_grad=False)
+            else:
+                sizes = getattr(layer, "sizes", None)  # a parallel layer's; a single linear's rows are its weight's
+                rows = list(sizes.output_sizes) if sizes is not None else [layer.weight.shape[0]]
+                per_row = torch.cat([s.expand(size) for s, size in zip(scales, rows, strict=True)])
+                layer.weight_scale = nn.Parameter(per_row.contiguous(), requires_grad=False)
+                setattr(layer, FP8_SCHEME_ATTR, replace(self.scheme, weight=WeightScale.CHANNEL))
+        if self.scheme.activation is ActivationScale.STATIC:
+            layer.input_scale = nn.Parameter(layer.input_scale.data.amax(), requires_grad=False)
+
+    def apply(self, layer, x, bias):
+        from .kernels import fp8_linear
+
+        return fp8_linear(x, layer if isinstance(layer, Fp8Linear) else fp8_linear_of(layer), bias)
+
+    # -- one whole linear (a world of one), through the protocol
     def tensor_names(self, prefix: str) -> list[str]:
-        """What `load` reads: the loader takes these out of the state dict."""
-        names = [f"{prefix}.weight", f"{prefix}.{self.weight_scale_name}"]
-        return names + ([f"{prefix}.input_scale"] if self.scheme.activation.value == "static" else [])
+        """The checkpoint tensors `load` reads."""
+        probe = nn.Module()
+        self.create_weights(probe, LinearSizes(1, (1,)), torch.float32, torch.device("meta"))
+        return [f"{prefix}.{checkpoint_name(name, param)}" for name, param in split_params(probe)]
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Fp8Linear:
         weight = _get(tensors, f"{prefix}.weight")
-        if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        if weight.dim() != 2:
             raise Fp8CheckpointError(
-                f"{prefix}.weight is {weight.dtype} {list(weight.shape)}; {self.format_name} needs a 2-D "
-                f"float8_e4m3fn weight here"
+                f"{prefix}.weight is {weight.dtype} {list(weight.shape)}; {self.format_name} needs a 2-D weight"
             )
-        n, k = weight.shape
-        scale = self._weight_scale(_get(tensors, f"{prefix}.{self.weight_scale_name}"), prefix, n, k)
-        input_scale = None
-        if self.scheme.activation.value == "static":
-            input_scale = self._per_tensor(_get(tensors, f"{prefix}.input_scale"), f"{prefix}.input_scale")
-        return Fp8Linear(weight, scale, self.scheme, input_scale)
+        dtype = weight.dtype if weight.is_floating_point() and weight.dtype != FP8_DTYPE else torch.float32
+        layer = load_whole_linear(self, tensors, prefix, tuple(weight.shape), dtype, missing=Fp8CheckpointError)
+        return fp8_linear_of(layer)
 
     def dequantize(self, layer: Fp8Linear, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_weight(layer, dtype)
 
-    def apply(self, layer: Fp8Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from .kernels import fp8_linear
-
-        return fp8_linear(x, layer, bias)
-
     # -- scale layouts: each format names the shapes its releases ship; all become `Fp8Linear`'s fp32 ones
-    def _weight_scale(self, scale: torch.Tensor, prefix: str, n: int, k: int) -> torch.Tensor:
-        name = f"{prefix}.{self.weight_scale_name}"
+    def _weight_scale(self, scale: torch.Tensor, name: str, n: int, k: int) -> torch.Tensor:
         want = weight_scale_shape(self.scheme, n, k)
         accepted = {WeightScale.TENSOR: [(), (1,)], WeightScale.CHANNEL: [(n,), (n, 1)], WeightScale.BLOCK: [want]}
         if tuple(scale.shape) not in accepted[self.scheme.weight]:
@@ -94,6 +173,37 @@ class Fp8LinearMethod:
         if scale.numel() != 1:
             raise Fp8CheckpointError(f"{name} has shape {list(scale.shape)}; a per-tensor scale is one value")
         return _as_fp32(scale, name).reshape(())
+
+
+def fp8_linear_of(layer: Any) -> Fp8Linear:
+    """A loaded FP8 layer's tensors as the FP8 GEMMs read them (views, no copy)."""
+    input_scale = None if layer.input_scale is None else layer.input_scale.data
+    return Fp8Linear(layer.weight.data, layer.weight_scale.data, getattr(layer, FP8_SCHEME_ATTR), input_scale)
+
+
+def fp8_parts(layer: Any, rows: list[int]) -> list[Fp8Linear]:
+    """Each logical output of a loaded FP8 layer (q, k, v; gate, up) as its own `Fp8Linear`, views of the layer's
+    rows and of their scales, with the scales it shipped (a per-tensor one each)."""
+    whole = fp8_linear_of(layer)
+    scheme = whole.scheme
+    shard_scales = getattr(layer, SHARD_SCALES_ATTR, None)
+    parts, row, scale_row = [], 0, 0
+    for i, size in enumerate(rows):
+        weight = whole.weight[row : row + size]
+        if shard_scales is not None:  # per tensor as shipped, whatever the fused layer runs
+            scale, part_scheme = shard_scales[i], replace(scheme, weight=WeightScale.TENSOR)
+        elif scheme.weight is WeightScale.CHANNEL:
+            scale, part_scheme = whole.weight_scale[row : row + size], scheme
+        elif scheme.weight is WeightScale.BLOCK:
+            assert scheme.block_shape is not None
+            blocks = -(-size // scheme.block_shape[0])
+            scale, part_scheme = whole.weight_scale[scale_row : scale_row + blocks], scheme
+            scale_row += blocks
+        else:
+            scale, part_scheme = whole.weight_scale, scheme
+        parts.append(Fp8Linear(weight, scale, part_scheme, whole.input_scale))
+        row += size
+    return parts
 
 
 class BlockFp8LinearMethod(Fp8LinearMethod):
@@ -119,23 +229,58 @@ class FbgemmFp8LinearMethod(Fp8LinearMethod):
 
 
 class OnlineFp8LinearMethod(Fp8LinearMethod):
-    """`--quantization fp8`: the checkpoint holds the weight in bf16/fp16/fp32; it is quantized per output
-    channel at load."""
+    """`--quantization fp8`: the checkpoint holds the weight in bf16/fp16/fp32, read in the model dtype; it is
+    quantized per output channel after loading. A layer holding part of each row (row-parallel) says the whole
+    row's absmax (`row_absmax`), so that every rank's scales are one process's."""
 
     format_name = "--quantization fp8"
 
-    def tensor_names(self, prefix: str) -> list[str]:
-        return [f"{prefix}.weight"]
+    def create_weights(self, layer, sizes, dtype, device) -> None:
+        weight = torch.empty(sizes.output_size, sizes.input_size, dtype=dtype, device=device)
+        add_parameter(layer, "weight", weight, ParamSplit())
+        layer.register_parameter("input_scale", None)
+        setattr(layer, FP8_SCHEME_ATTR, self.scheme)
 
-    def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Fp8Linear:
-        weight = _get(tensors, f"{prefix}.weight")
-        if not weight.is_floating_point() or weight.dtype == FP8_DTYPE or weight.dim() != 2:
+    def load_tensor(self, layer, name, tensor, what, part):
+        if not tensor.is_floating_point() or tensor.dtype == FP8_DTYPE or tensor.dim() != 2:
             raise Fp8CheckpointError(
-                f"{prefix}.weight is {weight.dtype} {list(weight.shape)}; --quantization fp8 quantizes a 2-D "
+                f"{what} is {tensor.dtype} {list(tensor.shape)}; --quantization fp8 quantizes a 2-D "
                 f"bf16, fp16 or fp32 weight"
             )
-        w_fp8, scale = quantize_weight_per_channel(weight)
-        return Fp8Linear(w_fp8, scale, self.scheme)
+        return tensor
+
+    def process_after_loading(self, layer) -> None:
+        weight = layer.weight.data
+        row_absmax = getattr(layer, "row_absmax", None)
+        w_fp8, scale = quantize_weight_per_channel(weight, None if row_absmax is None else row_absmax(weight))
+        layer.weight = nn.Parameter(w_fp8, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+class DequantizedLinearMethod(LinearMethod):
+    """A quantized format read as its checkpoint ships it (the inner method's parameters and checks), then its
+    weight dequantized to the model dtype and multiplied by F.linear: where FP8 is not kept (the CPU, pre-sm89
+    GPUs) and for the linears under a mixture of experts' sparse MLP (the MoE kernels multiply plain weights)."""
+
+    def __init__(self, inner: Fp8LinearMethod):
+        self.inner = inner
+
+    def create_weights(self, layer, sizes, dtype, device) -> None:
+        self.inner.create_weights(layer, sizes, dtype, device)
+        layer.compute_dtype = dtype
+
+    def load_tensor(self, layer, name, tensor, what, part):
+        return self.inner.load_tensor(layer, name, tensor, what, part)
+
+    def process_after_loading(self, layer) -> None:
+        self.inner.process_after_loading(layer)
+        weight = dequantize_weight(fp8_linear_of(layer), layer.compute_dtype)
+        for name in ("weight_scale", "input_scale"):
+            layer.register_parameter(name, None)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
 
 
 # One line a format: its config's type -> its method (`for_config` builds it for one linear's scheme).
@@ -149,10 +294,11 @@ _METHODS: dict[type[QuantConfig], type[Fp8LinearMethod] | type[Int4LinearMethod]
     AwqConfig: AwqInt4Method,
 }
 
-LinearMethod = Fp8LinearMethod | Int4LinearMethod
+# A format's method as `linear_method` gives it (FP8's on the protocol; INT4's whole-linear readers for now).
+FormatMethod = Fp8LinearMethod | Int4LinearMethod
 
 
-def linear_method(config: QuantConfig, module_name: str) -> LinearMethod | None:
+def linear_method(config: QuantConfig, module_name: str) -> FormatMethod | None:
     """The method that loads and runs linear `module_name` (e.g. "model.layers.0.mlp.up_proj"), or None
     when the config leaves it in the compute dtype."""
     scheme = config.scheme_for(module_name)
@@ -167,18 +313,41 @@ def fp8_linear_method(config: Fp8Config, module_name: str) -> Fp8LinearMethod | 
 
 
 def load_dequantized(
-    method: LinearMethod, tensors: Mapping[str, torch.Tensor], prefix: str, dtype: torch.dtype
+    method: FormatMethod, tensors: Mapping[str, torch.Tensor], prefix: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """Linear `prefix` read by `method` and dequantized to `dtype` (each method takes its own layer type back)."""
-    if isinstance(method, Int4LinearMethod):
-        return method.dequantize(method.load(tensors, prefix), dtype)
-    return method.dequantize(method.load(tensors, prefix), dtype)
+    return method.dequantize(method.load(tensors, prefix), dtype)  # type: ignore[arg-type]
 
 
-def stored_quantized(method: LinearMethod, tensors: Mapping[str, torch.Tensor] | object, prefix: str) -> bool:
+def stored_quantized(method: FormatMethod, tensors: Mapping[str, torch.Tensor] | object, prefix: str) -> bool:
     """Whether the checkpoint holds linear `prefix` in the method's format (its first tensor: the weight, FP8's, or
     the packed INT4 words). Not so: a head tied to the embedding, or a linear a GPTQ release left dense (a router)."""
     return method.tensor_names(prefix)[0] in tensors  # type: ignore[operator]
+
+
+class LinearMethods:
+    """The config object that hands each linear of a model its method, by the linear's name (its prefix in the
+    checkpoint, e.g. "model.layers.0.self_attn.q_proj"). `quant` None: every linear unquantized. `keep_fp8`:
+    quantized linears stay FP8 (sm89+ CUDA), else they are dequantized after loading. `stays_dense`: linears
+    run in the model dtype whatever the config says (a mixture of experts' sparse MLPs: read as shipped, then
+    dequantized; under `--quantization fp8`, left as they are)."""
+
+    def __init__(
+        self, quant: Fp8Config | None = None, keep_fp8: bool = False, stays_dense: Callable[[str], bool] = lambda _: False
+    ):
+        self.quant, self.keep_fp8, self.stays_dense = quant, keep_fp8, stays_dense
+
+    def method_for(self, prefix: str) -> LinearMethod:
+        quant = self.quant
+        method = None if quant is None else fp8_linear_method(quant, prefix)
+        if quant is None or method is None:
+            return UNQUANTIZED
+        if self.stays_dense(prefix):
+            return DequantizedLinearMethod(method) if quant.is_serialized else UNQUANTIZED
+        return method if self.keep_fp8 else DequantizedLinearMethod(method)
+
+
+UNQUANTIZED_MODEL = LinearMethods()
 
 
 def dequantized_weight(
