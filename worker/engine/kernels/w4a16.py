@@ -1,0 +1,247 @@
+"""W4A16 weight GEMMs: y = x @ W^T (+ bias) with W held as packed 4-bit integers, dequantized in registers.
+Owns nothing.
+
+The weight is read in cbq's one INT4 form (quant/int4/packed.py `Int4Linear`), passed here as its tensors so
+that this module stays below quant/: qweight int32 [N, K / 8] (value k of a row at bits 4 * (k % 8) of word
+k // 8), scales [N, K / g] in the model dtype, zeros uint8 [N, K / g] or None (symmetric: every zero is 8).
+Act-order releases (a column permutation) are the caller's: x is gathered by the permutation before the GEMM
+(quant/int4/linear.py), so the kernel reads the stored columns in order.
+
+Why: a decode step streams every weight byte once; at 4 bits a weight is a quarter of its bf16 bytes (plus a
+scale per group), so a memory-bound decode step can run up to ~3.5x faster. The dequantization is arithmetic on
+values already in registers, which the memory-bound kernel has time for.
+
+One kernel, two launch shapes (`launch_config`):
+  small steps (M <= decode_gemm.MAX_TOKENS): decode_gemm's layout, a program owns BLOCK_N weight rows and the
+      step's few x rows (the weight rows are the MMA's long side), K split over programs (kernels/split_k.py)
+      where the launch would otherwise leave SMs idle; it takes part in programmatic dependent launch (pdl.py)
+  large steps: the same program over a 2-D grid of (BLOCK_N rows, BLOCK_M rows of x) tiles, each weight tile
+      dequantized to x's dtype inside the GEMM; or, where `large_step_kernel` says so, dequantization then cuBLAS
+      (the caller's twin). The choice between those two is that function's alone.
+Per K tile: the tile's words are loaded (each word once per value it holds, from L1), shifted and masked to
+0..15, the group's zero subtracted and its scale multiplied in fp32, rounded to x's dtype (the twin's dequantized
+weight, bit for bit), then multiplied with fp32 accumulation. A K tile never spans two groups (BLOCK_K divides
+the group size), so a tile reads one scale (and zero) per row.
+
+Launches depend only on shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import split_k as sk
+from .common import HAVE_TRITON, cdiv, dot_precision, next_pow2, tl, triton
+from .decode_gemm import MAX_TOKENS
+
+if HAVE_TRITON:
+    from .pdl import pdl_wait_and_release
+    from .split_k import split_k_sum
+
+PACK = 8  # 4-bit values per int32 word (quant/int4/packed.py)
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). Not yet swept on the H200: the small-step tile is decode_gemm's
+# WIDE_CONFIG (64 rows, the wgmma's least, and 128-column K tiles = one group of the usual group size 128); the
+# large-step tile is a common Hopper GEMM tile with room for the dequantization in registers.
+SMALL_STEP_CONFIG = (64, 128, 4, 4)
+LARGE_STEP_CONFIG = (128, 64, 8, 3)
+LARGE_BLOCK_M = 64
+MIN_BLOCK_K = 16  # the MMA's least K
+# Split-K of small steps: the least split of SPLIT_CHOICES giving SPLIT_FILL programs per SM (split_k.split_for),
+# for products of at least SPLIT_MIN_K_TILES K tiles. A 4096-row projection is 64 programs of 64 rows on 132 SMs;
+# split in two, every SM streams.
+SPLIT_FILL = 0.9
+SPLIT_CHOICES = (1, 2, 4)
+SPLIT_MIN_K_TILES = 16
+# Large steps: "kernel" (this file's tiled GEMM, dequantizing each tile in registers) or "dequantize" (the
+# weight dequantized to the model dtype, then cuBLAS). Unmeasured: the H200 decides (`large_step_kernel`).
+LARGE_STEP = "kernel"
+LARGE_STEPS = ("kernel", "dequantize")
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the W4A16 kernels run here: Triton on CUDA, bf16 or fp16 activations (the CPU and fp32 take the
+    twin; the interpreter's tests call the kernels directly)."""
+    return HAVE_TRITON and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def large_step_kernel(m: int, n: int, k: int) -> bool:
+    """Whether a step of `m` rows (more than MAX_TOKENS) takes this file's tiled GEMM (True) or dequantization then
+    cuBLAS (False): the one place that choice is made."""
+    return LARGE_STEP == "kernel"
+
+
+def block_k_for(config_k: int, group_size: int) -> int | None:
+    """The K tile: the largest power of two up to `config_k` that divides the group size (a tile then reads one
+    scale per row), or None where that is below the MMA's least K."""
+    block_k = config_k
+    while block_k >= MIN_BLOCK_K and group_size % block_k:
+        block_k //= 2
+    return block_k if block_k >= MIN_BLOCK_K else None
+
+
+def block_m_for(m: int) -> int:
+    """Rows of x per program: small steps M rounded up to a power of two, at least 16; large steps LARGE_BLOCK_M."""
+    return LARGE_BLOCK_M if m > MAX_TOKENS else max(16, next_pow2(m))
+
+
+def launch_config(m: int, group_size: int, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a step of `m` rows, or None where the group size does not tile
+    (the caller takes the twin)."""
+    block_n, config_k, warps, stages = SMALL_STEP_CONFIG if m <= MAX_TOKENS else LARGE_STEP_CONFIG
+    block_k = block_k_for(config_k, group_size)
+    if block_k is None:
+        return None
+    if dtype == torch.float32:  # tests only: fp32 tiles take twice the shared memory per stage
+        stages = 2
+    return block_n, block_k, warps, stages
+
+
+def split_for(n_tiles: int, m_tiles: int, k_tiles: int, device: torch.device, split_k: int | None = None) -> int:
+    """The split of a small-step launch over its K tiles: `split_k` where given (it must divide them), else 1 for
+    shallow products and split_k.py's fill rule for deep ones."""
+    if split_k is not None:
+        assert split_k >= 1 and k_tiles % split_k == 0, f"split_k {split_k} does not divide {k_tiles} K tiles"
+        return split_k
+    if k_tiles < SPLIT_MIN_K_TILES:
+        return 1
+    return sk.split_for(n_tiles * m_tiles, k_tiles, device, SPLIT_FILL, SPLIT_CHOICES)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _w4a16_gemm_kernel(
+        x_ptr,  # [M, K] bf16/fp16 (fp32 in tests), columns in the weight's stored order
+        qw_ptr,  # int32 [N, K / 8]
+        scales_ptr,  # [N, K / GROUP_SIZE]
+        zeros_ptr,  # uint8 [N, K / GROUP_SIZE] (HAS_ZEROS)
+        bias_ptr,
+        out_ptr,
+        partial_ptr,  # SPLIT_K > 1: fp32 [SPLIT_K, tiles, BLOCK_N, BLOCK_M] (kernels/split_k.py)
+        counter_ptr,  # SPLIT_K > 1: int32 tile counters, 0 between launches
+        M,
+        N,
+        stride_xm,
+        stride_qn,
+        stride_sn,
+        stride_om,
+        K_TILES: tl.constexpr,  # K // BLOCK_K
+        GROUP_SIZE: tl.constexpr,
+        HAS_ZEROS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,  # programs sharing a tile's K range (program_id(2) is the split)
+        USE_PDL: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        n_mask = rn < N
+        m_mask = rm < M
+        SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
+        k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)  # this split's first column
+        # word k // 8 holds column k at bits 4 * (k % 8): each word is addressed once per column it holds
+        qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + ((k0 + rk) // 8)[None, :]
+        shifts = ((rk % 8) * 4)[None, :]
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
+        group_ptrs = rn.to(tl.int64) * stride_sn
+        dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for t in range(SPLIT_TILES):
+            group = (k0 + t * BLOCK_K) // GROUP_SIZE  # a tile lies in one group: BLOCK_K divides GROUP_SIZE
+            scale = tl.load(scales_ptr + group_ptrs + group, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(zeros_ptr + group_ptrs + group, mask=n_mask, other=0).to(tl.float32)
+            else:
+                zero = tl.full([BLOCK_N], 8.0, tl.float32)
+            words = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
+            q = ((words >> shifts) & 0xF).to(tl.float32)
+            # packed.dequantize's arithmetic, so the tile is the twin's dequantized weight bit for bit
+            w = ((q - zero[:, None]) * scale[:, None]).to(dtype)
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            qw_ptrs += BLOCK_K // 8
+            x_ptrs += BLOCK_K
+        store_mask = m_mask[None, :] & n_mask[:, None]
+        if SPLIT_K > 1:  # the tile's last program sums the partials in split order and stores
+            acc, last = split_k_sum(acc, partial_ptr, counter_ptr, SPLIT_K, BLOCK_N, BLOCK_M)
+            store_mask = store_mask & last
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+    block_m: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] (columns in the stored order: act-order gathered by the caller) @ W^T (+ bias) -> [M, N] in x's
+    dtype, W the packed INT4 weight. The small-step launch for M <= MAX_TOKENS (split over K by `split_for` unless
+    `split_k` is given), the tiled one above. `config`/`block_m` override `launch_config`/`block_m_for` (tests,
+    benchmarks). The caller checks `launch_config` is not None (the group size tiles)."""
+    m, k = x.shape
+    n, words = qweight.shape
+    assert words * PACK == k, f"x {tuple(x.shape)} vs qweight {tuple(qweight.shape)}"
+    assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1, "rows must be contiguous"
+    assert zeros is None or zeros.stride() == scales.stride(), "zeros and scales share a layout"
+    config = config or launch_config(m, group_size, x.dtype)
+    assert config is not None, f"group size {group_size} does not tile"
+    block_n, block_k, num_warps, num_stages = config
+    assert group_size % block_k == 0 and k % block_k == 0, f"K {k}, group {group_size} vs BLOCK_K {block_k}"
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    block_m = block_m or block_m_for(m)
+    grid = (cdiv(n, block_n), cdiv(m, block_m))
+    k_tiles = k // block_k
+    split = split_for(*grid, k_tiles, x.device, split_k) if m <= MAX_TOKENS else (split_k or 1)
+    if split > 1:
+        partials = sk.split_workspace(split, grid[0] * grid[1], block_n, block_m, x.device)
+        counters = sk.tile_counters(x.device)
+    else:
+        partials = counters = x  # unread placeholders
+    _w4a16_gemm_kernel[(grid[0], grid[1], split)](
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,  # unread placeholder
+        bias if bias is not None else scales,
+        out,
+        partials,
+        counters,
+        m,
+        n,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        K_TILES=k_tiles,
+        GROUP_SIZE=group_size,
+        HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split,
+        USE_PDL=pdl,
+        DOT_PREC=dot_precision(x.dtype, None),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+    )
+    return out

@@ -1,0 +1,118 @@
+"""INT4 weight-only linears kept packed in a model, and the GEMM that runs them. Owns `Int4LinearModule`, the module
+that takes an `nn.Linear`'s place and holds its packed weight.
+
+  int4_linear         y = x @ W^T (+ bias) for an `Int4Linear`: x gathered by the act-order permutation, then the
+                      W4A16 Triton GEMM (kernels/w4a16.py) on CUDA, or the twin (dequantize + F.linear) elsewhere
+                      and where the kernels do not take the shape
+  w4a16_twin          that twin: the torch reference the kernels are tested against, and the CPU's path
+  Int4LinearModule    an `nn.Linear`'s stand-in: qweight, scales, zeros, perm as buffers (`.to(device)` moves
+                      them), the bias; its forward is `int4_linear`, so transformers' forward still runs
+  Int4Weight          one GEMM's packed weight as the owned decoder holds it (q/k/v or gate/up stacked by
+                      fused_weights.fuse_int4): `apply(x, bias)` replaces F.linear
+  quantize_linears    round-to-nearest INT4 of a model already in memory (`bench engine --precision int4`): each
+                      linear but the output head becomes an `Int4LinearModule`
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import w4a16
+from .packed import Int4Linear, dequantize, quantize_rtn
+
+
+def w4a16_twin(x: torch.Tensor, layer: Int4Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight dequantized to x's dtype (columns back in the input's order), then F.linear."""
+    return F.linear(x, dequantize(layer, x.dtype), bias)
+
+
+def int4_linear(
+    x: torch.Tensor, layer: Int4Linear, bias: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) in x's dtype. `pdl`: the small-step launch joins the PDL chain (sm90+ only)."""
+    config = w4a16.launch_config(x.shape[0], layer.group_size, x.dtype)
+    large = x.shape[0] > w4a16.MAX_TOKENS
+    dequantize_first = large and not w4a16.large_step_kernel(x.shape[0], layer.out_features, layer.in_features)
+    if config is None or dequantize_first or not w4a16.usable(x.device, x.dtype):
+        return w4a16_twin(x, layer, bias)
+    if layer.perm is not None:  # stored column j holds input feature perm[j]
+        x = x.index_select(1, layer.perm)
+    return w4a16.w4a16_gemm(
+        x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.group_size, bias, pdl=pdl and not large
+    )
+
+
+class Int4LinearModule(nn.Module):
+    """A linear kept as packed INT4: `forward(x)` is `int4_linear` (on the CPU, the twin)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    perm: torch.Tensor | None
+    bias: nn.Parameter | None
+
+    def __init__(self, layer: Int4Linear, bias: torch.Tensor | None):
+        super().__init__()
+        self.group_size = layer.group_size
+        self.register_buffer("qweight", layer.qweight)
+        self.register_buffer("scales", layer.scales)
+        self.register_buffer("zeros", layer.zeros)
+        self.register_buffer("perm", layer.perm)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def layer(self) -> Int4Linear:
+        return Int4Linear(self.qweight, self.scales, self.zeros, self.group_size, self.perm)
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * w4a16.PACK
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = int4_linear(x.reshape(-1, shape[-1]), self.layer, self.bias)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A GEMM's packed INT4 weight in the owned decoder: `apply(x, bias, pdl=)` replaces `F.linear(x, weight, bias)`."""
+
+    layer: Int4Linear
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+        return int4_linear(x, self.layer, bias, pdl=pdl)
+
+
+def quantize_linears(
+    model: nn.Module,
+    group_size: int = 128,
+    symmetric: bool = True,
+    stays_dense: Callable[[str], bool] = lambda name: False,
+) -> int:
+    """Every `nn.Linear` of `model` but the output head (`lm_head`, which may be the tied embedding) and those
+    `stays_dense` names, rounded to INT4 (`quantize_rtn`) and replaced in place by an `Int4LinearModule` on the
+    linear's device. Returns how many were replaced."""
+    replaced = 0
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module is output or stays_dense(name):
+            continue
+        weight = module.weight.detach()
+        if weight.shape[1] % group_size:
+            continue  # a linear whose input does not tile by the group stays dense
+        layer = quantize_rtn(weight, group_size, symmetric)
+        bias = None if module.bias is None else module.bias.detach()
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, Int4LinearModule(layer, bias))
+        replaced += 1
+    return replaced
