@@ -25,6 +25,12 @@ check_kernel("cpu", torch_dtype="float16")
 print("w4a16 kernel matches")
 """
 
+LAYER_OPS_CHECK = r"""
+from tests.worker.engine.test_w4a16 import check_small_step_layer_ops
+check_small_step_layer_ops()
+print("w4a16 layer ops match")
+"""
+
 
 def _layer(n: int, k: int, group: int, symmetric: bool, act_order: bool, dtype: torch.dtype, device: str, seed: int):
     gen = torch.Generator().manual_seed(seed)
@@ -61,6 +67,42 @@ def check_kernel(device: str, torch_dtype: str = "bfloat16") -> None:
             torch.testing.assert_close(split, want, **tol, msg=f"case {i} split in two")
 
 
+def check_small_step_layer_ops() -> None:
+    """The small-step LayerOps (layer_ops.py) give an `Int4Weight` the W4A16 kernel (its device check lifted, so the
+    interpreter runs it): QKV with the rotary + KV write after it, O, gate/up with act·mul, each equal in fp32 to the
+    same ops over the dequantized weight (decode_gemm's kernels) to summation order."""
+    from worker.engine import layer_ops
+    from worker.engine.quant.int4 import dequantize
+    from worker.engine.quant.int4.linear import Int4Weight
+
+    w4a16.usable = lambda device, dtype: True  # this process only: the interpreter stands in for CUDA
+    ops = layer_ops.layer_ops(True, small_step=True, pdl=False)
+    heads, kv_heads, head_dim, hidden, m = 2, 1, 64, 128, 5
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(m, hidden, generator=gen)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    for i, rows in enumerate(((heads + 2 * kv_heads) * head_dim, 2 * 96)):
+        layer = _layer(rows, hidden, 32, i == 0, False, torch.float32, "cpu", seed=20 + i)
+        packed, dense = Int4Weight(layer), dequantize(layer, torch.float32)
+        torch.testing.assert_close(ops.linear(x, packed, None), ops.linear(x, dense, None), **tol)
+        if i == 1:
+            torch.testing.assert_close(ops.gate_up_act(x, packed, None), ops.gate_up_act(x, dense, None), **tol)
+            continue
+        pos = torch.arange(m) + 3
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(64).float(), inv)
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        outputs = []
+        for weight in (packed, dense):
+            caches = torch.zeros(2, 4, 16, kv_heads, head_dim)
+            q = ops.qkv_rope_write(
+                x, weight, None, pos, cos, sin, heads, kv_heads, caches[0], caches[1], torch.arange(m) + 16, pdl=False
+            )
+            outputs.append((q, caches))
+        torch.testing.assert_close(outputs[0][0], outputs[1][0], **tol)
+        torch.testing.assert_close(outputs[0][1], outputs[1][1], **tol)
+
+
 def test_launch_config_tiles_each_group_size():
     assert w4a16.launch_config(1, 128, torch.bfloat16)[1] == 128
     assert w4a16.launch_config(1, 32, torch.bfloat16)[1] == 32
@@ -80,6 +122,11 @@ def test_int4_linear_on_the_cpu_is_the_twin_with_act_order():
 @pytest.mark.skipif(not w4a16.HAVE_TRITON, reason="triton is not installed")
 def test_w4a16_kernel_matches_its_twin_in_the_interpreter():
     _interpret(CHECK, "w4a16 kernel matches")
+
+
+@pytest.mark.skipif(not w4a16.HAVE_TRITON, reason="triton is not installed")
+def test_small_step_layer_ops_run_the_w4a16_kernel_in_the_interpreter():
+    _interpret(LAYER_OPS_CHECK, "w4a16 layer ops match")
 
 
 # Llama-3-8B's projections: QKV, O, fused gate/up, down ([N, K])

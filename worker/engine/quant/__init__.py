@@ -31,6 +31,10 @@ GEMM (small_step.py).
 Under `--tensor-parallel-size` (dense models) the ranks read their slices of the FP8 weights with those slices'
 scales, or quantize their slices with one process's per-channel scales: models/shard_fp8.py.
 
+INT4 weight-only linears (W4A16) are `int4/`: `packed.py` (`Int4Linear`, the one in-memory form every INT4 format
+is read into) and `linear.py` (`Int4LinearModule`, `Int4Weight`, `int4_linear`: kernels/w4a16.py on CUDA, the
+dequantizing twin elsewhere).
+
 `--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """
 
