@@ -18,8 +18,8 @@ One kernel, two launch shapes (`launch_config`):
   large steps: the same program over a 2-D grid of (BLOCK_N rows, BLOCK_M rows of x) tiles, each weight tile
       dequantized to x's dtype inside the GEMM; or, where `large_step_kernel` says so, dequantization then cuBLAS
       (the caller's twin). The choice between those two is that function's alone.
-Per K tile: the tile's words are loaded (each word once per value it holds, from L1), shifted and masked to
-0..15, the group's zero subtracted and its scale multiplied in fp32, rounded to x's dtype (the twin's dequantized
+Per K tile: the tile's words are loaded once each, shifted and masked to 0..15 (eight nibbles per word, laid out
+in column order by a reshape), the group's zero subtracted and its scale multiplied in fp32, rounded to x's dtype (the twin's dequantized
 weight, bit for bit), then multiplied with fp32 accumulation. A K tile never spans two groups (BLOCK_K divides
 the group size), so a tile reads one scale (and zero) per row.
 
@@ -145,9 +145,11 @@ if HAVE_TRITON:
         m_mask = rm < M
         SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
         k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)  # this split's first column
-        # word k // 8 holds column k at bits 4 * (k % 8): each word is addressed once per column it holds
-        qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + ((k0 + rk) // 8)[None, :]
-        shifts = ((rk % 8) * 4)[None, :]
+        # each word once: [BLOCK_N, BLOCK_K / 8] words, unpacked to [BLOCK_N, BLOCK_K / 8, 8] nibbles whose row-major
+        # order is the columns' (column k is nibble k % 8 of word k // 8)
+        rw = tl.arange(0, BLOCK_K // 8)
+        qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + (k0 // 8 + rw)[None, :]
+        shifts = (tl.arange(0, 8) * 4)[None, None, :]
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
         group_ptrs = rn.to(tl.int64) * stride_sn
         dtype = x_ptr.dtype.element_ty
@@ -160,7 +162,8 @@ if HAVE_TRITON:
             else:
                 zero = tl.full([BLOCK_N], 8.0, tl.float32)
             words = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
-            q = ((words >> shifts) & 0xF).to(tl.float32)
+            nibbles = (words[:, :, None] >> shifts) & 0xF  # the arithmetic shift's sign bits are masked off
+            q = tl.reshape(nibbles, [BLOCK_N, BLOCK_K]).to(tl.float32)
             # packed.dequantize's arithmetic, so the tile is the twin's dequantized weight bit for bit
             w = ((q - zero[:, None]) * scale[:, None]).to(dtype)
             x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
