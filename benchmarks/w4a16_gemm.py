@@ -3,16 +3,17 @@
     python3 benchmarks/w4a16_gemm.py [--m 1 8 32 512 8192] [--sweep]
 
 Per Llama-3-8B projection (QKV, O, fused gate/up, down) at M tokens, us per GEMM replayed from a CUDA graph over
-distinct weights (skinny_gemm.graph_time_us: 32 layers' weights, so L2 holds none of them; 4 above M = 512), and the bytes per second
-of the weight as each variant reads it:
+distinct weights (skinny_gemm.graph_time_us: 32 layers' weights, so L2 holds none of them; 4 above M = 512), and
+the bytes per second of the weight as each variant reads it:
   bf16          what a bf16 model runs: kernels/decode_gemm.py's kernel for M <= 32 where it tiles the shape
                 (down: cuBLAS), cuBLAS above
-  w4a16         kernels/w4a16.py at its default launch (small steps: split over K by the fill rule, with PDL)
-  dequant+cublas  the twin: the packed weight dequantized to bf16, then cuBLAS (w4a16.large_step_kernel's other
-                choice for large steps; its bytes counted as the packed weight's)
+  w4a16         kernels/w4a16.py's GEMM at its default launch (small steps: split over K by the fill rule, with
+                PDL; large steps: the tiled launch, whatever w4a16.large_step_kernel would choose)
+  dequant+cublas  w4a16.dequantize_weight (one kernel: the packed weight to bf16), then cuBLAS: large steps' other
+                path (its bytes counted as the packed weight's)
 Group 128, symmetric (what `bench engine --precision int4` packs). --sweep times the W4A16 kernel in each of
 SWEEP_CONFIGS and each split for M <= 32. What the numbers decide: SMALL_STEP_CONFIG, LARGE_STEP_CONFIG, the split
-rule (SPLIT_FILL, SPLIT_CHOICES) and LARGE_STEP in kernels/w4a16.py.
+rule (SPLIT_FILL, SPLIT_CHOICES) and DEQUANTIZE_FROM_M in kernels/w4a16.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from skinny_gemm import LAYERS, graph_time_us  # noqa: E402 (benchmarks/ is the 
 from worker.engine.kernels import decode_gemm as dg  # noqa: E402
 from worker.engine.kernels import w4a16  # noqa: E402
 from worker.engine.quant.int4 import quantize_rtn  # noqa: E402
-from worker.engine.quant.int4.linear import w4a16_twin  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -40,6 +40,8 @@ SWEEP_CONFIGS = [
     (64, 128, 4, 3),
     (64, 128, 4, 4),
     (64, 128, 4, 6),
+    (64, 128, 8, 3),
+    (64, 128, 8, 4),
     (64, 64, 4, 4),
     (128, 128, 4, 3),
     (128, 128, 8, 4),
@@ -83,9 +85,12 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
         )
 
     timed("w4a16", w4)
-    timed("dequant+cublas", lambda i: w4a16_twin(x, layers[i]))
+    timed(
+        "dequant+cublas",
+        lambda i: F.linear(x, w4a16.dequantize_weight(layers[i].qweight, layers[i].scales, None, GROUP, x.dtype)),
+    )
     if sweep:
-        splits = [1, 2, 4] if m <= w4a16.MAX_TOKENS else [None]
+        splits = [1, 2, 4, 8] if m <= w4a16.MAX_TOKENS else [None]
         for config in SWEEP_CONFIGS:
             for split in splits:
                 if split is not None and (k // config[1]) % split:

@@ -5,7 +5,7 @@ imported) on tiny shapes: symmetric and asymmetric zeros, groups of 32 and 128, 
 act-order permutation, M = 1, 7, 32 (the small-step launch, split over K too) and 100 (the tiled launch), N not a
 multiple of the tile, in fp32 and fp16 (the interpreter computes bf16 operands wrongly, decode_gemm's too, so bf16 is
 the `gpu` tests'). The kernel's dequantized weight is the twin's bit for bit and the products are IEEE, so only the
-summation order differs. The `gpu` tests run the Llama-3-8B shapes in bf16 on CUDA.
+summation order differs; the dequantization kernel (large steps' other path) gives packed.dequantize's bits. The `gpu` tests run the Llama-3-8B shapes in bf16 on CUDA.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from tests.worker.engine.test_fused_kernels import _interpret
 from worker.engine.kernels import w4a16
-from worker.engine.quant.int4 import Int4Linear, quantize_rtn
+from worker.engine.quant.int4 import Int4Linear, dequantize, quantize_rtn
 from worker.engine.quant.int4.linear import int4_linear, w4a16_twin
 
 CHECK = r"""
@@ -62,20 +62,33 @@ def check_kernel(device: str, torch_dtype: str = "bfloat16") -> None:
         xs = x if layer.perm is None else x.index_select(1, layer.perm)
         got = w4a16.w4a16_gemm(xs, layer.qweight, layer.scales, layer.zeros, group, bias).float()
         torch.testing.assert_close(got, want, **tol, msg=f"case {i}: sym={symmetric} g={group} M={m}")
+        stored = w4a16.dequantize_weight(layer.qweight, layer.scales, layer.zeros, group, dtype)
+        unpermuted = Int4Linear(layer.qweight, layer.scales, layer.zeros, group)
+        assert torch.equal(stored, dequantize(unpermuted, dtype)), f"case {i}: the dequantization kernel's bits"
         if m <= w4a16.MAX_TOKENS and k // w4a16.launch_config(m, group, dtype)[1] % 2 == 0:  # split over K
             split = w4a16.w4a16_gemm(xs, layer.qweight, layer.scales, layer.zeros, group, bias, split_k=2).float()
             torch.testing.assert_close(split, want, **tol, msg=f"case {i} split in two")
 
 
 def check_small_step_layer_ops() -> None:
-    """The small-step LayerOps (layer_ops.py) give an `Int4Weight` the W4A16 kernel (its device check lifted, so the
-    interpreter runs it): QKV with the rotary + KV write after it, O, gate/up with act·mul, each equal in fp32 to the
+    """`int4_linear` (its device check lifted, so the interpreter runs the kernels) at a small and a large step, by the
+    tiled kernel and by dequantization then a matmul, with act-order and a bias; and the small-step LayerOps
+    (layer_ops.py) give an `Int4Weight` the W4A16 kernel: QKV with the rotary + KV write after it, O, gate/up with act·mul, each equal in fp32 to the
     same ops over the dequantized weight (decode_gemm's kernels) to summation order."""
     from worker.engine import layer_ops
-    from worker.engine.quant.int4 import dequantize
     from worker.engine.quant.int4.linear import Int4Weight
 
     w4a16.usable = lambda device, dtype: True  # this process only: the interpreter stands in for CUDA
+    # int4_linear's three launches: small step (M <= 32), tiled large step, dequantization then a matmul
+    big = torch.randn(100, 128, generator=torch.Generator().manual_seed(5))
+    layer = _layer(96, 128, 32, False, True, torch.float32, "cpu", seed=30)
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(6))
+    want = w4a16_twin(big, layer, bias)
+    for dequantize_from in (None, 64):
+        w4a16.DEQUANTIZE_FROM_M = dequantize_from
+        assert w4a16.large_step_kernel(100, 96, 128) == (dequantize_from is None)
+        torch.testing.assert_close(int4_linear(big, layer, bias), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(int4_linear(big[:7], layer, bias), want[:7], atol=1e-4, rtol=1e-4)
     ops = layer_ops.layer_ops(True, small_step=True, pdl=False)
     heads, kv_heads, head_dim, hidden, m = 2, 1, 64, 128, 5
     gen = torch.Generator().manual_seed(11)

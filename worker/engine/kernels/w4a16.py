@@ -16,8 +16,8 @@ One kernel, two launch shapes (`launch_config`):
       step's few x rows (the weight rows are the MMA's long side), K split over programs (kernels/split_k.py)
       where the launch would otherwise leave SMs idle; it takes part in programmatic dependent launch (pdl.py)
   large steps: the same program over a 2-D grid of (BLOCK_N rows, BLOCK_M rows of x) tiles, each weight tile
-      dequantized to x's dtype inside the GEMM; or, where `large_step_kernel` says so, dequantization then cuBLAS
-      (the caller's twin). The choice between those two is that function's alone.
+      dequantized to x's dtype inside the GEMM; or, where `large_step_kernel` says so (many rows), the weight
+      dequantized once by `dequantize_weight` and multiplied by cuBLAS. The choice is that function's alone.
 Per K tile: the tile's words are loaded once each, shifted and masked to 0..15 (eight nibbles per word, laid out
 in column order by a reshape), the group's zero subtracted and its scale multiplied in fp32, rounded to x's dtype (the twin's dequantized
 weight, bit for bit), then multiplied with fp32 accumulation. A K tile never spans two groups (BLOCK_K divides
@@ -48,15 +48,21 @@ LARGE_STEP_CONFIG = (128, 64, 8, 3)
 LARGE_BLOCK_M = 64
 MIN_BLOCK_K = 16  # the MMA's least K
 # Split-K of small steps: the least split of SPLIT_CHOICES giving SPLIT_FILL programs per SM (split_k.split_for),
-# for products of at least SPLIT_MIN_K_TILES K tiles. A 4096-row projection is 64 programs of 64 rows on 132 SMs;
-# split in two, every SM streams.
-SPLIT_FILL = 0.9
-SPLIT_CHOICES = (1, 2, 4)
+# for products of at least SPLIT_MIN_K_TILES K tiles. A 4096-row projection is 64 programs of 64 rows on 132 SMs.
+# More than one program per SM (FP8's rule is 0.9): a W4A16 program issues several unpacking instructions per weight
+# byte it reads, so an SM needs more programs in flight to keep its loads streaming. Unmeasured: at 1.8, QKV, O and
+# down split in four, gate/up (448 programs) not at all; `benchmarks/w4a16_gemm.py --sweep` times each split.
+SPLIT_FILL = 1.8
+SPLIT_CHOICES = (1, 2, 4, 8)
 SPLIT_MIN_K_TILES = 16
-# Large steps: "kernel" (this file's tiled GEMM, dequantizing each tile in registers) or "dequantize" (the
-# weight dequantized to the model dtype, then cuBLAS). Unmeasured: the H200 decides (`large_step_kernel`).
-LARGE_STEP = "kernel"
-LARGE_STEPS = ("kernel", "dequantize")
+# Large steps: this file's tiled GEMM (each weight tile dequantized in registers by every one of the M / BLOCK_M
+# programs that read it) up to DEQUANTIZE_FROM_M rows, above that the weight dequantized once to the model dtype
+# (`dequantize_weight`, a transient [N, K] tensor) and then cuBLAS. Why a row bound: the tiled kernel's unpacking
+# grows with M while dequantizing once costs ~2.5 bytes of traffic per weight whatever M is (gate/up: ~60 us at the
+# H200's bandwidth, 2% of its 8,192-row GEMM, a third of a 512-row one). Unmeasured: `benchmarks/w4a16_gemm.py`
+# times both at 512 and 8,192 rows; None sends every large step to the tiled kernel.
+DEQUANTIZE_FROM_M: int | None = 2048
+DEQUANTIZE_CONFIG = (64, 128, 4, 1)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the dequantization kernel
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -66,9 +72,9 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def large_step_kernel(m: int, n: int, k: int) -> bool:
-    """Whether a step of `m` rows (more than MAX_TOKENS) takes this file's tiled GEMM (True) or dequantization then
-    cuBLAS (False): the one place that choice is made."""
-    return LARGE_STEP == "kernel"
+    """Whether a step of `m` rows (more than MAX_TOKENS) takes this file's tiled GEMM (True) or the weight
+    dequantized once, then cuBLAS (False): the one place that choice is made."""
+    return DEQUANTIZE_FROM_M is None or m < DEQUANTIZE_FROM_M
 
 
 def block_k_for(config_k: int, group_size: int) -> int | None:
@@ -111,6 +117,59 @@ def split_for(n_tiles: int, m_tiles: int, k_tiles: int, device: torch.device, sp
 if HAVE_TRITON:
 
     @triton.jit
+    def dequantized_tile(
+        qw_ptrs,  # [BLOCK_N, BLOCK_K / 8] pointers to the tile's words
+        scales_ptr,
+        zeros_ptr,
+        group_offsets,  # [BLOCK_N]: each row's first group in scales/zeros
+        group,  # the tile's group (a tile lies in one: BLOCK_K divides the group size)
+        n_mask,
+        dtype: tl.constexpr,
+        HAS_ZEROS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """The weight tile [BLOCK_N, BLOCK_K] in `dtype`: each word loaded once, shifted by 0, 4, ..., 28 into
+        [BLOCK_N, BLOCK_K / 8, 8] nibbles whose row-major order is the columns' (column k is nibble k % 8 of word
+        k // 8), then (q - zero) * scale in fp32, rounded: packed.dequantize's arithmetic, bit for bit."""
+        scale = tl.load(scales_ptr + group_offsets + group, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + group_offsets + group, mask=n_mask, other=0).to(tl.float32)
+        else:
+            zero = tl.full([BLOCK_N], 8.0, tl.float32)
+        words = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
+        shifts = (tl.arange(0, 8) * 4)[None, None, :]
+        nibbles = (words[:, :, None] >> shifts) & 0xF  # the arithmetic shift's sign bits are masked off
+        q = tl.reshape(nibbles, [BLOCK_N, BLOCK_K]).to(tl.float32)
+        return ((q - zero[:, None]) * scale[:, None]).to(dtype)
+
+    @triton.jit
+    def _w4a16_dequantize_kernel(
+        qw_ptr,
+        scales_ptr,
+        zeros_ptr,
+        out_ptr,  # [N, K] in the model dtype
+        N,
+        stride_qn,
+        stride_sn,
+        stride_on,
+        GROUP_SIZE: tl.constexpr,
+        HAS_ZEROS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        n_mask = rn < N
+        qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
+        w = dequantized_tile(
+            qw_ptrs, scales_ptr, zeros_ptr, rn.to(tl.int64) * stride_sn, k0 // GROUP_SIZE, n_mask,
+            out_ptr.dtype.element_ty, HAS_ZEROS, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        out_ptrs = out_ptr + rn[:, None].to(tl.int64) * stride_on + k0 + tl.arange(0, BLOCK_K)[None, :]
+        tl.store(out_ptrs, w, mask=n_mask[:, None])
+
+    @triton.jit
     def _w4a16_gemm_kernel(
         x_ptr,  # [M, K] bf16/fp16 (fp32 in tests), columns in the weight's stored order
         qw_ptr,  # int32 [N, K / 8]
@@ -145,27 +204,16 @@ if HAVE_TRITON:
         m_mask = rm < M
         SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
         k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)  # this split's first column
-        # each word once: [BLOCK_N, BLOCK_K / 8] words, unpacked to [BLOCK_N, BLOCK_K / 8, 8] nibbles whose row-major
-        # order is the columns' (column k is nibble k % 8 of word k // 8)
-        rw = tl.arange(0, BLOCK_K // 8)
-        qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + (k0 // 8 + rw)[None, :]
-        shifts = (tl.arange(0, 8) * 4)[None, None, :]
+        qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
         group_ptrs = rn.to(tl.int64) * stride_sn
         dtype = x_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for t in range(SPLIT_TILES):
-            group = (k0 + t * BLOCK_K) // GROUP_SIZE  # a tile lies in one group: BLOCK_K divides GROUP_SIZE
-            scale = tl.load(scales_ptr + group_ptrs + group, mask=n_mask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(zeros_ptr + group_ptrs + group, mask=n_mask, other=0).to(tl.float32)
-            else:
-                zero = tl.full([BLOCK_N], 8.0, tl.float32)
-            words = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
-            nibbles = (words[:, :, None] >> shifts) & 0xF  # the arithmetic shift's sign bits are masked off
-            q = tl.reshape(nibbles, [BLOCK_N, BLOCK_K]).to(tl.float32)
-            # packed.dequantize's arithmetic, so the tile is the twin's dequantized weight bit for bit
-            w = ((q - zero[:, None]) * scale[:, None]).to(dtype)
+            group = (k0 + t * BLOCK_K) // GROUP_SIZE
+            w = dequantized_tile(
+                qw_ptrs, scales_ptr, zeros_ptr, group_ptrs, group, n_mask, dtype, HAS_ZEROS, BLOCK_N, BLOCK_K
+            )
             x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
             qw_ptrs += BLOCK_K // 8
@@ -246,5 +294,35 @@ def w4a16_gemm(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
+    )
+    return out
+
+
+def dequantize_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The packed weight as [N, K] in `dtype`, columns in the stored order: packed.dequantize's values (before its
+    act-order restore) in one kernel and no fp32 intermediates. For large steps that multiply it with cuBLAS."""
+    n, words = qweight.shape
+    k = words * PACK
+    block_n, config_k, num_warps, num_stages = DEQUANTIZE_CONFIG
+    block_k = block_k_for(config_k, group_size)
+    assert block_k is not None and k % block_k == 0, f"group size {group_size} does not tile"
+    out = torch.empty(n, k, device=qweight.device, dtype=dtype)
+    _w4a16_dequantize_kernel[(cdiv(n, block_n), k // block_k)](
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,  # unread placeholder
+        out,
+        n,
+        qweight.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        HAS_ZEROS=zeros is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -2,8 +2,9 @@
 that takes an `nn.Linear`'s place and holds its packed weight.
 
   int4_linear         y = x @ W^T (+ bias) for an `Int4Linear`: x gathered by the act-order permutation, then the
-                      W4A16 Triton GEMM (kernels/w4a16.py) on CUDA, or the twin (dequantize + F.linear) elsewhere
-                      and where the kernels do not take the shape
+                      W4A16 Triton GEMM (kernels/w4a16.py) on CUDA, or for steps of many rows the weight dequantized
+                      by its kernel and cuBLAS (`w4a16.large_step_kernel` decides); the twin (dequantize + F.linear)
+                      elsewhere and where the kernels do not take the shape
   w4a16_twin          that twin: the torch reference the kernels are tested against, and the CPU's path
   Int4LinearModule    an `nn.Linear`'s stand-in: qweight, scales, zeros, perm as buffers (`.to(device)` moves
                       them), the bias; its forward is `int4_linear`, so transformers' forward still runs
@@ -36,12 +37,14 @@ def int4_linear(
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) in x's dtype. `pdl`: the small-step launch joins the PDL chain (sm90+ only)."""
     config = w4a16.launch_config(x.shape[0], layer.group_size, x.dtype)
-    large = x.shape[0] > w4a16.MAX_TOKENS
-    dequantize_first = large and not w4a16.large_step_kernel(x.shape[0], layer.out_features, layer.in_features)
-    if config is None or dequantize_first or not w4a16.usable(x.device, x.dtype):
+    if config is None or not w4a16.usable(x.device, x.dtype):
         return w4a16_twin(x, layer, bias)
     if layer.perm is not None:  # stored column j holds input feature perm[j]
         x = x.index_select(1, layer.perm)
+    large = x.shape[0] > w4a16.MAX_TOKENS
+    if large and not w4a16.large_step_kernel(x.shape[0], layer.out_features, layer.in_features):
+        weight = w4a16.dequantize_weight(layer.qweight, layer.scales, layer.zeros, layer.group_size, x.dtype)
+        return F.linear(x, weight, bias)
     return w4a16.w4a16_gemm(
         x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.group_size, bias, pdl=pdl and not large
     )
