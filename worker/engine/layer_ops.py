@@ -123,14 +123,14 @@ def small_step_linear(pdl: bool) -> Callable:
 
 
 def small_step_gate_up_act(pdl: bool, act: int) -> Callable:
-    """The gate/up GEMM with act·mul in its epilogue, for a plain or an FP8 weight (as `small_step_linear`); a packed
-    INT4 weight's W4A16 GEMM has no act·mul epilogue yet, so it is the GEMM, then act·mul (both in the PDL chain)."""
+    """The gate/up GEMM with act·mul in its epilogue, for a plain, an FP8 or a packed INT4 weight (as
+    `small_step_linear`)."""
 
     def gate_up_act(x, weight, bias):
         if isinstance(weight, Fp8Weight):
             return fp8_step.fp8_step_gate_up_act(x, weight.layer, bias, pdl=pdl, act=act)
         if isinstance(weight, Int4Weight):
-            return fk.act_mul(weight.apply(x, bias, pdl=pdl), pdl=pdl, act=act)
+            return weight.gate_up_act(x, bias, pdl=pdl, act=act)
         return decode_gemm.decode_gate_up_silu(x, weight, bias, pdl=pdl, act=act)
 
     return gate_up_act

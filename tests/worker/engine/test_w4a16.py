@@ -2,7 +2,8 @@
 
 On the CPU the kernel runs in Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is
 imported) on tiny shapes: symmetric and asymmetric zeros, groups of 32 and 128, with and without a bias and an
-act-order permutation, M = 1, 7, 32 (the small-step launch, split over K too) and 100 (the tiled launch), N not a
+act-order permutation, M = 1, 7, 32 (the small-step launch, split over K too, and the gated launch with SiLU or
+GELU-tanh·mul in its epilogue against the twin then act·mul) and 100 (the tiled launch), N not a
 multiple of the tile, in fp32 and fp16 (the interpreter computes bf16 operands wrongly, decode_gemm's too, so bf16 is
 the `gpu` tests'). The kernel's dequantized weight is the twin's bit for bit and the products are IEEE, so only the
 summation order differs; the dequantization kernel (large steps' other path) gives packed.dequantize's bits. The `gpu` tests run the Llama-3-8B shapes in bf16 on CUDA.
@@ -14,9 +15,10 @@ import pytest
 import torch
 
 from tests.worker.engine.test_fused_kernels import _interpret
+from worker.engine.kernels import fused as fk
 from worker.engine.kernels import w4a16
 from worker.engine.quant.int4 import Int4Linear, dequantize, quantize_rtn
-from worker.engine.quant.int4.linear import int4_linear, w4a16_twin
+from worker.engine.quant.int4.linear import int4_gate_up_act, int4_linear, w4a16_twin
 
 CHECK = r"""
 from tests.worker.engine.test_w4a16 import check_kernel
@@ -65,6 +67,13 @@ def check_kernel(device: str, torch_dtype: str = "bfloat16") -> None:
         stored = w4a16.dequantize_weight(layer.qweight, layer.scales, layer.zeros, group, dtype)
         unpermuted = Int4Linear(layer.qweight, layer.scales, layer.zeros, group)
         assert torch.equal(stored, dequantize(unpermuted, dtype)), f"case {i}: the dequantization kernel's bits"
+        for act, act_ref in ((fk.ACT_SILU, fk.silu_mul_ref), (fk.ACT_GELU_TANH, fk.gelu_tanh_mul_ref)):
+            if m > w4a16.MAX_TOKENS or (act == fk.ACT_GELU_TANH and m != 7):
+                continue  # the gated launch is the small steps'; GELU once
+            gated = w4a16.w4a16_gemm(xs, layer.qweight, layer.scales, layer.zeros, group, bias, gated_act=act)
+            torch.testing.assert_close(
+                gated.float(), act_ref(want.to(dtype)).float(), **tol, msg=f"case {i} gated, act {act}"
+            )
         if m <= w4a16.MAX_TOKENS and k // w4a16.launch_config(m, group, dtype)[1] % 2 == 0:  # split over K
             split = w4a16.w4a16_gemm(xs, layer.qweight, layer.scales, layer.zeros, group, bias, split_k=2).float()
             torch.testing.assert_close(split, want, **tol, msg=f"case {i} split in two")
@@ -156,12 +165,17 @@ def test_gpu_w4a16_at_the_llama_3_8b_shapes(shape):
     pdl = w4a16.pdl_usable(torch.device("cuda"))
     for symmetric in (True, False):
         layer = _layer(n, k, 128, symmetric, False, torch.bfloat16, "cuda", seed=n + k)
-        for m in (1, 7, 32, 100, 512):
+        for m in (1, 7, 32, 100, 512, 2048):  # 2048: w4a16.DEQUANTIZE_FROM_M, dequantization then cuBLAS
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            want = w4a16_twin(x, layer).float()
+            want = w4a16_twin(x, layer)
             got = int4_linear(x, layer, pdl=pdl).float()
-            rel = float((got - want).norm() / want.norm())
+            rel = float((got - want.float()).norm() / want.float().norm())
             assert rel < 5e-3, f"{shape} M={m} sym={symmetric}: relative error {rel}"
+            if shape == "gate_up" and m <= w4a16.MAX_TOKENS:  # the gated launch, act·mul in its epilogue
+                gated = int4_gate_up_act(x, layer, pdl=pdl, act=fk.ACT_SILU).float()
+                ref = fk.silu_mul_ref(want).float()
+                rel = float((gated - ref).norm() / ref.norm())
+                assert rel < 1e-2, f"gated M={m} sym={symmetric}: relative error {rel}"
     torch.cuda.synchronize()
 
 

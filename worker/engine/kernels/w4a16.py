@@ -11,7 +11,9 @@ Why: a decode step streams every weight byte once; at 4 bits a weight is a quart
 scale per group), so a memory-bound decode step can run up to ~3.5x faster. The dequantization is arithmetic on
 values already in registers, which the memory-bound kernel has time for.
 
-One kernel, two launch shapes (`launch_config`):
+One kernel, two launch shapes (`launch_config`), and a gated variant for the fused gate/up weight with act·mul in its
+epilogue (a program owns BLOCK_N gate rows and the up rows that pair with them, as decode_gemm's gated kernel; it
+rounds as the GEMM then fused.act_mul do), which the decoder's small steps use:
   small steps (M <= decode_gemm.MAX_TOKENS): decode_gemm's layout, a program owns BLOCK_N weight rows and the
       step's few x rows (the weight rows are the MMA's long side), K split over programs (kernels/split_k.py)
       where the launch would otherwise leave SMs idle; it takes part in programmatic dependent launch (pdl.py)
@@ -35,6 +37,7 @@ from .common import HAVE_TRITON, cdiv, dot_precision, next_pow2, tl, triton
 from .decode_gemm import MAX_TOKENS
 
 if HAVE_TRITON:
+    from .fused import activation
     from .pdl import pdl_wait_and_release
     from .split_k import split_k_sum
 
@@ -180,13 +183,15 @@ if HAVE_TRITON:
         partial_ptr,  # SPLIT_K > 1: fp32 [SPLIT_K, tiles, BLOCK_N, BLOCK_M] (kernels/split_k.py)
         counter_ptr,  # SPLIT_K > 1: int32 tile counters, 0 between launches
         M,
-        N,
+        N,  # output columns: the weight's rows, or GATED the gate rows (I)
         stride_xm,
         stride_qn,
         stride_sn,
         stride_om,
         K_TILES: tl.constexpr,  # K // BLOCK_K
         GROUP_SIZE: tl.constexpr,
+        GATED: tl.constexpr,  # out = act(x @ gate^T) * (x @ up^T), the up rows N rows after the gate rows
+        ACT: tl.constexpr,  # fused.ACT_SILU or ACT_GELU_TANH
         HAS_ZEROS: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -208,7 +213,10 @@ if HAVE_TRITON:
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
         group_ptrs = rn.to(tl.int64) * stride_sn
         dtype = x_ptr.dtype.element_ty
+        up_qw_ptrs = qw_ptrs + N * stride_qn
+        up_group_ptrs = group_ptrs + N * stride_sn
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for t in range(SPLIT_TILES):
             group = (k0 + t * BLOCK_K) // GROUP_SIZE
             w = dequantized_tile(
@@ -216,14 +224,28 @@ if HAVE_TRITON:
             )
             x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            if GATED:
+                w_up = dequantized_tile(
+                    up_qw_ptrs, scales_ptr, zeros_ptr, up_group_ptrs, group, n_mask, dtype, HAS_ZEROS, BLOCK_N,
+                    BLOCK_K,
+                )  # fmt: skip
+                acc_up = tl.dot(w_up, x, acc_up, input_precision=DOT_PREC)
+                up_qw_ptrs += BLOCK_K // 8
             qw_ptrs += BLOCK_K // 8
             x_ptrs += BLOCK_K
         store_mask = m_mask[None, :] & n_mask[:, None]
-        if SPLIT_K > 1:  # the tile's last program sums the partials in split order and stores
+        if SPLIT_K > 1:  # the tile's last program sums the partials in split order and stores (not with GATED)
             acc, last = split_k_sum(acc, partial_ptr, counter_ptr, SPLIT_K, BLOCK_N, BLOCK_M)
             store_mask = store_mask & last
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            if GATED:
+                acc_up += tl.load(bias_ptr + N + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if GATED:  # rounded as the GEMM's output then fused.act_mul round it (decode_gemm's gated rule)
+            out_dtype = out_ptr.dtype.element_ty
+            gate = acc.to(out_dtype).to(tl.float32)
+            act = activation(gate, ACT).to(out_dtype).to(tl.float32)
+            acc = act * acc_up.to(out_dtype).to(tl.float32)
         out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
@@ -240,13 +262,19 @@ def w4a16_gemm(
     config: tuple[int, int, int, int] | None = None,
     block_m: int | None = None,
     split_k: int | None = None,
+    gated_act: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (columns in the stored order: act-order gathered by the caller) @ W^T (+ bias) -> [M, N] in x's
     dtype, W the packed INT4 weight. The small-step launch for M <= MAX_TOKENS (split over K by `split_for` unless
     `split_k` is given), the tiled one above. `config`/`block_m` override `launch_config`/`block_m_for` (tests,
-    benchmarks). The caller checks `launch_config` is not None (the group size tiles)."""
+    benchmarks). The caller checks `launch_config` is not None (the group size tiles).
+    `gated_act` (fused.ACT_*): W is a fused [gate; up] [2I, K] and the output act(x @ gate^T) * (x @ up^T) [M, I],
+    rounded as this GEMM then fused.act_mul round (a program owns BLOCK_N gate rows and their up rows; no split)."""
     m, k = x.shape
-    n, words = qweight.shape
+    rows, words = qweight.shape
+    gated = gated_act is not None
+    assert not gated or (rows % 2 == 0 and split_k in (None, 1)), "a gated launch has an even row count, no split"
+    n = rows // 2 if gated else rows
     assert words * PACK == k, f"x {tuple(x.shape)} vs qweight {tuple(qweight.shape)}"
     assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1, "rows must be contiguous"
     assert zeros is None or zeros.stride() == scales.stride(), "zeros and scales share a layout"
@@ -260,7 +288,7 @@ def w4a16_gemm(
     block_m = block_m or block_m_for(m)
     grid = (cdiv(n, block_n), cdiv(m, block_m))
     k_tiles = k // block_k
-    split = split_for(*grid, k_tiles, x.device, split_k) if m <= MAX_TOKENS else (split_k or 1)
+    split = split_for(*grid, k_tiles, x.device, split_k) if m <= MAX_TOKENS and not gated else (split_k or 1)
     if split > 1:
         partials = sk.split_workspace(split, grid[0] * grid[1], block_n, block_m, x.device)
         counters = sk.tile_counters(x.device)
@@ -283,6 +311,8 @@ def w4a16_gemm(
         out.stride(0),
         K_TILES=k_tiles,
         GROUP_SIZE=group_size,
+        GATED=gated,
+        ACT=gated_act or 0,
         HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,

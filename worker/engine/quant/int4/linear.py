@@ -5,6 +5,7 @@ that takes an `nn.Linear`'s place and holds its packed weight.
                       W4A16 Triton GEMM (kernels/w4a16.py) on CUDA, or for steps of many rows the weight dequantized
                       by its kernel and cuBLAS (`w4a16.large_step_kernel` decides); the twin (dequantize + F.linear)
                       elsewhere and where the kernels do not take the shape
+  int4_gate_up_act    the fused gate/up GEMM with act·mul in the small-step kernel's epilogue (decoder small steps)
   w4a16_twin          that twin: the torch reference the kernels are tested against, and the CPU's path
   Int4LinearModule    an `nn.Linear`'s stand-in: qweight, scales, zeros, perm as buffers (`.to(device)` moves
                       them), the bias; its forward is `int4_linear`, so transformers' forward still runs
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels import fused as fk
 from ...kernels import w4a16
 from .packed import Int4Linear, dequantize, quantize_rtn
 
@@ -47,6 +49,22 @@ def int4_linear(
         return F.linear(x, weight, bias)
     return w4a16.w4a16_gemm(
         x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.group_size, bias, pdl=pdl and not large
+    )
+
+
+def int4_gate_up_act(
+    x: torch.Tensor, layer: Int4Linear, bias: torch.Tensor | None = None, *, pdl: bool = False, act: int = 0
+) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) [M, I] for a fused [gate; up] INT4 weight ([2I, K]; `act` fused.ACT_*), on a
+    small step in one W4A16 launch with act·mul in its epilogue; elsewhere `int4_linear`, then fused.act_mul. For
+    the decoder's small-step path (CUDA, or Triton's interpreter in the tests)."""
+    small = x.shape[0] <= w4a16.MAX_TOKENS and w4a16.usable(x.device, x.dtype)
+    if not small or w4a16.launch_config(x.shape[0], layer.group_size, x.dtype) is None:
+        return fk.act_mul(int4_linear(x, layer, bias, pdl=pdl), pdl=pdl, act=act)
+    if layer.perm is not None:
+        x = x.index_select(1, layer.perm)
+    return w4a16.w4a16_gemm(
+        x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.group_size, bias, pdl=pdl, gated_act=act
     )
 
 
@@ -94,6 +112,10 @@ class Int4Weight:
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
         return int4_linear(x, self.layer, bias, pdl=pdl)
+
+    def gate_up_act(self, x: torch.Tensor, bias: torch.Tensor | None, pdl: bool = False, act: int = 0) -> torch.Tensor:
+        """For a fused [gate; up] weight: act(x @ gate^T) * (x @ up^T) (`int4_gate_up_act`)."""
+        return int4_gate_up_act(x, self.layer, bias, pdl=pdl, act=act)
 
 
 def quantize_linears(
