@@ -17,7 +17,7 @@ from .kernels import decode_gemm
 from .kernels import fused as fk
 from .quant import small_step as fp8_step
 from .quant.fp8 import Fp8Rows, takes_rows
-from .quant.int4.linear import Int4Weight
+from .quant.int4.linear import Int4Weight, int4_qkv_rope_write
 from .quant.kernels import act_mul_per_token_quant
 from .quant.linear import Fp8Weight
 
@@ -138,15 +138,10 @@ def small_step_gate_up_act(pdl: bool, act: int) -> Callable:
 
 def small_step_qkv_rope_write(x, weight, bias, *args, **kwargs) -> torch.Tensor:
     """The QKV GEMM with rotary and the KV write in its epilogue (`LayerOps.qkv_rope_write`'s signature), for a
-    plain weight (decode_gemm) or an FP8 one (quant/small_step.py), as `small_step_linear` dispatches. A packed INT4
-    weight: the W4A16 GEMM, then fused.qkv_rope_write (no rotary epilogue in that kernel yet)."""
+    plain weight (decode_gemm), an FP8 one (quant/small_step.py) or a packed INT4 one (quant/int4/linear.py), as
+    `small_step_linear` dispatches."""
     if isinstance(weight, Int4Weight):
-        positions, cos_table, sin_table, num_heads, num_kv_heads, k_cache, v_cache, slot_mapping = args
-        qkv = weight.apply(x, bias, pdl=kwargs.get("pdl", False))
-        return fk.qkv_rope_write(
-            qkv, positions, cos_table, sin_table, None, None, 0.0, num_heads, num_kv_heads, k_cache, v_cache,
-            slot_mapping, pdl=kwargs.get("pdl", False), kv_scale=kwargs.get("kv_scale", (1.0, 1.0)),
-        )  # fmt: skip
+        return int4_qkv_rope_write(x, weight.layer, bias, *args, **kwargs)
     if isinstance(weight, Fp8Weight):
         return fp8_step.fp8_step_qkv_rope_write(x, weight.layer, bias, *args, **kwargs)
     return decode_gemm.decode_qkv_rope_write(x, weight, bias, *args, **kwargs)

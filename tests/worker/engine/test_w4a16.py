@@ -18,7 +18,7 @@ from tests.worker.engine.test_fused_kernels import _interpret
 from worker.engine.kernels import fused as fk
 from worker.engine.kernels import w4a16
 from worker.engine.quant.int4 import Int4Linear, dequantize, quantize_rtn
-from worker.engine.quant.int4.linear import int4_gate_up_act, int4_linear, w4a16_twin
+from worker.engine.quant.int4.linear import int4_gate_up_act, int4_linear, int4_qkv_rope_write, w4a16_twin
 
 CHECK = r"""
 from tests.worker.engine.test_w4a16 import check_kernel
@@ -193,3 +193,32 @@ def test_gpu_w4a16_small_step_captures_in_a_cuda_graph():
     for _ in range(3):  # the split-K tile counters rest at 0 between replays
         graph.replay()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and w4a16.HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_w4a16_qkv_rope_write_at_the_llama_3_8b_shape():
+    """The QKV launch with rotary and the KV write in its epilogue against the twin's QKV, then qkv_rope_write."""
+    heads, kv_heads, head_dim = 32, 8, 128
+    n, k = LLAMA_3_8B["qkv"]
+    layer = _layer(n, k, 128, True, False, torch.bfloat16, "cuda", seed=9)
+    m = 32
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(m, device="cuda") * 3
+    inv = 1.0 / (500000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    angles = torch.outer(torch.arange(256, device="cuda").float(), inv)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slots = torch.arange(m, device="cuda") + 16
+    assert w4a16.rope_launch_fits(heads, kv_heads, head_dim, m, 128, torch.bfloat16)
+    outputs = []
+    for fused in (True, False):
+        caches = torch.zeros(2, 8, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        args = (pos, cos, sin, heads, kv_heads, caches[0], caches[1], slots)
+        if fused:
+            q = int4_qkv_rope_write(x, layer, None, *args, pdl=w4a16.pdl_usable(x.device))
+        else:
+            q = fk.qkv_rope_write(w4a16_twin(x, layer), *args[:3], None, None, 0.0, *args[3:])
+        outputs.append((q.float(), caches.float()))
+    for got, want in zip(outputs[0], outputs[1], strict=True):
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 5e-3, rel

@@ -13,7 +13,8 @@ values already in registers, which the memory-bound kernel has time for.
 
 One kernel, two launch shapes (`launch_config`), and a gated variant for the fused gate/up weight with act·mul in its
 epilogue (a program owns BLOCK_N gate rows and the up rows that pair with them, as decode_gemm's gated kernel; it
-rounds as the GEMM then fused.act_mul do), which the decoder's small steps use:
+rounds as the GEMM then fused.act_mul do), and a QKV variant with decode_gemm's rotary + KV-write epilogue
+(`w4a16_qkv_rope_write`, over decode_gemm's rotary-pair tile rows), both for the decoder's small steps:
   small steps (M <= decode_gemm.MAX_TOKENS): decode_gemm's layout, a program owns BLOCK_N weight rows and the
       step's few x rows (the weight rows are the MMA's long side), K split over programs (kernels/split_k.py)
       where the launch would otherwise leave SMs idle; it takes part in programmatic dependent launch (pdl.py)
@@ -34,9 +35,10 @@ import torch
 
 from . import split_k as sk
 from .common import HAVE_TRITON, cdiv, dot_precision, next_pow2, tl, triton
-from .decode_gemm import MAX_TOKENS
+from .decode_gemm import MAX_TOKENS, ROPE_PAIRS, rope_epilogue_args
 
 if HAVE_TRITON:
+    from .decode_gemm import qkv_rope_epilogue, rope_tile_rows
     from .fused import activation
     from .pdl import pdl_wait_and_release
     from .split_k import split_k_sum
@@ -249,6 +251,77 @@ if HAVE_TRITON:
         out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
+    @triton.jit
+    def _w4a16_qkv_rope_kernel(
+        x_ptr,
+        qw_ptr,  # int32 [(H + 2 KVH) D, K / 8]
+        scales_ptr,
+        zeros_ptr,
+        bias_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        M,
+        k_scale_inv,
+        v_scale_inv,
+        stride_xm,
+        stride_qn,
+        stride_sn,
+        stride_cos,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAIRS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        K_TILES: tl.constexpr,
+        GROUP_SIZE: tl.constexpr,
+        HAS_ZEROS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        """The small-step W4A16 GEMM over decode_gemm's rotary-pair tile rows (a program owns rows j and j + D/2 of one
+        head), then decode_gemm's rotary + KV-write epilogue: equals this file's GEMM then fused.qkv_rope_write."""
+        pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
+        head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_mask = rm < M
+        rows = col >= 0  # every tile row is a weight row
+        qw_ptrs = qw_ptr + col[:, None].to(tl.int64) * stride_qn + tl.arange(0, BLOCK_K // 8)[None, :]
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
+        group_ptrs = col.to(tl.int64) * stride_sn
+        dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
+        for t in range(K_TILES):
+            w = dequantized_tile(
+                qw_ptrs, scales_ptr, zeros_ptr, group_ptrs, (t * BLOCK_K) // GROUP_SIZE, rows, dtype, HAS_ZEROS,
+                2 * PAIRS, BLOCK_K,
+            )  # fmt: skip
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            qw_ptrs += BLOCK_K // 8
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + col).to(tl.float32)[:, None]
+        qkv_rope_epilogue(
+            acc, head, first, rm, m_mask, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+            k_scale_inv, v_scale_inv, stride_cos, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+            stride_vch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAIRS, BLOCK_SIZE, BLOCK_M,
+        )  # fmt: skip
+
 
 def w4a16_gemm(
     x: torch.Tensor,
@@ -356,3 +429,68 @@ def dequantize_weight(
         num_stages=num_stages,
     )
     return out
+
+
+def rope_launch_fits(num_heads: int, num_kv_heads: int, head_dim: int, m: int, group_size: int, dtype) -> bool:
+    """Whether `w4a16_qkv_rope_write` takes the QKV projection of a step of `m` rows: a small step whose heads hold
+    whole groups of decode_gemm.ROPE_PAIRS rotary pairs, in a group size that tiles."""
+    config = launch_config(m, group_size, dtype)
+    return m <= MAX_TOKENS and config is not None and head_dim % (2 * ROPE_PAIRS) == 0
+
+
+def w4a16_qkv_rope_write(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:
+    """q [M, H, D] of x @ qkv^T (+ bias) for the packed fused QKV weight, rotated at `positions`, k (rotated) and v
+    written into the paged caches at `slot_mapping` (decode_gemm.decode_qkv_rope_write's contract, x in the stored
+    column order). The caller checks `rope_launch_fits`."""
+    m, k = x.shape
+    head_dim = cos_table.shape[-1]
+    assert qweight.shape == ((num_heads + 2 * num_kv_heads) * head_dim, k // PACK) and x.stride(1) == 1
+    config = launch_config(m, group_size, x.dtype)
+    assert config is not None and head_dim % (2 * ROPE_PAIRS) == 0
+    _, block_k, num_warps, num_stages = config
+    q = torch.empty(m, num_heads, head_dim, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return q
+    block_m = block_m_for(m)
+    _w4a16_qkv_rope_kernel[(qweight.shape[0] // (2 * ROPE_PAIRS), cdiv(m, block_m))](
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,  # unread placeholder
+        bias if bias is not None else scales,
+        M=m,
+        stride_xm=x.stride(0),
+        stride_qn=qweight.stride(0),
+        stride_sn=scales.stride(0),
+        K_TILES=k // block_k,
+        GROUP_SIZE=group_size,
+        HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        USE_PDL=pdl,
+        DOT_PREC=dot_precision(x.dtype, None),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+        **rope_epilogue_args(positions, cos_table, sin_table, slot_mapping, q, k_cache, v_cache, num_kv_heads, kv_scale),
+    )
+    return q

@@ -6,6 +6,7 @@ that takes an `nn.Linear`'s place and holds its packed weight.
                       by its kernel and cuBLAS (`w4a16.large_step_kernel` decides); the twin (dequantize + F.linear)
                       elsewhere and where the kernels do not take the shape
   int4_gate_up_act    the fused gate/up GEMM with act·mul in the small-step kernel's epilogue (decoder small steps)
+  int4_qkv_rope_write the fused QKV GEMM with rotary and the KV-cache write in its epilogue (decoder small steps)
   w4a16_twin          that twin: the torch reference the kernels are tested against, and the CPU's path
   Int4LinearModule    an `nn.Linear`'s stand-in: qweight, scales, zeros, perm as buffers (`.to(device)` moves
                       them), the bias; its forward is `int4_linear`, so transformers' forward still runs
@@ -66,6 +67,28 @@ def int4_gate_up_act(
     return w4a16.w4a16_gemm(
         x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.group_size, bias, pdl=pdl, gated_act=act
     )
+
+
+def int4_qkv_rope_write(x, layer: Int4Linear, bias, positions, cos_table, sin_table, num_heads, num_kv_heads,
+                        k_cache, v_cache, slot_mapping, *, pdl: bool = False, kv_scale=(1.0, 1.0)) -> torch.Tensor:
+    """The QKV projection of a fused INT4 q/k/v weight with rotary and the KV write (decode_gemm.decode_qkv_rope_write's
+    contract): one W4A16 launch with that epilogue on a small step whose shape it tiles, elsewhere `int4_linear`,
+    then fused.qkv_rope_write. For the decoder's small-step path (CUDA, or Triton's interpreter in the tests)."""
+    head_dim = cos_table.shape[-1]
+    fused = w4a16.usable(x.device, x.dtype) and w4a16.rope_launch_fits(
+        num_heads, num_kv_heads, head_dim, x.shape[0], layer.group_size, x.dtype
+    )
+    if not fused:
+        return fk.qkv_rope_write(
+            int4_linear(x, layer, bias, pdl=pdl), positions, cos_table, sin_table, None, None, 0.0, num_heads,
+            num_kv_heads, k_cache, v_cache, slot_mapping, pdl=pdl, kv_scale=kv_scale,
+        )  # fmt: skip
+    if layer.perm is not None:
+        x = x.index_select(1, layer.perm)
+    return w4a16.w4a16_qkv_rope_write(
+        x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.group_size, bias, positions, cos_table,
+        sin_table, num_heads, num_kv_heads, k_cache, v_cache, slot_mapping, pdl=pdl, kv_scale=kv_scale,
+    )  # fmt: skip
 
 
 class Int4LinearModule(nn.Module):
