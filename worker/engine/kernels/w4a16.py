@@ -8,23 +8,26 @@ Act-order releases (a column permutation) are the caller's: x is gathered by the
 (quant/int4/linear.py), so the kernel reads the stored columns in order.
 
 Why: a decode step streams every weight byte once; at 4 bits a weight is a quarter of its bf16 bytes (plus a
-scale per group), so a memory-bound decode step can run up to ~3.5x faster. The dequantization is arithmetic on
-values already in registers, which the memory-bound kernel has time for.
+scale per group), so a memory-bound decode step reads ~3.5x fewer bytes of linear weights. The dequantization is
+arithmetic on values already in registers, which a memory-bound kernel has issue slots for (how many is what the
+H200's measurements of the tiles and splits below decide).
 
-One kernel, two launch shapes (`launch_config`), and a gated variant for the fused gate/up weight with act·mul in its
-epilogue (a program owns BLOCK_N gate rows and the up rows that pair with them, as decode_gemm's gated kernel; it
-rounds as the GEMM then fused.act_mul do), and a QKV variant with decode_gemm's rotary + KV-write epilogue
-(`w4a16_qkv_rope_write`, over decode_gemm's rotary-pair tile rows), both for the decoder's small steps:
+The GEMM kernel has two launch shapes (`launch_config`):
   small steps (M <= decode_gemm.MAX_TOKENS): decode_gemm's layout, a program owns BLOCK_N weight rows and the
       step's few x rows (the weight rows are the MMA's long side), K split over programs (kernels/split_k.py)
       where the launch would otherwise leave SMs idle; it takes part in programmatic dependent launch (pdl.py)
   large steps: the same program over a 2-D grid of (BLOCK_N rows, BLOCK_M rows of x) tiles, each weight tile
       dequantized to x's dtype inside the GEMM; or, where `large_step_kernel` says so (many rows), the weight
       dequantized once by `dequantize_weight` and multiplied by cuBLAS. The choice is that function's alone.
-Per K tile: the tile's words are loaded once each, shifted and masked to 0..15 (eight nibbles per word, laid out
-in column order by a reshape), the group's zero subtracted and its scale multiplied in fp32, rounded to x's dtype (the twin's dequantized
-weight, bit for bit), then multiplied with fp32 accumulation. A K tile never spans two groups (BLOCK_K divides
-the group size), so a tile reads one scale (and zero) per row.
+The decoder's small steps also take two fused variants, as decode_gemm's: the fused [gate; up] weight with act·mul in
+the epilogue (`gated_act`: a program owns BLOCK_N gate rows and the up rows that pair with them; rounded as the GEMM
+then fused.act_mul round), and the QKV weight with decode_gemm's rotary + KV-write epilogue (`w4a16_qkv_rope_write`,
+over decode_gemm's rotary-pair tile rows).
+
+Per K tile (`dequantized_tile`): the tile's words are loaded once each, shifted and masked to 0..15 (eight nibbles
+per word, in column order by a reshape), the group's zero subtracted and its scale multiplied in fp32, rounded to
+x's dtype (the twin's dequantized weight, bit for bit), then multiplied with fp32 accumulation. A K tile never spans
+two groups (BLOCK_K divides the group size), so a tile reads one scale (and zero) per row.
 
 Launches depend only on shapes: CUDA-graph capturable.
 """
