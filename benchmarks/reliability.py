@@ -1,13 +1,16 @@
 """Fault injection at scale (issue 10): worker kills, Redis outages and poison inputs against real processes.
 
     python benchmarks/reliability.py [--requests 1600] [--outages 3,60] [--json-out benchmarks/reliability.json]
-    python benchmarks/reliability.py --soak 600 [--seed 0] [--workers 2] [--json-out ...]
+    python benchmarks/reliability.py --soak 600 [--seed 0] [--workers 2] [--slow-clients 4] [--sentinel [--wait-replicas 1]] [--json-out ...]
 
 `--soak SECONDS` runs the fault soak instead (issue 31; `tests/reliability/soak.py`): batches keep flowing
 through `--workers` worker processes while a seeded random schedule SIGKILLs workers, kills and restarts Redis,
 pauses it, loses the replies of applied transactions through a TCP proxy and pushes queue entries that are not
-UTF-8; then it checks that every request has exactly one result, the counters equal the result lines, no status
-read failed, and every poison entry was quarantined.
+UTF-8, while `--slow-clients` slow-body clients hold a `cbq serve` on the same Redis busy; then it checks that
+every request has exactly one result, the counters equal the result lines, no status read failed, every
+poison entry was quarantined, the server ended every slow-body client by its body timeout and answered every
+health probe. `--sentinel`: Redis is a primary, a replica and three Sentinels, and its faults are failovers
+(the primary SIGKILLed, the old primary back as a replica).
 
 Each scenario starts its own redis-server (append-only file, fsync always) on a free port and real `cbq worker`
 processes (the instant fake engine with a fixed per-request latency, so a batch stays in flight long enough to
@@ -206,10 +209,24 @@ def main() -> None:
     parser.add_argument("--soak", type=float, metavar="SECONDS", help="run the fault soak for this long instead")
     parser.add_argument("--seed", type=int, default=0, help="of the soak's fault schedule")
     parser.add_argument("--workers", type=int, default=2, help="worker processes in the soak")
+    parser.add_argument(
+        "--slow-clients", type=int, default=4, help="slow-body clients at a time against cbq serve (0: no server)"
+    )
+    parser.add_argument("--sentinel", action="store_true", help="soak a Sentinel deployment through failovers")
+    parser.add_argument(
+        "--wait-replicas", type=int, default=0, help="the soak's workers' --redis-wait-replicas (0: off)"
+    )
     args = parser.parse_args()
     if args.soak:
         with tempfile.TemporaryDirectory() as tmp:
-            config = SoakConfig(seconds=args.soak, seed=args.seed, num_workers=args.workers)
+            config = SoakConfig(
+                seconds=args.soak,
+                seed=args.seed,
+                num_workers=args.workers,
+                slow_clients=args.slow_clients,
+                sentinel=args.sentinel,
+                wait_replicas=args.wait_replicas,
+            )
             report = Soak(Path(tmp), config).run().as_dict()
         report = {"scenario": "fault soak", "config": config.__dict__, **report}
         print(json.dumps(report), flush=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4tests] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -176,13 +176,14 @@ if has w2gptoss; then
 fi
 # Issue 47, random bf16 weights: the DeepSeek-V2-Lite and Moonlight-16B-A3B shapes (multi-head latent attention over
 # the paged latent cache, latent_attention.py; floors from the latent's bytes and the active experts) beside
-# Llama-3-8B in one process (W1_mla, W2_mla); mlatests: their CPU exactness tests and the latent shapes' kernels;
+# Llama-3-8B in one process (W1_mla, W2_mla); mlatests: their CPU exactness tests (TP=2 over gloo included) and the
+# latent shapes' kernels;
 # mlagpu: their GPU tests.
 if has mlatests; then
     timeout 540 python3 -m pytest -q tests/worker/engine/test_engine_exact_deepseek.py tests/worker/engine/test_latent_attention.py \
-        tests/worker/engine/test_deepseek_shapes.py -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log" | tail -25
+        tests/worker/engine/test_deepseek_shapes.py tests/worker/engine/test_parallel_latent_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log" | tail -25
 fi
-if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixtures, bf16 graph vs eager
+if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixtures, bf16 graph vs eager, TP=2 over gloo
     timeout 540 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_deepseek_gpu.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/mla_gpu_tests.log" | tail -25
 fi
@@ -247,6 +248,11 @@ if has fp8all; then  # issue 26: every FP8 GPU test file but the KV ones (fp8tes
         tests/worker/engine/test_quant_small_step.py tests/worker/engine/test_moe_fp8.py tests/worker/engine/test_quant_moe.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_fp8_all_tests.log" | tail -30
 fi
+if has int4tests; then  # issue 46: INT4 checkpoints (GPTQ, AWQ gemm, pack-quantized) dequantized at load on CUDA, owned
+    # decoder; the W4A16 GEMM (kernels/w4a16.py) at Llama-3-8B's shapes; packed INT4 weights in the owned decoder's graphs
+    timeout 500 python3 -m pytest -q -s -m gpu tests/worker/engine/test_quant_int4.py tests/worker/engine/test_w4a16.py \
+        tests/worker/engine/test_int4_decoder.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4_tests.log" | tail -25
+fi
 if has fp8split; then  # split-K (kernels/split_k.py): each FP8 projection at split 1/2/4, the layer chain with and without
     timeout 200 python3 benchmarks/fp8_step_gemm.py --m 32 2>&1 | tee "$OUT/fp8_split_gemm.log" | grep -v "^    "
     timeout 120 python3 benchmarks/fp8_step_gemm.py --chain --m 32 2>&1 | tee "$OUT/fp8_split_chain.log"
@@ -257,10 +263,6 @@ fi
 if has w1fp8step; then  # W1_fp8 (FP8 weights and KV) with the FP8 small-step path (decode_gemm triton) vs without, one process
     bench 420 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --precision fp8 --decode-gemm cublas --decode-gemm triton --json-out "$OUT/w1_fp8_step.json" 2>&1 | tail -8
-fi
-if has int4tests; then  # issue 46: the W4A16 GEMM (kernels/w4a16.py) at Llama-3-8B's shapes, the INT4 owned decoder in graphs
-    timeout 400 python3 -m pytest -q -s -m gpu tests/worker/engine/test_w4a16.py tests/worker/engine/test_int4_decoder.py \
-        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4_tests.log" | tail -25
 fi
 if has int4gemm; then  # issue 46: the W4A16 GEMM vs bf16 and vs dequantize + cuBLAS per projection, and its tile sweep
     timeout 400 python3 benchmarks/w4a16_gemm.py --m 1 8 16 32 512 8192 2>&1 | tee "$OUT/w4a16_gemm.log"

@@ -23,6 +23,11 @@ DEFAULT_CHUNK_SIZE = 64
 DEFAULT_RETRIES = 2
 # Seconds one Redis outage may last before a worker or `cbq wait` gives up.
 DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS = 300
+# Durable result writes (`cbq worker --redis-wait-replicas`): replicas a write waits for (0: none, Redis's own
+# asynchronous replication) and how long at most.
+REDIS_WAIT_REPLICAS_ENV = "CBQ_REDIS_WAIT_REPLICAS"
+REDIS_WAIT_TIMEOUT_ENV = "CBQ_REDIS_WAIT_TIMEOUT"
+DEFAULT_REDIS_WAIT_TIMEOUT_SECONDS = 1.0
 NO_JOB_TIMEOUT = -1  # the default: a chunk's time depends on the load of the engine, so no limit
 
 

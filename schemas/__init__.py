@@ -7,6 +7,7 @@
 - `schemas.lines`: cbq's prompt and chat lines, `parse_request_line`, the stored `Request`
 - `schemas.request`: the names the modules above replaced, re-exported for older imports
 - `schemas.result`: `ResultLine`, `Usage`, OpenAI Batch output lines
+- `schemas.output_parts`: `Sample` and `Usage`, which result lines and the Responses output both read
 - `schemas.status`: `BatchStatus`, `WorkerStats`
 - `schemas.errors`: `RequestLineError` (line number + field path + message)
 - `schemas.keys`: every `cbq:` Redis key

@@ -19,6 +19,7 @@ Global:
                                      set in that write's transaction, so a write whose reply was lost is
                                      recognised instead of applied again (`worker.result_writer`)
     cbq:orphans:{queue}:seen  hash   chunk job id -> when the orphan sweep first saw it held by nothing
+                                     (or finished with requests that have no result)
     cbq:orphans:{queue}:swept string held while one worker's sweep of that queue is recent (`worker.orphans`)
     cbq:store                 string the store marker: set with the first submit, never expires; a store
                                      without it lost its data (`producer.store.marker`)
@@ -166,6 +167,15 @@ def api_batch_finalize_lock(api_batch_id: str) -> str:
 def chunk_job_id(batch_id: str, chunk_index: int) -> str:
     """rq job id of one chunk (rq allows letters, digits, '_' and '-')."""
     return f"cbq-{batch_id}-{chunk_index:06d}"
+
+
+def batch_of_chunk_job(job_id: str) -> str | None:
+    """The batch id inside a `chunk_job_id`; None for an id not of that form."""
+    prefix, _, rest = job_id.partition("-")
+    batch_id, _, chunk_index = rest.rpartition("-")
+    if prefix != "cbq" or not batch_id or not chunk_index.isdigit():
+        return None
+    return batch_id
 
 
 def engine_request_id(batch_id: str, index: int) -> str:

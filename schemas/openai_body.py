@@ -160,25 +160,34 @@ def vllm_constraint(
     return OutputConstraint(kind="json_object")
 
 
+class IgnoredBodyFields(StrictModel):
+    """The fields OpenAI's chat, completions and Responses bodies share that change no output: accepted (so that
+    an unedited OpenAI batch file runs) and ignored. Declared once here, for `_OpenAIBody` and `ResponsesBody`
+    (schemas/responses_body.py), which repeats some of them in its Response object."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # `store: true` (OpenAI's default) keeps nothing beyond the batch's own results (no stored completion or
+    # Response to retrieve).
+    store: bool | None = None
+    service_tier: str | None = None
+    # Identifiers and cache hints: cbq caches shared prefixes by itself.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+
+
 class _BodyFields(StrictModel):
-    """The body fields every OpenAI endpoint shares besides sampling. Fields that do nothing at their accepted
-    value are taken so that an unedited OpenAI batch file runs (see `_NO_OP_VALUES`); `user`, `metadata`,
-    `store`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention` and `safety_identifier` are accepted
-    and ignored; `parallel_tool_calls: false` allows one call where cbq constrains the calls (schemas/tools.py)."""
+    """The body fields every OpenAI endpoint shares besides sampling and the ignored ones (`IgnoredBodyFields`).
+    Fields that do nothing at their accepted value are taken so that an unedited OpenAI batch file runs (see
+    `_NO_OP_VALUES`); `parallel_tool_calls: false` allows one call where cbq constrains the calls
+    (schemas/tools.py)."""
 
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     n: NumSamples | None = Field(None, description=N_DESCRIPTION)  # None: 1
     stream: bool | None = None
     response_format: _ResponseFormat | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
     parallel_tool_calls: bool | None = None
-    # Identifiers and cache hints: they change no output (cbq caches shared prefixes by itself).
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    safety_identifier: str | None = None
     stream_options: Any = None
     # Declared only to be refused with the reason (see `_UNSUPPORTED_FIELDS`); excluded from the fields
     # an error message lists as allowed.
@@ -206,8 +215,11 @@ class _BodyFields(StrictModel):
     guided_whitespace_pattern: str | None = None  # ignored: cbq's JSON is compact
 
 
-class _OpenAIBody(SharedSampling, _BodyFields):
-    """What both endpoints' bodies accept: `_BodyFields`, the shared sampling fields, and the token limit."""
+# NOTE: pydantic lists a base's fields before its subclass's, the last base's first: `_BodyFields` then stays
+# first in an unknown field's "allowed:" list (model, n, stream, ...).
+class _OpenAIBody(SharedSampling, IgnoredBodyFields, _BodyFields):
+    """What both endpoints' bodies accept: `_BodyFields`, the ignored fields, the shared sampling fields, and the
+    token limit."""
 
     max_tokens: MaxNewTokens | None = None
     max_completion_tokens: MaxNewTokens | None = None

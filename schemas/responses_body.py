@@ -9,8 +9,10 @@ the Response object repeats of the request (its instructions, tools, sampling va
 - `input`: a string (one user message) or a list of items: messages (`user`, `system`, `developer`,
   `assistant`; content a string or `input_text` parts, an assistant's `output_text` parts too), `function_call`
   items (an assistant's tool calls) and `function_call_output` items (tool messages), and `reasoning` items, which
-  are dropped (chat templates leave past turns' reasoning out). `input_image`, `input_file` and `input_audio`
-  parts are refused (cbq generates text from text), as are `item_reference` and hosted tools' items.
+  are dropped (chat templates leave past turns' reasoning out). A user message's `input_image` parts become the
+  chat's `image_url` parts, in place (their `image_url` string is the URL; `detail` is kept; a `file_id` is
+  refused: cbq has no file store for images). `input_file` and `input_audio` parts are refused, as are
+  `item_reference` and hosted tools' items.
 - `instructions`: a system message before the input.
 - `reasoning.effort`: given to the chat template as its `reasoning_effort` variable (gpt-oss's template reads
   it; templates that do not read it ignore it); `reasoning.summary` changes nothing (no summaries are written).
@@ -27,8 +29,8 @@ from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_
 from pydantic_core import PydanticCustomError
 
 from schemas.chat import ChatTemplateKwargs
-from schemas.limits import MAX_TOOLS
-from schemas.openai_body import ChatCompletionBody
+from schemas.limits import MAX_IMAGE_URL_CHARS, MAX_TOOLS
+from schemas.openai_body import ChatCompletionBody, IgnoredBodyFields
 from schemas.sampling import (
     MaxNewTokens,
     NumLogprobs,
@@ -62,7 +64,7 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
     "background": (False, "a batch line already runs in the background"),
     "truncation": ("disabled", "cbq never drops input items: a conversation longer than the context fails"),
 }
-_UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
+_UNSUPPORTED_PARTS = ("input_file", "input_audio")
 
 
 def _unsupported(what: str) -> PydanticCustomError:
@@ -81,28 +83,54 @@ class _TextPart(StrictModel):
     logprobs: list[Any] | None = None  # a previous Response's logprobs: not given to the template
 
 
-def _parts_checked(value: Any) -> Any:
-    """A string as one text part; image, file and audio parts refused in one line, before they are read as text."""
+class _ImagePart(StrictModel):
+    """`input_image`: an image by URL (a data: URL, an http(s) URL or a file: URL, as chat's `image_url.url`)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = Field(None, min_length=1, max_length=MAX_IMAGE_URL_CHARS)
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; changes nothing (schemas/media.py ImageUrl)
+
+    @model_validator(mode="after")
+    def _by_url(self):
+        if self.file_id is not None:
+            raise _unsupported("input_image file_id (give the image as image_url: a data:, http(s) or file: URL)")
+        if self.image_url is None:
+            raise ValueError("an input_image part needs image_url")
+        return self
+
+    def as_chat_part(self) -> dict[str, Any]:
+        image_url = {"url": self.image_url} | ({"detail": self.detail} if self.detail is not None else {})
+        return {"type": "image_url", "image_url": image_url}
+
+
+def _parts_checked(value: Any, images: bool = False) -> Any:
+    """A string as one text part; file and audio parts (and image parts where `images` is False) refused in one
+    line, before they are read as text."""
     if isinstance(value, str):
         return [{"type": "input_text", "text": value}]
     for part in value if isinstance(value, list) else ():
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _UNSUPPORTED_PARTS:
-            raise _unsupported(f"{kind} content (cbq generates text from text: no vision or audio input)")
+        if kind in _UNSUPPORTED_PARTS or (kind == "input_image" and not images):
+            where = "content" if kind != "input_image" else "content outside a message"
+            raise _unsupported(f"{kind} {where} (cbq reads images in messages only: no file or audio input)")
     return value
+
+
+MessagePart = Annotated[_TextPart | _ImagePart, Field(discriminator="type")]
 
 
 class _MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: list[_TextPart]  # a string is one input_text part
+    content: list[MessagePart]  # a string is one input_text part
     id: str | None = None  # a previous Response's item: its id and status are not given to the template
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _no_media_parts(cls, value: Any) -> Any:
-        return _parts_checked(value)
+        return _parts_checked(value, images=True)
 
     @model_validator(mode="after")
     def _output_text_is_an_assistants(self):
@@ -110,8 +138,15 @@ class _MessageItem(StrictModel):
             raise ValueError("output_text parts are an assistant's: give input_text")
         return self
 
-    def text(self) -> str:
-        return "\n".join(part.text for part in self.content)
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The chat message's content: the texts joined by newlines, or with images, text and image_url parts in
+        their order (the chat body says which roles may hold images)."""
+        if not any(isinstance(part, _ImagePart) for part in self.content):
+            return "\n".join(part.text for part in self.content if isinstance(part, _TextPart))
+        return [
+            part.as_chat_part() if isinstance(part, _ImagePart) else {"type": "text", "text": part.text}
+            for part in self.content
+        ]
 
 
 class _FunctionCallItem(StrictModel):
@@ -189,7 +224,7 @@ def _messages_of(instructions: str | None, items: list[Any]) -> list[dict[str, A
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions is not None else []
     for item in items:
         if isinstance(item, _MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": item.chat_content()})
         elif isinstance(item, _FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
@@ -303,9 +338,10 @@ class ResponseEcho(StrictModel):
     output_logprobs: bool = False  # `include` asks for the output text's logprobs
 
 
-class ResponsesBody(SharedSampling):
+class ResponsesBody(IgnoredBodyFields, SharedSampling):
     """A `/v1/responses` body: every field OpenAI documents, taken, refused with its reason, or at the value
-    that changes nothing; the sampling fields vLLM adds (`top_k`, `seed`, ...) by their names, as on chat."""
+    that changes nothing (`IgnoredBodyFields`: store, metadata, user, ...); the sampling fields vLLM adds
+    (`top_k`, `seed`, ...) by their names, as on chat."""
 
     model: str | None = None  # accepted and echoed in the output; the worker's model runs the request
     input: list[InputItem]  # a string is one user message
@@ -319,15 +355,6 @@ class ResponsesBody(SharedSampling):
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: NumLogprobs | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None  # a vLLM extension, as on chat bodies
-    # Accepted and ignored: they change no output. `store: true` (OpenAI's default) keeps nothing beyond the
-    # batch's own results (there is no Response retrieval).
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
     stream_options: None = None
     stream: bool | None = None
     background: bool | None = None

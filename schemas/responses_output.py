@@ -12,18 +12,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from schemas.output_parts import Sample, TokenLogprob, Usage
+
 if TYPE_CHECKING:
     from schemas.lines import Request
-    from schemas.result import ResultLine, Sample, TokenLogprob
 
 
-def response_body(result: ResultLine, request: Request, request_id: str, model: str, created_at: int) -> dict[str, Any]:
-    """The Response for a request that finished (stop or length); `model` is the served name."""
+def response_body(
+    samples: list[Sample], usage: Usage, request: Request, request_id: str, model: str, created_at: int
+) -> dict[str, Any]:
+    """The Response for a request that finished (stop or length): its samples and usage (`ResultLine.all_samples`,
+    `.usage`); `model` is the served name."""
     assert request.responses is not None, "a /v1/responses request keeps its echo"
     echo = request.responses
-    [sample] = result.all_samples  # a Responses body has no n
+    [sample] = samples  # a Responses body has no n
     status = "completed" if sample.finish_reason == "stop" else "incomplete"
-    usage = result.usage
     return {
         "id": f"resp_{request_id}",
         "object": "response",

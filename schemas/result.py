@@ -1,6 +1,8 @@
 """Result lines: what `cbq results` writes, in cbq's own shape or as OpenAI Batch output lines.
 
-Owns the output contract. The worker stores one `ResultLine` JSON per request in `cbq:batch:{id}:results`.
+Owns the output contract. The worker stores one `ResultLine` JSON per request in `cbq:batch:{id}:results`. A
+sample's parts and the usage counts, which the Response object of `/v1/responses` lines reads too, are
+`schemas.output_parts`'; `Usage`, `Sample` and the logprob records are importable from here as well.
 """
 
 from __future__ import annotations
@@ -8,12 +10,13 @@ from __future__ import annotations
 import codecs
 from typing import Any, Literal, cast, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from schemas.embeddings import embedding_list_body
 from schemas.errors import InvalidRequest
 from schemas.lines import Request
 from schemas.openai_body import CHAT_COMPLETIONS_URL
+from schemas.output_parts import OutputModel, ParsedParts, Sample, TokenLogprob, Usage
 from schemas.responses_body import RESPONSES_URL
 from schemas.responses_output import response_body
 
@@ -43,39 +46,7 @@ OUTCOME_OF_REASON: dict[FinishReason, Outcome] = {
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Usage(_Model):
-    prompt_tokens: int = Field(0, ge=0)
-    completion_tokens: int = Field(0, ge=0)
-    cached_tokens: int = Field(0, ge=0)  # prompt tokens whose KV came from the prefix cache (OpenAI's
-    # `usage.prompt_tokens_details.cached_tokens`, kept flat here like the other counts)
-    reasoning_tokens: int = Field(0, ge=0)  # of the completion tokens, those of the reasoning the parser split off
-    # (the reasoning text tokenized again; summed over samples)
-    gpu_seconds: float = Field(0.0, ge=0)  # this request's share of the device time of the steps it was in
-    queue_seconds: float = 0.0  # submitted -> first scheduled by the engine
-    ttft_seconds: float = 0.0  # submitted -> first token known
-    latency_seconds: float = 0.0  # submitted -> finished
-
-
-class TopLogprob(_Model):
-    """One token and its log-probability under the model's raw distribution."""
-
-    token: str  # the token's text (its bytes decoded as UTF-8, a partial character as U+FFFD)
-    logprob: float
-    bytes: list[int]  # the token's exact UTF-8 bytes
-
-
-class TokenLogprob(TopLogprob):
-    """An output token, its log-probability and the most likely alternatives at its position: cbq's shape,
-    which is also the shape of one item of OpenAI chat's `choices[].logprobs.content`."""
-
-    top_logprobs: list[TopLogprob]  # most likely first; as many as the request asked for
-
-
-class PromptToken(_Model):
+class PromptToken(OutputModel):
     """A prompt token: its text (as `TopLogprob.token`), its exact bytes and its id."""
 
     token: str
@@ -97,52 +68,12 @@ class PromptTokenLogprob(PromptTopLogprob):
     top_logprobs: list[PromptTopLogprob]
 
 
-class EchoedPrompt(_Model):
+class EchoedPrompt(OutputModel):
     """What a completions `echo` puts before the output: the prompt's text and, when logprobs were asked, its
     first token (which has no logprob; the others are `ResultLine.prompt_logprobs`)."""
 
     text: str
     first_token: PromptToken | None = None
-
-
-class CalledFunction(_Model):
-    name: str
-    arguments: str  # JSON text of an object, as OpenAI's
-
-
-class ToolCall(_Model):
-    """A call the model made, parsed from its output: OpenAI's `tool_calls` item."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ParsedParts(_Model):
-    """A chat output split by the worker's output parsers (worker/output_parsers): set only when a parser found
-    reasoning or tool calls, so readers of `text` keep working. The message's content is then `content` (None:
-    nothing besides them), else the whole `text`."""
-
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-    @property
-    def is_parsed(self) -> bool:
-        return self.reasoning_content is not None or self.tool_calls is not None
-
-    def message_content(self, text: str) -> str | None:
-        return self.content if self.is_parsed else text
-
-
-class Sample(ParsedParts):
-    """One of a request's n samples (`ResultLine.samples`, only when n > 1)."""
-
-    index: int = Field(ge=0)
-    text: str
-    token_ids: list[int] | None = None  # only when submitted with --token-ids
-    finish_reason: Literal["stop", "length"]
-    logprobs: list[TokenLogprob] | None = None  # when asked
 
 
 class ResultLine(ParsedParts):
@@ -208,11 +139,11 @@ class ResultLine(ParsedParts):
 # --- OpenAI Batch output -------------------------------------------------------------------------------------
 
 
-class OpenAIPromptTokensDetails(_Model):
+class OpenAIPromptTokensDetails(OutputModel):
     cached_tokens: int
 
 
-class OpenAIUsage(_Model):
+class OpenAIUsage(OutputModel):
     """The prompt counts once however many choices share it; completion tokens are summed over choices."""
 
     prompt_tokens: int
@@ -221,18 +152,18 @@ class OpenAIUsage(_Model):
     prompt_tokens_details: OpenAIPromptTokensDetails
 
 
-class OpenAIResponse(_Model):
+class OpenAIResponse(OutputModel):
     status_code: int
     request_id: str
     body: dict[str, Any]  # a `text_completion`, `chat.completion` or `response` object
 
 
-class OpenAIError(_Model):
+class OpenAIError(OutputModel):
     code: str
     message: str
 
 
-class OpenAIBatchOutputLine(_Model):
+class OpenAIBatchOutputLine(OutputModel):
     id: str
     custom_id: str
     response: OpenAIResponse | None = None
@@ -270,7 +201,7 @@ def to_openai_output(
         )
 
     if request.url == RESPONSES_URL:
-        body = response_body(result, request, request_id, model, created_at)
+        body = response_body(result.all_samples, result.usage, request, request_id, model, created_at)
         return OpenAIBatchOutputLine(
             id=line_id, custom_id=custom_id, response=OpenAIResponse(status_code=200, request_id=request_id, body=body)
         )

@@ -24,6 +24,7 @@ from schemas.chunk import CHUNK_FUNC, ChunkPayload
 from schemas.lines import Request
 from schemas.media import image_refs
 from schemas.openai_body import OPENAI_SAMPLING_DEFAULTS
+from schemas.output_parts import TopLogprob
 from schemas.prompt import PromptOptions
 from schemas.result import (
     EchoedPrompt,
@@ -33,7 +34,6 @@ from schemas.result import (
     ResultLine,
     Sample,
     TokenLogprob,
-    TopLogprob,
     Usage,
 )
 from schemas.sampling import NEUTRAL_VALUES, OutputConstraint, Sampling

@@ -37,7 +37,13 @@ from producer.options import (
     sampling_options,
     strict_option,
 )
-from producer.settings import DEFAULT_RESULT_TTL_SECONDS, in_process_redis
+from producer.settings import (
+    DEFAULT_REDIS_WAIT_TIMEOUT_SECONDS,
+    DEFAULT_RESULT_TTL_SECONDS,
+    REDIS_WAIT_REPLICAS_ENV,
+    REDIS_WAIT_TIMEOUT_ENV,
+    in_process_redis,
+)
 from producer.store import queue_results
 from schemas import keys
 from schemas.result import OpenAIBatchOutputLine, ResultLine
@@ -52,6 +58,7 @@ from worker.cli_options import (
 )
 from worker.maintenance import RedisUnavailable
 from worker.queue_worker import CbqWorker
+from worker.replica_wait import ReplicaWait
 from worker.run_journal import JOURNAL_SUFFIX, Journal, JournalMismatch, input_sha256, journal_path
 from worker.run_progress import DEFAULT_PLAIN_INTERVAL_SECONDS, RunProgress
 from worker.worker_log import (
@@ -165,7 +172,27 @@ def warn_if_demo_model(fake_engine: bool) -> bool:
 
 
 def recovery_options(f):
-    """How fast a dead worker's chunks come back, and how long a Redis outage is ridden out."""
+    """How fast a dead worker's chunks come back, how long a Redis outage is ridden out, and whether result
+    writes wait for Redis replicas."""
+    f = click.option(
+        "--redis-wait-timeout",
+        envvar=REDIS_WAIT_TIMEOUT_ENV,
+        type=click.FloatRange(min=0.001, max=30),
+        default=DEFAULT_REDIS_WAIT_TIMEOUT_SECONDS,
+        show_default=True,
+        help="Seconds a result write waits at most for --redis-wait-replicas; short of them, the worker logs it "
+        f"and goes on. Env: {REDIS_WAIT_TIMEOUT_ENV}.",
+    )(f)
+    f = click.option(
+        "--redis-wait-replicas",
+        envvar=REDIS_WAIT_REPLICAS_ENV,
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Durable result writes: each waits (Redis WAIT) until this many replicas have it before the worker "
+        "counts it as written, so a failover to one of them keeps it (docs/operations.md). 0: Redis's "
+        f"asynchronous replication alone. Env: {REDIS_WAIT_REPLICAS_ENV}.",
+    )(f)
     f = click.option(
         "--redis-outage-limit",
         type=click.FloatRange(min=1),
@@ -250,6 +277,8 @@ def worker(
     stale_after,
     maintenance_interval,
     redis_outage_limit,
+    redis_wait_replicas,
+    redis_wait_timeout,
     health_file,
     summary_interval,
     fake_latency,
@@ -283,6 +312,7 @@ def worker(
         stale_after_seconds=stale_after,
         maintenance_interval_seconds=maintenance_interval,
         redis_outage_limit_seconds=redis_outage_limit,
+        replica_wait=ReplicaWait(redis_wait_replicas, redis_wait_timeout) if redis_wait_replicas else None,
         health_file=health_file,
     )
     if metrics_port is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from worker.engine.config import KV_CACHE_DTYPES, MODES, QUANTIZATIONS, EngineConfig
+from worker.engine.config import DECODERS, KV_CACHE_DTYPES, MODES, QUANTIZATIONS, EngineConfig
 
 MODEL_ENV = "CBQ_MODEL"
 DEFAULT_MODEL = "tiny-llama"
@@ -202,6 +202,16 @@ engine_tuning_options = config_flags(
             "help": "Run decode steps eagerly instead of replaying CUDA graphs (as vLLM's; no effect on the CPU).",
         },
         to_config=lambda eager: False if eager else None,
+    ),
+    ConfigFlag(
+        ("--decoder", "decoder"),
+        "decoder",
+        {
+            "type": click.Choice(DECODERS),
+            "help": "What runs the model's layers (default auto: cbq's owned decoder on CUDA where it runs the "
+            "family, transformers' layers with cbq's attention elsewhere). hf loads Gemma 3 4B-27B whole, with "
+            "their images (the owned decoder runs their text alone).",
+        },
     ),
     DETERMINISTIC_FLAG,
     TENSOR_PARALLEL_FLAG,

@@ -39,6 +39,12 @@ class WorkerCollector:
             "cbq_worker_requests_finished", "Requests written back to Redis.", worker.num_requests_finished
         )
         yield counter("cbq_worker_jobs_finished", "Chunk jobs finished (rq jobs).", worker.num_jobs_finished)
+        if (replica_wait := worker.writer.replica_wait) is not None:  # --redis-wait-replicas
+            yield counter(
+                "cbq_worker_replica_wait_shortfalls",
+                "Result writes that reached fewer Redis replicas than --redis-wait-replicas within its timeout.",
+                replica_wait.shortfalls,
+            )
         kind = GaugeMetricFamily(
             "cbq_worker_model_kind",
             "1 for the kind of model this worker serves: generate (completions, chat) or embed (embeddings).",

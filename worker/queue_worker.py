@@ -4,7 +4,8 @@ Owns the rq loop: dequeue and admission, rq's state transitions of a chunk job, 
 outages, signals and rq's commands. Redis I/O happens here, in the main thread; the engine's step loop runs in
 its own thread (`engine.start()`), and the two meet only through the engine's thread-safe methods. Two parts
 live in modules of their own: the in-flight table (`worker.inflight`: which chunks and requests are here,
-adoption, aborts, timeouts) and the exactly-once result writer (`worker.result_writer`). rq's private members
+adoption, aborts, timeouts), chunk admission (`worker.chunk_admission`: a dequeued job's rq execution and engine
+requests, and its admission again after an outage) and the exactly-once result writer (`worker.result_writer`). rq's private members
 are used only through `worker.rq_adapter`.
 
 rq's stock workers run one job at a time; here `work()` is replaced, and each job goes through rq's own hooks:
@@ -38,7 +39,7 @@ import traceback
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 from rq.exceptions import DequeueTimeout
@@ -51,20 +52,20 @@ from rq.utils import now as rq_now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
 from producer import settings
-from producer.store import MarkerWatch, cancelled_batch_ids, queue_admission, wiped_line
+from producer.store import MarkerWatch, cancelled_batch_ids, wiped_line
 from schemas.result import ResultLine
 from worker import rq_adapter
-from worker.admission import error_line, load_chunk_job
+from worker.chunk_admission import ChunkAdmission
 from worker.embedding.admission import ModelTask
 from worker.engine.api import EngineProtocol
 from worker.inflight import InFlightJob, InFlightTable
-from worker.job_quarantine import dequeue_decodable, quarantine_job, refusal
-from worker.lost_dequeues import forget_sighting
+from worker.job_quarantine import dequeue_decodable
 from worker.maintenance import REDIS_ERRORS, HeartbeatClock, Outage, clean_queue_registries, touch
 from worker.media.load import ImageAdmission
 from worker.media.policy import MediaPolicy
 from worker.output_parsers import OutputParsing
-from worker.result_writer import Outcome, ResultWriter
+from worker.replica_wait import ReplicaWait
+from worker.result_writer import ResultWriter
 from worker.rq_classes import CbqJob, CbqQueue
 from worker.stats_publisher import publish_stats
 
@@ -82,8 +83,6 @@ DEFAULT_MAINTENANCE_INTERVAL_SECONDS = 15
 DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS = settings.DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS  # one default for workers and `cbq wait`
 WORKER_TTL_SECONDS = 60  # rq derives the client's socket timeout from it (minus 5 s): a hung Redis is noticed
 COLD_STOP_EXIT_CODE = 1
-
-T = TypeVar("T")
 
 
 def check_stale_after(stale_after_seconds: float, heartbeat_interval_seconds: float) -> None:
@@ -115,6 +114,7 @@ class CbqWorker(BaseWorker):
         on_results_written: Callable[[list[ResultLine]], None] | None = None,
         output_parsing: OutputParsing | None = None,
         media_policy: MediaPolicy | None = None,
+        replica_wait: ReplicaWait | None = None,  # --redis-wait-replicas: WAIT after each result write
         **kwargs: Any,
     ):
         options = {
@@ -158,19 +158,25 @@ class CbqWorker(BaseWorker):
             worker_name=self.name,
             on_written=on_results_written,  # in the loop's thread, once Redis has them (`cbq run`'s journal)
             is_store_wiped=self.store_marker.wiped,
+            replica_wait=replica_wait,
         )
-        # (job, queue, execution or None) dequeued when Redis failed mid-admission; admitted again after it
-        self._interrupted_admissions: list[tuple[Job, Queue, Execution | None]] = []
+        self.admission = ChunkAdmission(
+            self,
+            engine,
+            self.in_flight,
+            self.writer,
+            self._finish_job_failed,
+            output_parsing=output_parsing,
+            model_task=self.model_task,
+            media=self.media,
+        )
         self._idle_since = time.monotonic()
         self._stop_execution_ids: thread_queue.SimpleQueue[str] = thread_queue.SimpleQueue()
         self._started_at = time.time()
         self._is_suspended = False
         self.stop_signum: int | None = None  # the first SIGINT/SIGTERM that stopped this worker, if one did
         self._next_at: dict[str, float] = defaultdict(float)  # periodic task -> next time.monotonic()
-        self.num_jobs_admitted = 0
         self.num_jobs_finished = 0
-        # the requests of the largest chunk admitted so far: how many may wait unstarted in the engine
-        self._num_reserve_requests = 1
 
     def _forget_execution(self, owner: InFlightJob) -> None:
         self.executions.pop(owner.execution.id, None)
@@ -178,6 +184,10 @@ class CbqWorker(BaseWorker):
     @property
     def num_requests_finished(self) -> int:
         return self.writer.num_requests_finished
+
+    @property
+    def num_jobs_admitted(self) -> int:
+        return self.admission.num_jobs_admitted
 
     # --- the loop ----------------------------------------------------------------------------------------------
 
@@ -267,7 +277,7 @@ class CbqWorker(BaseWorker):
                 self._report_wiped_store()
                 # Heartbeats first: the executions may look abandoned by now, and this worker's cleanup is next.
                 self._heartbeat_all()
-                self._resume_interrupted_admissions()
+                self.admission.resume_interrupted()
                 return
             except REDIS_ERRORS:  # gone again (or still loading its data)
                 continue
@@ -294,7 +304,7 @@ class CbqWorker(BaseWorker):
         # Fair sharing (docs/operations.md): at most about one chunk waits unstarted in the engine, so the
         # rest of a large batch stays in the queue for a worker that joins; one chunk in reserve keeps every
         # slot that frees busy until the next turn of this loop admits more.
-        return self.engine.has_capacity() and self.engine.num_unstarted() < self._num_reserve_requests
+        return self.engine.has_capacity() and self.engine.num_unstarted() < self.admission.num_reserve_requests
 
     def _admit_jobs(self, max_jobs: int | None) -> bool:
         """Dequeue and admit jobs while the engine has capacity. Returns True when the queues were empty."""
@@ -302,7 +312,7 @@ class CbqWorker(BaseWorker):
             result = dequeue_decodable(self, rq_adapter.ordered_queues(self), timeout=None)
             if result is None:
                 return True
-            self._admit(*result)
+            self.admission.admit(*result)
         return False
 
     def _wait_for_job(self) -> None:
@@ -316,100 +326,7 @@ class CbqWorker(BaseWorker):
         except DequeueTimeout:
             return
         if result is not None:
-            self._admit(*result)
-
-    # --- admission ---------------------------------------------------------------------------------------------
-
-    def _admit(self, job: Job, queue: Queue) -> None:
-        """Start an rq execution for `job` and hand its requests to the engine. A bad job fails alone."""
-        self.num_jobs_admitted += 1
-        try:
-            reason = refusal(job)  # decodes the payload (lazily done by rq)
-        except Exception as exc:  # rq's failure handling decodes the payload again: it must not get this job
-            reason = f"{type(exc).__name__}: {exc}"
-        if reason is not None:  # nothing of it is honoured, not even its failure callbacks or webhooks
-            self._redis_step(job, queue, None, lambda: quarantine_job(self.connection, queue, job.id, reason))
-            return
-        execution = self._redis_step(job, queue, None, lambda: self.prepare_execution(job))
-        try:
-            # CbqQueue moved it into the intermediate list, whatever the number of queues: it leaves it here,
-            # in the transaction that marks it STARTED.
-            self.prepare_job_execution(job, remove_from_intermediate_queue=True)
-            forget_sighting(self.connection, queue, job.id)
-            try:
-                work = load_chunk_job(
-                    self.connection,
-                    job.id,
-                    job.func_name,
-                    job.kwargs,
-                    self.engine.tokenizer,
-                    self.engine.sampling_defaults,
-                    self.output_parsing,
-                    self.model_task,
-                    self.media,
-                )
-            except REDIS_ERRORS:
-                raise
-            except Exception:
-                self.log.exception("Worker %s: job %s cannot be run", self.name, job.id)
-                self._finish_job_failed(job, queue, execution, traceback.format_exc())
-                return
-            owner = self.in_flight.get(job.id)
-            if owner is None:
-                owner = InFlightJob(job, queue, execution, work.payload, work.ttl_seconds, time.monotonic())
-                owner.counts["num_skipped"] = work.num_skipped
-                self.in_flight.add(owner)
-            else:  # re-enqueued while it ran here, and back: it continues once, under the new execution
-                stale = self.in_flight.adopt(
-                    owner, job, queue, execution, work, self.writer.held_indices(owner)
-                )
-                with self.connection.pipeline(transaction=True) as pipe:
-                    stale.delete(job=job, pipeline=pipe)
-                    pipe.execute()
-                self.executions.pop(stale.id, None)
-        except REDIS_ERRORS:
-            self._interrupted_admissions.append((job, queue, execution))
-            raise
-        self._num_reserve_requests = max(self._num_reserve_requests, len(work.to_run))
-        for line in work.finished_now:
-            self.writer.add(Outcome(owner, line, from_engine=False))
-        for request, engine_request in work.to_run:
-            try:
-                self.engine.add_request(engine_request)
-            except Exception as exc:  # the engine broke its contract for one request: fail that request only
-                self.log.exception("Worker %s: engine rejected %s", self.name, engine_request.request_id)
-                self.writer.add(
-                    Outcome(owner, error_line(request.index, request.custom_id, repr(exc)), False)
-                )
-                continue
-            self.in_flight.add_request(owner, engine_request.request_id, request)
-        # Last: if Redis fails here, the requests are in the engine already and their results get written.
-        with self.connection.pipeline(transaction=True) as pipe:
-            queue_admission(pipe, work.payload.batch_id, job.id, len(owner.pending), work.ttl_seconds)
-            pipe.execute()
-
-    def _redis_step(self, job: Job, queue: Queue, execution: Execution | None, step: Callable[[], T]) -> T:
-        """`step()`; if Redis fails meanwhile, `job` (dequeued, so no one else will take it) is admitted
-        again once Redis is back (`_resume_interrupted_admissions`)."""
-        try:
-            return step()
-        except REDIS_ERRORS:
-            self._interrupted_admissions.append((job, queue, execution))
-            raise
-
-    def _resume_interrupted_admissions(self) -> None:
-        """Admit again the jobs dequeued just before Redis failed. Otherwise they would wait in rq's intermediate
-        list, or behind an execution nobody heartbeats, until a cleanup a minute later."""
-        interrupted, self._interrupted_admissions = self._interrupted_admissions, []
-        for job, queue, execution in interrupted:
-            self.num_jobs_admitted -= 1
-            if execution is not None and job.id not in self.in_flight:
-                self.executions.pop(execution.id, None)
-                with self.connection.pipeline(transaction=True) as pipe:
-                    execution.delete(job=job, pipeline=pipe)
-                    pipe.execute()
-            self.log.info("Worker %s: admitting job %s again after the outage", self.name, job.id)
-            self._admit(job, queue)
+            self.admission.admit(*result)
 
     def _collect_engine_results(self, timeout: float) -> None:
         self.writer.collect(self.engine.get_results(timeout=timeout), self.engine.tokenizer, self.output_parsing)

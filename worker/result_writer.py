@@ -14,6 +14,9 @@ stays "in doubt" from the moment it is sent until Redis answered it; the next at
 which redis-py raises instead of re-sending when the connection dies while WATCHing, or after an outage) first
 reads the marker under WATCH: at or past the write's number, it went through, and its outcomes count as
 written; otherwise it is sent again under the same number, never with anything added to it.
+
+With a `ReplicaWait` (`--redis-wait-replicas`), a write also stays in doubt until Redis's `WAIT` returned
+(`worker.replica_wait`), so its results count as written, and its chunks are finished, only after that.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from worker.admission import error_line, to_result_line
 from worker.engine.api import EngineResult, FinishReason, TokenizerProtocol
 from worker.inflight import InFlightJob, InFlightTable
 from worker.output_parsers import OutputParsing
+from worker.replica_wait import ReplicaWait
 
 FLUSH_ATTEMPTS = 5  # WATCH retries of one flush
 # How long a writer's marker outlives its last write: far longer than a write can stay in doubt (the worker
@@ -93,6 +97,7 @@ class ResultWriter:
         worker_name: str,
         on_written: Callable[[list[ResultLine]], None] | None = None,
         is_store_wiped: Callable[[], bool] = lambda: False,
+        replica_wait: ReplicaWait | None = None,
     ):
         self.connection = connection
         self.table = table
@@ -109,6 +114,7 @@ class ResultWriter:
         # Called with each group of results once Redis has them (`cbq run`'s journal and progress line).
         self._on_written = on_written
         self._is_store_wiped = is_store_wiped  # Redis lost its data (`producer.store.marker`)
+        self.replica_wait = replica_wait  # None: a write counts once the primary acknowledged it
 
     def add(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -204,6 +210,10 @@ class ResultWriter:
                         model=self.model_name,
                     )
                 pipe.execute()
+        if self.replica_wait is not None and not self.replica_wait.confirm(
+            self.connection, marker, flush.seq, FLUSH_MARKER_TTL_SECONDS
+        ):
+            return  # still in doubt: the next attempt finds the marker short and sends the write again
         self._in_doubt = None
         written = {id(o) for o in flush.outcomes}
         self.outcomes = [o for o in self.outcomes if id(o) not in written]

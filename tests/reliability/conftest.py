@@ -16,6 +16,8 @@ from click.testing import CliRunner
 
 from producer import store
 from producer.cli import main
+from schemas import keys
+from schemas.keys import BatchField
 from tests.reliability.harness import REPO_ROOT, RedisServer, WorkerProcess, wait_until
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "SLOW_FAKE",
     "REPO_ROOT",
     "assert_exactly_once",
+    "lose_result_write",
     "submit_prompts",
     "wait_until",
 ]
@@ -90,3 +93,19 @@ def assert_exactly_once(conn: redis.Redis, batch_id: str, n: int) -> None:
     assert status.completion_tokens == sum(line["usage"]["completion_tokens"] for line in lines)
     assert status.prompt_tokens == sum(line["usage"]["prompt_tokens"] for line in lines)
     assert status.inconsistencies == []
+
+
+def lose_result_write(conn: redis.Redis, batch_id: str, index: int) -> None:
+    """Undo one request's result write, its line and its counters, as a failover to a replica that had not
+    received the transaction loses it (its chunk's completion, a later write, may have reached the new primary)."""
+    raw = conn.hget(keys.batch_results(batch_id), index)
+    assert isinstance(raw, bytes), f"request {index} has no result to lose"
+    line = json.loads(raw)
+    meta = keys.batch(batch_id)
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.hdel(keys.batch_results(batch_id), index)
+        pipe.hincrby(meta, BatchField.NUM_COMPLETED.value, -1)
+        pipe.hincrby(meta, BatchField.PROMPT_TOKENS.value, -line["usage"]["prompt_tokens"])
+        pipe.hincrby(meta, BatchField.COMPLETION_TOKENS.value, -line["usage"]["completion_tokens"])
+        pipe.hincrbyfloat(meta, BatchField.GPU_SECONDS.value, -line["usage"].get("gpu_seconds", 0.0))
+        pipe.execute()

@@ -1,12 +1,14 @@
 """Fault-injection harness, for tests/reliability and benchmarks/reliability.py: a private redis-server with an
-fsynced append-only file (so kill -9 and a restart keep every acknowledged write), `cbq worker` processes, and
-a TCP proxy that loses the reply of a transaction the server applied.
+fsynced append-only file (so kill -9 and a restart keep every acknowledged write), `cbq worker` processes, a
+TCP proxy that loses the reply of a transaction the server applied, and one that delays what a server sends
+(a replica's replication stream held back, so that a write the primary acknowledged is not on it yet).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -48,9 +50,10 @@ class RedisServer:
     """A redis-server of the test's own on a free port. `durable` (the default): an append-only file with
     fsync on every write, so kill -9 and a restart keep every acknowledged write; otherwise memory only."""
 
-    def __init__(self, data_dir: Path, durable: bool = True):
+    def __init__(self, data_dir: Path, durable: bool = True, extra_args: tuple[str, ...] = ()):
         self.data_dir = data_dir
         self.durable = durable
+        self.extra_args = extra_args  # e.g. ("--replicaof", host, port)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
@@ -73,6 +76,7 @@ class RedisServer:
                     *(("--appendonly", "yes", "--appendfsync", "always") if self.durable else ("--appendonly", "no")),
                     "--dir",
                     str(self.data_dir),
+                    *self.extra_args,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -230,6 +234,72 @@ class ReplyDroppingProxy:
         except OSError:
             pass
         _close_both(client, server)  # the server went away: so does the client's connection, as without a proxy
+
+
+class DelayingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a redis-server that holds back what the server sends by `delay`
+    seconds (what the client sends goes through at once). In front of a primary, with a replica connected to
+    the proxy, the replica receives each write `delay` seconds after the primary applied it. Threads are
+    daemons; `close()` stops it."""
+
+    def __init__(self, upstream_port: int, delay: float):
+        self.upstream_port = upstream_port
+        self.delay = delay
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        for s in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            except OSError:
+                continue
+            server.settimeout(None)
+            self._sockets += [client, server]
+            held: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+            threading.Thread(target=self._forward, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._hold, args=(server, held), daemon=True).start()
+            threading.Thread(target=self._release, args=(held, client, server), daemon=True).start()
+
+    @staticmethod
+    def _forward(source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        _close_both(source, target)
+
+    def _hold(self, server: socket.socket, held: queue.SimpleQueue[tuple[float, bytes]]) -> None:
+        try:
+            while data := server.recv(65536):
+                held.put((time.monotonic() + self.delay, data))
+        except OSError:
+            pass
+        held.put((0.0, b""))  # the end: close once what came before it is sent
+
+    @staticmethod
+    def _release(held: queue.SimpleQueue[tuple[float, bytes]], client: socket.socket, server: socket.socket) -> None:
+        try:
+            while True:
+                due, data = held.get()
+                if not data:
+                    break
+                time.sleep(max(0.0, due - time.monotonic()))
+                client.sendall(data)
+        except OSError:
+            pass
+        _close_both(client, server)
 
 
 def _close_both(*sockets: socket.socket) -> None:

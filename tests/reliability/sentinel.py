@@ -43,11 +43,11 @@ class SentinelDeployment:
                     ["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
                 )
             )
-        wait_until(self._is_ready, timeout=30, interval=0.2)
+        wait_until(self.is_ready, timeout=30, interval=0.2)
 
     def _start_node(self, port: int, *args: str) -> None:
         node_dir = self.data_dir / f"node-{port}"
-        node_dir.mkdir()
+        node_dir.mkdir(exist_ok=True)  # a node started again keeps its data
         self.nodes[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
              "--dir", str(node_dir), *args],
@@ -55,7 +55,7 @@ class SentinelDeployment:
             stderr=subprocess.DEVNULL,
         )
 
-    def _is_ready(self) -> bool:
+    def is_ready(self) -> bool:
         """Every Sentinel knows the primary, its replica (in sync) and the other Sentinels."""
         try:
             for port in self.sentinel_ports:
@@ -81,6 +81,11 @@ class SentinelDeployment:
         self.nodes[port].send_signal(signal.SIGKILL)
         self.nodes[port].wait(10)
         return port
+
+    def restart_node(self, port: int) -> None:
+        """Start a killed node again on its port and data; the Sentinels make it a replica of the primary they
+        promoted meanwhile."""
+        self._start_node(port)
 
     def connect_node(self, port: int) -> redis.Redis:
         return redis.Redis(port=port)

@@ -1,13 +1,19 @@
 """A fault soak (issue 31, item 4): batches flow through two or more `cbq worker` processes while a seeded random
 schedule SIGKILLs workers (a replacement starts at once), kills and restarts Redis, pauses it (SIGSTOP),
 loses the replies of applied transactions through a TCP proxy, and pushes queue entries that are not UTF-8
-(issue 44) onto the head and the tail of the queue. Used by `benchmarks/reliability.py --soak`
-(minutes) and `tests/reliability/test_soak.py` (seconds).
+(issue 44) onto the head and the tail of the queue. With `slow_clients`, a `cbq serve` runs on the same Redis
+throughout, held busy by that many slow-body clients at a time (`tests/reliability/slow_clients.py`). With
+`sentinel`, Redis is a primary, a replica and three Sentinels (`tests/reliability/sentinel.py`) that workers,
+the server and the soak reach through a `redis+sentinel://` URL, and the Redis faults are failovers instead: the
+primary SIGKILLed, a replica promoted, the old primary started again (it comes back as a replica). Used by
+`benchmarks/reliability.py --soak` (minutes) and `tests/reliability/test_soak.py` (seconds).
 
 Invariants, checked throughout and at the end: every status read succeeds and reports no inconsistency;
 every batch finishes; every request has exactly one result line, completed; the counters equal the sums over
 the result lines (counter drift 0); every poison entry pushed was quarantined (a `cbq-bad-id-` placeholder in
-the FailedJobRegistry), and none is left in the queue or its intermediate list.
+the FailedJobRegistry), and none is left in the queue or its intermediate list; with `slow_clients`, the server
+ends every slow-body client by its body timeout and answers every health probe (200, or 503 while Redis is
+down) between faults.
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from producer import store
+from producer import settings, store
 from producer.store import SubmitOptions, submit_batch, validate_lines
 from schemas.keys import BatchField
+from tests.producer.server.serving import ServeProcess
 from tests.reliability.harness import RedisServer, ReplyDroppingProxy, WorkerProcess, wait_until
+from tests.reliability.sentinel import SentinelDeployment
+from tests.reliability.slow_clients import SlowBodyClients, probe_health
 
 FAULTS = ("worker_kill", "poison_entries", "redis_restart", "redis_pause", "lost_replies")
+SENTINEL_FAULTS = ("worker_kill", "poison_entries", "sentinel_failover")  # one server's faults need its port
 RECOVERY_FLAGS = ("--heartbeat-interval", "1", "--stale-after", "4", "--maintenance-interval", "1")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
@@ -48,6 +58,14 @@ class SoakConfig:
     max_num_seqs: int = 200
     drain_timeout_seconds: float = 180.0
     cycle_faults: bool = False  # each kind in turn (short runs that must see every kind), else seeded choice
+    slow_clients: int = 0  # slow-body clients at a time against a `cbq serve` (0: no server)
+    serve_body_timeout_seconds: float = 3.0
+    sentinel: bool = False  # a Sentinel deployment and failovers instead of one server and its faults
+    wait_replicas: int = 0  # the workers' --redis-wait-replicas (durable result writes; 0: off)
+
+    @property
+    def faults(self) -> tuple[str, ...]:
+        return SENTINEL_FAULTS if self.sentinel else FAULTS
 
 
 @dataclass
@@ -67,6 +85,10 @@ class SoakReport:
     poison_pushed: int = 0  # queue entries that are not UTF-8
     poison_quarantined: int = 0
     poison_left: int = 0  # still in the queue or its intermediate list at the end
+    slow_clients_ended: int = 0  # slow-body clients the server ended by their deadline
+    slow_client_failures: list[str] = field(default_factory=list)
+    health_probes: int = 0
+    health_failures: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "faults": dict(self.faults)}
@@ -80,6 +102,8 @@ class SoakReport:
             or self.status_failures
             or self.poison_left
             or self.poison_quarantined != self.poison_pushed
+            or self.slow_client_failures
+            or self.health_failures
         )
 
 
@@ -87,17 +111,36 @@ class Soak:
     def __init__(self, root: Path, config: SoakConfig):
         self.root, self.config = root, config
         self.rng = random.Random(config.seed)
-        self.redis = RedisServer(root)
-        self.redis.start()
-        self.proxy = ReplyDroppingProxy(self.redis.port)
-        self.conn = self.redis.connect()
+        self.redis: RedisServer | None = None
+        self.proxy: ReplyDroppingProxy | None = None
+        self.deployment: SentinelDeployment | None = None
+        if config.sentinel:
+            (root / "sentinel").mkdir()
+            self.deployment = SentinelDeployment(root / "sentinel")
+            self.deployment.start()
+            self.url = self.server_url = self.deployment.url
+            self.conn = settings.connect(self.url, socket_timeout=2)
+        else:
+            self.redis = RedisServer(root)
+            self.redis.start()
+            self.proxy = ReplyDroppingProxy(self.redis.port)
+            self.url, self.server_url = self.proxy.url, self.redis.url  # the server's replies are not dropped
+            self.conn = self.redis.connect()
         self.queue = Queue("cbq", connection=self.conn, serializer=JSONSerializer)
         self.workers: list[WorkerProcess] = []
         self.batches: dict[str, int] = {}  # batch id -> requests
         self.done: set[str] = set()
         self.report = SoakReport()
+        self.server: ServeProcess | None = None
+        self.slow_clients: SlowBodyClients | None = None
 
     def run(self) -> SoakReport:
+        if self.config.slow_clients:
+            try:
+                self._start_server()  # before the clock starts: it takes seconds to answer
+            except BaseException:
+                self.close()
+                raise
         started = time.monotonic()
         try:
             for _ in range(self.config.num_workers):
@@ -106,30 +149,37 @@ class Soak:
             while time.monotonic() - started < self.config.seconds:
                 self._top_up_batches()
                 self._read_statuses()
+                self._probe_server()
                 if time.monotonic() >= next_fault:
-                    kind = (
-                        FAULTS[sum(self.report.faults.values()) % len(FAULTS)]
-                        if self.config.cycle_faults
-                        else None
-                    )
-                    self._inject(kind or self.rng.choice(FAULTS))
+                    faults = self.config.faults
+                    kind = faults[sum(self.report.faults.values()) % len(faults)] if self.config.cycle_faults else None
+                    self._inject(kind or self.rng.choice(faults))
                     next_fault = time.monotonic() + self.rng.uniform(*self.config.fault_every)
                 time.sleep(0.5)
-            self.proxy.drop_exec_replies(0, BatchField.NUM_COMPLETED.value.encode())
+            if self.proxy is not None:
+                self.proxy.drop_exec_replies(0, BatchField.NUM_COMPLETED.value.encode())
+            self._stop_slow_clients()
             self._drain()
             self._audit()
         finally:
             self.report.seconds = round(time.monotonic() - started, 1)
-            self.report.replies_lost = self.proxy.num_dropped
+            self.report.replies_lost = self.proxy.num_dropped if self.proxy is not None else 0
             self.close()
         return self.report
 
     def close(self) -> None:
+        self._stop_slow_clients()
+        if self.server is not None:
+            self.server.stop()
         for w in self.workers:
             w.kill()
             w.wait()
-        self.proxy.close()
-        self.redis.kill()
+        if self.proxy is not None:
+            self.proxy.close()
+        if self.redis is not None:
+            self.redis.kill()
+        if self.deployment is not None:
+            self.deployment.stop()
 
     def _start_worker(self) -> None:
         c = self.config
@@ -140,8 +190,34 @@ class Soak:
             "--max-num-seqs",
             str(c.max_num_seqs),
         )
+        if c.wait_replicas:
+            flags += ("--redis-wait-replicas", str(c.wait_replicas), "--redis-wait-timeout", "1")
         log_path = self.root / f"worker{len(self.workers)}.log"
-        self.workers.append(WorkerProcess(self.proxy.url, log_path, *flags, *RECOVERY_FLAGS))
+        self.workers.append(WorkerProcess(self.url, log_path, *flags, *RECOVERY_FLAGS))
+
+    def _start_server(self) -> None:
+        (self.root / "serve").mkdir()
+        timeout = str(self.config.serve_body_timeout_seconds)
+        self.server = ServeProcess(self.server_url, self.root / "serve", "--body-timeout", timeout)
+        self.slow_clients = SlowBodyClients(
+            self.server, self.config.slow_clients, self.config.serve_body_timeout_seconds
+        )
+        self.slow_clients.start()
+
+    def _probe_server(self) -> None:
+        if self.server is None:
+            return
+        self.report.health_probes += 1
+        if failure := probe_health(self.server):
+            self.report.health_failures.append(failure)
+
+    def _stop_slow_clients(self) -> None:
+        if self.slow_clients is None:
+            return
+        self.slow_clients.stop()
+        self.report.slow_clients_ended = self.slow_clients.ended
+        self.report.slow_client_failures = self.slow_clients.failures[:20]
+        self.slow_clients = None
 
     def _inject(self, fault: str) -> None:
         self.report.faults[fault] += 1
@@ -151,20 +227,41 @@ class Soak:
             victim.kill(signal.SIGKILL)
             victim.wait()
             self._start_worker()
+        elif fault == "sentinel_failover":
+            self._fail_over()
         elif fault == "redis_restart":
+            assert self.redis is not None
             self.redis.kill()
             time.sleep(self.rng.uniform(*self.config.outage_seconds))
             self.redis.start()
         elif fault == "redis_pause":
-            assert self.redis.proc is not None
+            assert self.redis is not None and self.redis.proc is not None
             self.redis.proc.send_signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(*self.config.outage_seconds))
             self.redis.proc.send_signal(signal.SIGCONT)
         elif fault == "poison_entries":
             self._push_poison()
         else:  # the next results writes (they bump the counters) and admissions lose their replies
+            assert self.proxy is not None
             self.proxy.drop_exec_replies(self.rng.randint(1, 3), BatchField.NUM_COMPLETED.value.encode())
             self.proxy.drop_exec_replies(1, BatchField.FIRST_STARTED_AT.value.encode())
+
+    def _fail_over(self) -> None:
+        """SIGKILL the primary; once the Sentinels promoted the replica, start the old primary again after an
+        outage's length and wait until it replicates the new one, so that the next failover has a replica."""
+        assert self.deployment is not None
+        old_primary = self.deployment.kill_primary()
+        wait_until(lambda: self._primary_port() not in (old_primary, None), timeout=60, interval=0.2)
+        time.sleep(self.rng.uniform(*self.config.outage_seconds))
+        self.deployment.restart_node(old_primary)
+        wait_until(self.deployment.is_ready, timeout=60, interval=0.2)
+
+    def _primary_port(self) -> int | None:
+        assert self.deployment is not None
+        try:
+            return self.deployment.primary_port()
+        except REDIS_ERRORS:
+            return None
 
     def _push_poison(self) -> None:
         """One entry at the head of the queue (the next dequeue takes it) and one at the tail."""

@@ -6,11 +6,15 @@ from __future__ import annotations
 import signal
 import time
 
+from rq.job import Job
+
 from producer import store
+from schemas import keys
 from tests.reliability.conftest import (
     FAST_RECOVERY_FLAGS,
     SLOW_FAKE,
     assert_exactly_once,
+    lose_result_write,
     submit_prompts,
     wait_until,
 )
@@ -124,3 +128,21 @@ def test_a_chunk_in_no_queue_list_or_registry_runs_again(redis_server, start_wor
     wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=30, context=worker.output)
     assert_exactly_once(conn, batch_id, 40)
     assert f"chunk job {orphan.decode()} was in no queue" in worker.output()
+
+
+def test_a_finished_chunk_whose_result_write_was_lost_runs_again(redis_server, start_worker, cbq, tmp_path):
+    """Issue 44: after a failover, a result write the old primary acknowledged and never replicated is gone, while
+    its chunk's completion (written after it, to the new primary) is not: a FINISHED chunk with a request that has
+    no result, which nothing ran again, and the batch never finished. Here the state is made by hand mid-batch."""
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 40, "--chunk-size", "10")
+    first_chunk = keys.chunk_job_id(batch_id, 0)
+    worker = start_worker("--fake-engine", "--fake-latency", "1", "--max-num-seqs", "10", *FAST_RECOVERY_FLAGS)
+    wait_until(lambda: conn.hget(Job.key_for(first_chunk), "status") == b"finished", context=worker.output)
+    lose_result_write(conn, batch_id, 3)
+    kept = {i: conn.hget(keys.batch_results(batch_id), i) for i in (0, 1, 2, 4, 9)}
+    # Swept every --stale-after (4 s), requeued at the second sighting: about 8 s after the batch's other chunks.
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=40, context=worker.output)
+    assert_exactly_once(conn, batch_id, 40)
+    assert {i: conn.hget(keys.batch_results(batch_id), i) for i in kept} == kept  # the re-run skipped them
+    assert f"chunk job {first_chunk} was finished with 1 of its 10 requests" in worker.output()

@@ -64,13 +64,13 @@ def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_clea
     so it admits it again once Redis is back, instead of leaving it to a cleanup a minute later."""
     import threading
 
-    import worker.queue_worker as queue_worker
+    import worker.chunk_admission as chunk_admission
     from tests.worker.conftest import run_burst_worker
     from worker.fake_engine import FakeEngine
 
     conn = redis_server.connect()
     batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
-    real_load_chunk, calls = queue_worker.load_chunk_job, []
+    real_load_chunk, calls = chunk_admission.load_chunk_job, []
 
     def redis_dies_mid_admission(*args, **kwargs):
         calls.append(1)
@@ -79,10 +79,11 @@ def test_a_job_dequeued_as_redis_dies_is_admitted_again_without_waiting_for_clea
             threading.Timer(2.0, redis_server.start).start()
         return real_load_chunk(*args, **kwargs)
 
-    monkeypatch.setattr(queue_worker, "load_chunk_job", redis_dies_mid_admission)
+    monkeypatch.setattr(chunk_admission, "load_chunk_job", redis_dies_mid_admission)
     started = time.monotonic()
     run_burst_worker(conn, FakeEngine(latency_seconds=0.5))  # default recovery settings: stale after 40 s
     assert time.monotonic() - started < 15
+    assert len(calls) >= 3, calls  # the interrupted chunk was read again, and the other chunk once
     assert_exactly_once(conn, batch_id, 20)
 
 

@@ -11,7 +11,9 @@ from openai.types.responses import Response
 
 from schemas.errors import InvalidRequest
 from schemas.lines import Request, parse_request_line
-from schemas.result import ResultLine, ToolCall, Usage, to_openai_output
+from schemas.media import image_refs
+from schemas.output_parts import ToolCall
+from schemas.result import ResultLine, Usage, to_openai_output
 from schemas.sampling import OutputConstraint
 
 WEATHER = {
@@ -77,6 +79,36 @@ def test_message_items_in_every_form_map_to_chat_messages():
         {"role": "assistant", "content": "Hello."},
         {"role": "assistant", "content": "Plain."},
         {"role": "user", "content": "Again"},  # the reasoning item is left out, as chat templates leave it
+    ]
+
+
+def test_input_image_parts_are_the_chats_image_url_parts_in_place():
+    image = "data:image/png;base64,iVBORw0KGgo="
+    items = [
+        {"role": "user", "content": [
+            {"type": "input_text", "text": "Compare"},
+            {"type": "input_image", "image_url": image, "detail": "high"},
+            {"type": "input_image", "image_url": "https://example.com/b.png"},
+            {"type": "input_text", "text": "which is brighter?"},
+        ]},
+        {"role": "user", "content": "and no image here"},
+    ]  # fmt: skip
+    request = request_of({"input": items, "instructions": "Be brief."})
+    body = request.messages or ()
+    assert [m.model_dump(exclude_none=True) for m in body][1]["content"] == [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": image, "detail": "high"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}},
+        {"type": "text", "text": "which is brighter?"},
+    ]
+    assert [m.for_template()["content"] for m in body][1] == [
+        {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"},
+        {"type": "text", "text": "which is brighter?"},
+    ]  # fmt: skip
+    assert body[2].content == "and no image here"
+    assert [(ref.param, ref.url) for ref in image_refs(request.messages)] == [
+        ("messages[1].content[1].image_url.url", image),
+        ("messages[1].content[2].image_url.url", "https://example.com/b.png"),
     ]
 
 
@@ -195,8 +227,19 @@ def test_fields_that_change_nothing_are_accepted():
         ({"input": "x", "background": True}, "body.background", "invalid_value", "already runs in the background"),
         ({"input": "x", "truncation": "auto"}, "body.truncation", "invalid_value", "never drops input items"),
         ({"input": "x", "prompt_logprobs": 1}, "body.prompt_logprobs", "unsupported_parameter", "no place for them"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-         "body.input[0].message.content", "unsupported_parameter", "input_image content (cbq generates text from text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+         "body.input[0].message.content[0].input_image", "unsupported_parameter", "input_image file_id (give the image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "detail": "low"}]}]},
+         "body.input[0].message.content[0].input_image", "invalid_value", "an input_image part needs image_url"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "ftp://x/y.png"}]}]},
+         "body", "invalid_value", "an image url is a data: URL"),
+        ({"input": [{"role": "system", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+         "body", "invalid_value", "only a user message may hold image_url parts"),
+        ({"input": [{"type": "function_call_output", "call_id": "c",
+                     "output": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+         "body.input[0].function_call_output.output", "unsupported_parameter", "input_image content outside a message"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+         "body.input[0].message.content", "unsupported_parameter", "input_file content"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file", "file_id": "f"}]}]},
          "body.input[0].function_call_output.output", "unsupported_parameter", "input_file"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "body.input", "unsupported_parameter",

@@ -146,7 +146,7 @@ def test_reasoning_tool_calls_formats_and_refusals_through_cbq_run(qwen3, tmp_pa
         responses_line("cut", {"input": "Say hello.", "max_output_tokens": 3}),
         responses_line("previous", {"input": "x", "previous_response_id": "resp_1"}),
         responses_line("image", {"input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}),
+            {"type": "input_file", "file_id": "file_1"}]}]}),
     ]  # fmt: skip
     out, errors = run(tmp_path, qwen3, lines, "--tool-call-parser", "hermes")
     got = responses(out)

@@ -66,7 +66,7 @@ def build_models(
     from transformers import AutoModelForCausalLM
 
     from worker.engine.models.loader import preset_config
-    from worker.engine.quant import checkpoint_quantization
+    from worker.engine.quant import Fp8Config, checkpoint_quantization
     from worker.engine.quant.linear import quantize_linears
 
     config = preset_config(preset)
@@ -89,7 +89,7 @@ def build_models(
             model.get_output_embeddings().weight.mul_(logit_std / std)
         fp8 = copy.deepcopy(model)
         quant = checkpoint_quantization(None, requested="fp8")
-        assert quant is not None
+        assert isinstance(quant, Fp8Config), "--quantization fp8 is an FP8 config"
         quantize_linears(fp8, quant, keep_fp8=True)  # the FP8 GEMM on sm89+, its emulation elsewhere
     return model, fp8
 

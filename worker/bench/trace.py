@@ -66,7 +66,7 @@ class StepTracer:
         self.num_prepared += 1
 
     def on_step(self, marks: Any, wait_start: float, wait_end: float, meta: Any) -> None:
-        """One waited step: its StageMarks (model_runner.py), the host seconds `wait` blocked, its BatchMeta."""
+        """One waited step: its StageMarks (worker/engine/step_trace.py), the host seconds `wait` blocked, its BatchMeta."""
         step = self.num_steps
         self.num_steps += 1
         if step >= MAX_STEPS or marks is None:

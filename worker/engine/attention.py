@@ -16,6 +16,9 @@ Conventions (all index tensors int32 unless stated):
   block_tables[B, max_blocks]: block ids of each sequence, in order.
   sliding_window: 0, or W: a row at position p then sees only keys at positions > p - W (the last W,
     itself included), as transformers' sliding-window mask does (Mistral, Qwen2/3 sliding layers).
+  key_limits[T] (int, optional; the torch reference only): row t sees keys up to position key_limits[t] instead
+    of its own (a Gemma 3 image's tokens in prefill see their whole image, which is in the same step), still
+    within its sliding window, as transformers' AND(window, OR(causal, image block)).
 A step's new K/V are written before attention runs, so attention only ever reads the cache.
 An FP8 cache (`--kv-cache-dtype fp8`, float8_e4m3fn) holds K / k_scale and V / v_scale, saturated at ±448;
 reads multiply the scale back. The scales are per tensor (one pair per layer, host floats): 1.0, vLLM's default
@@ -71,6 +74,7 @@ def paged_attention_ref(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of T ragged query rows over the paged cache (within `sliding_window` keys when it is
     not 0; scores soft-capped to cap * tanh(s / cap) when `softcap` is set, as Gemma 2 does before masking).
@@ -100,7 +104,9 @@ def paged_attention_ref(
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         k_pos = torch.arange(ctx_len, device=q.device)
-        hidden = k_pos[None, :] > q_pos[:, None]
+        limits = q_pos if key_limits is None else key_limits[q_start:q_end].to(q_pos)
+        assert key_limits is None or int(limits.max()) < ctx_len, "a row sees a key this step has not written"
+        hidden = k_pos[None, :] > limits[:, None]
         if sliding_window:
             hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores.masked_fill_(hidden[None], float("-inf"))

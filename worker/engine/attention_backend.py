@@ -35,6 +35,9 @@ class AttentionMetadata:
     sliding_windows: tuple[int, ...] = ()
     # Per layer: (k_scale, v_scale) of an FP8 cache (kv_cache.kv_scales_of); () when every scale is 1.0.
     kv_scales: tuple[tuple[float, float], ...] = ()
+    # [T] the last key position each row sees where that is past its own (a Gemma 3 image's tokens in prefill see
+    # their whole image: multimodal.py); None: causal. Only eager image steps set it, never a graph.
+    key_limits: torch.Tensor | None = None
 
     def sliding_window(self, layer_idx: int) -> int:
         return self.sliding_windows[layer_idx] if self.sliding_windows else 0
@@ -98,6 +101,7 @@ class AttentionBackend:
             sinks=sinks,
             k_scale=k_scale,
             v_scale=v_scale,
+            key_limits=meta.key_limits,
         )
 
 
@@ -126,6 +130,10 @@ class TritonAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if meta.key_limits is not None:
+            # NOTE: the Triton kernels are causal only; a step holding a bidirectional image's rows (one per image
+            # in prefill, never a decode graph) attends through the torch reference on the device.
+            return super().attend(q, k_cache, v_cache, meta, scale, layer_idx, pdl, softcap, sinks)
         window = meta.sliding_window(layer_idx)
         k_scale, v_scale = meta.kv_scale(layer_idx)
         num_seqs = meta.context_lens.shape[0]

@@ -78,9 +78,12 @@ from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec
 def _latent_attention_model(model, choice: str, deterministic: bool, tp: TensorParallel | None) -> None:
     """A multi-head latent attention model runs transformers' layers (no owned decoder yet: returns None). Under any
     decoder but "hf" (transformers' attention over an expanded per-head cache) its attention modules run cbq's latent
-    attention over the latent cache (latent_attention.py, kv_cache.uses_latent_cache)."""
-    if deterministic or tp is not None:
-        raise ValueError("multi-head latent attention runs neither --deterministic nor tensor parallelism yet")
+    attention over the latent cache (latent_attention.py, kv_cache.uses_latent_cache). A tensor-parallel shard (`tp`)
+    runs the same forward: its loading put the collectives in its modules (models/shard_model.py), so none is named
+    here, and it never runs "hf" (shard_model refuses it)."""
+    if deterministic:
+        raise ValueError("multi-head latent attention runs no --deterministic yet")
+    assert tp is None or choice != "hf", "a tensor-parallel shard runs the owned decoder or the latent attention"
     if choice != "hf":
         install_latent_attention(model)
     return None

@@ -2,7 +2,8 @@
 
 Knows nothing of Redis or pydantic: requests come in as `EngineRequest`, results go out as
 `EngineResult`. Owns the request registry (`_requests`: each request's n samples), the inbox of
-adds/aborts from other threads, the results queue, and the engine-wide accounting.
+adds/aborts from other threads, the results queue, and the engine-wide accounting. What a request is
+checked and turned into on its way in (its refusal, resolved sampling, samples) is intake.py's.
 
 Sync and async are the same loop; async only moves "wait for step N" after "launch step N+1":
 
@@ -20,35 +21,23 @@ masks depend on those tokens (grammar.py): launch N+1's forward, process N, then
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .api import (
-    MAX_SAMPLES_PER_REQUEST,
-    EngineRequest,
-    EngineResult,
-    EngineStats,
-    ErrorCode,
-    FinishReason,
-    ResolvedSampling,
-    TokenizerProtocol,
-    Usage,
-    context_length_error,
-)
+from .api import EngineRequest, EngineResult, EngineStats, ErrorCode, FinishReason, TokenizerProtocol, Usage
 from .block_manager import BlockManager
 from .config import EngineConfig, context_len
 from .describe import describe_step
 from .families.spec import longrope_original_len
 from .grammar import GrammarCompiler, GrammarError, TokenMasks
+from .intake import new_samples, num_samples, refusal, resolve_sampling
 from .kv_cache import check_kv_cache_dtype, kv_cache_dtype, num_blocks_from_memory
 from .model_runner import ModelRunner, StepBuildError, StepHandle
 from .models import generation_defaults, load_model, resolve_device, resolve_dtype
@@ -56,11 +45,10 @@ from .multimodal import ImagePrompts, SequenceImages, is_vision_model
 from .parallel.group import RankFailure
 from .prompt_logprobs import record as record_prompt_logprobs
 from .results import request_result
-from .sampler import sample_seed
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .sequence import Sequence
 from .step import StepDescription
-from .stop import bad_words_token_ids, check_stop, special_stop_token_ids
+from .stop import check_stop
 
 logger = logging.getLogger("cbq.engine")
 
@@ -171,7 +159,9 @@ class Engine:
             raise ValueError("Engine.from_model runs one process: build a tensor-parallel engine with build_engine")
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        hf_model, tokenizer = load_model(model, device, dtype, seed=config.seed, quantization=config.quantization)
+        # Gemma 3 4B-27B load with their images where transformers' decoder runs them (the owned runs their text)
+        images = config.decoder == "hf" or (config.decoder == "auto" and device.type != "cuda")
+        hf_model, tokenizer = load_model(model, device, dtype, config.seed, config.quantization, images=images)
         return cls(hf_model, tokenizer, config)
 
     # -- public API (thread-safe) -----------------------------------------------------------------
@@ -179,7 +169,7 @@ class Engine:
         """Queue a request. A bad one comes back at once as an ERROR result; it never raises."""
         with self._lock:
             self._num_unfinished += 1
-            self._num_unfinished_samples += _num_samples(req)
+            self._num_unfinished_samples += num_samples(req)
         keep = req.sampling.truncate_prompt_tokens
         if keep is not None and len(req.prompt_ids) > keep:
             req = replace(req, prompt_ids=req.prompt_ids[-keep:])  # vLLM's truncation: the last k tokens
@@ -192,15 +182,19 @@ class Engine:
                 self._emit_error(req, f"images: {why}", ErrorCode.INVALID_PROMPT)
                 return
             req = replace(req, prompt_ids=prompt_ids)
-        refusal = self._validate(req)
+            too_long = images.budget_refusal(self.config.max_num_batched_tokens) if images is not None else None
+            if too_long:
+                self._emit_error(req, f"images: {too_long}", ErrorCode.INVALID_PROMPT)
+                return
+        refused = refusal(req, self.max_model_len, self.model.config.vocab_size, self.accepts_images)
         matcher = None
-        if not refusal and req.sampling.constraint is not None:
+        if not refused and req.sampling.constraint is not None:
             try:  # compiled here, in the caller's thread, so the step loop never waits for it
                 matcher = self.grammar.matcher_for(req.sampling.constraint)
             except GrammarError as exc:
-                refusal = str(exc), None
-        if refusal:
-            self._emit_error(req, *refusal)
+                refused = str(exc), None
+        if refused:
+            self._emit_error(req, *refused)
             return
         self._inbox.put(_Add(req, matcher, images))
 
@@ -484,55 +478,18 @@ class Engine:
             pass
 
     # -- request lifecycle ------------------------------------------------------------------------
-    def _validate(self, req: EngineRequest) -> tuple[str, ErrorCode | None] | None:
-        n = len(req.prompt_ids)
-        if n == 0:
-            return "empty prompt: at least one token is needed", ErrorCode.INVALID_PROMPT
-        if req.images and not self.accepts_images:
-            return "this model takes text only: the request has images", ErrorCode.INVALID_PROMPT
-        too_long = context_length_error(req, self.max_model_len)
-        if too_long:
-            return too_long, ErrorCode.CONTEXT_LENGTH_EXCEEDED
-        vocab = self.model.config.vocab_size
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            return f"prompt token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
-        sampling = req.sampling
-        for name, ids in (("allowed_token_ids", sampling.allowed_token_ids), ("logit_bias", sampling.logit_bias)):
-            if ids and max(ids) >= vocab:
-                return f"{name}: token ids must be in [0, {vocab})", ErrorCode.INVALID_PROMPT
-        if not isinstance(req.n, int) or not 1 <= req.n <= MAX_SAMPLES_PER_REQUEST:
-            return f"n must be an integer in [1, {MAX_SAMPLES_PER_REQUEST}], got {req.n!r}", ErrorCode.INVALID_PROMPT
-        return None
-
     def _admit(self, req: EngineRequest, matcher: Any = None, images: SequenceImages | None = None) -> None:
         if req.request_id in self._requests:
             self._emit_error(req, f"duplicate request id {req.request_id!r} while the first is still running")
             return
-        seed = req.sampling.seed
-        if seed is None:
-            seed = zlib.crc32(req.request_id.encode()) ^ self.config.seed
-        arrival_time = req.arrival_time or time.time()
         constraint = req.sampling.constraint
         # Each sample walks the grammar on its own: the extra samples get fresh matchers (cached compile).
         matchers = [matcher] + [
             self.grammar.matcher_for(constraint) if constraint is not None and matcher is not None else None
             for _ in range(req.n - 1)
         ]
-        sampling = self._resolve_sampling(req)
-        samples = [
-            Sequence(
-                req.request_id,
-                list(req.prompt_ids),
-                sampling,
-                sample_seed(seed & 0x7FFFFFFF, i),
-                sample_index=i,
-                kv_namespace=_kv_namespace(req.cache_salt),
-                arrival_time=arrival_time,
-                matcher=matchers[i],
-                images=images,
-            )
-            for i in range(req.n)
-        ]
+        sampling = resolve_sampling(req, self.sampling_defaults, self.max_model_len, self.tokenizer)
+        samples = new_samples(req, sampling, matchers, self.config.seed, images)
         if images is not None:
             self._num_with_images += len(samples)
         if sampling.needs_extras:
@@ -542,21 +499,6 @@ class Engine:
             self._num_with_prompt_logprobs += 1
         self._requests[req.request_id] = samples
         self.scheduler.add_group(samples)
-
-    def _resolve_sampling(self, req: EngineRequest) -> ResolvedSampling:
-        """The request's sampling with every default filled in, and stop strings that are special tokens
-        (which decode to nothing, so no text could match them) turned into stop token ids; bad words as ids."""
-        params = req.sampling.with_defaults(self.sampling_defaults, self.max_model_len - len(req.prompt_ids))
-        if params.bad_words:
-            params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
-        special = special_stop_token_ids(params.stop, self.tokenizer)
-        if not special:
-            return params
-        return replace(
-            params,
-            stop=tuple(s for s in params.stop if s not in special),
-            stop_token_ids=params.stop_token_ids + tuple(special.values()),
-        )
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Finish one sample; ERROR and CANCELLED finish all of its request's samples. The request's
@@ -585,7 +527,7 @@ class Engine:
         usage = Usage(prompt_tokens=len(req.prompt_ids))
         self._put_result(
             EngineResult(req.request_id, "", [], FinishReason.ERROR, usage, error, error_code=code),
-            _num_samples(req),
+            num_samples(req),
         )
 
     def _put_result(self, result: EngineResult, num_samples: int) -> None:
@@ -594,16 +536,3 @@ class Engine:
             self._num_unfinished_samples -= num_samples
         self._results.put(result)
 
-
-def _num_samples(req: EngineRequest) -> int:
-    """What `req` counts against capacity; an invalid `n` (rejected at once) counts as 1."""
-    valid = isinstance(req.n, int) and 1 <= req.n <= MAX_SAMPLES_PER_REQUEST
-    return req.n if valid else 1
-
-
-def _kv_namespace(cache_salt: str | None) -> bytes:
-    """The root of a request's block hash chain (`Sequence.kv_namespace`): its cache salt's, so requests of
-    different salts never share a cached block (the salt is hashed, so no salt spells another's chain)."""
-    if cache_salt is None:
-        return b""
-    return b"salt:" + hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()

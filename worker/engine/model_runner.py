@@ -18,6 +18,9 @@ A step with constrained rows (`SamplingExtras.mask_rows`) stops after the forwar
 Tensor parallelism is data, not a subclass: one rank's runner gets its shard's `TensorParallel` (the decoder's
 collectives) and its `Replica` (parallel/messages.py: rank, group, control channel). Rank 0 sends each step to
 the helpers before running it and alone samples; a helper runs what rank 0 sent (`execute_step`).
+
+Three pieces live in modules of their own: the decode graphs' buckets and capture (cuda_graphs.py), the logits
+processing before sampling (logits_processing.py) and the trace hooks' stage marks (step_trace.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from . import deterministic, logprobs, prompt_logprobs
@@ -40,6 +42,7 @@ from .attention_backend import (
 )
 from .batch import BatchBuilder, BatchMeta, IOSlot
 from .config import EngineConfig, context_len
+from .cuda_graphs import DecodeGraphs, graph_buckets_for
 from .decoder import build_decoder
 from .families.spec import longrope_original_len
 from .grammar import apply_token_bitmask
@@ -51,22 +54,15 @@ from .kv_cache import (
     num_blocks_from_memory,
     uses_latent_cache,
 )
+from .logits_processing import process_logits, to_device
 from .multimodal import ImageEncoder, StepImages, is_vision_model
 from .parallel.messages import Replica
-from .sampler import apply_bans, apply_logit_bias, apply_penalties, keep_only, sample
-from .step import PenaltyRow, PromptRows, SamplingExtras, StepDescription
+from .sampler import sample
+from .step import PromptRows, SamplingExtras, StepDescription
+from .step_trace import StageMarks
 
 if TYPE_CHECKING:
     from .layers.tensor_parallel import TensorParallel
-
-# Decode batch sizes that get a CUDA graph; a decode step pads up to the next one. Dense where batches
-# are small (every padded row costs a full row of weights traffic), coarser where they are large.
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
-
-
-def graph_buckets_for(config: EngineConfig) -> tuple[int, ...]:
-    """The buckets a decode step can fill: at most `max_num_seqs` rows and `max_num_batched_tokens` tokens."""
-    return tuple(b for b in GRAPH_BUCKETS if b <= min(config.max_num_seqs, config.max_num_batched_tokens))
 
 
 @dataclass
@@ -74,20 +70,6 @@ class _StepEvents:
     d2h_done: torch.cuda.Event  # the sampled ids are in the slot's pinned host buffer
     start: torch.cuda.Event  # compute began (timing)
     end: torch.cuda.Event  # compute ended (timing)
-
-
-@dataclass
-class StageMarks:
-    """Tracing only (`ModelRunner.tracer` set): where one step's stages start and end. On CUDA, timing-enabled
-    events recorded on each stage's stream (compute's are `_StepEvents.start`/`end`); on CPU, where the stages run
-    in turn on the host, `time.perf_counter()` seconds."""
-
-    h2d_start: Any = None
-    h2d_end: Any = None
-    compute_start: Any = None
-    compute_end: Any = None
-    d2h_start: Any = None
-    d2h_end: Any = None
 
 
 @dataclass
@@ -220,8 +202,7 @@ class ModelRunner:
             self.compute_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
             self.slot_compute_done = [torch.cuda.Event() for _ in range(2)]
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.graph_logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs = DecodeGraphs()
         self.vocab_size = model.config.vocab_size
         self._logprob_buffers: list[logprobs.LogprobBuffers | None] = [None, None]  # made on first use
 
@@ -313,10 +294,7 @@ class ModelRunner:
                 torch.cuda.Event(), *(torch.cuda.Event(enable_timing=True) for _ in range(2))
             )
             if marks is not None:
-                marks.h2d_start, marks.h2d_end, marks.d2h_start, marks.d2h_end = (
-                    torch.cuda.Event(enable_timing=True) for _ in range(4)
-                )
-                marks.compute_start, marks.compute_end = events.start, events.end
+                marks = StageMarks.for_cuda(events.start, events.end)
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(self.slot_compute_done[meta.slot])
                 if marks is not None:
@@ -408,11 +386,10 @@ class ModelRunner:
             images = None  # no image rows: M-RoPE's three rows are alike, the step's positions (batch.py) say them
         if meta.is_decode_only and key in self.graphs and images is None:
             assert prompt_rows is None, "a decode-only step has no prompt rows"
-            self.graphs[key].replay()  # also writes the logits' argmax into slot.sampled_dev
-            return self.graph_logits[key], True
+            return self.graphs.replay(key), True  # also writes the logits' argmax into slot.sampled_dev
         indices = slot.dev["logits_indices"][: meta.num_sample_rows]
         if prompt_rows is not None:  # the LM head runs on these extra rows only
-            indices = torch.cat([indices, self._to_device(list(prompt_rows.token_indices), indices.dtype)])
+            indices = torch.cat([indices, to_device(list(prompt_rows.token_indices), self.device, indices.dtype)])
         return self._forward_slot(slot, meta, prev_sampled, logits_indices=indices, images=images), False
 
     def _split_prompt_rows(
@@ -457,15 +434,15 @@ class ModelRunner:
             return None  # the decode graph's argmax already is this step's sample
         lp_rows = None
         if extras is not None and extras.logprob_rows:  # raw logits: before anything rewrites them
-            lp_rows = logprobs.prepare(logits, self._to_device(list(extras.logprob_rows)), extras.num_top_logprobs)
+            lp_rows = logprobs.prepare(logits, to_device(list(extras.logprob_rows), self.device), extras.num_top_logprobs)
         if extras is not None and processes:
-            self._process_logits(slot, extras, logits)
+            process_logits(slot, extras, logits)
         if bitmask is not None:
             assert extras is not None and len(extras.mask_rows) == bitmask.shape[0], (
                 "one bitmask row per mask row"
             )
             mask_dev = bitmask.to(self.device, non_blocking=True)
-            apply_token_bitmask(logits, self._to_device(list(extras.mask_rows)), mask_dev)
+            apply_token_bitmask(logits, to_device(list(extras.mask_rows), self.device), mask_dev)
         tokens = sample(
             logits,
             d["temperature"][:rows],
@@ -479,57 +456,6 @@ class ModelRunner:
         )
         slot.sampled_dev[:rows].copy_(tokens)
         return None if lp_rows is None else logprobs.finish(lp_rows, tokens)
-
-    def _process_logits(self, slot: IOSlot, extras: SamplingExtras, logits: torch.Tensor) -> None:
-        """vLLM's order, in place: allowed tokens, bans (bad words, min_tokens), logit_bias, penalties."""
-        if extras.allowed:
-            allowed_rows = self._to_device([row for row, _ in extras.allowed])
-            pairs = self._to_device([(row, i) for row, ids in extras.allowed for i in ids])
-            keep_only(logits, allowed_rows, pairs[:, 0], pairs[:, 1])
-        if extras.bans:
-            bans = self._to_device([(b.row, b.token_id, b.required_input) for b in extras.bans])
-            apply_bans(logits, bans[:, 0], bans[:, 1], bans[:, 2], self._input_ids_of_rows(slot, bans[:, 0]))
-        if extras.bias:
-            rows_ids = self._to_device([(row, token) for row, token, _ in extras.bias])
-            values = self._to_device([value for _, _, value in extras.bias], torch.float32)
-            apply_logit_bias(logits, rows_ids[:, 0], rows_ids[:, 1], values)
-        if extras.penalty_rows:
-            self._apply_penalties(slot, extras.penalty_rows, logits)
-
-    def _input_ids_of_rows(self, slot: IOSlot, rows: torch.Tensor) -> torch.Tensor:
-        """Each sample row's input token (the step's gathered ids at its logits index: carried-over ones too)."""
-        d = slot.dev
-        return d["input_ids"][d["logits_indices"][rows].long()].long()
-
-    def _apply_penalties(self, slot: IOSlot, penalties: tuple[PenaltyRow, ...], logits: torch.Tensor) -> None:
-        """Penalise `logits` in place. Each row's history is completed on the device with its input token, so a
-        token still in flight counts too."""
-        rows = self._to_device([p.row for p in penalties])
-        history = self._padded([p.history for p in penalties])
-        generated = self._to_device([int(p.input_is_generated) for p in penalties]).bool()
-        history = torch.cat([history, torch.where(generated, self._input_ids_of_rows(slot, rows), -1)[:, None]], dim=1)
-        weights = self._to_device([[p.presence, p.frequency, p.repetition] for p in penalties], torch.float32)
-        prompts = None
-        if any(p.repetition != 1.0 for p in penalties):
-            prompts = self._padded([p.prompt_ids for p in penalties])
-        apply_penalties(logits, rows, history, weights[:, 0], weights[:, 1], weights[:, 2], prompts)
-
-    def _padded(self, rows: list[tuple[int, ...]]) -> torch.Tensor:
-        """Id lists as one [len(rows), longest] device tensor, -1 where a row is shorter."""
-        # NOTE: host time grows with the rows' lengths (1,000 rows of 500 tokens: ~7 ms a step, hidden behind
-        # the GPU in async mode); numpy fills the padded rows ~5x faster than lists.
-        padded = np.full((len(rows), max(1, max(map(len, rows)))), -1, dtype=np.int64)
-        for i, ids in enumerate(rows):
-            padded[i, : len(ids)] = ids
-        host = torch.from_numpy(padded)
-        if self.is_cuda:
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
-
-    def _to_device(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        # NOTE: pinned through the caching host allocator, which keeps the block until the copy is done.
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.is_cuda)
-        return host.to(self.device, non_blocking=True)
 
     def _logprob_buffer(self, slot_index: int) -> logprobs.LogprobBuffers:
         buffers = self._logprob_buffers[slot_index]
@@ -585,6 +511,7 @@ class ModelRunner:
         if images is not None:
             assert self.images is not None, "a step with images on a text-only model"
             embeds, position_ids = self.images.inputs(input_ids, images, input_ids.shape[0])
+            attn = self.images.attention(attn, images, input_ids.shape[0])  # a both-ways image's rows: key_limits
             out = self.model(
                 inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=logits_indices, use_cache=False, cbq=attn
             )
@@ -608,53 +535,7 @@ class ModelRunner:
             self.replica.close()
 
     # -- CUDA graphs ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """One graph per (IO slot, batch bucket), largest first, all in one memory pool."""
-        if not self._use_graphs:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        for slot_index in (0, 1):
-            slot = self.builder.slots[slot_index]
-            prev_sampled = self.builder.slots[1 - slot_index].sampled_dev
-            for bucket in sorted(self.builder.graph_buckets, reverse=True):
-                meta = _decode_capture_meta(slot_index, bucket, self.max_model_len)
-                _fill_padding_decode(slot, bucket)
-                with torch.cuda.stream(self.compute_stream):
-                    self._forward_slot(slot, meta, prev_sampled, logits_indices=0)  # warm-up outside capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
-                    logits = self._forward_slot(slot, meta, prev_sampled, logits_indices=0)
-                    slot.sampled_dev[:bucket].copy_(logits.argmax(dim=-1))  # greedy inside the graph
-                self.graphs[(slot_index, bucket)] = graph
-                self.graph_logits[(slot_index, bucket)] = logits
-        torch.cuda.synchronize(self.device)
-
-
-def _decode_capture_meta(slot_index: int, bucket: int, max_model_len: int) -> BatchMeta:
-    # Graphs are captured for the worst case, so kernels size their grids for any context length.
-    return BatchMeta(
-        slot=slot_index,
-        num_tokens=bucket,
-        num_seqs=bucket,
-        num_real_seqs=bucket,
-        num_sample_rows=bucket,
-        max_query_len=1,
-        max_context_len=max_model_len,
-        is_decode_only=True,
-        any_random=False,
-        any_top_k_top_p=False,
-        has_carry=True,
-    )
-
-
-def _fill_padding_decode(slot: IOSlot, bucket: int) -> None:
-    """Valid dummy inputs for capture: every row a padding row (context 0, scratch slot)."""
-    d = slot.dev
-    d["input_ids"][:bucket].zero_()
-    d["positions"][:bucket].zero_()
-    d["slot_mapping"][:bucket].zero_()
-    d["carry_src"][:bucket].fill_(-1)
-    d["cu_seqlens_q"][: bucket + 1].copy_(torch.arange(bucket + 1, dtype=torch.int32))
-    d["context_lens"][:bucket].zero_()
-    d["block_tables"][:bucket].zero_()
+        """Capture the decode graphs (cuda_graphs.py), when this runner uses them."""
+        if self._use_graphs:
+            self.graphs.capture(self.builder, self._forward_slot, self.compute_stream, self.max_model_len, self.device)

@@ -1,6 +1,6 @@
 """Sampler: greedy, temperature, min-p, top-k, top-p, penalties, token masks and biases, with a per-request
-seed. Owns no state. The model runner applies these in vLLM's order (`ModelRunner._process_logits`, then
-`sample`).
+seed. Owns no state. The model runner applies these in vLLM's order (`logits_processing.process_logits`,
+then `sample`).
 
 Random draws come from a counter-based hash of (seed, position, vocab id), turned into Gumbel noise:
 argmax(logits / T + Gumbel) samples exactly from softmax(logits / T). So a request's tokens depend

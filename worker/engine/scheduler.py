@@ -19,7 +19,8 @@ A waiting sequence never holds blocks, so preemption can always make room for th
 
 A sequence that wants prompt logprobs (prompt_logprobs.py) starts from cached blocks only up to the prompt
 positions whose logprobs it has recorded, and its prefill chunks are shortened so that a step computes at most
-`prompt_logprobs.MAX_ROWS_PER_STEP` such rows. `max_new_tokens` 0 (scoring) samples once, at the prompt's end,
+`prompt_logprobs.MAX_ROWS_PER_STEP` such rows. A chunk never ends inside an image whose tokens attend both ways
+(Gemma 3: `SequenceImages.whole_images`); the engine refuses an image longer than the step's token budget. `max_new_tokens` 0 (scoring) samples once, at the prompt's end,
 and the engine drops that token.
 
 longrope (`long_rope_after`: the model's original context, families/spec.py `longrope_original_len`). In Phi-3's
@@ -138,6 +139,10 @@ class Scheduler:
                 num_new = self._within_prompt_rows(seq, seq.num_computed_tokens, num_new)
                 if not num_new:
                     continue
+            if num_new > 1 and seq.images is not None:  # a bidirectional image is computed whole
+                num_new = seq.images.whole_images(seq.num_computed_tokens, num_new)
+                if not num_new:
+                    continue
             end = seq.num_computed_tokens + num_new
             if end > len(seq.block_table) * block_size:  # needs a new block (else can_allocate is True)
                 while not self.blocks.can_allocate(seq, end):
@@ -161,6 +166,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - start, budget)
             if seq.wants_prompt_logprobs:
                 num_new = self._within_prompt_rows(seq, start, num_new)
+            if seq.images is not None:
+                num_new = seq.images.whole_images(start, num_new)
             if not num_new or not self.blocks.can_allocate(seq, start + num_new, prefix):
                 break
             self.waiting.popleft()

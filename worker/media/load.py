@@ -39,12 +39,12 @@ def load_images(refs: Sequence[ImageRef], policy: MediaPolicy) -> tuple[EngineIm
 
 
 # The model families whose images this cbq runs (model_type values); a text-only model's refusal names them.
-IMAGE_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl",)  # worker/engine/families/: the families with `vision`
+IMAGE_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl", "gemma3", "mistral3")  # worker/engine/families/: those with `vision`
 
 
 def text_only_refusal(model_name: str) -> str:
     runs = ", ".join(IMAGE_MODEL_TYPES) if IMAGE_MODEL_TYPES else "no model this cbq runs yet"
-    return f"{model_name} takes text only: images run on {runs}"
+    return f"{model_name} takes text only: images run on {runs} (gemma3 on decoder 'hf')"
 
 
 @dataclass(frozen=True)

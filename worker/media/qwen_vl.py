@@ -41,7 +41,11 @@ class EncodedImage:
 
 class QwenVLImages:
     """A Qwen-VL checkpoint's image processing: `encode` (pixels -> patches and grid), `expand` (each image pad of
-    a rendered prompt -> its image's tokens)."""
+    a rendered prompt -> its image's tokens), `positions` (M-RoPE). multimodal.py reads every image format through
+    the same names (`placeholder_id`, `mrope`, `bidirectional`, `num_tokens`, `expand_encoded`, `positions`)."""
+
+    mrope = True  # position_ids are [3, T]: temporal, height, width
+    bidirectional = False  # the language model attends causally over image tokens too
 
     def __init__(self, checkpoint: str | Path):
         from transformers import Qwen2VLImageProcessorPil
@@ -51,6 +55,7 @@ class QwenVLImages:
         if config.get("model_type") not in QWEN_VL_MODEL_TYPES:
             raise ValueError(f"{path} is a {config.get('model_type')!r} checkpoint, not Qwen-VL")
         self.image_token_id: int = config["image_token_id"]
+        self.placeholder_id = self.image_token_id  # the template writes one pad per image, expanded in place
         self.vision_start_token_id: int = config["vision_start_token_id"]
         self.merge_size: int = config["vision_config"]["spatial_merge_size"]
         self.processor = Qwen2VLImageProcessorPil.from_pretrained(path)
@@ -65,6 +70,15 @@ class QwenVLImages:
         out = self.processor(images=[image], return_tensors="np")
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return EncodedImage(np.asarray(out["pixel_values"], dtype=np.float32), ImageGrid(t, h, w))
+
+    def num_tokens(self, encoded: EncodedImage) -> int:
+        return encoded.grid.num_tokens(self.merge_size)
+
+    def expand_encoded(self, prompt_ids: Sequence[int], encoded: Sequence[EncodedImage]) -> list[int]:
+        return self.expand(prompt_ids, [e.grid for e in encoded])
+
+    def positions(self, expanded: Sequence[int], encoded: Sequence[EncodedImage]) -> tuple[np.ndarray, int]:
+        return mrope_positions(expanded, [e.grid for e in encoded], self.image_token_id, self.merge_size)
 
     def expand(self, prompt_ids: Sequence[int], grids: Sequence[ImageGrid]) -> list[int]:
         """`prompt_ids` with its k-th image pad repeated once per token of image k. ValueError when the chat

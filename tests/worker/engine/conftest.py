@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
+from tests.hopper_compile import recorder as hopper
 from worker.engine.api import EngineRequest, EngineResult, SamplingParams
 from worker.engine.models import load_model
 
@@ -123,3 +125,39 @@ def generate_with_late_arrivals(engine, reqs: list[EngineRequest], num_first: in
     finally:
         engine.shutdown()
     return results
+
+
+# -- every interpreted kernel variant compiles for Hopper --------------------------------------------------------
+_CALL_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.stash[_CALL_PASSED] = report.passed
+
+
+@pytest.fixture(autouse=True)
+def compile_launches_for_hopper(request, monkeypatch, tmp_path_factory):
+    """For the interpreter tests `hopper.RECORDED` names: record each Triton launch their interpreter subprocesses
+    run (they inherit the environment set here), then compile those kernel variants for sm90 with Triton's compiler
+    and ptxas (no GPU), and check the test launched the kernels it must. Code the interpreter accepts but the
+    compiler refuses fails here, on the CPU, in the run the test makes anyway (no second run of it)."""
+    test = f"{request.node.path.name}::{request.node.originalname}"
+    if test not in hopper.RECORDED or not hopper.have_hopper_compiler():
+        yield
+        return
+    launches = tmp_path_factory.mktemp("launches") / "launches.jsonl"
+    for name, value in hopper.recording_env(launches).items():
+        monkeypatch.setenv(name, value)
+    yield
+    if not request.node.stash.get(_CALL_PASSED, False):
+        return  # failed or skipped: its own report says why
+    assert launches.exists(), f"{test}: no Triton launch was recorded"
+    report = hopper.compile_recorded(launches)
+    assert not report["failures"], json.dumps(report["failures"][:3], indent=1)
+    missing = hopper.RECORDED[test] - set(report["kernels"])
+    assert not missing, f"{test} launched none of {sorted(missing)}: renamed, or no longer run by it?"
+    print(f"{report['compiled']} kernel variants of {report['kernels']} compiled for sm90")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from worker.engine.config import EngineConfig
+from worker.engine.cuda_graphs import decode_capture_meta, fill_padding_decode
 from worker.engine.engine import Engine
-from worker.engine.model_runner import _decode_capture_meta, _fill_padding_decode
 
 
 def test_capture_inputs_run_a_padded_decode_bucket(tiny_models):
@@ -15,8 +15,8 @@ def test_capture_inputs_run_a_padded_decode_bucket(tiny_models):
     runner = engine.runner
     for slot_index in (0, 1):
         slot = runner.builder.slots[slot_index]
-        meta = _decode_capture_meta(slot_index, 4, engine.max_model_len)
-        _fill_padding_decode(slot, 4)
+        meta = decode_capture_meta(slot_index, 4, engine.max_model_len)
+        fill_padding_decode(slot, 4)
         prev = runner.builder.slots[1 - slot_index].sampled_dev
         with torch.inference_mode():
             logits = runner._forward_slot(slot, meta, prev, logits_indices=0)

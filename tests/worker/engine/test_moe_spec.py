@@ -91,7 +91,10 @@ def test_sparse_layers_are_where_transformers_puts_them(model_type, overrides):
             Glm4MoeConfig(quantization_config={"quant_method": "fbgemm_fp8"}),
             r"quant_method 'fbgemm_fp8' on a mixture of experts \(glm4_moe\) is not supported; cbq runs mixtures",
         ),
-        (Qwen3MoeConfig(quantization_config={"quant_method": "awq"}), r"quant_method 'awq' is not supported"),
+        (
+            Qwen3MoeConfig(quantization_config={"quant_method": "bitsandbytes"}),
+            r"quant_method 'bitsandbytes' is not supported",
+        ),
         (Glm4MoeConfig(hidden_act="gelu"), r"glm4_moe config field hidden_act='gelu'"),
         (Glm4MoeConfig(scoring_func="softmax"), r"glm4_moe config field scoring_func='softmax' .* does not read it"),
     ],

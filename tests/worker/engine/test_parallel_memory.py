@@ -110,3 +110,40 @@ def test_fp8_linears_count_one_byte_a_weight(world_size):
     )
     dense, fp8 = weight_bytes_per_rank(shape, world_size, 2), weight_bytes_per_rank(shape, world_size, 2, 1)
     assert dense.total - fp8.total == linears // world_size
+
+
+@pytest.mark.parametrize("name", ["v2-lite", "v3"])
+def test_tp1_counts_latent_attention_dense_layers_and_shared_experts(name):
+    """DeepSeek's shape: the latent attention (q LoRA or not), a dense first layer, the shared experts, the routers."""
+    from transformers import AutoConfig
+
+    from tests.fixtures.deepseek_checkpoints import SHAPES
+
+    raw = {k: v for k, v in SHAPES[name].items() if k not in ("model_type", "quantization_config")}
+    config = AutoConfig.for_model(SHAPES[name]["model_type"], **raw)
+    shape = DecoderShape.from_config(config)
+    assert shape.latent is not None and shape.num_dense_layers == 1 and shape.shared_expert_intermediate_size > 0
+    assert weight_bytes_per_rank(shape, 1, 2).total == 2 * num_params(config)
+    one, two = weight_bytes_per_rank(shape, 1, 2), weight_bytes_per_rank(shape, 2, 2)
+    # at two ranks: everything but the norms, the routers and the latent's projections halves
+    assert two.replicated == one.replicated and two.sharded * 2 == one.sharded
+    # the whole latent on every rank, at any world size: (kv_lora_rank + qk_rope_head_dim) per layer
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    assert kv_bytes_per_token_per_rank(shape, 2, 2) == kv_bytes_per_token_per_rank(shape, 1, 2) == 3 * width * 2
+
+
+def test_deepseek_v3_release_per_rank():
+    """V3 / R1's config: 671B at TP=1 (the MoE cost model's count); at TP=8 with FP8 linears kept (1 byte) its experts
+    and shared experts stay bf16 (as loaded under TP), ~166 GB a rank, which no H200 holds; the latent cache is
+    61 x 576 x 2 = 70,272 bytes a token on every rank (docs/operations.md's V3/R1 plan)."""
+    from transformers import AutoConfig
+
+    from worker.engine.moe.cost import MoeModelShape
+
+    from .test_deepseek_shapes import DEEPSEEK_V3
+
+    config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_V3)
+    shape = DecoderShape.from_config(config)
+    assert weight_bytes_per_rank(shape, 1, 1).total == MoeModelShape.from_config(config).num_params
+    assert weight_bytes_per_rank(shape, 8, 2, linear_bytes_per_param=1).total / 1e9 == pytest.approx(167.2, abs=0.1)
+    assert kv_bytes_per_token_per_rank(shape, 8, 2) == 70_272

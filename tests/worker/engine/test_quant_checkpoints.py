@@ -189,13 +189,14 @@ def test_a_checkpoint_whose_tensors_contradict_its_config_is_named(loaded, tmp_p
 
 
 def _awq_checkpoint(path) -> str:
-    """An AWQ-shaped folder: a Llama config with AutoAWQ's quantization_config and packed int4 tensors."""
+    """An AWQ-shaped folder in a layout cbq does not read: a Llama config with AutoAWQ's GEMV quantization_config and
+    packed int4 tensors (the GEMM layout loads: test_quant_int4.py)."""
     from safetensors.torch import save_file
 
     build_checkpoint(path, "llama3")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {
-        "bits": 4, "group_size": 128, "modules_to_not_convert": None, "quant_method": "awq", "version": "gemm",
+        "bits": 4, "group_size": 128, "modules_to_not_convert": None, "quant_method": "awq", "version": "gemv",
         "zero_point": True,
     }
     (path / "config.json").write_text(json.dumps(config))
@@ -209,7 +210,8 @@ def _awq_checkpoint(path) -> str:
 @pytest.mark.parametrize("case", ["awq", "gguf"])
 def test_cbq_run_refuses_other_quantizations_in_one_line(tmp_path, case):
     if case == "awq":
-        model, field = _awq_checkpoint(tmp_path / "awq"), "config.json quantization_config.quant_method 'awq'"
+        model = _awq_checkpoint(tmp_path / "awq")
+        field = "config.json quantization_config.version 'gemv' (AWQ checkpoints in the gemm layout)"
     else:
         model = str(tmp_path / "llama-3-8b.Q4_K_M.gguf")
         (tmp_path / "llama-3-8b.Q4_K_M.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")

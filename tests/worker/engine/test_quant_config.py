@@ -135,19 +135,10 @@ def _ct(**group_changes) -> dict:
 
 
 REFUSED = {
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
-            "config.json quantization_config.quant_method 'awq'"),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
-             "quant_method 'gptq'"),
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
                      "quant_method 'bitsandbytes'"),
     "unknown": ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
     "no method": ({"bits": 4}, "quant_method None"),
-    "int4 compressed-tensors": (
-        {**_ct(weights={"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128},
-               input_activations=None), "format": "pack-quantized"},
-        "config_groups.group_0: compressed-tensors format 'pack-quantized'",
-    ),
     "int8 W8A8": (
         {**_ct(weights={"type": "int"}, input_activations={"type": "int"}), "format": "int-quantized"},
         "format 'int-quantized'",

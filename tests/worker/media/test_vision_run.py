@@ -96,3 +96,73 @@ def test_cbq_run_answers_an_image_line_as_generate_does(tmp_path):
     assert body["usage"]["prompt_tokens"] == prompt_len  # the image's tokens count
     assert body["usage"]["completion_tokens"] == len(expected[: len(kept) + (len(kept) < len(expected))])
     assert responses["text"]["body"]["usage"]["prompt_tokens"] < prompt_len
+
+
+def test_cbq_run_answers_a_responses_line_with_an_input_image(tmp_path):
+    """A /v1/responses line's `input_image` (a data: URL, with `detail`) runs as the chat line's image_url part."""
+    checkpoint = build_qwen2_5_vl(tmp_path / "qwen2_5_vl")
+    image, png = picture_png(0)
+    body = {
+        "model": "qwen-vl",
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Describe:"},
+                    {"type": "input_image", "image_url": data_url(png), "detail": "low"},
+                ],
+            }
+        ],
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "repetition_penalty": 1.0,
+    }
+    lines = [{"custom_id": "image", "method": "POST", "url": "/v1/responses", "body": body}]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["run", str(source), "-o", str(out), "--format", "openai", "--model", str(checkpoint.path)]
+    ran = CliRunner().invoke(main, [*args, "--device", "cpu", "--dtype", "float32", "--served-model-name", "qwen-vl"])
+    assert ran.exit_code == 0, ran.output
+    [line] = map(json.loads, out.read_text().splitlines())
+    assert line["response"]["status_code"] == 200, line
+    response = line["response"]["body"]
+
+    expected, prompt_len = reference_tokens(checkpoint.path, image, "Describe:")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
+    stop = {checkpoint.token_ids["<|im_end|>"], checkpoint.token_ids["<|endoftext|>"]}
+    kept = expected[: next((i for i, t in enumerate(expected) if t in stop), len(expected))]
+    [message] = [item for item in response["output"] if item["type"] == "message"]
+    assert message["content"][0]["text"] == tokenizer.decode(kept, skip_special_tokens=True)
+    assert response["usage"]["input_tokens"] == prompt_len  # the image's tokens count
+
+
+def test_cbq_run_takes_gemma3_images_unless_the_owned_decoder_runs_it(tmp_path):
+    """--decoder picks what a Gemma 3 4B-27B checkpoint runs: transformers' decoder (auto off CUDA) takes its
+    images; the owned decoder runs its text alone and fails an image line alone, naming what takes images."""
+    from tests.fixtures.vision_checkpoints import build_gemma3_vision
+
+    checkpoint = build_gemma3_vision(tmp_path / "gemma3")
+    _, png = picture_png(0)
+    lines = [
+        chat_line("image", [{"type": "text", "text": "Describe:"}, {"type": "image_url", "image_url": {"url": data_url(png)}}]),
+        chat_line("text", "Just words."),
+    ]  # fmt: skip
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    statuses = {}
+    for decoder in ("auto", "owned"):
+        out = tmp_path / f"{decoder}.jsonl"
+        args = ["run", str(source), "-o", str(out), "--format", "openai", "--model", str(checkpoint.path)]
+        flags = ["--device", "cpu", "--dtype", "float32", "--served-model-name", "qwen-vl", "--decoder", decoder]
+        ran = CliRunner().invoke(main, [*args, *flags])
+        responses = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+        statuses[decoder] = {cid: line["response"]["status_code"] for cid, line in responses.items()}
+        if decoder == "owned":
+            assert ran.exit_code == 2, ran.output  # a request failed
+            error = responses["image"]["response"]["body"]["error"]["message"]
+            assert "takes text only: images run on qwen2_5_vl, gemma3" in error
+        else:
+            assert ran.exit_code == 0, ran.output
+    assert statuses == {"auto": {"image": 200, "text": 200}, "owned": {"image": 400, "text": 200}}

@@ -1,5 +1,7 @@
 """Which family module runs a checkpoint: config.json's `model_type` -> module under worker/engine/families/.
-Owns that map. Adding a family = its module, one line here, and its tests. Modules import on first use.
+Owns that map, and `IMAGE_MODULES`: the family that runs a multimodal checkpoint with its images where the family
+of `MODULES` runs its text alone. Adding a family = its module, one line here, and its tests. Modules import on
+first use.
 """
 
 from __future__ import annotations
@@ -31,12 +33,20 @@ MODULES = {  # model_type -> family module
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",  # Kimi K2 and Moonlight too
     "qwen2_5_vl": "qwen2_5_vl",  # with its images (Family.vision)
+    "mistral3": "mistral3",  # Mistral Small 3.1, with its images
+}
+
+# model_type -> the module that runs it with its images (decoder "hf": models/loader.py `load_model(images=...)`).
+IMAGE_MODULES = {
+    "gemma3": "gemma3_vision",
 }
 
 
-def family_of(model_type: str) -> Family | None:
-    """The family that runs `model_type`, or None."""
-    module = MODULES.get(model_type)
+def family_of(model_type: str, images: bool = False) -> Family | None:
+    """The family that runs `model_type` (with `images`: the one that takes its images, where that is another
+    module), or None."""
+    module = IMAGE_MODULES.get(model_type) if images else None
+    module = module or MODULES.get(model_type)
     if module is None:
         return None
     family: Family = importlib.import_module(f"{__package__}.{module}").FAMILY

@@ -154,6 +154,7 @@ class VisionSpec:
     with cbq's paged attention): the owned decoder has no multimodal rotary yet."""
 
     model_class: str  # transformers' class of the whole checkpoint
+    images: str = "qwen_vl"  # its image processing: multimodal.IMAGE_FORMATS ("qwen_vl", "gemma3", "pixtral")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ Layouts read (`layer_prefix` e.g. "model.layers.3"; the checkpoint's MLP is `mlp
   Under tensor parallelism the experts run so, in the model dtype, twice the bytes of the release's. In one process
   on CUDA the one-process loader keeps them FP8 instead (`read_fp8_experts`: every expert whole, its e4m3 bytes and
   scales stacked as they are, for the FP8 grouped GEMMs, moe/triton_fp8.py).
+- per-expert INT4 linears (GPTQ's `qweight`/`qzeros`/`scales`, AWQ GEMM's, compressed-tensors' `weight_packed`...:
+  quant/int4/), given the checkpoint's `quant`: dequantized to the model dtype alike, one expert's linear at a time.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from ..moe.spec import MoeSpec
 from ..moe.weights import ExpertWeights
 from ..parallel.group import ParallelState
 from ..parallel.memory import shard_for
+from ..quant.base import QuantConfig
 from ..quant.config import Fp8Config
 from ..quant.fp8 import FP8_DTYPE, Fp8Linear
-from ..quant.methods import dequantized_weight, linear_method
+from ..quant.methods import Fp8LinearMethod, dequantized_weight, linear_method
 
 # The MLP's name in checkpoints (Mixtral's releases keep `block_sparse_moe`, which transformers renames `mlp`), and
 # the names of the per-expert linears (gate, up, down).
@@ -57,7 +60,7 @@ def load_expert_shard(
     moe: MoeMlpSpec,
     spec: MoeSpec,
     state: ParallelState,
-    quant: Fp8Config | None = None,
+    quant: QuantConfig | None = None,
     **kw: Any,
 ) -> dict[str, torch.Tensor]:
     """The shard model's parameters of one sparse layer's router and experts (full names -> tensors in `kw`'s dtype
@@ -80,7 +83,7 @@ def read_experts(
     moe: MoeMlpSpec,
     spec: MoeSpec,
     state: ParallelState,
-    quant: Fp8Config | None = None,
+    quant: QuantConfig | None = None,
     **kw: Any,
 ) -> dict[str, torch.Tensor]:
     """The rank's slice of one sparse layer's experts alone (full model names -> tensors in `kw`'s dtype and device),
@@ -122,7 +125,7 @@ def read_fp8_experts(
 
     def linear(prefix: str) -> Fp8Linear:
         method = linear_method(quant, prefix)
-        if method is None:
+        if not isinstance(method, Fp8LinearMethod):
             raise ValueError(f"{prefix} is not quantized by the checkpoint's quantization_config; its layer's experts are")
         return method.load(whole, prefix)
 
@@ -143,9 +146,9 @@ def _checkpoint_mlp(source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec) -> s
 
 
 def _stack_per_expert(
-    source: Checkpoint, experts: str, part: slice, spec: MoeSpec, quant: Fp8Config | None, dtype: torch.dtype
+    source: Checkpoint, experts: str, part: slice, spec: MoeSpec, quant: QuantConfig | None, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    names = next((n for n in _PER_EXPERT_NAMES if f"{experts}.0.{n[0]}.weight" in source), None)
+    names = next((n for n in _PER_EXPERT_NAMES if _stores_linear(source, f"{experts}.0.{n[0]}", quant)), None)
     if names is None:
         raise ValueError(f"no expert weights under {experts!r} (stacked, per-expert or MXFP4)")
     gate, up, down = names
@@ -163,6 +166,15 @@ def _stack_per_expert(
         "gate_up_proj": torch.stack([torch.cat([read(e, gate, part), read(e, up, part)]) for e in experts_range]),
         "down_proj": torch.stack([read(e, down, (slice(None), part)) for e in experts_range]),
     }
+
+
+def _stores_linear(source: Checkpoint, prefix: str, quant: QuantConfig | None) -> bool:
+    """Whether the checkpoint holds linear `prefix`: its `weight`, or the packed tensor of its quantized format (an
+    INT4 release has `qweight` or `weight_packed` in its place)."""
+    if f"{prefix}.weight" in source:
+        return True
+    method = None if quant is None else linear_method(quant, prefix)
+    return method is not None and method.tensor_names(prefix)[0] in source
 
 
 class _WholeTensors(Mapping[str, torch.Tensor]):

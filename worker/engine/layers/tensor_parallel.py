@@ -1,7 +1,12 @@
 """What the owned decoder asks of the part of the model it holds (`Shard`): its embedding lookup, the completion of a
 row-parallel projection's output and of the LM head's logits. `TensorParallel` on a tensor-parallel rank (its
 collectives: the partial sums all-reduced, the vocabulary's logits gathered on rank 0), `WholeModel` at one rank
-(none). The decoder calls these and names no collective."""
+(none). The decoder calls these and names no collective.
+
+A shard that runs transformers' own forward instead of the owned decoder (multi-head latent attention: DeepSeek-V2/V3)
+takes the same collectives as modules in its layers' places (models/shard_model.py puts them there): `ReducedOutput`
+around each module whose output is a rank's partial sum (o_proj, a dense MLP's down_proj, a sparse MLP's experts plus
+shared experts), `GatheredLogits` as the LM head, and `TensorParallel.embedding` as the input embedding."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..parallel.group import ParallelState, all_reduce, gather_to_first, sum_in_rank_order
 from .embedding import VocabParallelEmbedding
@@ -86,3 +92,31 @@ class TensorParallel:
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns -> the full logits on rank 0, contiguous (the other ranks: their part)."""
         return self.gather_logits(logits).contiguous()
+
+
+class ReducedOutput(nn.Module):
+    """`inner`, whose output is this rank's partial sum of a row-parallel result (its columns of o_proj or down_proj,
+    its slice of every expert's intermediate size plus the shared experts'), summed over the ranks: the module form of
+    `TensorParallel.row_parallel_out`, for a shard that runs transformers' forward."""
+
+    def __init__(self, inner: nn.Module, tp: TensorParallel):
+        super().__init__()
+        self.inner = inner
+        self.tp = tp
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.tp.row_parallel_out(self.inner(*args, **kwargs))
+
+
+class GatheredLogits(nn.Module):
+    """The LM head of a shard that runs transformers' forward: this rank's vocabulary rows [V/N, hidden] times the
+    hidden states, gathered into the full logits on rank 0 (`TensorParallel.full_logits`); a helper gets its own
+    part back (never sampled from), so transformers' output always carries a tensor."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tp.full_logits(F.linear(hidden, self.weight))

@@ -36,6 +36,7 @@ from ..moe.fp8 import Fp8ExpertFormat
 from ..moe.fp8_experts import quantize_model_experts
 from ..quant import (
     Fp8Config,
+    QuantConfig,
     UnsupportedQuantization,
     checkpoint_quantization,
     has_mxfp4_experts,
@@ -108,7 +109,7 @@ def _check_fit(
         logger.info(check_moe_fit(config, dtype, torch.cuda.mem_get_info(device)[0], fp8_experts))
 
 
-def fp8_expert_format(config, family: Family, quant: Fp8Config | None) -> Fp8ExpertFormat | None:
+def fp8_expert_format(config, family: Family, quant: QuantConfig | None) -> Fp8ExpertFormat | None:
     """The format a mixture of experts' experts are kept in where FP8 experts are kept (None: a dense model, or
     experts that run in the model dtype): the checkpoint's, or `--quantization fp8`'s per-channel one."""
     sparse = sparse_layers(config, family)
@@ -123,6 +124,7 @@ def load_model(
     quantization: str | None = None,
     keep_fp8: bool | None = None,
     keep_fp8_experts: bool | None = None,
+    images: bool = False,
 ):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
     `quantization`: "fp8" quantizes an unquantized model at load (`--quantization`; an FP8 checkpoint keeps its
@@ -131,6 +133,9 @@ def load_model(
     `keep_fp8_experts`: a mixture of experts' routed experts stay FP8 too (`Fp8Experts`, the FP8 grouped GEMMs;
     quantized per channel under `--quantization fp8`); None: with `keep_fp8` on CUDA. The tests set it on the CPU,
     where Triton's interpreter runs the kernels; elsewhere the CPU keeps its experts in the model dtype.
+    `images`: a multimodal checkpoint whose family runs its text alone on the owned decoder (Gemma 3 4B-27B)
+    loads whole with its vision tower instead, where its folder holds preprocessor_config.json
+    (families/registry.py `IMAGE_MODULES`; decoder "hf" runs it).
 
     Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
     architecture, quantization or config value, custom code (`auto_map`), or files that cannot be read (a
@@ -156,6 +161,10 @@ def load_model(
         config = _load_config(name_or_path)
         quant = _quantization(config, quantization)
         family, _ = family_for(config)  # before reading any weights
+        if images and os.path.exists(os.path.join(name_or_path, "preprocessor_config.json")):
+            # the family that takes the checkpoint's images, where another runs its text alone (a folder without
+            # the image processor's file keeps to the text)
+            family = family_of(str(config.model_type), images=True) or family
         fp8_experts = fp8_expert_format(config, family, quant) if keep_fp8_experts else None
         _check_fit(config, family, device, dtype, fp8_experts)
         text_config, key_mapping = _text_model(config, family)
@@ -166,7 +175,7 @@ def load_model(
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             if family.vision is not None:  # the whole vision-language model (models/vision.py)
                 model = load_vision_model(name_or_path, family, generation_config, dtype, device)
-            elif quant is not None and quant.is_serialized:  # FP8 weights in the checkpoint: read by quant/
+            elif quant is not None and quant.is_serialized:  # FP8 or INT4 weights in the checkpoint: read by quant/
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
                     sparse=sparse_layers(config, family), keep_fp8_experts=keep_fp8_experts,
@@ -185,7 +194,7 @@ def load_model(
                 ).to(device)
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
-    if quant is not None and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
+    if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
         sparse = sparse_layers(model.config, family_for(model.config)[0])
         quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
         if sparse is not None and fp8_experts is not None:  # the routed experts per channel, a layer at a time
@@ -194,7 +203,7 @@ def load_model(
     return model, tokenizer
 
 
-def _quantization(config, requested: str | None) -> Fp8Config | None:
+def _quantization(config, requested: str | None) -> QuantConfig | None:
     """The quantization the linears run: the checkpoint's own, or `requested` on an unquantized one. None for
     gpt-oss's MXFP4 release too: its linears are unquantized, its experts dequantized at load."""
     if has_mxfp4_experts(config):

@@ -1,5 +1,6 @@
-"""Loading an FP8 (or `--quantization fp8`) checkpoint with its weights dequantized to the compute dtype:
-the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU. Owns nothing after loading.
+"""Loading an FP8 (or `--quantization fp8`) or INT4 checkpoint with its weights dequantized to the compute dtype:
+the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU, and for now the only path of the INT4
+formats (GPTQ, AWQ, compressed-tensors pack-quantized; quant/int4/), on every device. Owns nothing after loading.
 
   checkpoint_tensors(path)    the checkpoint's tensors by name, read lazily from its safetensors shards
   iter_dequantized(...)       (name, tensor) for a plain model of the same architecture: every quantized
@@ -45,13 +46,23 @@ from ..moe.fp8 import Fp8ExpertFormat, checkpoint_expert_format
 from ..moe.fp8_experts import replace_experts
 from ..moe.spec import MoeSpec
 from ..parallel.group import ParallelState
+from ..quant.base import QuantConfig
 from ..quant.config import Fp8Config
 from ..quant.fp8 import FP8_DTYPE
+from ..quant.int4.method import Int4Config
 from ..quant.linear import Fp8LinearModule, replace_module
-from ..quant.methods import Fp8CheckpointError, linear_method
+from ..quant.methods import (
+    Fp8CheckpointError,
+    Fp8LinearMethod,
+    linear_method,
+    load_dequantized,
+    stored_quantized,
+)
 
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+# the INT4 layouts' tensors (GPTQ, AWQ, compressed-tensors pack-quantized): never a plain model's
+_INT4_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
 
 
 class CheckpointTensors(Mapping[str, torch.Tensor]):
@@ -111,13 +122,13 @@ class SparseLayers:
     def holds(self, module_name: str) -> bool:
         return any(module_name.startswith(f"{prefix}.") for prefix in self.mlp_prefixes)
 
-    def fp8_format(self, quant: Fp8Config | None) -> Fp8ExpertFormat | None:
+    def fp8_format(self, quant: QuantConfig | None) -> Fp8ExpertFormat | None:
         """The format the experts are kept in on FP8 tensor cores (None: they run dequantized): a checkpoint's own,
         as its first expert's linear is quantized, or `--quantization fp8`'s per-channel one. gpt-oss's experts
         (`kernel_layout` False: not transformers' stacked [E, 2I, H]) are never kept FP8."""
 
-        if quant is None or not self.layer_prefixes or not self.mlp.kernel_layout:
-            return None
+        if not isinstance(quant, Fp8Config) or not self.layer_prefixes or not self.mlp.kernel_layout:
+            return None  # INT4 experts are dequantized
         if not quant.is_serialized:
             return Fp8ExpertFormat()
         return checkpoint_expert_format(quant, f"{self.layer_prefixes[0]}.{self.mlp.experts}.0.gate_proj")
@@ -125,7 +136,7 @@ class SparseLayers:
 
 def iter_dequantized(
     tensors: Mapping[str, torch.Tensor],
-    quant: Fp8Config,
+    quant: QuantConfig,
     dtype: torch.dtype,
     linear_names: Iterable[str],
     kept_fp8: frozenset[str] = frozenset(),
@@ -140,17 +151,17 @@ def iter_dequantized(
     consumed: set[str] = set()
     for module in linear_names:
         method = linear_method(quant, module)
-        if method is None or f"{module}.weight" not in tensors:  # not quantized, or tied to the embedding
+        if method is None or not stored_quantized(method, tensors, module):  # not quantized, or tied to the embedding
             continue
         consumed.update(method.tensor_names(module))
         if module not in kept_fp8:
-            yield f"{module}.weight", method.dequantize(method.load(tensors, module), dtype)
+            yield f"{module}.weight", load_dequantized(method, tensors, module, dtype)
     for name in tensors:
         if name in consumed or name.endswith(_KV_SCALE_SUFFIXES) or read_elsewhere(name):
             continue
         tensor = tensors[name]
         module = name.rsplit(".", 1)[0]
-        if tensor.dtype == FP8_DTYPE or name.endswith(_SCALE_SUFFIXES):
+        if tensor.dtype == FP8_DTYPE or name.endswith(_SCALE_SUFFIXES + _INT4_SUFFIXES):
             raise Fp8CheckpointError(
                 f"the checkpoint has {name} ({tensor.dtype}), but its quantization_config leaves {module} "
                 f"unquantized"
@@ -159,7 +170,7 @@ def iter_dequantized(
 
 
 def dequantize_state_dict(
-    tensors: Mapping[str, torch.Tensor], quant: Fp8Config, dtype: torch.dtype, linear_names: Iterable[str]
+    tensors: Mapping[str, torch.Tensor], quant: QuantConfig, dtype: torch.dtype, linear_names: Iterable[str]
 ) -> dict[str, torch.Tensor]:
     return dict(iter_dequantized(tensors, quant, dtype, linear_names))
 
@@ -182,7 +193,7 @@ def plain_model(config: Any, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def load_dequantized_model(name_or_path: str, config: Any, quant: Fp8Config, dtype: torch.dtype) -> nn.Module:
+def load_dequantized_model(name_or_path: str, config: Any, quant: QuantConfig, dtype: torch.dtype) -> nn.Module:
     """The checkpoint as a plain transformers model in `dtype` (on the CPU; the caller moves it)."""
     return load_quantized_model(name_or_path, config, quant, dtype, keep_fp8=False)
 
@@ -190,20 +201,26 @@ def load_dequantized_model(name_or_path: str, config: Any, quant: Fp8Config, dty
 def load_quantized_model(
     name_or_path: str,
     config: Any,
-    quant: Fp8Config,
+    quant: QuantConfig,
     dtype: torch.dtype,
     keep_fp8: bool,
     generation_config=None,
     sparse: SparseLayers | None = None,
     keep_fp8_experts: bool = False,
+    keep_int4: bool = False,
 ) -> nn.Module:
     """The checkpoint as a transformers model on the CPU (the caller moves it). `keep_fp8`: each quantized
     linear becomes an `Fp8LinearModule` holding the checkpoint's FP8 weight and scales (what the owned decoder
     multiplies on sm89+); else its weight is dequantized to `dtype`. `generation_config`: the caller's (None:
     generation_config.json is read here, as from_pretrained does). `sparse`: a mixture of experts' sparse layers,
     whose experts are kept FP8 with `keep_fp8_experts` where their format allows it, else dequantized to `dtype`
-    (every other linear under their MLP is dequantized whatever `keep_fp8` says)."""
+    (every other linear under their MLP is dequantized whatever `keep_fp8` says). An INT4 checkpoint's linears
+    (and experts) are dequantized to `dtype` on every device for now: `keep_fp8` applies to FP8 formats only, and
+    `keep_int4` (keeping them packed, `Int4Linear`, for the W4A16 GEMM) is the place the CUDA path will take."""
     from transformers import GenerationConfig
+
+    if isinstance(quant, Int4Config) and keep_int4:
+        raise Fp8CheckpointError("keep_int4: INT4 linears kept packed for the W4A16 GEMM are not wired in yet")
 
     model = plain_model(config, dtype)
     tensors = checkpoint_tensors(name_or_path)
@@ -213,12 +230,15 @@ def load_quantized_model(
         setattr(model, KV_SCALES_ATTR, kv_scales)
     linear_names = linear_module_names(model)
     fp8_candidates = [n for n in linear_names if sparse is None or not sparse.holds(n)]
-    kept_fp8 = _load_fp8_modules(model, fp8_candidates, tensors, quant, dtype) if keep_fp8 else frozenset()
+    kept_fp8: frozenset[str] = frozenset()
+    if keep_fp8 and isinstance(quant, Fp8Config):
+        kept_fp8 = _load_fp8_modules(model, fp8_candidates, tensors, quant, dtype)
     loaded = {f"{module}.{name}" for module in kept_fp8 for name in ("weight", "weight_scale", "input_scale", "bias")}
     experts_read: set[str] = set()
     # before the state dict is listed: an `Fp8Experts`' buffers take the place of the experts' parameters
     fp8_experts = sparse.fp8_format(quant) if sparse is not None and keep_fp8_experts else None
     if sparse is not None and fp8_experts is not None:
+        assert isinstance(quant, Fp8Config)  # fp8_format gives a format for FP8 checkpoints alone
         loaded |= _keep_fp8_experts(model, tensors, sparse, quant, fp8_experts, experts_read)
     params = model.state_dict(keep_vars=True)
     unbuilt = _unbuilt_layers(model_config)
@@ -295,7 +315,7 @@ def _keep_fp8_experts(
 
 
 def _read_experts(
-    tensors: CheckpointTensors, sparse: SparseLayers, quant: Fp8Config, dtype: torch.dtype, read: set[str]
+    tensors: CheckpointTensors, sparse: SparseLayers, quant: QuantConfig, dtype: torch.dtype, read: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each sparse layer's stacked experts, dequantized to `dtype` by layers/experts.py's reader at a world of one
     (on the CPU, one expert's linear at a time)."""
@@ -356,7 +376,7 @@ def _load_fp8_modules(
     kept: set[str] = set()
     for module_name in linear_names:
         method = linear_method(quant, module_name)
-        if method is None or f"{module_name}.weight" not in tensors:
+        if not isinstance(method, Fp8LinearMethod) or f"{module_name}.weight" not in tensors:
             continue
         layer = method.load(tensors, module_name)
         bias = tensors.get(f"{module_name}.bias")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
-from ..families.spec import Family, LayerSpec, QKNormSpan
+from ..families.spec import Family, LayerSpec, MlaSpec, QKNormSpan
 from ..fused_weights import submodule
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.experts import load_expert_shard
@@ -138,7 +138,10 @@ def build_shard(
     kw: dict[str, Any] = dict(dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         loader = _LayerLoader(model, layer, f"{family.layers_path}.{i}", source, state, kw)
-        loader.attention(family, config, cfg.head_dim)
+        if family.mla is not None:
+            loader.latent_attention(family.mla, config)
+        else:
+            loader.attention(family, config, cfg.head_dim)
         if i in sparse:
             _load_moe(model, loader.prefix, family, source, state, config, kw)
         else:
@@ -206,6 +209,30 @@ class _LayerLoader:
         if family.attention_sinks is not None:  # one logit per q head (gpt-oss)
             self.load_entries(name(family.attention_sinks), qkv.heads.q_heads)
         self.row(spec.o.parts[0], config.num_attention_heads * head_dim, config.hidden_size)
+
+    def latent_attention(self, mla: MlaSpec, config: Any) -> None:
+        """Multi-head latent attention split by head: the query projection (q_proj, or q_b_proj after the low-rank
+        q_a_proj) and kv_b_proj (each head's no-rotary key and value rows) by the rank's heads' rows, o_proj by their
+        columns. The latent's projections (kv_a_proj_with_mqa, and q_a_proj) whole on every rank: each rank writes and
+        reads the whole latent. Read here rather than by the generic pass after the layers, so that an FP8 one is kept
+        FP8 by `after_layer` as the split ones are; their norms (kv_a_layernorm, q_a_layernorm) are left to that pass."""
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        query = mla.q_proj if config.q_lora_rank is None else mla.q_b_proj
+        query_input = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
+        kv_b_rows = config.qk_nope_head_dim + config.v_head_dim
+        # an even split of heads x rows-per-head rows is the rank's heads' rows (`shard_config`'s head_shard has
+        # refused a head count the ranks do not divide)
+        split_by_head = ((query, query_input, qk_head_dim), (mla.kv_b_proj, config.kv_lora_rank, kv_b_rows))
+        for part, input_size, rows_per_head in split_by_head:
+            rows = config.num_attention_heads * rows_per_head
+            column = ColumnParallelLinear(input_size, rows, self.state, bias=self.has_bias(part), **self.kw)
+            column.load_from(self.source, self.name(part))
+            _bind_rows(self.model, [self.name(part)], column, [column.output_size_per_rank])
+        self.row(mla.o_proj, config.num_attention_heads * config.v_head_dim, config.hidden_size)
+        for replicated in (mla.kv_a_proj,) if config.q_lora_rank is None else (mla.kv_a_proj, mla.q_a_proj):
+            for param in ("weight", "bias") if self.has_bias(replicated) else ("weight",):
+                name = f"{self.name(replicated)}.{param}"
+                _set_param(self.model, name, self.source.get_slice(name)[:].to(**self.kw))
 
     def dense_mlp(self, spec: LayerSpec, config: Any) -> None:
         """gate/up by rows of the intermediate size (separate or shipped fused), down by columns."""

@@ -42,7 +42,7 @@ from ..parallel.group import ParallelState, all_gather
 from ..quant.config import Fp8Config, WeightScale
 from ..quant.fp8 import Fp8Linear, quantize_weight_per_channel
 from ..quant.linear import Fp8LinearModule, replace_module
-from ..quant.methods import Fp8LinearMethod, linear_method
+from ..quant.methods import Fp8LinearMethod, fp8_linear_method
 from .errors import ModelLoadError
 
 
@@ -65,7 +65,7 @@ class Fp8ShardSource:
 
     def get_slice(self, name: str) -> TensorSlice:
         module = name.removesuffix(".weight")
-        method = linear_method(self.quant, module) if name.endswith(".weight") else None
+        method = fp8_linear_method(self.quant, module) if name.endswith(".weight") else None
         if method is None or f"{module}.{method.weight_scale_name}" not in self.inner:
             weight = self.inner.get_slice(name)
             if _is_fp8(weight):
@@ -166,7 +166,7 @@ def quantize_shard(
     `stays_dense`: linears left as they are (a mixture of experts' sparse MLPs, as quant/linear.quantize_linears)."""
     assert not quant.is_serialized, "a checkpoint's FP8 weights are read by Fp8ShardSource"
     for name, module in list(model.named_modules()):
-        method = linear_method(quant, name)  # None for the output head
+        method = fp8_linear_method(quant, name)  # None for the output head
         if not isinstance(module, nn.Linear) or method is None or stays_dense(name):
             continue
         weight = module.weight.detach()

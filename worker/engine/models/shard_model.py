@@ -14,6 +14,12 @@ sparse layer's experts their intermediate columns (layers/experts.py). Norms and
 replicated; q/k norms over the whole projection (OLMo 2) hold the rank's heads' entries. Its transformers
 forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s collectives, runs it.
 
+Multi-head latent attention (DeepSeek-V2/V3), which no owned decoder runs yet, is the exception: its shard holds the
+rank's heads of the query projection and kv_b_proj (rows) and of o_proj (columns), the latent's projection and norms
+whole (every rank caches the whole latent), the dense first layers and the experts and shared experts split as for
+any family, and runs transformers' forward with cbq's latent attention, the collectives put into its modules at the
+end of loading (`put_collectives_in_modules`: layers/tensor_parallel.py's `ReducedOutput` and `GatheredLogits`).
+
 The config's `vocab_size` stays the full vocabulary (the engine validates ids and builds grammars with it).
 
 A preset (random weights) has no files: each rank builds the whole model with the same seed on its device,
@@ -34,11 +40,13 @@ import torch
 from ..checkpoint import Checkpoint
 from ..config import EngineConfig
 from ..families.spec import Family
-from ..layers.tensor_parallel import TensorParallel
+from ..fused_weights import submodule
+from ..layers.tensor_parallel import GatheredLogits, ReducedOutput, TensorParallel
+from ..moe import moe_layer_ids
 from ..parallel.group import ParallelState
 from ..parallel.memory import DecoderShape, check_fits
-from ..quant import Fp8Config
-from ..quant.linear import keeps_fp8
+from ..quant import Fp8Config, QuantConfig
+from ..quant.linear import keeps_fp8, replace_module
 from . import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint
 from .shard_fp8 import Fp8ShardSource, keep_fp8_linears, quantize_shard
@@ -51,15 +59,15 @@ __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's
 # Mixtures of experts whose experts are split by intermediate size (each rank holds every expert's slice of
 # columns; the router, and GLM-4.5's correction bias, replicated, so every rank routes alike), in the checkpoint
 # layouts layers/experts.py reads.
-SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe")
+SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
 
 
 def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | None:
     """Why this model or setting cannot run sharded yet (None: it can). Each is a layout or kernel the sharded
     path does not split correctly, refused rather than computed wrong."""
     layer = family.layer
-    if family.mla is not None:
-        return f"{family.name}: multi-head latent attention is not sharded yet"
+    if family.mla is not None and engine_config.deterministic:
+        return f"{family.name}: multi-head latent attention runs no --deterministic yet"
     if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
     if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):
@@ -82,7 +90,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     dtype = resolve_dtype(engine_config.dtype, device)
     keep_fp8 = keeps_fp8(device) if keep_fp8 is None else keep_fp8
     tokenizer = None
-    quant: Fp8Config | None = None
+    quant: QuantConfig | None = None
     if name_or_path in PRESETS:
         # NOTE: every rank builds the whole random model (the same seed, as load_model does) and keeps its
         # shards; a checkpoint is read by slice instead.
@@ -104,7 +112,11 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
             eos = loader.checkpoint_eos_token_ids(config, generation_config)
             tokenizer = loader._load_tokenizer(path, eos)
         source = open_checkpoint(path, renames, name_or_path)
-        if quant is not None and quant.is_serialized:  # FP8 weights read by slice with their scales
+        if quant is not None and quant.is_serialized and not isinstance(quant, Fp8Config):
+            raise ModelLoadError(
+                f"{name_or_path}: {quant.quant_method} INT4 checkpoints run in one process (--tensor-parallel-size 1)"
+            )
+        if isinstance(quant, Fp8Config) and quant.is_serialized:  # FP8 weights read by slice with their scales
             source = Fp8ShardSource(source, quant, keep_fp8, _stays_dense(text_config, family))
         config = text_config
     family, _ = family_for(config)
@@ -115,16 +127,37 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     model, tp = build_shard(config, family, source, state, dtype, after_layer)
     if engine_config.deterministic:  # partial sums in rank order: a row's bits never follow the step's size
         tp = dataclasses.replace(tp, fixed_order=True)
-    if quant is not None and not quant.is_serialized:  # --quantization fp8
+    if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8
         quantize_shard(
             model, quant, state, _row_parallel_linears(config, family), keep_fp8, _stays_dense(config, family)
         )
+    if family.mla is not None:  # transformers' forward runs it: the collectives go into its modules
+        put_collectives_in_modules(model, family, config, tp)
     model.generation_config = generation_config
     del source
     if device.type == "cuda":
         torch.cuda.empty_cache()  # a preset's whole model is gone: its blocks are free for the KV cache
     return model, tp, tokenizer
 
+
+
+def put_collectives_in_modules(model: Any, family: Family, config: Any, tp: TensorParallel) -> None:
+    """A shard that runs transformers' own forward (multi-head latent attention: no owned decoder yet) with the
+    collectives the owned decoder would run, as modules in the places of the ones whose outputs are partial
+    (layers/tensor_parallel.py): the input embedding the vocabulary-parallel one (its all-reduce), each o_proj, each
+    dense MLP's down_proj and each sparse MLP (its experts' and shared experts' partial sums, added first: one
+    all-reduce) a `ReducedOutput`, the LM head a `GatheredLogits`. Run last: the FP8 and `--quantization fp8` paths
+    swap linears by their names, which the wrapping changes (o_proj.weight -> o_proj.inner.weight)."""
+    sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
+    sparse_mlp = None if family.moe is None else family.moe.router.rpartition(".")[0]  # the router's parent
+    for i, layer in enumerate(submodule(model, family.layers_path)):
+        for path in (family.layer.o.parts[0], sparse_mlp if i in sparse else family.layer.down.parts[0]):
+            assert path is not None, "a sparse layer is a family's with a sparse MLP"
+            replace_module(layer, path, ReducedOutput(submodule(layer, path), tp))
+    replace_module(model, family.embed_path, tp.embedding)
+    head = model.get_output_embeddings()
+    head_path = next(name for name, module in model.named_modules() if module is head)
+    replace_module(model, head_path, GatheredLogits(head.weight, tp))
 
 
 def _stays_dense(config: Any, family: Family):

@@ -3,8 +3,8 @@ behind the face of a causal LM whose `config` is its language model's, so that t
 vocabulary, context) reads the text model as for any other family.
 
 Owns nothing beyond the wrapped model. `forward` is the language model's (token ids or input embeddings, with
-cbq's attention metadata); `vision_tower` and `embed_tokens` are what the engine's image inputs
-(multimodal.py) run before it.
+cbq's attention metadata); `encode_images` (the vision tower and its projector) and `embed_tokens` are what the
+engine's image inputs (multimodal.py) run before it; `image_format` names the family's image processing.
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ from typing import Any
 
 import torch
 
-from ..families.spec import Family
+from ..families.spec import Family, VisionSpec
 
 
 class VisionLanguageModel(torch.nn.Module):
     """transformers' vision-language model, its language model's config as `config`."""
 
-    def __init__(self, whole: Any):
+    def __init__(self, whole: Any, spec: VisionSpec):
         super().__init__()
         self.whole = whole
+        self.image_format = spec.images  # multimodal.IMAGE_FORMATS
         self.config = whole.config.get_text_config()  # the object the language model reads
         self.config.tie_word_embeddings = whole.config.tie_word_embeddings  # the whole decides what was saved
         self.vision_config = whole.config.vision_config
@@ -35,7 +36,27 @@ class VisionLanguageModel(torch.nn.Module):
 
     @property
     def vision_tower(self) -> torch.nn.Module:
-        return self.whole.model.visual
+        model = self.whole.model
+        return model.visual if hasattr(model, "visual") else model.vision_tower
+
+    def encode_images(self, pixels: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
+        """The images' embeddings in the language model's space, [sum of their tokens, hidden], in image order.
+        `pixels`: the processor's (Qwen-VL: every image's patches, with `grids` [N, 3]; Gemma 3: [N, 3, S, S];
+        Pixtral: [N, 3, H, W] zero-padded, with `grids` [N, 2], each image's height and width)."""
+        tower = self.vision_tower
+        pixels = pixels.to(self.whole.dtype)
+        if self.image_format == "qwen_vl":
+            return tower(pixels, grid_thw=grids).pooler_output  # merged patches, projected
+        if self.image_format == "pixtral":  # Mistral 3: Pixtral's features (per image: a tuple) merged and projected
+            out = self.whole.model.get_image_features(
+                pixel_values=pixels, image_sizes=grids, vision_feature_layer=self.whole.config.vision_feature_layer
+            )
+            features = out.pooler_output if hasattr(out, "pooler_output") else out
+            return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+        # Gemma 3: SigLIP's last hidden state, pooled to mm_tokens_per_image and projected (transformers'
+        # get_image_features, called through its parts: what it returns changed across transformers 5 releases)
+        hidden = tower(pixel_values=pixels).last_hidden_state
+        return self.whole.model.multi_modal_projector(hidden).flatten(0, 1)
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
@@ -63,4 +84,4 @@ def load_vision_model(
     whole = model_class.from_pretrained(
         name_or_path, generation_config=generation_config, dtype=dtype, trust_remote_code=False
     ).to(device)
-    return VisionLanguageModel(whole)
+    return VisionLanguageModel(whole, family.vision)

@@ -1,7 +1,14 @@
-"""FP8 quantization (issue 26): a linear layer's quantization is a property of the layer, as in vLLM.
+"""Quantized weights: FP8 (issue 26) and INT4 weight-only (issue 46); a linear layer's quantization is a property
+of the layer, as in vLLM.
+
+  base.py     `QuantConfig` (every format's config: `scheme_for(module_name)`), the module-name rules the formats
+              share, `FormatRefused` and `QuantCheckpointError`
+  int4/       the INT4 weight-only formats, one module each (GPTQ, AWQ gemm, compressed-tensors pack-quantized),
+              read into one form (`int4/packed.py` `Int4Linear`); dequantized at load on every device for now
 
   config.py   `checkpoint_quantization(quantization_config, requested)`: the typed description of a
-              checkpoint's format (block-wise "fp8", compressed-tensors float-quantized, fbgemm_fp8) or of
+              checkpoint's format (block-wise "fp8", compressed-tensors float-quantized, fbgemm_fp8, the INT4
+              formats of int4/) or of
               `--quantization fp8`; the one-line refusal of everything else (`UnsupportedQuantization`);
               `has_mxfp4_experts(config)`: gpt-oss's release, whose MXFP4 experts the loader dequantizes
   methods.py  `linear_method(config, module_name)`: the method object of one linear (None: unquantized);
@@ -31,15 +38,16 @@ GEMM (small_step.py).
 Under `--tensor-parallel-size` (dense models) the ranks read their slices of the FP8 weights with those slices'
 scales, or quantize their slices with one process's per-channel scales: models/shard_fp8.py.
 
-INT4 weight-only linears (W4A16) are `int4/`: `packed.py` (`Int4Linear`, the one in-memory form every INT4 format
-is read into) and `linear.py` (`Int4LinearModule`, `Int4Weight`, `int4_linear`: kernels/w4a16.py on CUDA, the
-dequantizing twin elsewhere).
+On the GPU, INT4 linears kept packed run `int4/linear.py` (`Int4LinearModule`, `Int4Weight`, `int4_linear`:
+kernels/w4a16.py's W4A16 GEMMs on CUDA, the dequantizing twin elsewhere); `bench engine --precision int4` packs a
+preset's linears that way (a checkpoint's are still dequantized at load: `keep_int4` is not wired).
 
 `--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """
 
 from __future__ import annotations
 
+from .base import QuantCheckpointError, QuantConfig
 from .config import (
     CBQ_RUNS,
     MOE_RUNS,
@@ -76,6 +84,8 @@ __all__ = [
     "Fp8LinearMethod",
     "Fp8Scheme",
     "OnlineFp8Config",
+    "QuantCheckpointError",
+    "QuantConfig",
     "UnsupportedQuantization",
     "WeightScale",
     "checkpoint_quantization",

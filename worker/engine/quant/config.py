@@ -21,34 +21,48 @@ Each answers `scheme_for(module_name)`: the module's `Fp8Scheme`, or None when t
 `moe_quantization` is the same for a mixture of experts, narrowed to the formats whose experts cbq reads (kept FP8
 on sm89+ GPUs for the FP8 grouped GEMMs, dequantized at load elsewhere). gpt-oss's release (`has_mxfp4_experts`: quant_method "mxfp4", only its experts quantized,
 none of its linears) is not a linear format: the loader dequantizes its experts (layers/experts.py) and never asks for one here.
-Everything else (AWQ, GPTQ, bitsandbytes, GGUF, int8 compressed-tensors, FP8 variants not listed above)
-raises `UnsupportedQuantization` with one line that names the field and what cbq runs (`CBQ_RUNS`).
+The INT4 weight-only formats are one module each under int4/ (their configs answer `scheme_for` alike, with an
+`Int4Scheme`), parsed from here:
+
+  int4/gptq.py               quant_method "gptq", bits 4 (AutoGPTQ / GPTQModel releases)
+  int4/awq.py                quant_method "awq", bits 4, version "gemm" (AutoAWQ releases)
+  int4/compressed_tensors.py quant_method "compressed-tensors", format "pack-quantized" (llm-compressor W4A16)
+
+Everything else (bitsandbytes, GGUF, other bit widths, AWQ's gemv/exllama/marlin versions, GPTQ's marlin or other
+checkpoint formats, int8 compressed-tensors, FP8 variants not listed above) raises `UnsupportedQuantization` with
+one line that names the field and what cbq runs (`CBQ_RUNS`); a format module says what it refuses
+(`base.FormatRefused`) and this module adds what cbq runs.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from ..config import QUANTIZATIONS  # what `--quantization` accepts
+from .base import FIELD, FormatRefused, QuantConfig, ct_matches, stays_dense
+from .int4 import awq, compressed_tensors, gptq
+from .int4.method import Int4Config
 
 CBQ_RUNS = (
     "cbq runs bf16, fp16 and fp32 checkpoints, FP8 ones in the formats fp8 (block-wise), "
     "compressed-tensors (float-quantized FP8) and fbgemm_fp8 (mixtures of experts: fp8 block-wise and "
-    "compressed-tensors with per-channel weights, their experts in FP8 on sm89+ GPUs), and gpt-oss's MXFP4 experts "
+    "compressed-tensors with per-channel weights, their experts in FP8 on sm89+ GPUs), INT4 weight-only ones "
+    "(gptq 4-bit, formats gptq and gptq_v2, with or without desc_act; awq 4-bit version gemm; compressed-tensors "
+    "pack-quantized int4 weights with 16-bit activations; dequantized at load), and gpt-oss's MXFP4 experts "
     "(dequantized at load)"
 )
 MOE_RUNS = (
     "cbq runs mixtures of experts in bf16, fp16 and fp32, FP8 ones in the formats fp8 (block-wise) and "
     "compressed-tensors with per-channel FP8 weights (their experts multiplied in FP8 on sm89+ GPUs where the "
-    "activations are dynamic, else dequantized to the model dtype at load), --quantization fp8 (on sm89+ GPUs the "
+    "activations are dynamic, else dequantized to the model dtype at load), INT4 ones (gptq, awq gemm, "
+    "compressed-tensors pack-quantized; dequantized at load), --quantization fp8 (on sm89+ GPUs the "
     "experts too, gpt-oss's excepted), and gpt-oss's MXFP4 experts"
 )
-_FIELD = "config.json quantization_config"
+_FIELD = FIELD
 MXFP4 = "mxfp4"  # gpt-oss's experts' quant_method
 
 
@@ -96,28 +110,13 @@ class Fp8Scheme:
         return self.block_shape[1]
 
 
-class Fp8Config:
-    """Base of the per-format descriptions: which scheme each linear module runs, and its tensors' names."""
+class Fp8Config(QuantConfig):
+    """Base of the FP8 formats' descriptions: which scheme each linear module runs, and its tensors' names."""
 
-    quant_method: str = ""
     weight_scale_name: str = "weight_scale"  # the scale tensor next to `<module>.weight`
-    is_serialized: bool = True  # the checkpoint holds FP8 weights (False: quantized at load)
 
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
         raise NotImplementedError
-
-
-def _stays_dense(module_name: str, modules_to_not_convert: tuple[str, ...]) -> bool:
-    """The output head never is quantized; else transformers' `modules_to_not_convert` rule: a listed name
-    matches the module or any module under it, and a bare name ("gate") matches wherever it sits."""
-    if module_name.endswith("lm_head"):
-        return True
-    names, parts = modules_to_not_convert, module_name.split(".")
-    for name in names:
-        n = len(name.split("."))
-        if any(".".join(parts[i : i + n]) == name for i in range(len(parts) - n + 1)):
-            return True
-    return False
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ class BlockFp8Config(Fp8Config):
     weight_scale_name = "weight_scale_inv"  # a multiplier despite its name: w = w_fp8 * weight_scale_inv
 
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
-        if _stays_dense(module_name, self.modules_to_not_convert):
+        if stays_dense(module_name, self.modules_to_not_convert):
             return None
         return Fp8Scheme(WeightScale.BLOCK, ActivationScale.TOKEN_GROUP, block_shape=self.block_shape)
 
@@ -142,7 +141,7 @@ class FbgemmFp8Config(Fp8Config):
     quant_method = "fbgemm_fp8"
 
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
-        if _stays_dense(module_name, self.modules_to_not_convert):
+        if stays_dense(module_name, self.modules_to_not_convert):
             return None
         return Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN, activation_scale_ub=self.activation_scale_ub)
 
@@ -157,20 +156,12 @@ class CompressedTensorsFp8Config(Fp8Config):
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
         """compressed-tensors' matching: a target is a class name ("Linear": every linear this is asked
         about), a "re:" regex matched from the start of the name, or the name itself; `ignore` wins."""
-        if any(_ct_matches(module_name, target) for target in self.ignore):
+        if any(ct_matches(module_name, target) for target in self.ignore):
             return None
         for targets, scheme in self.groups:
-            if any(_ct_matches(module_name, target) for target in targets):
+            if any(ct_matches(module_name, target) for target in targets):
                 return scheme
         return None
-
-
-def _ct_matches(module_name: str, target: str) -> bool:
-    if target == "Linear":
-        return True
-    if target.startswith("re:"):
-        return re.match(target[3:], module_name) is not None
-    return module_name == target
 
 
 @dataclass(frozen=True)
@@ -181,17 +172,19 @@ class OnlineFp8Config(Fp8Config):
     is_serialized = False
 
     def scheme_for(self, module_name: str) -> Fp8Scheme | None:
-        if _stays_dense(module_name, ()):
+        if stays_dense(module_name, ()):
             return None
         return Fp8Scheme(WeightScale.CHANNEL, ActivationScale.TOKEN)
 
 
 
 
-def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, requested: str | None = None) -> Fp8Config | None:
+def checkpoint_quantization(
+    quantization_config: Mapping[str, Any] | None, requested: str | None = None
+) -> QuantConfig | None:
     """The typed description of a checkpoint's `quantization_config` (None: an unquantized checkpoint run as
     is). `requested` is `--quantization`: "fp8" quantizes an unquantized checkpoint at load, and leaves an
-    FP8 checkpoint in its own format (as vLLM does). Raises `UnsupportedQuantization` for anything else."""
+    FP8 or INT4 checkpoint in its own format (as vLLM does). Raises `UnsupportedQuantization` for anything else."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise _refuse(f"--quantization {requested!r}")
     to_dict = getattr(quantization_config, "to_dict", None)  # a transformers QuantizationConfigMixin
@@ -202,6 +195,15 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
     if not isinstance(quantization_config, Mapping):
         raise _refuse(f"{_FIELD} of type {type(quantization_config).__name__}")
     method = quantization_config.get("quant_method")
+    try:  # the INT4 weight-only formats, one module each (int4/)
+        if method == "gptq":
+            return gptq.parse(quantization_config)
+        if method == "awq":
+            return awq.parse(quantization_config)
+        if method == "compressed-tensors" and compressed_tensors.is_pack_quantized(quantization_config):
+            return compressed_tensors.parse(quantization_config)
+    except FormatRefused as exc:
+        raise _refuse(str(exc)) from None
     if method == "fp8":
         return _parse_block_fp8(quantization_config)
     if method == "compressed-tensors":
@@ -213,17 +215,20 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None, reque
     raise _refuse(f"{_FIELD}.quant_method {method!r}")
 
 
-def moe_quantization(quantization_config: Any, model_type: str, requested: str | None = None) -> Fp8Config | None:
+def moe_quantization(
+    quantization_config: Any, model_type: str, requested: str | None = None
+) -> QuantConfig | None:
     """`checkpoint_quantization` for a mixture of experts, whose other linears run as in a dense model. The experts
     are read one linear an expert (layers/experts.py), in the formats tested on the releases' layouts:
     block-wise "fp8" (Qwen3-*-FP8) and compressed-tensors with per-channel weights (GLM-4.5-Air-FP8). In one process
     on sm89+ CUDA they stay FP8 for the FP8 grouped GEMMs (moe/fp8.py: block-wise, or per-channel with dynamic
     per-token activations; a static input scale's experts are dequantized); on the CPU and under tensor parallelism
     they are dequantized to the model dtype at load. `--quantization fp8` quantizes the attention and the dense
-    MLPs, and on sm89+ CUDA the routed experts per output channel (not gpt-oss's, nor a shared expert). Anything
+    MLPs, and on sm89+ CUDA the routed experts per output channel (not gpt-oss's, nor a shared expert). The INT4
+    formats' per-expert linears (GPTQ, AWQ, pack-quantized) are dequantized to the model dtype at load. Anything
     else raises `UnsupportedQuantization` naming `MOE_RUNS`."""
     quant = checkpoint_quantization(quantization_config, requested)
-    if quant is None or isinstance(quant, (BlockFp8Config, OnlineFp8Config)):
+    if quant is None or isinstance(quant, (BlockFp8Config, OnlineFp8Config, Int4Config)):
         return quant
     if isinstance(quant, CompressedTensorsFp8Config) and all(s.weight is WeightScale.CHANNEL for _, s in quant.groups):
         return quant

@@ -23,7 +23,7 @@ from torch import nn
 
 from .config import Fp8Config
 from .fp8 import Fp8Linear
-from .methods import Fp8LinearMethod, linear_method
+from .methods import Fp8LinearMethod, fp8_linear_method
 
 
 class Fp8LinearModule(nn.Module):
@@ -88,7 +88,7 @@ def quantize_linears(
     mixture of experts' sparse MLPs, which the MoE kernels multiply in the model dtype)."""
     assert not quant.is_serialized, "a checkpoint's FP8 weights are loaded (models/quant_loader.py), not quantized"
     for name, module in list(model.named_modules()):
-        method = linear_method(quant, name)  # None for the output head (it may be the embedding, tied)
+        method = fp8_linear_method(quant, name)  # None for the output head (it may be the embedding, tied)
         if not isinstance(module, nn.Linear) or method is None or stays_dense(name):
             continue
         layer = method.load({f"{name}.weight": module.weight.detach()}, name)

@@ -1,11 +1,11 @@
-"""Quantization methods: one object per format, as vLLM draws them. Owns nothing; each method is told a
+"""Quantization methods: one object per format (FP8's here, INT4's in int4/), as vLLM draws them. Owns nothing; each method is told a
 linear module's name and reads that linear's tensors from a checkpoint's state dict.
 
 A method knows three things about its format's linears:
-  load(tensors, prefix)    the `Fp8Linear` of module `prefix`: its FP8 weight and scales, read under the
-                           format's names and checked against the shapes the releases ship
+  load(tensors, prefix)    the `Fp8Linear` (INT4: `Int4Linear`) of module `prefix`, read under the format's names
+                           and checked against the shapes the releases ship
   dequantize(layer, dtype) the weight in the compute dtype (the CPU path, models/quant_loader.py)
-  apply(layer, x, bias)    the FP8 GEMM: x quantized as the format asks, then kernels.fp8_linear
+  apply(layer, x, bias)    the GEMM: FP8's quantizes x as the format asks, then kernels.fp8_linear
 
 `linear_method(config, module_name)` gives the method for one linear, or None where that linear stays in the
 compute dtype (an ignored module, the output head).
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .base import QuantCheckpointError, QuantConfig
 from .config import (
     BlockFp8Config,
     CompressedTensorsFp8Config,
@@ -27,9 +28,13 @@ from .config import (
     WeightScale,
 )
 from .fp8 import FP8_DTYPE, Fp8Linear, dequantize_weight, quantize_weight_per_channel, weight_scale_shape
+from .int4.awq import AwqConfig, AwqInt4Method
+from .int4.compressed_tensors import CompressedTensorsInt4Config, CompressedTensorsInt4Method
+from .int4.gptq import GptqConfig, GptqInt4Method
+from .int4.method import Int4LinearMethod
 
 
-class Fp8CheckpointError(ValueError):
+class Fp8CheckpointError(QuantCheckpointError):
     """A checkpoint's tensors do not match its quantization_config; the message names the tensor."""
 
 
@@ -41,6 +46,10 @@ class Fp8LinearMethod:
 
     def __init__(self, scheme: Fp8Scheme):
         self.scheme = scheme
+
+    @classmethod
+    def for_config(cls, config: QuantConfig, scheme: Fp8Scheme) -> Fp8LinearMethod:
+        return cls(scheme)
 
     def tensor_names(self, prefix: str) -> list[str]:
         """What `load` reads: the loader takes these out of the state dict."""
@@ -129,30 +138,58 @@ class OnlineFp8LinearMethod(Fp8LinearMethod):
         return Fp8Linear(w_fp8, scale, self.scheme)
 
 
-_METHODS: dict[type[Fp8Config], type[Fp8LinearMethod]] = {
+# One line a format: its config's type -> its method (`for_config` builds it for one linear's scheme).
+_METHODS: dict[type[QuantConfig], type[Fp8LinearMethod] | type[Int4LinearMethod]] = {
     BlockFp8Config: BlockFp8LinearMethod,
     CompressedTensorsFp8Config: CompressedTensorsFp8LinearMethod,
     FbgemmFp8Config: FbgemmFp8LinearMethod,
     OnlineFp8Config: OnlineFp8LinearMethod,
+    CompressedTensorsInt4Config: CompressedTensorsInt4Method,
+    GptqConfig: GptqInt4Method,
+    AwqConfig: AwqInt4Method,
 }
 
+LinearMethod = Fp8LinearMethod | Int4LinearMethod
 
-def linear_method(config: Fp8Config, module_name: str) -> Fp8LinearMethod | None:
+
+def linear_method(config: QuantConfig, module_name: str) -> LinearMethod | None:
     """The method that loads and runs linear `module_name` (e.g. "model.layers.0.mlp.up_proj"), or None
     when the config leaves it in the compute dtype."""
     scheme = config.scheme_for(module_name)
-    return None if scheme is None else _METHODS[type(config)](scheme)
+    return None if scheme is None else _METHODS[type(config)].for_config(config, scheme)
+
+
+def fp8_linear_method(config: Fp8Config, module_name: str) -> Fp8LinearMethod | None:
+    """`linear_method` of an FP8 format, where the caller handles FP8 linears alone (kept FP8, sharded by slice)."""
+    method = linear_method(config, module_name)
+    assert method is None or isinstance(method, Fp8LinearMethod), f"{type(config).__name__} is an FP8 format"
+    return method
+
+
+def load_dequantized(
+    method: LinearMethod, tensors: Mapping[str, torch.Tensor], prefix: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Linear `prefix` read by `method` and dequantized to `dtype` (each method takes its own layer type back)."""
+    if isinstance(method, Int4LinearMethod):
+        return method.dequantize(method.load(tensors, prefix), dtype)
+    return method.dequantize(method.load(tensors, prefix), dtype)
+
+
+def stored_quantized(method: LinearMethod, tensors: Mapping[str, torch.Tensor] | object, prefix: str) -> bool:
+    """Whether the checkpoint holds linear `prefix` in the method's format (its first tensor: the weight, FP8's, or
+    the packed INT4 words). Not so: a head tied to the embedding, or a linear a GPTQ release left dense (a router)."""
+    return method.tensor_names(prefix)[0] in tensors  # type: ignore[operator]
 
 
 def dequantized_weight(
-    tensors: Mapping[str, torch.Tensor], config: Fp8Config, prefix: str, dtype: torch.dtype
+    tensors: Mapping[str, torch.Tensor], config: QuantConfig, prefix: str, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Linear `prefix`'s weight in `dtype`: its FP8 weight times its scales where the config quantizes it (the
-    method's `load` and `dequantize`), else the stored weight cast. One expert's linear as the loader reads it
-    (the experts run dequantized: cbq has no FP8 grouped GEMM)."""
+    """Linear `prefix`'s weight in `dtype`: its quantized tensors dequantized where the config quantizes it (the
+    method's `load` and `dequantize`: FP8 weight times scales, INT4 (q - zero) * scale), else the stored weight
+    cast. One expert's linear as the loader reads it where the experts run dequantized."""
     method = linear_method(config, prefix)
     if method is not None:
-        return method.dequantize(method.load(tensors, prefix), dtype)
+        return load_dequantized(method, tensors, prefix, dtype)
     weight = _get(tensors, f"{prefix}.weight")
     if weight.dtype == FP8_DTYPE:
         raise Fp8CheckpointError(f"the checkpoint has {prefix}.weight in FP8, but its quantization_config leaves {prefix} unquantized")

@@ -1,0 +1,59 @@
+"""Gemma 3 with images on the CUDA path (decoder "hf": transformers' layers, cbq's paged attention; steps holding an
+image's rows attend through the torch reference, the others through the Triton kernels and decode graphs; the
+SigLIP tower on the GPU): in fp32, greedy tokens equal `generate` on the same device, and decoder "auto" runs the
+checkpoint's text alone on the owned decoder. Run on the GPU machine; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.api import FinishReason
+from worker.engine.engine import Engine
+
+from .test_engine_gemma3_vision import (  # noqa: F401 - fixtures and helpers
+    checkpoint,
+    mixed_requests,
+    processor,
+    processor_inputs,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_cuda(checkpoint):  # noqa: F811 - the imported fixture
+    from transformers import Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).cuda().eval()
+
+
+def generate_cuda(processor, model, req) -> list[int]:  # noqa: F811
+    inputs = {k: v.cuda() for k, v in processor_inputs(processor, req).items()}
+    out = model.generate(**inputs, max_new_tokens=req.sampling.max_new_tokens, do_sample=False, repetition_penalty=1.0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 270)])
+def test_images_equal_generate_on_cuda(checkpoint, processor, reference_cuda, mode, budget):  # noqa: F811
+    reqs = mixed_requests(processor)
+    engine = Engine.from_model(
+        str(checkpoint.path), device="cuda", dtype="float32", decoder="hf", mode=mode,
+        max_num_batched_tokens=budget, num_kv_blocks=256,
+    )  # fmt: skip
+    assert engine.runner.decoder is None and engine.runner.images is not None
+    results = engine.generate(reqs)
+    for req, result in zip(reqs, results, strict=True):
+        assert result.token_ids == generate_cuda(processor, reference_cuda, req), req.request_id
+    assert engine.runner.images.encode_seconds > 0
+
+
+def test_decoder_auto_runs_the_text_alone_on_cuda(checkpoint, processor):  # noqa: F811
+    engine = Engine.from_model(str(checkpoint.path), device="cuda", dtype="float32", num_kv_blocks=256)
+    assert engine.runner.decoder is not None and not engine.accepts_images
+    text, image = mixed_requests(processor)[2], mixed_requests(processor)[0]
+    results = engine.generate([text, image])
+    assert results[0].finish_reason != FinishReason.ERROR and "takes text only" in (results[1].error or "")

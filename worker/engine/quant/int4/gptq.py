@@ -1,0 +1,115 @@
+"""GPTQ INT4 checkpoints (AutoGPTQ's and GPTQModel's releases, e.g. Qwen/*-GPTQ-Int4, TheBloke/*-GPTQ): the config's
+parsing and the method that reads a linear into `Int4Linear`.
+
+The layout read is AutoGPTQ's QuantLinear's, as transformers' and vLLM's GPTQ loaders read it:
+
+  <m>.qweight  int32 [K / 8, N]   packed along the INPUT dim: input row k of column n at bits 4 (k % 8) of word
+                                  [k // 8, n] (unsigned 0..15)
+  <m>.qzeros   int32 [G, N / 8]   packed along the OUTPUT dim: column n's zero at bits 4 (n % 8) of word [group, n // 8]
+  <m>.scales   [G, N]             fp16 in the releases
+  <m>.g_idx    int32 [K]          input row k's group: k // g, or with `desc_act` (act-order) a permutation's
+
+G = K / g groups (`group_size` -1: one). w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]. The zeros of
+`checkpoint_format` "gptq" (AutoGPTQ's, the default) are stored minus one (a symmetric zero of 8 is stored 7),
+which "gptq_v2" (GPTQModel's) undoes; other checkpoint formats (marlin, bitblas, ...) are refused. With act-order
+the columns are stored sorted by group (`Int4Linear.perm`), so each group is contiguous for the W4A16 GEMM.
+Config fields read: bits 4, group_size, desc_act, sym, checkpoint_format (or GPTQModel's `format`),
+`modules_to_not_convert`; `lm_head` true (a quantized head) and `dynamic` per-module overrides are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..base import FIELD, FormatRefused, QuantCheckpointError, QuantConfig, module_list, stays_dense
+from .method import (
+    Int4Config,
+    Int4LinearMethod,
+    Int4Scheme,
+    act_order_perm,
+    check_bits,
+    expect,
+    get,
+    group_size_of,
+    int4_linear,
+    scales_of,
+    unpack_words,
+)
+from .packed import PACK, Int4Linear
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+
+
+@dataclass(frozen=True)
+class GptqConfig(Int4Config):
+    scheme: Int4Scheme
+    zeros_minus_one: bool  # checkpoint_format "gptq": each stored zero is the zero point minus one
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    quant_method = "gptq"
+
+    def scheme_for(self, module_name: str) -> Int4Scheme | None:
+        """Every linear but the head and `modules_to_not_convert`; a linear the release left dense (a mixture of
+        experts' router) has no `qweight`, and the loader reads its `weight` as stored."""
+        return None if stays_dense(module_name, self.modules_to_not_convert) else self.scheme
+
+
+def parse(qc: Mapping[str, Any]) -> GptqConfig:
+    check_bits(qc)
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+    if fmt not in CHECKPOINT_FORMATS:
+        raise FormatRefused(f"{FIELD}.checkpoint_format {fmt!r} (GPTQ checkpoints in {' or '.join(CHECKPOINT_FORMATS)})")
+    if qc.get("lm_head"):
+        raise FormatRefused(f"{FIELD}.lm_head true (a GPTQ-quantized output head)")
+    if qc.get("dynamic"):
+        raise FormatRefused(f"{FIELD}.dynamic {qc['dynamic']!r} (per-module GPTQ overrides)")
+    if qc.get("modules_in_block_to_quantize"):
+        raise FormatRefused(f"{FIELD}.modules_in_block_to_quantize (a GPTQ checkpoint quantizing part of each block)")
+    size = group_size_of(qc.get("group_size", 128), f"{FIELD}.group_size")
+    sym = qc.get("sym", True)
+    scheme = Int4Scheme(size, bool(sym), act_order=bool(qc.get("desc_act", False)))
+    return GptqConfig(scheme, fmt == "gptq", module_list(qc.get("modules_to_not_convert"), f"{FIELD}.modules_to_not_convert"))
+
+
+class GptqInt4Method(Int4LinearMethod):
+    format_name = "gptq"
+
+    def __init__(self, scheme: Int4Scheme, zeros_minus_one: bool):
+        super().__init__(scheme)
+        self.zeros_minus_one = zeros_minus_one
+
+    @classmethod
+    def for_config(cls, config: QuantConfig, scheme: Int4Scheme) -> GptqInt4Method:
+        assert isinstance(config, GptqConfig)
+        return cls(scheme, config.zeros_minus_one)
+
+    def tensor_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}.{name}" for name in ("qweight", "qzeros", "scales", "g_idx")]
+
+    def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Linear:
+        qweight = get(tensors, f"{prefix}.qweight")
+        if qweight.dim() != 2:
+            raise QuantCheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; GPTQ's is [K / 8, N]")
+        k, n = qweight.shape[0] * PACK, qweight.shape[1]
+        expect(qweight, f"{prefix}.qweight", (k // PACK, n), torch.int32)
+        g = k if self.scheme.group_size == -1 else self.scheme.group_size
+        if k % g or n % PACK:
+            raise QuantCheckpointError(f"{prefix}: [N={n}, K={k}] does not hold whole groups of {g} and words")
+        groups = k // g
+        scales = scales_of(expect(get(tensors, f"{prefix}.scales"), f"{prefix}.scales", (groups, n)), f"{prefix}.scales")
+        qzeros = expect(get(tensors, f"{prefix}.qzeros"), f"{prefix}.qzeros", (groups, n // PACK), torch.int32)
+        zeros = unpack_words(qzeros, dim=1)  # [groups, N]
+        if self.zeros_minus_one:  # AutoGPTQ's: stored minus one (a zero of 0 wrapped to 15 comes back as 0)
+            zeros = (zeros + 1) & 0xF
+        perm = None
+        if f"{prefix}.g_idx" in tensors:  # the releases carry it with and without desc_act
+            g_idx = expect(tensors[f"{prefix}.g_idx"], f"{prefix}.g_idx", (k,))
+            perm = act_order_perm(g_idx, g, f"{prefix}.g_idx")
+        elif self.scheme.act_order:
+            raise QuantCheckpointError(f"the checkpoint has no {prefix}.g_idx, which desc_act needs")
+        q = unpack_words(qweight, dim=0).t()  # [N, K]: input rows packed eight a word
+        return int4_linear(q, scales.t(), zeros.t(), g, perm, self.scheme.symmetric, prefix)
