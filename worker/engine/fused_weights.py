@@ -25,7 +25,7 @@ from torch import nn
 
 from .families.spec import LayerSpec, LinearSpec, Quant
 from .quant.fp8 import Fp8Linear
-from .quant.int4 import Int4Linear
+from .quant.int4 import Int4Linear, dequantize
 from .quant.int4.linear import Int4LinearModule, Int4Weight
 from .quant.linear import Fp8LinearModule, Fp8Weight
 
@@ -84,12 +84,20 @@ def fuse_fp8(modules: list[Fp8LinearModule]) -> Fp8Weight:
     return Fp8Weight(modules[0].method, fused)
 
 
-def fuse_int4(modules: list[Int4LinearModule]) -> Int4Weight:
+def fuse_int4(modules: list[Int4LinearModule]) -> Int4Weight | torch.Tensor:
     """Packed INT4 linears' rows stacked into one W4A16 GEMM (`Int4Linear.concat`: words, scales and zeros). Each
-    module's buffers then view the fused ones' rows, so memory holds each weight once (as `fuse_fp8`)."""
+    module's buffers then view the fused ones' rows, so memory holds each weight once (as `fuse_fp8`).
+    Act-order linears whose column permutations differ cannot share one gather of x: their fused weight is then
+    dequantized to the scales' dtype (a plain GEMM, and a second copy of those weights in memory). GPTQ computes the
+    order from the layer input's statistics, which q/k/v (and gate/up) share, so releases normally agree."""
     if len(modules) == 1:
         return Int4Weight(modules[0].layer)
     parts = [m.layer for m in modules]
+    orders = [p.perm for p in parts]
+    if any(o is not None for o in orders) and not all(
+        o is not None and torch.equal(o, orders[0]) for o in orders  # type: ignore[arg-type]
+    ):
+        return torch.cat([dequantize(p, p.scales.dtype) for p in parts])
     zeros = [p.zeros for p in parts if p.zeros is not None]
     tensors = [[p.qweight for p in parts], [p.scales for p in parts], *([zeros] if zeros else [])]
     if all(_are_adjacent_rows(t) for t in tensors):  # fused before (a second engine on the model): view the same bytes

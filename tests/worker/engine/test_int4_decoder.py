@@ -5,6 +5,9 @@ by `Int4Linear.concat`, multiplied through the twin (dequantize + F.linear); its
 the same model with each linear's weight replaced by its dequantization (fp32), and transformers' forward over the
 packed modules gives the same tokens too.
 
+An INT4 checkpoint (GPTQ with act-order, asymmetric compressed-tensors) loaded with `keep_int4` holds its linears packed
+(models/quant_loader.py) and decodes as the same checkpoint loaded dequantized.
+
 GPU (`gpu`): the W4A16 kernels in the owned decoder in bf16, CUDA graphs on, against the same engine run eagerly
 (the same kernels, so the same tokens) and against the dequantized model's logits.
 """
@@ -16,6 +19,7 @@ import copy
 import pytest
 import torch
 
+from tests.fixtures.int4_checkpoints import build_int4_checkpoint
 from tests.worker.engine.test_quant_decoder import _greedy, _requests
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
@@ -87,3 +91,35 @@ def test_deterministic_mode_refuses_packed_int4_weights_in_one_line():
     model, _, tokenizer = _int4_and_dequantized(CPU, torch.float32, group=32, symmetric=True)
     with pytest.raises(ValueError, match="deterministic mode runs unquantized weights only"):
         Engine(model, tokenizer, EngineConfig(decoder="owned", deterministic=True, num_kv_blocks=8))
+
+
+@pytest.mark.parametrize("fmt", ["gptq-act-order", "ct-asym"])
+def test_an_int4_checkpoint_kept_packed_decodes_as_the_dequantized_load(tmp_path, fmt):
+    release = build_int4_checkpoint(tmp_path / fmt, fmt)
+    packed, tokenizer = load_model(str(release.path), CPU, torch.float32, keep_int4=True)
+    dense, _ = load_model(str(release.path), CPU, torch.float32, keep_int4=False)
+    q_proj = packed.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, Int4LinearModule) and (q_proj.perm is not None) == (fmt == "gptq-act-order")
+    assert not any(isinstance(m, Int4LinearModule) for m in dense.modules())
+    engine = Engine(packed, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=64))
+    layer = engine.runner.decoder.layers[0]
+    assert isinstance(layer.down_weight, Int4Weight) and isinstance(layer.o_weight, Int4Weight)
+    # the fixture draws each act-order linear's own column order: fused ones that differ run dequantized
+    assert isinstance(layer.gate_up_weight, torch.Tensor if fmt == "gptq-act-order" else Int4Weight)
+    reqs = _requests(tokenizer, 4)
+    reference = {r.request_id: _greedy(dense, tokenizer, r) for r in reqs}
+    assert {r.request_id: r.token_ids for r in engine.generate(reqs)} == reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and w4a16.HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_an_int4_checkpoint_stays_packed_on_cuda(tmp_path):
+    release = build_int4_checkpoint(tmp_path / "gptq", "gptq-act-order")
+    model, tokenizer = load_model(str(release.path), torch.device("cuda"), torch.bfloat16)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int4LinearModule), "keep_int4 defaults on for CUDA bf16"
+    dense, _ = load_model(str(release.path), torch.device("cuda"), torch.bfloat16, keep_int4=False)
+    reqs = _requests(tokenizer, 4)
+    engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=256))
+    firsts = [res.token_ids[:1] == _greedy(dense, tokenizer, r)[:1] for r, res in zip(reqs, engine.generate(reqs), strict=True)]
+    assert sum(firsts) >= 3, firsts
+

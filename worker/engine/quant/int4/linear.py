@@ -12,6 +12,7 @@ that takes an `nn.Linear`'s place and holds its packed weight.
                       them), the bias; its forward is `int4_linear`, so transformers' forward still runs
   Int4Weight          one GEMM's packed weight as the owned decoder holds it (q/k/v or gate/up stacked by
                       fused_weights.fuse_int4): `apply(x, bias)` replaces F.linear
+  keeps_int4          whether a checkpoint's INT4 linears stay packed on a device (CUDA bf16/fp16) or are dequantized
   quantize_linears    round-to-nearest INT4 of a model already in memory (`bench engine --precision int4`): each
                       linear but the output head becomes an `Int4LinearModule`
 """
@@ -139,6 +140,12 @@ class Int4Weight:
     def gate_up_act(self, x: torch.Tensor, bias: torch.Tensor | None, pdl: bool = False, act: int = 0) -> torch.Tensor:
         """For a fused [gate; up] weight: act(x @ gate^T) * (x @ up^T) (`int4_gate_up_act`)."""
         return int4_gate_up_act(x, self.layer, bias, pdl=pdl, act=act)
+
+
+def keeps_int4(device: torch.device, dtype: torch.dtype) -> bool:
+    """An INT4 checkpoint's linears stay packed where the W4A16 kernels multiply them (CUDA, bf16/fp16); elsewhere
+    they are dequantized at load (models/quant_loader.py)."""
+    return w4a16.usable(device, dtype)
 
 
 def quantize_linears(
