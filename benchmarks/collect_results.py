@@ -3,7 +3,7 @@
 python3 benchmarks/collect_results.py DIR [DIR ...]
     # each DIR may hold w1.json, w1_hf.json, w2.json, w2_hf.json, w2_queue.json, w1_nocache.json,
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
-    # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, fp8_quality.json,
+    # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, w1_int4.json, w2_int4.json, fp8_quality.json,
     # w1_fp8_step.json, w1_moe_fp8.json, w5.json, w1_trace_results.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log),
     # notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
@@ -70,6 +70,11 @@ COMMANDS = {
     "--max-num-batched-tokens 2048 --precision bf16 --precision fp8",
     "W2_fp8": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
     "--max-num-batched-tokens 8192 --precision bf16 --precision fp8",
+    # issue 46: W4A16, every linear but the LM head rounded to INT4 (group 128, symmetric) and kept packed, vs bf16
+    "W1_int4": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
+    "--max-num-batched-tokens 2048 --precision bf16 --precision int4",
+    "W2_int4": "python3 -m worker.bench engine --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 "
+    "--max-num-batched-tokens 8192 --precision bf16 --precision int4",
     "W1_fp8_step": "python3 -m worker.bench engine --model llama3-8b --workload W1 --mode async --max-num-seqs 32 "
     "--max-num-batched-tokens 2048 --precision fp8 --decode-gemm cublas --decode-gemm triton",
     "TP1_W1": "bash benchmarks/run_gpu.sh tp1w1 (W1 async, --max-num-seqs 32 --max-num-batched-tokens 2048, on the trees "
@@ -144,6 +149,8 @@ def tp1_entry(src: Path, workload: str) -> dict | None:
 
 
 FP8_RUNS = {"W1_fp8": "w1_fp8.json", "W2_fp8": "w2_fp8.json", "W1_moe_fp8": "w1_moe_fp8.json"}  # W1_moe_fp8: Qwen3-30B-A3B shape
+INT4_RUNS = {"W1_int4": "w1_int4.json", "W2_int4": "w2_int4.json"}  # issue 46: W4A16 (packed INT4 weights) vs bf16
+PRECISION_RUNS = {**FP8_RUNS, **INT4_RUNS}  # each `bench engine --precision bf16 --precision P` in one process
 FP8_STEP_RUN = ("W1_fp8_step", "w1_fp8_step.json")  # FP8 small-step GEMMs (decode_gemm triton) vs cublas
 MOE_RUNS = {
     "W1_moe": "w1_moe.json",
@@ -206,14 +213,16 @@ def determinism_entry(run: dict) -> dict:
 
 
 def precision_entry(run: dict) -> dict:
-    """`bench engine --precision bf16 --precision fp8`'s async runs: {fp8, bf16, fp8_over_bf16}. Each floor_ratio is
-    against its own floor: the fp8 run's reads weights and KV at 1 byte and computes at the FP8 tensor-core rate."""
+    """`bench engine --precision bf16 --precision P`'s async runs: {P, bf16, P_over_bf16} (P fp8 or int4). Each
+    floor_ratio is against its own floor: the fp8 run's reads weights and KV at 1 byte and computes at the FP8
+    tensor-core rate; the int4 run's reads its linears' weights at half a byte plus their group scales."""
     by_precision = {
         r["extra"]["precision"]: r for mode, r in run["results"].items() if mode.startswith("async") and r["extra"].get("precision")
     }
     entry: dict = {p: {f: r.get(f) for f in FIELDS} for p, r in by_precision.items()}
-    if "fp8" in by_precision and "bf16" in by_precision:
-        entry["fp8_over_bf16"] = by_precision["fp8"]["output_tok_s"] / by_precision["bf16"]["output_tok_s"]
+    for p, r in by_precision.items():  # fp8_over_bf16, int4_over_bf16
+        if p != "bf16" and "bf16" in by_precision:
+            entry[f"{p}_over_bf16"] = r["output_tok_s"] / by_precision["bf16"]["output_tok_s"]
     entry["config"], entry["date"] = run["config"], run["date"]
     return entry
 
@@ -239,12 +248,13 @@ def main(srcs: list[Path]) -> dict:
     )
     determinism_runs = {n: load(f"{n.split('_')[0].lower()}_deterministic.json") for n in ("W2_deterministic", "W1_deterministic")}
     family_runs = {w: load(f"{w.lower()}_families.json") for w in ("W1", "W2")}
-    fp8_runs = {name: load(file) for name, file in FP8_RUNS.items()}
+    fp8_runs = {name: load(file) for name, file in PRECISION_RUNS.items()}  # FP8 and INT4 weights vs bf16
     fp8_step = load(FP8_STEP_RUN[1])
     offline, traced = load(OFFLINE_RUN[1]), load(TRACE_RUN[1])
     first = (
         w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
         or family_runs["W1"] or family_runs["W2"] or fp8_runs["W1_fp8"] or fp8_runs["W2_fp8"] or fp8_step
+        or fp8_runs["W1_int4"] or fp8_runs["W2_int4"]
         or offline or traced
     )  # fmt: skip
     if first is None:
@@ -330,7 +340,7 @@ def main(srcs: list[Path]) -> dict:
     for name, run in determinism_runs.items():  # issue 32: the price of batch invariance
         if run:
             out[name] = determinism_entry(run)
-    for name, run in fp8_runs.items():  # issue 26: FP8 weights and KV vs bf16 in one process
+    for name, run in fp8_runs.items():  # issues 26, 46: FP8 weights and KV, or INT4 weights, vs bf16 in one process
         if run:
             out[name] = precision_entry(run)
     if fp8_step:
@@ -370,6 +380,6 @@ if __name__ == "__main__":
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS), *FP8_RUNS, *TP1_RUNS, "W5_bf16", "W5_fp8", TRACE_RUN[0])}, indent=1
+            {k: v for k, v in result.items() if k in ("W1", "W2", "W3", "W4", "W2_through_redis", "W2_constrained", "W2_deterministic", *MOE_RUNS, *(f"{w}_{f}" for w in ("W1", "W2") for f in FAMILY_RUNS), *PRECISION_RUNS, *TP1_RUNS, "W5_bf16", "W5_fp8", TRACE_RUN[0])}, indent=1
         )[:3000]
     )

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
 # tests, FP8 quality (KL, top-1) and FP8 weights + KV vs bf16 in one process; fp8steptests/fp8stepgemm/w1fp8step: the
-# FP8 small-step GEMM's GPU tests, its microbenchmark and W1_fp8 with decode_gemm cublas vs triton). About 15 minutes in all on the H200:
+# FP8 small-step GEMM's GPU tests, its microbenchmark and W1_fp8 with decode_gemm cublas vs triton; int4tests/w1int4/
+# w2int4/int4gemm: issue 46's W4A16 kernel and INT4 decoder GPU tests, W1/W2 with packed INT4 weights vs bf16 in one
+# process, the W4A16 GEMM microbenchmark and tile sweep). About 15 minutes in all on the H200:
 # split it over two calls of the device tool, e.g. `tests kernels w1 w1hf` then `w2 w2hf queue`.
 # Wheels for packages the H200 image lacks are carried in .whl/, Redis packages in .gpu/redis/
 # (see benchmarks/README.md). Results and logs go to $OUT (the device tool) or benchmarks/out.
@@ -246,9 +248,10 @@ if has fp8all; then  # issue 26: every FP8 GPU test file but the KV ones (fp8tes
         tests/worker/engine/test_quant_small_step.py tests/worker/engine/test_moe_fp8.py tests/worker/engine/test_quant_moe.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_fp8_all_tests.log" | tail -30
 fi
-if has int4tests; then  # issue 46: INT4 checkpoints (GPTQ, AWQ gemm, pack-quantized) dequantized at load on CUDA, owned decoder
-    timeout 300 python3 -m pytest -q -s -m gpu tests/worker/engine/test_quant_int4.py \
-        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4_tests.log" | tail -15
+if has int4tests; then  # issue 46: INT4 checkpoints (GPTQ, AWQ gemm, pack-quantized) dequantized at load on CUDA, owned
+    # decoder; the W4A16 GEMM (kernels/w4a16.py) at Llama-3-8B's shapes; packed INT4 weights in the owned decoder's graphs
+    timeout 500 python3 -m pytest -q -s -m gpu tests/worker/engine/test_quant_int4.py tests/worker/engine/test_w4a16.py \
+        tests/worker/engine/test_int4_decoder.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4_tests.log" | tail -25
 fi
 if has fp8split; then  # split-K (kernels/split_k.py): each FP8 projection at split 1/2/4, the layer chain with and without
     timeout 200 python3 benchmarks/fp8_step_gemm.py --m 32 2>&1 | tee "$OUT/fp8_split_gemm.log" | grep -v "^    "
@@ -260,6 +263,18 @@ fi
 if has w1fp8step; then  # W1_fp8 (FP8 weights and KV) with the FP8 small-step path (decode_gemm triton) vs without, one process
     bench 420 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
         --precision fp8 --decode-gemm cublas --decode-gemm triton --json-out "$OUT/w1_fp8_step.json" 2>&1 | tail -8
+fi
+if has int4gemm; then  # issue 46: the W4A16 GEMM vs bf16 and vs dequantize + cuBLAS per projection, and its tile sweep
+    timeout 400 python3 benchmarks/w4a16_gemm.py --m 1 8 16 32 512 8192 2>&1 | tee "$OUT/w4a16_gemm.log"
+    timeout 500 python3 benchmarks/w4a16_gemm.py --m 32 512 --sweep 2>&1 | tee "$OUT/w4a16_sweep.log" | grep -E "best|Error"
+fi
+if has w1int4; then  # issue 46: W1 with packed INT4 weights (W4A16, group 128, symmetric) vs bf16, async, one process
+    bench 480 --model llama3-8b --workload W1 --mode async --max-num-seqs 32 --max-num-batched-tokens 2048 \
+        --precision bf16 --precision int4 --json-out "$OUT/w1_int4.json" 2>&1 | tail -8
+fi
+if has w2int4; then  # W2_int4
+    bench 590 --model llama3-8b --workload W2 --mode async --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --precision bf16 --precision int4 --json-out "$OUT/w2_int4.json" 2>&1 | tail -8
 fi
 if has fp8profile; then  # issue 26: per-kernel device time of W1's steps, bf16 vs FP8 weights + KV (the gap to W1_fp8's floor)
     timeout 300 python3 benchmarks/profile_step.py --workload w1 --precision bf16 --precision fp8 \

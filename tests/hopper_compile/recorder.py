@@ -69,6 +69,12 @@ RECORDED: dict[str, set[str]] = {
     "test_latent_attention.py::test_latent_attention_through_the_triton_backend_in_the_interpreter": {
         "_latent_decode_kernel", "_prefill_kernel", "_write_kv_kernel",
     },
+    "test_w4a16.py::test_w4a16_kernel_matches_its_twin_in_the_interpreter": {
+        "_w4a16_dequantize_kernel", "_w4a16_gemm_kernel",
+    },
+    "test_w4a16.py::test_small_step_layer_ops_run_the_w4a16_kernel_in_the_interpreter": {
+        "_w4a16_dequantize_kernel", "_w4a16_gemm_kernel", "_w4a16_qkv_rope_kernel",
+    },
 }
 
 TORCH_TO_TRITON = {

@@ -5,7 +5,8 @@ Variants run the same requests constrained to a small JSON schema and/or asking 
 (`--variant plain --variant json --variant logprobs5`), each in every mode, in one process; `--deterministic`
 runs every setup in deterministic and in default mode (EngineConfig.deterministic), also in one process;
 `--precision bf16 --precision fp8` runs the model in bf16 and with FP8 weights and KV (`--quantization fp8
---kv-cache-dtype fp8`), one model after the other, in one process. `--trace FILE` writes a Perfetto/Chrome
+--kv-cache-dtype fp8`), one model after the other, in one process (`--precision int4`: W4A16, the linears rounded
+to INT4 at load and kept packed). `--trace FILE` writes a Perfetto/Chrome
 timeline of every measured run's steps and a PNG of device busy over time (trace.py). Floors: floors.py; the
 table, ratios and result fields: report.py; the workloads: common.py (W1, W2, W5) and cache_workloads.py (W3, W4).
 """
@@ -48,7 +49,12 @@ PRECISIONS: dict[str, dict[str, str | None]] = {
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
     "fp8-weights": {"quantization": "fp8", "kv_cache_dtype": "auto"},  # the two halves of "fp8", to tell them apart
     "fp8-kv": {"quantization": None, "kv_cache_dtype": "fp8"},
+    "int4": {"quantization": None, "kv_cache_dtype": "auto"},  # W4A16: the weights are packed here (PACKED_INT4)
 }
+# `--precision` names whose model's linears are rounded to INT4 at load and kept packed (quant/int4/linear.py
+# quantize_linears: round-to-nearest per output row and group, every linear but the output head), as (group size,
+# symmetric). A bench-only precision: random-weight presets have no INT4 release to load.
+PACKED_INT4: dict[str, tuple[int, bool]] = {"int4": (128, True)}
 
 
 def run_engine_mode(engine, reqs, mode: str, bandwidth: float, tracer: StepTracer | None = None) -> ModeResult:
@@ -235,7 +241,8 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
     type=click.Choice(list(PRECISIONS)),
     multiple=True,
     help="bf16: the model as is; fp8: FP8 weights and KV cache (--quantization fp8 --kv-cache-dtype fp8); "
-    "fp8-weights, fp8-kv: one of the two. Repeat to compare in one process (the models load one after the other); "
+    "fp8-weights, fp8-kv: one of the two; int4: W4A16, every linear but the LM head rounded to INT4 (group 128, "
+    "symmetric) and kept packed. Repeat to compare in one process (the models load one after the other); "
     "results are then named MODE-...-PRECISION. Overrides --quantization and --kv-cache-dtype.",
 )
 @click.option("--device", default=ENGINE_DEFAULTS.device, show_default=True)
@@ -280,6 +287,7 @@ def engine_bench(
     from worker.engine.models import family_for, load_model, resolve_device, resolve_dtype
     from worker.engine.models.loader import check_moe_fit
     from worker.engine.moe.fp8_experts import expert_format_of
+    from worker.engine.quant.int4.linear import quantize_linears
     from worker.engine.ranks import build_sharded_engine, sharded_model_config
 
     if len(precisions) > 1 and compare_hf:
@@ -287,6 +295,8 @@ def engine_bench(
     dev = resolve_device(device)
     # Tensor parallelism: each run's engine loads its own shards on every rank (no whole model here).
     is_sharded = engine_config.get("tensor_parallel_size", 1) > 1
+    if is_sharded and any(p in PACKED_INT4 for p in precisions):
+        raise click.UsageError("--precision int4 packs one process's model: not with --tensor-parallel-size")
     if is_sharded and compare_hf:
         raise click.ClickException("--compare-hf runs the whole model in one process: not with --tensor-parallel-size")
     modes = {"both": ["sync", "async"], "none": []}.get(mode, [mode])
@@ -341,6 +351,12 @@ def engine_bench(
                     model, dev, resolve_dtype(dtype, dev), quantization=engine_config.get("quantization")
                 )
                 model_config = hf_model.config
+                if precision in PACKED_INT4:
+                    group_size, symmetric = PACKED_INT4[precision]
+                    packed = quantize_linears(hf_model, group_size, symmetric)
+                    click.echo(f"{model}: {packed} linears packed as INT4 (group {group_size})", err=True)
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()  # the bf16 weights' blocks, before the engine sizes its KV cache
                 if free_bytes and family_for(model_config)[0].moe is not None:  # the numbers the load checked
                     fp8_experts = expert_format_of(hf_model)
                     click.echo(check_moe_fit(model_config, hf_model.dtype, free_bytes, fp8_experts), err=True)

@@ -38,16 +38,20 @@ def measure_copy_bandwidth(device) -> float:
 def model_bytes(model) -> tuple[int, int]:
     """(bytes of weights read per step, non-embedding parameter count). The input embedding is a lookup, unless
     it is tied to the LM head (Gemma), which reads it whole every step (`model.parameters()` holds it once). FP8
-    linears (quant/) hold their weights and scales as buffers: their bytes count, their scales are no parameters."""
+    linears (quant/) hold their weights and scales as buffers: their bytes count, their scales are no parameters.
+    Packed INT4 linears (quant/int4/) likewise: 0.5 byte a weight (the int32 words), plus the group scales and zeros
+    (the act-order permutation is read once per step too; none here)."""
+    from worker.engine.quant.int4.linear import Int4LinearModule
     from worker.engine.quant.linear import Fp8LinearModule
 
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     lookup_only = head is None or head.weight is not embed
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8LinearModule)]
-    tensors = [*model.parameters(), *(b for m in fp8 for b in m.buffers(recurse=False))]
+    quantized = [m for m in model.modules() if isinstance(m, Fp8LinearModule | Int4LinearModule)]
+    tensors = [*model.parameters(), *(b for m in quantized for b in m.buffers(recurse=False) if b is not None)]
     total = sum(t.numel() * t.element_size() for t in tensors)
-    params = sum(p.numel() for p in model.parameters()) + sum(m.weight.numel() for m in fp8)
+    weights = sum(m.out_features * m.in_features for m in quantized)
+    params = sum(p.numel() for p in model.parameters()) + weights
     if lookup_only:
         return total - embed.numel() * embed.element_size(), params - embed.numel()
     return total, params

@@ -16,7 +16,9 @@ partial, interleaved (GLM-4, Phi-4-mini) or no rotary (SmolLM3's NoPE layers) (`
 Owns the fused layer weights (views into the HF model's parameters, see `fused_weights.py`) and the
 rotary cos/sin tables. A linear the loader kept in FP8 (sm89+ CUDA; quant/) is multiplied by its method's FP8
 GEMM (`weight_linear`), its q/k/v or gate/up scales fused with its rows; on the small-step path (decode_gemm
-"auto" or "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, x quantized inside it. Built from
+"auto" or "triton", see `build_decoder`) by quant/small_step.py's PDL kernel, x quantized inside it. A linear kept
+as packed INT4 (quant/int4/) is multiplied by the W4A16 GEMM (kernels/w4a16.py; on small steps in the PDL chain,
+act·mul in the gate/up launch's epilogue, rotary and the KV write in the QKV launch's). Built from
 the transformers model that `models.load_model` returns, so every checkpoint that loads runs here; the HF model
 stays usable (the tests' reference, `model.generate`).
 

@@ -203,6 +203,8 @@ def layer_ops(owned, pdl: bool):
     from .kernels import fused as fk
     from .kernels import invariant_gemm
 
+    if owned.is_quantized:  # the invariant GEMMs and row_linear multiply plain weights only
+        raise ValueError("deterministic mode runs unquantized weights only, not FP8 or INT4 linears")
     if owned.use_triton:
         weights = {"lm_head": owned.lm_head}
         gated = set()

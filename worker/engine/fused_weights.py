@@ -9,7 +9,9 @@ reference, `model.generate` still runs) and memory holds every weight once. Fusi
 second engine on the same model) finds the views adjacent and allocates nothing.
 
 A linear the loader kept in FP8 (`quant.linear.Fp8LinearModule`, sm89+ CUDA) gives an `Fp8Weight`: its FP8 rows
-and scales stacked together (`Fp8Linear.concat`), which the decoder multiplies with the FP8 GEMM.
+and scales stacked together (`Fp8Linear.concat`), which the decoder multiplies with the FP8 GEMM. A linear kept as
+packed INT4 (`quant.int4.linear.Int4LinearModule`) gives an `Int4Weight` the same way (`Int4Linear.concat`),
+multiplied by the W4A16 GEMM.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ from torch import nn
 
 from .families.spec import LayerSpec, LinearSpec, Quant
 from .quant.fp8 import Fp8Linear
+from .quant.int4 import Int4Linear, dequantize
+from .quant.int4.linear import Int4LinearModule, Int4Weight
 from .quant.linear import Fp8LinearModule, Fp8Weight
 
-# A GEMM's weight: a plain tensor (F.linear), or FP8 with its scales (`Fp8Weight.apply`: the FP8 GEMM).
-Weight = torch.Tensor | Fp8Weight
+# A GEMM's weight: a plain tensor (F.linear), FP8 with its scales (`Fp8Weight.apply`: the FP8 GEMM), or packed INT4
+# with its group scales (`Int4Weight.apply`: the W4A16 GEMM).
+Weight = torch.Tensor | Fp8Weight | Int4Weight
+QUANTIZED_WEIGHTS = (Fp8Weight, Int4Weight)
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,8 @@ class LayerWeights:
 
     @property
     def is_quantized(self) -> bool:
-        """Whether any of its GEMMs is a quantized linear's (FP8: `Fp8Weight`)."""
-        return any(isinstance(w, Fp8Weight) for w in (self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight))
+        """Whether any of its GEMMs is a quantized linear's (`Fp8Weight`, `Int4Weight`)."""
+        return any(isinstance(w, QUANTIZED_WEIGHTS) for w in (self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight))
 
 
 def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,7 +84,38 @@ def fuse_fp8(modules: list[Fp8LinearModule]) -> Fp8Weight:
     return Fp8Weight(modules[0].method, fused)
 
 
-def _fuse_param(linears: list[nn.Linear] | list[Fp8LinearModule], name: str) -> torch.Tensor:
+def fuse_int4(modules: list[Int4LinearModule]) -> Int4Weight | torch.Tensor:
+    """Packed INT4 linears' rows stacked into one W4A16 GEMM (`Int4Linear.concat`: words, scales and zeros). Each
+    module's buffers then view the fused ones' rows, so memory holds each weight once (as `fuse_fp8`).
+    Act-order linears whose column permutations differ cannot share one gather of x: their fused weight is then
+    dequantized to the scales' dtype (a plain GEMM, and a second copy of those weights in memory). GPTQ computes the
+    order from the layer input's statistics, which q/k/v (and gate/up) share, so releases normally agree."""
+    if len(modules) == 1:
+        return Int4Weight(modules[0].layer)
+    parts = [m.layer for m in modules]
+    orders = [p.perm for p in parts]
+    if any(o is not None for o in orders) and not all(
+        o is not None and torch.equal(o, orders[0]) for o in orders  # type: ignore[arg-type]
+    ):
+        return torch.cat([dequantize(p, p.scales.dtype) for p in parts])
+    zeros = [p.zeros for p in parts if p.zeros is not None]
+    tensors = [[p.qweight for p in parts], [p.scales for p in parts], *([zeros] if zeros else [])]
+    if all(_are_adjacent_rows(t) for t in tensors):  # fused before (a second engine on the model): view the same bytes
+        qweight, scales, *fused_zeros = (_adjacent_rows_view(t) for t in tensors)
+        first = parts[0]
+        return Int4Weight(Int4Linear(qweight, scales, fused_zeros[0] if zeros else None, first.group_size, first.perm))
+    fused = Int4Linear.concat(parts)
+    offset = 0
+    for module in modules:
+        rows = slice(offset, offset + module.out_features)
+        module.qweight, module.scales = fused.qweight[rows], fused.scales[rows]
+        if fused.zeros is not None:
+            module.zeros = fused.zeros[rows]
+        offset += module.out_features
+    return Int4Weight(fused)
+
+
+def _fuse_param(linears: list[nn.Linear] | list[Fp8LinearModule] | list[Int4LinearModule], name: str) -> torch.Tensor:
     parts = [getattr(lin, name) for lin in linears]
     rows = sum(p.shape[0] for p in parts)
     shape = (rows, *parts[0].shape[1:])
@@ -91,6 +128,12 @@ def _fuse_param(linears: list[nn.Linear] | list[Fp8LinearModule], name: str) -> 
         setattr(lin, name, nn.Parameter(fused[offset : offset + n], requires_grad=False))
         offset += n
     return fused
+
+
+def _adjacent_rows_view(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors that `_are_adjacent_rows` as one tensor of their rows, viewing the same bytes."""
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return parts[0].as_strided(shape, torch.empty(shape, device="meta").stride())
 
 
 def _are_adjacent_rows(parts: list[torch.Tensor]) -> bool:
@@ -117,22 +160,30 @@ def submodule(root: Any, path: str) -> Any:
     return root
 
 
+QUANTIZED_MODULES = {Quant.FP8: Fp8LinearModule, Quant.INT4: Int4LinearModule}
+
+
 def linear_quant(layer: Any, spec: LinearSpec) -> LinearSpec:
-    """`spec` with the quantization its linears were loaded with (the loader made them `Fp8LinearModule`s)."""
-    is_fp8 = [isinstance(submodule(layer, part), Fp8LinearModule) for part in spec.parts]
-    assert all(is_fp8) or not any(is_fp8), f"fused linears {spec.parts} must all be FP8 or none"
-    return replace(spec, quant=Quant.FP8 if is_fp8[0] else Quant.NONE)
+    """`spec` with the quantization its linears were loaded with (the loader made them `Fp8LinearModule`s, or
+    `Int4LinearModule`s)."""
+    modules = [submodule(layer, part) for part in spec.parts]
+    for quant, module_type in QUANTIZED_MODULES.items():
+        kept = [isinstance(m, module_type) for m in modules]
+        assert all(kept) or not any(kept), f"fused linears {spec.parts} must all be {quant.value} or none"
+        if kept[0]:
+            return replace(spec, quant=quant)
+    return replace(spec, quant=Quant.NONE)
 
 
 def linear_weights(layer: Any, spec: LinearSpec) -> tuple[Weight, torch.Tensor | None]:
     """The (weight, bias) of one GEMM as `spec` declares it: its parts' rows stacked (fused at load); FP8
-    weights with their scales (`fuse_fp8`), plain ones as views (`fuse_rows`)."""
+    weights with their scales (`fuse_fp8`), INT4 with theirs (`fuse_int4`), plain ones as views (`fuse_rows`)."""
     linears = [submodule(layer, part) for part in spec.parts]
-    if spec.quant == Quant.FP8:
+    if spec.quant in (Quant.FP8, Quant.INT4):
         has_bias = [lin.bias is not None for lin in linears]
         assert all(has_bias) or not any(has_bias), "fused linears must all have a bias or none"
         bias = None if not has_bias[0] else linears[0].bias if len(linears) == 1 else _fuse_param(linears, "bias")
-        return fuse_fp8(linears), bias
+        return (fuse_fp8(linears) if spec.quant == Quant.FP8 else fuse_int4(linears)), bias
     assert spec.quant == Quant.NONE, f"quantization {spec.quant} has no weight loader"
     if len(linears) == 1:
         return linears[0].weight, linears[0].bias

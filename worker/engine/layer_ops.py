@@ -17,6 +17,7 @@ from .kernels import decode_gemm
 from .kernels import fused as fk
 from .quant import small_step as fp8_step
 from .quant.fp8 import Fp8Rows, takes_rows
+from .quant.int4.linear import Int4Weight, int4_qkv_rope_write
 from .quant.kernels import act_mul_per_token_quant
 from .quant.linear import Fp8Weight
 
@@ -97,33 +98,39 @@ def rows_for(weight) -> dict | None:
 
 def weight_linear(dense: Callable) -> Callable:
     """`dense` (F.linear) for a plain weight, the FP8 GEMM for an FP8 one (x a tensor, or Fp8Rows from the kernel
-    before): each linear's quantization is its own (fused_weights.Weight). The branch is on a Python type, so it
-    costs no sync and graphs capture it."""
+    before), the W4A16 GEMM for a packed INT4 one (on the CPU its twin): each linear's quantization is its own
+    (fused_weights.Weight). The branch is on a Python type, so it costs no sync and graphs capture it."""
 
     def linear(x, weight, bias):
-        return weight.apply(x, bias) if isinstance(weight, Fp8Weight) else dense(x, weight, bias)
+        return weight.apply(x, bias) if isinstance(weight, Fp8Weight | Int4Weight) else dense(x, weight, bias)
 
     return linear
 
 
 def small_step_linear(pdl: bool) -> Callable:
-    """decode_gemm's Triton GEMM for a plain weight, quant/small_step.py's for an FP8 one (each falls back to its
-    large-step GEMM where its kernel does not tile the shape or, FP8, the scheme is block-wise)."""
+    """decode_gemm's Triton GEMM for a plain weight, quant/small_step.py's for an FP8 one, kernels/w4a16.py's
+    small-step launch for a packed INT4 one (each falls back to its large-step GEMM where its kernel does not tile
+    the shape or, FP8, the scheme is block-wise)."""
 
     def linear(x, weight, bias):
         if isinstance(weight, Fp8Weight):
             return fp8_step.fp8_step_linear(x, weight.layer, bias, pdl=pdl)
+        if isinstance(weight, Int4Weight):
+            return weight.apply(x, bias, pdl=pdl)
         return decode_gemm.decode_linear(x, weight, bias, pdl=pdl)
 
     return linear
 
 
 def small_step_gate_up_act(pdl: bool, act: int) -> Callable:
-    """The gate/up GEMM with act·mul in its epilogue, for a plain or an FP8 weight (as `small_step_linear`)."""
+    """The gate/up GEMM with act·mul in its epilogue, for a plain, an FP8 or a packed INT4 weight (as
+    `small_step_linear`)."""
 
     def gate_up_act(x, weight, bias):
         if isinstance(weight, Fp8Weight):
             return fp8_step.fp8_step_gate_up_act(x, weight.layer, bias, pdl=pdl, act=act)
+        if isinstance(weight, Int4Weight):
+            return weight.gate_up_act(x, bias, pdl=pdl, act=act)
         return decode_gemm.decode_gate_up_silu(x, weight, bias, pdl=pdl, act=act)
 
     return gate_up_act
@@ -131,7 +138,10 @@ def small_step_gate_up_act(pdl: bool, act: int) -> Callable:
 
 def small_step_qkv_rope_write(x, weight, bias, *args, **kwargs) -> torch.Tensor:
     """The QKV GEMM with rotary and the KV write in its epilogue (`LayerOps.qkv_rope_write`'s signature), for a
-    plain weight (decode_gemm) or an FP8 one (quant/small_step.py), as `small_step_linear` dispatches."""
+    plain weight (decode_gemm), an FP8 one (quant/small_step.py) or a packed INT4 one (quant/int4/linear.py), as
+    `small_step_linear` dispatches."""
+    if isinstance(weight, Int4Weight):
+        return int4_qkv_rope_write(x, weight.layer, bias, *args, **kwargs)
     if isinstance(weight, Fp8Weight):
         return fp8_step.fp8_step_qkv_rope_write(x, weight.layer, bias, *args, **kwargs)
     return decode_gemm.decode_qkv_rope_write(x, weight, bias, *args, **kwargs)

@@ -28,7 +28,8 @@ MUST_COMPILE = {
     "_decode_gemm_kernel", "_qkv_rope_gemm_kernel", "_add_rmsnorm_kernel", "_act_mul_kernel", "_qkv_rope_write_kernel",
     "_logits_epilogue_kernel", "_write_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel",
     "_fp8_step_gemm_kernel", "_fp8_qkv_rope_kernel", "_per_token_quant_kernel", "_block_fp8_gemm_kernel",
-    "_expert_gemm_kernel", "_align_kernel", "_latent_decode_kernel",
+    "_expert_gemm_kernel", "_align_kernel", "_latent_decode_kernel", "_w4a16_gemm_kernel", "_w4a16_dequantize_kernel",
+    "_w4a16_qkv_rope_kernel",
 }  # fmt: skip
 
 

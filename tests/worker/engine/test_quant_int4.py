@@ -190,15 +190,22 @@ def test_a_missing_or_misshapen_tensor_is_named(release):
         method.load({**tensors, f"{module}.scales": tensors[f"{module}.scales"][:1]}, module)
 
 
-def test_keep_int4_is_not_wired_yet(release):
-    """The packed path (the W4A16 GEMM on CUDA) has its hook; until it lands, asking for it says so."""
+def test_keep_int4_keeps_each_linear_packed_as_the_release_means_it(release):
+    """The packed path (the W4A16 GEMMs on CUDA; test_int4_decoder.py decodes with it): each quantized linear an
+    `Int4LinearModule` whose weight dequantizes to the dequantized load's, bit for bit."""
     from transformers import AutoConfig
+
+    from worker.engine.quant.int4 import dequantize
+    from worker.engine.quant.int4.linear import Int4LinearModule
 
     r = release("awq")
     config = AutoConfig.from_pretrained(r.path)
     quant = checkpoint_quantization(config.quantization_config)
-    with pytest.raises(QuantCheckpointError, match="keep_int4"):
-        load_quantized_model(str(r.path), config, quant, torch.float32, keep_fp8=False, keep_int4=True)
+    model = load_quantized_model(str(r.path), config, quant, torch.float32, keep_fp8=False, keep_int4=True)
+    packed = {name: m for name, m in model.named_modules() if isinstance(m, Int4LinearModule)}
+    assert "model.layers.1.self_attn.q_proj" in packed and "lm_head" not in packed
+    for name, module in packed.items():
+        assert torch.equal(dequantize(module.layer, torch.float32), r.dequantized[f"{name}.weight"].float()), name
 
 
 # -- (b) greedy output equals generate on the dequantized weights ----------------------------------------------------
@@ -377,7 +384,7 @@ def test_a_rank_of_tensor_parallelism_refuses_an_int4_checkpoint_in_one_line(rel
 def test_gpu_int4_checkpoint_loads_dequantized_and_runs_the_owned_decoder(release, fmt, moe):
     cuda = torch.device("cuda")
     r = release(fmt, moe)
-    model, tok = load_model(str(r.path), cuda, torch.bfloat16)
+    model, tok = load_model(str(r.path), cuda, torch.bfloat16, keep_int4=False)  # kept packed: test_int4_decoder.py
     params = dict(model.named_parameters())
     name = "model.layers.1.self_attn.q_proj.weight"
     assert params[name].dtype == torch.bfloat16 and params[name].is_cuda

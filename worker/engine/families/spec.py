@@ -31,10 +31,12 @@ class Parallel(str, Enum):
 
 class Quant(str, Enum):
     """How a linear's weights are stored and multiplied. A family declares NONE; the loaded model says FP8 where
-    the checkpoint's (or --quantization's) config quantized the linear (fused_weights.linear_quant)."""
+    the checkpoint's (or --quantization's) config quantized the linear, INT4 where it is kept packed
+    (fused_weights.linear_quant)."""
 
     NONE = "none"
     FP8 = "fp8"  # float8_e4m3fn weight with fp32 scales (quant/), multiplied by the FP8 GEMM
+    INT4 = "int4"  # packed 4-bit weight with group scales (quant/int4/), multiplied by the W4A16 GEMM
 
 
 @dataclass(frozen=True)

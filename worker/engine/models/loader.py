@@ -50,6 +50,7 @@ from ..quant import (
     moe_quantization,
     refuse_gguf,
 )
+from ..quant.int4.linear import keeps_int4
 from ..quant.linear import keeps_fp8, quantize_linears
 from ..quant.methods import LinearMethods
 from ..tokenizer import ByteTokenizer, HFTokenizer
@@ -139,6 +140,7 @@ def load_model(
     keep_fp8: bool | None = None,
     keep_fp8_experts: bool | None = None,
     images: bool = False,
+    keep_int4: bool | None = None,
 ):
     """Returns (model, tokenizer). `name_or_path` is a preset name, a local directory or a hub name.
     `quantization`: "fp8" quantizes an unquantized model at load (`--quantization`; an FP8 checkpoint keeps its
@@ -147,6 +149,8 @@ def load_model(
     `keep_fp8_experts`: a mixture of experts' routed experts stay FP8 too (`Fp8Experts`, the FP8 grouped GEMMs;
     quantized per channel under `--quantization fp8`); None: with `keep_fp8` on CUDA. The tests set it on the CPU,
     where Triton's interpreter runs the kernels; elsewhere the CPU keeps its experts in the model dtype.
+    `keep_int4`: an INT4 checkpoint's linears stay packed (`Int4LinearModule`, the W4A16 GEMMs) rather than
+    dequantized; None: where the W4A16 kernels run (CUDA, bf16/fp16). The tests set it on the CPU (the twin runs).
     `images`: a multimodal checkpoint whose family runs its text alone on the owned decoder (Gemma 3 4B-27B)
     loads whole with its vision tower instead, where its folder holds preprocessor_config.json
     (families/registry.py `IMAGE_MODULES`; decoder "hf" runs it).
@@ -162,6 +166,8 @@ def load_model(
     if keep_fp8_experts is None:
         keep_fp8_experts = keep_fp8 and device.type == "cuda"
     read_by_slice = False  # the slice reader's methods quantize `--quantization fp8` linears as they load
+    if keep_int4 is None:
+        keep_int4 = keeps_int4(device, dtype)
     if name_or_path in PRESETS:
         config = preset_config(name_or_path)
         quant = _quantization(config, quantization)
@@ -206,7 +212,7 @@ def load_model(
             elif quant is not None and quant.is_serialized:  # FP8 or INT4 weights in the checkpoint: read by quant/
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
-                    sparse=sparse, keep_fp8_experts=keep_fp8_experts,
+                    sparse=sparse, keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4,
                 ).to(device)  # fmt: skip
             else:
                 model = AutoModelForCausalLM.from_pretrained(

@@ -1,6 +1,7 @@
 """Loading an FP8 (or `--quantization fp8`) or INT4 checkpoint with its weights dequantized to the compute dtype:
-the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU, and for now the only path of the INT4
-formats (GPTQ, AWQ, compressed-tensors pack-quantized; quant/int4/), on every device. Owns nothing after loading.
+the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU, and the INT4 formats' (GPTQ, AWQ,
+compressed-tensors pack-quantized; quant/int4/) where the W4A16 kernels do not run; with `keep_int4` (CUDA bf16/fp16)
+an INT4 checkpoint's linears stay packed as `Int4LinearModule`s instead. Owns nothing after loading.
 
   checkpoint_tensors(path)    the checkpoint's tensors by name, read lazily from its safetensors shards
   iter_dequantized(...)       (name, tensor) for a plain model of the same architecture: every quantized
@@ -49,7 +50,9 @@ from ..parallel.group import ParallelState
 from ..quant.base import QuantConfig
 from ..quant.config import Fp8Config
 from ..quant.fp8 import FP8_DTYPE
-from ..quant.int4.method import Int4Config
+from ..quant.int4 import Int4Linear
+from ..quant.int4.linear import Int4LinearModule
+from ..quant.int4.method import Int4Config, Int4LinearMethod
 from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import (
     Fp8CheckpointError,
@@ -215,13 +218,10 @@ def load_quantized_model(
     multiplies on sm89+); else its weight is dequantized to `dtype`. `generation_config`: the caller's (None:
     generation_config.json is read here, as from_pretrained does). `sparse`: a mixture of experts' sparse layers,
     whose experts are kept FP8 with `keep_fp8_experts` where their format allows it, else dequantized to `dtype`
-    (every other linear under their MLP is dequantized whatever `keep_fp8` says). An INT4 checkpoint's linears
-    (and experts) are dequantized to `dtype` on every device for now: `keep_fp8` applies to FP8 formats only, and
-    `keep_int4` (keeping them packed, `Int4Linear`, for the W4A16 GEMM) is the place the CUDA path will take."""
+    (every other linear under their MLP is dequantized whatever `keep_fp8` says). An INT4 checkpoint's linears are
+    dequantized to `dtype`, or with `keep_int4` kept packed (`Int4LinearModule`, scales in `dtype`: the W4A16 GEMMs);
+    its experts are dequantized either way. `keep_fp8` applies to FP8 formats only."""
     from transformers import GenerationConfig
-
-    if isinstance(quant, Int4Config) and keep_int4:
-        raise Fp8CheckpointError("keep_int4: INT4 linears kept packed for the W4A16 GEMM are not wired in yet")
 
     model = plain_model(config, dtype)
     tensors = checkpoint_tensors(name_or_path)
@@ -235,6 +235,9 @@ def load_quantized_model(
     if keep_fp8 and isinstance(quant, Fp8Config):
         kept_fp8 = _load_fp8_modules(model, fp8_candidates, tensors, quant, dtype)
     loaded = {f"{module}.{name}" for module in kept_fp8 for name in ("weight", "weight_scale", "input_scale", "bias")}
+    if keep_int4 and isinstance(quant, Int4Config):  # kept packed; the names below skip them as kept FP8 ones are
+        kept_fp8 = _load_int4_modules(model, fp8_candidates, tensors, quant, dtype)
+        loaded |= {f"{module}.{name}" for module in kept_fp8 for name in ("qweight", "scales", "zeros", "perm", "bias")}
     experts_read: set[str] = set()
     # before the state dict is listed: an `Fp8Experts`' buffers take the place of the experts' parameters
     fp8_experts = sparse.fp8_format(quant) if sparse is not None and keep_fp8_experts else None
@@ -396,6 +399,29 @@ def read_kv_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> tupl
             layer[1] = value
         found = True
     return tuple((k, v) for k, v in scales) if found else ()
+
+
+def _load_int4_modules(
+    model: nn.Module,
+    linear_names: list[str],
+    tensors: Mapping[str, torch.Tensor],
+    quant: Int4Config,
+    dtype: torch.dtype,
+) -> frozenset[str]:
+    """Each linear the config quantizes (and the checkpoint holds packed) replaced by an `Int4LinearModule` holding
+    its release read into `Int4Linear` (scales in `dtype`) and its bias; returns their module names."""
+    kept: set[str] = set()
+    for module_name in linear_names:
+        method = linear_method(quant, module_name)
+        if not isinstance(method, Int4LinearMethod) or not stored_quantized(method, tensors, module_name):
+            continue
+        layer = method.load(tensors, module_name)
+        layer = Int4Linear(layer.qweight, layer.scales.to(dtype), layer.zeros, layer.group_size, layer.perm)
+        bias = tensors.get(f"{module_name}.bias")
+        bias = None if bias is None else bias.to(dtype)
+        replace_module(model, module_name, Int4LinearModule(layer, bias))
+        kept.add(module_name)
+    return frozenset(kept)
 
 
 def _load_fp8_modules(

@@ -7,6 +7,8 @@
   compressed_tensors.py  compressed-tensors "pack-quantized" (llm-compressor W4A16): config and method
   gptq.py                GPTQ (gptq / gptq_v2 checkpoint formats, desc_act or not): config and method
   awq.py                 AWQ's GEMM layout: config and method
+  linear.py              the packed form on the GPU: `int4_linear` (kernels/w4a16.py on CUDA, the twin elsewhere),
+                         `Int4LinearModule`, `Int4Weight` (the owned decoder's), `quantize_linears` (round-to-nearest)
 
 A format is one module: its typed config (parsed from quantization_config by quant/config.py, answering
 `scheme_for(module_name)`) and its method (one line in quant/methods.py's registry).

@@ -87,7 +87,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     n, k = values.shape
     assert k % PACK == 0, f"K={k} is not a multiple of {PACK}"
     v = values.to(torch.int32).reshape(n, k // PACK, PACK)
-    words = torch.zeros(n, k // PACK, dtype=torch.int64)
+    words = torch.zeros(n, k // PACK, dtype=torch.int64, device=values.device)
     for i in range(PACK):  # int64 so bit 31 does not overflow, then reinterpreted as int32
         words |= (v[..., i].to(torch.int64) & 0xF) << (4 * i)
     return (words - ((words >> 31) << 32)).to(torch.int32)
