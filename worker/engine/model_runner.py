@@ -510,11 +510,9 @@ class ModelRunner:
         with images, whose embeddings and M-RoPE positions (multimodal.py) replace the ids and `positions`."""
         if images is not None:
             assert self.images is not None, "a step with images on a text-only model"
-            embeds, position_ids = self.images.inputs(input_ids, images, input_ids.shape[0])
+            inputs = self.images.inputs(input_ids, images, input_ids.shape[0])  # embeddings, positions, DeepStack
             attn = self.images.attention(attn, images, input_ids.shape[0])  # a both-ways image's rows: key_limits
-            out = self.model(
-                inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=logits_indices, use_cache=False, cbq=attn
-            )
+            out = self.model(**inputs, logits_to_keep=logits_indices, use_cache=False, cbq=attn)
             return out.logits[0]
         if self.decoder is not None:
             return self.decoder(

@@ -39,7 +39,7 @@ def load_images(refs: Sequence[ImageRef], policy: MediaPolicy) -> tuple[EngineIm
 
 
 # The model families whose images this cbq runs (model_type values); a text-only model's refusal names them.
-IMAGE_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl", "gemma3", "mistral3")  # worker/engine/families/: those with `vision`
+IMAGE_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl", "gemma3", "mistral3", "qwen3_vl")  # worker/engine/families/: those with `vision`
 
 
 def text_only_refusal(model_name: str) -> str:

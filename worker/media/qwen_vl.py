@@ -1,10 +1,13 @@
-"""Qwen2-VL / Qwen2.5-VL image inputs from a checkpoint's own files (olmOCR-style fine-tunes ship the same):
-each image's pixels as the model's patches and its grid, and a prompt's image placeholders expanded to one token
-per merged patch. Owns nothing the engine keeps; admission and the reference tests call it.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL image inputs from a checkpoint's own files (olmOCR-style fine-tunes ship the
+same): each image's pixels as the model's patches and its grid, and a prompt's image placeholders expanded to one
+token per merged patch. Owns nothing the engine keeps; admission and the reference tests call it.
 
-Built without `AutoProcessor`: transformers' `Qwen2_5_VLProcessor` insists on a video processor, which needs
-torchvision, so the image processor (`Qwen2VLImageProcessorPil`, the PIL path) and the tokenizer are read from
-the checkpoint's files directly, on the CPU and the device alike.
+Built without `AutoProcessor`: transformers' `Qwen2_5_VLProcessor` and `Qwen3VLProcessor` insist on a video
+processor, which needs torchvision, so the image processor (`Qwen2VLImageProcessorPil`, the PIL path) and the
+tokenizer are read from the checkpoint's files directly, on the CPU and the device alike. Qwen3-VL's release names
+`Qwen2VLImageProcessorFast` with 16-pixel patches: the same processing (the file's patch size, merge size, pixel
+bounds, mean and std are what is read). Its M-RoPE positions are Qwen2.5-VL's for still images; only how the
+language model interleaves the three rows over the rotary frequencies differs, which transformers' rotary does.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)

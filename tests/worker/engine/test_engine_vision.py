@@ -220,10 +220,12 @@ def test_pixels_are_dropped_once_cached_and_made_again_after_an_eviction(checkpo
     ids = torch.tensor(prompt_ids)
     encoder = eng.runner.images
     with torch.inference_mode():
-        first, positions = encoder.inputs(ids, step, len(prompt_ids))
+        inputs = encoder.inputs(ids, step, len(prompt_ids))
+        first, positions = inputs["inputs_embeds"], inputs["position_ids"]
+        assert "deepstack_visual_embeds" not in inputs  # Qwen2.5-VL has no DeepStack
         assert not images.images[0].pixels  # its embeddings are cached: the request keeps its picture only
         encoder._cache.clear()  # noqa: SLF001 - as an eviction leaves it
-        again, _ = encoder.inputs(ids, step, len(prompt_ids))
+        again = encoder.inputs(ids, step, len(prompt_ids))["inputs_embeds"]
     assert encoder.num_encoded == 2 and torch.equal(first, again)
     assert positions.shape == (3, 1, len(prompt_ids)) and torch.equal(positions[:, 0], torch.from_numpy(images.positions))
     # outside image tokens the three rows are alike: a step without image rows runs on row 0 (batch.py), graphs too

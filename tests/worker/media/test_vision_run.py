@@ -42,11 +42,14 @@ def chat_line(custom_id: str, content) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def reference_tokens(path, image: Image.Image, text: str) -> tuple[list[int], int]:
+def reference_tokens(
+    path, image: Image.Image, text: str, model_class: str = "Qwen2_5_VLForConditionalGeneration"
+) -> tuple[list[int], int]:
     """generate's greedy tokens for one user turn of `text` then the image, and its prompt's length."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    import transformers
+    from transformers import AutoTokenizer
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = getattr(transformers, model_class).from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     message = {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}
     ids = tokenizer.apply_chat_template([message], add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -33,6 +33,7 @@ MODULES = {  # model_type -> family module
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",  # Kimi K2 and Moonlight too
     "qwen2_5_vl": "qwen2_5_vl",  # with its images (Family.vision)
+    "qwen3_vl": "qwen3_vl",  # with its images, DeepStack
     "mistral3": "mistral3",  # Mistral Small 3.1, with its images
 }
 

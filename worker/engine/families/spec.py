@@ -155,6 +155,9 @@ class VisionSpec:
 
     model_class: str  # transformers' class of the whole checkpoint
     images: str = "qwen_vl"  # its image processing: multimodal.IMAGE_FORMATS ("qwen_vl", "gemma3", "pixtral")
+    # DeepStack (Qwen3-VL): the tower also returns the merged features of some of its blocks, one level each, and
+    # level i is added to decoder layer i's output at the image's rows (models/vision.py, multimodal.py).
+    deepstack: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@ behind the face of a causal LM whose `config` is its language model's, so that t
 vocabulary, context) reads the text model as for any other family.
 
 Owns nothing beyond the wrapped model. `forward` is the language model's (token ids or input embeddings, with
-cbq's attention metadata); `encode_images` (the vision tower and its projector) and `embed_tokens` are what the
-engine's image inputs (multimodal.py) run before it; `image_format` names the family's image processing.
+cbq's attention metadata, and for DeepStack the features added after its first layers); `encode_images` (the vision
+tower and its projector) and `embed_tokens` are what the engine's image inputs (multimodal.py) run before it;
+`image_format` names the family's image processing, `deepstack_levels` how many DeepStack levels each image row has.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class VisionLanguageModel(torch.nn.Module):
         self.config.tie_word_embeddings = whole.config.tie_word_embeddings  # the whole decides what was saved
         self.vision_config = whole.config.vision_config
         self.image_token_id: int = whole.config.image_token_id
+        # Qwen3-VL's DeepStack levels (0: none): `encode_images` returns them beside the embeddings, row by row
+        self.deepstack_levels = len(self.vision_config.deepstack_visual_indexes) if spec.deepstack else 0
         self.name_or_path: str = whole.name_or_path  # its processor's files (preprocessor_config.json)
         self.generation_config = whole.generation_config
 
@@ -42,11 +45,16 @@ class VisionLanguageModel(torch.nn.Module):
     def encode_images(self, pixels: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
         """The images' embeddings in the language model's space, [sum of their tokens, hidden], in image order.
         `pixels`: the processor's (Qwen-VL: every image's patches, with `grids` [N, 3]; Gemma 3: [N, 3, S, S];
-        Pixtral: [N, 3, H, W] zero-padded, with `grids` [N, 2], each image's height and width)."""
+        Pixtral: [N, 3, H, W] zero-padded, with `grids` [N, 2], each image's height and width).
+        With DeepStack levels, [sum of their tokens, 1 + levels, hidden]: each row's embedding, then its features
+        of each level (kept together, so that every row of an image carries all it feeds the language model)."""
         tower = self.vision_tower
         pixels = pixels.to(self.whole.dtype)
         if self.image_format == "qwen_vl":
-            return tower(pixels, grid_thw=grids).pooler_output  # merged patches, projected
+            out = tower(pixels, grid_thw=grids)
+            if self.deepstack_levels:
+                return torch.stack([out.pooler_output, *out.deepstack_features], dim=1)
+            return out.pooler_output  # merged patches, projected
         if self.image_format == "pixtral":  # Mistral 3: Pixtral's features (per image: a tuple) merged and projected
             out = self.whole.model.get_image_features(
                 pixel_values=pixels, image_sizes=grids, vision_feature_layer=self.whole.config.vision_feature_layer
@@ -67,10 +75,29 @@ class VisionLanguageModel(torch.nn.Module):
         the KV cache: the tower attends within each image, and within its windows)."""
         self.whole.set_attn_implementation({"text_config": implementation, "vision_config": "sdpa"})
 
-    def forward(self, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        visual_pos_masks: torch.Tensor | None = None,
+        deepstack_visual_embeds: list[torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """transformers' forward without images: `input_ids` or `inputs_embeds` [1, T(, H)], `position_ids`
-        [1, T] (text: the three rotary rows alike) or [3, 1, T] (M-RoPE), `logits_to_keep`, cbq's metadata."""
-        return self.whole(**kwargs)
+        [1, T] (text: the three rotary rows alike) or [3, 1, T] (M-RoPE), `logits_to_keep`, cbq's metadata.
+
+        DeepStack (`deepstack_visual_embeds`: per level [image rows, hidden], added to decoder layer level's output
+        at the rows `visual_pos_masks` [1, T] marks, in row order): transformers' Qwen3VLModel.forward derives
+        these from pixel values only, and a step's image rows come as embeddings (a chunk may hold part of an
+        image), so its language model and lm_head are called directly, as Qwen3VLForConditionalGeneration does."""
+        if deepstack_visual_embeds is None:
+            return self.whole(**kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)
+        out = self.whole.model.language_model(
+            visual_pos_masks=visual_pos_masks, deepstack_visual_embeds=deepstack_visual_embeds, **kwargs
+        )
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return CausalLMOutputWithPast(logits=self.whole.lm_head(out.last_hidden_state[:, keep, :]))
 
 
 def load_vision_model(

@@ -1,0 +1,40 @@
+"""Qwen3-VL with images on the CUDA path (Triton attention, streams, decode steps padded to the graph buckets, the
+vision tower and its DeepStack mergers on the GPU): in fp32, greedy tokens equal `generate` on the same device,
+with chunked prefill through the images too. Run on the H200 by benchmarks/run_gpu.sh; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.engine import Engine
+
+from .test_engine_qwen3_vl import checkpoint, mixed_requests  # noqa: F401 - fixtures and helpers
+from .test_engine_vision_gpu import generate_cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_cuda(checkpoint):  # noqa: F811 - the imported fixture
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).cuda().eval()
+
+
+@pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 7)])
+def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget):  # noqa: F811
+    reqs = mixed_requests(checkpoint)
+    engine = Engine.from_model(
+        str(checkpoint.path), device="cuda", dtype="float32", mode=mode, max_num_batched_tokens=budget,
+        num_kv_blocks=256,
+    )  # fmt: skip
+    assert engine.runner.decoder is None and engine.runner.images is not None
+    assert engine.runner.model.deepstack_levels == 2
+    results = engine.generate(reqs)
+    for req, result in zip(reqs, results, strict=True):
+        assert result.token_ids == generate_cuda(checkpoint, reference_cuda, req), req.request_id
+    assert engine.runner.images.encode_seconds > 0
