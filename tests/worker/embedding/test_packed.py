@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.worker.embedding.test_engine import _run, _texts
+from tests.worker.engine.test_fused_kernels import _interpret, needs_triton
 from worker.embedding.checkpoint import EmbeddingCheckpointError
 from worker.embedding.engine import PACKED, TRANSFORMERS, EmbeddingEngine, EmbeddingRequest
 from worker.embedding.pooling import pool, pool_packed
@@ -86,3 +87,41 @@ def test_packed_batches_are_bounded_by_their_real_tokens(embedding_checkpoints):
     assert all(sum(lengths) <= 1024 for lengths in seen), seen
     # packed: a batch fills its budget with real tokens, past what padding to the longest would have allowed
     assert any(max(lengths) * len(lengths) > 1024 for lengths in seen), seen
+
+
+# The packed forward's GPU path (the owned decoder's Triton kernels, the varlen paged prefill over the scratch cache)
+# against its torch path, run by Triton's interpreter on the CPU in a subprocess (TRITON_INTERPRET must be set before
+# triton is imported). Qwen3 (q/k norms) and Mistral with a sliding window shorter than the longest input.
+INTERPRETED_CHECK = """
+import torch
+from transformers import AutoConfig, AutoModel
+from tests.worker.engine.test_attention_triton import _patch_triton_interpreter
+from worker.embedding.packed import PackedDecoderForward
+
+_patch_triton_interpreter()  # the interpreter's loop bounds loaded from memory (test_attention_triton.py says why)
+
+def base_model(model_type, **extra):
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        **extra)
+    torch.manual_seed(0)
+    return AutoModel.from_config(config, dtype=torch.float32).eval()
+
+lengths = [5, 1, 40, 17, 33]
+batch = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+for model_type, extra in (("qwen3", {}), ("mistral", {"sliding_window": 16})):
+    for pooling in ("lasttoken", "mean"):
+        want = PackedDecoderForward(base_model(model_type, **extra), torch.device("cpu"), 256, use_triton=False)
+        got = PackedDecoderForward(base_model(model_type, **extra), torch.device("cpu"), 256, use_triton=True)
+        assert got.decoder.use_triton and type(got.backend).__name__ == "TritonAttentionBackend"
+        a = want.launch(batch, pooling, True)
+        b = got.launch(batch, pooling, True)
+        assert a.shape == (len(lengths), 64), a.shape
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+print("packed forward matches")
+"""
+
+
+@needs_triton
+def test_packed_forward_triton_path_matches_torch_path_in_the_interpreter():
+    _interpret(INTERPRETED_CHECK, "packed forward matches")
