@@ -345,6 +345,8 @@ python3 benchmarks/collect_results.py "$OUT" >/dev/null && cp benchmarks/results
 # in the same process, bf16. sentence-transformers and its imports (scikit-learn, scipy, joblib, threadpoolctl) come
 # as wheels in .whl/. The 8B shape embeds about 100-200 inputs/s, so one call runs W7_NUM inputs (20,000 by default;
 # 100,000 would outlast the 10-minute call) and sentence-transformers the first W7_REF_NUM; their rates are compared.
+# The decoder shape runs cbq's packed forward (worker/embedding/packed.py) and, on the same first W7_REF_NUM inputs,
+# cbq with transformers' padded forward (the engine before it): the table's "packed/hf" column.
 if has w7; then
     timeout 580 python3 -m worker.bench embed --shape qwen3-embedding-8b --num "${W7_NUM:-20000}" \
         --reference-num "${W7_REF_NUM:-5000}" --json-out "$OUT/w7_qwen3_embedding_8b.json" 2>&1 | tail -6

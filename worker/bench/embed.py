@@ -8,6 +8,10 @@ same strings: cbq's engine (tokenization included, inputs fed as the worker feed
 and `SentenceTransformer.encode(batch_size=256)` on the same module in the same process (its weights are shared,
 not loaded twice). Prints a table (inputs/s, tokens/s, the ratio) and writes JSON; the two outputs' cosine over
 the first inputs is reported too.
+
+On a decoder shape cbq's engine runs its packed forward (worker/embedding/packed.py) by default; the same engine with
+transformers' padded forward (`decoder="hf"`, the engine before the packed forward) then runs the first
+`--hf-forward-num` inputs on the same weights, so one run reports the packed forward's gain ("packed/hf") as well.
 """
 
 from __future__ import annotations
@@ -162,19 +166,25 @@ def sentence_transformer(model, folder: Path, pooling: str, device: str):
 @click.option("--reference-num", type=int, default=None,
               help="Run sentence-transformers on the first N inputs only (its rate is compared); default: all.")
 @click.option("--no-reference", is_flag=True, help="Skip sentence-transformers.")
-@click.option("--max-num-batched-tokens", type=int, default=None, help="cbq's padded tokens per batch.")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="cbq's tokens per batch (padded ones included in transformers' forward).")
+@click.option("--decoder", type=click.Choice(["auto", "owned", "hf"]), default="auto", show_default=True,
+              help="cbq's forward: auto = packed on decoder shapes, transformers' on encoders; hf = transformers'.")
+@click.option("--hf-forward-num", type=int, default=None,
+              help="Decoder shapes run packed: also run cbq with transformers' forward on the first N inputs "
+                   "(default: --reference-num, else all; 0 skips it).")
 @click.option("--max-num-seqs", type=int, default=None, help="cbq's inputs per batch.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--dtype", default="auto", show_default=True, help="auto: bf16 on CUDA, fp32 on the CPU.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default="embed_bench.json", show_default=True)
-def embed_bench(workload, num, shapes, reference_num, no_reference, max_num_batched_tokens, max_num_seqs, device,
-                dtype, seed, json_out):
+def embed_bench(workload, num, shapes, reference_num, no_reference, max_num_batched_tokens, decoder, hf_forward_num,
+                max_num_seqs, device, dtype, seed, json_out):
     """W7 (bulk embedding) through cbq's embedding engine vs sentence-transformers' encode(batch_size=256)."""
     import torch
 
     from worker.embedding.checkpoint import EmbeddingSpec
-    from worker.embedding.engine import EmbeddingEngine
+    from worker.embedding.engine import PACKED, EmbeddingEngine
     from worker.engine.models.loader import resolve_device, resolve_dtype
     from worker.engine.tokenizer import HFTokenizer
 
@@ -192,22 +202,31 @@ def embed_bench(workload, num, shapes, reference_num, no_reference, max_num_batc
             from transformers import AutoTokenizer
 
             spec = EmbeddingSpec(folder, model_type, pooling, True, fields["hidden_size"], 512, "", False)  # type: ignore[arg-type]
-            engine = EmbeddingEngine(
-                model, HFTokenizer(AutoTokenizer.from_pretrained(folder)), spec, 0, torch_device,
-                max_batch_tokens=max_num_batched_tokens, **({"max_batch_size": max_num_seqs} if max_num_seqs else {}),
-            )
-            run_cbq(engine, texts[: min(len(texts), 512)])  # warm-up: kernels chosen, allocator grown
-            before = engine.stats()
-            cbq_seconds, cbq_checked = run_cbq(engine, texts)
-            after = engine.stats()
+            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(folder))
+
+            def cbq_engine(forward_choice: str, tokenizer=tokenizer, spec=spec, model=model) -> EmbeddingEngine:
+                return EmbeddingEngine(
+                    model, tokenizer, spec, 0, torch_device, max_batch_tokens=max_num_batched_tokens,
+                    decoder=forward_choice, **({"max_batch_size": max_num_seqs} if max_num_seqs else {}),
+                )
+
+            engine = cbq_engine(decoder)
+            cbq = _timed_cbq(engine, texts, num_specials)
             row: dict[str, Any] = {
                 "workload": workload, "shape": shape, "num_inputs": num, "num_tokens": num_tokens,
-                "device": str(torch_device), "dtype": str(torch_dtype).removeprefix("torch."),
-                "cbq": {"seconds": cbq_seconds, "inputs_per_s": num / cbq_seconds,
-                        "tokens_per_s": num_tokens / cbq_seconds, "batches": after.steps - before.steps,
-                        "busy_seconds": after.busy_seconds - before.busy_seconds,
-                        "max_batch_tokens": engine.max_batch_tokens, "max_batch_size": engine.max_batch_size},
+                "device": str(torch_device), "dtype": str(torch_dtype).removeprefix("torch."), "cbq": cbq,
             }
+            cbq_checked = cbq.pop("checked")
+            hf_num = hf_forward_num if hf_forward_num is not None else (reference_num or num)
+            if engine.forward == PACKED and hf_num > 0:  # the same engine and weights, transformers' padded forward
+                hf_row = _timed_cbq(cbq_engine("hf"), texts[:hf_num], num_specials)
+                hf_checked = hf_row.pop("checked")
+                row["cbq_hf_forward"] = hf_row
+                row["packed_over_hf"] = cbq["inputs_per_s"] / hf_row["inputs_per_s"]
+                cosine = torch.nn.functional.cosine_similarity(
+                    torch.tensor(cbq_checked[: len(hf_checked)]), torch.tensor(hf_checked), dim=-1
+                )
+                row["min_cosine_packed_vs_hf"] = cosine.min().item()
             if not no_reference:
                 st = sentence_transformer(model, folder, pooling, str(torch_device))
                 ref_texts = texts[: reference_num or num]
@@ -240,6 +259,20 @@ def embed_bench(workload, num, shapes, reference_num, no_reference, max_num_batc
     click.echo(f"wrote {json_out}")
 
 
+def _timed_cbq(engine, texts: list[str], num_specials: int) -> dict[str, Any]:
+    """One cbq run of `texts` after a warm-up: its rates, batches, settings and (under "checked") the first
+    NUM_CHECKED inputs' embeddings."""
+    num_tokens = sum(len(t.split()) + num_specials for t in texts)
+    run_cbq(engine, texts[: min(len(texts), 512)])  # warm-up: kernels chosen, allocator grown
+    before = engine.stats()
+    seconds, checked = run_cbq(engine, texts)
+    after = engine.stats()
+    return {"forward": engine.forward, "num_inputs": len(texts), "seconds": seconds,
+            "inputs_per_s": len(texts) / seconds, "tokens_per_s": num_tokens / seconds,
+            "batches": after.steps - before.steps, "busy_seconds": after.busy_seconds - before.busy_seconds,
+            "max_batch_tokens": engine.max_batch_tokens, "max_batch_size": engine.max_batch_size, "checked": checked}
+
+
 def _gpu_name() -> str | None:
     import torch
 
@@ -248,10 +281,11 @@ def _gpu_name() -> str | None:
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
     click.echo(f"{'shape':<20} {'inputs':>8} {'cbq in/s':>10} {'cbq tok/s':>11} {'st in/s':>10} {'st tok/s':>11} "
-               f"{'ratio':>6} {'min cos':>8}")
+               f"{'ratio':>6} {'min cos':>8} {'packed/hf':>9}")
     for row in rows:
         st = row.get("sentence_transformers")
         st_cols = f"{st['inputs_per_s']:>10.1f} {st['tokens_per_s']:>11.0f} {row['ratio']:>6.2f} " \
                   f"{row['min_cosine_first_inputs']:>8.5f}" if st else f"{'-':>10} {'-':>11} {'-':>6} {'-':>8}"
+        gain = f"{row['packed_over_hf']:>9.2f}" if "packed_over_hf" in row else f"{'-':>9}"
         click.echo(f"{row['shape']:<20} {row['num_inputs']:>8} {row['cbq']['inputs_per_s']:>10.1f} "
-                   f"{row['cbq']['tokens_per_s']:>11.0f} {st_cols}")
+                   f"{row['cbq']['tokens_per_s']:>11.0f} {st_cols} {gain}")

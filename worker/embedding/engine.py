@@ -5,13 +5,16 @@ Owns the pending requests, the batches they are run in and the engine's counters
 worker, `cbq run` and `cbq serve`'s workers run it as they run the generation engine; it knows nothing about
 Redis or request lines (admission turns those into `EmbeddingRequest`s: worker/embedding/admission.py).
 
-Each step runs one batch through transformers' base model (`AutoModel`: no LM head, no KV cache kept; a
-decoder runs its prompt once, as a prefill that generates nothing), then pools the last hidden states
-(pooling.py). Batches are made by length: requests fall into buckets whose lengths differ by at most
-`BUCKET_RATIO`, a batch holds requests of one bucket (the oldest waiting request's first), padded on the right
-to its longest, so padding is at most 1 - 1/BUCKET_RATIO of a batch's tokens.
-NOTE: the next step for speed on decoders is the generation engine's packed varlen prefill (no padding at all,
-its owned kernels); this first version runs transformers' forward.
+Each step runs one batch through one of two forwards (`forward`), then pools the last hidden states (pooling.py):
+- "packed" (decoders whose family cbq's owned decoder runs: Qwen3-Embedding, gte-Qwen2, e5-mistral; the default
+  for them): the batch's inputs laid end to end in one row of tokens, no padding, through the owned decoder's
+  varlen prefill with a scratch KV cache (packed.py). A batch holds at most `max_batch_tokens` real tokens.
+- "transformers" (encoders, and any decoder with `decoder="hf"`): transformers' base model (`AutoModel`: no LM
+  head, no KV cache kept; a decoder runs its prompt once, as a prefill that generates nothing), inputs padded on
+  the right to the batch's longest; at most `max_batch_tokens` padded tokens.
+Batches are made by length either way: requests fall into buckets whose lengths differ by at most `BUCKET_RATIO`,
+a batch holds requests of one bucket (the oldest waiting request's first), so padding is at most 1 - 1/BUCKET_RATIO
+of a padded batch's tokens, and a packed batch's inputs take similar tiles in the attention kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from typing import Any
 
 import torch
 
-from worker.embedding.checkpoint import EMBED, EmbeddingSpec, ModelKind, read_embedding_spec
+from worker.embedding.checkpoint import (
+    EMBED,
+    EmbeddingCheckpointError,
+    EmbeddingSpec,
+    ModelKind,
+    read_embedding_spec,
+)
+from worker.embedding.packed import PackedDecoderForward, packed_unsupported_reason
 from worker.embedding.pooling import pool
 from worker.engine.api import (
     EngineRequest,
@@ -38,7 +48,9 @@ from worker.engine.api import (
 )
 
 BUCKET_RATIO = 1.25  # lengths in one bucket differ by at most this factor
-DEFAULT_MAX_BATCH_TOKENS = {"cuda": 65536, "cpu": 4096}  # padded tokens in one forward
+DEFAULT_MAX_BATCH_TOKENS = {"cuda": 65536, "cpu": 4096}  # padded tokens in one transformers forward
+DEFAULT_MAX_PACKED_TOKENS = {"cuda": 32768, "cpu": 4096}  # tokens in one packed forward (no padding)
+PACKED, TRANSFORMERS = "packed", "transformers"  # the two forwards (module docstring)
 DEFAULT_MAX_BATCH_SIZE = 512
 PENDING_BATCHES = 8  # `has_capacity` while fewer than this many full batches wait: buckets fill from them
 
@@ -84,13 +96,20 @@ class EmbeddingEngine:
         device: torch.device,
         max_batch_tokens: int | None = None,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        decoder: str = "auto",
     ):
+        """`decoder`, as the generation engine's setting: "auto" runs the packed forward where it runs the model (a
+        decoder family the owned decoder implements) and transformers' elsewhere, "owned" the packed forward or a
+        ValueError, "hf" transformers' forward."""
         self.model = model
         self._tokenizer = tokenizer
         self.spec = spec
         self.pad_token_id = pad_token_id
         self.device = device
-        default_tokens = max(DEFAULT_MAX_BATCH_TOKENS.get(device.type, 16384), spec.max_seq_length)
+        self.forward = choose_forward(model, spec, decoder)
+        self._packed = PackedDecoderForward(model, device, spec.max_seq_length) if self.forward == PACKED else None
+        defaults = DEFAULT_MAX_PACKED_TOKENS if self.forward == PACKED else DEFAULT_MAX_BATCH_TOKENS
+        default_tokens = max(defaults.get(device.type, 16384), spec.max_seq_length)
         self.max_batch_tokens = max_batch_tokens or default_tokens  # by default, room for the longest input
         self.max_batch_size = max_batch_size
         embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]  # transformers' PreTrainedModel
@@ -123,11 +142,13 @@ class EmbeddingEngine:
         dtype: str = "auto",
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
+        decoder: str = "auto",
         **ignored: Any,
     ) -> EmbeddingEngine:
         """Load the sentence-transformers checkpoint in folder `path`. The generation engine's settings that mean
         nothing here (KV cache, CUDA graphs, scheduling) are accepted and ignored, so the worker's flags apply
-        to both kinds; `max_num_batched_tokens` bounds a batch's padded tokens, `max_num_seqs` its inputs."""
+        to both kinds; `max_num_batched_tokens` bounds a batch's tokens (padded ones included in transformers'
+        forward), `max_num_seqs` its inputs, `decoder` picks the forward (`__init__`)."""
         from transformers import AutoModel, AutoTokenizer
 
         from worker.engine.models.loader import resolve_device, resolve_dtype
@@ -150,6 +171,7 @@ class EmbeddingEngine:
             torch_device,
             max_batch_tokens=max_num_batched_tokens,
             max_batch_size=max_num_seqs or DEFAULT_MAX_BATCH_SIZE,
+            decoder=decoder,
         )
 
     def describe(self, model: str, served_name: str) -> str:
@@ -160,7 +182,8 @@ class EmbeddingEngine:
             f"engine: embedding model {model} ({spec.model_type} {kind}, {spec.pooling} pooling"
             f"{', normalized' if spec.normalize else ''}, dimension {spec.dimension}), served as {served_name}, "
             f"{self.device}, {str(next(self.model.parameters()).dtype).removeprefix('torch.')}; inputs up to "
-            f"{spec.max_seq_length} tokens, batches up to {self.max_batch_tokens} tokens / {self.max_batch_size} inputs"
+            f"{spec.max_seq_length} tokens, {self.forward} forward, batches up to {self.max_batch_tokens} tokens / "
+            f"{self.max_batch_size} inputs"
         )
 
     # --- EngineProtocol ----------------------------------------------------------------------------------------
@@ -290,15 +313,17 @@ class EmbeddingEngine:
         """The oldest request's bucket, oldest first, up to the batch bounds. Called under the lock."""
         bucket = self._pending[0].bucket
         batch: list[_Pending] = []
-        longest = 0
+        longest = total = 0
         for item in self._pending:
             if item.bucket != bucket:
                 continue
             length = max(longest, len(item.request.prompt_ids))
-            if batch and (len(batch) >= self.max_batch_size or length * (len(batch) + 1) > self.max_batch_tokens):
+            # the batch's tokens with this input: its real ones when packed, else padded to the longest
+            tokens = total + len(item.request.prompt_ids) if self._packed is not None else length * (len(batch) + 1)
+            if batch and (len(batch) >= self.max_batch_size or tokens > self.max_batch_tokens):
                 break
             batch.append(item)
-            longest = length
+            longest, total = length, total + len(item.request.prompt_ids)
         taken = {id(item) for item in batch}
         self._pending = deque(item for item in self._pending if id(item) not in taken)
         return batch
@@ -356,8 +381,11 @@ class EmbeddingEngine:
     @torch.inference_mode()
     def launch(self, batch_ids: list[list[int]]) -> torch.Tensor:
         """Queue one batch's forward, pooling and normalization on the device (no sync): the [batch, dim] fp32
-        vectors. Inputs are padded on the right to the longest (real tokens keep positions 0..n-1; a decoder's
-        causal mask keeps them from seeing the pads, an encoder's padding mask does)."""
+        vectors. Packed (packed.py), or through transformers' model with inputs padded on the right to the longest
+        (real tokens keep positions 0..n-1; a decoder's causal mask keeps them from seeing the pads, an encoder's
+        padding mask does)."""
+        if self._packed is not None:
+            return self._packed.launch(batch_ids, self.spec.pooling, self.spec.normalize)
         longest = max(len(ids) for ids in batch_ids)
         lengths_cpu = torch.tensor([len(ids) for ids in batch_ids], dtype=torch.long)
         input_ids_cpu = torch.full((len(batch_ids), longest), self.pad_token_id, dtype=torch.long)
@@ -409,10 +437,23 @@ def truncate_rows(rows: torch.Tensor, normalize: bool, dimensions: list[int | No
     return out
 
 
+def choose_forward(model: torch.nn.Module, spec: EmbeddingSpec, decoder: str) -> str:
+    """PACKED or TRANSFORMERS for `model` under the generation engine's `decoder` setting (`EmbeddingEngine`)."""
+    if decoder not in ("auto", "owned", "hf"):
+        raise ValueError(f"decoder must be one of auto, owned, hf; got {decoder!r}")
+    if decoder == "hf":
+        return TRANSFORMERS
+    reason = packed_unsupported_reason(model) if spec.is_decoder else f"{spec.model_type} is an encoder"
+    if reason is None:
+        return PACKED
+    if decoder == "owned":
+        raise EmbeddingCheckpointError(f"decoder 'owned': the packed embedding forward cannot run this model ({reason})")
+    return TRANSFORMERS
+
+
 def build_embedding_engine(model: str, tensor_parallel_size: int = 1, **config: Any) -> EmbeddingEngine:
     """The embedding engine for checkpoint folder `model`, from the generation engine's settings (see
     `EmbeddingEngine.from_model` for the ones it reads). Raises `ModelLoadError` for what it cannot run."""
-    from worker.embedding.checkpoint import EmbeddingCheckpointError
     from worker.engine.models import ModelLoadError
 
     if tensor_parallel_size > 1:

@@ -1,6 +1,8 @@
 """Pooling a batch's last hidden states into one vector per input, as sentence-transformers' Pooling module does.
 
-Owns the pooling modes' arithmetic. Inputs are padded on the right: row i's real tokens are 0..lengths[i]-1.
+Owns the pooling modes' arithmetic, over two layouts of a batch's hidden states: padded (`pool`: inputs padded on the
+right, row i's real tokens 0..lengths[i]-1; transformers' forward) and packed (`pool_packed`: the inputs laid end to
+end in one row of tokens, input i's at cu_seqlens[i]:cu_seqlens[i+1]; the packed decoder forward, packed.py).
 Sums are taken in fp32 whatever the model's dtype.
 """
 
@@ -23,6 +25,30 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, mode: 
         return hidden.float().masked_fill(weights == 0, float("-inf")).max(dim=1).values
     summed = (hidden.float() * weights).sum(dim=1)
     counts = weights.sum(dim=1).clamp(min=1e-9)
+    if mode == "mean":
+        return summed / counts
+    assert mode == "mean_sqrt_len_tokens", f"unknown pooling mode {mode}"
+    return summed / counts.sqrt()
+
+
+def pool_packed(hidden: torch.Tensor, cu_seqlens: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
+    """[T, dim] hidden states of B inputs laid end to end, their [B + 1] start offsets (int64) and [B] lengths ->
+    [B, dim] fp32. Reads nothing on the host (no sync)."""
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    if mode == "cls":
+        return hidden[starts].float()
+    if mode == "lasttoken":
+        return hidden[ends - 1].float()
+    num_inputs = lengths.shape[0]
+    input_of_token = torch.repeat_interleave(
+        torch.arange(num_inputs, device=hidden.device), lengths, output_size=hidden.shape[0]
+    )
+    index = input_of_token[:, None].expand(-1, hidden.shape[1])
+    out = torch.zeros(num_inputs, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    if mode == "max":
+        return out.scatter_reduce_(0, index, hidden.float(), reduce="amax", include_self=False)
+    summed = out.index_add_(0, input_of_token, hidden.float())
+    counts = lengths.to(torch.float32)[:, None]
     if mode == "mean":
         return summed / counts
     assert mode == "mean_sqrt_len_tokens", f"unknown pooling mode {mode}"

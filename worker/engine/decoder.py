@@ -154,7 +154,10 @@ class OwnedDecoder:
         self.shard: Shard = tp if tp is not None else WholeModel(self.embed_weight)
         self.final_norm = submodule(model, self.family.final_norm_path).weight
         self.final_norm = fold(self.final_norm) if fold is not None else self.final_norm
-        self.lm_head = model.get_output_embeddings().weight  # the embedding itself when tied
+        # the embedding itself when tied; None for a base model without an LM head (an embedding model: worker/embedding
+        # runs `final_hidden` only)
+        output_embeddings = model.get_output_embeddings()
+        self.lm_head = output_embeddings.weight if output_embeddings is not None else None
         layers = submodule(model, self.family.layers_path)
         sparse = set(moe_layer_ids(config)) if self.family.moe is not None else set()
         self.layers: list[LayerWeights] = [
@@ -226,6 +229,21 @@ class OwnedDecoder:
     ) -> torch.Tensor:
         """input_ids, positions [T] -> logits [R, V] for the rows `logits_indices` (None: all T). `positions`: each
         token's row of the rotary tables, its position (longrope: offset per sequence, see `longrope_tables`)."""
+        assert self.lm_head is not None, "a model without an LM head computes final_hidden only"
+        normed, ops = self.final_hidden(input_ids, positions, attn, logits_indices)
+        args = self.args
+        logits = self.shard.full_logits(ops.linear(normed, self.lm_head, None))
+        return ops.logits_epilogue(logits, args.logits_divisor, args.logits_scale, args.final_softcap)
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        rows: torch.Tensor | None = None,
+    ):
+        """The final norm's output [R, hidden] for the rows `rows` (None: all T), as a base model's last hidden
+        state, and the ops that computed it. `__call__` puts the LM head on it; an embedding model pools it."""
         ops = self.ops
         if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
             ops = self.small_step_ops
@@ -265,12 +283,11 @@ class OwnedDecoder:
                 hidden = ops.linear(activated, w.down_weight, w.down_bias)
             hidden = self.shard.row_parallel_out(hidden)  # down's, or the experts' (split by intermediate size)
             post_norm = w.mlp_out_norm
-        if logits_indices is not None:  # the final norm is per row: only the sampled rows need it
+        if rows is not None:  # the final norm is per row: only the rows asked for need it
             assert residual is not None, "a model has at least one layer"
-            hidden, residual = hidden[logits_indices], residual[logits_indices]
+            hidden, residual = hidden[rows], residual[rows]
         normed, _ = ops.add_norm(hidden, residual, self.final_norm, eps, x_weight=post_norm, x_scale=scale)
-        logits = self.shard.full_logits(ops.linear(normed, self.lm_head, None))
-        return ops.logits_epilogue(logits, args.logits_divisor, args.logits_scale, args.final_softcap)
+        return normed, ops
 
     def _init_moe(self, model, layers, sparse: set[int], max_num_tokens: int) -> None:
         """The sparse layers' weights (views of the model's stacked experts), and on CUDA the grouped GEMMs'

@@ -16,7 +16,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("dtype, cosine_min", [("fp32", 0.99999), ("bf16", 0.99)])
-@pytest.mark.parametrize("family", ["qwen3", "bert", "xlm_roberta", "modernbert"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "bert", "xlm_roberta", "modernbert"])
 def test_cuda_equals_sentence_transformers(family, dtype, cosine_min, embedding_checkpoints):
     from sentence_transformers import SentenceTransformer
 
@@ -31,3 +31,18 @@ def test_cuda_equals_sentence_transformers(family, dtype, cosine_min, embedding_
     got = torch.tensor([results[f"r{i}"].embedding for i in range(len(texts))])
     cosine = torch.nn.functional.cosine_similarity(got, reference, dim=-1)
     assert cosine.min().item() >= cosine_min, cosine
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_cuda_packed_equals_the_transformers_forward_bf16(family, embedding_checkpoints):
+    """The packed forward (owned decoder, Triton kernels) against transformers' padded forward on the same bf16
+    weights: what W7's before/after compares."""
+    path = embedding_checkpoints[family]
+    hf = EmbeddingEngine.from_model(str(path), device="cuda", dtype="bf16", decoder="hf", max_num_batched_tokens=4096)
+    packed = EmbeddingEngine(hf.model, hf.tokenizer, hf.spec, hf.pad_token_id, hf.device, max_batch_tokens=4096)
+    assert packed.forward == "packed" and packed._packed is not None and packed._packed.decoder.use_triton
+    batch = [hf.tokenizer.encode(hf.spec.prompt + t) for t in _texts(64, seed=3)]
+    want = torch.tensor(hf.embed(batch))
+    got = torch.tensor(packed.embed(batch))
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cosine.min().item() >= 0.999, cosine
