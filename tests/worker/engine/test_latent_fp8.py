@@ -185,6 +185,33 @@ def test_engine_fp8_latent_cache_agrees_with_fp32_and_doubles_the_blocks(v2_lite
     assert num_blocks_from_memory(config, torch.bfloat16, torch.device("cpu"), budget) == 100
 
 
+def test_a_checkpoints_k_scale_writes_and_reads_the_latent(v2_lite):
+    """Scales the loader found (kv_cache.KV_SCALES_ATTR, (k_scale, v_scale) per layer) reach the latent write and read
+    as the layer's k_scale alone: the cache holds row / k_scale (twice an unscaled write's values at 0.5), and the
+    tokens stay those of the fp32 cache. Reading with v_scale (0.25) what was written with another would not."""
+    from worker.engine.kv_cache import KV_SCALES_ATTR
+
+    model, tok = v2_lite
+    num_layers = model.config.num_hidden_layers
+    reqs = make_requests(tok, 8, seed=4, max_prompt=60, max_new=8)
+    want = [r.token_ids for r in Engine(model, tok, EngineConfig(num_kv_blocks=64)).generate(reqs)]
+    unscaled = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=64))
+    unscaled.generate(reqs[:1])
+    setattr(model, KV_SCALES_ATTR, tuple((0.5, 0.25) for _ in range(num_layers)))
+    try:
+        scaled = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=64))
+        assert scaled.runner.kv_scales == ((0.5, 0.5),) * num_layers
+        scaled.generate(reqs[:1])
+        rows_unscaled, rows_scaled = unscaled.runner.kv_caches[1][0].float(), scaled.runner.kv_caches[1][0].float()
+        torch.testing.assert_close(rows_scaled, to_cache(rows_unscaled * 2, KV_FP8_DTYPE, 1.0).float(), atol=0.07, rtol=0.07)
+        fresh = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=64))
+        got = [r.token_ids for r in fresh.generate(reqs)]
+    finally:
+        delattr(model, KV_SCALES_ATTR)
+    firsts = sum(g[:1] == w[:1] for g, w in zip(got, want, strict=True))
+    assert firsts >= 6, f"first tokens agree on {firsts} of 8"
+
+
 def test_fp8_latent_cache_quality_holds_the_fp8_kv_caches_bound(v2_lite):
     """`bench quality`'s measure on the V2-Lite fixture (fp32 reference, CPU): teacher-forced, a prefill then decode
     steps, KL(fp32 latent cache || FP8) and top-1 agreement. The FP8 per-head K/V cache (decoder "hf", the cache
