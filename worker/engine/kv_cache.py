@@ -14,8 +14,8 @@ Layout: one tensor [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; 
 latent attention (DeepSeek) keeps one row of kv_lora_rank + qk_rope_head_dim values per token per layer instead
 (`uses_latent_cache`): [layers, num_blocks, block_size, 1, width], each layer's K and V views the same rows. In
 e4m3 the latent row (the latent and the rotary key) takes one per-tensor scale per layer, the checkpoint's k_scale
-or 1.0 (`kv_scales_of`): its quality against the model dtype's latent cache is that of the FP8 K/V cache against
-the model dtype's (docs/performance.md, tests/worker/engine/test_latent_fp8.py).
+or 1.0 (`kv_scales_of`). Against the model dtype's latent cache it costs what the FP8 K/V cache costs against the
+model dtype's on the same model (measured on the CPU fixtures: docs/performance.md, test_latent_fp8.py).
 """
 
 from __future__ import annotations

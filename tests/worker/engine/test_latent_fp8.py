@@ -89,7 +89,9 @@ for heads, latent, rope, ctx_lens, splits, dtype, cache_scale in (
     out = latent_decode_attention(
         q_latent, q_rope, cache, tables, ctx, scale, max_context_len=80, max_num_splits=splits, cache_scale=cache_scale
     )
-    ref = latent_decode_attention_ref(q_latent.float(), q_rope.float(), cache, tables, ctx, scale, cache_scale=cache_scale)
+    ref = latent_decode_attention_ref(
+        q_latent.float(), q_rope.float(), cache, tables, ctx, scale, cache_scale=cache_scale
+    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     assert out[ctx == 0].abs().sum() == 0
@@ -203,7 +205,8 @@ def test_a_checkpoints_k_scale_writes_and_reads_the_latent(v2_lite):
         assert scaled.runner.kv_scales == ((0.5, 0.5),) * num_layers
         scaled.generate(reqs[:1])
         rows_unscaled, rows_scaled = unscaled.runner.kv_caches[1][0].float(), scaled.runner.kv_caches[1][0].float()
-        torch.testing.assert_close(rows_scaled, to_cache(rows_unscaled * 2, KV_FP8_DTYPE, 1.0).float(), atol=0.07, rtol=0.07)
+        doubled = to_cache(rows_unscaled * 2, KV_FP8_DTYPE, 1.0).float()
+        torch.testing.assert_close(rows_scaled, doubled, atol=0.07, rtol=0.07)
         fresh = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=64))
         got = [r.token_ids for r in fresh.generate(reqs)]
     finally:
@@ -253,7 +256,8 @@ def test_fp8_latent_cache_on_cuda_agrees_with_bf16_and_doubles_the_blocks(tmp_pa
     reqs = make_requests(tok, 32, seed=5, max_prompt=300, max_new=32)
     found = {}
     for kv in ("auto", "fp8"):
-        engine = Engine(model, tok, EngineConfig(device="cuda", mode="async", kv_cache_dtype=kv, gpu_memory_utilization=0.5))
+        config = EngineConfig(device="cuda", mode="async", kv_cache_dtype=kv, gpu_memory_utilization=0.5)
+        engine = Engine(model, tok, config)
         assert is_latent_cache(*engine.runner.kv_caches[0])
         results = engine.generate(reqs)
         assert all(r.error is None for r in results), [r.error for r in results if r.error][:3]
@@ -283,3 +287,35 @@ def test_latent_decode_kernel_over_fp8_on_cuda():
     out = latent_decode_attention(q_latent, q_rope, cache, tables, ctx, 0.05, cache_scale=0.5)
     ref = latent_decode_attention_ref(q_latent.float(), q_rope.float(), cache, tables, ctx, 0.05, cache_scale=0.5)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def measure_quality(seeds: int = 3, num_prompts: int = 6, prompt_len: int = 128, decode_len: int = 32) -> None:
+    """docs/performance.md's table: on each fixture and prompt seed, the FP8 latent cache and the per-head FP8 K/V
+    cache (decoder "hf") against the fp32 latent cache, teacher-forced (`bench quality`'s measure)."""
+    import tempfile
+
+    from tests.fixtures.deepseek_checkpoints import SHAPES
+    from worker.bench import quality
+
+    print(f"{'fixture':<8} {'seed':>4} {'latent KL':>10} {'top-1':>7} {'per-head KL':>12} {'top-1':>7}")
+    for name in SHAPES:
+        checkpoint = build_deepseek_checkpoint(tempfile.mkdtemp(), name)
+        model, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
+        for seed in range(seeds):
+            gen = torch.Generator().manual_seed(seed)
+            vocab = model.config.vocab_size
+            prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_prompts)]
+            reference = quality.teacher_forced_logits(model, "auto", prompts, decode_len)
+            found = [
+                quality.compare(reference, quality.teacher_forced_logits(model, "fp8", prompts, decode_len, decoder=d))
+                for d in ("auto", "hf")
+            ]
+            print(
+                f"{name:<8} {seed:>4} {found[0].mean_kl:>10.4f} {found[0].top1_agreement:>7.3f} "
+                f"{found[1].mean_kl:>12.4f} {found[1].top1_agreement:>7.3f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":  # python -m tests.worker.engine.test_latent_fp8
+    measure_quality()

@@ -149,7 +149,8 @@ def latent_decode_attention(
     cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query row per sequence over the latent cache (module docstring); returns [B, H, kv_lora_rank] in q's
-    dtype. `cache_scale`: an e4m3 cache's per-tensor scale (its rows are read as row * cache_scale). Launch bounds come from host ints only (CUDA-graph capturable); an fp32 workspace with more than one split."""
+    dtype. Launch bounds come from host ints only (CUDA-graph capturable); an fp32 workspace with more than one split.
+    `cache_scale`: an e4m3 cache's per-tensor scale (its rows are read as row * cache_scale)."""
     require_triton("kernels.latent_attention (use latent_decode_attention_ref on CPU)")
     num_seqs, num_heads, latent = q_latent.shape
     rope = q_rope.shape[-1]
