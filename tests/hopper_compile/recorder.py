@@ -69,6 +69,12 @@ RECORDED: dict[str, set[str]] = {
     "test_latent_attention.py::test_latent_attention_through_the_triton_backend_in_the_interpreter": {
         "_latent_decode_kernel", "_prefill_kernel", "_write_kv_kernel",
     },
+    "test_latent_fp8.py::test_latent_decode_kernel_reads_an_fp8_cache_as_its_twin_in_the_interpreter": {
+        "_decode_reduce_kernel", "_latent_decode_kernel",
+    },
+    "test_latent_fp8.py::test_latent_layer_over_an_fp8_cache_through_the_triton_backend_in_the_interpreter": {
+        "_latent_decode_kernel", "_prefill_kernel", "_write_kv_kernel",
+    },
 }
 
 TORCH_TO_TRITON = {
