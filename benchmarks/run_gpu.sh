@@ -181,10 +181,13 @@ fi
 # mlagpu: their GPU tests.
 if has mlatests; then
     timeout 540 python3 -m pytest -q tests/worker/engine/test_engine_exact_deepseek.py tests/worker/engine/test_latent_attention.py \
-        tests/worker/engine/test_deepseek_shapes.py tests/worker/engine/test_parallel_latent_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log" | tail -25
+        tests/worker/engine/test_deepseek_shapes.py tests/worker/engine/test_parallel_latent_attention.py \
+        tests/worker/engine/test_latent_fp8.py -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log" | tail -25
 fi
-if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixtures, bf16 graph vs eager, TP=2 over gloo
-    timeout 540 python3 -m pytest -q -m gpu tests/worker/engine/test_engine_deepseek_gpu.py -p no:cacheprovider 2>&1 \
+if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixtures, bf16 graph vs eager, TP=2 over gloo,
+    # the FP8 latent cache (vs bf16, twice the blocks; the latent kernel over e4m3)
+    timeout 540 python3 -m pytest -q -s -m gpu tests/worker/engine/test_engine_deepseek_gpu.py tests/worker/engine/test_latent_fp8.py \
+        -p no:cacheprovider 2>&1 \
         | tee "$OUT/mla_gpu_tests.log" | tail -25
 fi
 if has w1mla; then

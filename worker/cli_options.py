@@ -109,7 +109,8 @@ QUANTIZATION_FLAGS = (
         {
             "type": click.Choice(KV_CACHE_DTYPES),
             "help": "KV cache dtype (default auto: the model dtype). fp8: e4m3 with per-layer scales (1.0, or the "
-            "checkpoint's k_scale/v_scale), half bf16's bytes, so twice the blocks; sm89+ GPUs and the CPU.",
+            "checkpoint's k_scale/v_scale; a latent cache's k_scale), half bf16's bytes, so twice the blocks; sm89+ "
+            "GPUs and the CPU.",
         },
     ),
 )

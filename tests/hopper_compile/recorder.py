@@ -75,6 +75,12 @@ RECORDED: dict[str, set[str]] = {
     "test_w4a16.py::test_small_step_layer_ops_run_the_w4a16_kernel_in_the_interpreter": {
         "_w4a16_dequantize_kernel", "_w4a16_gemm_kernel", "_w4a16_qkv_rope_kernel",
     },
+    "test_latent_fp8.py::test_latent_decode_kernel_reads_an_fp8_cache_as_its_twin_in_the_interpreter": {
+        "_decode_reduce_kernel", "_latent_decode_kernel",
+    },
+    "test_latent_fp8.py::test_latent_layer_over_an_fp8_cache_through_the_triton_backend_in_the_interpreter": {
+        "_latent_decode_kernel", "_prefill_kernel", "_write_kv_kernel",
+    },
 }
 
 TORCH_TO_TRITON = {

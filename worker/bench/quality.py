@@ -117,11 +117,18 @@ def _scale_residual_projections(model, probe, target_rms: float) -> None:
 
 
 def teacher_forced_logits(
-    model, kv_cache_dtype: str, prompts, decode_len: int, block_size: int = 16, attention_backend: str = "auto"
+    model,
+    kv_cache_dtype: str,
+    prompts,
+    decode_len: int,
+    block_size: int = 16,
+    attention_backend: str = "auto",
+    decoder: str = "auto",
 ):
     """The logits [len(prompt), vocab] of each prompt through a ModelRunner of `model` (owned decoder where the
     engine would use it): a prefill of all but the last `decode_len` tokens, then one decode step per token.
-    `attention_backend`: EngineConfig's (auto: the Triton kernels on CUDA)."""
+    `attention_backend`, `decoder`: EngineConfig's (auto: the Triton kernels on CUDA; a latent attention model's
+    latent cache, "hf" its expanded per-head K/V)."""
     import torch
 
     from worker.engine.attention_backend import AttentionMetadata
@@ -134,7 +141,7 @@ def teacher_forced_logits(
     config = EngineConfig(
         device=str(device), mode="sync", use_cuda_graphs=False, kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max(max_len, 256),
-        attention_backend=attention_backend,
+        attention_backend=attention_backend, decoder=decoder,
     )  # fmt: skip
     runner = ModelRunner(model, config, device, num_blocks, max_len)
     table = torch.arange(1, num_blocks, dtype=torch.int32, device=device)[None]

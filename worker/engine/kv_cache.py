@@ -12,7 +12,10 @@ relative precision (2^-4) does not depend on the magnitude within its normal ran
 
 Layout: one tensor [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i's (K, V) are views. Multi-head
 latent attention (DeepSeek) keeps one row of kv_lora_rank + qk_rope_head_dim values per token per layer instead
-(`uses_latent_cache`): [layers, num_blocks, block_size, 1, width], each layer's K and V views the same rows.
+(`uses_latent_cache`): [layers, num_blocks, block_size, 1, width], each layer's K and V views the same rows. In
+e4m3 the latent row (the latent and the rotary key) takes one per-tensor scale per layer, the checkpoint's k_scale
+or 1.0 (`kv_scales_of`). Against the model dtype's latent cache it costs what the FP8 K/V cache costs against the
+model dtype's on the same model (measured on the CPU fixtures: docs/performance.md, test_latent_fp8.py).
 """
 
 from __future__ import annotations
@@ -52,12 +55,16 @@ def check_kv_cache_dtype(config: EngineConfig, device: torch.device) -> None:
 KV_SCALES_ATTR = "cbq_kv_scales"
 
 
-def kv_scales_of(model: Any, config: EngineConfig) -> tuple[tuple[float, float], ...]:
+def kv_scales_of(model: Any, config: EngineConfig, latent: bool = False) -> tuple[tuple[float, float], ...]:
     """Each layer's (k_scale, v_scale) for an FP8 cache: the checkpoint's (its kv_cache_scheme), else () (every
-    scale 1.0). A cache in the model dtype is never scaled."""
+    scale 1.0). A cache in the model dtype is never scaled. `latent` (`uses_latent_cache`): one row is both K and
+    V, written and read with one scale, the layer's k_scale: (k_scale, k_scale)."""
     if config.kv_cache_dtype != "fp8":
         return ()
-    return tuple(getattr(model, KV_SCALES_ATTR, ()))
+    scales = tuple(getattr(model, KV_SCALES_ATTR, ()))
+    if latent:
+        return tuple((k_scale, k_scale) for k_scale, _ in scales)
+    return scales
 
 
 def head_dim_of(model_config: Any) -> int:
@@ -79,16 +86,6 @@ def uses_latent_cache(model_config: Any, config: EngineConfig) -> bool:
     """Multi-head latent attention (`kv_lora_rank` set) keeps its latent in the cache, except under decoder "hf"
     (transformers' attention, which hands cbq each head's expanded K and V)."""
     return bool(getattr(model_config, "kv_lora_rank", None)) and config.decoder != "hf"
-
-
-def check_latent_cache_dtype(model_config: Any, config: EngineConfig) -> None:
-    """A ValueError (one line) for an FP8 latent cache: its quality against the model dtype's is not measured (the
-    FP8 K/V cache's bound is for per-head K and V)."""
-    if uses_latent_cache(model_config, config) and config.kv_cache_dtype == "fp8":
-        raise ValueError(
-            "--kv-cache-dtype fp8 is not supported for multi-head latent attention's latent cache yet (its quality is "
-            "not measured); decoder 'hf' keeps per-head K/V, which an FP8 cache holds"
-        )
 
 
 def latent_width(model_config: Any) -> int:

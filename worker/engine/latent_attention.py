@@ -14,6 +14,11 @@ attention's first kv_lora columns times W_UV. The same for prefill and decode st
 tokens; the rounding differs from expanded attention by the order of the products). On CUDA a decode step's rows
 attend through kernels/latent_attention.py (its twin: `latent_decode_attention_ref`); prefill and mixed steps through
 the backend's paged attention with the cache as one shared head.
+
+`--kv-cache-dtype fp8`: the cache is float8_e4m3fn, each layer's row (latent and rotary key alike) stored as
+row / s with one static per-tensor scale s (kv_cache.kv_scales_of: 1.0, or a checkpoint's k_scale; K and V are
+the same rows, so the layer's pair is (s, s)); the write rounds it, the prefill path's attention and the decode
+kernel (and its twin) read row * s. Half the bytes of a bf16 cache, so twice the tokens.
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ def latent_attention_forward(
 
     cache, _ = meta.kv_caches[module.layer_idx]  # [blocks, block_size, 1, kv_lora + rope]
     row = torch.cat((latent[0], k_rope[0, 0]), dim=-1)[:, None]  # [T, 1, kv_lora + rope]
-    meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, meta.kv_scale(module.layer_idx))
+    cache_scale = meta.kv_scale(module.layer_idx)  # (s, s): one row serves as K and V
+    meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, cache_scale)
     w_uk, w_uv = absorbed_weights(module, hidden_states.dtype)
     q_latent = torch.einsum("htn,hnc->thc", q_nope[0], w_uk)  # [T, H, kv_lora]
     q_rope = q_rope[0].transpose(0, 1)  # [T, H, rope]
@@ -99,7 +105,7 @@ def latent_attention_forward(
         # one row per sequence: the latent decode kernel (each cache tile loaded once, heads in blocks of 16)
         out = latent_decode_kernel(
             q_latent.contiguous(), q_rope, cache, meta.block_tables, meta.context_lens, module.scaling,
-            max_context_len=meta.max_context_len,
+            max_context_len=meta.max_context_len, cache_scale=cache_scale[0],
         )  # fmt: skip
     else:  # prefill and mixed steps: the backend's paged attention, the cache as one shared head
         query = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, kv_lora + rope]
@@ -129,11 +135,15 @@ def latent_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """kernels/latent_attention.py's CPU twin: the torch paged attention with the cache as one shared head (K and V
-    the same rows), the output's latent columns. One query row per sequence; returns [B, H, kv_lora_rank]."""
+    the same rows), the output's latent columns. One query row per sequence; returns [B, H, kv_lora_rank].
+    `cache_scale`: an e4m3 cache's per-tensor scale (rows read as row * cache_scale)."""
     num_seqs = q_latent.shape[0]
     cu_seqlens = torch.arange(num_seqs + 1, dtype=torch.int32, device=q_latent.device)
     query = torch.cat((q_latent, q_rope), dim=-1)
-    out = paged_attention_ref(query, cache, cache, block_tables, cu_seqlens, context_lens, scale)
+    out = paged_attention_ref(
+        query, cache, cache, block_tables, cu_seqlens, context_lens, scale, k_scale=cache_scale, v_scale=cache_scale
+    )
     return out[..., : q_latent.shape[-1]]

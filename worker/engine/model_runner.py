@@ -48,7 +48,6 @@ from .families.spec import longrope_original_len
 from .grammar import apply_token_bitmask
 from .kv_cache import (
     allocate_kv_cache,
-    check_latent_cache_dtype,
     kv_cache_dtype,
     kv_scales_of,
     num_blocks_from_memory,
@@ -133,7 +132,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.attn_backend = attention_backend_for(model, config.attention_backend, self.is_cuda)
         self.sliding_windows = sliding_windows_of(model.config)
-        self.kv_scales = kv_scales_of(model, config)
+        self.kv_scales = kv_scales_of(model, config, latent=uses_latent_cache(model.config, config))
         if config.deterministic:
             reason = deterministic.unsupported_reason(self.is_cuda, self.sliding_windows, self.attn_backend)
             if reason is not None:
@@ -170,7 +169,6 @@ class ModelRunner:
                 num_kv_blocks = replica.agree_num_kv_blocks(num_kv_blocks)
             max_model_len = min(max_model_len, context_len(config, model.config, num_kv_blocks))
         self.num_kv_blocks = num_kv_blocks
-        check_latent_cache_dtype(model.config, config)
         self.kv_caches = allocate_kv_cache(
             model.config, num_kv_blocks, config.block_size, kv_cache_dtype(config, model.dtype), device,
             latent=uses_latent_cache(model.config, config),

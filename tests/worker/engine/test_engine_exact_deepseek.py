@@ -194,13 +194,16 @@ def test_unsupported_routing_is_refused_in_one_line(tmp_path):
         family_for(config)
 
 
-def test_an_fp8_latent_cache_is_refused_in_one_line(deepseek):
-    """Its quality is not measured; decoder "hf" keeps per-head K/V in FP8 as any model's."""
+def test_an_fp8_cache_holds_the_latent_or_per_head_kv(deepseek):
+    """--kv-cache-dtype fp8 keeps the latent in e4m3 (test_latent_fp8.py: its tokens and quality); decoder "hf"
+    keeps per-head K/V in FP8 as any model's."""
     _, model, tok = deepseek("v2-lite")
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported for multi-head latent attention"):
-        Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=8))
+    engine = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=8))
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    assert k_cache.dtype == torch.float8_e4m3fn and is_latent_cache(k_cache, v_cache)
     engine = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", decoder="hf", num_kv_blocks=8))
-    assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    assert k_cache.dtype == torch.float8_e4m3fn and not is_latent_cache(k_cache, v_cache)
 
 
 def test_deterministic_mode_is_refused_in_one_line(deepseek):

@@ -78,6 +78,25 @@ def test_greedy_equals_one_process_at_tp2(v2_lite, mode):
         engine.close()
 
 
+def test_fp8_latent_cache_at_tp2_equals_one_process(v2_lite):
+    """--kv-cache-dtype fp8: every rank keeps the whole latent in e4m3 with the same static scales as one process, so
+    greedy tokens equal one process's fp8 run, which differ from the fp32 cache's (the check would not notice an fp32
+    cache otherwise); preemption and the prefix cache too."""
+    path, requests, reference, _ = v2_lite
+    fp8 = dict(CONFIG, kv_cache_dtype="fp8")
+    one = Engine.from_model(path, **fp8)
+    expected = [r.token_ids for r in one.generate(requests)]
+    assert expected != reference, "an e4m3 latent was meant to change some tokens"
+    engine = build_engine(path, mode="async", tensor_parallel_size=2, **fp8)
+    try:
+        k_cache, v_cache = engine.runner.kv_caches[0]
+        assert k_cache.dtype == torch.float8_e4m3fn and is_latent_cache(k_cache, v_cache)
+        assert [r.token_ids for r in engine.generate(requests)] == expected
+        assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_cache_hits > 0
+    finally:
+        engine.close()
+
+
 # DeepSeek-V3's fixture made wide enough that every split lands on the [128, 128] FP8 blocks at TP=2, as the release's
 # do: q_b_proj 4 heads x 128 rows, kv_b_proj 4 x (64 + 64), o_proj 4 x 64 columns, the dense MLP's 512 and the shared
 # expert's 256 intermediate columns (the routed experts are dequantized whole and then sliced: any size).

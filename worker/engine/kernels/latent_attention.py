@@ -12,6 +12,12 @@ Unlike the generic decode kernel on these shapes (one 576-wide head padded to 1,
 of the same rows, every head in one program), a program here takes HEAD_BLOCK heads of one sequence and loads each
 cache tile once: its latent part serves the scores and the output, its rotary part the scores only. Split-K over
 the context as the generic kernel does, the splits combined by its reduce kernel; PDL as kernels/pdl.py says.
+
+An e4m3 latent cache (`--kv-cache-dtype fp8`, kv_cache.py) holds each row / cache_scale, one per-tensor scale per
+layer for the latent and the rotary key alike: a tile widens after its load as the generic kernel's do (to fp16
+under a bf16 query: exact, and one conversion per two values on sm90), the scale folds into the softmax scale
+(q . (row * s) = (q . row) * s) and the output (sum_j p_j (c_j * s) = s * sum_j p_j c_j), so the loop is the
+bf16 cache's.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ if HAVE_TRITON:
         part_o_ptr,
         part_lse_ptr,
         scale_log2,
+        cache_scale,
         num_heads,
         stride_qlb,
         stride_qlh,
@@ -60,6 +67,7 @@ if HAVE_TRITON:
         TILE_N: tl.constexpr,
         DOT_PREC: tl.constexpr,
         USE_PDL: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         pdl_wait_and_release(USE_PDL)
         b = tl.program_id(0)
@@ -85,6 +93,11 @@ if HAVE_TRITON:
             q_rope_ptr + b64 * stride_qrb + heads[:, None] * stride_qrh + r[None, :],
             mask=h_mask[:, None] & r_mask[None, :], other=0.0,
         )  # fmt: skip
+        compute = q_lat.dtype
+        if KV_FP8 and compute == tl.bfloat16:
+            compute = tl.float16  # e4m3 -> fp16 is exact and cheaper than -> bf16 (kernels/attention.py)
+        q_lat = q_lat.to(compute)
+        q_rope = q_rope.to(compute)
         m_i = tl.full([HEAD_BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
         acc = tl.zeros([HEAD_BLOCK, BLOCK_C], dtype=tl.float32)
@@ -95,8 +108,9 @@ if HAVE_TRITON:
             valid = pos < end
             page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             row = cache_ptr + page * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-            lat = tl.load(row[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0.0)
+            lat = tl.load(row[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0.0).to(compute)
             rope = tl.load(row[:, None] + LATENT + r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0)
+            rope = rope.to(compute)
             s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PREC)
             s += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PREC)
             s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
@@ -109,6 +123,8 @@ if HAVE_TRITON:
 
         has = l_i > 0.0
         o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+        if KV_FP8:  # the rows were read unscaled: sum_j p_j (c_j * s) = s * sum_j p_j c_j
+            o = o * cache_scale
         mask = h_mask[:, None] & c_mask[None, :]
         if NUM_SPLITS == 1:
             out = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + c[None, :]
@@ -130,16 +146,19 @@ def latent_decode_attention(
     max_context_len: int | None = None,
     max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
     pdl: bool = False,
+    cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query row per sequence over the latent cache (module docstring); returns [B, H, kv_lora_rank] in q's
-    dtype. Launch bounds come from host ints only (CUDA-graph capturable); an fp32 workspace with more than one split."""
+    dtype. Launch bounds come from host ints only (CUDA-graph capturable); an fp32 workspace with more than one split.
+    `cache_scale`: an e4m3 cache's per-tensor scale (its rows are read as row * cache_scale)."""
     require_triton("kernels.latent_attention (use latent_decode_attention_ref on CPU)")
     num_seqs, num_heads, latent = q_latent.shape
     rope = q_rope.shape[-1]
     num_blocks, block_size, one, width = cache.shape
     assert one == 1 and width == latent + rope and cache.stride(-1) == 1, f"latent cache {tuple(cache.shape)}"
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and block_tables.stride(-1) == 1
-    assert cache.dtype == q_latent.dtype, "an FP8 latent cache is not supported"
+    kv_fp8 = cache.dtype == torch.float8_e4m3fn
+    assert kv_fp8 or cache.dtype == q_latent.dtype, f"a {cache.dtype} cache under a {q_latent.dtype} query"
     out = torch.empty_like(q_latent)
     if num_seqs == 0:
         return out
@@ -158,12 +177,12 @@ def latent_decode_attention(
         part_o = part_lse = out  # unused
     _latent_decode_kernel[(num_seqs, head_blocks, num_splits)](
         q_latent, q_rope, cache, block_tables, context_lens, out, part_o, part_lse,
-        float(scale) * 1.4426950408889634, num_heads,
+        float(scale) * (cache_scale if kv_fp8 else 1.0) * 1.4426950408889634, float(cache_scale), num_heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0),
         NUM_SPLITS=num_splits, LATENT=latent, ROPE=rope, BLOCK_C=next_pow2(latent), BLOCK_R=max(16, next_pow2(rope)),
         HEAD_BLOCK=HEAD_BLOCK, BLOCK_SIZE=block_size, TILE_N=TILE_N, DOT_PREC=dot_precision(q_latent.dtype, "tf32"),
-        USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
+        USE_PDL=pdl, KV_FP8=kv_fp8, num_warps=4, num_stages=2, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         block_c = next_pow2(latent)
