@@ -125,7 +125,22 @@ def install_latent_attention(model: Any) -> int:
             setattr(module, LATENT_FORWARD_ATTR, module.forward)
             module.forward = types.MethodType(latent_attention_forward, module)
         count += 1
+    _capturable_experts(model)
     return count
+
+
+def _capturable_experts(model: Any) -> None:
+    """DeepSeek's routed experts run transformers' experts forward. Its default, torch's grouped_mm, captures into a
+    CUDA graph only in bf16: in another dtype (fp32, the GPU exactness tests') it copies a host tensor and capture
+    fails. There transformers' "batched_mm" form (each token's experts gathered, then one batched GEMM; no host copy,
+    no data-dependent shape) runs instead: the same products, so generate's outputs are unchanged."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type != "cuda" or weight.dtype == torch.bfloat16:
+        return
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_experts_implementation", None) == "grouped_mm":
+            config._experts_implementation = "batched_mm"
 
 
 def latent_decode_attention_ref(

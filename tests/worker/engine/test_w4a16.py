@@ -17,6 +17,7 @@ import torch
 from tests.worker.engine.test_fused_kernels import _interpret
 from worker.engine.kernels import fused as fk
 from worker.engine.kernels import w4a16
+from worker.engine.kernels.pdl import pdl_usable
 from worker.engine.quant.int4 import Int4Linear, dequantize, quantize_rtn
 from worker.engine.quant.int4.linear import int4_gate_up_act, int4_linear, int4_qkv_rope_write, w4a16_twin
 
@@ -162,7 +163,7 @@ def test_gpu_w4a16_at_the_llama_3_8b_shapes(shape):
     """bf16, group 128, symmetric and asymmetric, small steps with and without PDL and the tiled launch, against the
     twin (the same dequantized bf16 weight through cuBLAS): within bf16's accumulation-order noise."""
     n, k = LLAMA_3_8B[shape]
-    pdl = w4a16.pdl_usable(torch.device("cuda"))
+    pdl = pdl_usable(torch.device("cuda"))
     for symmetric in (True, False):
         layer = _layer(n, k, 128, symmetric, False, torch.bfloat16, "cuda", seed=n + k)
         for m in (1, 7, 32, 100, 512, 2048):  # 2048: w4a16.DEQUANTIZE_FROM_M, dequantization then cuBLAS
@@ -185,7 +186,7 @@ def test_gpu_w4a16_small_step_captures_in_a_cuda_graph():
     n, k = LLAMA_3_8B["down"]
     layer = _layer(n, k, 128, True, False, torch.bfloat16, "cuda", seed=7)
     x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
-    pdl = w4a16.pdl_usable(torch.device("cuda"))
+    pdl = pdl_usable(torch.device("cuda"))
     eager = int4_linear(x, layer, pdl=pdl)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -215,7 +216,7 @@ def test_gpu_w4a16_qkv_rope_write_at_the_llama_3_8b_shape():
         caches = torch.zeros(2, 8, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
         args = (pos, cos, sin, heads, kv_heads, caches[0], caches[1], slots)
         if fused:
-            q = int4_qkv_rope_write(x, layer, None, *args, pdl=w4a16.pdl_usable(x.device))
+            q = int4_qkv_rope_write(x, layer, None, *args, pdl=pdl_usable(x.device))
         else:
             q = fk.qkv_rope_write(w4a16_twin(x, layer), *args[:3], None, None, 0.0, *args[3:])
         outputs.append((q.float(), caches.float()))

@@ -19,6 +19,7 @@ that takes an `nn.Linear`'s place and holds its packed weight.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -142,10 +143,15 @@ class Int4Weight:
         return int4_gate_up_act(x, self.layer, bias, pdl=pdl, act=act)
 
 
+PACKED_ENV = "CBQ_INT4_PACKED"  # "1": keep an INT4 checkpoint packed on CUDA (the W4A16 GEMMs)
+
+
 def keeps_int4(device: torch.device, dtype: torch.dtype) -> bool:
-    """An INT4 checkpoint's linears stay packed where the W4A16 kernels multiply them (CUDA, bf16/fp16); elsewhere
-    they are dequantized at load (models/quant_loader.py)."""
-    return w4a16.usable(device, dtype)
+    """Whether an INT4 checkpoint's linears stay packed (the W4A16 GEMMs) rather than dequantized at load
+    (models/quant_loader.py). Opt-in (`CBQ_INT4_PACKED=1`) where the kernels run (CUDA, bf16/fp16): on an H100 on
+    2026-12-06 the untuned kernels ran W1 of the Llama-3-8B shape at 0.60x bf16 (2,717 vs 4,525 out tok/s,
+    `run_gpu.sh w1int4`), so the dequantized weights are the faster default until they are tuned."""
+    return os.environ.get(PACKED_ENV) == "1" and w4a16.usable(device, dtype)
 
 
 def quantize_linears(
