@@ -26,7 +26,7 @@ from worker.engine.engine import Engine
 from worker.engine.kernels import w4a16
 from worker.engine.models import load_model
 from worker.engine.quant.int4 import dequantize
-from worker.engine.quant.int4.linear import Int4LinearModule, Int4Weight, quantize_linears
+from worker.engine.quant.int4.linear import PACKED_ENV, Int4LinearModule, Int4Weight, quantize_linears
 
 CPU = torch.device("cpu")
 
@@ -113,10 +113,13 @@ def test_an_int4_checkpoint_kept_packed_decodes_as_the_dequantized_load(tmp_path
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and w4a16.HAVE_TRITON), reason="needs CUDA, triton")
-def test_gpu_an_int4_checkpoint_stays_packed_on_cuda(tmp_path):
+def test_gpu_an_int4_checkpoint_stays_packed_on_cuda_where_asked(tmp_path, monkeypatch):
     release = build_int4_checkpoint(tmp_path / "gptq", "gptq-act-order")
+    model, _ = load_model(str(release.path), torch.device("cuda"), torch.bfloat16)
+    assert not isinstance(model.model.layers[0].mlp.down_proj, Int4LinearModule), "dequantized by default"
+    monkeypatch.setenv(PACKED_ENV, "1")
     model, tokenizer = load_model(str(release.path), torch.device("cuda"), torch.bfloat16)
-    assert isinstance(model.model.layers[0].mlp.down_proj, Int4LinearModule), "keep_int4 defaults on for CUDA bf16"
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int4LinearModule), f"{PACKED_ENV}=1 keeps it packed"
     dense, _ = load_model(str(release.path), torch.device("cuda"), torch.bfloat16, keep_int4=False)
     reqs = _requests(tokenizer, 4)
     engine = Engine(model, tokenizer, EngineConfig(decoder="owned", max_num_batched_tokens=256))
