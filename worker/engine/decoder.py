@@ -72,6 +72,7 @@ from .layer_ops import ACTIVATIONS, NORM_MATH, NORMS, QK_NORM_SPANS, layer_ops, 
 from .layers.tensor_parallel import Shard, TensorParallel, WholeModel
 from .models import ModelLoadError, family_for
 from .models.moe_from_model import moe_layer_weights
+from .models.vision import VisionLanguageModel
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
 
 
@@ -91,6 +92,8 @@ def _latent_attention_model(model, choice: str, deterministic: bool, tp: TensorP
 
 def unsupported_reason(model) -> str | None:
     """Why the owned decoder cannot run `model` (None: it can)."""
+    if isinstance(model, VisionLanguageModel):  # loaded whole with its images: they run through transformers' forward
+        return f"{type(model.whole).__name__} with its images runs transformers' decoder"
     try:
         family, args = family_for(model.config)
     except ModelLoadError as exc:

@@ -179,3 +179,14 @@ def test_a_vision_checkpoint_cbq_does_not_run_is_refused_naming_those_it_runs(tm
     message = str(info.value)
     assert f"model type {model_type!r} is not supported" in message and "\n" not in message
     assert all(name in message for name in ("qwen2_5_vl", "gemma3", "mistral3"))
+
+
+def test_the_owned_decoder_declines_a_vision_model_in_one_line(checkpoint):
+    """decoder "auto" asks `unsupported_reason` on CUDA before it builds the owned decoder: a vision-language model
+    loaded whole (no `model.rotary_emb` of its own) gets a reason, not an AttributeError (seen on an H100)."""
+    from worker.engine.decoder import unsupported_reason
+    from worker.engine.models import load_model
+
+    model, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
+    assert unsupported_reason(model) == "Mistral3ForConditionalGeneration with its images runs transformers' decoder"
+
