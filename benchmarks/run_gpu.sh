@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -189,6 +189,12 @@ if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixture
     timeout 540 python3 -m pytest -q -s -m gpu tests/worker/engine/test_engine_deepseek_gpu.py tests/worker/engine/test_latent_fp8.py \
         -p no:cacheprovider 2>&1 \
         | tee "$OUT/mla_gpu_tests.log" | tail -25
+fi
+if has visiongpu; then  # issue 50: the vision-language families on CUDA (fp32 vs generate, sync/async, graphs)
+    timeout "${VISION_TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu tests/worker/engine/test_engine_vision_gpu.py \
+        tests/worker/engine/test_engine_qwen3_vl_gpu.py tests/worker/engine/test_engine_gemma3_vision_gpu.py \
+        tests/worker/engine/test_engine_mistral3_vision_gpu.py -p no:cacheprovider --durations=8 2>&1 \
+        | tee "$OUT/vision_gpu_tests.log" | tail -25
 fi
 if has w1mla; then
     bench 540 --model llama3-8b --model deepseek-v2-lite --model moonlight-16b-a3b --workload W1 --mode async \
