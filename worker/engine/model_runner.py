@@ -54,6 +54,7 @@ from .kv_cache import (
     uses_latent_cache,
 )
 from .logits_processing import process_logits, to_device
+from .moe.fp8_experts import expert_format_of
 from .multimodal import ImageEncoder, StepImages, is_vision_model
 from .parallel.messages import Replica
 from .sampler import sample
@@ -155,6 +156,9 @@ class ModelRunner:
             config.deterministic,
             tp=tp,
         )
+        # transformers' forward over FP8 experts runs their emulation (moe/fp8_experts.py), whose per-expert loop
+        # syncs with the host: that model's decode steps cannot be captured (DeepSeek-V3's FP8 fixture on CUDA)
+        self._forward_capturable = self.decoder is not None or expert_format_of(model) is None
 
         # `measured`: the cache's size came from free memory, not --num-kv-blocks (a replica's rank 0 holds the
         # agreed count in its config, so its replica says so).
@@ -209,7 +213,13 @@ class ModelRunner:
         # NOTE: the torch attention reads sequence lengths on the host, so it cannot be captured; nor, untested,
         # the all-reduce of a replica of more than one rank
         one_rank = self.replica is None or self.replica.state.world_size == 1
-        return self.is_cuda and self.config.use_cuda_graphs and self.attn_backend.name == "triton" and one_rank
+        return (
+            self.is_cuda
+            and self.config.use_cuda_graphs
+            and self.attn_backend.name == "triton"
+            and one_rank
+            and self._forward_capturable
+        )
 
     # -- one step ---------------------------------------------------------------------------------
     def launch(self, step: StepDescription) -> StepHandle:

@@ -351,6 +351,22 @@ def test_gpu_prefill(dtype, head_dim, num_heads, num_kv_heads, block_size):
     )
 
 
+def test_prefill_tiles_fit_the_shared_memory_of_an_h100_at_every_head_dim():
+    """The prefill tile of every head width up to the latent cache's (kv_lora 512 + rope 64 = 576, one shared head)
+    stays inside sm_90's 227 KiB: a (64, 32) tile at 576 asked 384 KiB and could not compile on the H100."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for head_dim in (16, 64, 80, 128, 192, 256, 320, 576, 1024):
+            assert at.prefill_shared_memory(head_dim, dtype) <= 227 * 1024, (head_dim, dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_prefill_over_the_latent_cache_width(dtype):
+    # DeepSeek-V2/V3's latent cache through the prefill kernel: one shared head of 576 under 16 query heads
+    check_prefill([70, 9, 300], [50, 4, 1], 16, 1, 576, 16, dtype, "cuda", pad_rows=2)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)

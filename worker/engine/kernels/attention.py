@@ -130,6 +130,12 @@ def _prefill_config(
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for full-size query tiles."""
     # Checked by compiling for sm_90 (ptxas -v): no register spills except fp32 D=128 (~90 B, FMA dots).
     bd = _block_d(head_dim)
+    if bd >= 512:
+        # The latent cache read as one shared head (kv_lora 512 + rope 64 = 576, padded to 1,024): the Q tile and
+        # the staged K and V tiles must fit the H100/H200's 227 KiB of shared memory. (64, 32, 8, 2) asked 384 KiB
+        # there and failed to compile (DeepSeek-V2-Lite's W1, 2026-12-06); 16 x 16 tiles take about 160 KiB in
+        # bf16 with 2 stages, 192 KiB in fp32 with 1 (prefill_shared_memory).
+        return (16, 16, 8, 1) if dtype == torch.float32 else (16, 16, 8, 2)
     if dtype == torch.float32:  # fp32 "ieee" dots run on FMA units: keep register tiles small
         if bd <= 64:
             return 64, 32, 8, 2
@@ -149,6 +155,15 @@ def _prefill_config(
             return 128, 64, 8, 5
         return 128, 64, 8, 3
     return 64, 32, 8, 2
+
+
+def prefill_shared_memory(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of shared memory `_prefill_config`'s tile asks for, as Triton stages it: the Q tile once, the K and V
+    tiles once per stage (an estimate for the sizing test; the compiler adds a little for the page-table loads)."""
+    block_m, block_n, _, stages = _prefill_config(head_dim, dtype)
+    elem = 4 if dtype == torch.float32 else 2
+    bd = _block_d(head_dim)
+    return (block_m * bd + 2 * stages * block_n * bd) * elem
 
 
 def decode_num_splits(
