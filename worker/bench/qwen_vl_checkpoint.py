@@ -124,7 +124,11 @@ QWEN2_5_VL_SHAPES: dict[str, QwenVLShape] = {
             max_position_embeddings=2048,
             rms_norm_eps=1e-6,
             initializer_range=0.25,  # the tiny presets' scale: diverse greedy text
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},  # head_dim 16
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "mrope_section": [2, 3, 3],
+            },  # head_dim 16
             tie_word_embeddings=False,
         ),
         vision=dict(
