@@ -87,3 +87,18 @@ def test_bench_vision_runs_the_tiny_shape_on_the_cpu(tmp_path, mode):
     assert row["ratio"] == pytest.approx(cbq["requests_per_s"] / hf["requests_per_s"])
     assert row["hf_requests_equal"] == 4  # greedy in fp32: left-padded generate equals cbq token for token
     assert row["targets"] == {"ratio": 10.0, "encoder_share_of_run": 0.25}
+
+
+def test_eos_ignored_clears_a_vision_language_models_eos_and_restores_it(tmp_path):
+    import torch
+
+    from worker.bench.common import eos_ignored
+    from worker.bench.qwen_vl_checkpoint import random_qwen2_5_vl
+
+    model = random_qwen2_5_vl("tiny", tmp_path, torch.device("cpu"), torch.float32)
+    text, generation = model.config.get_text_config(), model.generation_config
+    before = text.eos_token_id, generation.eos_token_id
+    assert before[0] is not None and before[1]
+    with eos_ignored(model):  # generate falls back to both: both cleared
+        assert text.eos_token_id is None and generation.eos_token_id is None
+    assert (text.eos_token_id, generation.eos_token_id) == before
