@@ -7,12 +7,13 @@ with random weights (qwen_vl_checkpoint.py: the model is built on the device in 
 config.json, the tokenizer and preprocessor_config.json are written to a temporary folder, no weights), or the
 tests' tiny shape on the CPU.
 
-cbq runs the requests as a worker feeds it (the engine's loop thread started, requests added while it has capacity,
-each one's picture through the checkpoint's image processor at admission, results collected as they come).
-transformers then runs the first `--hf-num-requests` on the same module: the same pictures through the same image
-processor (worker/media/qwen_vl.py: the device has no torchvision, so never AutoProcessor), left-padded batches
-of `--hf-batch-size` into `generate` (greedy, 256 new tokens, no EOS). Its rate is measured first, before the
-engine takes the device's memory for its KV cache; both include the image processing.
+transformers runs the first `--hf-num-requests` first (before the engine takes the device's memory for its KV
+cache): their pictures through the checkpoint's image processor (worker/media/qwen_vl.py, as the engine's admission
+does: the device has no torchvision, so never AutoProcessor), left-padded batches of `--hf-batch-size` into
+`generate` on the same module (greedy, 256 new tokens, no EOS). cbq then runs every request as a worker feeds it
+(the engine's loop thread started, requests added while it has capacity, each one's picture through the image
+processor at admission, results collected as they come, after `--warmup` requests of their own). Both rates
+include the image processing.
 
 The step profile: the vision encoder's device time over cbq's run (CUDA events around each tower call, kept by the
 runner's `ImageEncoder.encode_seconds`) against the decoder's (the steps' device time less the encoder's), and its
@@ -344,9 +345,8 @@ def vision_bench(
         stats = engine.stats()
         encoder = images.encode_seconds - encoder_before
         output_tokens = sum(len(r.token_ids) for r in results.values())
-        prompt_tokens = sum(
-            r.usage.prompt_tokens for r in results.values()
-        )  # image tokens counted, as OpenAI does
+        # image tokens are prompt tokens, as OpenAI counts them
+        prompt_tokens = sum(r.usage.prompt_tokens for r in results.values())
         cbq = _rates(num, output_tokens, wall)
         cbq.update(
             total_tok_s=(output_tokens + prompt_tokens) / wall,
