@@ -4,6 +4,8 @@
 - `queue`: requests/s one worker process moves through Redis, with the instant FakeEngine
 - `e2e`: engine-only vs through-Redis tok/s on the same requests
 - `embed`: W7, bulk embedding, through the embedding engine vs sentence-transformers' `encode`
+- `vision`: W6, a picture and a short prompt a request, through the engine vs transformers' `generate`, with the
+  vision encoder's share of the run
 - `quality`: teacher-forced logits of FP8 weights / FP8 KV vs the model dtype (mean KL, top-1 agreement)
 - `common`: the workloads every benchmark draws from
 
@@ -28,8 +30,9 @@ from producer.lazy_group import LazyGroup
         "e2e": "worker.bench.e2e:e2e_bench",
         "quality": "worker.bench.quality:quality_bench",
         "embed": "worker.bench.embed:embed_bench",
+        "vision": "worker.bench.vision:vision_bench",
     },
 )
 def bench():
     """Benchmarks: engine throughput (GPU or CPU), queue throughput, end-to-end through Redis, FP8 quality,
-    bulk embedding."""
+    bulk embedding, images in bulk."""

@@ -203,3 +203,18 @@ def triton_compiles():
         yield names
     finally:
         knobs.runtime.jit_cache_hook = previous
+
+
+@contextlib.contextmanager
+def eos_ignored(model):
+    """transformers' `generate` on `model` with no end-of-sequence token while the block runs: random weights end
+    requests at random, and the workloads fix every request's length (cbq's `ignore_eos`). generate falls back
+    to the (text) config's and the generation_config's eos for one the call leaves unset, so both are cleared,
+    then restored."""
+    config = model.config.get_text_config()  # a vision-language model's language model names its eos
+    saved = config.eos_token_id, model.generation_config.eos_token_id
+    config.eos_token_id = model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        config.eos_token_id, model.generation_config.eos_token_id = saved

@@ -25,6 +25,7 @@ from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import (
     OFFLINE_WORKLOADS,
     WORKLOADS,
+    eos_ignored,
     make_workload,
     triton_compiles,
     warmup_requests,
@@ -123,29 +124,23 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
     max_new = max(r.sampling.max_new_tokens for r in reqs)
     if output_len_cap:
         max_new = min(max_new, output_len_cap)
-    saved = (
-        model.config._attn_implementation,
-        model.config.eos_token_id,
-        model.generation_config.eos_token_id,
-    )
+    saved = model.config._attn_implementation
     model.set_attn_implementation("paged|sdpa")
-    model.config.eos_token_id = None  # random weights: lengths are fixed by the workload, as for cbq
-    model.generation_config.eos_token_id = None
     try:
-        gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        inputs = [r.prompt_ids for r in reqs]
-        model.generate_batch(
-            inputs=inputs[:2],
-            generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0),
-        )
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outputs = model.generate_batch(inputs=inputs, generation_config=gen)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        with eos_ignored(model):  # random weights: lengths are fixed by the workload, as for cbq
+            gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            inputs = [r.prompt_ids for r in reqs]
+            model.generate_batch(
+                inputs=inputs[:2],
+                generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0),
+            )
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outputs = model.generate_batch(inputs=inputs, generation_config=gen)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
     finally:
-        model.set_attn_implementation(saved[0])
-        model.config.eos_token_id, model.generation_config.eos_token_id = saved[1], saved[2]
+        model.set_attn_implementation(saved)
     out_tokens = sum(len(o.generated_tokens) for o in outputs.values())
     prompt_tokens = sum(len(i) for i in inputs)
     return ModeResult(
