@@ -6,7 +6,7 @@ transformers' Qwen2_5_VLForConditionalGeneration; it runs on decoder "hf" (spec.
 from __future__ import annotations
 
 from .llama import read
-from .spec import Family, NormKind, VisionSpec, llama_layer
+from .spec import Family, MRopeLayout, NormKind, VisionSpec, llama_layer
 
 FAMILY = Family(
     name="qwen2_5_vl",
@@ -18,5 +18,5 @@ FAMILY = Family(
     embed_path="model.language_model.embed_tokens",
     final_norm_path="model.language_model.norm",
     rotary_path="model.language_model.rotary_emb",
-    vision=VisionSpec(model_class="Qwen2_5_VLForConditionalGeneration"),
+    vision=VisionSpec(model_class="Qwen2_5_VLForConditionalGeneration", mrope=MRopeLayout.SECTIONS),
 )

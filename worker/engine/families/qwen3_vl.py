@@ -9,7 +9,7 @@ Qwen3VLForConditionalGeneration; it runs on decoder "hf", whose rotary does the 
 from __future__ import annotations
 
 from .llama import read
-from .spec import Family, NormKind, VisionSpec, llama_layer
+from .spec import Family, MRopeLayout, NormKind, VisionSpec, llama_layer
 
 FAMILY = Family(
     name="qwen3_vl",
@@ -21,5 +21,7 @@ FAMILY = Family(
     embed_path="model.language_model.embed_tokens",
     final_norm_path="model.language_model.norm",
     rotary_path="model.language_model.rotary_emb",
-    vision=VisionSpec(model_class="Qwen3VLForConditionalGeneration", deepstack=True),
+    vision=VisionSpec(
+        model_class="Qwen3VLForConditionalGeneration", deepstack=True, mrope=MRopeLayout.INTERLEAVED
+    ),
 )

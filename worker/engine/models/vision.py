@@ -100,6 +100,13 @@ class VisionLanguageModel(torch.nn.Module):
         return CausalLMOutputWithPast(logits=self.whole.lm_head(out.last_hidden_state[:, keep, :]))
 
 
+def family_root(model: Any) -> Any:
+    """The module a family's paths (families/spec.py `layers_path`, `embed_path`, ...) start from, whose config
+    `family_for` reads and whose output embeddings are the LM head: transformers' whole vision-language model for
+    a `VisionLanguageModel` (the owned decoder runs its language model), else the model itself."""
+    return model.whole if isinstance(model, VisionLanguageModel) else model
+
+
 def load_vision_model(
     name_or_path: str, family: Family, generation_config: Any, dtype: torch.dtype, device: torch.device
 ) -> VisionLanguageModel:
