@@ -27,7 +27,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [rows, D]
 
 @dataclass(frozen=True)
 class ImageInputs:
-    """A step's inputs when image rows are in it, on the device; T counts the step's padding rows too."""
+    """A step's inputs when image rows are in it, on the device; T (the positions') counts the step's padding rows."""
 
     embeds: torch.Tensor  # [T, hidden]: the token embeddings, each image row replaced by its encoder output
     positions: torch.Tensor  # [3, T] int64 M-RoPE positions, or [1, T] for 1-D rotary (padding rows: 0)
@@ -51,7 +51,7 @@ class ImageInputs:
         }
         if self.deepstack:
             assert self.deepstack_rows is not None, "DeepStack features without their rows"
-            mask = torch.zeros(1, self.embeds.shape[0], dtype=torch.bool, device=self.embeds.device)
+            mask = torch.zeros(1, self.positions.shape[1], dtype=torch.bool, device=self.embeds.device)
             mask[0, self.deepstack_rows] = True
             out["visual_pos_masks"] = mask
             out["deepstack_visual_embeds"] = list(self.deepstack)
