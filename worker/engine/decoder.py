@@ -49,6 +49,13 @@ on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up
 write in the QKV GEMM's, and every launch chained by programmatic dependent launch (kernels/pdl.py), so each kernel is
 already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
 
+A vision-language model (Qwen2.5-VL, Qwen3-VL, Mistral 3: `Family.vision`) runs its language model here, read
+through transformers' whole model (models/vision.py `family_root`). A step with image rows passes `ImageInputs`
+(image_inputs.py): its input embeddings replace the token embeddings, its M-RoPE positions become per-token cos/sin
+tables read at rows 0..T-1 (so every rotary kernel runs unchanged), and Qwen3-VL's DeepStack levels join the first
+layers' outputs. Steps without image rows (decodes, their CUDA graphs) run on ids and the 1-D positions the batch
+builder wrote (M-RoPE's three rows are alike outside images: a generated token's index + the request's delta).
+
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
 CUDA-graph capturable. Logits are computed only for the rows asked for.
 """
@@ -56,6 +63,7 @@ CUDA-graph capturable. Logits are computed only for the rows asked for.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -94,9 +102,8 @@ def _latent_attention_model(model, choice: str, deterministic: bool, tp: TensorP
 def unsupported_reason(model) -> str | None:
     """Why the owned decoder cannot run `model` (None: it can). A vision-language model (models/vision.py) is
     asked about its language model, whose paths and config its family names from the whole model."""
-    root = family_root(model)
     try:
-        family, args = family_for(root.config)
+        root, family, args = _family(model)
     except ModelLoadError as exc:
         return str(exc)
     rope_types = getattr(submodule(root, family.rotary_path), "rope_type", "default")
@@ -105,6 +112,14 @@ def unsupported_reason(model) -> str | None:
         if rope_type in RUNTIME_ROPE_TYPES and not runs_it:  # a model changed after loading (the loader refuses it)
             return f"rope type {rope_type!r} changes its frequencies at run time"
     return unimplemented(family, args)
+
+
+def _family(model) -> tuple[Any, Family, DecoderArgs]:
+    """The module the family's paths start from, the family and the numbers it reads: for a vision-language model,
+    transformers' whole model and the family that takes its images (families/registry.py `IMAGE_MODULES`)."""
+    root = family_root(model)
+    family, args = family_for(root.config, images=root is not model)
+    return root, family, args
 
 
 def unimplemented(family: Family, args: DecoderArgs) -> str | None:
@@ -150,12 +165,11 @@ class OwnedDecoder:
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
         config = model.config  # a vision-language model's: its language model's
-        root = family_root(model)  # where the family's paths start
+        root, self.family, self.args = _family(model)  # root: where the family's paths start
         # A tensor-parallel shard (models/shard_model.py): `model` holds this rank's heads and columns, and `tp`
         # sums or gathers between them. None: the whole model is here (TP=1). `shard` is either, as the forward
         # reads it (layers/tensor_parallel.py).
         self.tp = tp
-        self.family, self.args = family_for(root.config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.eps = getattr(config, self.family.norm_eps_field)

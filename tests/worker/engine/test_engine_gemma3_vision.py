@@ -265,3 +265,14 @@ def test_parallel_samples_share_the_images(checkpoint, processor, reference, blo
     (result,) = engine(checkpoint, mode="async", block_size=block_size).generate([req])
     expected = generate(processor, reference, req)
     assert [sample.token_ids for sample in result.samples] == [expected, expected]
+
+
+def test_the_owned_decoder_declines_gemma3_with_images_in_one_line(checkpoint):
+    """Loaded whole with its images, Gemma 3 keeps transformers' decoder: the owned decoder's embedding scale (applied
+    to every row by the first add+norm) would reach the image rows, which transformers leaves unscaled."""
+    from worker.engine.decoder import build_decoder, unsupported_reason
+    from worker.engine.models import load_model
+
+    model, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32, images=True)
+    assert unsupported_reason(model) == "gemma3_vision: images under an embedding scale"
+    assert build_decoder(model, "auto", torch.device("cuda"), 64, False) is None  # "auto" keeps transformers'

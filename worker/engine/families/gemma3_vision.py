@@ -4,7 +4,8 @@ model after a SigLIP vision tower whose patches are average-pooled to `mm_tokens
 prefill an image's tokens attend to each other both ways (transformers' `token_type_ids` mask; multimodal.py).
 
 The whole checkpoint loads as transformers' Gemma3ForConditionalGeneration and runs on decoder "hf"
-(spec.VisionSpec). gemma3.py keeps running the same checkpoints' text alone on the owned decoder (their vision
+(spec.VisionSpec); the owned decoder declines it (its embedding scale, which the first add+norm applies to every
+row, would reach the image rows that transformers leaves unscaled). gemma3.py keeps running the same checkpoints' text alone on the owned decoder (their vision
 weights unread): the loader picks this module when the engine's decoder is transformers' (models/loader.py)."""
 
 from __future__ import annotations

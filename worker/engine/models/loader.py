@@ -294,10 +294,13 @@ def sparse_layers(config, family: Family) -> SparseLayers | None:
     return SparseLayers(prefixes, family.moe, spec_from_config(config))
 
 
-def family_for(config) -> tuple[Family, DecoderArgs]:
+def family_for(config, images: bool = False) -> tuple[Family, DecoderArgs]:
     """The family that runs `config` and the numbers it reads from it; a `ModelLoadError` (one line naming the
-    model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
+    model type or the field) when cbq has no family for it or the family does not implement a value it sets.
+    `images`: the family that runs the checkpoint with its images, where another runs its text alone (Gemma 3)."""
     family = _require_family(config.model_type)
+    if images:
+        family = family_of(str(config.model_type), images=True) or family
     config, _ = _text_model(config, family)
     unhandled = unhandled_fields(config, family) + runtime_rope_fields(config, family)
     try:

@@ -2,7 +2,8 @@
 behind the face of a causal LM whose `config` is its language model's, so that the engine's sizing (KV cache,
 vocabulary, context) reads the text model as for any other family.
 
-Owns nothing beyond the wrapped model. `forward` is the language model's (token ids or input embeddings, with
+Owns nothing beyond the wrapped model. The owned decoder reads the language model's weights through the whole
+model (`family_root`: the family's paths start there). `forward` is transformers' language model's (token ids or input embeddings, with
 cbq's attention metadata, and for DeepStack the features added after its first layers); `encode_images` (the vision
 tower and its projector) and `embed_tokens` are what the engine's image inputs (multimodal.py) run before it;
 `image_format` names the family's image processing, `deepstack_levels` how many DeepStack levels each image row has.
