@@ -214,7 +214,8 @@ class OwnedDecoder:
         # steps with image rows (image_inputs.py); None: 1-D rotary everywhere
         mrope = self.family.vision.mrope if self.family.vision is not None else None
         rotary_dim = tables[None][0].shape[-1] if mrope is not None else 0
-        self.mrope_axes = mrope_axes(mrope, rotary_emb.mrope_section, rotary_dim) if mrope is not None else None
+        axes = mrope_axes(mrope, rotary_emb.mrope_section, rotary_dim) if mrope is not None else None
+        self.mrope_axes = axes.to(self.embed_weight.device) if axes is not None else None
         # Per layer: whether the Triton q/k-norm + rotary + KV-write kernels compute it (else torch ops, that stage).
         self.rope_kernel = [rope_kernel(self.family, rope, self.head_dim) for rope in self.layer_rope]
         # A 0-dim CPU tensor in the model dtype multiplies as Gemma's rounded scale does (as transformers makes

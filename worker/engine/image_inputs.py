@@ -91,7 +91,7 @@ def mrope_rope(
     layer, (cos, sin) [T, D] whose row t is token t's, each dimension from the model's table at the position of
     its row (None stays None: a NoPE layer)."""
     num_tokens = positions.shape[1]
-    rows = positions.index_select(0, axes.to(positions.device)).T.contiguous()  # [T, D]: each dimension's row
+    rows = positions.index_select(0, axes).T.contiguous()  # [T, D]: each dimension's row (axes: on its device)
     tables: dict[int, Rope] = {}  # by table: layers that share one gather it once
     step_rope: list[Rope | None] = []
     for rope in layer_rope:
