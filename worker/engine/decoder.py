@@ -49,9 +49,10 @@ on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up
 write in the QKV GEMM's, and every launch chained by programmatic dependent launch (kernels/pdl.py), so each kernel is
 already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
 
-A vision-language model (Qwen2.5-VL, Qwen3-VL, Mistral 3: `Family.vision`) runs its language model here, read
+A vision-language model (Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3: `Family.vision`) runs its language model here, read
 through transformers' whole model (models/vision.py `family_root`). A step with image rows passes `ImageInputs`
-(image_inputs.py): its input embeddings replace the token embeddings, its M-RoPE positions become per-token cos/sin
+(image_inputs.py): its input embeddings replace the token embeddings (and the embedding scale, which they hold in
+their token rows already), its M-RoPE positions become per-token cos/sin
 tables read at rows 0..T-1 (so every rotary kernel runs unchanged), and Qwen3-VL's DeepStack levels join the first
 layers' outputs. Steps without image rows (decodes, their CUDA graphs) run on ids and the 1-D positions the batch
 builder wrote (M-RoPE's three rows are alike outside images: a generated token's index + the request's delta).
@@ -137,11 +138,7 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
         return f"{family.name}: post-norms on parallel attention and MLP blocks"
     if layer.parallel_blocks and args.residual_scale is not None:
         return f"{family.name}: a residual multiplier on parallel attention and MLP blocks"
-    vision = family.vision
-    if vision is not None and vision.images == "gemma3":
-        # its image rows would take the embedding scale that the first add+norm applies to every row (transformers
-        # scales the token embeddings only); the text alone runs here (families/gemma3.py)
-        return f"{family.name}: images under an embedding scale"
+    vision = family.vision  # every image format's rows, the mask of bidirectional ones included (attention.py)
     if vision is not None and vision.deepstack and (layer.mlp_out_norm is not None or args.residual_scale is not None):
         return f"{family.name}: DeepStack after a post-norm or residual multiplier"
     return None
@@ -292,7 +289,9 @@ class OwnedDecoder:
         residual = None
         # What the next add+norm applies to `hidden` before adding it to the residual: the post-norm of the block
         # that made it and the residual multiplier (the embedding scale, before the first layer).
-        post_norm, scale = None, self.embed_scale
+        # An image step's embeddings come from the model's own embedding module, the scale in its token rows
+        # (Gemma's) and none in its image rows, as transformers feeds them: no scale here then.
+        post_norm, scale = None, self.embed_scale if images is None else None
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
             attn_rows, mlp_rows, down_rows = self.input_rows[layer_idx]
