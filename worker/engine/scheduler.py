@@ -139,7 +139,7 @@ class Scheduler:
                 num_new = self._within_prompt_rows(seq, seq.num_computed_tokens, num_new)
                 if not num_new:
                     continue
-            if seq.images is not None:  # a bidirectional image is computed whole (one token of it too: a chunk)
+            if seq.images is not None:  # a bidirectional image is computed whole (a 1-token chunk too)
                 num_new = seq.images.whole_images(seq.num_computed_tokens, num_new)
                 if not num_new:
                     continue

@@ -236,20 +236,18 @@ def test_done_sequences_do_not_use_the_token_budget():
     assert layout(sched.schedule()) == [("b", 0, 3, True)]
 
 
-def test_a_bidirectional_image_is_never_cut_to_its_first_token():
-    """A running prompt whose next token starts a bidirectional image (Gemma 3) and that the budget leaves one token
-    waits for a step that can compute the image whole: a one-token chunk inside it would attend to keys not yet
-    written (multimodal.py `whole_images`)."""
+def test_a_one_token_chunk_never_starts_a_bidirectional_image():
+    """With one token of budget left, a prompt standing at a bidirectional image's first pad waits for a step that
+    computes the image whole (seen on an H100: Gemma 3 at a 270-token budget ran a 1-token chunk of its image,
+    whose rows then reached keys the step had not written)."""
     import numpy as np
 
     from worker.engine.multimodal import PromptImage, SequenceImages
 
-    image = PromptImage("hash", None, None, start=1, num_tokens=4, layout=None)
-    images = SequenceImages((image,), np.zeros((3, 6), dtype=np.int64), 0, bidirectional=True)
-    sched = make_scheduler(budget=5)
-    decoders = [make_seq(name, 1) for name in "abcd"]
-    g = Sequence("g", [1] * 6, SamplingParams(max_new_tokens=4), seed=0, images=images)
-    add(sched, *decoders, g)
-    assert ("g", 0, 1, False) in layout(step(sched))  # the text before the image
-    plan = step(sched)  # four decodes leave one token of budget: the image waits
-    assert [c.seq.request_id for c in plan.chunks] == ["a", "b", "c", "d"]
+    sched = make_scheduler(budget=4)
+    a, c, d, b = make_seq("a", 1), make_seq("c", 1), make_seq("d", 1), make_seq("b", 20)
+    image = PromptImage("h", None, None, start=1, num_tokens=2, layout=None)
+    b.images = SequenceImages((image,), np.zeros((3, 20), dtype=np.int64), 0, bidirectional=True)
+    add(sched, a, c, d, b)
+    assert layout(step(sched)) == [("a", 0, 1, True), ("c", 0, 1, True), ("d", 0, 1, True), ("b", 0, 1, False)]
+    assert layout(step(sched)) == [("a", 1, 1, True), ("c", 1, 1, True), ("d", 1, 1, True)]
