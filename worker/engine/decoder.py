@@ -49,12 +49,11 @@ on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up
 write in the QKV GEMM's, and every launch chained by programmatic dependent launch (kernels/pdl.py), so each kernel is
 already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
 
-A vision-language model (Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3: `Family.vision`) runs its language model here, read
-through transformers' whole model (models/vision.py `family_root`). A step with image rows passes `ImageInputs`
+A vision-language model (Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3: `Family.vision`) runs its language model here,
+read through transformers' whole model (models/vision.py `family_root`). A step with image rows passes `ImageInputs`
 (image_inputs.py): its input embeddings replace the token embeddings (and the embedding scale, which they hold in
-their token rows already), its M-RoPE positions become per-token cos/sin
-tables read at rows 0..T-1 (so every rotary kernel runs unchanged), and Qwen3-VL's DeepStack levels join the first
-layers' outputs. Steps without image rows (decodes, their CUDA graphs) run on ids and the 1-D positions the batch
+their token rows already), its M-RoPE positions become per-token cos/sin tables read at rows 0..T-1 (so every rotary
+kernel runs unchanged), and Qwen3-VL's DeepStack levels join the first layers' outputs. Steps without image rows (decodes, their CUDA graphs) run on ids and the 1-D positions the batch
 builder wrote (M-RoPE's three rows are alike outside images: a generated token's index + the request's delta).
 
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
@@ -209,10 +208,11 @@ class OwnedDecoder:
         self.head_dim = head_dim_of(config)
         # M-RoPE (a vision-language family's `VisionSpec.mrope`): the position row each rotary dimension reads, for
         # steps with image rows (image_inputs.py); None: 1-D rotary everywhere
+        self.mrope_axes: torch.Tensor | None = None
         mrope = self.family.vision.mrope if self.family.vision is not None else None
-        rotary_dim = tables[None][0].shape[-1] if mrope is not None else 0
-        axes = mrope_axes(mrope, rotary_emb.mrope_section, rotary_dim) if mrope is not None else None
-        self.mrope_axes = axes.to(self.embed_weight.device) if axes is not None else None
+        if mrope is not None:  # the families with M-RoPE keep one rotary table (tables[None])
+            axes = mrope_axes(mrope, rotary_emb.mrope_section, tables[None][0].shape[-1])
+            self.mrope_axes = axes.to(self.embed_weight.device)
         # Per layer: whether the Triton q/k-norm + rotary + KV-write kernels compute it (else torch ops, that stage).
         self.rope_kernel = [rope_kernel(self.family, rope, self.head_dim) for rope in self.layer_rope]
         # A 0-dim CPU tensor in the model dtype multiplies as Gemma's rounded scale does (as transformers makes
