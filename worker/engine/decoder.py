@@ -49,6 +49,13 @@ on sm90+: Triton weight GEMMs (kernels/decode_gemm.py), SiLU·mul in the gate/up
 write in the QKV GEMM's, and every launch chained by programmatic dependent launch (kernels/pdl.py), so each kernel is
 already on the SMs when the one before it finishes. Larger steps keep cuBLAS.
 
+A vision-language model (Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3: `Family.vision`) runs its language model here,
+read through transformers' whole model (models/vision.py `family_root`). A step with image rows passes `ImageInputs`
+(image_inputs.py): its input embeddings replace the token embeddings (and the embedding scale, which they hold in
+their token rows already), its M-RoPE positions become per-token cos/sin tables read at rows 0..T-1 (so every rotary
+kernel runs unchanged), and Qwen3-VL's DeepStack levels join the first layers' outputs. Steps without image rows (decodes, their CUDA graphs) run on ids and the 1-D positions the batch
+builder wrote (M-RoPE's three rows are alike outside images: a generated token's index + the request's delta).
+
 The forward reads no device value on the host and branches only on shapes and host flags, so it is
 CUDA-graph capturable. Logits are computed only for the rows asked for.
 """
@@ -56,6 +63,7 @@ CUDA-graph capturable. Logits are computed only for the rows asked for.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -64,6 +72,7 @@ from .attention_backend import AttentionMetadata
 from .config import DECODE_GEMMS, DECODERS
 from .families.spec import RUNTIME_ROPE_TYPES, DecoderArgs, Family, QKNormSpan, longrope_original_len
 from .fused_weights import LayerWeights, fold_norms, layer_weights, submodule
+from .image_inputs import ImageInputs, mrope_axes, mrope_rope
 from .kernels import decode_gemm
 from .kernels import fused as fk
 from .kv_cache import head_dim_of
@@ -72,7 +81,7 @@ from .layer_ops import ACTIVATIONS, NORM_MATH, NORMS, QK_NORM_SPANS, layer_ops, 
 from .layers.tensor_parallel import Shard, TensorParallel, WholeModel
 from .models import ModelLoadError, family_for
 from .models.moe_from_model import moe_layer_weights
-from .models.vision import VisionLanguageModel
+from .models.vision import family_root
 from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec_from_config
 
 
@@ -91,19 +100,26 @@ def _latent_attention_model(model, choice: str, deterministic: bool, tp: TensorP
 
 
 def unsupported_reason(model) -> str | None:
-    """Why the owned decoder cannot run `model` (None: it can)."""
-    if isinstance(model, VisionLanguageModel):  # loaded whole with its images: they run through transformers' forward
-        return f"{type(model.whole).__name__} with its images runs transformers' decoder"
+    """Why the owned decoder cannot run `model` (None: it can). A vision-language model (models/vision.py) is
+    asked about its language model, whose paths and config its family names from the whole model."""
     try:
-        family, args = family_for(model.config)
+        root, family, args = _family(model)
     except ModelLoadError as exc:
         return str(exc)
-    rope_types = getattr(submodule(model, family.rotary_path), "rope_type", "default")
+    rope_types = getattr(submodule(root, family.rotary_path), "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:  # per layer type
         runs_it = rope_type == "longrope" and family.longrope and not isinstance(rope_types, dict)
         if rope_type in RUNTIME_ROPE_TYPES and not runs_it:  # a model changed after loading (the loader refuses it)
             return f"rope type {rope_type!r} changes its frequencies at run time"
     return unimplemented(family, args)
+
+
+def _family(model) -> tuple[Any, Family, DecoderArgs]:
+    """The module the family's paths start from, the family and the numbers it reads: for a vision-language model,
+    transformers' whole model and the family that takes its images (families/registry.py `IMAGE_MODULES`)."""
+    root = family_root(model)
+    family, args = family_for(root.config, images=root is not model)
+    return root, family, args
 
 
 def unimplemented(family: Family, args: DecoderArgs) -> str | None:
@@ -121,6 +137,9 @@ def unimplemented(family: Family, args: DecoderArgs) -> str | None:
         return f"{family.name}: post-norms on parallel attention and MLP blocks"
     if layer.parallel_blocks and args.residual_scale is not None:
         return f"{family.name}: a residual multiplier on parallel attention and MLP blocks"
+    vision = family.vision  # every image format's rows, the mask of bidirectional ones included (attention.py)
+    if vision is not None and vision.deepstack and (layer.mlp_out_norm is not None or args.residual_scale is not None):
+        return f"{family.name}: DeepStack after a post-norm or residual multiplier"
     return None
 
 
@@ -141,27 +160,27 @@ class OwnedDecoder:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the owned decoder does not support this model: {reason}")
-        config = model.config
+        config = model.config  # a vision-language model's: its language model's
+        root, self.family, self.args = _family(model)  # root: where the family's paths start
         # A tensor-parallel shard (models/shard_model.py): `model` holds this rank's heads and columns, and `tp`
         # sums or gathers between them. None: the whole model is here (TP=1). `shard` is either, as the forward
         # reads it (layers/tensor_parallel.py).
         self.tp = tp
-        self.family, self.args = family_for(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.eps = getattr(config, self.family.norm_eps_field)
         self.norm_math = NORM_MATH[self.family.norm]
         self.parallel_blocks = self.family.layer.parallel_blocks
         fold = self.norm_math.fold
-        self.embed_weight = submodule(model, self.family.embed_path).weight
+        self.embed_weight = submodule(root, self.family.embed_path).weight
         self.shard: Shard = tp if tp is not None else WholeModel(self.embed_weight)
-        self.final_norm = submodule(model, self.family.final_norm_path).weight
+        self.final_norm = submodule(root, self.family.final_norm_path).weight
         self.final_norm = fold(self.final_norm) if fold is not None else self.final_norm
         # the embedding itself when tied; None for a base model without an LM head (an embedding model: worker/embedding
         # runs `final_hidden` only)
-        output_embeddings = model.get_output_embeddings()
+        output_embeddings = root.get_output_embeddings()
         self.lm_head = output_embeddings.weight if output_embeddings is not None else None
-        layers = submodule(model, self.family.layers_path)
+        layers = submodule(root, self.family.layers_path)
         sparse = set(moe_layer_ids(config)) if self.family.moe is not None else set()
         self.layers: list[LayerWeights] = [
             fold_norms(layer_weights(layer, self.family.layer, dense_mlp=i not in sparse), fold)
@@ -171,7 +190,7 @@ class OwnedDecoder:
         sinks = self.family.attention_sinks
         self.layer_sinks = [None if sinks is None else submodule(layer, sinks) for layer in layers]
         num_positions = max(max_model_len, config.max_position_embeddings)
-        rotary_emb = submodule(model, self.family.rotary_path)
+        rotary_emb = submodule(root, self.family.rotary_path)
         longrope_len = longrope_original_len(config)
         if longrope_len is not None:  # one table, read at rows the batch builder offsets per sequence
             layer_types = [None] * len(self.layers)
@@ -187,6 +206,13 @@ class OwnedDecoder:
             None if i in self.args.nope_layers else tables[t] for i, t in enumerate(layer_types)
         ]
         self.head_dim = head_dim_of(config)
+        # M-RoPE (a vision-language family's `VisionSpec.mrope`): the position row each rotary dimension reads, for
+        # steps with image rows (image_inputs.py); None: 1-D rotary everywhere
+        self.mrope_axes: torch.Tensor | None = None
+        mrope = self.family.vision.mrope if self.family.vision is not None else None
+        if mrope is not None:  # the families with M-RoPE keep one rotary table (tables[None])
+            axes = mrope_axes(mrope, rotary_emb.mrope_section, tables[None][0].shape[-1])
+            self.mrope_axes = axes.to(self.embed_weight.device)
         # Per layer: whether the Triton q/k-norm + rotary + KV-write kernels compute it (else torch ops, that stage).
         self.rope_kernel = [rope_kernel(self.family, rope, self.head_dim) for rope in self.layer_rope]
         # A 0-dim CPU tensor in the model dtype multiplies as Gemma's rounded scale does (as transformers makes
@@ -229,11 +255,14 @@ class OwnedDecoder:
         positions: torch.Tensor,
         attn: AttentionMetadata,
         logits_indices: torch.Tensor | None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> logits [R, V] for the rows `logits_indices` (None: all T). `positions`: each
-        token's row of the rotary tables, its position (longrope: offset per sequence, see `longrope_tables`)."""
+        token's row of the rotary tables, its position (longrope: offset per sequence, see `longrope_tables`).
+        `images`: a step with image rows (image_inputs.py): its input embeddings replace the ids', its M-RoPE
+        positions `positions`, and its DeepStack features join the first layers' outputs."""
         assert self.lm_head is not None, "a model without an LM head computes final_hidden only"
-        normed, ops = self.final_hidden(input_ids, positions, attn, logits_indices)
+        normed, ops = self.final_hidden(input_ids, positions, attn, logits_indices, images)
         args = self.args
         logits = self.shard.full_logits(ops.linear(normed, self.lm_head, None))
         return ops.logits_epilogue(logits, args.logits_divisor, args.logits_scale, args.final_softcap)
@@ -244,6 +273,7 @@ class OwnedDecoder:
         positions: torch.Tensor,
         attn: AttentionMetadata,
         rows: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ):
         """The final norm's output [R, hidden] for the rows `rows` (None: all T), as a base model's last hidden
         state, and the ops that computed it. `__call__` puts the LM head on it; an embedding model pools it."""
@@ -251,19 +281,26 @@ class OwnedDecoder:
         if self.small_step_ops is not None and input_ids.shape[0] <= decode_gemm.MAX_TOKENS:
             ops = self.small_step_ops
         args, eps = self.args, self.eps
-        hidden = self.shard.embed(input_ids)
+        hidden = self.shard.embed(input_ids) if images is None else images.embeds
+        layer_rope = self.layer_rope
+        if images is not None and self.mrope_axes is not None:  # per-token tables, read at rows 0..T-1
+            positions, layer_rope = mrope_rope(images.positions, layer_rope, self.mrope_axes, positions.dtype)
+        num_deepstack = len(images.deepstack) if images is not None else 0
         residual = None
         # What the next add+norm applies to `hidden` before adding it to the residual: the post-norm of the block
         # that made it and the residual multiplier (the embedding scale, before the first layer).
-        post_norm, scale = None, self.embed_scale
+        # An image step's embeddings come from the model's own embedding module, the scale in its token rows
+        # (Gemma's) and none in its image rows, as transformers feeds them: no scale here then.
+        post_norm, scale = None, self.embed_scale if images is None else None
         for layer_idx, w in enumerate(self.layers):
             k_cache, v_cache = attn.kv_caches[layer_idx]
             attn_rows, mlp_rows, down_rows = self.input_rows[layer_idx]
             add_norm = ops.add_norm_into(attn_rows)
             normed, residual = add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
             q = self._qkv_rope_write(
-                normed, positions, w, layer_idx, k_cache, v_cache, attn, ops, attn.kv_scale(layer_idx)
-            )
+                normed, positions, layer_rope[layer_idx], w, layer_idx, k_cache, v_cache, attn, ops,
+                attn.kv_scale(layer_idx),
+            )  # fmt: skip
             out = attn.backend.attend(
                 q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
                 sinks=self.layer_sinks[layer_idx],
@@ -286,6 +323,9 @@ class OwnedDecoder:
                 hidden = ops.linear(activated, w.down_weight, w.down_bias)
             hidden = self.shard.row_parallel_out(hidden)  # down's, or the experts' (split by intermediate size)
             post_norm = w.mlp_out_norm
+            if layer_idx < num_deepstack:  # the layer's output with its DeepStack level: the next residual stream
+                assert images is not None
+                hidden, residual = images.add_deepstack(layer_idx, hidden, residual), None
         if rows is not None:  # the final norm is per row: only the rows asked for need it
             assert residual is not None, "a model has at least one layer"
             hidden, residual = hidden[rows], residual[rows]
@@ -310,12 +350,11 @@ class OwnedDecoder:
             )
 
     def _qkv_rope_write(
-        self, normed, positions, w: LayerWeights, layer_idx: int, k_cache, v_cache, attn: AttentionMetadata, ops,
-        kv_scale,
+        self, normed, positions, rope, w: LayerWeights, layer_idx: int, k_cache, v_cache, attn: AttentionMetadata,
+        ops, kv_scale,
     ):
-        """The QKV projection, q/k norms, rotary (the layer's cos/sin tables) and the KV write (`kv_scale`: an FP8
-        cache's (k_scale, v_scale)); returns q [T, H, D]."""
-        rope = self.layer_rope[layer_idx]
+        """The QKV projection, q/k norms, rotary (`rope`: the layer's cos/sin tables, read at `positions`) and the
+        KV write (`kv_scale`: an FP8 cache's (k_scale, v_scale)); returns q [T, H, D]."""
         cos_table, sin_table = rope if rope is not None else (None, None)  # None: a NoPE layer
         kernel = self.use_triton and self.rope_kernel[layer_idx]
         # The rotary + KV-write epilogue: `ops.qkv_rope_write` takes the weight as it is (bf16/fp16 or FP8).

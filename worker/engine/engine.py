@@ -159,8 +159,9 @@ class Engine:
             raise ValueError("Engine.from_model runs one process: build a tensor-parallel engine with build_engine")
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        # Gemma 3 4B-27B load with their images where transformers' decoder runs them (the owned runs their text)
-        images = config.decoder == "hf" or (config.decoder == "auto" and device.type != "cuda")
+        # Gemma 3 4B-27B load whole with their images (either decoder runs them) except under --deterministic,
+        # whose batch-invariant path takes no images: their text alone then (as an FP8 run's, models/loader.py)
+        images = not config.deterministic
         hf_model, tokenizer = load_model(model, device, dtype, config.seed, config.quantization, images=images)
         return cls(hf_model, tokenizer, config)
 

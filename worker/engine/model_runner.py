@@ -139,11 +139,12 @@ class ModelRunner:
             if reason is not None:
                 raise ValueError(f"deterministic mode: {reason}")
         # A vision-language model's vision tower and embeddings cache (None: text only). Its language model runs
-        # on transformers' forward (decoder "hf"): the owned decoder has no M-RoPE yet. Only steps with image rows
-        # take input embeddings and [3, 1, T] positions; the others (decodes: graphs) run on ids and positions.
+        # on the owned decoder where the family's declaration allows (decoder.py `unimplemented`), else on
+        # transformers' forward. Only steps with image rows take input embeddings and M-RoPE positions
+        # (image_inputs.py); the others (decodes: graphs) run on ids and positions.
         self.images = ImageEncoder(model, device) if is_vision_model(model) else None
-        if self.images is not None and (config.decoder == "owned" or config.deterministic or tp is not None):
-            raise ValueError("a vision-language model runs on decoder 'hf' (or 'auto'), one rank, not deterministic")
+        if self.images is not None and (config.deterministic or tp is not None):
+            raise ValueError("a vision-language model runs on one rank, not deterministic")
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,
@@ -516,16 +517,17 @@ class ModelRunner:
         """The model: token ids [T] at positions [T], with this step's attention metadata. Returns the logits of
         the rows `logits_indices` picks ([R, vocab]; 0 keeps them all). `images`: a vision-language model's step
         with images, whose embeddings and M-RoPE positions (multimodal.py) replace the ids and `positions`."""
+        inputs = None
         if images is not None:
             assert self.images is not None, "a step with images on a text-only model"
-            inputs = self.images.inputs(input_ids, images, input_ids.shape[0])  # embeddings, positions, DeepStack
+            inputs = self.images.step_inputs(input_ids, images, input_ids.shape[0])  # embeddings, positions, DeepStack
             attn = self.images.attention(attn, images, input_ids.shape[0])  # a both-ways image's rows: key_limits
-            out = self.model(**inputs, logits_to_keep=logits_indices, use_cache=False, cbq=attn)
-            return out.logits[0]
         if self.decoder is not None:
-            return self.decoder(
-                input_ids, positions, attn, logits_indices if torch.is_tensor(logits_indices) else None
-            )
+            rows = logits_indices if torch.is_tensor(logits_indices) else None
+            return self.decoder(input_ids, positions, attn, rows, images=inputs)
+        if inputs is not None:
+            out = self.model(**inputs.hf_kwargs(), logits_to_keep=logits_indices, use_cache=False, cbq=attn)
+            return out.logits[0]
         out = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],

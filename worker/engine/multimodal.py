@@ -15,7 +15,8 @@ Three owners, one per place the images pass through:
   position each row sees.
 - `ImageEncoder` (the model runner): runs the vision tower batched over the step's images that its cache does
   not hold, keeps their embeddings by content hash (least recently used first out, bounded in bytes), and makes
-  the step's input embeddings: the token embeddings with the image rows put in their places. With DeepStack
+  the step's input embeddings (image_inputs.py `ImageInputs`, for either decoder): the token embeddings with the
+  image rows put in their places. With DeepStack
   (Qwen3-VL) each image row's embedding is cached with its features of every level, and the step's forward also
   takes the features of its image rows, with a mask of where they sit: a row's features depend on its image
   alone and are added to that row only, so a chunk that starts or ends inside an image is exact.
@@ -36,6 +37,8 @@ import torch
 from worker.media.gemma3 import Gemma3Images
 from worker.media.pixtral import PixtralImages
 from worker.media.qwen_vl import ImageGrid, QwenVLImages
+
+from .image_inputs import ImageInputs
 
 ImageFormat = QwenVLImages | Gemma3Images | PixtralImages
 # The image formats, by the name a family's `VisionSpec.images` gives (models/vision.py keeps it on the model).
@@ -243,23 +246,21 @@ class ImageEncoder:
         self._seconds = 0.0  # the tower's device time, of the runs whose events were read
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: runs not read yet
 
-    def inputs(self, input_ids: torch.Tensor, step: StepImages, num_tokens: int) -> dict[str, Any]:
-        """The model's forward arguments for the step's `input_ids` [num_tokens]: `inputs_embeds` [1, num_tokens,
-        hidden], `position_ids` ([3, 1, num_tokens] for M-RoPE, else [1, num_tokens]; padding rows past the real
-        tokens sit at position 0), and with DeepStack `visual_pos_masks` [1, num_tokens] (the image rows) and
-        `deepstack_visual_embeds` (per level, the image rows' features in row order; models/vision.py)."""
+    def step_inputs(self, input_ids: torch.Tensor, step: StepImages, num_tokens: int) -> ImageInputs:
+        """The language model's inputs for the step's `input_ids` [num_tokens] (image_inputs.py): the token
+        embeddings with the image rows' put in their places, the positions ([3, T] for M-RoPE, else [1, T];
+        padding rows past the real tokens sit at position 0), and with DeepStack the image rows (in row order) and
+        their features of each level."""
         embeddings = self._embeddings(step)
         embeds = self.model.embed_tokens(input_ids)
-        out: dict[str, Any] = {}
+        rows = None
+        deepstack: tuple[torch.Tensor, ...] = ()
         if step.spans:
             spans = sorted(step.spans, key=lambda s: s.step_row)  # DeepStack's features are taken in row order
             rows = torch.cat([torch.arange(s.step_row, s.step_row + s.num_rows) for s in spans]).to(self.device)
             values = torch.cat([embeddings[s.content_hash][s.embed_row : s.embed_row + s.num_rows] for s in spans])
             if values.ndim == 3:  # [rows, 1 + levels, hidden]: the embeddings, then each DeepStack level
-                mask = torch.zeros(1, num_tokens, dtype=torch.bool, device=self.device)
-                mask[0, rows] = True
-                out["visual_pos_masks"] = mask
-                out["deepstack_visual_embeds"] = [level.to(embeds.dtype) for level in values[:, 1:].unbind(1)]
+                deepstack = tuple(level.to(embeds.dtype) for level in values[:, 1:].unbind(1))
                 values = values[:, 0]
             embeds = embeds.index_copy(0, rows, values.to(embeds.dtype))
         positions = np.zeros((3, num_tokens), dtype=np.int64)
@@ -267,10 +268,11 @@ class ImageEncoder:
         host = torch.from_numpy(positions if self.processor.mrope else positions[:1])
         if self.device.type == "cuda":
             host = host.pin_memory()
-        position_ids = host.to(self.device, non_blocking=True)
-        out["inputs_embeds"] = embeds[None]
-        out["position_ids"] = position_ids[:, None] if self.processor.mrope else position_ids
-        return out
+        return ImageInputs(embeds, host.to(self.device, non_blocking=True), rows if deepstack else None, deepstack)
+
+    def inputs(self, input_ids: torch.Tensor, step: StepImages, num_tokens: int) -> dict[str, Any]:
+        """`step_inputs` as transformers' forward takes them (`ImageInputs.hf_kwargs`)."""
+        return self.step_inputs(input_ids, step, num_tokens).hf_kwargs()
 
     def attention(self, attn: Any, step: StepImages, num_tokens: int) -> Any:
         """The step's attention metadata (attention_backend.AttentionMetadata), with `key_limits` [num_tokens]

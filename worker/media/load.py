@@ -44,7 +44,7 @@ IMAGE_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl", "gemma3", "mistral3", "qwen3
 
 def text_only_refusal(model_name: str) -> str:
     runs = ", ".join(IMAGE_MODEL_TYPES) if IMAGE_MODEL_TYPES else "no model this cbq runs yet"
-    return f"{model_name} takes text only: images run on {runs} (gemma3 on decoder 'hf')"
+    return f"{model_name} takes text only: images run on {runs} (gemma3 unquantized, not under --deterministic)"
 
 
 @dataclass(frozen=True)

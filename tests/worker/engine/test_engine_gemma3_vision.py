@@ -3,7 +3,9 @@ release-shaped checkpoint (tests/fixtures/vision_checkpoints.py `build_gemma3_vi
 tokens equal `Gemma3ForConditionalGeneration.generate` on `Gemma3Processor`'s inputs (its `token_type_ids`: an
 image's tokens attend both ways in prefill), sync and async, with chunked prefill around images, preemption, and the
 prefix cache on and off (a shared image shares blocks, a cached prefix may end inside an image; another image with
-the same text does not match)."""
+the same text does not match), on both decoders ("hf" and the owned one: the image rows as input embeddings, the
+token rows' embedding scale from the model's own embedding module, the image's rows attending both ways through
+the attention's key limits)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from worker.engine.api import EngineImage, EngineRequest, ErrorCode, FinishReaso
 from worker.engine.engine import Engine
 from worker.media.gemma3 import Gemma3Images
 from worker.media.load import content_hash
+
+from .test_engine_vision import DECODERS
 
 MAX_NEW = 8
 
@@ -98,7 +102,10 @@ def generate(processor, model, req: EngineRequest, bidirectional: bool = True) -
 
 
 def engine(checkpoint, **config) -> Engine:
-    return Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
+    eng = Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
+    if "decoder" in config:
+        assert (eng.runner.decoder is not None) == (config["decoder"] == "owned")
+    return eng
 
 
 def mixed_requests(processor) -> list[EngineRequest]:
@@ -130,11 +137,12 @@ def test_image_tokens_attend_both_ways_in_generate(processor, reference):
     assert generate(processor, reference, req) != generate(processor, reference, req, bidirectional=False)
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_images_equal_generate(checkpoint, processor, reference, mode):
+def test_images_equal_generate(checkpoint, processor, reference, mode, decoder):
     reqs = mixed_requests(processor)
-    eng = engine(checkpoint, mode=mode)
-    assert eng.accepts_images and eng.runner.decoder is None  # decoder "hf" takes the images
+    eng = engine(checkpoint, mode=mode, decoder=decoder)
+    assert eng.accepts_images
     results = eng.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.finish_reason != FinishReason.ERROR, result.error
@@ -142,11 +150,12 @@ def test_images_equal_generate(checkpoint, processor, reference, mode):
     assert results[0].usage.prompt_tokens == processor_inputs(processor, reqs[0])["input_ids"].shape[1]
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_chunked_prefill_never_cuts_an_image(checkpoint, processor, reference, mode):
+def test_chunked_prefill_never_cuts_an_image(checkpoint, processor, reference, mode, decoder):
     # 270 tokens a step: the two-image prompt (~540 tokens) and its neighbours are chunked around the images
     reqs = mixed_requests(processor)[:3]
-    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=270, enable_prefix_caching=False)
+    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=270, enable_prefix_caching=False, decoder=decoder)
     results = eng.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate(processor, reference, req), req.request_id
@@ -162,22 +171,26 @@ def test_an_image_longer_than_the_token_budget_is_refused(checkpoint, processor)
     assert results[1].finish_reason != FinishReason.ERROR
 
 
-def test_preemption_recomputes_the_images(checkpoint, processor, reference):
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_preemption_recomputes_the_images(checkpoint, processor, reference, decoder):
     reqs = [
         request(processor, f"r{i}", f"look {i}", [picture((100, 70), i)], max_new_tokens=48, min_tokens=48)
         for i in range(2)
     ]
     # each prompt (281 tokens) takes 18 blocks of 16 and grows to 21: 37 blocks admit both, not both whole
-    eng = engine(checkpoint, mode="async", num_kv_blocks=38, block_size=16, enable_prefix_caching=False)
+    eng = engine(
+        checkpoint, mode="async", num_kv_blocks=38, block_size=16, enable_prefix_caching=False, decoder=decoder
+    )
     results = eng.generate(reqs)
     assert eng.stats().num_preemptions > 0
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate(processor, reference, req), req.request_id
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize(("prefix_caching", "block_size"), [(True, 16), (True, 128), (False, 16)])
 def test_prefix_cache_shares_an_image_and_never_matches_another(
-    checkpoint, processor, reference, prefix_caching, block_size
+    checkpoint, processor, reference, prefix_caching, block_size, decoder
 ):
     a, b = picture((100, 70), 0), picture((100, 70), 9)
     text = "a long shared question about the picture"
@@ -185,7 +198,7 @@ def test_prefix_cache_shares_an_image_and_never_matches_another(
     same = request(processor, "same", text, [a], after="and what else?", max_new_tokens=6)
     other = request(processor, "other", text, [b], after="and what else?")
     assert first.prompt_ids == other.prompt_ids
-    eng = engine(checkpoint, mode="sync", block_size=block_size, enable_prefix_caching=prefix_caching)
+    eng = engine(checkpoint, mode="sync", block_size=block_size, enable_prefix_caching=prefix_caching, decoder=decoder)
     expected = [generate(processor, reference, r) for r in (first, same, other)]
     assert expected[0] != expected[2]
     got, cached = [], []
@@ -207,8 +220,9 @@ def test_prefix_cache_shares_an_image_and_never_matches_another(
         assert cached[2] <= image_start
 
 
-def test_owned_decoder_runs_the_text_alone(checkpoint, processor):
-    eng = engine(checkpoint, decoder="owned")
+def test_a_deterministic_run_takes_the_text_alone(checkpoint, processor):
+    # the batch-invariant path takes no images: the checkpoint's language model loads alone (families/gemma3.py)
+    eng = engine(checkpoint, decoder="owned", deterministic=True)
     assert not eng.accepts_images
     text = mixed_requests(processor)[2]
     image = mixed_requests(processor)[0]
@@ -265,3 +279,4 @@ def test_parallel_samples_share_the_images(checkpoint, processor, reference, blo
     (result,) = engine(checkpoint, mode="async", block_size=block_size).generate([req])
     expected = generate(processor, reference, req)
     assert [sample.token_ids for sample in result.samples] == [expected, expected]
+

@@ -1,14 +1,13 @@
-"""Gemma 3 with images on the CUDA path (decoder "hf": transformers' layers, cbq's paged attention; steps holding an
-image's rows attend through the torch reference, the others through the Triton kernels and decode graphs; the
-SigLIP tower on the GPU): in fp32, greedy tokens equal `generate` on the same device, and decoder "auto" runs the
-checkpoint's text alone on the owned decoder. Run on the GPU machine; skipped without CUDA."""
+"""Gemma 3 with images on the CUDA path (decoder "hf": transformers' layers, cbq's paged attention; "auto": the owned
+decoder; steps holding an image's rows attend through the torch reference, the others through the Triton kernels
+and decode graphs; the SigLIP tower on the GPU): in fp32, greedy tokens equal `generate` on the same device. Run on
+the GPU machine; skipped without CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from worker.engine.api import FinishReason
 from worker.engine.engine import Engine
 
 from .test_engine_gemma3_vision import (  # noqa: F401 - fixtures and helpers
@@ -37,23 +36,18 @@ def generate_cuda(processor, model, req) -> list[int]:  # noqa: F811
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
+@pytest.mark.parametrize("decoder", ["hf", "auto"])  # "auto": the owned decoder on CUDA
 @pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 270)])
-def test_images_equal_generate_on_cuda(checkpoint, processor, reference_cuda, mode, budget):  # noqa: F811
+def test_images_equal_generate_on_cuda(checkpoint, processor, reference_cuda, mode, budget, decoder):  # noqa: F811
     reqs = mixed_requests(processor)
     engine = Engine.from_model(
-        str(checkpoint.path), device="cuda", dtype="float32", decoder="hf", mode=mode,
+        str(checkpoint.path), device="cuda", dtype="float32", decoder=decoder, mode=mode,
         max_num_batched_tokens=budget, num_kv_blocks=256,
     )  # fmt: skip
-    assert engine.runner.decoder is None and engine.runner.images is not None
+    assert (engine.runner.decoder is not None) == (decoder == "auto") and engine.runner.images is not None
+    assert len(engine.runner.graphs) > 0  # decode steps replay graphs
     results = engine.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate_cuda(processor, reference_cuda, req), req.request_id
     assert engine.runner.images.encode_seconds > 0
 
-
-def test_decoder_auto_runs_the_text_alone_on_cuda(checkpoint, processor):  # noqa: F811
-    engine = Engine.from_model(str(checkpoint.path), device="cuda", dtype="float32", num_kv_blocks=256)
-    assert engine.runner.decoder is not None and not engine.accepts_images
-    text, image = mixed_requests(processor)[2], mixed_requests(processor)[0]
-    results = engine.generate([text, image])
-    assert results[0].finish_reason != FinishReason.ERROR and "takes text only" in (results[1].error or "")

@@ -3,7 +3,8 @@ tiny release-shaped checkpoint (tests/fixtures/vision_checkpoints.py `build_mist
 tokens equal `Mistral3ForConditionalGeneration.generate` on the inputs PixtralProcessor makes (the PIL image
 processor pads the request's images into one batch; the text is expanded here by the processor's rule, since
 PixtralProcessor itself cannot be imported without torchvision), sync and async, chunked prefill through an image
-and its row breaks, and the prefix cache on and off."""
+and its row breaks, and the prefix cache on and off, on both decoders ("hf" and the owned one, whose language model
+is Mistral's with 1-D rotary: image rows as input embeddings)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from worker.engine.api import EngineImage, EngineRequest, FinishReason, Sampling
 from worker.engine.engine import Engine
 from worker.media.load import content_hash
 from worker.media.pixtral import PixtralImages
+
+from .test_engine_vision import DECODERS
 
 MAX_NEW = 8
 
@@ -94,7 +97,10 @@ def generate(checkpoint, tokenizer, model, req: EngineRequest) -> list[int]:
 
 
 def engine(checkpoint, **config) -> Engine:
-    return Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
+    eng = Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
+    if "decoder" in config:
+        assert (eng.runner.decoder is not None) == (config["decoder"] == "owned")
+    return eng
 
 
 def mixed_requests(tokenizer) -> list[EngineRequest]:
@@ -117,11 +123,12 @@ def test_expansion_equals_the_processors(checkpoint, tokenizer):
             assert checkpoint.token_ids["[IMG_BREAK]"] in expected and checkpoint.token_ids["[IMG_END]"] in expected
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_images_equal_generate(checkpoint, tokenizer, reference, mode):
+def test_images_equal_generate(checkpoint, tokenizer, reference, mode, decoder):
     reqs = mixed_requests(tokenizer)
-    eng = engine(checkpoint, mode=mode)
-    assert eng.accepts_images and eng.runner.decoder is None
+    eng = engine(checkpoint, mode=mode, decoder=decoder)
+    assert eng.accepts_images
     results = eng.generate(reqs)
     expected = [generate(checkpoint, tokenizer, reference, req) for req in reqs]
     assert expected[0] != expected[2]  # the picture shows in the output
@@ -131,25 +138,29 @@ def test_images_equal_generate(checkpoint, tokenizer, reference, mode):
     assert results[0].usage.prompt_tokens == processor_inputs(checkpoint, tokenizer, reqs[0])["input_ids"].shape[1]
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_chunked_prefill_splits_inside_an_image(checkpoint, tokenizer, reference, mode):
+def test_chunked_prefill_splits_inside_an_image(checkpoint, tokenizer, reference, mode, decoder):
     # 7 tokens a step: every image region (its rows and breaks) is cut by chunk boundaries
     reqs = mixed_requests(tokenizer)[:2]
-    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=7, enable_prefix_caching=False)
+    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=7, enable_prefix_caching=False, decoder=decoder)
     results = eng.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate(checkpoint, tokenizer, reference, req), req.request_id
     assert eng.runner.images is not None and eng.runner.images.num_encoded == 3
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, tokenizer, reference, prefix_caching):
+def test_prefix_cache_shares_an_image_and_never_matches_another(
+    checkpoint, tokenizer, reference, prefix_caching, decoder
+):
     a, b = picture((100, 70), 0), picture((100, 70), 9)
     text = "a long shared question about the picture, written out so that several blocks fill before it"
     first = request(tokenizer, "first", text, [a], after="and what else?")
     same = request(tokenizer, "same", text, [a], after="and what else?", max_new_tokens=6)
     other = request(tokenizer, "other", text, [b], after="and what else?")
-    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=prefix_caching)
+    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=prefix_caching, decoder=decoder)
     expected = [generate(checkpoint, tokenizer, reference, r) for r in (first, same, other)]
     assert expected[0] != expected[2]
     got, cached = [], []
@@ -181,12 +192,17 @@ def test_a_vision_checkpoint_cbq_does_not_run_is_refused_naming_those_it_runs(tm
     assert all(name in message for name in ("qwen2_5_vl", "gemma3", "mistral3"))
 
 
-def test_the_owned_decoder_declines_a_vision_model_in_one_line(checkpoint):
+def test_the_owned_decoder_reads_a_vision_model_through_its_whole(checkpoint):
     """decoder "auto" asks `unsupported_reason` on CUDA before it builds the owned decoder: a vision-language model
-    loaded whole (no `model.rotary_emb` of its own) gets a reason, not an AttributeError (seen on an H100)."""
-    from worker.engine.decoder import unsupported_reason
+    loaded whole (no `model.rotary_emb` of its own: an AttributeError on an H100 once) is read through transformers'
+    whole model, whose paths its family names (models/vision.py `family_root`)."""
+    from worker.engine.decoder import OwnedDecoder, unsupported_reason
     from worker.engine.models import load_model
 
     model, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
-    assert unsupported_reason(model) == "Mistral3ForConditionalGeneration with its images runs transformers' decoder"
+    assert unsupported_reason(model) is None
+    decoder = OwnedDecoder(model, 64, use_triton=False)
+    language_model = model.whole.model.language_model
+    assert decoder.embed_weight.data_ptr() == language_model.embed_tokens.weight.data_ptr()
+    assert decoder.lm_head is model.whole.lm_head.weight and decoder.mrope_axes is None  # Mistral: 1-D rotary
 

@@ -3,8 +3,8 @@ release-shaped checkpoint (tests/fixtures/vision_checkpoints.py `build_qwen3_vl`
 equal `Qwen3VLForConditionalGeneration.generate` on the processor's inputs, sync and async, with chunked prefill
 through an image (DeepStack's features added at the chunk's image rows only), preemption, an evicted embedding, and
 the prefix cache on and off (a shared image and text prefix shares blocks; the same text with another image does
-not). The fixture's DeepStack levels and interleaved M-RoPE sections both change `generate`'s output, so an engine
-that left either out fails here."""
+not), on both decoders ("hf" and the owned one: test_engine_vision.py `DECODERS`). The fixture's DeepStack levels
+and interleaved M-RoPE sections both change `generate`'s output, so an engine that left either out fails here."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from worker.engine.api import EngineRequest, FinishReason
 from worker.engine.multimodal import step_images
 from worker.media.qwen_vl import QwenVLImages
 
-from .test_engine_vision import engine, generate, picture, request
+from .test_engine_vision import DECODERS, engine, generate, picture, request
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +75,12 @@ def test_fixture_exercises_deepstack_and_interleaved_mrope(checkpoint, reference
     assert [generate(checkpoint, reference, r) for r in reqs] == expected
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_images_equal_generate(checkpoint, reference, mode):
+def test_images_equal_generate(checkpoint, reference, mode, decoder):
     reqs = mixed_requests(checkpoint)
-    eng = engine(checkpoint, mode=mode)
-    assert eng.accepts_images and eng.runner.decoder is None  # decoder "hf" takes the images
+    eng = engine(checkpoint, mode=mode, decoder=decoder)
+    assert eng.accepts_images
     assert eng.runner.model.deepstack_levels == 2
     results = eng.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
@@ -97,25 +98,29 @@ def test_parallel_samples_share_the_images(checkpoint, reference):
     assert [sample.token_ids for sample in result.samples] == [expected, expected]
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode):
+def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode, decoder):
     # 7 tokens a step: every image (24 and more tokens) is cut by several chunk boundaries, each chunk taking its
     # rows' DeepStack features
     reqs = mixed_requests(checkpoint)[:2]
-    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=7, enable_prefix_caching=False)
+    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=7, enable_prefix_caching=False, decoder=decoder)
     results = eng.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate(checkpoint, reference, req), req.request_id
     assert eng.runner.images is not None and eng.runner.images.num_encoded == 3  # each image encoded once
 
 
-def test_preemption_recomputes_the_images(checkpoint, reference):
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_preemption_recomputes_the_images(checkpoint, reference, decoder):
     # each grows to ~60 tokens (8 blocks of 8) where the cache holds 15 blocks: the running ones preempt each other
     reqs = [
         request(checkpoint, f"r{i}", f"look {i}", [picture((200, 140), i)], max_new_tokens=24, min_tokens=24)
         for i in range(3)
     ]
-    eng = engine(checkpoint, mode="async", num_kv_blocks=16, block_size=8, enable_prefix_caching=False)
+    eng = engine(
+        checkpoint, mode="async", num_kv_blocks=16, block_size=8, enable_prefix_caching=False, decoder=decoder
+    )
     results = eng.generate(reqs)
     assert eng.stats().num_preemptions > 0
     for req, result in zip(reqs, results, strict=True):
@@ -133,15 +138,16 @@ def test_an_evicted_embedding_is_encoded_again(checkpoint, reference):
     assert eng.runner.images.num_encoded > 3
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, reference, prefix_caching):
+def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, reference, prefix_caching, decoder):
     a, b = picture((200, 140), 0), picture((200, 140), 9)  # the same size: the same pads, another picture
     text = "a long shared question about the picture, written out so that several blocks fill before it"
     first = request(checkpoint, "first", text, [a], after="and what else?")
     same = request(checkpoint, "same", text, [a], after="and what else?", max_new_tokens=7)
     other = request(checkpoint, "other", text, [b], after="and what else?")
     assert first.prompt_ids == other.prompt_ids  # only the pictures differ
-    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=prefix_caching)
+    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=prefix_caching, decoder=decoder)
     expected = [generate(checkpoint, reference, r) for r in (first, same, other)]
     assert expected[0] != expected[2]  # the picture shows in the output
     got = []
@@ -160,7 +166,8 @@ def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, refe
         assert cached == [0, 0, 0]
 
 
-def test_a_prefix_hit_that_ends_inside_an_image(checkpoint, reference):
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_prefix_hit_that_ends_inside_an_image(checkpoint, reference, decoder):
     # the two prompts share the text and the image (48 tokens) and part ways after it; with the image's end inside
     # a block, the second request's cached blocks end inside the image: its first chunk starts mid-image and takes
     # the image's embeddings and DeepStack rows from there
@@ -172,7 +179,9 @@ def test_a_prefix_hit_that_ends_inside_an_image(checkpoint, reference):
         if (pad_start + 48) % 8 not in (0, 7):  # the block that holds the image's end is not shared whole
             break
     second = request(checkpoint, "second", text, [a], after="another, longer question about it")
-    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=True, max_num_batched_tokens=5)
+    eng = engine(
+        checkpoint, mode="sync", block_size=8, enable_prefix_caching=True, max_num_batched_tokens=5, decoder=decoder
+    )
     (r1,) = eng.generate([first])
     (r2,) = eng.generate([second])
     assert pad_start < r2.usage.cached_tokens < pad_start + 48  # the hit ends inside the image

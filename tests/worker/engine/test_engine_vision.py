@@ -2,7 +2,8 @@
 checkpoint (tests/fixtures/vision_checkpoints.py): in fp32 on the CPU, greedy tokens equal
 `Qwen2_5_VLForConditionalGeneration.generate` on the processor's inputs, sync and async, with chunked prefill
 through an image, preemption, and the prefix cache on and off (a shared image and text prefix shares blocks; the
-same text with another image does not)."""
+same text with another image does not), on both decoders: transformers' forward ("hf") and the owned decoder
+(image rows as input embeddings, M-RoPE tables per token: image_inputs.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from worker.media.load import content_hash
 from worker.media.qwen_vl import QwenVLImages
 
 MAX_NEW = 10
+DECODERS = ["hf", "owned"]  # the language model's forward: transformers' or the owned decoder (CPU: forced)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,11 @@ def generate(checkpoint, model, req: EngineRequest) -> list[int]:
 
 
 def engine(checkpoint, **config) -> Engine:
-    return Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
+    """An fp32 CPU engine on the checkpoint; with `decoder` ("hf" or "owned"), asserts which one runs."""
+    eng = Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
+    if "decoder" in config:
+        assert (eng.runner.decoder is not None) == (config["decoder"] == "owned")
+    return eng
 
 
 def mixed_requests(checkpoint) -> list[EngineRequest]:
@@ -101,11 +107,12 @@ def mixed_requests(checkpoint) -> list[EngineRequest]:
     ]
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_images_equal_generate(checkpoint, reference, mode):
+def test_images_equal_generate(checkpoint, reference, mode, decoder):
     reqs = mixed_requests(checkpoint)
-    eng = engine(checkpoint, mode=mode)
-    assert eng.accepts_images and eng.runner.decoder is None  # decoder "hf" takes the images
+    eng = engine(checkpoint, mode=mode, decoder=decoder)
+    assert eng.accepts_images
     results = eng.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.finish_reason != FinishReason.ERROR, result.error
@@ -128,11 +135,12 @@ def test_parallel_samples_share_the_images(checkpoint, reference):
     assert [sample.token_ids for sample in result.samples] == [expected, expected]
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode):
+def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode, decoder):
     # 7 tokens a step: every image (8 and more tokens) is cut by at least one chunk boundary
     reqs = mixed_requests(checkpoint)[:2]
-    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=7, enable_prefix_caching=False)
+    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=7, enable_prefix_caching=False, decoder=decoder)
     results = eng.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate(checkpoint, reference, req), req.request_id
@@ -140,13 +148,16 @@ def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode):
     assert 0 < eng.runner.images.encode_seconds < eng.stats().busy_seconds  # the tower's share of the steps
 
 
-def test_preemption_recomputes_the_images(checkpoint, reference):
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_preemption_recomputes_the_images(checkpoint, reference, decoder):
     # each grows to ~80 tokens (10 blocks of 8) where the cache holds 15 blocks: the running ones preempt each other
     reqs = [
         request(checkpoint, f"r{i}", f"look {i}", [picture((100, 70), i)], max_new_tokens=24, min_tokens=24)
         for i in range(3)
     ]
-    eng = engine(checkpoint, mode="async", num_kv_blocks=16, block_size=8, enable_prefix_caching=False)
+    eng = engine(
+        checkpoint, mode="async", num_kv_blocks=16, block_size=8, enable_prefix_caching=False, decoder=decoder
+    )
     results = eng.generate(reqs)
     assert eng.stats().num_preemptions > 0
     for req, result in zip(reqs, results, strict=True):
@@ -164,15 +175,16 @@ def test_an_evicted_embedding_is_encoded_again(checkpoint, reference):
     assert eng.runner.images.num_encoded > 3
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, reference, prefix_caching):
+def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, reference, prefix_caching, decoder):
     a, b = picture((100, 70), 0), picture((100, 70), 9)  # the same size: the same pads, another picture
     text = "a long shared question about the picture, written out so that several blocks fill before it"
     first = request(checkpoint, "first", text, [a], after="and what else?")
     same = request(checkpoint, "same", text, [a], after="and what else?", max_new_tokens=7)
     other = request(checkpoint, "other", text, [b], after="and what else?")
     assert first.prompt_ids == other.prompt_ids  # only the pictures differ
-    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=prefix_caching)
+    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=prefix_caching, decoder=decoder)
     expected = [generate(checkpoint, reference, r) for r in (first, same, other)]
     assert expected[0] != expected[2]  # the picture shows in the output
     got = []
@@ -206,9 +218,12 @@ def test_bad_image_requests_fail_alone(checkpoint):
     assert all(r.error_code == ErrorCode.INVALID_PROMPT for r in results[1:])
 
 
-def test_owned_decoder_is_refused_for_images(checkpoint):
-    with pytest.raises(ValueError, match="decoder 'hf'"):
-        engine(checkpoint, decoder="owned")
+def test_decoder_choice_for_images(checkpoint):
+    # "auto" keeps transformers' forward on the CPU (as for text models) and takes the owned decoder on CUDA
+    # (test_engine_vision_gpu.py); neither takes a deterministic run's batch-invariant path with images
+    assert engine(checkpoint, decoder="auto").runner.decoder is None
+    with pytest.raises(ValueError, match="a vision-language model runs on one rank, not deterministic"):
+        engine(checkpoint, decoder="owned", deterministic=True)
 
 
 def test_pixels_are_dropped_once_cached_and_made_again_after_an_eviction(checkpoint):

@@ -38,14 +38,16 @@ def generate_cuda(checkpoint, model, req) -> list[int]:  # noqa: F811
         del model.generate
 
 
+@pytest.mark.parametrize("decoder", ["hf", "auto"])  # "auto": the owned decoder on CUDA
 @pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 7)])
-def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget):  # noqa: F811
+def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget, decoder):  # noqa: F811
     reqs = mixed_requests(checkpoint)
     engine = Engine.from_model(
         str(checkpoint.path), device="cuda", dtype="float32", mode=mode, max_num_batched_tokens=budget,
-        num_kv_blocks=256,
+        num_kv_blocks=256, decoder=decoder,
     )  # fmt: skip
-    assert engine.runner.decoder is None and engine.runner.images is not None
+    assert (engine.runner.decoder is not None) == (decoder == "auto") and engine.runner.images is not None
+    assert len(engine.runner.graphs) > 0  # decode steps replay graphs at the positions the batch builder wrote
     results = engine.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
         assert result.token_ids == generate_cuda(checkpoint, reference_cuda, req), req.request_id

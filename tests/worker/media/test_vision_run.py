@@ -141,9 +141,9 @@ def test_cbq_run_answers_a_responses_line_with_an_input_image(tmp_path):
     assert response["usage"]["input_tokens"] == prompt_len  # the image's tokens count
 
 
-def test_cbq_run_takes_gemma3_images_unless_the_owned_decoder_runs_it(tmp_path):
-    """--decoder picks what a Gemma 3 4B-27B checkpoint runs: transformers' decoder (auto off CUDA) takes its
-    images; the owned decoder runs its text alone and fails an image line alone, naming what takes images."""
+def test_cbq_run_takes_gemma3_images_unless_the_run_is_deterministic(tmp_path):
+    """Either decoder takes a Gemma 3 4B-27B checkpoint's images (transformers' under auto off CUDA, the owned one);
+    --deterministic runs its text alone and fails an image line alone, naming what takes images."""
     from tests.fixtures.vision_checkpoints import build_gemma3_vision
 
     checkpoint = build_gemma3_vision(tmp_path / "gemma3")
@@ -155,17 +155,22 @@ def test_cbq_run_takes_gemma3_images_unless_the_owned_decoder_runs_it(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     statuses = {}
-    for decoder in ("auto", "owned"):
-        out = tmp_path / f"{decoder}.jsonl"
+    for run in ("auto", "owned", "deterministic"):
+        out = tmp_path / f"{run}.jsonl"
         args = ["run", str(source), "-o", str(out), "--format", "openai", "--model", str(checkpoint.path)]
-        flags = ["--device", "cpu", "--dtype", "float32", "--served-model-name", "qwen-vl", "--decoder", decoder]
+        flags = ["--device", "cpu", "--dtype", "float32", "--served-model-name", "qwen-vl"]
+        flags += ["--decoder", "owned", "--deterministic"] if run == "deterministic" else ["--decoder", run]
         ran = CliRunner().invoke(main, [*args, *flags])
         responses = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
-        statuses[decoder] = {cid: line["response"]["status_code"] for cid, line in responses.items()}
-        if decoder == "owned":
+        statuses[run] = {cid: line["response"]["status_code"] for cid, line in responses.items()}
+        if run == "deterministic":
             assert ran.exit_code == 2, ran.output  # a request failed
             error = responses["image"]["response"]["body"]["error"]["message"]
             assert "takes text only: images run on qwen2_5_vl, gemma3" in error
         else:
             assert ran.exit_code == 0, ran.output
-    assert statuses == {"auto": {"image": 200, "text": 200}, "owned": {"image": 400, "text": 200}}
+    assert statuses == {
+        "auto": {"image": 200, "text": 200},
+        "owned": {"image": 200, "text": 200},
+        "deterministic": {"image": 400, "text": 200},
+    }

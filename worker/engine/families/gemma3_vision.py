@@ -3,9 +3,11 @@ model after a SigLIP vision tower whose patches are average-pooled to `mm_tokens
 (`mm_soft_emb_norm`, `mm_input_projection_weight`) into the places of each image's `<image_soft_token>`s. In
 prefill an image's tokens attend to each other both ways (transformers' `token_type_ids` mask; multimodal.py).
 
-The whole checkpoint loads as transformers' Gemma3ForConditionalGeneration and runs on decoder "hf"
-(spec.VisionSpec). gemma3.py keeps running the same checkpoints' text alone on the owned decoder (their vision
-weights unread): the loader picks this module when the engine's decoder is transformers' (models/loader.py)."""
+The whole checkpoint loads as transformers' Gemma3ForConditionalGeneration; its language model runs on the owned
+decoder (an image step's embeddings come from the model's own embedding module, the scale in the token rows only;
+the image rows' both-ways attention through the attention's key limits) or on decoder "hf" (spec.VisionSpec).
+gemma3.py runs the same checkpoints' text alone (their vision weights unread) under --deterministic or
+--quantization: the loader picks this module otherwise (models/loader.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 encoder (2-D rotary patches, each image attending within itself), whose patches are merged 2x2 and projected into
 the places of the prompt's `[IMG]` tokens (a row of them per row of merged patches, closed by `[IMG_BREAK]`, the
 image by `[IMG_END]`: worker/media/pixtral.py). The whole checkpoint loads as transformers'
-Mistral3ForConditionalGeneration; it runs on decoder "hf" (spec.VisionSpec)."""
+Mistral3ForConditionalGeneration; its language model (Mistral's, 1-D rotary) runs on the owned decoder, the image
+rows as input embeddings, or on decoder "hf" (spec.VisionSpec)."""
 
 from __future__ import annotations
 

@@ -4,12 +4,13 @@ rotary frequencies, `mrope_section` of each), after a ViT of 16-pixel patches wh
 places of the prompt's image pads. DeepStack: the merged features of some of the tower's blocks
 (`deepstack_visual_indexes`) are added to the outputs of the first decoder layers at the image's rows
 (spec.VisionSpec.deepstack; models/vision.py, multimodal.py). The whole checkpoint loads as transformers'
-Qwen3VLForConditionalGeneration; it runs on decoder "hf", whose rotary does the interleaving."""
+Qwen3VLForConditionalGeneration; its language model runs on the owned decoder (the interleaving and DeepStack:
+image_inputs.py) or on decoder "hf", whose rotary does the interleaving."""
 
 from __future__ import annotations
 
 from .llama import read
-from .spec import Family, NormKind, VisionSpec, llama_layer
+from .spec import Family, MRopeLayout, NormKind, VisionSpec, llama_layer
 
 FAMILY = Family(
     name="qwen3_vl",
@@ -21,5 +22,7 @@ FAMILY = Family(
     embed_path="model.language_model.embed_tokens",
     final_norm_path="model.language_model.norm",
     rotary_path="model.language_model.rotary_emb",
-    vision=VisionSpec(model_class="Qwen3VLForConditionalGeneration", deepstack=True),
+    vision=VisionSpec(
+        model_class="Qwen3VLForConditionalGeneration", deepstack=True, mrope=MRopeLayout.INTERLEAVED
+    ),
 )

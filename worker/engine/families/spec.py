@@ -147,17 +147,29 @@ class DecoderArgs:
     nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3, Cohere 2's global layers)
 
 
+class MRopeLayout(str, Enum):
+    """Which of the three M-RoPE position rows (temporal, height, width) each rotary frequency j (of D/2) reads,
+    with the rotary module's `mrope_section` (s0, s1, s2), s0 + s1 + s2 = D/2; the second half of the head repeats
+    the first (image_inputs.py `mrope_axes`)."""
+
+    SECTIONS = "sections"  # Qwen2-VL, Qwen2.5-VL: j < s0 temporal, then s1 height, then s2 width
+    INTERLEAVED = "interleaved"  # Qwen3-VL: height where j % 3 == 1 and j < 3 s1, width where j % 3 == 2 and j < 3 s2
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """A vision-language family's image side. The whole checkpoint loads as transformers' `model_class`; its
-    vision tower runs as transformers wrote it, and its language model runs on decoder "hf" (transformers' layers
-    with cbq's paged attention): the owned decoder has no multimodal rotary yet."""
+    vision tower runs as transformers wrote it, and its language model runs on the owned decoder (image rows as
+    input embeddings, `mrope` and `deepstack` below; image_inputs.py) or on decoder "hf" (transformers' layers
+    with cbq's paged attention)."""
 
     model_class: str  # transformers' class of the whole checkpoint
     images: str = "qwen_vl"  # its image processing: multimodal.IMAGE_FORMATS ("qwen_vl", "gemma3", "pixtral")
     # DeepStack (Qwen3-VL): the tower also returns the merged features of some of its blocks, one level each, and
     # level i is added to decoder layer i's output at the image's rows (models/vision.py, multimodal.py).
     deepstack: bool = False
+    # Multimodal rotary positions (the image format's positions are [3, T]); None: 1-D rotary (Pixtral, Gemma 3)
+    mrope: MRopeLayout | None = None
 
 
 @dataclass(frozen=True)

@@ -151,9 +151,9 @@ def load_model(
     where Triton's interpreter runs the kernels; elsewhere the CPU keeps its experts in the model dtype.
     `keep_int4`: an INT4 checkpoint's linears stay packed (`Int4LinearModule`, the W4A16 GEMMs) rather than
     dequantized; None: where the W4A16 kernels run (CUDA, bf16/fp16). The tests set it on the CPU (the twin runs).
-    `images`: a multimodal checkpoint whose family runs its text alone on the owned decoder (Gemma 3 4B-27B)
-    loads whole with its vision tower instead, where its folder holds preprocessor_config.json
-    (families/registry.py `IMAGE_MODULES`; decoder "hf" runs it).
+    `images`: a multimodal checkpoint whose family runs its text alone (Gemma 3 4B-27B) loads whole with its vision
+    tower instead, where its folder holds preprocessor_config.json and the run is unquantized
+    (families/registry.py `IMAGE_MODULES`; either decoder runs it).
 
     Raises `ModelLoadError` for a missing path, a folder that holds no checkpoint, an unsupported
     architecture, quantization or config value, custom code (`auto_map`), or files that cannot be read (a
@@ -182,15 +182,15 @@ def load_model(
         config = _load_config(name_or_path)
         quant = _quantization(config, quantization)
         family, _ = family_for(config)  # before reading any weights
-        if images and os.path.exists(os.path.join(name_or_path, "preprocessor_config.json")):
+        if images and quant is None and os.path.exists(os.path.join(name_or_path, "preprocessor_config.json")):
             # the family that takes the checkpoint's images, where another runs its text alone (a folder without
-            # the image processor's file keeps to the text)
+            # the image processor's file keeps to the text, and so does a quantized run: images run unquantized)
             family = family_of(str(config.model_type), images=True) or family
         fp8_experts = fp8_expert_format(config, family, quant) if keep_fp8_experts else None
         _check_fit(config, family, device, dtype, fp8_experts)
         text_config, key_mapping = _text_model(config, family)
         if family.vision is not None and quant is not None:
-            raise ModelLoadError(f"{family.name} runs unquantized (decoder 'hf', which takes its images)")
+            raise ModelLoadError(f"{family.name} runs unquantized (with its images)")
         try:
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
@@ -294,10 +294,13 @@ def sparse_layers(config, family: Family) -> SparseLayers | None:
     return SparseLayers(prefixes, family.moe, spec_from_config(config))
 
 
-def family_for(config) -> tuple[Family, DecoderArgs]:
+def family_for(config, images: bool = False) -> tuple[Family, DecoderArgs]:
     """The family that runs `config` and the numbers it reads from it; a `ModelLoadError` (one line naming the
-    model type or the field) when cbq has no family for it or the family does not implement a value it sets."""
+    model type or the field) when cbq has no family for it or the family does not implement a value it sets.
+    `images`: the family that runs the checkpoint with its images, where another runs its text alone (Gemma 3)."""
     family = _require_family(config.model_type)
+    if images:
+        family = family_of(str(config.model_type), images=True) or family
     config, _ = _text_model(config, family)
     unhandled = unhandled_fields(config, family) + runtime_rope_fields(config, family)
     try:

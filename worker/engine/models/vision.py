@@ -2,7 +2,8 @@
 behind the face of a causal LM whose `config` is its language model's, so that the engine's sizing (KV cache,
 vocabulary, context) reads the text model as for any other family.
 
-Owns nothing beyond the wrapped model. `forward` is the language model's (token ids or input embeddings, with
+Owns nothing beyond the wrapped model. The owned decoder reads the language model's weights through the whole
+model (`family_root`: the family's paths start there). `forward` is transformers' language model's (token ids or input embeddings, with
 cbq's attention metadata, and for DeepStack the features added after its first layers); `encode_images` (the vision
 tower and its projector) and `embed_tokens` are what the engine's image inputs (multimodal.py) run before it;
 `image_format` names the family's image processing, `deepstack_levels` how many DeepStack levels each image row has.
@@ -98,6 +99,13 @@ class VisionLanguageModel(torch.nn.Module):
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return CausalLMOutputWithPast(logits=self.whole.lm_head(out.last_hidden_state[:, keep, :]))
+
+
+def family_root(model: Any) -> Any:
+    """The module a family's paths (families/spec.py `layers_path`, `embed_path`, ...) start from, whose config
+    `family_for` reads and whose output embeddings are the LM head: transformers' whole vision-language model for
+    a `VisionLanguageModel` (the owned decoder runs its language model), else the model itself."""
+    return model.whole if isinstance(model, VisionLanguageModel) else model
 
 
 def load_vision_model(
