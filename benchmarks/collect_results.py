@@ -5,6 +5,7 @@ python3 benchmarks/collect_results.py DIR [DIR ...]
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
     # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, w1_int4.json, w2_int4.json, fp8_quality.json,
     # w1_fp8_step.json, w1_moe_fp8.json, w5.json, w1_trace_results.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log),
+    # w1_mla.json, w2_mla.json, w6_qwen2_5_vl_7b.json, w7_qwen3_embedding_8b.json, w7_bert_large.json,
     # notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
@@ -97,13 +98,34 @@ COMMANDS.update({
 FAMILY_RUNS = {"gemma3": "gemma3-12b", "phi4": "phi4-14b"}  # entry suffix -> preset; the reference is llama3-8b
 
 
-def family_entries(workload: str, run: dict) -> dict:
+# issue 47: the latent-attention shapes, each against Llama-3-8B in the same process (run_gpu.sh w1mla / w2mla)
+MLA = "--model llama3-8b --model deepseek-v2-lite --model moonlight-16b-a3b --mode async --max-model-len 8192"
+COMMANDS.update({
+    "W1_mla": f"python3 -m worker.bench engine {MLA} --workload W1 --max-num-seqs 32 --max-num-batched-tokens 2048",
+    "W2_mla": f"python3 -m worker.bench engine {MLA} --workload W2 --max-num-seqs 1024 --max-num-batched-tokens 8192",
+    "W6": "python3 -m worker.bench vision --shape qwen2.5-vl-7b --num N --output-len 256 --hf-num-requests M --mode async",
+    "W7": "python3 -m worker.bench embed --shape qwen3-embedding-8b --num N --reference-num M",
+})
+MLA_RUNS = {"deepseek_v2_lite": "deepseek-v2-lite", "moonlight": "moonlight-16b-a3b"}
+# issues 50 and 48: `bench vision` / `bench embed` write rows of their own; the entry is the file's row
+ROW_RUNS = {"W6": "w6_qwen2_5_vl_7b.json", "W7": "w7_qwen3_embedding_8b.json", "W7_bert": "w7_bert_large.json"}
+
+
+def row_entry(run: dict) -> dict:
+    """A `bench vision` or `bench embed` run's one row, with its command, date and GPU."""
+    entry = dict(run["rows"][0])
+    entry.update(command=run.get("command"), date=run.get("date"), device=run.get("gpu"))
+    return entry
+
+
+def family_entries(workload: str, run: dict, runs: dict[str, str] = FAMILY_RUNS) -> dict:
     """`W1_gemma3`, `W1_phi4`, ... from one several-model `bench engine` run: each model's async numbers, the
-    Llama-3-8B run of the same process, and the floor ratio over Llama's (issue 24 asks within 10%)."""
+    Llama-3-8B run of the same process, and the floor ratio over Llama's (issue 24 asks within 10%). `runs`: entry
+    suffix -> preset (MLA_RUNS for issue 47's shapes)."""
     by_model = {r["extra"].get("model"): r for r in run["results"].values()}
     llama = by_model.get("llama3-8b")
     out = {}
-    for suffix, preset in FAMILY_RUNS.items():
+    for suffix, preset in runs.items():
         r = by_model.get(preset)
         if r is None:
             continue
@@ -251,21 +273,28 @@ def main(srcs: list[Path]) -> dict:
     fp8_runs = {name: load(file) for name, file in PRECISION_RUNS.items()}  # FP8 and INT4 weights vs bf16
     fp8_step = load(FP8_STEP_RUN[1])
     offline, traced = load(OFFLINE_RUN[1]), load(TRACE_RUN[1])
+    mla_runs = {w: load(f"{w.lower()}_mla.json") for w in ("W1", "W2")}
+    row_runs = {name: load(file) for name, file in ROW_RUNS.items()}
     first = (
         w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
         or family_runs["W1"] or family_runs["W2"] or fp8_runs["W1_fp8"] or fp8_runs["W2_fp8"] or fp8_step
         or fp8_runs["W1_int4"] or fp8_runs["W2_int4"]
-        or offline or traced
+        or offline or traced or mla_runs["W1"] or mla_runs["W2"]
     )  # fmt: skip
     if first is None:
-        return {}
+        rows = [r for r in row_runs.values() if r]
+        if not rows:
+            return {}
+        first = {"device": rows[0]["gpu"], "torch": rows[0]["torch"], "date": rows[0].get("date"),
+                 "copy_bandwidth_bytes_s": None}  # fmt: skip
     out = {
         "device": first["device"],
         "torch": first["torch"],
         "date": max(
             r["date"]
-            for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values(), fp8_step, offline, traced)
-            if r
+            for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values(), fp8_step, offline, traced,
+                      *mla_runs.values(), first)
+            if r and r.get("date")
         ),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
         "commands": COMMANDS,
@@ -337,6 +366,12 @@ def main(srcs: list[Path]) -> dict:
     for workload, families in family_runs.items():  # issue 24
         if families:
             out.update(family_entries(workload, families))
+    for workload, mla in mla_runs.items():  # issue 47
+        if mla:
+            out.update(family_entries(workload, mla, MLA_RUNS))
+    for name, run in row_runs.items():  # issues 48 and 50
+        if run:
+            out[name] = row_entry(run)
     for name, run in determinism_runs.items():  # issue 32: the price of batch invariance
         if run:
             out[name] = determinism_entry(run)

@@ -429,6 +429,14 @@ def cos_sin_table(
     return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
 
 
+def _auto_owned(model: Any) -> bool:
+    """Whether "auto" takes the owned decoder on CUDA. A vision-language model's text stack runs on it exactly on the
+    CPU (images, M-RoPE, DeepStack), but its CUDA path has not yet run on a GPU: "auto" keeps transformers' layers
+    for it until the vision GPU tests (`run_gpu.sh visiongpu`) have; `--decoder owned` takes it now."""
+    vision = getattr(model.config, "vision_config", None) is not None
+    return not vision and unsupported_reason(model) is None
+
+
 def build_decoder(
     model,
     choice: str,
@@ -469,7 +477,7 @@ def build_decoder(
                 "batch): use decoder 'auto' or 'owned'"
             )
         choice = "owned"
-    if tp is None and (choice == "hf" or (choice == "auto" and (device.type != "cuda" or unsupported_reason(model)))):
+    if tp is None and (choice == "hf" or (choice == "auto" and (device.type != "cuda" or not _auto_owned(model)))):
         return None
     small_step_gemm = gemm != "cublas" and use_triton and decode_gemm.usable(device, model.dtype)
     if gemm == "triton" and not small_step_gemm:

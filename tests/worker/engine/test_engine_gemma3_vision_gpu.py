@@ -1,4 +1,4 @@
-"""Gemma 3 with images on the CUDA path (decoder "hf": transformers' layers, cbq's paged attention; "auto": the owned
+"""Gemma 3 with images on the CUDA path (decoder "hf": transformers' layers, cbq's paged attention; "owned": the owned
 decoder; steps holding an image's rows attend through the torch reference, the others through the Triton kernels
 and decode graphs; the SigLIP tower on the GPU): in fp32, greedy tokens equal `generate` on the same device. Run on
 the GPU machine; skipped without CUDA."""
@@ -36,7 +36,7 @@ def generate_cuda(processor, model, req) -> list[int]:  # noqa: F811
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("decoder", ["hf", "auto"])  # "auto": the owned decoder on CUDA
+@pytest.mark.parametrize("decoder", ["hf", "owned"])
 @pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 270)])
 def test_images_equal_generate_on_cuda(checkpoint, processor, reference_cuda, mode, budget, decoder):  # noqa: F811
     reqs = mixed_requests(processor)
@@ -44,7 +44,7 @@ def test_images_equal_generate_on_cuda(checkpoint, processor, reference_cuda, mo
         str(checkpoint.path), device="cuda", dtype="float32", decoder=decoder, mode=mode,
         max_num_batched_tokens=budget, num_kv_blocks=256,
     )  # fmt: skip
-    assert (engine.runner.decoder is not None) == (decoder == "auto") and engine.runner.images is not None
+    assert (engine.runner.decoder is not None) == (decoder == "owned") and engine.runner.images is not None
     assert len(engine.runner.graphs) > 0  # decode steps replay graphs
     results = engine.generate(reqs)
     for req, result in zip(reqs, results, strict=True):

@@ -28,7 +28,7 @@ def reference_cuda(checkpoint):  # noqa: F811 - the imported fixture
     return Mistral3ForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).cuda().eval()
 
 
-@pytest.mark.parametrize("decoder", ["hf", "auto"])  # "auto": the owned decoder on CUDA
+@pytest.mark.parametrize("decoder", ["hf", "owned"])
 @pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 7)])
 def test_images_equal_generate_on_cuda(checkpoint, tokenizer, reference_cuda, mode, budget, decoder):  # noqa: F811
     reqs = mixed_requests(tokenizer)
@@ -36,7 +36,7 @@ def test_images_equal_generate_on_cuda(checkpoint, tokenizer, reference_cuda, mo
         str(checkpoint.path), device="cuda", dtype="float32", mode=mode, max_num_batched_tokens=budget,
         num_kv_blocks=256, decoder=decoder,
     )  # fmt: skip
-    assert (engine.runner.decoder is not None) == (decoder == "auto") and engine.runner.images is not None
+    assert (engine.runner.decoder is not None) == (decoder == "owned") and engine.runner.images is not None
     assert len(engine.runner.graphs) > 0  # decode steps replay graphs at the positions the batch builder wrote
     results = engine.generate(reqs)
     for req, result in zip(reqs, results, strict=True):

@@ -25,7 +25,7 @@ def reference_cuda(checkpoint):  # noqa: F811 - the imported fixture
     return Qwen3VLForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).cuda().eval()
 
 
-@pytest.mark.parametrize("decoder", ["hf", "auto"])  # "auto": the owned decoder on CUDA
+@pytest.mark.parametrize("decoder", ["hf", "owned"])
 @pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 7)])
 def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget, decoder):  # noqa: F811
     reqs = mixed_requests(checkpoint)
@@ -33,7 +33,7 @@ def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget,
         str(checkpoint.path), device="cuda", dtype="float32", mode=mode, max_num_batched_tokens=budget,
         num_kv_blocks=256, decoder=decoder,
     )  # fmt: skip
-    assert (engine.runner.decoder is not None) == (decoder == "auto") and engine.runner.images is not None
+    assert (engine.runner.decoder is not None) == (decoder == "owned") and engine.runner.images is not None
     assert len(engine.runner.graphs) > 0  # decode steps replay graphs at the positions the batch builder wrote
     assert engine.runner.model.deepstack_levels == 2
     results = engine.generate(reqs)

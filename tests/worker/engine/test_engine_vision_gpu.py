@@ -38,7 +38,7 @@ def generate_cuda(checkpoint, model, req) -> list[int]:  # noqa: F811
         del model.generate
 
 
-@pytest.mark.parametrize("decoder", ["hf", "auto"])  # "auto": the owned decoder on CUDA
+@pytest.mark.parametrize("decoder", ["hf", "owned"])
 @pytest.mark.parametrize(("mode", "budget"), [("sync", 8192), ("async", 8192), ("async", 7)])
 def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget, decoder):  # noqa: F811
     reqs = mixed_requests(checkpoint)
@@ -46,7 +46,7 @@ def test_images_equal_generate_on_cuda(checkpoint, reference_cuda, mode, budget,
         str(checkpoint.path), device="cuda", dtype="float32", mode=mode, max_num_batched_tokens=budget,
         num_kv_blocks=256, decoder=decoder,
     )  # fmt: skip
-    assert (engine.runner.decoder is not None) == (decoder == "auto") and engine.runner.images is not None
+    assert (engine.runner.decoder is not None) == (decoder == "owned") and engine.runner.images is not None
     assert len(engine.runner.graphs) > 0  # decode steps replay graphs at the positions the batch builder wrote
     results = engine.generate(reqs)
     for req, result in zip(reqs, results, strict=True):
