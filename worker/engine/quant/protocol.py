@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -149,8 +149,25 @@ class UnquantizedLinearMethod(LinearMethod):
 UNQUANTIZED = UnquantizedLinearMethod()
 
 
+def check_entries(loaded: TensorSlice, split: ParamSplit, weight_shape: tuple[int, int], what: str) -> None:
+    """Checkpoint tensor `loaded` is the whole weight's [N, K] (`weight_shape`) along each dim the parameter splits
+    by (its entries' count there), else a rank's slice of a tensor of other sizes would pass unnoticed."""
+    shape = loaded.get_shape()
+    for dim, size, block in ((split.output_dim, weight_shape[0], split.output_block), (split.input_dim, weight_shape[1], split.input_block)):
+        if dim is not None and dim < len(shape) and shape[dim] != split.entries(size, block):
+            raise LinearLoadError(f"{what}: checkpoint shape {shape}, expected {split.entries(size, block)} along dim {dim}")
+
+
+class ConvertsSlices(Protocol):
+    """What `load_parameter` asks of a method: a linear's (`LinearMethod`) or a layer of experts' (moe/protocol.py)."""
+
+    def load_tensor(
+        self, layer: nn.Module, name: str, tensor: torch.Tensor, what: str, part: tuple[int, int]
+    ) -> torch.Tensor: ...
+
+
 def load_parameter(
-    method: LinearMethod,
+    method: ConvertsSlices,
     layer: nn.Module,
     name: str,
     loaded: TensorSlice,
@@ -161,16 +178,19 @@ def load_parameter(
     rows: slice,
     cols: slice,
     shard_index: int = 0,
+    into: torch.Tensor | None = None,
 ) -> None:
     """Copies the part of checkpoint tensor `loaded` (named `what`) that this layer holds into its parameter
     `name`. `weight_shape`: the checkpoint weight's [N, K] that `loaded` belongs to (one logical output's);
     `rows`, `cols`: the rows and columns of that weight this layer holds; `shard_index`: which of the layer's
-    logical outputs they are (their rows go after the earlier outputs')."""
+    logical outputs they are (their rows go after the earlier outputs'). `into`: the part of the parameter that
+    `loaded` belongs in, where that is not the whole (one expert's slice of a layer of experts' stacked parameter,
+    split as one expert's linear is)."""
     param = layer.get_parameter(name)
     split = split_of(param)
     prefix = what.rpartition(".")[0]
     index: list[Any] = [slice(None)] * len(loaded.get_shape())
-    dst = param.data
+    dst = param.data if into is None else into
     if split.output_dim is not None:
         src_rows = split.mapped(rows, weight_shape[0], split.output_block, prefix, "rows")
         before = sum(split.entries(size, split.output_block) for size in sizes.output_sizes[:shard_index])
