@@ -86,9 +86,9 @@ def stack_expert_linears(
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertFp8Scales]:
     """Each expert's (gate, up, down) block-wise FP8 linears as a release ships them (`read(e)`), read by the FP8
     expert method through the one expert loader (layers/experts.py) from a Qwen3-MoE layer's tensors."""
+    from worker.engine.checkpoint import ModelSource
     from worker.engine.families.registry import family_of
     from worker.engine.layers.experts import load_experts
-    from worker.engine.models.shard_build import ModelSource
     from worker.engine.parallel.group import ParallelState
     from worker.engine.quant.config import BlockFp8Config
     from worker.engine.quant.methods import LinearMethods

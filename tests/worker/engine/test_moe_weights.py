@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from worker.engine.checkpoint import ModelSource
 from worker.engine.families.gpt_oss import FAMILY as GPT_OSS
 from worker.engine.layers.experts import load_expert_shard
-from worker.engine.models.shard_build import ModelSource
 from worker.engine.moe import load_moe_layer, spec_from_config
 from worker.engine.moe.mxfp4 import E2M1_TABLE, dequantize_mxfp4
 from worker.engine.parallel.group import ParallelState
@@ -151,7 +151,7 @@ def test_load_errors_name_the_tensor():
     bad = dict(state)
     bad["model.layers.0.mlp.experts.down_proj"] = bad["model.layers.0.mlp.experts.down_proj"][:, :, :-1]
     with pytest.raises(
-        ValueError, match=r"checkpoint tensor model.layers.0.mlp.experts.down_proj has shape \(64, 47\)"
+        ValueError, match=r"model.layers.0.mlp.experts.down_proj: checkpoint shape \[64, 47\], expected 48 along dim 1"
     ):
         load_moe_layer(bad, "model.layers.0", spec, torch.float32, "cpu")
     no_experts = {k: v for k, v in state.items() if "experts" not in k}

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.engine.checkpoint import ModelSource
 from worker.engine.families.gpt_oss import FAMILY as GPT_OSS
 from worker.engine.families.mixtral import FAMILY as MIXTRAL
 from worker.engine.layers.experts import load_expert_shard
-from worker.engine.models.shard_build import ModelSource
 from worker.engine.moe.mxfp4 import dequantize_mxfp4
 from worker.engine.moe.spec import MoeSpec
 from worker.engine.parallel.group import ParallelState

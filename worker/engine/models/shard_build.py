@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
+from ..checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint
 from ..families.spec import Family, LayerSpec, MlaSpec, QKNormSpan
 from ..fused_weights import submodule
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -37,30 +37,6 @@ from ..parallel.memory import head_shard, shard_for
 from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import UNQUANTIZED_MODEL, Fp8LinearMethod, LinearMethods, fp8_linear_of, fp8_parts
 from .errors import ModelLoadError, one_line
-
-
-class ModelSource:
-    """Tensors by checkpoint name from a state dict (a preset built in memory), read like a checkpoint."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return _TensorSlice(self.tensors[name])
-
-
-class _TensorSlice:
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.tensor[index]
 
 
 def shard_config(config: Any, state: ParallelState) -> Any:

@@ -5,9 +5,10 @@ holds them in the transformers model (`fp8_experts`) and their grouped GEMMs (`t
 the decoder owns the layers' weights and one `MoeWorkspace`."""
 
 from .forward import moe_forward
+from .loader import load_moe_layer
 from .spec import Activation, MoeSpec, RouterScoring, dense_intermediate_size, moe_layer_ids, spec_from_config
 from .triton_moe import LaunchConfig, MoeWorkspace
-from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights, load_moe_layer
+from .weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights
 
 __all__ = [
     "Activation",

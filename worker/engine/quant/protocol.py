@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import TensorSlice
+from ..checkpoint import TensorSlice, WholeTensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SPLIT_ATTR = "cbq_split"  # the attribute a parameter's ParamSplit is kept under
@@ -209,19 +209,6 @@ def load_parameter(
     if not fits:
         raise LinearLoadError(f"{what}: the checkpoint's slice {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
     dst.copy_(tensor.reshape(dst.shape))
-
-
-class WholeTensor:
-    """A tensor in memory read like a checkpoint slice."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.tensor[index]
 
 
 def checkpoint_name(name: str, param: torch.Tensor) -> str:
