@@ -32,7 +32,7 @@ from ..quant.fp8 import (
     quantize_weight_per_channel,
 )
 from ..quant.methods import Fp8LinearMethod
-from .protocol import ExpertMethod
+from .protocol import ExpertMethod, expert_sizes
 from .spec import MoeSpec
 
 SCALE_BYTES = 4  # every scale is kept in fp32
@@ -148,8 +148,9 @@ class Fp8ExpertMethod(ExpertMethod):
         self.format = fmt
 
     def kernel_scales(self, layer: nn.Module) -> ExpertFp8Scales:
-        sizes = layer.expert_sizes
-        scales = ExpertFp8Scales(layer.gate_up_scale.data, layer.down_scale.data, self.format)
+        sizes = expert_sizes(layer)
+        gate_up, down = layer.get_parameter("gate_up_scale").data, layer.get_parameter("down_scale").data
+        scales = ExpertFp8Scales(gate_up, down, self.format)
         scales.check(sizes.num_experts, sizes.hidden, sizes.inter)
         return scales
 
