@@ -19,15 +19,12 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..families.spec import MoeMlpSpec
-from ..moe.loader import read_layer_experts
+from ..moe.loader import mlp_prefix, read_layer_experts
 from ..moe.spec import MoeSpec
 from ..moe.weights import ExpertWeights
 from ..parallel.group import ParallelState
 from ..parallel.memory import shard_for
 from ..quant.methods import UNQUANTIZED_MODEL, LinearMethods
-
-# The MLP's name in checkpoints (Mixtral's releases keep `block_sparse_moe`, which transformers renames `mlp`).
-_MLP_NAMES = ("mlp", "block_sparse_moe")
 
 
 def load_expert_shard(
@@ -103,13 +100,7 @@ def load_experts(
 
 
 def _checkpoint_mlp(source: Checkpoint, layer_prefix: str, moe: MoeMlpSpec) -> str:
-    router = moe.router.rpartition(".")[2]
-    for mlp in _MLP_NAMES:
-        if f"{layer_prefix}.{mlp}.{router}.weight" in source:
-            return f"{layer_prefix}.{mlp}"
-    raise ValueError(
-        f"no MoE router at {layer_prefix!r} (looked for {', '.join(f'{m}.{router}' for m in _MLP_NAMES)})"
-    )
+    return mlp_prefix(source, layer_prefix, (moe.router.rpartition(".")[2],))
 
 
 def _gpt_oss_layout(weights: ExpertWeights) -> dict[str, torch.Tensor]:

@@ -43,8 +43,9 @@ from torch import nn
 from ..families.spec import MoeMlpSpec
 from ..kv_cache import KV_SCALES_ATTR
 from ..layers.experts import expert_tensors, load_experts
-from ..moe.fp8 import Fp8ExpertFormat, checkpoint_expert_format
+from ..moe.fp8 import Fp8ExpertFormat
 from ..moe.fp8_experts import replace_experts
+from ..moe.methods import kept_fp8_format
 from ..moe.spec import MoeSpec
 from ..parallel.group import ParallelState
 from ..quant.base import QuantConfig
@@ -128,15 +129,10 @@ class SparseLayers:
         return any(module_name.startswith(f"{prefix}.") for prefix in self.mlp_prefixes)
 
     def fp8_format(self, quant: QuantConfig | None) -> Fp8ExpertFormat | None:
-        """The format the experts are kept in on FP8 tensor cores (None: they run dequantized): a checkpoint's own,
-        as its first expert's linear is quantized, or `--quantization fp8`'s per-channel one. gpt-oss's experts
-        (`kernel_layout` False: not transformers' stacked [E, 2I, H]) are never kept FP8."""
-
-        if not isinstance(quant, Fp8Config) or not self.layer_prefixes or not self.mlp.kernel_layout:
-            return None  # INT4 experts are dequantized
-        if not quant.is_serialized:
-            return Fp8ExpertFormat()
-        return checkpoint_expert_format(quant, f"{self.layer_prefixes[0]}.{self.mlp.experts}.0.gate_proj")
+        """The format the experts are kept in on FP8 tensor cores (moe/methods.py `kept_fp8_format`, the expert
+        methods' own choice), None where they run in the model dtype."""
+        experts = f"{self.layer_prefixes[0]}.{self.mlp.experts}" if self.layer_prefixes else ""
+        return kept_fp8_format(quant, experts, self.mlp.kernel_layout) if experts else None
 
 
 def iter_dequantized(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..quant.config import ActivationScale, Fp8Config, Fp8Scheme, WeightScale
+from ..quant.config import ActivationScale, Fp8Scheme, WeightScale
 from ..quant.fp8 import (
     FP8_DTYPE,
     expand_block_scale,
@@ -32,7 +32,7 @@ from ..quant.fp8 import (
     quantize_weight_per_channel,
 )
 from ..quant.methods import Fp8LinearMethod
-from .protocol import ExpertMethod, expert_sizes
+from .protocol import ExpertMethod
 from .spec import MoeSpec
 
 SCALE_BYTES = 4  # every scale is kept in fp32
@@ -128,12 +128,6 @@ def supported_scheme(scheme: Fp8Scheme | None) -> Fp8ExpertFormat | None:
     return None
 
 
-def checkpoint_expert_format(quant: Fp8Config | None, expert_linear: str) -> Fp8ExpertFormat | None:
-    """The format a checkpoint's experts are kept in (`expert_linear`: one expert's linear, e.g.
-    "model.layers.1.mlp.experts.0.gate_proj"), or None where they are not FP8 or not in a format above."""
-    return None if quant is None else supported_scheme(quant.scheme_for(expert_linear))
-
-
 class Fp8ExpertMethod(ExpertMethod):
     """FP8 experts kept FP8 (a release's per-expert FP8 linears, read by its linear method: block-wise
     `weight_scale_inv`, compressed-tensors' per-channel `weight_scale`): each expert's e4m3 bytes and scales copied
@@ -148,11 +142,8 @@ class Fp8ExpertMethod(ExpertMethod):
         self.format = fmt
 
     def kernel_scales(self, layer: nn.Module) -> ExpertFp8Scales:
-        sizes = expert_sizes(layer)
         gate_up, down = layer.get_parameter("gate_up_scale").data, layer.get_parameter("down_scale").data
-        scales = ExpertFp8Scales(gate_up, down, self.format)
-        scales.check(sizes.num_experts, sizes.hidden, sizes.inter)
-        return scales
+        return ExpertFp8Scales(gate_up, down, self.format)  # checked with the weights (ExpertWeights.check)
 
 
 # -- making and undoing the format ------------------------------------------------------------------------------

@@ -107,23 +107,17 @@ def _linear_reader(
             raise ValueError(
                 f"{experts}.gate_up_proj is stacked and quantized; cbq reads those experts one linear an expert"
             )
-        if kernel_layout:
-            rows = {
-                "gate": _ExpertRows(gate_up, 0),
-                "up": _ExpertRows(gate_up, inter),
-                "down": _ExpertRows(down, 0),
-            }
-        else:  # gpt-oss: [E, in, out], gate and up interleaved
-            rows = {
-                "gate": _ExpertRows(gate_up, 0, 2, True),
-                "up": _ExpertRows(gate_up, 1, 2, True),
-                "down": _ExpertRows(down, 0, 1, True),
-            }
-        out = {"gate": inter, "up": inter, "down": hidden}
-        return lambda e, which, param: (
-            rows[which].expert(e, out[which]),
-            f"{experts}.{'down' if which == 'down' else 'gate_up'}_proj",
-        )
+        # (tensor, first row, rows, step): gpt-oss's are [E, in, out] with gate and up rows interleaved
+        step = 1 if kernel_layout else 2
+        places = {"gate": (gate_up, 0, inter, step), "up": (gate_up, inter if step == 1 else 1, inter, step)}
+        places["down"] = (down, 0, hidden, 1)
+
+        def read(e: int, which: str, param: nn.Parameter) -> tuple[TensorSlice, str]:
+            tensor, first, rows, step = places[which]
+            name = f"{experts}.{'down' if which == 'down' else 'gate_up'}_proj"
+            return _StackedLinear(tensor, e, first, rows, step, not kernel_layout), name
+
+        return read
     names = next((n for n in _PER_EXPERT_NAMES if method.stores_linear(source, f"{experts}.0.{n[0]}")), None)
     if names is None:
         raise ValueError(f"no expert weights under {experts!r} (stacked, per-expert or MXFP4)")
@@ -131,38 +125,35 @@ def _linear_reader(
     return lambda e, which, param: method.checkpoint_tensor(source, f"{experts}.{e}.{linear[which]}", param)
 
 
-class _ExpertRows:
-    """Where one linear of each expert lies in a tensor stacking every expert: rows `first`, `first + step`, ... of
-    [E, out, in], or of the transpose of [E, in, out] (`transposed`: transformers' gpt-oss layout)."""
-
-    def __init__(self, stacked: TensorSlice, first: int, step: int = 1, transposed: bool = False):
-        self.stacked, self.first, self.step, self.transposed = stacked, first, step, transposed
-
-    def expert(self, e: int, rows: int) -> _StackedLinear:
-        return _StackedLinear(self, e, rows)
-
-
 class _StackedLinear:
-    """Expert `e`'s linear [rows, in] of `_ExpertRows`, read by slice like a checkpoint tensor of its own."""
+    """Expert `e`'s linear [rows, in] in a tensor stacking every expert, read by slice like a checkpoint tensor of
+    its own: rows `first`, `first + step`, ... of [E, out, in], or of the transpose of [E, in, out] (`transposed`:
+    transformers' gpt-oss layout)."""
 
-    def __init__(self, place: _ExpertRows, e: int, rows: int):
-        self.place, self.e, self.rows = place, e, rows
+    def __init__(self, stacked: TensorSlice, e: int, first: int, rows: int, step: int, transposed: bool):
+        self.stacked, self.e, self.first, self.rows, self.step, self.transposed = (
+            stacked,
+            e,
+            first,
+            rows,
+            step,
+            transposed,
+        )
 
     def get_shape(self) -> list[int]:
-        shape = self.place.stacked.get_shape()
-        return [self.rows, shape[1] if self.place.transposed else shape[2]]
+        return [self.rows, self.stacked.get_shape()[1 if self.transposed else 2]]
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         rows, cols = index
         start, stop, _ = rows.indices(self.rows)
-        place, expert = self.place, slice(self.e, self.e + 1)
-        if place.step == 1:
-            span, pick = slice(place.first + start, place.first + stop), slice(None)
+        if self.step == 1:
+            span, pick = slice(self.first + start, self.first + stop), slice(None)
         else:  # the pairs holding the rows (gate's and up's the same span: a dequantizing slice reads it once)
-            span, pick = slice(start * place.step, stop * place.step), slice(place.first, None, place.step)
-        if place.transposed:
-            return place.stacked[expert, cols, span][0][:, pick].t()
-        return place.stacked[expert, span, cols][0][pick]
+            span, pick = slice(start * self.step, stop * self.step), slice(self.first, None, self.step)
+        expert = slice(self.e, self.e + 1)
+        if self.transposed:
+            return self.stacked[expert, cols, span][0][:, pick].t()
+        return self.stacked[expert, span, cols][0][pick]
 
 
 def load_moe_layer(
@@ -178,8 +169,8 @@ def load_moe_layer(
     `block_sparse_moe`; the router `gate` or gpt-oss's `router` (with its bias); Qwen2-MoE's shared expert
     `shared_expert.{gate,up,down}_proj` and `shared_expert_gate`, GLM-4.5's `shared_experts.*` (ungated) and its
     router's `e_score_correction_bias` [E] (kept fp32, as the release ships it and the routing computes)."""
-    mlp = _mlp_prefix(tensors, layer_prefix)
     source = ModelSource(tensors)
+    mlp = mlp_prefix(source, layer_prefix)
 
     def to_device(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype)
@@ -217,11 +208,17 @@ def load_moe_layer(
     return layer
 
 
-def _mlp_prefix(tensors: Mapping[str, torch.Tensor], layer_prefix: str) -> str:
-    for name in ("mlp", "block_sparse_moe"):
+MLP_NAMES = (
+    "mlp",
+    "block_sparse_moe",
+)  # Mixtral's releases keep `block_sparse_moe`, which transformers renames `mlp`
+
+
+def mlp_prefix(source: Checkpoint, layer_prefix: str, routers: tuple[str, ...] = ("gate", "router")) -> str:
+    """The sparse MLP's checkpoint prefix under `layer_prefix` ("" for a layer's own tensors), found by its router."""
+    for name in MLP_NAMES:
         prefix = f"{layer_prefix}.{name}" if layer_prefix else name
-        if f"{prefix}.gate.weight" in tensors or f"{prefix}.router.weight" in tensors:
+        if any(f"{prefix}.{router}.weight" in source for router in routers):
             return prefix
-    raise ValueError(
-        f"no MoE router at {layer_prefix!r} (looked for mlp.gate, mlp.router, block_sparse_moe.gate)"
-    )
+    looked = ", ".join(f"{mlp}.{router}" for mlp in MLP_NAMES for router in routers)
+    raise ValueError(f"no MoE router at {layer_prefix!r} (looked for {looked})")

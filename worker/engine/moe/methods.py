@@ -14,9 +14,9 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..quant.base import QuantConfig
-from ..quant.config import BlockFp8Config, CompressedTensorsFp8Config, FbgemmFp8Config
-from ..quant.methods import Fp8LinearMethod, LinearMethods, linear_method
-from .fp8 import Fp8ExpertMethod, supported_scheme
+from ..quant.config import BlockFp8Config, CompressedTensorsFp8Config, FbgemmFp8Config, Fp8Config
+from ..quant.methods import Fp8LinearMethod, LinearMethods, fp8_linear_method
+from .fp8 import Fp8ExpertFormat, Fp8ExpertMethod, supported_scheme
 from .mxfp4 import Mxfp4ExpertMethod
 from .protocol import UNQUANTIZED_EXPERTS, DequantizedExperts, ExpertMethod
 
@@ -34,22 +34,31 @@ def expert_method_for(
 ) -> ExpertMethod:  # fmt: skip
     """The method of the layer of experts at checkpoint prefix `experts` (e.g. "model.layers.1.mlp.experts"):
     gpt-oss's MXFP4 where the checkpoint holds it; a quantized checkpoint's experts kept as shipped where `methods`
-    keeps FP8 experts and the grouped GEMMs compute their scheme (its first expert's gate), else dequantized to
-    `dtype`; else unquantized (`--quantization fp8` quantizes them after loading: fp8_experts.py). `kernel_layout`
-    False: experts that are never kept FP8 (gpt-oss's biased ones)."""
+    keeps FP8 experts and `kept_fp8_format` gives their format, else dequantized to `dtype`; else unquantized
+    (`--quantization fp8` quantizes them after loading: fp8_experts.py)."""
     if Mxfp4ExpertMethod.stored(source, experts):
         return Mxfp4ExpertMethod(dtype, device)
     quant = methods.quant
     if quant is None or not quant.is_serialized:
         return UNQUANTIZED_EXPERTS
-    linear = linear_method(quant, f"{experts}.0.gate_proj")
-    make = _EXPERT_METHODS.get(type(quant))
-    if (
-        methods.keep_fp8_experts
-        and kernel_layout
-        and make is not None
-        and isinstance(linear, Fp8LinearMethod)
-    ):
-        if supported_scheme(linear.scheme) is not None:
-            return make(linear)
+    if methods.keep_fp8_experts and kept_fp8_format(quant, experts, kernel_layout) is not None:
+        linear = fp8_linear_method(quant, f"{experts}.0.gate_proj")
+        assert linear is not None, "kept_fp8_format found it quantized"
+        return _EXPERT_METHODS[type(quant)](linear)
     return DequantizedExperts(quant, dtype)
+
+
+def kept_fp8_format(
+    quant: QuantConfig | None, experts: str, kernel_layout: bool = True
+) -> Fp8ExpertFormat | None:
+    """The format the experts at `experts` are kept in on FP8 tensor cores (None: they run in the model dtype): a
+    checkpoint's own, as its first expert's gate is quantized, where a line above names its format and the grouped
+    GEMMs compute its scheme (`supported_scheme`); `--quantization fp8`'s per-channel one. `kernel_layout` False:
+    experts never kept FP8 (gpt-oss's biased ones, not transformers' stacked [E, 2I, H]); INT4 experts neither."""
+    if not isinstance(quant, Fp8Config) or not kernel_layout:
+        return None
+    if not quant.is_serialized:
+        return Fp8ExpertFormat()
+    if type(quant) not in _EXPERT_METHODS:
+        return None
+    return supported_scheme(quant.scheme_for(f"{experts}.0.gate_proj"))

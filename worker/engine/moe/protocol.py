@@ -57,7 +57,6 @@ from ..quant.protocol import (
 )
 
 GATE_UP, DOWN = "gate_up", "down"
-SIZES_ATTR = "expert_sizes"  # the layer's ExpertSizes, kept by create_weights
 LINEAR_NAME_ATTR = (
     "cbq_linear_name"  # a stacked parameter's name in one expert's linear ("weight", "weight_scale")
 )
@@ -89,12 +88,6 @@ def stacked_name(projection: str, linear_name: str) -> str:
     return f"{projection}_{linear_name.removeprefix('weight_')}"
 
 
-def expert_sizes(layer: nn.Module) -> ExpertSizes:
-    sizes = getattr(layer, SIZES_ATTR)
-    assert isinstance(sizes, ExpertSizes), "a layer of experts' weights are created by its method"
-    return sizes
-
-
 def expert_params(layer: nn.Module, projection: str) -> list[tuple[str, nn.Parameter]]:
     """The stacked parameters of `projection` (layer name, parameter), the weight first."""
     return [(n, p) for n, p in split_params(layer) if n == projection or n.startswith(f"{projection}_")]
@@ -119,7 +112,6 @@ class ExpertMethod:
                     LINEAR_NAME_ATTR,
                     name,
                 )
-        setattr(layer, SIZES_ATTR, sizes)
 
     def load_tensor(
         self, layer: nn.Module, name: str, tensor: torch.Tensor, what: str, part: tuple[int, int]

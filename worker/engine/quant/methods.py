@@ -36,7 +36,6 @@ from .config import (
     BlockFp8Config,
     CompressedTensorsFp8Config,
     FbgemmFp8Config,
-    Fp8Config,
     Fp8Scheme,
     OnlineFp8Config,
     WeightScale,
@@ -305,7 +304,7 @@ def linear_method(config: QuantConfig, module_name: str) -> FormatMethod | None:
     return None if scheme is None else _METHODS[type(config)].for_config(config, scheme)
 
 
-def fp8_linear_method(config: Fp8Config, module_name: str) -> Fp8LinearMethod | None:
+def fp8_linear_method(config: QuantConfig, module_name: str) -> Fp8LinearMethod | None:
     """`linear_method` of an FP8 format, where the caller handles FP8 linears alone (kept FP8, sharded by slice)."""
     method = linear_method(config, module_name)
     assert method is None or isinstance(method, Fp8LinearMethod), f"{type(config).__name__} is an FP8 format"
@@ -345,7 +344,7 @@ class LinearMethods:
 
     def method_for(self, prefix: str) -> LinearMethod:
         quant = self.quant
-        method = None if quant is None else fp8_linear_method(quant, prefix)  # type: ignore[arg-type]
+        method = None if quant is None else fp8_linear_method(quant, prefix)
         if quant is None or method is None:
             return UNQUANTIZED
         if self.stays_dense(prefix):
