@@ -273,29 +273,14 @@ def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, mode
     params[name].copy_(tensor)
 
 
-class _RecordedReads:
-    """A checkpoint read by slice that notes each tensor read (the experts' reader's), so that the loader does
-    not read those again and still names any tensor nobody read."""
-
-    def __init__(self, tensors: CheckpointTensors, read: set[str]):
-        self.tensors, self.read = tensors, read
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def get_slice(self, name: str) -> Any:
-        self.read.add(name)
-        return self.tensors.get_slice(name)
-
-
 class AccountedCheckpoint:
     """An FP8 checkpoint read by slice (the one reader, models/shard_build.py) that keeps this loader's checks: a
     tensor its quantization_config needs and the checkpoint lacks is named (`Fp8CheckpointError`), and once the
     model is read, `check_unread` names an FP8 weight or a scale nobody read (a linear the config leaves
     unquantized), KV-cache scales and the layers transformers does not build excepted."""
 
-    def __init__(self, inner: Any):
-        self.inner, self.read = inner, set[str]()
+    def __init__(self, inner: Any, read: set[str] | None = None):
+        self.inner, self.read = inner, set[str]() if read is None else read  # `read`: the caller's record
 
     def __contains__(self, name: str) -> bool:
         return name in self.inner
@@ -329,7 +314,7 @@ def _load_experts(
     CPU, one expert's linear at a time): kept FP8, an `Fp8Experts` in the place of the layer's experts module; else
     in `dtype`, into the model's parameters. Returns the model names now loaded."""
     whole = ParallelState.single(torch.device("cpu"))
-    source = _RecordedReads(tensors, read)
+    source = AccountedCheckpoint(tensors, read)  # what it reads, the loader does not read again
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     loaded: set[str] = set()
     for prefix in sparse.layer_prefixes:
