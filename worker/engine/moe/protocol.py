@@ -57,9 +57,8 @@ from ..quant.protocol import (
 )
 
 GATE_UP, DOWN = "gate_up", "down"
-LINEAR_NAME_ATTR = (
-    "cbq_linear_name"  # a stacked parameter's name in one expert's linear ("weight", "weight_scale")
-)
+# a stacked parameter's name in one expert's linear ("weight", "weight_scale")
+LINEAR_NAME_ATTR = "cbq_linear_name"
 
 
 @dataclass(frozen=True)
@@ -121,9 +120,12 @@ class ExpertMethod:
         )
 
     def process_after_loading(self, layer: nn.Module) -> None:
+        """Nothing: the linear's own processing is not run per expert (the formats kept as experts need none; one
+        that does, per-tensor scales or quantizing at load, overrides this)."""
         return None
 
     def kernel_scales(self, layer: nn.Module) -> Any | None:
+        """What the grouped GEMMs read beside `gate_up` and `down` (fp8.py's `ExpertFp8Scales`), None: nothing."""
         return None
 
     # -- reading the checkpoint
