@@ -23,7 +23,9 @@ mapped through the split, refused in one line where the rank's rows or columns c
 is replicated (no split dim), or one per logical output of a merged layer (`per_shard`: q, k and v's own scales).
 
 The parallel layers (layers/linear.py) take their method from a config's `method_for(prefix)` (quant/methods.py)
-and call `load_parameter` for each parameter and each checkpoint tensor, at every world size.
+and call `load_parameter` for each parameter and each checkpoint tensor, at every world size. A layer of experts
+(moe/protocol.py) applies a linear method to each of its experts and loads each expert's slices with the same
+`load_parameter` (`into`: the expert's part of a stacked parameter).
 """
 
 from __future__ import annotations
