@@ -3,7 +3,8 @@ linear its method (quant/methods.py `LinearMethods`: the checkpoint's quantizati
 keeps), by the experts' prefix. Owns nothing.
 
 Adding an expert format: its module with its `ExpertMethod`, and one line in `_EXPERT_METHODS` (the format's config
-type -> its method, built from the linear method of the layer's first expert).
+type -> its method, built from the linear method of the layer's first expert) or, for a format that only the
+experts' tensors name, in `_STORED_EXPERT_METHODS`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ _EXPERT_METHODS: dict[type[QuantConfig], Callable[[Fp8LinearMethod], ExpertMetho
     CompressedTensorsFp8Config: Fp8ExpertMethod,
     FbgemmFp8Config: Fp8ExpertMethod,
 }
+# One line a format that only the experts' tensors name (its config quantizes no linear cbq reads): its method,
+# which says whether a layer's tensors are in it (`stored`) and is built for the model dtype and the target device.
+_STORED_EXPERT_METHODS: tuple[type[Mxfp4ExpertMethod], ...] = (Mxfp4ExpertMethod,)
 
 
 def expert_method_for(
@@ -33,11 +37,12 @@ def expert_method_for(
     kernel_layout: bool = True,
 ) -> ExpertMethod:  # fmt: skip
     """The method of the layer of experts at checkpoint prefix `experts` (e.g. "model.layers.1.mlp.experts"):
-    gpt-oss's MXFP4 where the checkpoint holds it; a quantized checkpoint's experts kept as shipped where `methods`
+    a format its tensors name (gpt-oss's MXFP4); a quantized checkpoint's experts kept as shipped where `methods`
     keeps FP8 experts and `kept_fp8_format` gives their format, else dequantized to `dtype`; else unquantized
     (`--quantization fp8` quantizes them after loading: fp8_experts.py)."""
-    if Mxfp4ExpertMethod.stored(source, experts):
-        return Mxfp4ExpertMethod(dtype, device)
+    stored = next((m for m in _STORED_EXPERT_METHODS if m.stored(source, experts)), None)
+    if stored is not None:
+        return stored(dtype, device)
     quant = methods.quant
     if quant is None or not quant.is_serialized:
         return UNQUANTIZED_EXPERTS
