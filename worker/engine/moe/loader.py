@@ -79,9 +79,14 @@ def read_layer_experts(
                 )  # fmt: skip
     method.process_after_loading(layer)
     gate_up_bias = down_bias = None
-    if spec.has_expert_bias:  # gpt-oss's, interleaved as its gate and up are: the part's pairs, [gate; up]
-        pairs = source.get_slice(f"{experts}.gate_up_proj_bias")[:, 2 * part.start : 2 * part.stop]
-        gate_up_bias = torch.cat((pairs[:, 0::2], pairs[:, 1::2]), dim=1).to(dtype=dtype, device=device)
+    if spec.has_expert_bias:  # [gate; up]: gpt-oss's interleaved as its gate and up are (the part's pairs)
+        bias = source.get_slice(f"{experts}.gate_up_proj_bias")
+        if kernel_layout:
+            gate_up_bias = torch.cat((bias[:, part], bias[:, inter + part.start : inter + part.stop]), dim=1)
+        else:
+            pairs = bias[:, 2 * part.start : 2 * part.stop]
+            gate_up_bias = torch.cat((pairs[:, 0::2], pairs[:, 1::2]), dim=1)
+        gate_up_bias = gate_up_bias.to(dtype=dtype, device=device)
         down_bias = source.get_slice(f"{experts}.down_proj_bias")[:].to(dtype=dtype, device=device)
         if not first_rank:  # summed over the ranks by the all-reduce: held by rank 0 alone
             down_bias = torch.zeros_like(down_bias)
