@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +35,33 @@ class Checkpoint(SliceSource, Protocol):
     """A SliceSource that also says which names it holds (checkpoints differ in their experts' names and layouts)."""
 
     def __contains__(self, name: str) -> bool: ...
+
+
+class WholeTensor:
+    """A tensor in memory read like a checkpoint slice."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+class ModelSource:
+    """Tensors by checkpoint name from a state dict (a preset built in memory, a transformers module's own
+    tensors), read like a checkpoint."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return WholeTensor(self.tensors[name])
 
 
 class SafetensorsCheckpoint:

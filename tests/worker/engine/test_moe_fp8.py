@@ -36,7 +36,6 @@ from worker.engine.moe.fp8 import (
     dequantize_down,
     dequantize_gate_up,
     quantize_experts_per_channel,
-    stack_expert_linears,
 )
 from worker.engine.moe.fp8_experts import Fp8Experts, expert_format_of
 from worker.engine.moe.reference import experts_fp8_emulated, experts_ref
@@ -80,6 +79,35 @@ def block_linear(weight: torch.Tensor, block_shape: tuple[int, int]) -> Fp8Linea
     return Fp8Linear(
         w_fp8, scale, Fp8Scheme(WeightScale.BLOCK, ActivationScale.TOKEN_GROUP, block_shape=block_shape)
     )
+
+
+def stack_expert_linears(
+    num_experts: int, read, fmt: Fp8ExpertFormat
+) -> tuple[torch.Tensor, torch.Tensor, ExpertFp8Scales]:
+    """Each expert's (gate, up, down) block-wise FP8 linears as a release ships them (`read(e)`), read by the FP8
+    expert method through the one expert loader (layers/experts.py) from a Qwen3-MoE layer's tensors."""
+    from worker.engine.checkpoint import ModelSource
+    from worker.engine.families.registry import family_of
+    from worker.engine.layers.experts import load_experts
+    from worker.engine.parallel.group import ParallelState
+    from worker.engine.quant.config import BlockFp8Config
+    from worker.engine.quant.methods import LinearMethods
+
+    assert fmt.block_shape is not None
+    tensors: dict[str, torch.Tensor] = {}
+    for e in range(num_experts):
+        for name, linear in zip(("gate_proj", "up_proj", "down_proj"), read(e), strict=True):
+            tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = linear.weight
+            tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight_scale_inv"] = linear.weight_scale
+    inter, hidden = tensors["model.layers.0.mlp.experts.0.gate_proj.weight"].shape
+    tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(num_experts, hidden)
+    spec = MoeSpec("qwen3_moe", num_experts=num_experts, top_k=2, hidden_size=hidden, expert_intermediate_size=inter)
+    family = family_of("qwen3_moe")
+    assert family is not None and family.moe is not None
+    methods = LinearMethods(BlockFp8Config(block_shape=fmt.block_shape), keep_fp8_experts=True)
+    experts = load_experts(ModelSource(tensors), "model.layers.0", family.moe, spec, ParallelState.single(), methods)
+    assert experts.fp8 is not None and experts.fp8.format == fmt
+    return experts.gate_up, experts.down, experts.fp8
 
 
 def fp8_experts(
@@ -278,7 +306,7 @@ def test_block_scales_keep_gate_and_up_on_grids_of_their_own():
             "the release's bytes"
         )
     other = block_linear(torch.randn(inter, hidden, generator=gen), (16, 64))
-    with pytest.raises(ValueError, match="expert 1 is scaled as"):
+    with pytest.raises(ValueError, match=r"experts.1.gate_proj.weight_scale_inv: checkpoint shape \[3, 2\], expected 2 along dim 0"):
         stack_expert_linears(2, lambda e: linears[e] if e == 0 else (other, *linears[e][1:]), BLOCK)
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from worker.engine.checkpoint import ModelSource
 from worker.engine.families.gpt_oss import FAMILY as GPT_OSS
 from worker.engine.layers.experts import load_expert_shard
-from worker.engine.models.shard_build import ModelSource
 from worker.engine.moe import load_moe_layer, spec_from_config
 from worker.engine.moe.mxfp4 import E2M1_TABLE, dequantize_mxfp4
 from worker.engine.parallel.group import ParallelState
@@ -151,7 +151,7 @@ def test_load_errors_name_the_tensor():
     bad = dict(state)
     bad["model.layers.0.mlp.experts.down_proj"] = bad["model.layers.0.mlp.experts.down_proj"][:, :, :-1]
     with pytest.raises(
-        ValueError, match=r"checkpoint tensor model.layers.0.mlp.experts.down_proj has shape \(64, 47\)"
+        ValueError, match=r"model.layers.0.mlp.experts.down_proj: checkpoint shape \[64, 47\], expected 48 along dim 1"
     ):
         load_moe_layer(bad, "model.layers.0", spec, torch.float32, "cpu")
     no_experts = {k: v for k, v in state.items() if "experts" not in k}
@@ -237,3 +237,24 @@ def test_gpt_oss_experts_move_into_the_kernels_layout_once_and_generate_is_uncha
     del engine
     again = Engine(model, tok, EngineConfig(device="cpu", decoder="owned"))
     assert again.runner.decoder.moe_layers[0].experts.gate_up.data_ptr() == first.data_ptr()
+
+
+def test_a_part_of_biased_experts_in_the_kernels_layout():
+    """The one expert loader (moe/loader.py) on a part of the intermediate features: gate's and up's rows and bias
+    entries of that part, down's columns, and the down bias on the first rank alone (the ranks' outputs are summed)."""
+    from worker.engine.checkpoint import ModelSource
+    from worker.engine.moe.loader import read_layer_experts
+    from worker.engine.moe.spec import MoeSpec
+
+    spec = MoeSpec("qwen3_moe", num_experts=2, top_k=1, hidden_size=8, expert_intermediate_size=4, has_expert_bias=True)
+    g = torch.Generator().manual_seed(5)
+    gate_up, down = torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 4, generator=g)
+    bias, down_bias = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    tensors = {"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down,
+               "mlp.experts.gate_up_proj_bias": bias, "mlp.experts.down_proj_bias": down_bias}  # fmt: skip
+    for first_rank in (True, False):
+        w = read_layer_experts(ModelSource(tensors), "mlp.experts", spec, part=slice(2, 4), first_rank=first_rank)
+        assert torch.equal(w.gate_up, torch.cat((gate_up[:, 2:4], gate_up[:, 6:8]), dim=1))
+        assert torch.equal(w.down, down[:, :, 2:4])
+        assert w.gate_up_bias is not None and torch.equal(w.gate_up_bias, torch.cat((bias[:, 2:4], bias[:, 6:8]), dim=1))
+        assert w.down_bias is not None and torch.equal(w.down_bias, down_bias if first_rank else torch.zeros(2, 8))

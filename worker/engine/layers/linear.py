@@ -38,6 +38,7 @@ from ..quant.protocol import (
     UNQUANTIZED,
     LinearMethod,
     LinearSizes,
+    check_entries,
     checkpoint_name,
     load_parameter,
     split_of,
@@ -113,13 +114,7 @@ class _ParallelLinear(nn.Module):
         for name, param in split_params(self):
             what = f"{prefix}.{checkpoint_name(name, param)}"
             loaded = source.get_slice(what)
-            split = split_of(param)
-            for dim, size, block in (
-                (split.output_dim, total if fused is None else fused[2], split.output_block),
-                (split.input_dim, self.input_size, split.input_block),
-            ):  # the checkpoint's tensor is the whole weight's (its entries' count along each split dim)
-                if dim is not None and dim < len(loaded.get_shape()):
-                    check_dim(loaded, dim, split.entries(size, block), what)
+            check_entries(loaded, split_of(param), (total if fused is None else fused[2], self.input_size), what)
             if fused is not None:
                 loaded = _rows_of(loaded, param, *fused, what)
             load_parameter(

@@ -14,7 +14,8 @@ is loaded) and gpt-oss's MXFP4 release (its experts dequantized one at a time by
 transformers' mxfp4 quantizer, which needs a GPU and the `kernels` package) all take it. What it does not read
 keeps its own route: a vision-language model (models/vision.py), a family the reader does not split
 (`slice_reader_refuses`: multi-head latent attention, other MoE layouts: transformers' `from_pretrained`, or
-models/quant_loader.py for FP8), and an FP8 mixture of experts whose experts stay FP8 (models/quant_loader.py).
+models/quant_loader.py for FP8). A mixture of experts' routed experts are read by layers/experts.py through their
+expert method (moe/protocol.py), FP8 experts kept FP8 included.
 
 Quantization is a property of each linear: on sm89+ CUDA a quantized linear is an `Fp8LinearModule` (FP8
 weight and scales, which the owned decoder multiplies with FP8 GEMMs); elsewhere its weight is dequantized to
@@ -196,10 +197,10 @@ def load_model(
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             sparse = sparse_layers(config, family)
             fp8 = quant if isinstance(quant, Fp8Config) else None  # INT4 is read by quant_loader (below), not by slice
-            methods = LinearMethods(fp8, keep_fp8, sparse.holds if sparse is not None else lambda name: False)
+            stays_dense = sparse.holds if sparse is not None else lambda name: False
+            methods = LinearMethods(fp8, keep_fp8, stays_dense, keep_fp8_experts=keep_fp8_experts)
             by_slice = (
                 slice_reader_refuses(family, one_process=True) is None
-                and not (quant is not None and quant.is_serialized and fp8_experts is not None)
                 and (quant is None or fp8 is not None)
                 and not _only_pickled_weights(name_or_path)
             )

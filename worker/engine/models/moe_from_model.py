@@ -23,8 +23,9 @@ from torch import nn
 from ..families.spec import MoeMlpSpec
 from ..fused_weights import fuse_rows, submodule
 from ..moe.fp8_experts import Fp8Experts
+from ..moe.loader import load_moe_layer
 from ..moe.spec import MoeSpec
-from ..moe.weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights, load_moe_layer
+from ..moe.weights import ExpertWeights, MoeLayerWeights, SharedExpertWeights
 
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 

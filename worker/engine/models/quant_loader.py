@@ -42,9 +42,10 @@ from torch import nn
 
 from ..families.spec import MoeMlpSpec
 from ..kv_cache import KV_SCALES_ATTR
-from ..layers.experts import read_experts, read_fp8_experts
-from ..moe.fp8 import Fp8ExpertFormat, checkpoint_expert_format
+from ..layers.experts import expert_tensors, load_experts
+from ..moe.fp8 import Fp8ExpertFormat
 from ..moe.fp8_experts import replace_experts
+from ..moe.methods import kept_fp8_format
 from ..moe.spec import MoeSpec
 from ..parallel.group import ParallelState
 from ..quant.base import QuantConfig
@@ -57,6 +58,7 @@ from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import (
     Fp8CheckpointError,
     Fp8LinearMethod,
+    LinearMethods,
     linear_method,
     load_dequantized,
     stored_quantized,
@@ -127,15 +129,10 @@ class SparseLayers:
         return any(module_name.startswith(f"{prefix}.") for prefix in self.mlp_prefixes)
 
     def fp8_format(self, quant: QuantConfig | None) -> Fp8ExpertFormat | None:
-        """The format the experts are kept in on FP8 tensor cores (None: they run dequantized): a checkpoint's own,
-        as its first expert's linear is quantized, or `--quantization fp8`'s per-channel one. gpt-oss's experts
-        (`kernel_layout` False: not transformers' stacked [E, 2I, H]) are never kept FP8."""
-
-        if not isinstance(quant, Fp8Config) or not self.layer_prefixes or not self.mlp.kernel_layout:
-            return None  # INT4 experts are dequantized
-        if not quant.is_serialized:
-            return Fp8ExpertFormat()
-        return checkpoint_expert_format(quant, f"{self.layer_prefixes[0]}.{self.mlp.experts}.0.gate_proj")
+        """The format the experts are kept in on FP8 tensor cores (moe/methods.py `kept_fp8_format`, the expert
+        methods' own choice), None where they run in the model dtype."""
+        experts = f"{self.layer_prefixes[0]}.{self.mlp.experts}" if self.layer_prefixes else ""
+        return kept_fp8_format(quant, experts, self.mlp.kernel_layout) if experts else None
 
 
 def iter_dequantized(
@@ -239,18 +236,12 @@ def load_quantized_model(
         kept_fp8 = _load_int4_modules(model, fp8_candidates, tensors, quant, dtype)
         loaded |= {f"{module}.{name}" for module in kept_fp8 for name in ("qweight", "scales", "zeros", "perm", "bias")}
     experts_read: set[str] = set()
-    # before the state dict is listed: an `Fp8Experts`' buffers take the place of the experts' parameters
-    fp8_experts = sparse.fp8_format(quant) if sparse is not None and keep_fp8_experts else None
-    if sparse is not None and fp8_experts is not None:
-        assert isinstance(quant, Fp8Config)  # fp8_format gives a format for FP8 checkpoints alone
-        loaded |= _keep_fp8_experts(model, tensors, sparse, quant, fp8_experts, experts_read)
+    if sparse is not None:  # before the state dict is listed: an `Fp8Experts`' buffers take the experts' place
+        methods = LinearMethods(quant, keep_fp8_experts=keep_fp8_experts)
+        loaded |= _load_experts(model, tensors, sparse, methods, dtype, experts_read)
     params = model.state_dict(keep_vars=True)
     unbuilt = _unbuilt_layers(model_config)
     with torch.no_grad():
-        if sparse is not None and fp8_experts is None:
-            for name, tensor in _read_experts(tensors, sparse, quant, dtype, experts_read):
-                _copy(params, name, tensor, model)
-                loaded.add(name)
         read_elsewhere = lambda name: name in experts_read or unbuilt(name)  # noqa: E731
         for name, tensor in iter_dequantized(
             tensors, quant, dtype, linear_names, kept_fp8, read_elsewhere, cast=False
@@ -282,29 +273,14 @@ def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, mode
     params[name].copy_(tensor)
 
 
-class _RecordedReads:
-    """A checkpoint read by slice that notes each tensor read (the experts' reader's), so that the loader does
-    not read those again and still names any tensor nobody read."""
-
-    def __init__(self, tensors: CheckpointTensors, read: set[str]):
-        self.tensors, self.read = tensors, read
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def get_slice(self, name: str) -> Any:
-        self.read.add(name)
-        return self.tensors.get_slice(name)
-
-
 class AccountedCheckpoint:
     """An FP8 checkpoint read by slice (the one reader, models/shard_build.py) that keeps this loader's checks: a
     tensor its quantization_config needs and the checkpoint lacks is named (`Fp8CheckpointError`), and once the
     model is read, `check_unread` names an FP8 weight or a scale nobody read (a linear the config leaves
     unquantized), KV-cache scales and the layers transformers does not build excepted."""
 
-    def __init__(self, inner: Any):
-        self.inner, self.read = inner, set[str]()
+    def __init__(self, inner: Any, read: set[str] | None = None):
+        self.inner, self.read = inner, set[str]() if read is None else read  # `read`: the caller's record
 
     def __contains__(self, name: str) -> bool:
         return name in self.inner
@@ -330,37 +306,29 @@ class AccountedCheckpoint:
                 )
 
 
-def _keep_fp8_experts(
-    model: nn.Module,
-    tensors: CheckpointTensors,
-    sparse: SparseLayers,
-    quant: Fp8Config,
-    fmt: Fp8ExpertFormat,
+def _load_experts(
+    model: nn.Module, tensors: CheckpointTensors, sparse: SparseLayers, methods: LinearMethods, dtype: torch.dtype,
     read: set[str],
-) -> set[str]:
-    """Each sparse layer's experts as the checkpoint's FP8 tensors (shard_experts.read_fp8_experts), an `Fp8Experts`
-    in the place of the layer's experts module, a layer at a time; returns the model names now loaded."""
-
-    source = _RecordedReads(tensors, read)
+) -> set[str]:  # fmt: skip
+    """Each sparse layer's experts through its expert method, by layers/experts.py's reader at a world of one (on the
+    CPU, one expert's linear at a time): kept FP8, an `Fp8Experts` in the place of the layer's experts module; else
+    in `dtype`, into the model's parameters. Returns the model names now loaded."""
+    whole = ParallelState.single(torch.device("cpu"))
+    source = AccountedCheckpoint(tensors, read)  # what it reads, the loader does not read again
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     loaded: set[str] = set()
     for prefix in sparse.layer_prefixes:
-        weights = read_fp8_experts(source, prefix, sparse.mlp, sparse.spec, quant, fmt)
-        replace_experts(model.get_submodule(prefix), sparse.mlp.experts, weights, sparse.spec)
-        experts = f"{prefix}.{sparse.mlp.experts}"
-        loaded |= {f"{experts}.{name}" for name, _ in model.get_submodule(experts).named_buffers()}
+        weights = load_experts(source, prefix, sparse.mlp, sparse.spec, whole, methods, dtype=dtype)
+        if weights.fp8 is not None:
+            replace_experts(model.get_submodule(prefix), sparse.mlp.experts, weights, sparse.spec)
+            experts = f"{prefix}.{sparse.mlp.experts}"
+            loaded |= {f"{experts}.{name}" for name, _ in model.get_submodule(experts).named_buffers()}
+            continue
+        with torch.no_grad():
+            for name, tensor in expert_tensors(weights, prefix, sparse.mlp).items():
+                _copy(params, name, tensor, model)
+                loaded.add(name)
     return loaded
-
-
-def _read_experts(
-    tensors: CheckpointTensors, sparse: SparseLayers, quant: QuantConfig, dtype: torch.dtype, read: set[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each sparse layer's stacked experts, dequantized to `dtype` by layers/experts.py's reader at a world of one
-    (on the CPU, one expert's linear at a time)."""
-
-    whole = ParallelState(rank=0, world_size=1, device=torch.device("cpu"))
-    source = _RecordedReads(tensors, read)
-    for prefix in sparse.layer_prefixes:
-        yield from read_experts(source, prefix, sparse.mlp, sparse.spec, whole, quant, dtype=dtype).items()
 
 
 def _unbuilt_layers(config: Any) -> Callable[[str], bool]:

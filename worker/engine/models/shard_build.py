@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint, TensorSlice
+from ..checkpoint import Checkpoint, RenamedCheckpoint, SafetensorsCheckpoint
 from ..families.spec import Family, LayerSpec, MlaSpec, QKNormSpan
 from ..fused_weights import submodule
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.experts import load_expert_shard
+from ..layers.experts import expert_tensors, load_experts, router_tensors
 from ..layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -31,35 +31,12 @@ from ..layers.linear import (
 )
 from ..layers.tensor_parallel import TensorParallel
 from ..moe import moe_layer_ids, spec_from_config
+from ..moe.fp8_experts import replace_experts
 from ..parallel.group import ParallelState
 from ..parallel.memory import head_shard, shard_for
 from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import UNQUANTIZED_MODEL, Fp8LinearMethod, LinearMethods, fp8_linear_of, fp8_parts
 from .errors import ModelLoadError, one_line
-
-
-class ModelSource:
-    """Tensors by checkpoint name from a state dict (a preset built in memory), read like a checkpoint."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return _TensorSlice(self.tensors[name])
-
-
-class _TensorSlice:
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.tensor[index]
 
 
 def shard_config(config: Any, state: ParallelState) -> Any:
@@ -275,14 +252,18 @@ def _load_moe(
     model: nn.Module, prefix: str, family: Family, source: Checkpoint, state: ParallelState, config: Any, kw: dict,
     methods: LinearMethods,
 ) -> None:  # fmt: skip
-    """A sparse layer: the router (replicated) and every expert's slice of columns (layers/experts.py), and a shared
+    """A sparse layer: the router (replicated) and every expert's slice of columns, through the layer's expert
+    method (layers/experts.py; experts kept FP8 take the experts module's place as an `Fp8Experts`), and a shared
     expert split like a dense MLP, its gate replicated (left to the generic pass)."""
     assert family.moe is not None
     spec = spec_from_config(config)
-    # An FP8 checkpoint's experts: each expert's weight dequantized whole, then sliced (reading them by slice would
-    # need the rank's columns on block boundaries).
-    quant = methods.quant if methods.quant is not None and methods.quant.is_serialized else None
-    for name, tensor in load_expert_shard(source, prefix, family.moe, spec, state, quant, **kw).items():
+    experts = load_experts(source, prefix, family.moe, spec, state, methods, **kw)
+    params = router_tensors(source, prefix, family.moe, **kw)
+    if experts.fp8 is not None:
+        replace_experts(submodule(model, prefix), family.moe.experts, experts, spec)
+    else:
+        params |= expert_tensors(experts, prefix, family.moe)
+    for name, tensor in params.items():
         module_path, _, attr = name.rpartition(".")
         want = submodule(model, module_path)._parameters[attr]
         if want is not None and want.shape != tensor.shape:  # a checkpoint of other sizes than its config.json's

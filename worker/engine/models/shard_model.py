@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, ModelSource
 from ..config import EngineConfig
 from ..families.spec import Family
 from ..fused_weights import submodule
@@ -67,7 +67,7 @@ from ..quant.methods import LinearMethods
 from ..quant.protocol import LinearLoadError
 from . import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
 from .quant_loader import AccountedCheckpoint
-from .shard_build import ModelSource, build_shard, local_folder, open_checkpoint, slice_reader_refuses
+from .shard_build import build_shard, local_folder, open_checkpoint, slice_reader_refuses
 
 __all__ = ["TensorParallel", "load_shard", "unsupported_reason"]  # the runner's; building is shard_build.py's
 

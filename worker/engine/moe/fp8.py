@@ -2,8 +2,8 @@
 the releases store them, so that the grouped GEMMs (triton_fp8.py) read half the bytes of bf16 experts. Owns the
 format: `Fp8ExpertFormat` (how the experts are scaled) and `ExpertFp8Scales` (the scale tensors, which
 `weights.ExpertWeights.fp8` carries beside its e4m3 `gate_up` [E, 2I, H] and `down` [E, H, I]); and the few
-functions that make the format (from a checkpoint's per-expert linears, or `--quantization fp8` at load), undo it
-(the CPU path and the emulation) and weigh it (cost.py).
+functions that make the format (a checkpoint's per-expert linears through `Fp8ExpertMethod`, the format's expert
+method; `--quantization fp8` at load), undo it (the CPU path and the emulation) and weigh it (cost.py).
 
 Two scale layouts, each the one a release (or vLLM's online FP8) writes for one expert's linear, stacked over E:
   per output channel   gate_up [E, 2I] ([gate; up] rows), down [E, H]; activations quantized per token
@@ -18,20 +18,21 @@ Activation quantization is quant/fp8.py's (torch) and quant/kernels.py's (Triton
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from ..quant.config import ActivationScale, Fp8Config, Fp8Scheme, WeightScale
+from ..quant.config import ActivationScale, Fp8Scheme, WeightScale
 from ..quant.fp8 import (
     FP8_DTYPE,
-    Fp8Linear,
     expand_block_scale,
     quantize_per_token,
     quantize_per_token_group,
     quantize_weight_per_channel,
 )
+from ..quant.methods import Fp8LinearMethod
+from .protocol import ExpertMethod
 from .spec import MoeSpec
 
 SCALE_BYTES = 4  # every scale is kept in fp32
@@ -127,56 +128,25 @@ def supported_scheme(scheme: Fp8Scheme | None) -> Fp8ExpertFormat | None:
     return None
 
 
-def checkpoint_expert_format(quant: Fp8Config | None, expert_linear: str) -> Fp8ExpertFormat | None:
-    """The format a checkpoint's experts are kept in (`expert_linear`: one expert's linear, e.g.
-    "model.layers.1.mlp.experts.0.gate_proj"), or None where they are not FP8 or not in a format above."""
-    return None if quant is None else supported_scheme(quant.scheme_for(expert_linear))
+class Fp8ExpertMethod(ExpertMethod):
+    """FP8 experts kept FP8 (a release's per-expert FP8 linears, read by its linear method: block-wise
+    `weight_scale_inv`, compressed-tensors' per-channel `weight_scale`): each expert's e4m3 bytes and scales copied
+    as shipped into the stacks, the scales in the layout above (gate's, then up's, as a merged linear lays them
+    out). Only for a scheme the grouped GEMMs compute (`supported_scheme`); a layer's experts all take its first
+    expert's scheme, so an expert scaled otherwise is refused by its scales' shapes."""
+
+    def __init__(self, linear: Fp8LinearMethod):
+        super().__init__(linear)
+        fmt = supported_scheme(linear.scheme)
+        assert fmt is not None, f"the FP8 grouped GEMMs do not compute {linear.scheme}"
+        self.format = fmt
+
+    def kernel_scales(self, layer: nn.Module) -> ExpertFp8Scales:
+        gate_up, down = layer.get_parameter("gate_up_scale").data, layer.get_parameter("down_scale").data
+        return ExpertFp8Scales(gate_up, down, self.format)  # checked with the weights (ExpertWeights.check)
 
 
 # -- making and undoing the format ------------------------------------------------------------------------------
-
-
-def stack_expert_linears(
-    num_experts: int,
-    read: Callable[[int], tuple[Fp8Linear, Fp8Linear, Fp8Linear]],
-    fmt: Fp8ExpertFormat,
-    device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor, ExpertFp8Scales]:
-    """Each expert's (gate, up, down) FP8 linears as a checkpoint ships them (`read(e)`, called once an expert, so
-    one expert's tensors are held at a time) stacked: (gate_up [E, 2I, H] e4m3, down [E, H, I] e4m3, their
-    scales). The e4m3 bytes and the scales are the checkpoint's, copied, not recomputed."""
-    gate_up_w = down_w = gate_up_s = down_s = torch.empty(0)
-    for e in range(num_experts):
-        linears = read(e)
-        for layer in linears:
-            if supported_scheme(layer.scheme) != fmt:
-                raise ValueError(
-                    f"expert {e} is scaled as {layer.scheme}, the layer's first expert as {fmt.scheme}"
-                )
-        g, u, d = linears
-        if e == 0:  # the stacks, once their sizes are known
-            inter, hidden = g.out_features, g.in_features
-            gate_up_w = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device=device)
-            down_w = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device=device)
-            gate_up_shape, down_shape = fmt.scale_shapes(num_experts, hidden, inter)
-            gate_up_s = torch.empty(gate_up_shape, dtype=torch.float32, device=device)
-            down_s = torch.empty(down_shape, dtype=torch.float32, device=device)
-        inter, hidden = gate_up_w.shape[1] // 2, gate_up_w.shape[2]
-        shapes = (tuple(g.weight.shape), tuple(u.weight.shape), tuple(d.weight.shape))
-        if shapes != ((inter, hidden), (inter, hidden), (hidden, inter)):
-            raise ValueError(
-                f"expert {e}'s gate, up and down are {shapes}, the layer's first expert's {(inter, hidden)}"
-            )
-        gate_up_w[e, :inter].copy_(g.weight)
-        gate_up_w[e, inter:].copy_(u.weight)
-        down_w[e].copy_(d.weight)
-        rows = g.weight_scale.shape[0]  # I (channel) or ceil(I / bn) (block): gate's, then up's
-        gate_up_s[e, :rows].copy_(g.weight_scale)
-        gate_up_s[e, rows:].copy_(u.weight_scale)
-        down_s[e].copy_(d.weight_scale)
-    scales = ExpertFp8Scales(gate_up_s, down_s, fmt)
-    scales.check(num_experts, down_w.shape[1], down_w.shape[2])
-    return gate_up_w, down_w, scales
 
 
 def quantize_experts_per_channel(

@@ -5,7 +5,8 @@ views (`weights`, models/moe_from_model.py), transformers' forward runs their em
 `model.generate` still runs, slowly: it is the reference path, not the hot one.
 
 Made at load, on CUDA with FP8 tensor cores (`models.load_model`'s `keep_fp8_experts`), from an FP8 checkpoint's
-per-expert linears (models/quant_loader.py, through layers/experts.py's `read_fp8_experts`) or by
+per-expert linears (the one expert loader, loader.py, through `fp8.Fp8ExpertMethod`; in the shard model or by
+models/quant_loader.py) or by
 `--quantization fp8` (`quantize_model_experts`: each layer's experts quantized per output channel where they lie,
 one layer at a time, the layer's bf16 experts freed as its FP8 ones take their place). Only the families whose
 transformers module holds the kernels' layout (`MoeMlpSpec.kernel_layout`): gpt-oss's experts (MXFP4 in its

@@ -36,7 +36,6 @@ from .config import (
     BlockFp8Config,
     CompressedTensorsFp8Config,
     FbgemmFp8Config,
-    Fp8Config,
     Fp8Scheme,
     OnlineFp8Config,
     WeightScale,
@@ -305,7 +304,7 @@ def linear_method(config: QuantConfig, module_name: str) -> FormatMethod | None:
     return None if scheme is None else _METHODS[type(config)].for_config(config, scheme)
 
 
-def fp8_linear_method(config: Fp8Config, module_name: str) -> Fp8LinearMethod | None:
+def fp8_linear_method(config: QuantConfig, module_name: str) -> Fp8LinearMethod | None:
     """`linear_method` of an FP8 format, where the caller handles FP8 linears alone (kept FP8, sharded by slice)."""
     method = linear_method(config, module_name)
     assert method is None or isinstance(method, Fp8LinearMethod), f"{type(config).__name__} is an FP8 format"
@@ -330,12 +329,18 @@ class LinearMethods:
     checkpoint, e.g. "model.layers.0.self_attn.q_proj"). `quant` None: every linear unquantized. `keep_fp8`:
     quantized linears stay FP8 (sm89+ CUDA), else they are dequantized after loading. `stays_dense`: linears
     run in the model dtype whatever the config says (a mixture of experts' sparse MLPs: read as shipped, then
-    dequantized; under `--quantization fp8`, left as they are)."""
+    dequantized; under `--quantization fp8`, left as they are). `keep_fp8_experts`: a mixture of experts' FP8
+    experts stay FP8 (the FP8 grouped GEMMs). A layer of experts takes its method from this object too
+    (moe/methods.py `expert_method_for`, above this package: the expert formats live with the MoE kernels), so
+    `quant` may be any format's config for the experts' sake; the linears' methods here are FP8's (an INT4
+    checkpoint's linears load by models/quant_loader.py)."""
 
     def __init__(
-        self, quant: Fp8Config | None = None, keep_fp8: bool = False, stays_dense: Callable[[str], bool] = lambda _: False
-    ):
+        self, quant: QuantConfig | None = None, keep_fp8: bool = False,
+        stays_dense: Callable[[str], bool] = lambda _: False, keep_fp8_experts: bool = False,
+    ):  # fmt: skip
         self.quant, self.keep_fp8, self.stays_dense = quant, keep_fp8, stays_dense
+        self.keep_fp8_experts = keep_fp8_experts
 
     def method_for(self, prefix: str) -> LinearMethod:
         quant = self.quant

@@ -23,20 +23,22 @@ mapped through the split, refused in one line where the rank's rows or columns c
 is replicated (no split dim), or one per logical output of a merged layer (`per_shard`: q, k and v's own scales).
 
 The parallel layers (layers/linear.py) take their method from a config's `method_for(prefix)` (quant/methods.py)
-and call `load_parameter` for each parameter and each checkpoint tensor, at every world size.
+and call `load_parameter` for each parameter and each checkpoint tensor, at every world size. A layer of experts
+(moe/protocol.py) applies a linear method to each of its experts and loads each expert's slices with the same
+`load_parameter` (`into`: the expert's part of a stacked parameter).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import TensorSlice
+from ..checkpoint import TensorSlice, WholeTensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SPLIT_ATTR = "cbq_split"  # the attribute a parameter's ParamSplit is kept under
@@ -149,8 +151,25 @@ class UnquantizedLinearMethod(LinearMethod):
 UNQUANTIZED = UnquantizedLinearMethod()
 
 
+def check_entries(loaded: TensorSlice, split: ParamSplit, weight_shape: tuple[int, int], what: str) -> None:
+    """Checkpoint tensor `loaded` is the whole weight's [N, K] (`weight_shape`) along each dim the parameter splits
+    by (its entries' count there), else a rank's slice of a tensor of other sizes would pass unnoticed."""
+    shape = loaded.get_shape()
+    for dim, size, block in ((split.output_dim, weight_shape[0], split.output_block), (split.input_dim, weight_shape[1], split.input_block)):
+        if dim is not None and dim < len(shape) and shape[dim] != split.entries(size, block):
+            raise LinearLoadError(f"{what}: checkpoint shape {shape}, expected {split.entries(size, block)} along dim {dim}")
+
+
+class ConvertsSlices(Protocol):
+    """What `load_parameter` asks of a method: a linear's (`LinearMethod`) or a layer of experts' (moe/protocol.py)."""
+
+    def load_tensor(
+        self, layer: nn.Module, name: str, tensor: torch.Tensor, what: str, part: tuple[int, int]
+    ) -> torch.Tensor: ...
+
+
 def load_parameter(
-    method: LinearMethod,
+    method: ConvertsSlices,
     layer: nn.Module,
     name: str,
     loaded: TensorSlice,
@@ -161,16 +180,19 @@ def load_parameter(
     rows: slice,
     cols: slice,
     shard_index: int = 0,
+    into: torch.Tensor | None = None,
 ) -> None:
     """Copies the part of checkpoint tensor `loaded` (named `what`) that this layer holds into its parameter
     `name`. `weight_shape`: the checkpoint weight's [N, K] that `loaded` belongs to (one logical output's);
     `rows`, `cols`: the rows and columns of that weight this layer holds; `shard_index`: which of the layer's
-    logical outputs they are (their rows go after the earlier outputs')."""
+    logical outputs they are (their rows go after the earlier outputs'). `into`: the part of the parameter that
+    `loaded` belongs in, where that is not the whole (one expert's slice of a layer of experts' stacked parameter,
+    split as one expert's linear is)."""
     param = layer.get_parameter(name)
     split = split_of(param)
     prefix = what.rpartition(".")[0]
     index: list[Any] = [slice(None)] * len(loaded.get_shape())
-    dst = param.data
+    dst = param.data if into is None else into
     if split.output_dim is not None:
         src_rows = split.mapped(rows, weight_shape[0], split.output_block, prefix, "rows")
         before = sum(split.entries(size, split.output_block) for size in sizes.output_sizes[:shard_index])
@@ -189,19 +211,6 @@ def load_parameter(
     if not fits:
         raise LinearLoadError(f"{what}: the checkpoint's slice {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
     dst.copy_(tensor.reshape(dst.shape))
-
-
-class WholeTensor:
-    """A tensor in memory read like a checkpoint slice."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.tensor[index]
 
 
 def checkpoint_name(name: str, param: torch.Tensor) -> str:
