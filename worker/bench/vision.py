@@ -392,7 +392,7 @@ def vision_bench(
     row["targets"] = {"ratio": TARGET_RATIO, "encoder_share_of_run": TARGET_ENCODER_SHARE}
     _print_table(row)
     report = {
-        "command": _command(click.get_current_context()),
+        "command": command_line(click.get_current_context()),
         "host": platform.node(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
@@ -414,9 +414,10 @@ def _rates(num_requests: int, output_tokens: int, seconds: float) -> dict[str, A
     }
 
 
-def _command(ctx: click.Context) -> str:
-    """The command that reproduces this run: every option with the value it ran with, defaults included."""
-    words = ["cbq bench vision"]
+def command_line(ctx: click.Context) -> str:
+    """The command that reproduces this run: every option with the value it ran with, defaults included (also
+    `bench vision-encoder`'s)."""
+    words = ["cbq bench", ctx.command.name or "vision"]
     for param in ctx.command.params:
         value = ctx.params[param.name]
         if value is not None:
