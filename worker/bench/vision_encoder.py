@@ -32,7 +32,9 @@ IMPLEMENTATIONS = ("sdpa", "packed")
     "--shape", type=click.Choice(list(QWEN2_5_VL_SHAPES)), default="qwen2.5-vl-7b", show_default=True
 )
 @click.option("--images", type=int, default=8, show_default=True, help="Pictures a tower call.")
-@click.option("--batches", type=int, default=4, show_default=True, help="Timed tower calls a implementation.")
+@click.option(
+    "--batches", type=int, default=4, show_default=True, help="Timed tower calls an implementation."
+)
 @click.option(
     "--image-size", type=(int, int), default=W6_IMAGE_SIZE, show_default=True, help="Width, height."
 )
