@@ -62,7 +62,8 @@ class _Packing:
 
 
 # The cut tensors a tower call made, held (so their ids stay theirs) with their packing: every block of the call
-# reuses it instead of rebuilding the indices. The step loop's thread is the only caller.
+# reuses it instead of rebuilding the indices. Towers run in one thread (the step loop's); two at once would at
+# worst build a packing twice.
 _packings: dict[int, tuple[torch.Tensor, _Packing]] = {}
 
 
