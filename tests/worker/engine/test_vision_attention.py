@@ -1,8 +1,8 @@
 """The vision towers' packed attention (worker/engine/models/vision_attention.py): in fp32 on the CPU, Qwen2.5-VL's
 and Qwen3-VL's towers give transformers' sdpa output for several images of different sizes in one call (windows
 and whole images of unequal lengths: the padded keys masked), with one attention call per block, not one per piece;
-the function alone against per-piece sdpa, with equal pieces (no mask) and unequal; and the engine's model sets it
-on the tower alone."""
+the function alone against per-piece sdpa, with equal pieces (no mask) and unequal; the engine's model sets it
+on the tower alone; on CUDA (a `gpu` test), the tower against sdpa in fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -115,3 +115,22 @@ def test_engine_model_sets_it_on_the_tower_alone(checkpoint):
     model.set_attn_implementation("sdpa")
     assert model.vision_tower.blocks[0].attn.config._attn_implementation == PACKED_ATTENTION
     assert whole.config.get_text_config()._attn_implementation == "sdpa"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tower_on_cuda_equals_sdpa(checkpoint, dtype):
+    """On CUDA (benchmarks/run_gpu.sh visiongpu): the padded, masked windows take the memory-efficient kernel and
+    equal-length pieces may take flash; fp32 as close as on the CPU, bf16 within its rounding."""
+    whole, pixels, grids = tower_and_inputs(checkpoint)
+    tower = whole.model.visual.to("cuda", dtype)
+    pixels, grids = pixels.to("cuda", dtype), grids.cuda()
+    with torch.inference_mode():
+        expected = tower(pixels, grid_thw=grids).pooler_output.float()
+        use_packed_attention(tower.config)
+        got = tower(pixels, grid_thw=grids).pooler_output.float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    else:
+        assert ((got - expected).norm() / expected.norm()).item() < 2e-2
