@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [w6encoder] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -193,7 +193,8 @@ fi
 if has visiongpu; then  # issue 50: the vision-language families on CUDA (fp32 vs generate, sync/async, graphs)
     timeout "${VISION_TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu tests/worker/engine/test_engine_vision_gpu.py \
         tests/worker/engine/test_engine_qwen3_vl_gpu.py tests/worker/engine/test_engine_gemma3_vision_gpu.py \
-        tests/worker/engine/test_engine_mistral3_vision_gpu.py -p no:cacheprovider --durations=8 2>&1 \
+        tests/worker/engine/test_engine_mistral3_vision_gpu.py tests/worker/engine/test_vision_attention.py \
+        -p no:cacheprovider --durations=8 2>&1 \
         | tee "$OUT/vision_gpu_tests.log" | tail -25
 fi
 if has w1mla; then
@@ -374,6 +375,15 @@ fi
 if has w6; then
     timeout 560 python3 -m worker.bench vision --shape qwen2.5-vl-7b --num "${W6_NUM:-1000}" --output-len 256 \
         --hf-num-requests "${W6_HF_NUM:-16}" --mode async --json-out "$OUT/w6_qwen2_5_vl_7b.json" 2>&1 | tail -12
+fi
+# Issue 50 item 6, the encoder's share: Qwen2.5-VL-7B's vision tower alone (random bf16 weights, no language model)
+# over 4 calls of 8 W6 pictures, transformers' sdpa (a call per window and image) vs cbq's packed attention (one
+# call a block, worker/engine/models/vision_attention.py), one process; about a minute.
+if has w6encoder; then
+    rm -f "$OUT/w6_encoder.json"
+    timeout 300 python3 -m worker.bench vision-encoder --shape qwen2.5-vl-7b --images 8 --batches 4 \
+        --json-out "$OUT/w6_encoder.json" 2>&1 | tail -8
+    check_outputs w6encoder "${PIPESTATUS[0]}" "$OUT/w6_encoder.json"
 fi
 if has savecache; then
     tar -C "$TRITON_CACHE_DIR" -cf - . | xz -T0 -6 > /tmp/triton-cache.tar.xz

@@ -102,3 +102,37 @@ def test_eos_ignored_clears_a_vision_language_models_eos_and_restores_it(tmp_pat
     with eos_ignored(model):  # generate falls back to both: both cleared
         assert text.eos_token_id is None and generation.eos_token_id is None
     assert (text.eos_token_id, generation.eos_token_id) == before
+
+
+def test_bench_vision_encoder_times_both_attentions_on_the_cpu(tmp_path):
+    """`bench vision-encoder` at the tiny shape: both implementations timed on the same pictures, their outputs
+    equal in fp32, the command spelled out."""
+    out = tmp_path / "encoder.json"
+    args = [
+        "vision-encoder",
+        "--shape",
+        "tiny",
+        "--images",
+        "3",
+        "--batches",
+        "2",
+        "--image-size",
+        "256",
+        "192",
+    ]
+    args += ["--device", "cpu", "--json-out", str(out)]
+    result = CliRunner().invoke(bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "packed / sdpa speed-up" in result.output
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("cbq bench vision-encoder --shape tiny --images 3 --batches 2")
+    assert "--image-size 256 192" in report["command"]
+    (row,) = report["rows"]
+    assert row["dtype"] == "float32" and row["images_per_call"] == 3 and row["calls"] == 2
+    assert row["patches_per_image"] > 64  # more than one window an image at the tiny shape's window size
+    for name in ("sdpa", "packed"):
+        assert row[name]["ms_per_image"] > 0
+        assert row[name]["images_per_s"] == pytest.approx(6 / row[name]["seconds"])
+    assert row["speedup"] == pytest.approx(row["sdpa"]["seconds"] / row["packed"]["seconds"])
+    assert row["max_abs_diff"] < 1e-4 and row["relative_diff"] < 1e-5  # fp32: the same attention
+    assert row["host_processing_ms_per_image"] > 0

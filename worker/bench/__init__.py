@@ -6,6 +6,7 @@
 - `embed`: W7, bulk embedding, through the embedding engine vs sentence-transformers' `encode`
 - `vision`: W6, a picture and a short prompt a request, through the engine vs transformers' `generate`, with the
   vision encoder's share of the run
+- `vision-encoder`: the Qwen2.5-VL vision tower alone, transformers' sdpa vs cbq's packed attention, ms per image
 - `quality`: teacher-forced logits of FP8 weights / FP8 KV vs the model dtype (mean KL, top-1 agreement)
 - `common`: the workloads every benchmark draws from
 
@@ -31,6 +32,7 @@ from producer.lazy_group import LazyGroup
         "quality": "worker.bench.quality:quality_bench",
         "embed": "worker.bench.embed:embed_bench",
         "vision": "worker.bench.vision:vision_bench",
+        "vision-encoder": "worker.bench.vision_encoder:vision_encoder_bench",
     },
 )
 def bench():

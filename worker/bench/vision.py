@@ -12,8 +12,10 @@ cache): their pictures through the checkpoint's image processor (worker/media/qw
 does: the device has no torchvision, so never AutoProcessor), left-padded batches of `--hf-batch-size` into
 `generate` on the same module (greedy, 256 new tokens, no EOS). cbq then runs every request as a worker feeds it
 (the engine's loop thread started, requests added while it has capacity, each one's picture through the image
-processor at admission, results collected as they come, after `--warmup` requests of their own). Both rates
-include the image processing.
+processor at admission, on the engine's admission threads, results collected as they come, after `--warmup`
+requests of their own). Both rates include the image processing. The profile's "admission" is the time the
+adding thread spent in `add_request` (9.6 s of W6's 29 s on the H100 when it processed each picture itself;
+since the admission pool, worker/engine/admission.py, about the time to hand each request over).
 
 The step profile: the vision encoder's device time over cbq's run (CUDA events around each tower call, kept by the
 runner's `ImageEncoder.encode_seconds`) against the decoder's (the steps' device time less the encoder's), and its
@@ -125,8 +127,8 @@ def w6_requests(tokenizer, num: int, text_len: int, output_len: int, seed: int, 
 
 
 def run_cbq(engine, requests) -> tuple[float, float, dict[str, Any]]:
-    """Seconds to run `requests` through the started engine as a worker feeds it, the seconds spent adding them
-    (each picture through the image processor), and the results by request id."""
+    """Seconds to run `requests` through the started engine as a worker feeds it, the seconds spent in
+    `add_request`, and the results by request id."""
     results: dict[str, Any] = {}
     adding = 0.0
     start = time.perf_counter()
@@ -392,7 +394,7 @@ def vision_bench(
     row["targets"] = {"ratio": TARGET_RATIO, "encoder_share_of_run": TARGET_ENCODER_SHARE}
     _print_table(row)
     report = {
-        "command": _command(click.get_current_context()),
+        "command": command_line(click.get_current_context()),
         "host": platform.node(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
@@ -414,9 +416,10 @@ def _rates(num_requests: int, output_tokens: int, seconds: float) -> dict[str, A
     }
 
 
-def _command(ctx: click.Context) -> str:
-    """The command that reproduces this run: every option with the value it ran with, defaults included."""
-    words = ["cbq bench vision"]
+def command_line(ctx: click.Context) -> str:
+    """The command that reproduces this run: every option with the value it ran with, defaults included (also
+    `bench vision-encoder`'s)."""
+    words = ["cbq bench", ctx.command.name or "vision"]
     for param in ctx.command.params:
         value = ctx.params[param.name]
         if value is not None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .admission import OrderedPool, default_workers
 from .api import EngineRequest, EngineResult, EngineStats, ErrorCode, FinishReason, TokenizerProtocol, Usage
 from .block_manager import BlockManager
 from .config import EngineConfig, context_len
@@ -57,8 +58,10 @@ logger = logging.getLogger("cbq.engine")
 @dataclass(frozen=True)
 class _Add:
     request: EngineRequest
-    matcher: Any = None  # its constraint's grammar matcher, compiled in the caller's thread
-    images: SequenceImages | None = None  # its images, processed in the caller's thread (its prompt expanded)
+    # its constraint's grammar matcher and its images (its prompt expanded), made before the loop sees it: in the
+    # caller's thread, or a vision-language engine's admission pool
+    matcher: Any = None
+    images: SequenceImages | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,11 @@ class Engine:
         # worker/media/ before it fetches any).
         self.image_prompts = ImagePrompts(model) if is_vision_model(model) else None
         self.accepts_images = self.image_prompts is not None
+        # Their image processing runs off the adding thread, on a few threads, and reaches the inbox in the
+        # order the requests were added (admission.py); a text-only engine's adds go to the inbox directly.
+        self._admission: OrderedPool[_Add | _Abort | None] | None = None
+        if self.image_prompts is not None:
+            self._admission = OrderedPool(self._deliver, default_workers())
         self._num_with_images = 0  # unfinished sequences with images (loop thread only)
         check_kv_cache_dtype(config, self.device)
         num_blocks = config.num_kv_blocks or num_blocks_from_memory(
@@ -167,10 +175,34 @@ class Engine:
 
     # -- public API (thread-safe) -----------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
-        """Queue a request. A bad one comes back at once as an ERROR result; it never raises."""
+        """Queue a request. A bad one comes back as an ERROR result (at once, or from the admission pool where
+        its images are processed); it never raises."""
         with self._lock:
             self._num_unfinished += 1
             self._num_unfinished_samples += num_samples(req)
+        if self._admission is not None:
+            self._admission.submit(lambda: self._intake_or_error(req))
+            return
+        message = self._intake(req)
+        if message is not None:
+            self._inbox.put(message)
+
+    def _intake_or_error(self, req: EngineRequest) -> _Add | None:
+        """`_intake` on the admission pool, where nothing may raise: an unexpected error fails the request."""
+        try:
+            return self._intake(req)
+        except Exception as exc:
+            logger.exception("request %s could not be admitted", req.request_id)
+            self._emit_error(req, f"admission failed: {type(exc).__name__}: {exc}")
+            return None
+
+    def _deliver(self, message: _Add | _Abort | None) -> None:
+        if message is not None:
+            self._inbox.put(message)
+
+    def _intake(self, req: EngineRequest) -> _Add | None:
+        """The request ready for the loop (its images processed, its grammar compiled), or None when it was
+        refused (its ERROR result emitted)."""
         keep = req.sampling.truncate_prompt_tokens
         if keep is not None and len(req.prompt_ids) > keep:
             req = replace(req, prompt_ids=req.prompt_ids[-keep:])  # vLLM's truncation: the last k tokens
@@ -181,26 +213,29 @@ class Engine:
             except Exception as exc:  # the processor's own refusals (an aspect ratio over 200) too: never raises
                 why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
                 self._emit_error(req, f"images: {why}", ErrorCode.INVALID_PROMPT)
-                return
+                return None
             req = replace(req, prompt_ids=prompt_ids)
             too_long = images.budget_refusal(self.config.max_num_batched_tokens) if images is not None else None
             if too_long:
                 self._emit_error(req, f"images: {too_long}", ErrorCode.INVALID_PROMPT)
-                return
+                return None
         refused = refusal(req, self.max_model_len, self.model.config.vocab_size, self.accepts_images)
         matcher = None
         if not refused and req.sampling.constraint is not None:
-            try:  # compiled here, in the caller's thread, so the step loop never waits for it
+            try:  # compiled here, off the loop's thread, so the step loop never waits for it
                 matcher = self.grammar.matcher_for(req.sampling.constraint)
             except GrammarError as exc:
                 refused = str(exc), None
         if refused:
             self._emit_error(req, *refused)
-            return
-        self._inbox.put(_Add(req, matcher, images))
+            return None
+        return _Add(req, matcher, images)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        if self._admission is not None:  # behind the requests added before it: it never overtakes its own
+            self._admission.put(_Abort(request_id))
+        else:
+            self._inbox.put(_Abort(request_id))
 
     def fail(self, error: BaseException) -> None:
         """End the loop with `error`, from any thread (an idle loop too): `generate` or `get_results` raises it."""
@@ -283,9 +318,12 @@ class Engine:
             self._thread = None
 
     def close(self) -> None:
-        """Stop the loop and release the runner (a tensor-parallel engine's helper processes)."""
+        """Stop the loop and release the runner (a tensor-parallel engine's helper processes) and the
+        admission threads."""
         self.shutdown()
         self.runner.close()
+        if self._admission is not None:
+            self._admission.close()
 
     def generate(self, requests: list[EngineRequest]) -> list[EngineResult]:
         """Run `requests` to completion in the calling thread; results in input order."""
@@ -294,6 +332,8 @@ class Engine:
         self._stop.clear()  # usable again after a shutdown()
         for req in requests:
             self.add_request(req)
+        if self._admission is not None:  # every request in the inbox before the first step, as with no pool
+            self._admission.wait()
         self._run_loop(stop_when_idle=True)
         by_id = {r.request_id: r for r in self.get_results()}
         return [by_id[req.request_id] for req in requests]

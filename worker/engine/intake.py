@@ -1,8 +1,8 @@
 """A request's way into the engine, before the step loop runs it: why it is refused (if it is), its sampling with
 every default filled in, and its n samples as `Sequence`s (their seeds and the KV namespace of their cache salt).
 
-Owns no state: the engine (engine.py) calls these from `add_request` (in the caller's thread) and from the loop's
-admission, and keeps the counts and the request registry itself.
+Owns no state: the engine (engine.py) calls these from `add_request` (in the caller's thread, or a vision-language
+engine's admission pool) and from the loop's admission, and keeps the counts and the request registry itself.
 """
 
 from __future__ import annotations

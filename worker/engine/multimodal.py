@@ -2,8 +2,9 @@
 
 Three owners, one per place the images pass through:
 
-- `ImagePrompts` (admission, in the caller's thread): a request's images through the checkpoint's own image
-  processor (the family's image format: worker/media/qwen_vl.py, worker/media/gemma3.py), its prompt's image
+- `ImagePrompts` (admission, off the step loop, on the engine's admission pool: admission.py): a request's images
+  through the checkpoint's own image processor (the family's image format: worker/media/qwen_vl.py,
+  worker/media/gemma3.py), its prompt's image
   placeholders expanded to the image's tokens, and the prompt's rotary positions (Qwen-VL's M-RoPE, or plain). The result, `SequenceImages`, is immutable and shared by the
   request's samples; it also names the KV blocks an image's pads start in (`block_salt`), so the prefix cache
   never matches one image's K/V for another's. A format whose image tokens attend to each other both ways in
@@ -144,7 +145,8 @@ class SequenceImages:
 
 
 class ImagePrompts:
-    """A vision-language checkpoint's image processing, for admission (runs in the caller's thread)."""
+    """A vision-language checkpoint's image processing, for admission (runs on the engine's admission threads,
+    several requests at once: it keeps no state between calls)."""
 
     def __init__(self, model: Any):
         self.processor = image_format(model)

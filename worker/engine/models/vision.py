@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..families.spec import Family, VisionSpec
+from .vision_attention import use_packed_attention
 
 
 class VisionLanguageModel(torch.nn.Module):
@@ -56,9 +57,10 @@ class VisionLanguageModel(torch.nn.Module):
             if self.deepstack_levels:
                 return torch.stack([out.pooler_output, *out.deepstack_features], dim=1)
             return out.pooler_output  # merged patches, projected
-        if self.image_format == "pixtral":  # Mistral 3: Pixtral's features (per image: a tuple) merged and projected
+        if self.image_format == "pixtral":  # Mistral 3: Pixtral's features (a tuple), merged, projected
+            layer = self.whole.config.vision_feature_layer
             out = self.whole.model.get_image_features(
-                pixel_values=pixels, image_sizes=grids, vision_feature_layer=self.whole.config.vision_feature_layer
+                pixel_values=pixels, image_sizes=grids, vision_feature_layer=layer
             )
             features = out.pooler_output if hasattr(out, "pooler_output") else out
             return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
@@ -72,9 +74,13 @@ class VisionLanguageModel(torch.nn.Module):
         return self.whole.get_input_embeddings()
 
     def set_attn_implementation(self, implementation: str) -> None:
-        """The language model's attention; the vision tower keeps sdpa (cbq's paged attention is causal, over
-        the KV cache: the tower attends within each image, and within its windows)."""
+        """The language model's attention; the vision tower keeps its own (cbq's paged attention is causal, over
+        the KV cache: the tower attends within each image, and within its windows): Qwen-VL's towers one packed
+        call a block (vision_attention.py, where transformers' sdpa loops over every window and image), the
+        others sdpa."""
         self.whole.set_attn_implementation({"text_config": implementation, "vision_config": "sdpa"})
+        if self.image_format == "qwen_vl":
+            use_packed_attention(self.vision_config)
 
     def forward(
         self,
