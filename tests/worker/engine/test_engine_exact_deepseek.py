@@ -3,9 +3,10 @@
 with mscale, softmax greedy routing, two shared experts, a dense first layer) and DeepSeek-V3's (q LoRA, grouped
 sigmoid routing with its correction bias, block-wise FP8 weights dequantized at load, the MTP layer shipped and not
 loaded), in sync and async mode, with chunked prefill, forced preemption, the prefix cache on and off, through
-transformers' forward with cbq's paged attention ("hf": each head's expanded K and V in the cache) and with cbq's
-latent attention ("auto", "owned": latent_attention.py, kv_lora_rank + qk_rope_head_dim values per token per layer
-in the cache, the query absorbed into the latent space)."""
+transformers' forward with cbq's paged attention ("hf": each head's expanded K and V in the cache), with cbq's
+latent attention ("auto": latent_attention.py, kv_lora_rank + qk_rope_head_dim values per token per layer in the
+cache, the query absorbed into the latent space), and on the owned decoder ("owned": latent_layer.py, the same
+latent attention, the owned MoE path and layer ops)."""
 
 from __future__ import annotations
 
@@ -70,12 +71,15 @@ def references(deepseek, name: str, kind: str):
     return _REFERENCES[name, kind]
 
 
-DECODERS = ["hf", "auto"]  # transformers' attention over expanded K/V; cbq's over the latent
+# transformers' layers with their attention over expanded K/V ("hf") or cbq's over the latent ("auto"); the owned
+# decoder over the latent ("owned": latent_layer.py)
+DECODERS = ["hf", "auto", "owned"]
 
 
 def run_and_compare(model, tok, reqs, ref, config: EngineConfig) -> Engine:
     engine = Engine(model, tok, config)
-    assert engine.runner.decoder is None, "transformers' layers run a latent attention model"
+    owned = engine.runner.decoder is not None
+    assert owned == (config.decoder == "owned"), "only 'owned' takes the owned decoder for latent attention"
     k_cache, v_cache = engine.runner.kv_caches[0]
     assert is_latent_cache(k_cache, v_cache) == (config.decoder != "hf")
     results = engine.generate(reqs)
@@ -115,10 +119,13 @@ def test_greedy_with_prefix_cache_equals_generate(deepseek, name, mode, decoder)
 @pytest.mark.parametrize("name", NAMES)
 def test_latent_cache_holds_one_row_per_token_and_generate_is_unchanged(deepseek, name):
     """"owned" and "auto" keep kv_lora_rank + qk_rope_head_dim values per token per layer (K and V one tensor); the
-    owned fused decoder names why it does not run the model; transformers' forward outside the engine is its own."""
+    owned decoder runs the model, "auto" keeps transformers' layers (until the owned path has run on a GPU);
+    transformers' forward outside the engine is its own."""
     _, model, tok = deepseek(name)
-    assert unsupported_reason(model) == f"{model.config.model_type}: multi-head latent attention"
+    assert unsupported_reason(model) is None
+    assert Engine(model, tok, EngineConfig(decoder="auto", num_kv_blocks=8)).runner.decoder is None
     engine = Engine(model, tok, EngineConfig(decoder="owned", num_kv_blocks=8))
+    assert engine.runner.decoder is not None
     k_cache, v_cache = engine.runner.kv_caches[0]
     config = model.config
     assert k_cache.shape == (8, 16, 1, config.kv_lora_rank + config.qk_rope_head_dim) and is_latent_cache(k_cache, v_cache)
