@@ -182,7 +182,9 @@ class OwnedDecoder:
         layers = submodule(root, self.family.layers_path)
         sparse = set(moe_layer_ids(config)) if self.family.moe is not None else set()
         # multi-head latent attention: `qkv` is its input projection (latent_layer.py)
-        layer_spec = latent_layer_spec(self.family, config) if self.family.mla is not None else self.family.layer
+        layer_spec = self.family.layer
+        if self.family.mla is not None:
+            layer_spec = latent_layer_spec(self.family, config, layers, self.embed_weight.dtype)
         self.layers: list[LayerWeights] = [
             fold_norms(layer_weights(layer, layer_spec, dense_mlp=i not in sparse), fold)
             for i, layer in enumerate(layers)

@@ -9,7 +9,7 @@ hf path shares (latent_attention.attend_latent: the cache write, the absorbed qu
 attention over the latent cache, the decode kernel on CUDA, W_UV). The output projection is the decoder's
 (`LayerWeights.o_weight`), as every family's. The GEMMs run through the decoder's `ops.linear`, so each weight's
 quantization could be its own method's, but quantized linears (the FP8 releases kept in FP8 on sm89+ CUDA) are
-refused until this path has run on a GPU: decoder "auto" runs them. The norms run through `ops.add_norm` (Triton
+refused until this path has run on a GPU (`latent_layer_spec`): decoder "auto" runs them. The norms run through `ops.add_norm` (Triton
 on CUDA, transformers' RMSNorm bit for bit on the CPU).
 """
 
@@ -27,14 +27,21 @@ from .latent_attention import absorbed_weights, attend_latent, rotate
 from .layer_ops import LayerOps
 
 
-def latent_layer_spec(family: Family, config: Any) -> LayerSpec:
+def latent_layer_spec(family: Family, config: Any, layers: Any, dtype: torch.dtype) -> LayerSpec:
     """The family's layer with its `qkv` GEMM the latent attention's input projection: the query's (q_proj, or
     q_a_proj under a q LoRA) rows, then kv_a_proj_with_mqa's (latent and rotary key), which read the same normed
-    input. `o` stays the output projection."""
+    input. `o` stays the output projection. Raises ValueError where a layer's attention linear is kept quantized
+    (the FP8 releases on sm89+ CUDA; the CPU dequantizes them at load): not yet run on a GPU, so "auto" runs them
+    (checked before any fusing, which would stack FP8 blocks across the two projections)."""
     mla = family.mla
     assert mla is not None, f"{family.name} declares no latent attention"
-    query = mla.q_a_proj if config.q_lora_rank else mla.q_proj
-    return dataclasses.replace(family.layer, qkv=LinearSpec((query, mla.kv_a_proj), Parallel.COLUMN))
+    query = (mla.q_a_proj, mla.q_b_proj) if config.q_lora_rank else (mla.q_proj,)
+    for layer in layers:
+        for path in (*query, mla.kv_a_proj, mla.kv_b_proj, mla.o_proj):
+            weight = getattr(submodule(layer, path), "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dtype != dtype:
+                raise ValueError("the owned decoder's latent attention takes no quantized linears yet: use decoder 'auto'")
+    return dataclasses.replace(family.layer, qkv=LinearSpec((query[0], mla.kv_a_proj), Parallel.COLUMN))
 
 
 class LatentRope:
@@ -64,6 +71,7 @@ class LatentAttention:
         self.in_weight, self.in_bias = weights.qkv_weight, weights.qkv_bias
         self.q_a_norm: tuple[torch.Tensor, float] | None = None
         self.q_b_weight: Any = None
+        self.q_b_bias: torch.Tensor | None = None
         if module.q_lora_rank:
             q_a_norm = submodule(layer, mla.q_a_norm)
             self.q_a_norm = (q_a_norm.weight, q_a_norm.variance_epsilon)
@@ -72,10 +80,6 @@ class LatentAttention:
         # transformers builds these two norms with RMSNorm's default eps, not the config's rms_norm_eps
         kv_a_norm = submodule(layer, mla.kv_a_norm)
         self.kv_a_norm = (kv_a_norm.weight, kv_a_norm.variance_epsilon)
-        quantized = [weights.qkv_weight, weights.o_weight, self.q_b_weight, module.kv_b_proj.weight]
-        if any(not isinstance(w, torch.Tensor | None) or (w is not None and w.dtype != dtype) for w in quantized):
-            # not yet run on a GPU, where the loader keeps them so (the CPU dequantizes them at load)
-            raise ValueError("the owned decoder's latent attention takes no quantized linears yet: use decoder 'auto'")
         self.w_uk, self.w_uv = absorbed_weights(module, dtype)
         self.scale = float(module.scaling)
         self.rope = rope
