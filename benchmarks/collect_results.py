@@ -5,7 +5,7 @@ python3 benchmarks/collect_results.py DIR [DIR ...]
     # w3_on.json, w3_off.json, w4_on.json, w4_off.json, w2_grammar.json, w2_deterministic.json,
     # w1_deterministic.json, w1_families.json, w2_families.json, w1_fp8.json, w2_fp8.json, w1_int4.json, w2_int4.json, fp8_quality.json,
     # w1_fp8_step.json, w1_moe_fp8.json, w5.json, w1_trace_results.json, tp1_w1_*.json, tp1_w2_*.json (with tp1.log),
-    # w1_mla.json, w2_mla.json, w6_qwen2_5_vl_7b.json, w7_qwen3_embedding_8b.json, w7_bert_large.json,
+    # w1_mla.json, w2_mla.json, w1_mla_owned.json, w6_qwen2_5_vl_7b.json, w7_qwen3_embedding_8b.json, w7_bert_large.json,
     # notes.json; a file in a later DIR replaces
     # the same file of an earlier one, and every entry carries the date of the run it came from
 """
@@ -107,6 +107,13 @@ COMMANDS.update({
     "W7": "python3 -m worker.bench embed --shape qwen3-embedding-8b --num N --reference-num M",
 })
 MLA_RUNS = {"deepseek_v2_lite": "deepseek-v2-lite", "moonlight": "moonlight-16b-a3b"}
+# issue 47 item 5: DeepSeek-V2-Lite's W1 on transformers' layers with the latent attention ("auto") and on the owned
+# decoder, in one process (run_gpu.sh w1mlaowned): {auto, owned, owned_over_auto}
+MLA_OWNED_RUN = ("W1_mla_owned", "w1_mla_owned.json")
+COMMANDS[MLA_OWNED_RUN[0]] = (
+    "python3 -m worker.bench engine --model deepseek-v2-lite --decoder auto --decoder owned --workload W1 --mode async "
+    "--max-num-seqs 32 --max-num-batched-tokens 2048 --max-model-len 8192"
+)
 # issues 50 and 48: `bench vision` / `bench embed` write rows of their own; the entry is the file's row
 ROW_RUNS = {"W6": "w6_qwen2_5_vl_7b.json", "W7": "w7_qwen3_embedding_8b.json", "W7_bert": "w7_bert_large.json"}
 
@@ -249,13 +256,13 @@ def precision_entry(run: dict) -> dict:
     return entry
 
 
-def decode_gemm_entry(run: dict) -> dict:
-    """`bench engine --decode-gemm cublas --decode-gemm triton`'s async runs of one precision: {cublas, triton,
-    triton_over_cublas}."""
-    by_gemm = {mode.split("-", 1)[1]: r for mode, r in run["results"].items() if mode.startswith("async-")}
-    entry: dict = {g: {f: r.get(f) for f in FIELDS} for g, r in by_gemm.items()}
-    if "cublas" in by_gemm and "triton" in by_gemm:
-        entry["triton_over_cublas"] = by_gemm["triton"]["output_tok_s"] / by_gemm["cublas"]["output_tok_s"]
+def setup_entry(run: dict, base: str, other: str) -> dict:
+    """A `bench engine` run of two setups of one option in one process, e.g. `--decode-gemm cublas --decode-gemm
+    triton` or `--decoder auto --decoder owned`, results named async-SETUP: {base, other, other_over_base}."""
+    by_setup = {mode.split("-", 1)[1]: r for mode, r in run["results"].items() if mode.startswith("async-")}
+    entry: dict = {g: {f: r.get(f) for f in FIELDS} for g, r in by_setup.items()}
+    if base in by_setup and other in by_setup:
+        entry[f"{other}_over_{base}"] = by_setup[other]["output_tok_s"] / by_setup[base]["output_tok_s"]
     entry["config"], entry["date"] = run["config"], run["date"]
     return entry
 
@@ -274,12 +281,13 @@ def main(srcs: list[Path]) -> dict:
     fp8_step = load(FP8_STEP_RUN[1])
     offline, traced = load(OFFLINE_RUN[1]), load(TRACE_RUN[1])
     mla_runs = {w: load(f"{w.lower()}_mla.json") for w in ("W1", "W2")}
+    mla_owned = load(MLA_OWNED_RUN[1])
     row_runs = {name: load(file) for name, file in ROW_RUNS.items()}
     first = (
         w1 or w2 or determinism_runs["W2_deterministic"] or determinism_runs["W1_deterministic"]
         or family_runs["W1"] or family_runs["W2"] or fp8_runs["W1_fp8"] or fp8_runs["W2_fp8"] or fp8_step
         or fp8_runs["W1_int4"] or fp8_runs["W2_int4"]
-        or offline or traced or mla_runs["W1"] or mla_runs["W2"]
+        or offline or traced or mla_runs["W1"] or mla_runs["W2"] or mla_owned
     )  # fmt: skip
     if first is None:
         rows = [r for r in row_runs.values() if r]
@@ -293,7 +301,7 @@ def main(srcs: list[Path]) -> dict:
         "date": max(
             r["date"]
             for r in (w1, w2, *determinism_runs.values(), *family_runs.values(), *fp8_runs.values(), fp8_step, offline, traced,
-                      *mla_runs.values(), first)
+                      *mla_runs.values(), mla_owned, first)
             if r and r.get("date")
         ),  # of the newest run; each entry has its own
         "copy_bandwidth_bytes_s": first["copy_bandwidth_bytes_s"],
@@ -369,6 +377,8 @@ def main(srcs: list[Path]) -> dict:
     for workload, mla in mla_runs.items():  # issue 47
         if mla:
             out.update(family_entries(workload, mla, MLA_RUNS))
+    if mla_owned:
+        out[MLA_OWNED_RUN[0]] = setup_entry(mla_owned, "auto", "owned")
     for name, run in row_runs.items():  # issues 48 and 50
         if run:
             out[name] = row_entry(run)
@@ -379,7 +389,7 @@ def main(srcs: list[Path]) -> dict:
         if run:
             out[name] = precision_entry(run)
     if fp8_step:
-        out[FP8_STEP_RUN[0]] = decode_gemm_entry(fp8_step)
+        out[FP8_STEP_RUN[0]] = setup_entry(fp8_step, "cublas", "triton")
     if offline:
         out.update(offline_entries(OFFLINE_RUN[0], offline))
     if traced:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [w6encoder] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [w1mlaowned] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [w6encoder] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -184,8 +184,8 @@ if has mlatests; then
         tests/worker/engine/test_deepseek_shapes.py tests/worker/engine/test_parallel_latent_attention.py \
         tests/worker/engine/test_latent_fp8.py -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log" | tail -25
 fi
-if has mlagpu; then  # the latent path on CUDA: fp32 vs generate on both fixtures, bf16 graph vs eager, TP=2 over gloo,
-    # the FP8 latent cache (vs bf16, twice the blocks; the latent kernel over e4m3)
+if has mlagpu; then  # the latent path on CUDA, "auto" and "owned": fp32 vs generate on both fixtures, bf16 graph
+    # vs eager; TP=2 over gloo, the FP8 latent cache (vs bf16, twice the blocks; the latent kernel over e4m3)
     timeout 540 python3 -m pytest -q -s -m gpu tests/worker/engine/test_engine_deepseek_gpu.py tests/worker/engine/test_latent_fp8.py \
         -p no:cacheprovider 2>&1 \
         | tee "$OUT/mla_gpu_tests.log" | tail -25
@@ -204,6 +204,12 @@ fi
 if has w2mla; then
     bench 590 --model llama3-8b --model deepseek-v2-lite --model moonlight-16b-a3b --workload W2 --mode async \
         --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 8192 --json-out "$OUT/w2_mla.json" 2>&1 | tail -12
+fi
+if has w1mlaowned; then  # issue 47 item 5: W1 on the DeepSeek-V2-Lite shape on transformers' layers with cbq's latent
+    # attention ("auto", today's path; "hf" would be transformers' attention over expanded per-head K/V) and on the
+    # owned decoder (latent_layer.py, the owned MoE path), in one process (W1_mla_owned)
+    bench 540 --model deepseek-v2-lite --decoder auto --decoder owned --workload W1 --mode async \
+        --max-num-seqs 32 --max-num-batched-tokens 2048 --max-model-len 8192 --json-out "$OUT/w1_mla_owned.json" 2>&1 | tail -12
 fi
 if has families || has w1families; then  # issue 24: the Gemma 3 12B and Phi-4 14B shapes against Llama-3-8B (floor
     # ratios within 10%), async, the three models in one process per workload (W1_gemma3, W1_phi4; about 2 minutes)

@@ -1,6 +1,7 @@
 """benchmarks/collect_results.py on run files shaped like `bench engine`'s: an MoE run with Llama-3-8B first in the
 same process (run_gpu.sh w1moe/w2moe: the MoE entry keeps its own numbers, the Llama run goes beside them), and the
-TP=1 before/after runs (run_gpu.sh tp1w1), a run whose JSON the device did not bring back read from tp1.log."""
+TP=1 before/after runs (run_gpu.sh tp1w1), a run whose JSON the device did not bring back read from tp1.log, and
+DeepSeek-V2-Lite's W1 on two decoders in one process (run_gpu.sh w1mlaowned)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,11 @@ def test_tp1_runs_are_read_from_their_json_or_from_the_table_row_above_their_wro
     ]  # fmt: skip
     assert entry["runs"]["tp1_w2_before_1"]["output_tok_s"] == 12400.0
     assert entry["after_over_before"] == (12500.0 + 12600.0) / (12400.0 + 12300.0)
+
+
+def test_the_latent_shape_on_two_decoders_gives_both_and_their_ratio(tmp_path):
+    both = {"async-auto": _run("deepseek-v2-lite", 1700.0, 0.53), "async-owned": _run("deepseek-v2-lite", 2550.0, 0.8)}
+    (tmp_path / "w1_mla_owned.json").write_text(json.dumps(_file(["deepseek-v2-lite"], both)))
+    entry = _collect_results().main([tmp_path])["W1_mla_owned"]
+    assert entry["auto"]["floor_ratio"] == 0.53 and entry["owned"]["floor_ratio"] == 0.8
+    assert entry["owned_over_auto"] == 2550.0 / 1700.0

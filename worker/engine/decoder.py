@@ -77,6 +77,7 @@ from .kernels import decode_gemm
 from .kernels import fused as fk
 from .kv_cache import head_dim_of
 from .latent_attention import install_latent_attention
+from .latent_layer import LatentAttention, LatentRope, latent_layer_spec
 from .layer_ops import ACTIVATIONS, NORM_MATH, NORMS, QK_NORM_SPANS, layer_ops, rows_for
 from .layers.tensor_parallel import Shard, TensorParallel, WholeModel
 from .models import ModelLoadError, family_for
@@ -86,9 +87,9 @@ from .moe import MoeLayerWeights, MoeWorkspace, moe_forward, moe_layer_ids, spec
 
 
 def _latent_attention_model(model, choice: str, deterministic: bool, tp: TensorParallel | None) -> None:
-    """A multi-head latent attention model runs transformers' layers (no owned decoder yet: returns None). Under any
-    decoder but "hf" (transformers' attention over an expanded per-head cache) its attention modules run cbq's latent
-    attention over the latent cache (latent_attention.py, kv_cache.uses_latent_cache). A tensor-parallel shard (`tp`)
+    """A multi-head latent attention model on transformers' layers (returns None: `build_decoder` says when). Under
+    any decoder but "hf" (transformers' attention over an expanded per-head cache) its attention modules run cbq's
+    latent attention over the latent cache (latent_attention.py, kv_cache.uses_latent_cache). A tensor-parallel shard (`tp`)
     runs the same forward: its loading put the collectives in its modules (models/shard_model.py), so none is named
     here, and it never runs "hf" (shard_model refuses it)."""
     if deterministic:
@@ -125,8 +126,6 @@ def _family(model) -> tuple[Any, Family, DecoderArgs]:
 def unimplemented(family: Family, args: DecoderArgs) -> str | None:
     """The first property `family` declares (with `args` read from a config) that this decoder does not compute."""
     layer = family.layer
-    if family.mla is not None:
-        return f"{family.name}: multi-head latent attention"
     if family.norm not in NORMS:
         return f"{family.name}: norm {family.norm.value}"
     if args.activation not in ACTIVATIONS:
@@ -182,8 +181,12 @@ class OwnedDecoder:
         self.lm_head = output_embeddings.weight if output_embeddings is not None else None
         layers = submodule(root, self.family.layers_path)
         sparse = set(moe_layer_ids(config)) if self.family.moe is not None else set()
+        # multi-head latent attention: `qkv` is its input projection (latent_layer.py)
+        layer_spec = self.family.layer
+        if self.family.mla is not None:
+            layer_spec = latent_layer_spec(self.family, config, layers, self.embed_weight.dtype)
         self.layers: list[LayerWeights] = [
-            fold_norms(layer_weights(layer, self.family.layer, dense_mlp=i not in sparse), fold)
+            fold_norms(layer_weights(layer, layer_spec, dense_mlp=i not in sparse), fold)
             for i, layer in enumerate(layers)
         ]
         self._init_moe(model, layers, sparse, max_num_tokens)
@@ -206,6 +209,13 @@ class OwnedDecoder:
             None if i in self.args.nope_layers else tables[t] for i, t in enumerate(layer_types)
         ]
         self.head_dim = head_dim_of(config)
+        # Multi-head latent attention: each layer's attention object (latent_layer.py), which the layer loop calls in
+        # place of the QKV/rotary/attention stage; None: the per-head attention below.
+        self.latent: list[LatentAttention] | None = None
+        if self.family.mla is not None:
+            rope = LatentRope(rotary_emb, num_positions, self.embed_weight)
+            mla, dtype = self.family.mla, self.embed_weight.dtype
+            self.latent = [LatentAttention(layer, mla, w, rope, dtype) for layer, w in zip(layers, self.layers, strict=True)]
         # M-RoPE (a vision-language family's `VisionSpec.mrope`): the position row each rotary dimension reads, for
         # steps with image rows (image_inputs.py); None: 1-D rotary everywhere
         self.mrope_axes: torch.Tensor | None = None
@@ -297,14 +307,17 @@ class OwnedDecoder:
             attn_rows, mlp_rows, down_rows = self.input_rows[layer_idx]
             add_norm = ops.add_norm_into(attn_rows)
             normed, residual = add_norm(hidden, residual, w.attn_in_norm, eps, x_weight=post_norm, x_scale=scale)
-            q = self._qkv_rope_write(
-                normed, positions, layer_rope[layer_idx], w, layer_idx, k_cache, v_cache, attn, ops,
-                attn.kv_scale(layer_idx),
-            )  # fmt: skip
-            out = attn.backend.attend(
-                q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl, softcap=args.attn_softcap,
-                sinks=self.layer_sinks[layer_idx],
-            )  # fmt: skip
+            if self.latent is not None:  # its own projections, rotary, cache write and attention
+                out = self.latent[layer_idx](normed, positions, attn, layer_idx, ops)
+            else:
+                q = self._qkv_rope_write(
+                    normed, positions, layer_rope[layer_idx], w, layer_idx, k_cache, v_cache, attn, ops,
+                    attn.kv_scale(layer_idx),
+                )  # fmt: skip
+                out = attn.backend.attend(
+                    q, k_cache, v_cache, attn, args.attention_scale, layer_idx, pdl=ops.pdl,
+                    softcap=args.attn_softcap, sinks=self.layer_sinks[layer_idx],
+                )  # fmt: skip
             hidden = self.shard.row_parallel_out(ops.linear(out.view(out.shape[0], -1), w.o_weight, w.o_bias))
             post_norm, scale = w.attn_out_norm, args.residual_scale
             if self.parallel_blocks:
@@ -458,7 +471,11 @@ def build_decoder(
     `tp`: `model` is one rank's shard (models/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
-    if getattr(model.config, "kv_lora_rank", None):  # latent attention: transformers' layers, cbq's attention
+    if getattr(model.config, "kv_lora_rank", None) and (choice != "owned" or deterministic or tp is not None):
+        # Latent attention: transformers' layers with cbq's attention, under "auto" on every device. The owned
+        # decoder runs these models (latent_layer.py: exact on the CPU), but its CUDA path has not yet run on a GPU:
+        # "auto" keeps today's path until its GPU tests (test_engine_deepseek_gpu.py's "owned" cases, `run_gpu.sh
+        # mlagpu`) and `run_gpu.sh w1mlaowned` have run; `--decoder owned` takes it now. TP shards keep today's path.
         return _latent_attention_model(model, choice, deterministic, tp)
     if deterministic:
         use_triton = use_triton and decode_gemm.HAVE_TRITON

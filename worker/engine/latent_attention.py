@@ -56,9 +56,11 @@ def absorbed_weights(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return per_head[:, : module.qk_nope_head_dim], per_head[:, module.qk_nope_head_dim :]
 
 
-def _rotate(module: Any, q_rope: torch.Tensor, k_rope: torch.Tensor, position_embeddings):
-    """transformers' own rotary for the module's family (q [1, H, T, r], k [1, 1, T, r]), so the rotated values are
-    the bits its forward computes: V2's complex product, V3's interleaved (or half-split) pairs."""
+def rotate(module: Any, q_rope: torch.Tensor, k_rope: torch.Tensor, position_embeddings):
+    """transformers' own rotary for the module's family, so the rotated values are the bits its forward computes:
+    V2's complex product, V3's interleaved (or half-split) pairs. q [1, H, T, r] and k [1, 1, T, r] with its
+    position embeddings [1, T, ...], or q [1, T, H, r] and k [1, T, 1, r] with rows [T, ...] of them (latent_layer.py,
+    which broadcast as [T, 1, ...] against the tokens and heads)."""
     modeling = sys.modules[type(module).__module__]
     if hasattr(modeling, "apply_rotary_emb"):  # DeepSeek-V2: position_embeddings are the complex freqs_cis
         return modeling.apply_rotary_emb(q_rope, k_rope, position_embeddings.to(q_rope.device))
@@ -91,27 +93,49 @@ def latent_attention_forward(
     q_nope, q_rope = torch.split(q, [nope, rope], dim=-1)
     latent, k_rope = torch.split(module.kv_a_proj_with_mqa(hidden_states), [kv_lora, rope], dim=-1)
     latent = module.kv_a_layernorm(latent)
-    q_rope, k_rope = _rotate(module, q_rope, k_rope.view(batch, 1, num_tokens, rope), position_embeddings)
+    q_rope, k_rope = rotate(module, q_rope, k_rope.view(batch, 1, num_tokens, rope), position_embeddings)
 
-    cache, _ = meta.kv_caches[module.layer_idx]  # [blocks, block_size, 1, kv_lora + rope]
-    row = torch.cat((latent[0], k_rope[0, 0]), dim=-1)[:, None]  # [T, 1, kv_lora + rope]
-    cache_scale = meta.kv_scale(module.layer_idx)  # (s, s): one row serves as K and V
-    meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, cache_scale)
     w_uk, w_uv = absorbed_weights(module, hidden_states.dtype)
-    q_latent = torch.einsum("htn,hnc->thc", q_nope[0], w_uk)  # [T, H, kv_lora]
-    q_rope = q_rope[0].transpose(0, 1)  # [T, H, rope]
+    out = attend_latent(
+        q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), latent[0], k_rope[0, 0], meta, module.layer_idx,
+        w_uk, w_uv, module.scaling,
+    )  # fmt: skip
+    return module.o_proj(out.reshape(batch, num_tokens, heads * module.v_head_dim)), None
+
+
+def attend_latent(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    meta: AttentionMetadata,
+    layer_idx: int,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's latent attention after its projections, shared by transformers' modules (`latent_attention_forward`)
+    and the owned decoder (latent_layer.py): writes each token's row [latent; k_rope] into the layer's latent cache,
+    absorbs the query (W_UK^T q_nope), attends over the cache rows and maps the result through W_UV.
+    q_nope [T, H, nope], q_rope [T, H, rope] (rotated), latent [T, kv_lora] (normed), k_rope [T, rope] (rotated),
+    w_uk [H, nope, kv_lora], w_uv [H, v, kv_lora] (`absorbed_weights`) -> [T, H, v]."""
+    kv_lora = latent.shape[-1]
+    cache, _ = meta.kv_caches[layer_idx]  # [blocks, block_size, 1, kv_lora + rope]
+    row = torch.cat((latent, k_rope), dim=-1)[:, None]  # [T, 1, kv_lora + rope]
+    cache_scale = meta.kv_scale(layer_idx)  # (s, s): one row serves as K and V
+    meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, cache_scale)
+    q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, kv_lora]
     num_seqs = meta.context_lens.shape[0]
     if meta.backend.name == "triton" and (meta.is_decode_only or meta.num_decode_seqs == num_seqs):
         # one row per sequence: the latent decode kernel (each cache tile loaded once, heads in blocks of 16)
         out = latent_decode_kernel(
-            q_latent.contiguous(), q_rope, cache, meta.block_tables, meta.context_lens, module.scaling,
+            q_latent.contiguous(), q_rope, cache, meta.block_tables, meta.context_lens, scale,
             max_context_len=meta.max_context_len, cache_scale=cache_scale[0],
         )  # fmt: skip
     else:  # prefill and mixed steps: the backend's paged attention, the cache as one shared head
         query = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, kv_lora + rope]
-        out = meta.backend.attend(query, cache, cache, meta, module.scaling, module.layer_idx)[..., :kv_lora]
-    out = torch.einsum("thc,hvc->thv", out, w_uv)  # [T, H, v]
-    return module.o_proj(out.reshape(batch, num_tokens, heads * module.v_head_dim)), None
+        out = meta.backend.attend(query, cache, cache, meta, scale, layer_idx)[..., :kv_lora]
+    return torch.einsum("thc,hvc->thv", out, w_uv)  # [T, H, v]
 
 
 def install_latent_attention(model: Any) -> int:

@@ -1,6 +1,8 @@
 """GPU checks of latent attention (DeepSeek-V2/V3): on CUDA, the latent path (latent_attention.py: the Triton write
 and attention kernels over the paged latent cache, decode steps in CUDA graphs) against `model.generate` in fp32 on
-the release-shaped fixtures (V3's FP8 weights dequantized), and graph vs eager in bf16.
+the release-shaped fixtures (V3's FP8 weights dequantized), and graph vs eager in bf16; each on transformers' layers
+("auto") and on the owned decoder ("owned": latent_layer.py, the owned MoE path's Triton grouped GEMMs, the fused
+layer ops and the small-step GEMMs), which "auto" takes once these have passed.
 Run on the H200 by benchmarks/run_gpu.sh (`mlagpu`); skipped without CUDA."""
 
 from __future__ import annotations
@@ -23,38 +25,44 @@ pytestmark = [
 ]
 
 
+DECODERS = ["auto", "owned"]  # transformers' layers with cbq's latent attention; the owned decoder
+
+
 def run(model, tok, reqs, **config) -> tuple[list[list[int]], Engine]:
     engine = Engine(model, tok, EngineConfig(device="cuda", **config))
     assert is_latent_cache(*engine.runner.kv_caches[0])
+    assert (engine.runner.decoder is not None) == (config.get("decoder") == "owned")
     results = engine.generate(reqs)
     engine.blocks.check_integrity([])
     assert all(r.error is None for r in results), [r.error for r in results if r.error][:3]
     return [r.token_ids for r in results], engine
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_latent_fp32_equals_generate(tmp_path, name):
+def test_latent_fp32_equals_generate(tmp_path, name, decoder):
     checkpoint = build_deepseek_checkpoint(tmp_path / name, name)
     model, tok = load_model(str(checkpoint.path), torch.device("cuda"), torch.float32, keep_fp8=False)
     reqs = make_requests(tok, 16, seed=7, max_prompt=300, max_new=32)
     ref = [hf_greedy(model, tok, r) for r in reqs]
     assert len({t for ids in ref for t in ids}) > 20, "references are not diverse"
     for mode in ("sync", "async"):
-        out, engine = run(model, tok, reqs, mode=mode, dtype="float32", max_num_batched_tokens=256)
+        out, engine = run(model, tok, reqs, mode=mode, dtype="float32", max_num_batched_tokens=256, decoder=decoder)
         agreement = token_agreement(out, ref)
         # absorbed attention multiplies in another order than the expanded heads: rounding, rarely a near-tie
-        assert agreement >= 0.99, f"{name} {mode}: fp32 latent attention vs generate agree on {agreement:.4f}"
+        assert agreement >= 0.99, f"{name} {mode} {decoder}: fp32 latent attention vs generate agree on {agreement:.4f}"
         del engine
         torch.cuda.empty_cache()
 
 
-def test_latent_bf16_graph_equals_eager(tmp_path):
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_latent_bf16_graph_equals_eager(tmp_path, decoder):
     checkpoint = build_deepseek_checkpoint(tmp_path / "v2-lite", "v2-lite")
     model, tok = load_model(str(checkpoint.path), torch.device("cuda"), torch.bfloat16)
     reqs = make_requests(tok, 32, seed=8, max_prompt=300, max_new=48)
-    eager, engine = run(model, tok, reqs, mode="async", use_cuda_graphs=False)
+    eager, engine = run(model, tok, reqs, mode="async", use_cuda_graphs=False, decoder=decoder)
     del engine
-    graph, engine = run(model, tok, reqs, mode="async", use_cuda_graphs=True)
+    graph, engine = run(model, tok, reqs, mode="async", use_cuda_graphs=True, decoder=decoder)
     assert len(engine.runner.graphs) > 0
     agreement = token_agreement(graph, eager)
     assert agreement == 1.0, f"graph vs eager (async) agree on {agreement:.4f} of tokens"

@@ -12,8 +12,8 @@ MLP: the first `first_k_dense_replace` layers are dense (`intermediate_size`); t
 weights not renormalised, times `routed_scaling_factor`) and add `n_shared_experts` ungated shared experts.
 
 transformers' model runs with cbq's paged attention ("hf"): the cache holds each head's expanded K and V (V padded
-to the key's width, `kv_cache.cache_head_dim`). The owned decoder does not run the latent attention yet
-(`Family.mla`)."""
+to the key's width, `kv_cache.cache_head_dim`). "auto" runs its layers with cbq's latent attention
+(latent_attention.py); "owned" runs the owned decoder, `Family.mla` read by latent_layer.py."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def read(config) -> DecoderArgs:
 
 
 # The attention's linears are `MLA`'s; `qkv` names the query projection alone and `o` the output one, so that a
-# reader of LayerSpec's GEMMs finds the right modules (the owned decoder refuses the family: `Family.mla`).
+# reader of LayerSpec's GEMMs finds the right modules (the owned decoder stacks the q and kv_a projections into its
+# `qkv` GEMM: latent_layer.latent_layer_spec).
 LAYER = LayerSpec(
     qkv=LinearSpec(("self_attn.q_proj",), Parallel.COLUMN),
     o=LinearSpec(("self_attn.o_proj",), Parallel.ROW),

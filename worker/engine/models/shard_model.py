@@ -152,12 +152,12 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
 
 
 def put_collectives_in_modules(model: Any, family: Family, config: Any, tp: TensorParallel) -> None:
-    """A shard that runs transformers' own forward (multi-head latent attention: no owned decoder yet) with the
-    collectives the owned decoder would run, as modules in the places of the ones whose outputs are partial
-    (layers/tensor_parallel.py): the input embedding the vocabulary-parallel one (its all-reduce), each o_proj, each
-    dense MLP's down_proj and each sparse MLP (its experts' and shared experts' partial sums, added first: one
-    all-reduce) a `ReducedOutput`, the LM head a `GatheredLogits`. Run last: the FP8 and `--quantization fp8` paths
-    swap linears by their names, which the wrapping changes (o_proj.weight -> o_proj.inner.weight)."""
+    """A shard that runs transformers' own forward (multi-head latent attention, which the owned decoder runs only
+    unsharded) with the collectives the owned decoder would run, as modules in the places of the ones whose outputs
+    are partial (layers/tensor_parallel.py): the input embedding the vocabulary-parallel one (its all-reduce), each
+    o_proj, each dense MLP's down_proj and each sparse MLP (its experts' and shared experts' partial sums, added
+    first: one all-reduce) a `ReducedOutput`, the LM head a `GatheredLogits`. Run last: the FP8 and `--quantization
+    fp8` paths swap linears by their names, which the wrapping changes (o_proj.weight -> o_proj.inner.weight)."""
     sparse = set(moe_layer_ids(config)) if family.moe is not None else set()
     sparse_mlp = None if family.moe is None else family.moe.router.rpartition(".")[0]  # the router's parent
     for i, layer in enumerate(submodule(model, family.layers_path)):
