@@ -113,54 +113,37 @@ class LLM:
         return self.generate([{"messages": messages} for messages in items], sampling, **options)
 
     def _run(self, requests: list, progress: bool) -> list[ResultLine]:
+        """Run `requests`, fed to the engine while it has capacity, as the worker feeds it: a request is tokenized
+        and its images read and decoded only when the engine can take it, so a file of 10,000 images holds a
+        step's worth of pictures and pixels, not 10,000 (a 1024x768 picture's pixels are ~19 MB)."""
         call = f"offline{next(self._calls)}"
-        tokenizer = self.engine.tokenizer
         results: dict[int, ResultLine] = {}
         pending: dict[str, Any] = {}  # engine request id -> request
-        engine_requests: list[EngineRequest] = []
         task = ModelTask.of(self.engine)
-        for request in requests:
-            refused = kind_refusal(request, task)  # an embedding input for a generation model, or the reverse
-            if refused is not None:
-                results[request.index] = refused
-                continue
-            try:
-                if request.is_embedding:
-                    engine_requests.append(to_embedding_request(request, tokenizer, task, call, time.time()))
-                else:
-                    engine_requests.append(
-                        to_engine_request(request, tokenizer, call, time.time(), parsing=self.output_parsing, media=self.media)
-                    )
-                pending[engine_requests[-1].request_id] = request
-            except MediaError as exc:  # an image this model cannot take or this process cannot read
-                results[request.index] = ResultLine(
-                    custom_id=request.custom_id,
-                    index=request.index,
-                    finish_reason="error",
-                    error=str(exc),
-                    error_code="invalid_value",
-                    error_param=exc.param,
-                )
-            except Exception as exc:  # a chat template that fails on this conversation: this input fails
-                results[request.index] = ResultLine(
-                    custom_id=request.custom_id,
-                    index=request.index,
-                    finish_reason="error",
-                    error=f"tokenization failed: {exc!r}",
-                )
         bar = _progress_bar(len(requests), progress)
-        bar.update(len(results))
+        todo = iter(requests)
+        more = True
         self.engine.start()
         try:
-            for engine_request in engine_requests:
-                self.engine.add_request(engine_request)
             num_tokens, started = 0, time.perf_counter()
-            while pending:
+            while more or pending:
+                while more and self.engine.has_capacity():
+                    request = next(todo, None)
+                    if request is None:
+                        more = False
+                        break
+                    made = self._engine_request(request, task, call)
+                    if isinstance(made, ResultLine):  # refused: this input fails alone
+                        results[request.index] = made
+                        bar.update(1)
+                        continue
+                    pending[made.request_id] = request
+                    self.engine.add_request(made)
                 for result in self.engine.get_results(timeout=RESULT_POLL_SECONDS):
                     request = pending.pop(result.request_id, None)
                     if request is None:
                         continue  # left over from an interrupted call
-                    results[request.index] = to_result_line(request, result, tokenizer, self.output_parsing)
+                    results[request.index] = to_result_line(request, result, self.engine.tokenizer, self.output_parsing)
                     num_tokens += result.usage.completion_tokens
                     bar.update(1)
                     bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - started):.0f} output tok/s")
@@ -170,6 +153,35 @@ class LLM:
             self.engine.shutdown()
             bar.close()
         return [results[i] for i in range(len(requests))]
+
+    def _engine_request(self, request: Any, task: ModelTask, call: str) -> EngineRequest | ResultLine:
+        """The engine's request for one input, or the error result of an input this model cannot run: the other
+        kind (an embedding input for a generation model, or the reverse), an image it cannot take or this process
+        cannot read, or a chat template that fails on this conversation."""
+        refused = kind_refusal(request, task)
+        if refused is not None:
+            return refused
+        tokenizer = self.engine.tokenizer
+        try:
+            if request.is_embedding:
+                return to_embedding_request(request, tokenizer, task, call, time.time())
+            return to_engine_request(request, tokenizer, call, time.time(), parsing=self.output_parsing, media=self.media)
+        except MediaError as exc:
+            return ResultLine(
+                custom_id=request.custom_id,
+                index=request.index,
+                finish_reason="error",
+                error=str(exc),
+                error_code="invalid_value",
+                error_param=exc.param,
+            )
+        except Exception as exc:
+            return ResultLine(
+                custom_id=request.custom_id,
+                index=request.index,
+                finish_reason="error",
+                error=f"tokenization failed: {exc!r}",
+            )
 
 
 def _requests(items: list[Input], defaults: SamplingOverrides, chat_template_kwargs, return_token_ids: bool):

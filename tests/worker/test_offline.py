@@ -89,3 +89,22 @@ def test_a_bare_responses_body_runs_as_the_chat_it_means(llm):
     responses, chat = llm.generate(inputs, sampling=sampling, progress=False)
     assert responses.finish_reason == chat.finish_reason and responses.token_ids == chat.token_ids
     assert responses.usage.completion_tokens == 4
+
+
+def test_inputs_are_fed_while_the_engine_has_capacity_not_all_at_once():
+    """A file of many image requests must not hold every picture at once: `generate` turns an input into an engine
+    request only while the engine has capacity (2 x max_num_seqs unfinished samples), as the worker does."""
+    small = LLM("tiny-llama", device="cpu", max_model_len=64, max_num_seqs=2)
+    engine = small.engine
+    most = 0
+    add = engine.add_request
+
+    def counting_add(req):
+        nonlocal most
+        add(req)
+        most = max(most, engine._num_unfinished)
+
+    engine.add_request = counting_add
+    results = small.generate([f"prompt {i}" for i in range(12)], sampling={"max_new_tokens": 3, "ignore_eos": True}, progress=False)
+    assert [r.index for r in results] == list(range(12)) and all(r.usage.completion_tokens == 3 for r in results)
+    assert most <= 2 * 2, f"{most} requests held at once"
