@@ -113,6 +113,8 @@ class _ParallelLinear(nn.Module):
         output is rows [start, stop) of a checkpoint tensor holding several."""
         for name, param in split_params(self):
             what = f"{prefix}.{checkpoint_name(name, param)}"
+            if split_of(param).optional and what not in source:  # type: ignore[operator]
+                continue
             loaded = source.get_slice(what)
             check_entries(loaded, split_of(param), (total if fused is None else fused[2], self.input_size), what)
             if fused is not None:

@@ -138,12 +138,6 @@ class Fp8LinearMethod(LinearMethod):
         return fp8_linear(x, layer if isinstance(layer, Fp8Linear) else fp8_linear_of(layer), bias)
 
     # -- one whole linear (a world of one), through the protocol
-    def tensor_names(self, prefix: str) -> list[str]:
-        """The checkpoint tensors `load` reads."""
-        probe = nn.Module()
-        self.create_weights(probe, LinearSizes(1, (1,)), torch.float32, torch.device("meta"))
-        return [f"{prefix}.{checkpoint_name(name, param)}" for name, param in split_params(probe)]
-
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Fp8Linear:
         weight = _get(tensors, f"{prefix}.weight")
         if weight.dim() != 2:
