@@ -274,9 +274,9 @@ def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, mode
 
 
 class AccountedCheckpoint:
-    """An FP8 checkpoint read by slice (the one reader, models/shard_build.py) that keeps this loader's checks: a
+    """A quantized checkpoint (FP8, INT4) read by slice (the one reader, models/shard_build.py) that keeps this loader's checks: a
     tensor its quantization_config needs and the checkpoint lacks is named (`Fp8CheckpointError`), and once the
-    model is read, `check_unread` names an FP8 weight or a scale nobody read (a linear the config leaves
+    model is read, `check_unread` names an FP8 weight, a scale or a packed INT4 tensor nobody read (a linear the config leaves
     unquantized), KV-cache scales and the layers transformers does not build excepted."""
 
     def __init__(self, inner: Any, read: set[str] | None = None):
@@ -298,7 +298,7 @@ class AccountedCheckpoint:
                 continue
             tensor = self.inner.get_slice(name)
             dtype = str(tensor.get_dtype()) if hasattr(tensor, "get_dtype") else str(tensor[...].dtype)
-            if dtype.startswith(("F8", "torch.float8")) or name.endswith(_SCALE_SUFFIXES):
+            if dtype.startswith(("F8", "torch.float8")) or name.endswith(_SCALE_SUFFIXES + _INT4_SUFFIXES):
                 shown = _SAFETENSORS_DTYPES.get(dtype, dtype)
                 raise Fp8CheckpointError(
                     f"the checkpoint has {name} ({shown}), but its quantization_config leaves "
