@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from ..base import FIELD, FormatRefused, QuantCheckpointError, module_list, stays_dense
+from ..base import FIELD, FormatRefused, module_list, stays_dense
 from .method import (
     SCALES,
     WORDS,
+    Int4CheckpointError,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
@@ -87,7 +88,7 @@ class AwqInt4Method(Int4LinearMethod):
     def whole_shape(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> tuple[int, int]:
         qweight = get(tensors, f"{prefix}.qweight")
         if qweight.dim() != 2:
-            raise QuantCheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; AWQ GEMM's is [K, N / 8]")
+            raise Int4CheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; AWQ GEMM's is [K, N / 8]")
         return qweight.shape[1] * PACK, qweight.shape[0]
 
     def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:

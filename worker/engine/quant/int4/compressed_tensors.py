@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from ..base import FIELD, FormatRefused, QuantCheckpointError, ct_matches, module_list, stays_dense
+from ..base import FIELD, FormatRefused, ct_matches, module_list, stays_dense
 from .method import (
     INDEX,
     SCALES,
     WORDS,
+    Int4CheckpointError,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
@@ -130,7 +131,7 @@ class CompressedTensorsInt4Method(Int4LinearMethod):
     def whole_shape(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> tuple[int, int]:
         shape = get(tensors, f"{prefix}.weight_shape").reshape(-1).tolist()
         if len(shape) != 2 or shape[1] % PACK:
-            raise QuantCheckpointError(f"{prefix}.weight_shape {shape}: cbq reads [N, K] with K a multiple of {PACK}")
+            raise Int4CheckpointError(f"{prefix}.weight_shape {shape}: cbq reads [N, K] with K a multiple of {PACK}")
         return int(shape[0]), int(shape[1])
 
     def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ..base import FIELD, FormatRefused, QuantCheckpointError, QuantConfig, module_list, stays_dense
+from ..base import FIELD, FormatRefused, QuantConfig, module_list, stays_dense
 from .method import (
     INDEX,
     SCALES,
     WORDS,
+    Int4CheckpointError,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
@@ -101,7 +102,7 @@ class GptqInt4Method(Int4LinearMethod):
     def whole_shape(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> tuple[int, int]:
         qweight = get(tensors, f"{prefix}.qweight")
         if qweight.dim() != 2:
-            raise QuantCheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; GPTQ's is [K / 8, N]")
+            raise Int4CheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; GPTQ's is [K / 8, N]")
         return qweight.shape[1], qweight.shape[0] * PACK
 
     def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:

@@ -39,6 +39,10 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # bit offset of the i-th 4-
 WORDS, SCALES, INDEX = "int32 words", "scales", "integers"  # what a packed tensor holds (its dtype's check)
 
 
+class Int4CheckpointError(LinearLoadError, QuantCheckpointError):
+    """A checkpoint's INT4 tensors do not match its quantization_config; the message names the tensor."""
+
+
 @dataclass(frozen=True)
 class Int4Scheme:
     """How one linear's weight is quantized: 4-bit integers with one scale (and, asymmetric, one zero point) per
@@ -156,9 +160,9 @@ class Int4LinearMethod(LinearMethod):
             return expect(tensor, what, shape, torch.int32)
         expect(tensor, what, shape)
         if spec.holds == SCALES and not tensor.is_floating_point():
-            raise QuantCheckpointError(f"{what} is {tensor.dtype}; INT4 scales are bf16, fp16 or fp32")
+            raise Int4CheckpointError(f"{what} is {tensor.dtype}; INT4 scales are bf16, fp16 or fp32")
         if spec.holds == INDEX and (tensor.is_floating_point() or tensor.is_complex()):
-            raise QuantCheckpointError(f"{what} is {tensor.dtype}; an integer tensor expected")
+            raise Int4CheckpointError(f"{what} is {tensor.dtype}; an integer tensor expected")
         return tensor  # scales are held in fp32: the releases' fp16 and bf16 exactly
 
     def process_after_loading(self, layer) -> None:
@@ -170,7 +174,7 @@ class Int4LinearMethod(LinearMethod):
         split_columns = getattr(layer, "input_size", sizes.input_size) != sizes.input_size  # a row-parallel rank's
         parts = []
         if sizes.input_size % layer.int4_group:
-            raise QuantCheckpointError(f"{names[0]}: K={sizes.input_size} is not a multiple of the group size {layer.int4_group}")
+            raise Int4CheckpointError(f"{names[0]}: K={sizes.input_size} is not a multiple of the group size {layer.int4_group}")
         for t, n, prefix in zip(_per_output(layer, self, sizes), sizes.output_sizes, names, strict=True):
             g_idx = t.get(self.g_idx) if self.g_idx else None
             perm = self._perm(g_idx, layer.int4_group, split_columns, f"{prefix}.{self.g_idx}")
@@ -201,7 +205,7 @@ class Int4LinearMethod(LinearMethod):
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Linear:
         """Linear `prefix` whole, as the one form (scales in fp32)."""
         shape = self.whole_shape(tensors, prefix)
-        layer = load_whole_linear(self.kept(True), tensors, prefix, shape, torch.float32, missing=QuantCheckpointError)
+        layer = load_whole_linear(self.kept(True), tensors, prefix, shape, torch.float32, missing=Int4CheckpointError)
         return layer.int4_parts[0]
 
     def dequantize(self, layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -213,7 +217,7 @@ class Int4LinearMethod(LinearMethod):
         (row-parallel) is refused: its groups are spread over every rank's columns."""
         if g_idx is None or bool((g_idx < 0).all()):
             if self.scheme.act_order:
-                raise QuantCheckpointError(f"the checkpoint has no {name}, which act-order needs")
+                raise Int4CheckpointError(f"the checkpoint has no {name}, which act-order needs")
             return None
         first = int(g_idx[0]) if g_idx.numel() else 0  # a rank's slice starts on a group: its first group
         if torch.equal(g_idx.long() - first, torch.arange(g_idx.numel(), device=g_idx.device) // group):
@@ -270,7 +274,7 @@ def group_size_of(value: object, where: str) -> int:
 
 def get(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
-        raise QuantCheckpointError(f"the checkpoint has no {name}, which its quantization_config needs")
+        raise Int4CheckpointError(f"the checkpoint has no {name}, which its quantization_config needs")
     return tensors[name]
 
 
@@ -279,7 +283,7 @@ def expect(tensor: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch
     if tuple(tensor.shape) != shape or (dtype is not None and tensor.dtype != dtype):
         want = f"{'' if dtype is None else str(dtype).removeprefix('torch.') + ' '}{list(shape)}"
         have = f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
-        raise QuantCheckpointError(f"{name} is {have}; this layout needs {want}")
+        raise Int4CheckpointError(f"{name} is {have}; this layout needs {want}")
     return tensor
 
 
@@ -287,7 +291,7 @@ def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 words holding eight 4-bit values each, value i at bits 4i..4i+3, unpacked along `dim` (which grows
     eight-fold): uint8 values 0..15, value i of word w at index 8w + i."""
     if words.dtype != torch.int32:
-        raise QuantCheckpointError(f"packed INT4 words are int32, got {words.dtype}")
+        raise Int4CheckpointError(f"packed INT4 words are int32, got {words.dtype}")
     moved = words.movedim(dim, -1)
     values = (moved.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF
     return values.reshape(*moved.shape[:-1], moved.shape[-1] * PACK).movedim(-1, dim).to(torch.uint8)
@@ -304,7 +308,7 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str) -> torch.Ten
         return None
     perm = torch.argsort(g_idx, stable=True)
     if not torch.equal(g_idx[perm], in_order):
-        raise QuantCheckpointError(f"{name} does not put {group_size} input columns in each group")
+        raise Int4CheckpointError(f"{name} does not put {group_size} input columns in each group")
     return perm
 
 
@@ -319,6 +323,6 @@ def int4_form(
         q = q[:, perm]
     if zeros is not None and symmetric:
         if not bool((zeros == 8).all()):
-            raise QuantCheckpointError(f"{name}: the config says symmetric, but its zero points are not all 8")
+            raise Int4CheckpointError(f"{name}: the config says symmetric, but its zero points are not all 8")
         zeros = None
     return Int4Linear(pack_int4(q), scales.contiguous(), None if zeros is None else zeros.contiguous(), group_size, perm)
