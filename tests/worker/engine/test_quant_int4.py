@@ -364,15 +364,18 @@ def test_a_refused_checkpoint_fails_to_load_in_one_line(release, tmp_path):
     assert str(info.value) == f"config.json quantization_config.bits 8 (gptq at 8 bits) is not supported; {CBQ_RUNS}"
 
 
-def test_a_rank_of_tensor_parallelism_refuses_an_int4_checkpoint_in_one_line(release):
-    """The sharded loader reads FP8 linears by slice with their scales; INT4 ones run in one process for now."""
+@pytest.mark.parametrize("fmt", ["gptq-act-order", "ct-asym"])
+def test_a_rank_of_tensor_parallelism_reads_an_int4_checkpoint_through_the_same_methods(release, fmt):
+    """The sharded loader reads INT4 linears by slice through their methods, as one process does: a rank of a world
+    of one holds the dequantized release (test_parallel_fp8.py runs TP=2)."""
     from worker.engine.models.shard_model import load_shard
     from worker.engine.parallel.group import ParallelState
 
-    r = release("gptq")
-    with pytest.raises(ModelLoadError) as info:
-        load_shard(str(r.path), ParallelState(rank=0, world_size=1, device=CPU), EngineConfig())
-    assert str(info.value) == f"{r.path}: gptq INT4 checkpoints run in one process (--tensor-parallel-size 1)"
+    r = release(fmt)
+    model, _, _ = load_shard(str(r.path), ParallelState(rank=0, world_size=1, device=CPU), EngineConfig())
+    params = dict(model.named_parameters())
+    for name, expected in r.dequantized.items():
+        assert torch.equal(params[name], expected), name
 
 
 # -- on a GPU (the lead's `-m gpu` run): dequantized at load in bf16 until the W4A16 GEMM keeps them packed ---------
