@@ -172,9 +172,9 @@ class Int4LinearMethod(LinearMethod):
         names = layer.int4_prefixes
         names = names if len(names) == len(sizes.output_sizes) else names[:1] * len(sizes.output_sizes)  # fused
         split_columns = getattr(layer, "input_size", sizes.input_size) != sizes.input_size  # a row-parallel rank's
-        parts = []
         if sizes.input_size % layer.int4_group:
             raise Int4CheckpointError(f"{names[0]}: K={sizes.input_size} is not a multiple of the group size {layer.int4_group}")
+        parts: list[Int4Linear] = []
         for t, n, prefix in zip(_per_output(layer, self, sizes), sizes.output_sizes, names, strict=True):
             g_idx = t.get(self.g_idx) if self.g_idx else None
             perm = self._perm(g_idx, layer.int4_group, split_columns, f"{prefix}.{self.g_idx}")
@@ -187,7 +187,7 @@ class Int4LinearMethod(LinearMethod):
             layer.int4 = _concat(layer.int4_parts)
         else:
             weight = torch.cat([dequantize(p, layer.compute_dtype) for p in parts])
-            add_parameter(layer, "weight", weight, ParamSplit())
+            layer.weight = nn.Parameter(weight, requires_grad=False)
 
     def apply(self, layer, x, bias):
         if not self.keep_packed:
@@ -206,7 +206,8 @@ class Int4LinearMethod(LinearMethod):
         """Linear `prefix` whole, as the one form (scales in fp32)."""
         shape = self.whole_shape(tensors, prefix)
         layer = load_whole_linear(self.kept(True), tensors, prefix, shape, torch.float32, missing=Int4CheckpointError)
-        return layer.int4_parts[0]
+        parts: list[Int4Linear] = layer.int4_parts  # type: ignore[assignment]
+        return parts[0]
 
     def dequantize(self, layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(layer, dtype)
