@@ -25,13 +25,11 @@ from ..base import FIELD, FormatRefused, module_list, stays_dense
 from .method import (
     SCALES,
     WORDS,
-    Int4CheckpointError,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
     PackedTensor,
     check_bits,
-    get,
     group_size_of,
     int4_form,
     unpack_words,
@@ -84,12 +82,6 @@ class AwqInt4Method(Int4LinearMethod):
             PackedTensor("qzeros", WORDS, output_dim=1, input_dim=0, output_block="word", input_block="group"),
             PackedTensor("scales", SCALES, output_dim=1, input_dim=0, input_block="group"),
         )
-
-    def whole_shape(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> tuple[int, int]:
-        qweight = get(tensors, f"{prefix}.qweight")
-        if qweight.dim() != 2:
-            raise Int4CheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; AWQ GEMM's is [K, N / 8]")
-        return qweight.shape[1] * PACK, qweight.shape[0]
 
     def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:
         q = _deinterleave(t["qweight"])[:, :n].t()  # [N, K]

@@ -24,24 +24,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..base import FIELD, FormatRefused, ct_matches, module_list, stays_dense
 from .method import (
     INDEX,
     SCALES,
     WORDS,
-    Int4CheckpointError,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
     PackedTensor,
-    get,
     group_size_of,
     int4_form,
     unpack_words,
 )
-from .packed import PACK, Int4Linear, unpack_int4
+from .packed import Int4Linear, unpack_int4
 
 FORMAT = "pack-quantized"
 
@@ -127,12 +123,6 @@ class CompressedTensorsInt4Method(Int4LinearMethod):
             PackedTensor("weight_zero_point", WORDS, 0, 1, output_block="word", input_block="group", optional=sym),
             *([PackedTensor("weight_g_idx", INDEX, None, 0, per_shard=True)] if self.scheme.act_order else []),
         )
-
-    def whole_shape(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> tuple[int, int]:
-        shape = get(tensors, f"{prefix}.weight_shape").reshape(-1).tolist()
-        if len(shape) != 2 or shape[1] % PACK:
-            raise Int4CheckpointError(f"{prefix}.weight_shape {shape}: cbq reads [N, K] with K a multiple of {PACK}")
-        return int(shape[0]), int(shape[1])
 
     def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:
         # weight_shape is the whole weight's (a rank holds a slice): the packed tensors' shapes were checked instead

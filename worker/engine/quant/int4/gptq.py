@@ -23,25 +23,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..base import FIELD, FormatRefused, QuantConfig, module_list, stays_dense
 from .method import (
     INDEX,
     SCALES,
     WORDS,
-    Int4CheckpointError,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
     PackedTensor,
     check_bits,
-    get,
     group_size_of,
     int4_form,
     unpack_words,
 )
-from .packed import PACK, Int4Linear
+from .packed import Int4Linear
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
@@ -98,12 +94,6 @@ class GptqInt4Method(Int4LinearMethod):
             # the releases carry it with and without desc_act
             PackedTensor("g_idx", INDEX, None, 0, per_shard=True, optional=not self.scheme.act_order),
         )
-
-    def whole_shape(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> tuple[int, int]:
-        qweight = get(tensors, f"{prefix}.qweight")
-        if qweight.dim() != 2:
-            raise Int4CheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; GPTQ's is [K / 8, N]")
-        return qweight.shape[1], qweight.shape[0] * PACK
 
     def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:
         zeros = unpack_words(t["qzeros"], dim=1)[:, :n]  # [groups, N]

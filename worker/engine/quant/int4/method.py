@@ -130,10 +130,6 @@ class Int4LinearMethod(LinearMethod):
         (`perm`: its act-order column order, from `g_idx`) as the one form."""
         raise NotImplementedError
 
-    def whole_shape(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> tuple[int, int]:
-        """The whole weight's [N, K] as the checkpoint's tensors of linear `prefix` say it."""
-        raise NotImplementedError
-
     # -- the protocol
     def create_weights(self, layer, sizes, dtype, device) -> None:
         # a whole row's group when the scheme has one group a row (`input_size`: a parallel layer's whole columns)
@@ -203,9 +199,15 @@ class Int4LinearMethod(LinearMethod):
 
     # -- one whole linear (a world of one), through the protocol
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Linear:
-        """Linear `prefix` whole, as the one form (scales in fp32)."""
-        shape = self.whole_shape(tensors, prefix)
-        layer = load_whole_linear(self.kept(True), tensors, prefix, shape, torch.float32, missing=Int4CheckpointError)
+        """Linear `prefix` whole, as the one form (scales in fp32), its [N, K] read off its packed weight."""
+        packed = self.tensors()[0]
+        split, what = packed.split(1), f"{prefix}.{packed.name}"  # a packed weight's blocks are words, not groups
+        words = get(tensors, what)
+        if words.dim() != 2 or split.output_dim is None or split.input_dim is None:
+            raise Int4CheckpointError(f"{what} is {list(words.shape)}; packed INT4 words are 2-D")
+        n = words.shape[split.output_dim] * split.output_block
+        k = words.shape[split.input_dim] * split.input_block
+        layer = load_whole_linear(self.kept(True), tensors, prefix, (n, k), torch.float32, missing=Int4CheckpointError)
         parts: list[Int4Linear] = layer.int4_parts  # type: ignore[assignment]
         return parts[0]
 
