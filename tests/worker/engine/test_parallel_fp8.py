@@ -23,7 +23,7 @@ import torch
 from tests.fixtures.checkpoints import build_checkpoint
 from tests.fixtures.fp8_checkpoints import FP8_SHAPE, build_fp8_checkpoint, build_fp8_moe_checkpoint
 from tests.fixtures.int4_checkpoints import FORMATS as INT4_FORMATS
-from tests.fixtures.int4_checkpoints import build_int4_checkpoint
+from tests.fixtures.int4_checkpoints import build_int4_checkpoint, build_int4_moe_checkpoint
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import ModelLoadError, load_model
@@ -138,7 +138,9 @@ def test_an_int4_split_that_cuts_a_group_is_refused(tmp_path_factory, fmt, shape
         build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2)
 
 
-@pytest.mark.parametrize(("fmt", "keep_fp8"), [("fp8-block", True), ("fp8-block", False), ("ct-channel-dynamic", False)])
+@pytest.mark.parametrize(
+    ("fmt", "keep_fp8"), [("fp8-block", True), ("fp8-block", False), ("ct-channel-dynamic", False), ("gptq", False)]
+)
 def test_an_fp8_mixture_of_experts_at_tp2_equals_one_process(tmp_path_factory, fmt, keep_fp8):
     """Qwen3-MoE's block-wise FP8 release and GLM-4.5's per-channel one (a shared expert, a dense first layer): the
     attention (and GLM's dense MLP) FP8 slices, kept FP8 or dequantized, and every expert dequantized whole from
@@ -146,8 +148,13 @@ def test_an_fp8_mixture_of_experts_at_tp2_equals_one_process(tmp_path_factory, f
     process's token for token (fp32; block-wise activations are quantized per 128-column group inside a rank's
     aligned columns, so even the kept FP8 GEMMs are one process's bits. GLM's per-channel linears kept FP8 would
     quantize o/down's per-token activations over each rank's half, not one process's bits: dequantized here, as in
-    test_greedy_at_tp2_equals_one_process)."""
-    path = str(build_fp8_moe_checkpoint(tmp_path_factory.mktemp(fmt), fmt, shape=dict(head_dim=128)).path)
+    test_greedy_at_tp2_equals_one_process). A GPTQ Qwen3-MoE likewise: INT4 attention slices, experts dequantized
+    whole."""
+    folder = tmp_path_factory.mktemp(fmt)
+    if fmt in INT4_FORMATS:
+        path = str(build_int4_moe_checkpoint(folder, fmt).path)
+    else:
+        path = str(build_fp8_moe_checkpoint(folder, fmt, shape=dict(head_dim=128)).path)
     one, requests = _one_process(path, keep_fp8, None)
     reference = {r.request_id: r.token_ids for r in one.generate(requests)}
     one.close()
