@@ -367,7 +367,8 @@ def test_a_refused_checkpoint_fails_to_load_in_one_line(release, tmp_path):
 @pytest.mark.parametrize("fmt", ["gptq-act-order", "awq", "ct-asym"])
 def test_a_gate_up_shipped_fused_reads_each_output_as_shipped_apart(release, fmt):
     """Phi-3 and GLM-4 ship gate_up_proj fused: a merged layer reads each output's entries of every packed tensor
-    (along the dim that follows the rows: 1 for GPTQ's and AWQ's [K, N] layouts) as it reads gate and up apart."""
+    (along the dim that follows the rows: 1 for GPTQ's and AWQ's [K, N] layouts) as it reads gate and up apart; kept
+    packed, its GEMM is the same weight's."""
     from worker.engine.checkpoint import ModelSource
     from worker.engine.layers.linear import MergedColumnParallelLinear
     from worker.engine.parallel.group import ParallelState
@@ -394,6 +395,10 @@ def test_a_gate_up_shipped_fused_reads_each_output_as_shipped_apart(release, fmt
     read_fused = MergedColumnParallelLinear(256, [384, 384], one, dtype=torch.float32, method=method)
     read_fused.load_fused(ModelSource(fused), f"{mlp}.gate_up_proj")
     assert torch.equal(read_fused.weight, read_apart.weight)
+    kept = MergedColumnParallelLinear(256, [384, 384], one, dtype=torch.float32, method=method.kept(True))  # type: ignore[attr-defined]
+    kept.load_fused(ModelSource(fused), f"{mlp}.gate_up_proj")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(kept(x), x @ read_fused.weight.t())  # kept packed: the same weight's GEMM
     if fmt != "gptq-act-order":
         assert torch.equal(read_fused.weight, torch.cat([r.dequantized[f"{mlp}.{p}_proj.weight"] for p in ("gate", "up")]))
 

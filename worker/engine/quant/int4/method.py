@@ -180,7 +180,6 @@ class Int4LinearMethod(LinearMethod):
         if self.keep_packed:
             dtype = layer.compute_dtype
             layer.int4_parts = [Int4Linear(p.qweight, p.scales.to(dtype), p.zeros, p.group_size, p.perm) for p in parts]
-            layer.int4 = _concat(layer.int4_parts)
         else:
             weight = torch.cat([dequantize(p, layer.compute_dtype) for p in parts])
             layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -188,12 +187,12 @@ class Int4LinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         if not self.keep_packed:
             return F.linear(x, layer.weight, bias)
-        shape = x.shape
+        shape, parts = x.shape, layer.int4_parts
         x = x.reshape(-1, shape[-1])
-        if layer.int4 is not None:
-            y = int4_gemm(x, layer.int4, bias)
-        else:  # outputs of other act-order permutations: one GEMM each
-            y = torch.cat([int4_gemm(x, p) for p in layer.int4_parts], dim=-1)
+        if len(parts) == 1:
+            y = int4_gemm(x, parts[0], bias)
+        else:  # one GEMM an output (their act-order permutations may differ); the model's modules fuse what they can
+            y = torch.cat([int4_gemm(x, p) for p in parts], dim=-1)
             y = y if bias is None else y + bias
         return y.reshape(*shape[:-1], y.shape[-1])
 
@@ -248,14 +247,6 @@ def _per_output(layer: nn.Module, method: Int4LinearMethod, sizes: LinearSizes) 
             else:
                 parts[i][spec.name] = param.data[i] if split.per_shard else param.data
     return parts
-
-
-def _concat(parts: list[Int4Linear]) -> Int4Linear | None:
-    """One GEMM over every output, or None where their act-order permutations differ (q, k and v each have one)."""
-    try:
-        return parts[0] if len(parts) == 1 else Int4Linear.concat(parts)
-    except ValueError:
-        return None
 
 
 def check_bits(qc: Mapping[str, object], default: int | None = None) -> None:
