@@ -273,10 +273,11 @@ def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, mode
 
 
 class AccountedCheckpoint:
-    """A quantized checkpoint (FP8, INT4) read by slice (the one reader, models/shard_build.py) that keeps this loader's checks: a
-    tensor its quantization_config needs and the checkpoint lacks is named (`Fp8CheckpointError`), and once the
-    model is read, `check_unread` names an FP8 weight, a scale or a packed INT4 tensor nobody read (a linear the config leaves
-    unquantized), KV-cache scales and the layers transformers does not build excepted."""
+    """A quantized checkpoint (FP8, INT4) read by slice (the one reader, models/shard_build.py) that keeps this
+    loader's checks: a tensor its quantization_config needs and the checkpoint lacks is named
+    (`Fp8CheckpointError`), and once the model is read, `check_unread` names an FP8 weight, a scale or a packed INT4
+    tensor nobody read (a linear the config leaves unquantized), KV-cache scales and the layers transformers does
+    not build excepted."""
 
     def __init__(self, inner: Any, read: set[str] | None = None):
         self.inner, self.read = inner, set[str]() if read is None else read  # `read`: the caller's record

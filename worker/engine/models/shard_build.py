@@ -324,8 +324,8 @@ def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, 
 
 def _bind_row(model: nn.Module, name: str, layer: RowParallelLinear, bias: bool) -> None:
     """Linear `name` becomes the row-parallel `layer`'s columns (an `Fp8LinearModule` where it keeps FP8, an
-    `Int4LinearModule` where it keeps INT4 packed); its
-    bias only where `bias` (rank 0: the all-reduce after the GEMM adds it once)."""
+    `Int4LinearModule` where it keeps INT4 packed); its bias only where `bias` (rank 0: the all-reduce after the
+    GEMM adds it once)."""
     bias_part = layer.bias if bias else None
     parts = getattr(layer, "int4_parts", None)
     if parts is not None:  # kept packed INT4

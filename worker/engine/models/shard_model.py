@@ -43,8 +43,9 @@ and reads its slices through it, the same code at every world size:
                intermediate size whose half is not a multiple of the group, for down_proj), as is an act-order
                (g_idx) linear split by columns (o, down), whose groups are spread over every rank's columns
 Kept FP8 (sm89+), a linear is an `Fp8LinearModule` viewing its layer's rows, and kept INT4 (CBQ_INT4_PACKED=1 on
-CUDA) an `Int4LinearModule`; elsewhere it is dequantized after loading. Not one process's bits: a row-parallel linear's dynamic per-token activation scale is taken over the
-rank's slice of the input, as vLLM does (at least as fine as one process's, at no collective per GEMM).
+CUDA) an `Int4LinearModule`; elsewhere it is dequantized after loading. Not one process's bits: a row-parallel
+linear's dynamic per-token activation scale is taken over the rank's slice of the input, as vLLM does (at least as
+fine as one process's, at no collective per GEMM).
 Mixtures of experts: every linear under a sparse MLP stays in the model dtype (read as shipped, then
 dequantized), as in one process; the experts are read by layers/experts.py.
 """
@@ -134,7 +135,9 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     family, _ = family_for(config)
     keep_int4 = keeps_int4(device, dtype)
     # FP8 weights kept: their linears at 1 byte, INT4 ones kept packed at about half (each layer's, as it is loaded)
-    linear_bytes = 1 if isinstance(quant, Fp8Config) and keep_fp8 else 0.5 if isinstance(quant, Int4Config) and keep_int4 else None
+    linear_bytes = 1 if isinstance(quant, Fp8Config) and keep_fp8 else None
+    if isinstance(quant, Int4Config) and keep_int4:
+        linear_bytes = 0.5
     if device.type == "cuda":
         _check_fits(config, family, state, dtype, name_or_path, linear_bytes)
     methods = LinearMethods(quant, keep_fp8, _stays_dense(config, family), keep_int4=keep_int4)
