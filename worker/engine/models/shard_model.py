@@ -135,7 +135,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     family, _ = family_for(config)
     keep_int4 = keeps_int4(device, dtype)
     # FP8 weights kept: their linears at 1 byte, INT4 ones kept packed at about half (each layer's, as it is loaded)
-    linear_bytes = 1 if isinstance(quant, Fp8Config) and keep_fp8 else None
+    linear_bytes: float | None = 1 if isinstance(quant, Fp8Config) and keep_fp8 else None
     if isinstance(quant, Int4Config) and keep_int4:
         linear_bytes = 0.5
     if device.type == "cuda":
