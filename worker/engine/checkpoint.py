@@ -110,23 +110,29 @@ class SafetensorsCheckpoint:
 
 class RowBlock:
     """Rows [start, stop) of a tensor in a file, as a TensorSlice of its own: indexing it reads only the rows asked
-    for (a rank's q heads out of a fused q/k/v weight, its gate features out of a fused gate/up weight)."""
+    for (a rank's q heads out of a fused q/k/v weight, its gate features out of a fused gate/up weight). `dim`: the
+    tensor's dim that runs along the weight's rows (1 for a GPTQ or AWQ tensor, stored [K, N])."""
 
-    def __init__(self, inner: TensorSlice, start: int, stop: int, name: str):
-        rows = inner.get_shape()[0]
+    def __init__(self, inner: TensorSlice, start: int, stop: int, name: str, dim: int = 0):
+        rows = inner.get_shape()[dim]
         if not 0 <= start <= stop <= rows:
             raise ValueError(f"{name}: rows [{start}, {stop}) are outside its {rows} rows")
-        self.inner, self.start, self.stop = inner, start, stop
+        self.inner, self.start, self.stop, self.dim = inner, start, stop, dim
 
     def get_shape(self) -> list[int]:
-        return [self.stop - self.start, *self.inner.get_shape()[1:]]
+        shape = list(self.inner.get_shape())
+        shape[self.dim] = self.stop - self.start
+        return shape
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        index = list(index) if isinstance(index, tuple) else [index]
+        index += [slice(None)] * (self.dim + 1 - len(index))
+        rows = index[self.dim]
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise TypeError(f"a RowBlock is read by a contiguous slice of rows, got {rows!r}")
         first, last, _ = rows.indices(self.stop - self.start)
-        return self.inner[(slice(self.start + first, self.start + max(first, last)),) + tuple(rest)]
+        index[self.dim] = slice(self.start + first, self.start + max(first, last))
+        return self.inner[tuple(index)]
 
 
 class RenamedCheckpoint:

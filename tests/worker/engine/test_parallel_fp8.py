@@ -7,6 +7,12 @@ process's: a column-parallel rank's rows, every row's for row-parallel o/down, a
 whole row's absmax on both ranks (the ranks' largest). A shard boundary inside a [128, 128] block is refused.
 
 The FP8 shape has 128-dim heads and an intermediate size of 512, so that 2 ranks' slices keep whole blocks.
+
+INT4 checkpoints (GPTQ, AWQ gemm, compressed-tensors pack-quantized; issue 46) take the same path: each rank reads
+its packed words and its groups' scales and zero points by slice (the INT4 methods' splits) and dequantizes them,
+so greedy output equals one process's; at an intermediate size of 512, each rank's half of down_proj's columns is
+two whole groups of 128. A slice that cuts a group (384: 192 columns a rank), or an act-order linear split by
+columns, is refused in one line.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import torch
 
 from tests.fixtures.checkpoints import build_checkpoint
 from tests.fixtures.fp8_checkpoints import FP8_SHAPE, build_fp8_checkpoint, build_fp8_moe_checkpoint
+from tests.fixtures.int4_checkpoints import FORMATS as INT4_FORMATS
+from tests.fixtures.int4_checkpoints import build_int4_checkpoint, build_int4_moe_checkpoint
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import ModelLoadError, load_model
@@ -33,6 +41,8 @@ def _checkpoint(tmp_path_factory, fmt: str) -> str:
     path = tmp_path_factory.mktemp(fmt)
     if fmt == "online":  # a bf16 checkpoint, quantized at load
         build_checkpoint(path, "llama3", dtype=torch.bfloat16, shape={**FP8_SHAPE, **TP_SHAPE})
+    elif fmt in INT4_FORMATS:  # each rank's down_proj columns: two whole groups of 128
+        build_int4_checkpoint(path, fmt, shape=dict(intermediate_size=512))
     else:
         build_fp8_checkpoint(path, fmt, "llama3" if fmt == "ct-tensor-static" else "qwen3", shape=TP_SHAPE)
     return str(path)
@@ -53,6 +63,9 @@ CASES = [
     ("ct-channel-dynamic", False),
     ("fbgemm", False),
     ("online", False),
+    ("gptq", False),
+    ("awq", False),
+    ("ct-asym", False),
 ]
 
 
@@ -112,7 +125,22 @@ def test_a_shard_boundary_inside_an_fp8_block_is_refused(tmp_path_factory):
         build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2)
 
 
-@pytest.mark.parametrize(("fmt", "keep_fp8"), [("fp8-block", True), ("fp8-block", False), ("ct-channel-dynamic", False)])
+@pytest.mark.parametrize(
+    ("fmt", "shape", "message"),
+    [
+        ("gptq", {}, r"mlp.down_proj's columns \[0, 192\) of 384 cut its INT4 groups of 128"),
+        ("gptq-act-order", {"intermediate_size": 512}, r"self_attn.o_proj.g_idx \(act-order\) spreads each group over every rank"),
+    ],
+)
+def test_an_int4_split_that_cuts_a_group_is_refused(tmp_path_factory, fmt, shape, message):
+    path = str(build_int4_checkpoint(tmp_path_factory.mktemp(fmt), fmt, shape=shape).path)
+    with pytest.raises(ModelLoadError, match=f"tensor parallelism: model.layers.0.{message}"):
+        build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "keep_fp8"), [("fp8-block", True), ("fp8-block", False), ("ct-channel-dynamic", False), ("gptq", False)]
+)
 def test_an_fp8_mixture_of_experts_at_tp2_equals_one_process(tmp_path_factory, fmt, keep_fp8):
     """Qwen3-MoE's block-wise FP8 release and GLM-4.5's per-channel one (a shared expert, a dense first layer): the
     attention (and GLM's dense MLP) FP8 slices, kept FP8 or dequantized, and every expert dequantized whole from
@@ -120,8 +148,13 @@ def test_an_fp8_mixture_of_experts_at_tp2_equals_one_process(tmp_path_factory, f
     process's token for token (fp32; block-wise activations are quantized per 128-column group inside a rank's
     aligned columns, so even the kept FP8 GEMMs are one process's bits. GLM's per-channel linears kept FP8 would
     quantize o/down's per-token activations over each rank's half, not one process's bits: dequantized here, as in
-    test_greedy_at_tp2_equals_one_process)."""
-    path = str(build_fp8_moe_checkpoint(tmp_path_factory.mktemp(fmt), fmt, shape=dict(head_dim=128)).path)
+    test_greedy_at_tp2_equals_one_process). A GPTQ Qwen3-MoE likewise: INT4 attention slices, experts dequantized
+    whole."""
+    folder = tmp_path_factory.mktemp(fmt)
+    if fmt in INT4_FORMATS:
+        path = str(build_int4_moe_checkpoint(folder, fmt).path)
+    else:
+        path = str(build_fp8_moe_checkpoint(folder, fmt, shape=dict(head_dim=128)).path)
     one, requests = _one_process(path, keep_fp8, None)
     reference = {r.request_id: r.token_ids for r in one.generate(requests)}
     one.close()

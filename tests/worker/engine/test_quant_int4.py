@@ -364,15 +364,72 @@ def test_a_refused_checkpoint_fails_to_load_in_one_line(release, tmp_path):
     assert str(info.value) == f"config.json quantization_config.bits 8 (gptq at 8 bits) is not supported; {CBQ_RUNS}"
 
 
-def test_a_rank_of_tensor_parallelism_refuses_an_int4_checkpoint_in_one_line(release):
-    """The sharded loader reads FP8 linears by slice with their scales; INT4 ones run in one process for now."""
+@pytest.mark.parametrize("fmt", ["gptq-act-order", "awq", "ct-asym"])
+def test_a_gate_up_shipped_fused_reads_each_output_as_shipped_apart(release, fmt):
+    """Phi-3 and GLM-4 ship gate_up_proj fused: a merged layer reads each output's entries of every packed tensor
+    (along the dim that follows the rows: 1 for GPTQ's and AWQ's [K, N] layouts) as it reads gate and up apart; kept
+    packed, its GEMM is the same weight's."""
+    from worker.engine.checkpoint import ModelSource
+    from worker.engine.layers.linear import MergedColumnParallelLinear
+    from worker.engine.parallel.group import ParallelState
+    from worker.engine.quant.methods import LinearMethods
+
+    r = release(fmt)
+    quant = checkpoint_quantization(json.loads((r.path / "config.json").read_text())["quantization_config"])
+    tensors, mlp = checkpoint_tensors(str(r.path)), "model.layers.0.mlp"
+    method = LinearMethods(quant).method_for(f"{mlp}.gate_proj")
+    apart, fused = {}, {}
+    for spec in method.tensors():  # type: ignore[attr-defined]
+        names = [f"{mlp}.{p}_proj.{spec.name}" for p in ("gate", "up")]
+        if names[0] not in tensors:  # an optional tensor the release leaves out
+            continue
+        parts = [tensors[name] for name in names]
+        apart |= dict(zip(names, parts, strict=True))
+        # the rows' tensors stacked; g_idx (the input columns' groups) and the shape as gate's
+        fused[f"{mlp}.gate_up_proj.{spec.name}"] = parts[0] if spec.output_dim is None else torch.cat(parts, spec.output_dim)
+    if fmt == "gptq-act-order":  # one g_idx for both, as a fused release's: the columns are ordered once
+        apart[f"{mlp}.up_proj.g_idx"] = apart[f"{mlp}.gate_proj.g_idx"]
+    one = ParallelState.single(CPU)
+    read_apart = MergedColumnParallelLinear(256, [384, 384], one, dtype=torch.float32, method=method)
+    read_apart.load_merged(ModelSource(apart), [f"{mlp}.gate_proj", f"{mlp}.up_proj"])
+    read_fused = MergedColumnParallelLinear(256, [384, 384], one, dtype=torch.float32, method=method)
+    read_fused.load_fused(ModelSource(fused), f"{mlp}.gate_up_proj")
+    assert torch.equal(read_fused.weight, read_apart.weight)
+    kept = MergedColumnParallelLinear(256, [384, 384], one, dtype=torch.float32, method=method.kept(True))  # type: ignore[attr-defined]
+    kept.load_fused(ModelSource(fused), f"{mlp}.gate_up_proj")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(kept(x), x @ read_fused.weight.t())  # kept packed: the same weight's GEMM
+    if fmt != "gptq-act-order":
+        assert torch.equal(read_fused.weight, torch.cat([r.dequantized[f"{mlp}.{p}_proj.weight"] for p in ("gate", "up")]))
+
+
+def test_a_packed_tensor_of_a_linear_the_config_leaves_dense_is_named(release, tmp_path):
+    """The slice reader accounts for every INT4 tensor it reads; one nobody read (a packed head the config leaves
+    dense) is named in one line rather than ignored."""
+    from tests.fixtures.fp8_checkpoints import _read_checkpoint, _save_sharded
+
+    target = tmp_path / "packed-head"
+    shutil.copytree(release("ct-sym").path, target)
+    _, tensors = _read_checkpoint(target)
+    for shard in target.glob("model*.safetensors"):
+        shard.unlink()
+    _save_sharded({**tensors, "lm_head.weight_packed": torch.zeros(8, 32, dtype=torch.int32)}, target)
+    with pytest.raises(ModelLoadError, match=r"has lm_head.weight_packed .*leaves lm_head unquantized"):
+        load_model(str(target), CPU, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["gptq-act-order", "ct-asym"])
+def test_a_rank_of_tensor_parallelism_reads_an_int4_checkpoint_through_the_same_methods(release, fmt):
+    """The sharded loader reads INT4 linears by slice through their methods, as one process does: a rank of a world
+    of one holds the dequantized release (test_parallel_fp8.py runs TP=2)."""
     from worker.engine.models.shard_model import load_shard
     from worker.engine.parallel.group import ParallelState
 
-    r = release("gptq")
-    with pytest.raises(ModelLoadError) as info:
-        load_shard(str(r.path), ParallelState(rank=0, world_size=1, device=CPU), EngineConfig())
-    assert str(info.value) == f"{r.path}: gptq INT4 checkpoints run in one process (--tensor-parallel-size 1)"
+    r = release(fmt)
+    model, _, _ = load_shard(str(r.path), ParallelState(rank=0, world_size=1, device=CPU), EngineConfig())
+    params = dict(model.named_parameters())
+    for name, expected in r.dequantized.items():
+        assert torch.equal(params[name], expected), name
 
 
 # -- on a GPU (the lead's `-m gpu` run): dequantized at load in bf16 until the W4A16 GEMM keeps them packed ---------

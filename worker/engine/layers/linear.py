@@ -64,12 +64,13 @@ def check_dim(loaded: TensorSlice, dim: int, expected: int, what: str) -> None:
 
 def _rows_of(fused: TensorSlice, param: torch.Tensor, start: int, stop: int, total: int, name: str) -> TensorSlice:
     """Rows [start, stop) of a fused weight as a tensor of their own, for parameter `param`: its own entries
-    (a block-wise scale's blocks), or the whole tensor where it does not follow the rows (a per-tensor scale)."""
+    (a block-wise scale's blocks, a packed tensor's words, along whichever dim follows the rows), or the whole tensor
+    where it does not follow the rows (a per-tensor scale)."""
     split = split_of(param)
-    if split.output_dim != 0:
+    if split.output_dim is None:
         return fused
     entries = split.mapped(slice(start, stop), total, split.output_block, name.rpartition(".")[0], "rows")
-    return RowBlock(fused, entries.start, entries.stop, name)
+    return RowBlock(fused, entries.start, entries.stop, name, split.output_dim)
 
 
 # --- linear layers ----------------------------------------------------------------------------------
@@ -113,6 +114,8 @@ class _ParallelLinear(nn.Module):
         output is rows [start, stop) of a checkpoint tensor holding several."""
         for name, param in split_params(self):
             what = f"{prefix}.{checkpoint_name(name, param)}"
+            if split_of(param).optional and what not in source:  # type: ignore[operator]
+                continue
             loaded = source.get_slice(what)
             check_entries(loaded, split_of(param), (total if fused is None else fused[2], self.input_size), what)
             if fused is not None:

@@ -196,21 +196,16 @@ def load_model(
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             sparse = sparse_layers(config, family)
-            fp8 = quant if isinstance(quant, Fp8Config) else None  # INT4 is read by quant_loader (below), not by slice
             stays_dense = sparse.holds if sparse is not None else lambda name: False
-            methods = LinearMethods(fp8, keep_fp8, stays_dense, keep_fp8_experts=keep_fp8_experts)
-            by_slice = (
-                slice_reader_refuses(family, one_process=True) is None
-                and (quant is None or fp8 is not None)
-                and not _only_pickled_weights(name_or_path)
-            )
+            methods = LinearMethods(quant, keep_fp8, stays_dense, keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4)
+            by_slice = slice_reader_refuses(family, one_process=True) is None and not _only_pickled_weights(name_or_path)
             if family.vision is not None:  # the whole vision-language model (models/vision.py)
                 model = load_vision_model(name_or_path, family, generation_config, dtype, device)
             elif by_slice or has_mxfp4_experts(config):  # the one reader (shard_build.load_whole_model)
-                model = _read_by_slice(name_or_path, text_config, family, key_mapping, fp8, methods, device, dtype)
+                model = _read_by_slice(name_or_path, text_config, family, key_mapping, quant, methods, device, dtype)
                 model.generation_config = generation_config
                 read_by_slice = True
-            elif quant is not None and quant.is_serialized:  # FP8 or INT4 weights in the checkpoint: read by quant/
+            elif quant is not None and quant.is_serialized:  # a family the slice reader refuses: read by quant_loader
                 model = load_quantized_model(
                     name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
                     sparse=sparse, keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4,
@@ -246,11 +241,12 @@ def _only_pickled_weights(name_or_path: str) -> bool:
 
 
 def _read_by_slice(
-    name_or_path: str, config, family: Family, renames, quant: Fp8Config | None, methods: LinearMethods,
+    name_or_path: str, config, family: Family, renames, quant: QuantConfig | None, methods: LinearMethods,
     device: torch.device, dtype: torch.dtype,
 ):  # fmt: skip
-    """The one reader at a world of one (`load_whole_model`). An FP8 checkpoint keeps the quantized loader's checks
-    (a missing scale, an FP8 tensor its config does not account for, named in one line) and its KV-cache scales."""
+    """The one reader at a world of one (`load_whole_model`). A quantized checkpoint (FP8, INT4) keeps the quantized
+    loader's checks (a missing scale, a quantized tensor its config does not account for, named in one line) and its
+    KV-cache scales."""
     path = local_folder(name_or_path)
     source = open_checkpoint(path, renames, name_or_path)
     if quant is None or not quant.is_serialized:

@@ -1,15 +1,17 @@
-"""Loading an FP8 (or `--quantization fp8`) or INT4 checkpoint with its weights dequantized to the compute dtype:
-the CPU path of issue 26, as transformers runs FP8 checkpoints on a CPU, and the INT4 formats' (GPTQ, AWQ,
-compressed-tensors pack-quantized; quant/int4/) where the W4A16 kernels do not run; with `keep_int4` (CUDA bf16/fp16)
-an INT4 checkpoint's linears stay packed as `Int4LinearModule`s instead. Owns nothing after loading.
+"""Loading a quantized checkpoint (FP8, `--quantization fp8`, INT4) into a transformers model built whole, for the
+families the one slice reader (shard_build.py) does not read (latent attention in one process, pickled weights):
+each quantized linear read whole through its format's method (quant/methods.py `linear_method(...).load`, the
+protocol's) and dequantized to the compute dtype, or kept quantized (`keep_fp8`: `Fp8LinearModule`s; `keep_int4`:
+packed `Int4LinearModule`s). Also what `AccountedCheckpoint` and the KV-cache scales are for the slice reader.
+Owns nothing after loading.
 
   checkpoint_tensors(path)    the checkpoint's tensors by name, read lazily from its safetensors shards
   iter_dequantized(...)       (name, tensor) for a plain model of the same architecture: every quantized
                               linear's weight dequantized (`linear_method(...).dequantize`), the rest cast
   dequantize_state_dict(...)  the same as one dict
   load_quantized_model(...)   the transformers model built from the config without its quantizer, these
-                              weights set (or, `keep_fp8`, its quantized linears as `Fp8LinearModule`s holding
-                              the FP8 weights and scales), generation_config.json read as from_pretrained does
+                              weights set (or, `keep_fp8` / `keep_int4`, its quantized linears as modules holding
+                              them quantized), generation_config.json read as from_pretrained does
   load_dequantized_model(...) the same with every weight dequantized (the CPU path)
 
 A mixture of experts (`SparseLayers`): its experts are read one linear an expert by layers/experts.py (the
@@ -53,7 +55,7 @@ from ..quant.config import Fp8Config
 from ..quant.fp8 import FP8_DTYPE
 from ..quant.int4 import Int4Linear
 from ..quant.int4.linear import Int4LinearModule
-from ..quant.int4.method import Int4Config, Int4LinearMethod
+from ..quant.int4.method import Int4Config
 from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import (
     Fp8CheckpointError,
@@ -228,13 +230,10 @@ def load_quantized_model(
         setattr(model, KV_SCALES_ATTR, kv_scales)
     linear_names = linear_module_names(model)
     fp8_candidates = [n for n in linear_names if sparse is None or not sparse.holds(n)]
-    kept_fp8: frozenset[str] = frozenset()
-    if keep_fp8 and isinstance(quant, Fp8Config):
-        kept_fp8 = _load_fp8_modules(model, fp8_candidates, tensors, quant, dtype)
-    loaded = {f"{module}.{name}" for module in kept_fp8 for name in ("weight", "weight_scale", "input_scale", "bias")}
-    if keep_int4 and isinstance(quant, Int4Config):  # kept packed; the names below skip them as kept FP8 ones are
-        kept_fp8 = _load_int4_modules(model, fp8_candidates, tensors, quant, dtype)
-        loaded |= {f"{module}.{name}" for module in kept_fp8 for name in ("qweight", "scales", "zeros", "perm", "bias")}
+    kept: frozenset[str] = frozenset()  # linears kept quantized: FP8 with `keep_fp8`, INT4 packed with `keep_int4`
+    if (keep_fp8 and isinstance(quant, Fp8Config)) or (keep_int4 and isinstance(quant, Int4Config)):
+        kept = _load_kept_modules(model, fp8_candidates, tensors, quant, dtype)
+    loaded = {f"{module}.{name}" for module in kept for name, _ in model.get_submodule(module).state_dict().items()}
     experts_read: set[str] = set()
     if sparse is not None:  # before the state dict is listed: an `Fp8Experts`' buffers take the experts' place
         methods = LinearMethods(quant, keep_fp8_experts=keep_fp8_experts)
@@ -244,7 +243,7 @@ def load_quantized_model(
     with torch.no_grad():
         read_elsewhere = lambda name: name in experts_read or unbuilt(name)  # noqa: E731
         for name, tensor in iter_dequantized(
-            tensors, quant, dtype, linear_names, kept_fp8, read_elsewhere, cast=False
+            tensors, quant, dtype, linear_names, kept, read_elsewhere, cast=False
         ):
             if name in loaded:
                 continue
@@ -274,10 +273,11 @@ def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, mode
 
 
 class AccountedCheckpoint:
-    """An FP8 checkpoint read by slice (the one reader, models/shard_build.py) that keeps this loader's checks: a
-    tensor its quantization_config needs and the checkpoint lacks is named (`Fp8CheckpointError`), and once the
-    model is read, `check_unread` names an FP8 weight or a scale nobody read (a linear the config leaves
-    unquantized), KV-cache scales and the layers transformers does not build excepted."""
+    """A quantized checkpoint (FP8, INT4) read by slice (the one reader, models/shard_build.py) that keeps this
+    loader's checks: a tensor its quantization_config needs and the checkpoint lacks is named
+    (`Fp8CheckpointError`), and once the model is read, `check_unread` names an FP8 weight, a scale or a packed INT4
+    tensor nobody read (a linear the config leaves unquantized), KV-cache scales and the layers transformers does
+    not build excepted."""
 
     def __init__(self, inner: Any, read: set[str] | None = None):
         self.inner, self.read = inner, set[str]() if read is None else read  # `read`: the caller's record
@@ -298,7 +298,7 @@ class AccountedCheckpoint:
                 continue
             tensor = self.inner.get_slice(name)
             dtype = str(tensor.get_dtype()) if hasattr(tensor, "get_dtype") else str(tensor[...].dtype)
-            if dtype.startswith(("F8", "torch.float8")) or name.endswith(_SCALE_SUFFIXES):
+            if dtype.startswith(("F8", "torch.float8")) or name.endswith(_SCALE_SUFFIXES + _INT4_SUFFIXES):
                 shown = _SAFETENSORS_DTYPES.get(dtype, dtype)
                 raise Fp8CheckpointError(
                     f"the checkpoint has {name} ({shown}), but its quantization_config leaves "
@@ -369,46 +369,25 @@ def read_kv_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> tupl
     return tuple((k, v) for k, v in scales) if found else ()
 
 
-def _load_int4_modules(
-    model: nn.Module,
-    linear_names: list[str],
-    tensors: Mapping[str, torch.Tensor],
-    quant: Int4Config,
-    dtype: torch.dtype,
-) -> frozenset[str]:
-    """Each linear the config quantizes (and the checkpoint holds packed) replaced by an `Int4LinearModule` holding
-    its release read into `Int4Linear` (scales in `dtype`) and its bias; returns their module names."""
+def _load_kept_modules(
+    model: nn.Module, linear_names: list[str], tensors: Mapping[str, torch.Tensor], quant: QuantConfig, dtype: torch.dtype
+) -> frozenset[str]:  # fmt: skip
+    """Each linear the config quantizes (and the checkpoint holds quantized) replaced by a module holding it as its
+    method reads it whole: an `Fp8LinearModule` (the FP8 weight and scales) or an `Int4LinearModule` (packed, scales in
+    `dtype`), with its bias; returns their module names."""
     kept: set[str] = set()
     for module_name in linear_names:
         method = linear_method(quant, module_name)
-        if not isinstance(method, Int4LinearMethod) or not stored_quantized(method, tensors, module_name):
+        if method is None or not stored_quantized(method, tensors, module_name):
             continue
-        layer = method.load(tensors, module_name)
-        layer = Int4Linear(layer.qweight, layer.scales.to(dtype), layer.zeros, layer.group_size, layer.perm)
         bias = tensors.get(f"{module_name}.bias")
         bias = None if bias is None else bias.to(dtype)
-        replace_module(model, module_name, Int4LinearModule(layer, bias))
-        kept.add(module_name)
-    return frozenset(kept)
-
-
-def _load_fp8_modules(
-    model: nn.Module,
-    linear_names: list[str],
-    tensors: Mapping[str, torch.Tensor],
-    quant: Fp8Config,
-    dtype: torch.dtype,
-) -> frozenset[str]:
-    """Each linear the config quantizes (and the checkpoint holds) replaced by an `Fp8LinearModule` with its
-    tensors and bias; returns their module names."""
-    kept: set[str] = set()
-    for module_name in linear_names:
-        method = linear_method(quant, module_name)
-        if not isinstance(method, Fp8LinearMethod) or f"{module_name}.weight" not in tensors:
-            continue
-        layer = method.load(tensors, module_name)
-        bias = tensors.get(f"{module_name}.bias")
-        bias = None if bias is None else bias.to(dtype)
-        replace_module(model, module_name, Fp8LinearModule(method, layer, bias))
+        if isinstance(method, Fp8LinearMethod):
+            module: nn.Module = Fp8LinearModule(method, method.load(tensors, module_name), bias)
+        else:
+            layer = method.load(tensors, module_name)
+            layer = Int4Linear(layer.qweight, layer.scales.to(dtype), layer.zeros, layer.group_size, layer.perm)
+            module = Int4LinearModule(layer, bias)
+        replace_module(model, module_name, module)
         kept.add(module_name)
     return frozenset(kept)

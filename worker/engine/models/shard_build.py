@@ -34,6 +34,8 @@ from ..moe import moe_layer_ids, spec_from_config
 from ..moe.fp8_experts import replace_experts
 from ..parallel.group import ParallelState
 from ..parallel.memory import head_shard, shard_for
+from ..quant.int4 import Int4Linear
+from ..quant.int4.linear import Int4LinearModule
 from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import UNQUANTIZED_MODEL, Fp8LinearMethod, LinearMethods, fp8_linear_of, fp8_parts
 from .errors import ModelLoadError, one_line
@@ -293,7 +295,18 @@ def _param_name(model: nn.Module, module: nn.Module) -> str:
 def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, sizes: list[int]) -> None:
     """The linears `names` become views of consecutive row blocks of the column-parallel `layer`: their
     parameters, or where the layer keeps FP8 weights, `Fp8LinearModule`s in their place holding views of its
-    rows and of their scales (fused_weights finds them adjacent and copies nothing)."""
+    rows and of their scales (fused_weights finds them adjacent and copies nothing); where it keeps INT4 packed,
+    `Int4LinearModule`s holding each logical output's `Int4Linear` (one for a fused-shipped linear)."""
+    parts = getattr(layer, "int4_parts", None)
+    if parts is not None:
+        parts = parts if len(parts) == len(names) else [Int4Linear.concat(parts)]
+        offset = 0
+        for linear, part in zip(names, parts, strict=True):
+            size = part.out_features
+            bias = None if layer.bias is None else layer.bias[offset : offset + size]
+            replace_module(model, linear, Int4LinearModule(part, bias))
+            offset += size
+        return
     if isinstance(layer.method, Fp8LinearMethod):
         offset = 0
         for linear, part in zip(names, fp8_parts(layer, sizes), strict=True):
@@ -310,9 +323,14 @@ def _bind_rows(model: nn.Module, names: list[str], layer: ColumnParallelLinear, 
         offset += size
 
 def _bind_row(model: nn.Module, name: str, layer: RowParallelLinear, bias: bool) -> None:
-    """Linear `name` becomes the row-parallel `layer`'s columns (an `Fp8LinearModule` where it keeps FP8); its
-    bias only where `bias` (rank 0: the all-reduce after the GEMM adds it once)."""
+    """Linear `name` becomes the row-parallel `layer`'s columns (an `Fp8LinearModule` where it keeps FP8, an
+    `Int4LinearModule` where it keeps INT4 packed); its bias only where `bias` (rank 0: the all-reduce after the
+    GEMM adds it once)."""
     bias_part = layer.bias if bias else None
+    parts = getattr(layer, "int4_parts", None)
+    if parts is not None:  # kept packed INT4
+        replace_module(model, name, Int4LinearModule(parts[0], bias_part))
+        return
     if isinstance(layer.method, Fp8LinearMethod):
         replace_module(model, name, Fp8LinearModule(layer.method, fp8_linear_of(layer), bias_part))
         return

@@ -38,9 +38,14 @@ and reads its slices through it, the same code at every world size:
   `--quantization fp8`  per output channel after loading; a row-parallel rank's scale is the whole row's (the
                largest of the ranks' row absmaxes: one all-gather of [N] floats per linear, at load), so every rank
                holds exactly one process's FP8 weights
-Kept FP8 (sm89+), a linear is an `Fp8LinearModule` viewing its layer's rows; elsewhere it is dequantized after
-loading. Not one process's bits: a row-parallel linear's dynamic per-token activation scale is taken over the
-rank's slice of the input, as vLLM does (at least as fine as one process's, at no collective per GEMM).
+  INT4         GPTQ, AWQ gemm and compressed-tensors pack-quantized (quant/int4/): the rank's packed words and its
+               groups' scales and zero points; a slice that cuts a word or a group is refused in one line (e.g. an
+               intermediate size whose half is not a multiple of the group, for down_proj), as is an act-order
+               (g_idx) linear split by columns (o, down), whose groups are spread over every rank's columns
+Kept FP8 (sm89+), a linear is an `Fp8LinearModule` viewing its layer's rows, and kept INT4 (CBQ_INT4_PACKED=1 on
+CUDA) an `Int4LinearModule`; elsewhere it is dequantized after loading. Not one process's bits: a row-parallel
+linear's dynamic per-token activation scale is taken over the rank's slice of the input, as vLLM does (at least as
+fine as one process's, at no collective per GEMM).
 Mixtures of experts: every linear under a sparse MLP stays in the model dtype (read as shipped, then
 dequantized), as in one process; the experts are read by layers/experts.py.
 """
@@ -62,6 +67,8 @@ from ..moe import moe_layer_ids
 from ..parallel.group import ParallelState
 from ..parallel.memory import DecoderShape, check_fits
 from ..quant import Fp8Config, QuantConfig
+from ..quant.int4.linear import keeps_int4
+from ..quant.int4.method import Int4Config
 from ..quant.linear import keeps_fp8, replace_module
 from ..quant.methods import LinearMethods
 from ..quant.protocol import LinearLoadError
@@ -122,19 +129,18 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
             eos = loader.checkpoint_eos_token_ids(config, generation_config)
             tokenizer = loader._load_tokenizer(path, eos)
         source = open_checkpoint(path, renames, name_or_path)
-        if quant is not None and quant.is_serialized and not isinstance(quant, Fp8Config):
-            raise ModelLoadError(
-                f"{name_or_path}: {quant.quant_method} INT4 checkpoints run in one process (--tensor-parallel-size 1)"
-            )
         if quant is not None and quant.is_serialized:  # a missing scale named as one process names it
             source = AccountedCheckpoint(source)
         config = text_config
     family, _ = family_for(config)
-    kept_fp8 = quant is not None and keep_fp8
-    if device.type == "cuda":  # FP8 weights kept: their linears at 1 byte (each layer's, as it is loaded)
-        _check_fits(config, family, state, dtype, name_or_path, 1 if kept_fp8 else None)
-    assert quant is None or isinstance(quant, Fp8Config), "INT4 checkpoints were refused above"
-    methods = LinearMethods(quant, keep_fp8, _stays_dense(config, family))
+    keep_int4 = keeps_int4(device, dtype)
+    # FP8 weights kept: their linears at 1 byte, INT4 ones kept packed at about half (each layer's, as it is loaded)
+    linear_bytes: float | None = 1 if isinstance(quant, Fp8Config) and keep_fp8 else None
+    if isinstance(quant, Int4Config) and keep_int4:
+        linear_bytes = 0.5
+    if device.type == "cuda":
+        _check_fits(config, family, state, dtype, name_or_path, linear_bytes)
+    methods = LinearMethods(quant, keep_fp8, _stays_dense(config, family), keep_int4=keep_int4)
     try:
         model, tp = build_shard(config, family, source, state, dtype, methods)
     except LinearLoadError as exc:  # a checkpoint tensor that does not fit its format or the rank's split

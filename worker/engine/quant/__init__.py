@@ -4,7 +4,8 @@ of the layer, as in vLLM.
   base.py     `QuantConfig` (every format's config: `scheme_for(module_name)`), the module-name rules the formats
               share, `FormatRefused` and `QuantCheckpointError`
   int4/       the INT4 weight-only formats, one module each (GPTQ, AWQ gemm, compressed-tensors pack-quantized),
-              read into one form (`int4/packed.py` `Int4Linear`); dequantized at load, or kept packed on CUDA
+              methods of the protocol below read by slice into one form (`int4/packed.py` `Int4Linear`);
+              dequantized after loading, or kept packed on CUDA
 
   config.py   `checkpoint_quantization(quantization_config, requested)`: the typed description of a
               checkpoint's format (block-wise "fp8", compressed-tensors float-quantized, fbgemm_fp8, the INT4
@@ -46,7 +47,8 @@ slices' scales through their methods, or quantize their slices with one process'
 
 On the GPU, INT4 linears kept packed run `int4/linear.py` (`Int4LinearModule`, `Int4Weight`, `int4_linear`:
 kernels/w4a16.py's W4A16 GEMMs on CUDA, the dequantizing twin elsewhere); `bench engine --precision int4` packs a
-preset's linears that way, and a checkpoint's stay packed on CUDA bf16/fp16 (models/quant_loader.py `keep_int4`).
+preset's linears that way, and a checkpoint's stay packed on CUDA bf16/fp16 where CBQ_INT4_PACKED=1
+(`LinearMethods(keep_int4=...)`).
 
 `--kv-cache-dtype fp8` is not here: it belongs to the attention (attention.py) and the KV cache (kv_cache.py).
 """

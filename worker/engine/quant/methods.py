@@ -11,9 +11,9 @@ linear its method. Owns nothing; each method's parameters are its layer's.
                     mixture of experts' sparse MLP)
   LinearMethods     `method_for(prefix)`: the method each linear of a model takes (`Fp8Config.scheme_for` says
                     which are quantized, `keep_fp8` whether FP8 is kept)
-  INT4 (int4/: GPTQ, AWQ gemm, compressed-tensors pack-quantized) methods read a whole linear (`load` ->
-                    `Int4Linear`) and are dequantized at load by models/quant_loader.py; they join the protocol's
-                    slice loading with the packed GPU path
+  Int4LinearMethod (int4/: GPTQ, AWQ gemm, compressed-tensors pack-quantized)  the release's packed words, group
+                    scales and zero points (and act-order's g_idx) read by slice, then dequantized to the model dtype
+                    or kept packed (`keep_int4`: the W4A16 GEMMs)
 
 Adding a format: one module with its method class, one line in `_METHODS` (its config type -> method), its tests.
 `linear_method(config, module_name)` gives a format's method for one linear, or None where the config leaves it
@@ -49,12 +49,9 @@ from .protocol import (
     UNQUANTIZED,
     LinearLoadError,
     LinearMethod,
-    LinearSizes,
     ParamSplit,
     add_parameter,
-    checkpoint_name,
     load_whole_linear,
-    split_params,
 )
 
 
@@ -138,12 +135,6 @@ class Fp8LinearMethod(LinearMethod):
         return fp8_linear(x, layer if isinstance(layer, Fp8Linear) else fp8_linear_of(layer), bias)
 
     # -- one whole linear (a world of one), through the protocol
-    def tensor_names(self, prefix: str) -> list[str]:
-        """The checkpoint tensors `load` reads."""
-        probe = nn.Module()
-        self.create_weights(probe, LinearSizes(1, (1,)), torch.float32, torch.device("meta"))
-        return [f"{prefix}.{checkpoint_name(name, param)}" for name, param in split_params(probe)]
-
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Fp8Linear:
         weight = _get(tensors, f"{prefix}.weight")
         if weight.dim() != 2:
@@ -293,7 +284,7 @@ _METHODS: dict[type[QuantConfig], type[Fp8LinearMethod] | type[Int4LinearMethod]
     AwqConfig: AwqInt4Method,
 }
 
-# A format's method as `linear_method` gives it (FP8's on the protocol; INT4's whole-linear readers for now).
+# A format's method as `linear_method` gives it.
 FormatMethod = Fp8LinearMethod | Int4LinearMethod
 
 
@@ -327,26 +318,29 @@ def stored_quantized(method: FormatMethod, tensors: Mapping[str, torch.Tensor] |
 class LinearMethods:
     """The config object that hands each linear of a model its method, by the linear's name (its prefix in the
     checkpoint, e.g. "model.layers.0.self_attn.q_proj"). `quant` None: every linear unquantized. `keep_fp8`:
-    quantized linears stay FP8 (sm89+ CUDA), else they are dequantized after loading. `stays_dense`: linears
+    FP8 linears stay FP8 (sm89+ CUDA), else they are dequantized after loading; `keep_int4` likewise keeps INT4
+    linears packed (int4/linear.py `keeps_int4`: CBQ_INT4_PACKED=1 on CUDA). `stays_dense`: linears
     run in the model dtype whatever the config says (a mixture of experts' sparse MLPs: read as shipped, then
     dequantized; under `--quantization fp8`, left as they are). `keep_fp8_experts`: a mixture of experts' FP8
     experts stay FP8 (the FP8 grouped GEMMs). A layer of experts takes its method from this object too
     (moe/methods.py `expert_method_for`, above this package: the expert formats live with the MoE kernels), so
-    `quant` may be any format's config for the experts' sake; the linears' methods here are FP8's (an INT4
-    checkpoint's linears load by models/quant_loader.py)."""
+    `quant` may be any format's config for the experts' sake."""
 
     def __init__(
         self, quant: QuantConfig | None = None, keep_fp8: bool = False,
         stays_dense: Callable[[str], bool] = lambda _: False, keep_fp8_experts: bool = False,
+        keep_int4: bool = False,
     ):  # fmt: skip
         self.quant, self.keep_fp8, self.stays_dense = quant, keep_fp8, stays_dense
-        self.keep_fp8_experts = keep_fp8_experts
+        self.keep_fp8_experts, self.keep_int4 = keep_fp8_experts, keep_int4
 
     def method_for(self, prefix: str) -> LinearMethod:
         quant = self.quant
-        method = None if quant is None else fp8_linear_method(quant, prefix)
+        method = None if quant is None else linear_method(quant, prefix)
         if quant is None or method is None:
             return UNQUANTIZED
+        if isinstance(method, Int4LinearMethod):  # under a sparse MLP: dequantized, as FP8 is
+            return method.kept(self.keep_int4 and not self.stays_dense(prefix))
         if self.stays_dense(prefix):
             return DequantizedLinearMethod(method) if quant.is_serialized else UNQUANTIZED
         return method if self.keep_fp8 else DequantizedLinearMethod(method)

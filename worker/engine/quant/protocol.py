@@ -72,6 +72,7 @@ class ParamSplit:
     per_shard: bool = False  # one entry per logical output of the layer (q/k/v's own per-tensor scales)
     checkpoint_name: str = ""  # its name under the linear's prefix in a checkpoint ("": the parameter's)
     what: str = "entries"  # what its blocks are, for the one-line refusal of a split that cuts one
+    optional: bool = False  # a checkpoint may leave it out (GPTQ's g_idx without act-order): then not read
 
     def entries(self, size: int, block: int) -> int:
         return -(-size // block)
@@ -128,6 +129,13 @@ class LinearMethod:
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def tensor_names(self, prefix: str) -> list[str]:
+        """The checkpoint tensors of linear `prefix` the method reads (the first: its weight, whose presence says
+        the linear is stored in this format), from the parameters it creates."""
+        probe = nn.Module()
+        self.create_weights(probe, LinearSizes(1, (1,)), torch.float32, torch.device("meta"))
+        return [f"{prefix}.{checkpoint_name(name, param)}" for name, param in split_params(probe)]
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -234,6 +242,8 @@ def load_whole_linear(
     method.create_weights(layer, sizes, dtype, None)
     for name, param in split_params(layer):
         what = f"{prefix}.{checkpoint_name(name, param)}"
+        if what not in tensors and split_of(param).optional:
+            continue
         if what not in tensors:
             raise missing(f"the checkpoint has no {what}, which its quantization_config needs")
         load_parameter(

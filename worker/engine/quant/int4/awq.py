@@ -21,17 +21,17 @@ from typing import Any
 
 import torch
 
-from ..base import FIELD, FormatRefused, QuantCheckpointError, module_list, stays_dense
+from ..base import FIELD, FormatRefused, module_list, stays_dense
 from .method import (
+    SCALES,
+    WORDS,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
+    PackedTensor,
     check_bits,
-    expect,
-    get,
     group_size_of,
-    int4_linear,
-    scales_of,
+    int4_form,
     unpack_words,
 )
 from .packed import PACK, Int4Linear
@@ -76,20 +76,14 @@ def _deinterleave(words: torch.Tensor) -> torch.Tensor:
 class AwqInt4Method(Int4LinearMethod):
     format_name = "awq gemm"
 
-    def tensor_names(self, prefix: str) -> list[str]:
-        return [f"{prefix}.{name}" for name in ("qweight", "qzeros", "scales")]
+    def tensors(self) -> tuple[PackedTensor, ...]:
+        return (
+            PackedTensor("qweight", WORDS, output_dim=1, input_dim=0, output_block="word"),
+            PackedTensor("qzeros", WORDS, output_dim=1, input_dim=0, output_block="word", input_block="group"),
+            PackedTensor("scales", SCALES, output_dim=1, input_dim=0, input_block="group"),
+        )
 
-    def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Linear:
-        qweight = get(tensors, f"{prefix}.qweight")
-        if qweight.dim() != 2:
-            raise QuantCheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; AWQ GEMM's is [K, N / 8]")
-        k, n = qweight.shape[0], qweight.shape[1] * PACK
-        expect(qweight, f"{prefix}.qweight", (k, n // PACK), torch.int32)
-        g = k if self.scheme.group_size == -1 else self.scheme.group_size
-        if k % g or k % PACK:
-            raise QuantCheckpointError(f"{prefix}: K={k} does not hold whole groups of {g}")
-        groups = k // g
-        scales = scales_of(expect(get(tensors, f"{prefix}.scales"), f"{prefix}.scales", (groups, n)), f"{prefix}.scales")
-        qzeros = expect(get(tensors, f"{prefix}.qzeros"), f"{prefix}.qzeros", (groups, n // PACK), torch.int32)
-        q = _deinterleave(qweight).t()  # [N, K]
-        return int4_linear(q, scales.t(), _deinterleave(qzeros).t(), g, None, False, prefix)
+    def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:
+        q = _deinterleave(t["qweight"])[:, :n].t()  # [N, K]
+        zeros = _deinterleave(t["qzeros"])[:, :n].t()
+        return int4_form(q, t["scales"].t(), zeros, group, perm, False, prefix)

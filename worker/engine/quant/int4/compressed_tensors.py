@@ -24,22 +24,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ..base import FIELD, FormatRefused, QuantCheckpointError, ct_matches, module_list, stays_dense
+from ..base import FIELD, FormatRefused, ct_matches, module_list, stays_dense
 from .method import (
+    INDEX,
+    SCALES,
+    WORDS,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
-    act_order_perm,
-    expect,
-    get,
+    PackedTensor,
     group_size_of,
-    int4_linear,
-    scales_of,
+    int4_form,
     unpack_words,
 )
-from .packed import PACK, Int4Linear, unpack_int4
+from .packed import Int4Linear, unpack_int4
 
 FORMAT = "pack-quantized"
 
@@ -113,36 +111,21 @@ def _scheme(group: Mapping[str, Any], where: str) -> Int4Scheme:
 
 class CompressedTensorsInt4Method(Int4LinearMethod):
     format_name = f"compressed-tensors {FORMAT}"
+    g_idx = "weight_g_idx"
 
-    def tensor_names(self, prefix: str) -> list[str]:
-        # A symmetric scheme's zero point is 0 by definition: one stored beside it anyway is consumed, not read.
-        names = [f"{prefix}.weight_packed", f"{prefix}.weight_scale", f"{prefix}.weight_shape", f"{prefix}.weight_zero_point"]
-        return names + ([f"{prefix}.weight_g_idx"] if self.scheme.act_order else [])
+    def tensors(self) -> tuple[PackedTensor, ...]:
+        # A symmetric scheme's zero point is 0 by definition: one stored beside it anyway is read, not used.
+        sym = self.scheme.symmetric
+        return (
+            PackedTensor("weight_packed", WORDS, output_dim=0, input_dim=1, input_block="word"),
+            PackedTensor("weight_scale", SCALES, output_dim=0, input_dim=1, input_block="group"),
+            PackedTensor("weight_shape", INDEX, None, None, per_shard=True, shape=(2,)),
+            PackedTensor("weight_zero_point", WORDS, 0, 1, output_block="word", input_block="group", optional=sym),
+            *([PackedTensor("weight_g_idx", INDEX, None, 0, per_shard=True)] if self.scheme.act_order else []),
+        )
 
-    def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Linear:
-        packed = get(tensors, f"{prefix}.weight_packed")
-        shape = get(tensors, f"{prefix}.weight_shape").reshape(-1).tolist()
-        if len(shape) != 2 or shape[1] % PACK:
-            raise QuantCheckpointError(f"{prefix}.weight_shape {shape}: cbq reads [N, K] with K a multiple of {PACK}")
-        n, k = int(shape[0]), int(shape[1])
-        expect(packed, f"{prefix}.weight_packed", (n, k // PACK), torch.int32)
-        g = k if self.scheme.group_size == -1 else self.scheme.group_size
-        if k % g:
-            raise QuantCheckpointError(f"{prefix}: K={k} is not a multiple of the group size {g}")
-        groups = k // g
-        scales = scales_of(expect(get(tensors, f"{prefix}.weight_scale"), f"{prefix}.weight_scale", (n, groups)),
-                           f"{prefix}.weight_scale")
-        zeros = None
-        if self.scheme.symmetric and f"{prefix}.weight_zero_point" in tensors:
-            tensors[f"{prefix}.weight_zero_point"]  # read (so a reader by slice counts it as read), not used: 0
-        if not self.scheme.symmetric:
-            if n % PACK:
-                raise QuantCheckpointError(f"{prefix}: N={n} zero points do not fill whole words")
-            zp = expect(get(tensors, f"{prefix}.weight_zero_point"), f"{prefix}.weight_zero_point",
-                        (n // PACK, groups), torch.int32)
-            zeros = unpack_words(zp, dim=0)  # [N, groups]: eight rows a word
-        perm = None
-        if self.scheme.act_order:
-            g_idx = expect(get(tensors, f"{prefix}.weight_g_idx"), f"{prefix}.weight_g_idx", (k,))
-            perm = act_order_perm(g_idx, g, f"{prefix}.weight_g_idx")
-        return int4_linear(unpack_int4(packed), scales, zeros, g, perm, self.scheme.symmetric, prefix)
+    def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:
+        # weight_shape is the whole weight's (a rank holds a slice): the packed tensors' shapes were checked instead
+        zeros = None if self.scheme.symmetric else unpack_words(t["weight_zero_point"], dim=0)[:n]  # eight rows a word
+        return int4_form(unpack_int4(t["weight_packed"]), t["weight_scale"], zeros, group, perm, self.scheme.symmetric,
+                         prefix)  # fmt: skip

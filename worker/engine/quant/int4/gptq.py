@@ -23,23 +23,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ..base import FIELD, FormatRefused, QuantCheckpointError, QuantConfig, module_list, stays_dense
+from ..base import FIELD, FormatRefused, QuantConfig, module_list, stays_dense
 from .method import (
+    INDEX,
+    SCALES,
+    WORDS,
     Int4Config,
     Int4LinearMethod,
     Int4Scheme,
-    act_order_perm,
+    PackedTensor,
     check_bits,
-    expect,
-    get,
     group_size_of,
-    int4_linear,
-    scales_of,
+    int4_form,
     unpack_words,
 )
-from .packed import PACK, Int4Linear
+from .packed import Int4Linear
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
@@ -77,9 +75,10 @@ def parse(qc: Mapping[str, Any]) -> GptqConfig:
 
 class GptqInt4Method(Int4LinearMethod):
     format_name = "gptq"
+    g_idx = "g_idx"
 
-    def __init__(self, scheme: Int4Scheme, zeros_minus_one: bool):
-        super().__init__(scheme)
+    def __init__(self, scheme: Int4Scheme, zeros_minus_one: bool, keep_packed: bool = False):
+        super().__init__(scheme, keep_packed)
         self.zeros_minus_one = zeros_minus_one
 
     @classmethod
@@ -87,29 +86,18 @@ class GptqInt4Method(Int4LinearMethod):
         assert isinstance(config, GptqConfig)
         return cls(scheme, config.zeros_minus_one)
 
-    def tensor_names(self, prefix: str) -> list[str]:
-        return [f"{prefix}.{name}" for name in ("qweight", "qzeros", "scales", "g_idx")]
+    def tensors(self) -> tuple[PackedTensor, ...]:
+        return (
+            PackedTensor("qweight", WORDS, output_dim=1, input_dim=0, input_block="word"),
+            PackedTensor("qzeros", WORDS, output_dim=1, input_dim=0, output_block="word", input_block="group"),
+            PackedTensor("scales", SCALES, output_dim=1, input_dim=0, input_block="group"),
+            # the releases carry it with and without desc_act
+            PackedTensor("g_idx", INDEX, None, 0, per_shard=True, optional=not self.scheme.act_order),
+        )
 
-    def load(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Linear:
-        qweight = get(tensors, f"{prefix}.qweight")
-        if qweight.dim() != 2:
-            raise QuantCheckpointError(f"{prefix}.qweight is {list(qweight.shape)}; GPTQ's is [K / 8, N]")
-        k, n = qweight.shape[0] * PACK, qweight.shape[1]
-        expect(qweight, f"{prefix}.qweight", (k // PACK, n), torch.int32)
-        g = k if self.scheme.group_size == -1 else self.scheme.group_size
-        if k % g or n % PACK:
-            raise QuantCheckpointError(f"{prefix}: [N={n}, K={k}] does not hold whole groups of {g} and words")
-        groups = k // g
-        scales = scales_of(expect(get(tensors, f"{prefix}.scales"), f"{prefix}.scales", (groups, n)), f"{prefix}.scales")
-        qzeros = expect(get(tensors, f"{prefix}.qzeros"), f"{prefix}.qzeros", (groups, n // PACK), torch.int32)
-        zeros = unpack_words(qzeros, dim=1)  # [groups, N]
+    def to_int4(self, t, n, k, group, perm, prefix) -> Int4Linear:
+        zeros = unpack_words(t["qzeros"], dim=1)[:, :n]  # [groups, N]
         if self.zeros_minus_one:  # AutoGPTQ's: stored minus one (a zero of 0 wrapped to 15 comes back as 0)
             zeros = (zeros + 1) & 0xF
-        perm = None
-        if f"{prefix}.g_idx" in tensors:  # the releases carry it with and without desc_act
-            g_idx = expect(tensors[f"{prefix}.g_idx"], f"{prefix}.g_idx", (k,))
-            perm = act_order_perm(g_idx, g, f"{prefix}.g_idx")
-        elif self.scheme.act_order:
-            raise QuantCheckpointError(f"the checkpoint has no {prefix}.g_idx, which desc_act needs")
-        q = unpack_words(qweight, dim=0).t()  # [N, K]: input rows packed eight a word
-        return int4_linear(q, scales.t(), zeros.t(), g, perm, self.scheme.symmetric, prefix)
+        q = unpack_words(t["qweight"], dim=0).t()  # [N, K]: input rows packed eight a word
+        return int4_form(q, t["scales"].t(), zeros.t(), group, perm, self.scheme.symmetric, prefix)
