@@ -24,6 +24,7 @@ def test_bench_embed_runs_tiny_shapes_on_the_cpu(tmp_path):
     assert result.exit_code == 0, result.output
     assert "cbq in/s" in result.output and "tiny-qwen3" in result.output
     report = json.loads(out.read_text())
+    assert report["command"].startswith("cbq bench embed") and report["date"]  # the run says how to repeat it
     assert [row["shape"] for row in report["rows"]] == ["tiny-bert", "tiny-qwen3"]
     for row in report["rows"]:
         assert row["num_inputs"] == 20 and row["dtype"] == "float32"

@@ -68,7 +68,7 @@ def test_bench_vision_runs_the_tiny_shape_on_the_cpu(tmp_path, mode):
     # the command that reproduces the run, every option spelled out
     assert report["command"].startswith("cbq bench vision --workload W6 --shape tiny --num 6 --output-len 12")
     assert f"--mode {mode}" in report["command"] and report["date"]
-    assert "commit" in report
+    assert "commit" not in report  # the device's tree copy carries stale git metadata: READMEs name the commit
     (row,) = report["rows"]
     assert row["workload"] == "W6" and row["num_requests"] == 6 and row["dtype"] == "float32"
     assert row["image_size"] == [1024, 768] and 90 <= row["mean_text_tokens"] <= 110

@@ -11,6 +11,9 @@ import json
 import random
 import statistics
 from dataclasses import dataclass
+from typing import Any
+
+import click
 
 WORKLOADS = {
     # name: (num_requests, prompt_len range, output_len range)
@@ -218,3 +221,31 @@ def eos_ignored(model):
         yield
     finally:
         config.eos_token_id, model.generation_config.eos_token_id = saved
+
+
+def command_line(ctx: click.Context) -> str:
+    """The command that reproduces this run: every option with the value it ran with, defaults included."""
+    words = ["cbq bench", ctx.command.name or "?"]
+    for param in ctx.command.params:
+        value = ctx.params[param.name]
+        if value is not None:
+            words += [param.opts[0], *(map(str, value) if isinstance(value, tuple | list) else [str(value)])]
+    return " ".join(words)
+
+
+def run_header() -> dict[str, Any]:
+    """What every benchmark's JSON opens with: the command that ran it, the host, GPU, torch and date. (No commit:
+    the device's copy of the tree carries the git metadata of an earlier checkout, so benchmarks/ READMEs name the
+    commit each run measured.)"""
+    import platform
+    import time
+
+    import torch
+
+    return {
+        "command": command_line(click.get_current_context()),
+        "host": platform.node(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }

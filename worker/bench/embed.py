@@ -17,7 +17,6 @@ transformers' padded forward (`decoder="hf"`, the engine before the packed forwa
 from __future__ import annotations
 
 import json
-import platform
 import random
 import tempfile
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from worker.bench.common import run_header
 
 WORKLOAD_W7 = {"num": 100_000, "min_len": 50, "max_len": 500}
 NUM_CHECKED = 256  # inputs whose two embeddings are compared
@@ -254,7 +255,7 @@ def embed_bench(workload, num, shapes, reference_num, no_reference, max_num_batc
             if torch_device.type == "cuda":
                 torch.cuda.empty_cache()
     _print_table(rows)
-    report = {"host": platform.node(), "gpu": _gpu_name(), "torch": torch.__version__, "rows": rows}
+    report = {**run_header(), "rows": rows}
     Path(json_out).write_text(json.dumps(report, indent=2))
     click.echo(f"wrote {json_out}")
 
@@ -271,12 +272,6 @@ def _timed_cbq(engine, texts: list[str], num_specials: int) -> dict[str, Any]:
             "inputs_per_s": len(texts) / seconds, "tokens_per_s": num_tokens / seconds,
             "batches": after.steps - before.steps, "busy_seconds": after.busy_seconds - before.busy_seconds,
             "max_batch_tokens": engine.max_batch_tokens, "max_batch_size": engine.max_batch_size, "checked": checked}
-
-
-def _gpu_name() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:

@@ -26,9 +26,7 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import json
-import platform
 import random
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import Any
 
 import click
 
-from worker.bench.common import eos_ignored, triton_compiles
+from worker.bench.common import eos_ignored, run_header, triton_compiles
 from worker.bench.qwen_vl_checkpoint import QWEN2_5_VL_SHAPES, random_qwen2_5_vl
 from worker.bench.tokenizer_files import corpus
 
@@ -394,12 +392,7 @@ def vision_bench(
     row["targets"] = {"ratio": TARGET_RATIO, "encoder_share_of_run": TARGET_ENCODER_SHARE}
     _print_table(row)
     report = {
-        "command": command_line(click.get_current_context()),
-        "host": platform.node(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": _commit(),
+        **run_header(),
         "rows": [row],
     }
     Path(json_out).write_text(json.dumps(report, indent=2))
@@ -414,32 +407,6 @@ def _rates(num_requests: int, output_tokens: int, seconds: float) -> dict[str, A
         "requests_per_s": num_requests / seconds,
         "output_tok_s": output_tokens / seconds,
     }
-
-
-def command_line(ctx: click.Context) -> str:
-    """The command that reproduces this run: every option with the value it ran with, defaults included (also
-    `bench vision-encoder`'s)."""
-    words = ["cbq bench", ctx.command.name or "vision"]
-    for param in ctx.command.params:
-        value = ctx.params[param.name]
-        if value is not None:
-            words += [param.opts[0], *(map(str, value) if isinstance(value, tuple | list) else [str(value)])]
-    return " ".join(words)
-
-
-def _commit() -> str | None:
-    """The checkout's commit, where it is a git checkout (a device's copy of the tree may not be)."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).parent,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def _print_table(row: dict[str, Any]) -> None:

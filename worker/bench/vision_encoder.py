@@ -13,7 +13,6 @@ engine's admission spends on each, worker/media/qwen_vl.py). Prints a table and 
 from __future__ import annotations
 
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -21,8 +20,9 @@ from typing import Any
 
 import click
 
+from worker.bench.common import run_header
 from worker.bench.qwen_vl_checkpoint import QWEN2_5_VL_SHAPES, QWEN_VL_FAMILY, write_qwen_vl_files
-from worker.bench.vision import W6_IMAGE_SIZE, command_line, w6_picture
+from worker.bench.vision import W6_IMAGE_SIZE, w6_picture
 
 IMPLEMENTATIONS = ("sdpa", "packed")
 
@@ -137,11 +137,7 @@ def vision_encoder_bench(shape, images, batches, image_size, device, dtype, seed
         f"({row['relative_diff']:.2g} relative); host image processing {host_ms:.1f} ms/image"
     )
     report = {
-        "command": command_line(click.get_current_context()),
-        "host": platform.node(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
+        **run_header(),
         "rows": [row],
     }
     Path(json_out).write_text(json.dumps(report, indent=2))
