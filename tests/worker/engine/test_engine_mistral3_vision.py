@@ -206,3 +206,22 @@ def test_the_owned_decoder_reads_a_vision_model_through_its_whole(checkpoint):
     assert decoder.embed_weight.data_ptr() == language_model.embed_tokens.weight.data_ptr()
     assert decoder.lm_head is model.whole.lm_head.weight and decoder.mrope_axes is None  # Mistral: 1-D rotary
 
+
+
+def test_pixtral_runs_a_steps_images_in_calls_of_bounded_patches(checkpoint, monkeypatch):
+    """Pixtral attends over all of a call's patches under one block-diagonal mask, so a step's images go to its
+    tower in runs of at most PIXTRAL_PATCHES_PER_CALL patches: the same embeddings as one call over all of them."""
+    from worker.engine.models import load_model, vision
+
+    model, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
+    side = model.vision_config.patch_size * 2  # the merged patch
+    sizes = torch.tensor([[3 * side, 5 * side], [2 * side, 2 * side], [4 * side, 3 * side]])
+    pixels = torch.randn(3, 3, 4 * side, 5 * side, generator=torch.Generator().manual_seed(0))
+    whole = model.encode_images(pixels, sizes)
+    assert model._pixtral_calls(sizes) == [slice(0, 3)]
+    monkeypatch.setattr(vision, "PIXTRAL_PATCHES_PER_CALL", 64)  # patches 60, 16, 48: the first alone, then two
+    assert model._pixtral_calls(sizes) == [slice(0, 1), slice(1, 3)]
+    torch.testing.assert_close(model.encode_images(pixels, sizes), whole, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(vision, "PIXTRAL_PATCHES_PER_CALL", 1)  # one image a call, however large
+    assert model._pixtral_calls(sizes) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    torch.testing.assert_close(model.encode_images(pixels, sizes), whole, rtol=1e-5, atol=1e-5)

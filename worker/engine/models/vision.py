@@ -18,6 +18,10 @@ import torch
 from ..families.spec import Family, VisionSpec
 from .vision_attention import use_packed_attention
 
+# Pixtral patches one tower call takes at most (two 1024x768 images: 2 x 3,942 patches of 14 pixels): its attention's
+# block-diagonal mask and scores grow with the square of a call's patches (`_pixtral_calls`)
+PIXTRAL_PATCHES_PER_CALL = 8192
+
 
 class VisionLanguageModel(torch.nn.Module):
     """transformers' vision-language model, its language model's config as `config`."""
@@ -57,17 +61,36 @@ class VisionLanguageModel(torch.nn.Module):
             if self.deepstack_levels:
                 return torch.stack([out.pooler_output, *out.deepstack_features], dim=1)
             return out.pooler_output  # merged patches, projected
-        if self.image_format == "pixtral":  # Mistral 3: Pixtral's features (a tuple), merged, projected
-            layer = self.whole.config.vision_feature_layer
-            out = self.whole.model.get_image_features(
-                pixel_values=pixels, image_sizes=grids, vision_feature_layer=layer
-            )
-            features = out.pooler_output if hasattr(out, "pooler_output") else out
-            return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+        if self.image_format == "pixtral":  # Mistral 3: Pixtral's features, in calls of bounded patch counts
+            assert grids is not None, "Pixtral's images come with their sizes"
+            return torch.cat([self._pixtral(pixels[group], grids[group]) for group in self._pixtral_calls(grids)])
         # Gemma 3: SigLIP's last hidden state, pooled to mm_tokens_per_image and projected (transformers'
         # get_image_features, called through its parts: what it returns changed across transformers 5 releases)
         hidden = tower(pixel_values=pixels).last_hidden_state
         return self.whole.model.multi_modal_projector(hidden).flatten(0, 1)
+
+    def _pixtral_calls(self, sizes: torch.Tensor) -> list[slice]:
+        """Consecutive runs of images whose patches add up to at most PIXTRAL_PATCHES_PER_CALL (one image at least):
+        transformers' Pixtral attends over all the patches of a call at once under a block-diagonal mask, so one
+        call over a step's eight 1024x768 images (~32k patches) would build a 1e9-entry mask and score every pair."""
+        patch = self.vision_config.patch_size
+        counts = [(int(h) // patch) * (int(w) // patch) for h, w in sizes.tolist()]
+        calls, start, total = [], 0, 0
+        for i, count in enumerate(counts):
+            if i > start and total + count > PIXTRAL_PATCHES_PER_CALL:
+                calls.append(slice(start, i))
+                start, total = i, 0
+            total += count
+        calls.append(slice(start, len(counts)))
+        return calls
+
+    def _pixtral(self, pixels: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """One call of Pixtral's tower, patch merger and projector over some images: [their tokens, hidden]."""
+        out = self.whole.model.get_image_features(
+            pixel_values=pixels, image_sizes=sizes, vision_feature_layer=self.whole.config.vision_feature_layer
+        )
+        features = out.pooler_output if hasattr(out, "pooler_output") else out
+        return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
