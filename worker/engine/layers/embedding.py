@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import SliceSource, TensorSlice
+from ..checkpoint import SliceSource, TensorSlice, read_view
 from ..parallel.group import ParallelState, all_reduce, gather_to_first
 from ..parallel.memory import vocab_shard
 from .linear import check_dim, copy_into
@@ -58,7 +58,8 @@ class VocabParallelEmbedding(nn.Module):
         num_real = self.shard.stop - self.shard.start
         param.data[num_real:].zero_()
         if num_real > 0:
-            copy_into(param.data[:num_real], loaded[self.shard.start : self.shard.stop], what)
+            with read_view(loaded, slice(self.shard.start, self.shard.stop)) as rows:  # straight from the file
+                copy_into(param.data[:num_real], rows, what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         self.weight_loader(self.weight, source.get_slice(f"{prefix}.weight"), f"{prefix}.weight")
