@@ -58,8 +58,9 @@ class VocabParallelEmbedding(nn.Module):
         num_real = self.shard.stop - self.shard.start
         param.data[num_real:].zero_()
         if num_real > 0:
-            with read_view(loaded, slice(self.shard.start, self.shard.stop)) as rows:  # straight from the file
-                copy_into(param.data[:num_real], rows, what)
+            rows = slice(self.shard.start, self.shard.stop)
+            with read_view(loaded, rows) as read:  # straight from the file into the parameter
+                copy_into(param.data[:num_real], read, what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         self.weight_loader(self.weight, source.get_slice(f"{prefix}.weight"), f"{prefix}.weight")
