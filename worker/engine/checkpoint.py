@@ -108,7 +108,9 @@ class SafetensorsFile:
             if header_size > size - 8:
                 raise ValueError(f"{path}: its header claims {header_size} bytes, the file holds {size}")
             header = json.loads(f.read(header_size))
-            # a private mapping: torch wants a writable buffer; nothing writes to it (every read is copied out)
+            if not isinstance(header, dict):
+                raise ValueError(f"{path}: its header is not a JSON object")
+            # a private mapping, since torch wants a writable buffer; nothing writes to it (reads copy from it)
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.entries: dict[str, _Entry] = {}
         self.dtype_names: dict[str, str] = {}
@@ -121,14 +123,17 @@ class SafetensorsFile:
             if entry.stop > size:
                 raise ValueError(f"{path}: tensor {name!r} ends at byte {entry.stop}, past the file's {size}")
 
-    def _entry(self, name: str, info: dict[str, Any], base: int) -> _Entry:
-        dtype = _DTYPES.get(info.get("dtype", ""))
+    def _entry(self, name: str, info: Any, base: int) -> _Entry:
+        dtype = _DTYPES.get(info.get("dtype", "")) if isinstance(info, dict) else None
         if dtype is None:
+            raise ValueError(f"{self.path}: tensor {name!r} is {info!r}, not a tensor of a dtype cbq reads")
+        try:
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
-                f"{self.path}: tensor {name!r} has dtype {info.get('dtype')!r}, which cbq does not read"
-            )
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(o) for o in info["data_offsets"])
+                f"{self.path}: tensor {name!r} has no shape and offsets in its header ({exc})"
+            ) from None
         if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
             raise ValueError(f"{self.path}: tensor {name!r} holds {end - begin} bytes, its {dtype} {list(shape)} needs "
                              f"{math.prod(shape) * dtype.itemsize}")  # fmt: skip

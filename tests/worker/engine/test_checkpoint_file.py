@@ -106,7 +106,12 @@ def _write(path: Path, header: dict, data: bytes) -> None:
     [
         ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "past the file's"),
         ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8, "holds 8 bytes"),
-        ({"w": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, b"\0" * 2, "which cbq does not read"),
+        (
+            {"w": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}},
+            b"\0" * 2,
+            "not a tensor of a dtype cbq reads",
+        ),
+        ({"w": {"dtype": "F32", "shape": [4]}}, b"\0" * 16, "has no shape and offsets"),
     ],
 )
 def test_a_header_that_does_not_fit_is_refused_naming_the_tensor(tmp_path, header, data, refusal):
