@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import SliceSource, TensorSlice
+from ..checkpoint import SliceSource, TensorSlice, read_view
 from ..parallel.group import ParallelState, all_reduce, gather_to_first
 from ..parallel.memory import vocab_shard
 from .linear import check_dim, copy_into
@@ -58,7 +58,9 @@ class VocabParallelEmbedding(nn.Module):
         num_real = self.shard.stop - self.shard.start
         param.data[num_real:].zero_()
         if num_real > 0:
-            copy_into(param.data[:num_real], loaded[self.shard.start : self.shard.stop], what)
+            rows = slice(self.shard.start, self.shard.stop)
+            with read_view(loaded, rows) as read:  # straight from the file into the parameter
+                copy_into(param.data[:num_real], read, what)
 
     def load_from(self, source: SliceSource, prefix: str) -> None:
         self.weight_loader(self.weight, source.get_slice(f"{prefix}.weight"), f"{prefix}.weight")

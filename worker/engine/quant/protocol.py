@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import TensorSlice, WholeTensor
+from ..checkpoint import TensorSlice, WholeTensor, read_view
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SPLIT_ATTR = "cbq_split"  # the attribute a parameter's ParamSplit is kept under
@@ -68,7 +68,9 @@ class ParamSplit:
     output_dim: int | None = 0  # the parameter's dim along the weight's rows (None: not split by rows)
     input_dim: int | None = 1  # its dim along the weight's columns (None: not split by columns)
     output_block: int = 1  # weight rows one entry covers (a block-wise scale: bn)
-    input_block: int = 1  # weight columns one entry covers (block scale: bk; packed INT4: 8; group scales: group)
+    input_block: int = (
+        1  # weight columns one entry covers (block scale: bk; packed INT4: 8; group scales: group)
+    )
     per_shard: bool = False  # one entry per logical output of the layer (q/k/v's own per-tensor scales)
     checkpoint_name: str = ""  # its name under the linear's prefix in a checkpoint ("": the parameter's)
     what: str = "entries"  # what its blocks are, for the one-line refusal of a split that cuts one
@@ -163,9 +165,14 @@ def check_entries(loaded: TensorSlice, split: ParamSplit, weight_shape: tuple[in
     """Checkpoint tensor `loaded` is the whole weight's [N, K] (`weight_shape`) along each dim the parameter splits
     by (its entries' count there), else a rank's slice of a tensor of other sizes would pass unnoticed."""
     shape = loaded.get_shape()
-    for dim, size, block in ((split.output_dim, weight_shape[0], split.output_block), (split.input_dim, weight_shape[1], split.input_block)):
+    for dim, size, block in (
+        (split.output_dim, weight_shape[0], split.output_block),
+        (split.input_dim, weight_shape[1], split.input_block),
+    ):
         if dim is not None and dim < len(shape) and shape[dim] != split.entries(size, block):
-            raise LinearLoadError(f"{what}: checkpoint shape {shape}, expected {split.entries(size, block)} along dim {dim}")
+            raise LinearLoadError(
+                f"{what}: checkpoint shape {shape}, expected {split.entries(size, block)} along dim {dim}"
+            )
 
 
 class ConvertsSlices(Protocol):
@@ -204,7 +211,9 @@ def load_parameter(
     if split.output_dim is not None:
         src_rows = split.mapped(rows, weight_shape[0], split.output_block, prefix, "rows")
         before = sum(split.entries(size, split.output_block) for size in sizes.output_sizes[:shard_index])
-        dst = dst.narrow(split.output_dim, before, split.entries(sizes.output_sizes[shard_index], split.output_block))
+        dst = dst.narrow(
+            split.output_dim, before, split.entries(sizes.output_sizes[shard_index], split.output_block)
+        )
         if split.output_dim < len(index):
             index[split.output_dim] = src_rows
     elif split.per_shard:
@@ -213,12 +222,19 @@ def load_parameter(
         src_cols = split.mapped(cols, weight_shape[1], split.input_block, prefix, "columns")
         if split.input_dim < len(index):
             index[split.input_dim] = src_cols
-    tensor = loaded[tuple(index)] if index else loaded[...]
-    tensor = method.load_tensor(layer, name, tensor, what, (rows.stop - rows.start, cols.stop - cols.start))
-    fits = tuple(tensor.shape) in (tuple(dst.shape), (*dst.shape, 1)) or (dst.dim() == 0 and tensor.numel() == 1)
-    if not fits:
-        raise LinearLoadError(f"{what}: the checkpoint's slice {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
-    dst.copy_(tensor.reshape(dst.shape))
+    # the slice is copied straight from the file's mapping into the parameter (no copy of its own in between)
+    with read_view(loaded, tuple(index) if index else ...) as tensor:
+        tensor = method.load_tensor(
+            layer, name, tensor, what, (rows.stop - rows.start, cols.stop - cols.start)
+        )
+        fits = tuple(tensor.shape) in (tuple(dst.shape), (*dst.shape, 1)) or (
+            dst.dim() == 0 and tensor.numel() == 1
+        )
+        if not fits:
+            raise LinearLoadError(
+                f"{what}: the checkpoint's slice {tuple(tensor.shape)} does not fit {tuple(dst.shape)}"
+            )
+        dst.copy_(tensor.reshape(dst.shape))
 
 
 def checkpoint_name(name: str, param: torch.Tensor) -> str:
