@@ -32,6 +32,9 @@ from worker.media.policy import MediaError, MediaPolicy
 from worker.output_parsers import OutputParsing, chat_template_text
 
 RESULT_POLL_SECONDS = 0.1
+# Image requests an image-taking engine holds unstarted (the worker holds about one chunk job's, 64 by default):
+# enough to fill a step's prefill, few enough that their pixels (~19 MB a 1024x768 picture) stay a few GB
+IMAGE_REQUESTS_WAITING = 128
 
 Input = (
     str | dict[str, Any]
@@ -114,8 +117,9 @@ class LLM:
 
     def _run(self, requests: list, progress: bool) -> list[ResultLine]:
         """Run `requests`, fed to the engine while it has capacity, as the worker feeds it: a request is tokenized
-        and its images read and decoded only when the engine can take it, so a file of 10,000 images holds a
-        step's worth of pictures and pixels, not 10,000 (a 1024x768 picture's pixels are ~19 MB)."""
+        and its images read and decoded only when the engine can take it, and an engine that takes images holds at
+        most IMAGE_REQUESTS_WAITING of them unstarted (their pixels made, not yet encoded: ~19 MB for a 1024x768
+        picture), so a list of 10,000 image inputs never holds 10,000 pictures."""
         call = f"offline{next(self._calls)}"
         results: dict[int, ResultLine] = {}
         pending: dict[str, Any] = {}  # engine request id -> request
@@ -127,7 +131,7 @@ class LLM:
         try:
             num_tokens, started = 0, time.perf_counter()
             while more or pending:
-                while more and self.engine.has_capacity():
+                while more and self._can_take_more():
                     request = next(todo, None)
                     if request is None:
                         more = False
@@ -153,6 +157,11 @@ class LLM:
             self.engine.shutdown()
             bar.close()
         return [results[i] for i in range(len(requests))]
+
+    def _can_take_more(self) -> bool:
+        if not self.engine.has_capacity():
+            return False
+        return not self.engine.accepts_images or self.engine.num_unstarted() < IMAGE_REQUESTS_WAITING
 
     def _engine_request(self, request: Any, task: ModelTask, call: str) -> EngineRequest | ResultLine:
         """The engine's request for one input, or the error result of an input this model cannot run: the other

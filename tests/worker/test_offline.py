@@ -108,3 +108,40 @@ def test_inputs_are_fed_while_the_engine_has_capacity_not_all_at_once():
     results = small.generate([f"prompt {i}" for i in range(12)], sampling={"max_new_tokens": 3, "ignore_eos": True}, progress=False)
     assert [r.index for r in results] == list(range(12)) and all(r.usage.completion_tokens == 3 for r in results)
     assert most <= 2 * 2, f"{most} requests held at once"
+
+
+def test_an_image_model_holds_a_bounded_number_of_image_requests_unstarted(tmp_path, monkeypatch):
+    """Pixels are made when a request is admitted and held until the tower runs: `generate` on an image-taking
+    model keeps at most IMAGE_REQUESTS_WAITING requests unstarted, whatever the engine's capacity."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from tests.fixtures.vision_checkpoints import build_qwen2_5_vl
+    from worker import offline
+
+    checkpoint = build_qwen2_5_vl(tmp_path / "qwen2_5_vl")
+    vlm = LLM(str(checkpoint.path), device="cpu", dtype="float32", max_num_seqs=8)
+    monkeypatch.setattr(offline, "IMAGE_REQUESTS_WAITING", 2)
+    engine, add, most = vlm.engine, vlm.engine.add_request, 0
+
+    def counting_add(req):
+        nonlocal most
+        add(req)
+        most = max(most, engine.num_unstarted())
+
+    engine.add_request = counting_add
+
+    def url(shade: int) -> str:
+        out = io.BytesIO()
+        Image.new("RGB", (56, 56), (shade, 255 - shade, 90)).save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+    chats = [
+        [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url(20 * i)}}]}]
+        for i in range(8)
+    ]
+    results = vlm.chat(chats, sampling={"max_new_tokens": 2, "ignore_eos": True, "temperature": 0})
+    assert [r.usage.completion_tokens for r in results] == [2] * 8 and all(r.error is None for r in results)
+    assert most <= 2, f"{most} image requests waited unstarted at once"
