@@ -446,7 +446,7 @@ def _auto_owned(model: Any) -> bool:
     """Whether "auto" takes the owned decoder on CUDA. A vision-language model's text stack runs on it exactly on the
     CPU (images, M-RoPE, DeepStack), but its CUDA path has not yet run on a GPU: "auto" keeps transformers' layers
     for it until the vision GPU tests (`run_gpu.sh visiongpu`) have; `--decoder owned` takes it now."""
-    vision = getattr(model.config, "vision_config", None) is not None
+    vision = family_root(model) is not model  # its `config` is the language model's, which names no vision tower
     return not vision and unsupported_reason(model) is None
 
 

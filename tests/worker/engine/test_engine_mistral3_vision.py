@@ -225,3 +225,16 @@ def test_pixtral_runs_a_steps_images_in_calls_of_bounded_patches(checkpoint, mon
     monkeypatch.setattr(vision, "PIXTRAL_PATCHES_PER_CALL", 1)  # one image a call, however large
     assert model._pixtral_calls(sizes) == [slice(0, 1), slice(1, 2), slice(2, 3)]
     torch.testing.assert_close(model.encode_images(pixels, sizes), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_transformers_layers_for_a_vision_model_until_its_cuda_path_ran(checkpoint):
+    """`auto` on CUDA takes the owned decoder for a text model but not (yet) for a vision-language one, whose `config`
+    is its language model's: the check reads the model, not a `vision_config` the text config never has."""
+    from worker.engine.decoder import _auto_owned
+    from worker.engine.models import load_model
+
+    model, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
+    assert getattr(model.config, "vision_config", None) is None  # what the first check read: it let auto through
+    assert not _auto_owned(model)
+    text, _ = load_model("tiny-llama", torch.device("cpu"), torch.float32)
+    assert _auto_owned(text)
