@@ -17,11 +17,10 @@ from PIL import Image
 from schemas.chat import ChatMessage
 from tests.fixtures.vision_checkpoints import build_gemma3_vision
 from worker.engine.api import EngineImage, EngineRequest, ErrorCode, FinishReason, SamplingParams
-from worker.engine.engine import Engine
 from worker.media.gemma3 import Gemma3Images
 from worker.media.load import content_hash
 
-from .test_engine_vision import DECODERS
+from .test_engine_vision import DECODERS, engine
 
 MAX_NEW = 8
 
@@ -99,13 +98,6 @@ def generate(processor, model, req: EngineRequest, bidirectional: bool = True) -
         repetition_penalty=1.0,
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-def engine(checkpoint, **config) -> Engine:
-    eng = Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
-    if "decoder" in config:
-        assert (eng.runner.decoder is not None) == (config["decoder"] == "owned")
-    return eng
 
 
 def mixed_requests(processor) -> list[EngineRequest]:

@@ -16,11 +16,10 @@ from PIL import Image
 from schemas.chat import ChatMessage
 from tests.fixtures.vision_checkpoints import MISTRAL3_PROCESSOR, build_mistral3
 from worker.engine.api import EngineImage, EngineRequest, FinishReason, SamplingParams
-from worker.engine.engine import Engine
 from worker.media.load import content_hash
 from worker.media.pixtral import PixtralImages
 
-from .test_engine_vision import DECODERS
+from .test_engine_vision import DECODERS, engine
 
 MAX_NEW = 8
 
@@ -94,13 +93,6 @@ def generate(checkpoint, tokenizer, model, req: EngineRequest) -> list[int]:
         repetition_penalty=1.0,
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-def engine(checkpoint, **config) -> Engine:
-    eng = Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", **config)
-    if "decoder" in config:
-        assert (eng.runner.decoder is not None) == (config["decoder"] == "owned")
-    return eng
 
 
 def mixed_requests(tokenizer) -> list[EngineRequest]:
