@@ -92,10 +92,14 @@ class RedisServer:
         raise AssertionError("redis-server found no free port in 5 tries")
 
     def answers(self) -> bool:
-        """This object's server (not another process's on the same port) answers."""
+        """This object's server (not another process's on the same port) answers, and has loaded its data: a
+        restarted server answers INFO while it replays the append-only file but refuses every data command with
+        LOADING, so a test that read it then would fail on BusyLoadingError."""
         try:
             conn = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-            return self.proc is not None and conn.info("server")["process_id"] == self.proc.pid
+            if self.proc is None or conn.info("server")["process_id"] != self.proc.pid:
+                return False
+            return not int(conn.info("persistence").get("loading", 0))
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             return False
 

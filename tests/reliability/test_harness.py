@@ -45,3 +45,24 @@ def test_a_restart_whose_port_was_taken_fails_rather_than_use_another_server(tmp
     finally:
         ours.kill()
         squatter.kill()
+
+
+def test_a_restarted_server_counts_as_started_only_once_it_has_loaded_its_data(tmp_path):
+    """A restarted server answers INFO while it replays its append-only file and refuses data commands with
+    LOADING until it is done: start() must wait past that, or the test reading first fails on
+    BusyLoadingError (as one did in CI). An append-only file of ~300k keys takes long enough to replay that a
+    start() which returned at the first answer would land inside the replay."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        conn = server.connect()
+        for chunk in range(30):
+            pipe = conn.pipeline(transaction=False)
+            for i in range(10_000):
+                pipe.set(f"k{chunk}:{i}", "v" * 32)
+            pipe.execute()
+        server.kill()
+        server.start()
+        assert server.connect().dbsize() == 300_000  # raises BusyLoadingError if start() returned mid-replay
+    finally:
+        server.kill()
