@@ -190,6 +190,39 @@ def test_v3_fp8_release_loads_without_its_mtp_layer(deepseek):
     )
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_one_process_reads_the_checkpoint_by_slice_as_transformers_loads_it(deepseek, name, monkeypatch):
+    """The one loader: a latent-attention checkpoint is read by slice in one process, as the tensor-parallel ranks
+    read it (no `from_pretrained`, no whole-model quantized loader), and every value equals transformers' own load
+    of it: V2-Lite's `from_pretrained`, V3's block-wise FP8 release dequantized whole (the tests' reference loader)."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.models import quant_loader
+    from worker.engine.models.loader import _load_config, _quantization, family_for, sparse_layers
+
+    checkpoint, _, _ = deepseek(name)
+    path = str(checkpoint.path)
+    config = _load_config(path)
+    quant = _quantization(config, None)
+    if quant is None:
+        expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        sparse = sparse_layers(config, family_for(config)[0])
+        expected = quant_loader.load_dequantized_model(path, config, quant, torch.float32, sparse=sparse)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a whole-model loader ran in one process")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(quant_loader, "plain_model", refuse)  # what the whole-model quantized loader builds
+    loaded, _ = load_model(path, torch.device("cpu"), torch.float32)
+    want = expected.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want)
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), key
+
+
 def test_unsupported_routing_is_refused_in_one_line(tmp_path):
     """DeepSeek-V2 (236B)'s group-limited greedy routing is not computed: refused at load, naming the field."""
     from transformers import AutoConfig

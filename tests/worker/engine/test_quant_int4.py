@@ -30,7 +30,7 @@ from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import ModelLoadError, load_model
-from worker.engine.models.quant_loader import checkpoint_tensors, load_quantized_model
+from worker.engine.models.quant_loader import checkpoint_tensors
 from worker.engine.quant import (
     CBQ_RUNS,
     QuantCheckpointError,
@@ -193,15 +193,12 @@ def test_a_missing_or_misshapen_tensor_is_named(release):
 def test_keep_int4_keeps_each_linear_packed_as_the_release_means_it(release):
     """The packed path (the W4A16 GEMMs on CUDA; test_int4_decoder.py decodes with it): each quantized linear an
     `Int4LinearModule` whose weight dequantizes to the dequantized load's, bit for bit."""
-    from transformers import AutoConfig
 
     from worker.engine.quant.int4 import dequantize
     from worker.engine.quant.int4.linear import Int4LinearModule
 
     r = release("awq")
-    config = AutoConfig.from_pretrained(r.path)
-    quant = checkpoint_quantization(config.quantization_config)
-    model = load_quantized_model(str(r.path), config, quant, torch.float32, keep_fp8=False, keep_int4=True)
+    model, _ = load_model(str(r.path), torch.device("cpu"), torch.float32, keep_int4=True)
     packed = {name: m for name, m in model.named_modules() if isinstance(m, Int4LinearModule)}
     assert "model.layers.1.self_attn.q_proj" in packed and "lm_head" not in packed
     for name, module in packed.items():
@@ -362,6 +359,25 @@ def test_a_refused_checkpoint_fails_to_load_in_one_line(release, tmp_path):
     with pytest.raises(ModelLoadError) as info:
         load_model(str(target), CPU, torch.float32)
     assert str(info.value) == f"config.json quantization_config.bits 8 (gptq at 8 bits) is not supported; {CBQ_RUNS}"
+
+
+def test_quantized_weights_pickled_in_pytorch_model_bin_are_refused_in_one_line(release, tmp_path):
+    """The one loader reads safetensors; a folder of pickled weights only takes transformers' from_pretrained, which
+    cbq runs unquantized only: a quantized one is refused in one line rather than loaded by another route."""
+    from safetensors.torch import load_file
+
+    r = release("gptq")
+    target = tmp_path / "gptq-pickled"
+    shutil.copytree(r.path, target)
+    state = {}
+    for shard in sorted(target.glob("model*.safetensors")):
+        state |= load_file(shard)
+        shard.unlink()
+    (target / "model.safetensors.index.json").unlink(missing_ok=True)
+    torch.save(state, target / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(target), CPU, torch.float32)
+    assert "\n" not in str(info.value) and "pytorch_model*.bin" in str(info.value) and "safetensors" in str(info.value)
 
 
 @pytest.mark.parametrize("fmt", ["gptq-act-order", "awq", "ct-asym"])

@@ -8,14 +8,15 @@ before any weights) -> generation_config.json -> the tokenizer (given the checkp
 One loader: a checkpoint is read by slice as the one rank of a world of one (models/shard_build.py
 `load_whole_model`, the reader the tensor-parallel ranks use: the family's transformers model built on meta, each
 linear read through its parallel layer and its method (quant/methods.py `LinearMethods`), straight onto the device,
-the model's parameters views of the layers' weights). bf16/fp16/fp32 checkpoints, FP8 ones (kept FP8 or
-dequantized after loading, each linear by its method), `--quantization fp8` (quantized per channel as each linear
-is loaded) and gpt-oss's MXFP4 release (its experts dequantized one at a time by layers/experts.py, not by
-transformers' mxfp4 quantizer, which needs a GPU and the `kernels` package) all take it. What it does not read
-keeps its own route: a vision-language model (models/vision.py), a family the reader does not split
-(`slice_reader_refuses`: multi-head latent attention, other MoE layouts: transformers' `from_pretrained`, or
-models/quant_loader.py for FP8). A mixture of experts' routed experts are read by layers/experts.py through their
-expert method (moe/protocol.py), FP8 experts kept FP8 included.
+the model's parameters views of the layers' weights). Every text family takes it, multi-head latent attention
+included: bf16/fp16/fp32 checkpoints, FP8 ones (kept FP8 or dequantized after loading, each linear by its method),
+INT4 ones, `--quantization fp8` (quantized per channel as each linear is loaded) and gpt-oss's MXFP4 release (its
+experts dequantized one at a time by layers/experts.py, not by transformers' mxfp4 quantizer, which needs a GPU and
+the `kernels` package). A mixture of experts' routed experts are read by layers/experts.py through their expert
+method (moe/protocol.py), FP8 experts kept FP8 included. Two other routes remain: a vision-language model loads
+whole (models/vision.py), and a folder of pickled weights only (older releases' pytorch_model*.bin, unquantized)
+takes transformers' `from_pretrained`. models/quant_loader.py's whole-model quantized loader is the tests'
+reference (the dequantized model `generate` runs), not a route here.
 
 Quantization is a property of each linear: on sm89+ CUDA a quantized linear is an `Fp8LinearModule` (FP8
 weight and scales, which the owned decoder multiplies with FP8 GEMMs); elsewhere its weight is dequantized to
@@ -62,7 +63,6 @@ from .quant_loader import (
     AccountedCheckpoint,
     SparseLayers,
     checkpoint_tensors,
-    load_quantized_model,
     read_kv_scales,
 )
 from .shard_build import load_whole_model, local_folder, open_checkpoint, slice_reader_refuses
@@ -198,19 +198,21 @@ def load_model(
             sparse = sparse_layers(config, family)
             stays_dense = sparse.holds if sparse is not None else lambda name: False
             methods = LinearMethods(quant, keep_fp8, stays_dense, keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4)
-            by_slice = slice_reader_refuses(family, one_process=True) is None and not _only_pickled_weights(name_or_path)
             if family.vision is not None:  # the whole vision-language model (models/vision.py)
                 model = load_vision_model(name_or_path, family, generation_config, dtype, device)
-            elif by_slice or has_mxfp4_experts(config):  # the one reader (shard_build.load_whole_model)
+            elif not _only_pickled_weights(name_or_path):  # the one reader (shard_build.load_whole_model)
+                refusal = slice_reader_refuses(family)
+                if refusal is not None:
+                    raise ModelLoadError(refusal)
                 model = _read_by_slice(name_or_path, text_config, family, key_mapping, quant, methods, device, dtype)
                 model.generation_config = generation_config
                 read_by_slice = True
-            elif quant is not None and quant.is_serialized:  # a family the slice reader refuses: read by quant_loader
-                model = load_quantized_model(
-                    name_or_path, config, quant, dtype, keep_fp8=keep_fp8, generation_config=generation_config,
-                    sparse=sparse, keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4,
-                ).to(device)  # fmt: skip
-            else:
+            elif quant is not None and quant.is_serialized:
+                raise ModelLoadError(
+                    f"{name_or_path} holds its quantized weights in pytorch_model*.bin: cbq reads quantized checkpoints "
+                    "from safetensors files (as their releases ship them)"
+                )
+            else:  # pickled weights (older releases): transformers reads them
                 model = AutoModelForCausalLM.from_pretrained(
                     name_or_path,
                     config=text_config,
@@ -219,6 +221,8 @@ def load_model(
                     dtype=dtype,
                     trust_remote_code=False,
                 ).to(device)
+        except ModelLoadError:
+            raise
         except Exception as exc:  # safetensors, OSError, ...: whatever a bad file raises
             raise ModelLoadError(f"cannot load the checkpoint {name_or_path}: {_one_line(exc)}") from exc
     if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick

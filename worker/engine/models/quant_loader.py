@@ -1,27 +1,21 @@
-"""Loading a quantized checkpoint (FP8, `--quantization fp8`, INT4) into a transformers model built whole, for the
-families the one slice reader (shard_build.py) does not read (latent attention in one process, pickled weights):
-each quantized linear read whole through its format's method (quant/methods.py `linear_method(...).load`, the
-protocol's) and dequantized to the compute dtype, or kept quantized (`keep_fp8`: `Fp8LinearModule`s; `keep_int4`:
-packed `Int4LinearModule`s). Also what `AccountedCheckpoint` and the KV-cache scales are for the slice reader.
-Owns nothing after loading.
+"""A quantized checkpoint (FP8, `--quantization fp8`, INT4) read whole into a plain transformers model with every
+quantized weight dequantized: the tests' reference (the model `generate` runs), which shares none of the one
+loader's code but the formats' own `dequantize` (quant/methods.py `linear_method(...).dequantize`). Also what
+`AccountedCheckpoint` and the KV-cache scales are for the one loader (the slice reader, shard_build.py). Owns
+nothing after loading.
 
   checkpoint_tensors(path)    the checkpoint's tensors by name, read lazily from its safetensors shards
   iter_dequantized(...)       (name, tensor) for a plain model of the same architecture: every quantized
                               linear's weight dequantized (`linear_method(...).dequantize`), the rest cast
   dequantize_state_dict(...)  the same as one dict
-  load_quantized_model(...)   the transformers model built from the config without its quantizer, these
-                              weights set (or, `keep_fp8` / `keep_int4`, its quantized linears as modules holding
-                              them quantized), generation_config.json read as from_pretrained does
-  load_dequantized_model(...) the same with every weight dequantized (the CPU path)
+  load_dequantized_model(...) the transformers model built from the config without its quantizer, every weight
+                              set dequantized, generation_config.json read as from_pretrained does
 
 A mixture of experts (`SparseLayers`): its experts are read one linear an expert by layers/experts.py (the
-reader the tensor-parallel ranks and gpt-oss's MXFP4 release use). With `keep_fp8_experts` (sm89+ CUDA) and a
-format the FP8 grouped GEMMs compute (moe/fp8.py: per-channel weights with per-token activations, or block-wise)
-they stay FP8, each layer's `Fp8Experts` (moe/fp8_experts.py) holding the release's e4m3 bytes and scales;
-otherwise (the CPU, static input scales) they are dequantized to the compute dtype. Every other linear under a
-sparse MLP (GLM-4.5's shared expert) is dequantized. The attention and the dense MLPs run as in a dense model. The
-router stays as stored (the releases leave it unquantized). Layers past `num_hidden_layers` (GLM-4.5's
-multi-token-prediction layer) are not built, as in transformers, and their tensors are not read.
+reader the one loader uses) and dequantized to the compute dtype, as is every other linear under a sparse MLP
+(GLM-4.5's shared expert). The router stays as stored (the releases leave it unquantized). Layers past
+`num_hidden_layers` (GLM-4.5's and DeepSeek-V3's multi-token-prediction layers) are not built, as in
+transformers, and their tensors are not read.
 
 FP8 KV-cache scales a checkpoint may carry (`k_scale`, `v_scale`, `kv_scale`: a kv_cache_scheme's) are not
 weights: `read_kv_scales` collects them per layer and the model carries them (kv_cache.KV_SCALES_ATTR) for
@@ -46,20 +40,13 @@ from ..families.spec import MoeMlpSpec
 from ..kv_cache import KV_SCALES_ATTR
 from ..layers.experts import expert_tensors, load_experts
 from ..moe.fp8 import Fp8ExpertFormat
-from ..moe.fp8_experts import replace_experts
 from ..moe.methods import kept_fp8_format
 from ..moe.spec import MoeSpec
 from ..parallel.group import ParallelState
 from ..quant.base import QuantConfig
-from ..quant.config import Fp8Config
 from ..quant.fp8 import FP8_DTYPE
-from ..quant.int4 import Int4Linear
-from ..quant.int4.linear import Int4LinearModule
-from ..quant.int4.method import Int4Config
-from ..quant.linear import Fp8LinearModule, replace_module
 from ..quant.methods import (
     Fp8CheckpointError,
-    Fp8LinearMethod,
     LinearMethods,
     linear_method,
     load_dequantized,
@@ -142,14 +129,12 @@ def iter_dequantized(
     quant: QuantConfig,
     dtype: torch.dtype,
     linear_names: Iterable[str],
-    kept_fp8: frozenset[str] = frozenset(),
     read_elsewhere: Callable[[str], bool] = lambda name: False,
     cast: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The state dict of the plain model, one tensor at a time. `linear_names`: the model's linear modules
-    ("model.layers.0.self_attn.q_proj", ...); the config decides which of them are quantized. `kept_fp8`:
-    modules loaded as FP8 by the caller, whose weight and scales are skipped here, as are the tensors
-    `read_elsewhere` names (the experts'). `cast` False: the unquantized tensors as stored (the caller copies each
+    ("model.layers.0.self_attn.q_proj", ...); the config decides which of them are quantized. The tensors
+    `read_elsewhere` names (the experts') are skipped. `cast` False: the unquantized tensors as stored (the caller copies each
     into its parameter's own dtype: GLM-4.5's router is fp32 in a bf16 model)."""
     consumed: set[str] = set()
     for module in linear_names:
@@ -157,8 +142,7 @@ def iter_dequantized(
         if method is None or not stored_quantized(method, tensors, module):  # not quantized, or tied to the embedding
             continue
         consumed.update(method.tensor_names(module))
-        if module not in kept_fp8:
-            yield f"{module}.weight", load_dequantized(method, tensors, module, dtype)
+        yield f"{module}.weight", load_dequantized(method, tensors, module, dtype)
     for name in tensors:
         if name in consumed or name.endswith(_KV_SCALE_SUFFIXES) or read_elsewhere(name):
             continue
@@ -196,30 +180,14 @@ def plain_model(config: Any, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def load_dequantized_model(name_or_path: str, config: Any, quant: QuantConfig, dtype: torch.dtype) -> nn.Module:
-    """The checkpoint as a plain transformers model in `dtype` (on the CPU; the caller moves it)."""
-    return load_quantized_model(name_or_path, config, quant, dtype, keep_fp8=False)
-
-
-def load_quantized_model(
-    name_or_path: str,
-    config: Any,
-    quant: QuantConfig,
-    dtype: torch.dtype,
-    keep_fp8: bool,
-    generation_config=None,
-    sparse: SparseLayers | None = None,
-    keep_fp8_experts: bool = False,
-    keep_int4: bool = False,
-) -> nn.Module:
-    """The checkpoint as a transformers model on the CPU (the caller moves it). `keep_fp8`: each quantized
-    linear becomes an `Fp8LinearModule` holding the checkpoint's FP8 weight and scales (what the owned decoder
-    multiplies on sm89+); else its weight is dequantized to `dtype`. `generation_config`: the caller's (None:
-    generation_config.json is read here, as from_pretrained does). `sparse`: a mixture of experts' sparse layers,
-    whose experts are kept FP8 with `keep_fp8_experts` where their format allows it, else dequantized to `dtype`
-    (every other linear under their MLP is dequantized whatever `keep_fp8` says). An INT4 checkpoint's linears are
-    dequantized to `dtype`, or with `keep_int4` kept packed (`Int4LinearModule`, scales in `dtype`: the W4A16 GEMMs);
-    its experts are dequantized either way. `keep_fp8` applies to FP8 formats only."""
+def load_dequantized_model(
+    name_or_path: str, config: Any, quant: QuantConfig, dtype: torch.dtype, sparse: SparseLayers | None = None
+) -> nn.Module:  # fmt: skip
+    """The checkpoint as a plain transformers model on the CPU, every quantized weight dequantized to `dtype` (the
+    tests' reference: the model `generate` runs, built by none of the one loader's code but the formats' own
+    `dequantize`). `sparse`: a mixture of experts' sparse layers, whose experts are read by layers/experts.py's reader
+    (dequantized) and whose other linears are dequantized too. generation_config.json is read as from_pretrained
+    does."""
     from transformers import GenerationConfig
 
     model = plain_model(config, dtype)
@@ -229,22 +197,15 @@ def load_quantized_model(
     if kv_scales:
         setattr(model, KV_SCALES_ATTR, kv_scales)
     linear_names = linear_module_names(model)
-    fp8_candidates = [n for n in linear_names if sparse is None or not sparse.holds(n)]
-    kept: frozenset[str] = frozenset()  # linears kept quantized: FP8 with `keep_fp8`, INT4 packed with `keep_int4`
-    if (keep_fp8 and isinstance(quant, Fp8Config)) or (keep_int4 and isinstance(quant, Int4Config)):
-        kept = _load_kept_modules(model, fp8_candidates, tensors, quant, dtype)
-    loaded = {f"{module}.{name}" for module in kept for name, _ in model.get_submodule(module).state_dict().items()}
+    loaded: set[str] = set()
     experts_read: set[str] = set()
-    if sparse is not None:  # before the state dict is listed: an `Fp8Experts`' buffers take the experts' place
-        methods = LinearMethods(quant, keep_fp8_experts=keep_fp8_experts)
-        loaded |= _load_experts(model, tensors, sparse, methods, dtype, experts_read)
+    if sparse is not None:
+        loaded |= _load_experts(model, tensors, sparse, LinearMethods(quant), dtype, experts_read)
     params = model.state_dict(keep_vars=True)
     unbuilt = _unbuilt_layers(model_config)
     with torch.no_grad():
         read_elsewhere = lambda name: name in experts_read or unbuilt(name)  # noqa: E731
-        for name, tensor in iter_dequantized(
-            tensors, quant, dtype, linear_names, kept, read_elsewhere, cast=False
-        ):
+        for name, tensor in iter_dequantized(tensors, quant, dtype, linear_names, read_elsewhere, cast=False):
             if name in loaded:
                 continue
             _copy(params, name, tensor, model)
@@ -254,9 +215,7 @@ def load_quantized_model(
     missing = [name for name, p in params.items() if name not in loaded and id(p) not in loaded_ids]
     if missing:
         raise Fp8CheckpointError(f"the checkpoint has no {missing[0]} ({len(missing)} tensors missing)")
-    if generation_config is not None:
-        model.generation_config = generation_config
-    elif os.path.exists(os.path.join(name_or_path, "generation_config.json")):
+    if os.path.exists(os.path.join(name_or_path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(name_or_path)
     return model.eval()
 
@@ -311,19 +270,13 @@ def _load_experts(
     read: set[str],
 ) -> set[str]:  # fmt: skip
     """Each sparse layer's experts through its expert method, by layers/experts.py's reader at a world of one (on the
-    CPU, one expert's linear at a time): kept FP8, an `Fp8Experts` in the place of the layer's experts module; else
-    in `dtype`, into the model's parameters. Returns the model names now loaded."""
+    CPU, one expert's linear at a time), in `dtype`, into the model's parameters. Returns the model names loaded."""
     whole = ParallelState.single(torch.device("cpu"))
     source = AccountedCheckpoint(tensors, read)  # what it reads, the loader does not read again
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     loaded: set[str] = set()
     for prefix in sparse.layer_prefixes:
         weights = load_experts(source, prefix, sparse.mlp, sparse.spec, whole, methods, dtype=dtype)
-        if weights.fp8 is not None:
-            replace_experts(model.get_submodule(prefix), sparse.mlp.experts, weights, sparse.spec)
-            experts = f"{prefix}.{sparse.mlp.experts}"
-            loaded |= {f"{experts}.{name}" for name, _ in model.get_submodule(experts).named_buffers()}
-            continue
         with torch.no_grad():
             for name, tensor in expert_tensors(weights, prefix, sparse.mlp).items():
                 _copy(params, name, tensor, model)
@@ -367,27 +320,3 @@ def read_kv_scales(tensors: Mapping[str, torch.Tensor], num_layers: int) -> tupl
             layer[1] = value
         found = True
     return tuple((k, v) for k, v in scales) if found else ()
-
-
-def _load_kept_modules(
-    model: nn.Module, linear_names: list[str], tensors: Mapping[str, torch.Tensor], quant: QuantConfig, dtype: torch.dtype
-) -> frozenset[str]:  # fmt: skip
-    """Each linear the config quantizes (and the checkpoint holds quantized) replaced by a module holding it as its
-    method reads it whole: an `Fp8LinearModule` (the FP8 weight and scales) or an `Int4LinearModule` (packed, scales in
-    `dtype`), with its bias; returns their module names."""
-    kept: set[str] = set()
-    for module_name in linear_names:
-        method = linear_method(quant, module_name)
-        if method is None or not stored_quantized(method, tensors, module_name):
-            continue
-        bias = tensors.get(f"{module_name}.bias")
-        bias = None if bias is None else bias.to(dtype)
-        if isinstance(method, Fp8LinearMethod):
-            module: nn.Module = Fp8LinearModule(method, method.load(tensors, module_name), bias)
-        else:
-            layer = method.load(tensors, module_name)
-            layer = Int4Linear(layer.qweight, layer.scales.to(dtype), layer.zeros, layer.group_size, layer.perm)
-            module = Int4LinearModule(layer, bias)
-        replace_module(model, module_name, module)
-        kept.add(module_name)
-    return frozenset(kept)

@@ -345,13 +345,10 @@ def _bind_row(model: nn.Module, name: str, layer: RowParallelLinear, bias: bool)
 SHARDED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
 
 
-def slice_reader_refuses(family: Family, one_process: bool = False) -> str | None:
-    """Why `build_shard` cannot read this family's checkpoints (None: it can), at any world size: a layout it does
-    not split. `one_process`: for the one-process loader, which leaves multi-head latent attention to transformers'
-    loading (its shards put their collectives into transformers' modules, models/shard_model.py)."""
+def slice_reader_refuses(family: Family) -> str | None:
+    """Why `build_shard` cannot read this family's checkpoints (None: it can), at any world size (one process
+    included): a layout it does not split."""
     layer = family.layer
-    if family.mla is not None and one_process:
-        return f"{family.name}: multi-head latent attention loads through transformers in one process"
     if family.moe is not None and family.name not in SHARDED_MOE_FAMILIES:
         return f"{family.name}: its mixture-of-experts layers are not sharded yet"
     if len(layer.qkv.parts) not in (1, 3) or len(layer.gate_up.parts) not in (1, 2):

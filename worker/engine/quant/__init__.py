@@ -24,17 +24,16 @@ of the layer, as in vLLM.
   small_step.py  the small decode steps' FP8 GEMM (<= 32 rows): x quantized per token inside one PDL kernel,
               act·mul in the gate/up variant's epilogue, rotary + the KV write in the QKV variant's; the
               decoder's path with decode_gemm "triton"
-  models/quant_loader.py reads a checkpoint: its quantized linears kept in FP8 (`load_quantized_model(keep_fp8=True)`)
-              or dequantized into a plain transformers model (the CPU path); a mixture of experts' experts,
-              read by layers/experts.py, kept FP8 on sm89+ CUDA (moe/fp8_experts.py) or dequantized;
-              every other linear under a sparse MLP dequantized
+  models/quant_loader.py the tests' reference: a quantized checkpoint read whole into a plain transformers model,
+              every weight dequantized (`load_dequantized_model`); the one loader (models/shard_build.py) reads
+              checkpoints by slice, each linear through its method, FP8 kept on sm89+ CUDA or dequantized
   linear.py   `Fp8LinearModule` (a quantized linear kept in FP8 with its scales; its forward is the method's
               apply), `Fp8Weight` (what the owned decoder multiplies), `quantize_linears` (--quantization
               fp8 on a model in memory), `keeps_fp8(device)` (sm89+ CUDA keeps FP8, elsewhere dequantized)
 
 How it is wired: models/loader.py refuses GGUF and other quantizations in one line (`refuse_gguf`,
-`checkpoint_quantization`), reads an FP8 checkpoint with `load_quantized_model(..., keep_fp8)` and runs
-`quantize_linears` for `--quantization fp8`. On sm89+ CUDA each quantized linear is an `Fp8LinearModule`;
+`checkpoint_quantization`) and reads a quantized checkpoint by slice, each linear through its method
+(`--quantization fp8` quantizes each linear as it is read). On sm89+ CUDA each quantized linear is an `Fp8LinearModule`;
 fused_weights.py stacks q/k/v and gate/up FP8 rows with their scales (`Fp8Linear.concat`) into an `Fp8Weight`,
 and decoder.py multiplies it with `Fp8Weight.apply` (kernels.fp8_linear) where a plain weight takes F.linear.
 Elsewhere the weights are dequantized to the compute dtype. On the large-step path the per-token and
