@@ -192,7 +192,7 @@ if has mlagpu; then  # the latent path on CUDA, "auto" and "owned": fp32 vs gene
 fi
 if has visiongpu; then  # issue 50: the vision-language families on CUDA (fp32 vs generate, sync/async, graphs)
     timeout "${VISION_TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu tests/worker/engine/test_engine_vision_gpu.py \
-        tests/worker/engine/test_engine_qwen3_vl_gpu.py tests/worker/engine/test_engine_gemma3_vision_gpu.py \
+        tests/worker/engine/test_engine_gemma3_vision_gpu.py \
         tests/worker/engine/test_engine_mistral3_vision_gpu.py tests/worker/engine/test_vision_attention.py \
         -p no:cacheprovider --durations=8 2>&1 \
         | tee "$OUT/vision_gpu_tests.log" | tail -25

@@ -1,10 +1,9 @@
-"""Qwen3-VL with images in the engine (families/qwen3_vl.py, models/vision.py, multimodal.py), on the tiny
-release-shaped checkpoint (tests/fixtures/vision_checkpoints.py `build_qwen3_vl`): in fp32 on the CPU, greedy tokens
-equal `Qwen3VLForConditionalGeneration.generate` on the processor's inputs, sync and async, with chunked prefill
-through an image (DeepStack's features added at the chunk's image rows only), preemption, an evicted embedding, and
-the prefix cache on and off (a shared image and text prefix shares blocks; the same text with another image does
-not), on both decoders ("hf" and the owned one: test_engine_vision.py `DECODERS`). The fixture's DeepStack levels
-and interleaved M-RoPE sections both change `generate`'s output, so an engine that left either out fails here."""
+"""Qwen3-VL's own tests (families/qwen3_vl.py, models/vision.py, multimodal.py), on the tiny release-shaped checkpoint
+(tests/fixtures/vision_checkpoints.py `build_qwen3_vl`): the fixture's DeepStack levels and interleaved M-RoPE
+sections both change `generate`'s output (so an engine that left either out fails test_engine_vision.py, whose
+exactness tests run over this fixture too: sync and async, chunked prefill through an image, preemption, an evicted
+embedding, the prefix cache on and off, both decoders), a prefix hit that ends inside an image, and DeepStack's
+inputs at a chunk's image rows."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from tests.fixtures.vision_checkpoints import build_qwen3_vl
-from worker.engine.api import EngineRequest, FinishReason
+from worker.engine.api import EngineRequest
 from worker.engine.multimodal import step_images
 from worker.media.qwen_vl import QwenVLImages
 
@@ -76,97 +75,6 @@ def test_fixture_exercises_deepstack_and_interleaved_mrope(checkpoint, reference
 
 
 @pytest.mark.parametrize("decoder", DECODERS)
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_images_equal_generate(checkpoint, reference, mode, decoder):
-    reqs = mixed_requests(checkpoint)
-    eng = engine(checkpoint, mode=mode, decoder=decoder)
-    assert eng.accepts_images
-    assert eng.runner.model.deepstack_levels == 2
-    results = eng.generate(reqs)
-    for req, result in zip(reqs, results, strict=True):
-        assert result.finish_reason != FinishReason.ERROR, result.error
-        assert result.token_ids == generate(checkpoint, reference, req), req.request_id
-    expanded = QwenVLImages(checkpoint.path).expand(reqs[0].prompt_ids, [grid_of(checkpoint, reqs[0])])
-    assert results[0].usage.prompt_tokens == len(expanded) == len(reqs[0].prompt_ids) + 24 - 1
-
-
-def test_parallel_samples_share_the_images(checkpoint, reference):
-    req = request(checkpoint, "pair", "describe the picture", [picture((200, 140), 3)])
-    req.n = 2
-    (result,) = engine(checkpoint, mode="async").generate([req])
-    expected = generate(checkpoint, reference, req)
-    assert [sample.token_ids for sample in result.samples] == [expected, expected]
-
-
-@pytest.mark.parametrize("decoder", DECODERS)
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode, decoder):
-    # 7 tokens a step: every image (24 and more tokens) is cut by several chunk boundaries, each chunk taking its
-    # rows' DeepStack features
-    reqs = mixed_requests(checkpoint)[:2]
-    eng = engine(checkpoint, mode=mode, max_num_batched_tokens=7, enable_prefix_caching=False, decoder=decoder)
-    results = eng.generate(reqs)
-    for req, result in zip(reqs, results, strict=True):
-        assert result.token_ids == generate(checkpoint, reference, req), req.request_id
-    assert eng.runner.images is not None and eng.runner.images.num_encoded == 3  # each image encoded once
-
-
-@pytest.mark.parametrize("decoder", DECODERS)
-def test_preemption_recomputes_the_images(checkpoint, reference, decoder):
-    # each grows to ~60 tokens (8 blocks of 8) where the cache holds 15 blocks: the running ones preempt each other
-    reqs = [
-        request(checkpoint, f"r{i}", f"look {i}", [picture((200, 140), i)], max_new_tokens=24, min_tokens=24)
-        for i in range(3)
-    ]
-    eng = engine(
-        checkpoint, mode="async", num_kv_blocks=16, block_size=8, enable_prefix_caching=False, decoder=decoder
-    )
-    results = eng.generate(reqs)
-    assert eng.stats().num_preemptions > 0
-    for req, result in zip(reqs, results, strict=True):
-        assert result.token_ids == generate(checkpoint, reference, req), req.request_id
-
-
-def test_an_evicted_embedding_is_encoded_again(checkpoint, reference):
-    reqs = mixed_requests(checkpoint)[:2]
-    eng = engine(checkpoint, mode="sync", max_num_batched_tokens=7, enable_prefix_caching=False)
-    assert eng.runner.images is not None
-    eng.runner.images.cache_bytes = 1  # nothing fits: every step that needs an image encodes it
-    results = eng.generate(reqs)
-    for req, result in zip(reqs, results, strict=True):
-        assert result.token_ids == generate(checkpoint, reference, req), req.request_id
-    assert eng.runner.images.num_encoded > 3
-
-
-@pytest.mark.parametrize("decoder", DECODERS)
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, reference, prefix_caching, decoder):
-    a, b = picture((200, 140), 0), picture((200, 140), 9)  # the same size: the same pads, another picture
-    text = "a long shared question about the picture, written out so that several blocks fill before it"
-    first = request(checkpoint, "first", text, [a], after="and what else?")
-    same = request(checkpoint, "same", text, [a], after="and what else?", max_new_tokens=7)
-    other = request(checkpoint, "other", text, [b], after="and what else?")
-    assert first.prompt_ids == other.prompt_ids  # only the pictures differ
-    eng = engine(checkpoint, mode="sync", block_size=8, enable_prefix_caching=prefix_caching, decoder=decoder)
-    expected = [generate(checkpoint, reference, r) for r in (first, same, other)]
-    assert expected[0] != expected[2]  # the picture shows in the output
-    got = []
-    cached = []
-    for req in (first, same, other):  # one at a time: each finds the blocks the ones before left
-        (result,) = eng.generate([req])
-        got.append(result.token_ids)
-        cached.append(result.usage.cached_tokens)
-    assert got == expected
-    if prefix_caching:
-        prompt_len = len(QwenVLImages(checkpoint.path).expand(first.prompt_ids, [grid_of(checkpoint, first)]))
-        pad_start = first.prompt_ids.index(QwenVLImages(checkpoint.path).image_token_id)
-        assert cached[1] >= prompt_len - 8  # the image and the text after it: all but the last block
-        assert 0 < cached[2] <= pad_start // 8 * 8  # the text before the image only
-    else:
-        assert cached == [0, 0, 0]
-
-
-@pytest.mark.parametrize("decoder", DECODERS)
 def test_a_prefix_hit_that_ends_inside_an_image(checkpoint, reference, decoder):
     # the two prompts share the text and the image (48 tokens) and part ways after it; with the image's end inside
     # a block, the second request's cached blocks end inside the image: its first chunk starts mid-image and takes
@@ -191,6 +99,7 @@ def test_a_prefix_hit_that_ends_inside_an_image(checkpoint, reference, decoder):
 
 def test_deepstack_inputs_follow_the_image_rows(checkpoint):
     eng = engine(checkpoint, mode="sync")
+    assert eng.runner.model.deepstack_levels == 2
     req = request(checkpoint, "one", "describe the picture", [picture((200, 140), 0)])
     prompt_ids, images = eng.image_prompts.prepare(req.prompt_ids, req.images)
     assert images is not None

@@ -1,9 +1,11 @@
-"""Qwen2.5-VL with images in the engine (worker/engine/multimodal.py, models/vision.py), on the tiny release-shaped
-checkpoint (tests/fixtures/vision_checkpoints.py): in fp32 on the CPU, greedy tokens equal
-`Qwen2_5_VLForConditionalGeneration.generate` on the processor's inputs, sync and async, with chunked prefill
-through an image, preemption, and the prefix cache on and off (a shared image and text prefix shares blocks; the
-same text with another image does not), on both decoders: transformers' forward ("hf") and the owned decoder
-(image rows as input embeddings, M-RoPE tables per token: image_inputs.py)."""
+"""Qwen2.5-VL and Qwen3-VL with images in the engine (worker/engine/multimodal.py, models/vision.py), on their tiny
+release-shaped checkpoints (tests/fixtures/vision_checkpoints.py): in fp32 on the CPU, greedy tokens equal the
+transformers model's `generate` on the processor's inputs, sync and async, with chunked prefill through an image,
+preemption, an evicted embedding, and the prefix cache on and off (a shared image and text prefix shares blocks; the
+same text with another image does not), on both decoders: transformers' forward ("hf") and the owned decoder (image
+rows as input embeddings, M-RoPE tables per token: image_inputs.py). The tests that hold for both families take the
+`checkpoint` fixture over both; Qwen3-VL's own (DeepStack, a prefix hit inside an image) are in
+test_engine_qwen3_vl.py, and the tests here that read one family's numbers pin Qwen2.5-VL (`QWEN2_5_ONLY`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from PIL import Image
 
 from schemas.chat import ChatMessage
-from tests.fixtures.vision_checkpoints import build_qwen2_5_vl
+from tests.fixtures.vision_checkpoints import build_qwen2_5_vl, build_qwen3_vl
 from worker.engine.api import EngineImage, EngineRequest, ErrorCode, FinishReason, SamplingParams
 from worker.engine.engine import Engine
 from worker.engine.multimodal import step_images
@@ -24,16 +26,40 @@ MAX_NEW = 10
 DECODERS = ["hf", "owned"]  # the language model's forward: transformers' or the owned decoder (CPU: forced)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+# family -> (fixture builder, transformers class, picture side scale): Qwen3-VL's merged patches are 32 pixels wide
+# where Qwen2.5-VL's are 28, and its fixture's pictures are twice as large, for images of 24 tokens and more
+FAMILIES = {
+    "qwen2.5-vl": (build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration", 1),
+    "qwen3-vl": (build_qwen3_vl, "Qwen3VLForConditionalGeneration", 2),
+}
+QWEN2_5_ONLY = pytest.mark.parametrize("checkpoint", ["qwen2.5-vl"], indirect=True)
+_FAMILY: dict[str, str] = {}  # checkpoint path -> its family (a key of FAMILIES)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    built = FAMILIES[request.param][0](tmp_path_factory.mktemp(request.param))
+    _FAMILY[str(built.path)] = request.param
+    return built
+
+
+def reference_class(checkpoint):
+    """The transformers class of the checkpoint's family (`FAMILIES`)."""
+    import transformers
+
+    return getattr(transformers, FAMILIES[_FAMILY[str(checkpoint.path)]][1])
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    return reference_class(checkpoint).from_pretrained(checkpoint.path, dtype=torch.float32).eval()
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).eval()
+
+def sized(checkpoint, width: int, height: int) -> tuple[int, int]:
+    """A picture size for Qwen2.5-VL's fixture, scaled to the checkpoint's family (`FAMILIES`; another module's
+    fixture: unscaled)."""
+    scale = FAMILIES[_FAMILY[str(checkpoint.path)]][2] if str(checkpoint.path) in _FAMILY else 1
+    return width * scale, height * scale
 
 
 def picture(size: tuple[int, int], seed: int) -> Image.Image:
@@ -98,7 +124,7 @@ def engine(checkpoint, **config) -> Engine:
 
 
 def mixed_requests(checkpoint) -> list[EngineRequest]:
-    a, b, c = picture((100, 70), 0), picture((60, 150), 1), picture((120, 90), 2)
+    a, b, c = (picture(sized(checkpoint, *size), seed) for seed, size in enumerate(((100, 70), (60, 150), (120, 90))))
     return [
         request(checkpoint, "one", "describe the picture", [a]),
         request(checkpoint, "two", "compare", [b, c], after="which is brighter?"),
@@ -128,7 +154,7 @@ def grid_of(checkpoint, req: EngineRequest):
 
 
 def test_parallel_samples_share_the_images(checkpoint, reference):
-    req = request(checkpoint, "pair", "describe the picture", [picture((100, 70), 3)])
+    req = request(checkpoint, "pair", "describe the picture", [picture(sized(checkpoint, 100, 70), 3)])
     req.n = 2
     (result,) = engine(checkpoint, mode="async").generate([req])
     expected = generate(checkpoint, reference, req)
@@ -152,7 +178,7 @@ def test_chunked_prefill_splits_inside_an_image(checkpoint, reference, mode, dec
 def test_preemption_recomputes_the_images(checkpoint, reference, decoder):
     # each grows to ~80 tokens (10 blocks of 8) where the cache holds 15 blocks: the running ones preempt each other
     reqs = [
-        request(checkpoint, f"r{i}", f"look {i}", [picture((100, 70), i)], max_new_tokens=24, min_tokens=24)
+        request(checkpoint, f"r{i}", f"look {i}", [picture(sized(checkpoint, 100, 70), i)], max_new_tokens=24, min_tokens=24)
         for i in range(3)
     ]
     eng = engine(
@@ -178,7 +204,8 @@ def test_an_evicted_embedding_is_encoded_again(checkpoint, reference):
 @pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, reference, prefix_caching, decoder):
-    a, b = picture((100, 70), 0), picture((100, 70), 9)  # the same size: the same pads, another picture
+    size = sized(checkpoint, 100, 70)
+    a, b = picture(size, 0), picture(size, 9)  # the same size: the same pads, another picture
     text = "a long shared question about the picture, written out so that several blocks fill before it"
     first = request(checkpoint, "first", text, [a], after="and what else?")
     same = request(checkpoint, "same", text, [a], after="and what else?", max_new_tokens=7)
@@ -203,6 +230,7 @@ def test_prefix_cache_shares_an_image_and_never_matches_another(checkpoint, refe
         assert cached == [0, 0, 0]
 
 
+@QWEN2_5_ONLY
 def test_bad_image_requests_fail_alone(checkpoint):
     eng = engine(checkpoint, mode="sync")
     good = request(checkpoint, "good", "describe", [picture((100, 70), 0)])
@@ -218,6 +246,7 @@ def test_bad_image_requests_fail_alone(checkpoint):
     assert all(r.error_code == ErrorCode.INVALID_PROMPT for r in results[1:])
 
 
+@QWEN2_5_ONLY
 def test_decoder_choice_for_images(checkpoint):
     # "auto" keeps transformers' forward on the CPU (as for text models) and takes the owned decoder on CUDA
     # (test_engine_vision_gpu.py); neither takes a deterministic run's batch-invariant path with images
@@ -226,6 +255,7 @@ def test_decoder_choice_for_images(checkpoint):
         engine(checkpoint, decoder="owned", deterministic=True)
 
 
+@QWEN2_5_ONLY
 def test_pixels_are_dropped_once_cached_and_made_again_after_an_eviction(checkpoint):
     eng = engine(checkpoint, mode="sync")
     req = request(checkpoint, "one", "describe the picture", [picture((100, 70), 0)])

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL with images on the CUDA path (Triton attention, streams, decode steps padded to the graph buckets,
-the vision tower on the GPU): in fp32, greedy tokens equal `generate` on the same device. Run on the H200 by
-benchmarks/run_gpu.sh; skipped without CUDA."""
+"""Qwen2.5-VL and Qwen3-VL with images on the CUDA path (Triton attention, streams, decode steps padded to the graph
+buckets, the vision tower and Qwen3-VL's DeepStack mergers on the GPU): in fp32, greedy tokens equal `generate` on the
+same device, with chunked prefill through the images too. Run on the H200 by benchmarks/run_gpu.sh; skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from worker.engine.engine import Engine
 
-from .test_engine_vision import checkpoint, generate, mixed_requests  # noqa: F401 - fixtures and helpers
+from .test_engine_vision import checkpoint, generate, mixed_requests, reference_class  # noqa: F401 - fixtures, helpers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,9 +20,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def reference_cuda(checkpoint):  # noqa: F811 - the imported fixture
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).cuda().eval()
+    return reference_class(checkpoint).from_pretrained(checkpoint.path, dtype=torch.float32).cuda().eval()
 
 
 def generate_cuda(checkpoint, model, req) -> list[int]:  # noqa: F811
