@@ -367,6 +367,26 @@ if has w7; then
     timeout 580 python3 -m worker.bench embed --shape qwen3-embedding-8b --num "${W7_NUM:-20000}" \
         --reference-num "${W7_REF_NUM:-5000}" --json-out "$OUT/w7_qwen3_embedding_8b.json" 2>&1 | tail -6
 fi
+# Issue 46 item 3: load seconds, peak host RSS and peak GPU memory of the one loader (cbq) against transformers'
+# from_pretrained (hf, the route before), each load in a fresh child process. load: Llama-3-8B in bf16 (16 GB written
+# to /tmp once) and with --quantization fp8; load30b: the Qwen3-30B-A3B shape at half its depth (24 of 48 layers,
+# ~31 GB), since the whole one (~61 GB) does not fit the device's disk. Two stages: each is several minutes.
+if has load; then
+    rm -f "$OUT"/load_llama3_8b*.json
+    python3 benchmarks/load_model.py --preset llama3-8b --save-dir /tmp/ckpt/llama3-8b --routes cbq hf \
+        --json "$OUT/load_llama3_8b.json" 2>&1 | tail -4
+    python3 benchmarks/load_model.py --checkpoint /tmp/ckpt/llama3-8b --quantization fp8 --routes cbq \
+        --json "$OUT/load_llama3_8b_fp8.json" 2>&1 | tail -3
+    check_outputs load "${PIPESTATUS[0]}" "$OUT/load_llama3_8b.json" "$OUT/load_llama3_8b_fp8.json"
+    rm -rf /tmp/ckpt/llama3-8b
+fi
+if has load30b; then
+    rm -f "$OUT/load_qwen3_30b_a3b_24l.json"
+    python3 benchmarks/load_model.py --preset qwen3-30b-a3b --override num_hidden_layers=24 \
+        --save-dir /tmp/ckpt/qwen3-30b-a3b-24l --routes cbq hf --json "$OUT/load_qwen3_30b_a3b_24l.json" 2>&1 | tail -4
+    check_outputs load30b "${PIPESTATUS[0]}" "$OUT/load_qwen3_30b_a3b_24l.json"
+    rm -rf /tmp/ckpt/qwen3-30b-a3b-24l
+fi
 if has w7bert; then
     timeout 580 python3 -m worker.bench embed --shape bert-large --num "${W7_BERT_NUM:-100000}" \
         --json-out "$OUT/w7_bert_large.json" 2>&1 | tail -6
