@@ -205,6 +205,11 @@ if has w2mla; then
     bench 590 --model llama3-8b --model deepseek-v2-lite --model moonlight-16b-a3b --workload W2 --mode async \
         --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 8192 --json-out "$OUT/w2_mla.json" 2>&1 | tail -12
 fi
+if has mlaprefill; then  # issue 47 item 5: W2 on the DeepSeek-V2-Lite shape, latent attention's prefill absorbed (before)
+    # and each step's cheaper of absorbed and expanded K/V (latent_prefill.py, "auto": after), in one process
+    bench 590 --model deepseek-v2-lite --mla-prefill absorbed --mla-prefill auto --workload W2 --mode async \
+        --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 8192 --json-out "$OUT/w2_mla_prefill.json" 2>&1 | tail -12
+fi
 if has w1mlaowned; then  # issue 47 item 5: W1 on the DeepSeek-V2-Lite shape on transformers' layers with cbq's latent
     # attention ("auto", today's path; "hf" would be transformers' attention over expanded per-head K/V) and on the
     # owned decoder (latent_layer.py, the owned MoE path), in one process (W1_mla_owned)

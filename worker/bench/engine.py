@@ -14,6 +14,7 @@ table, ratios and result fields: report.py; the workloads: common.py (W1, W2, W5
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict
@@ -42,6 +43,7 @@ from worker.cli_options import (
     tensor_parallel_option,
 )
 from worker.engine.config import DECODE_GEMMS, DECODERS, EngineConfig
+from worker.engine.latent_prefill import MLA_PREFILL_CHOICES, MLA_PREFILL_ENV
 
 ENGINE_DEFAULTS = EngineConfig()
 # `--precision`: what each name sets (EngineConfig fields; the model loads with its quantization)
@@ -216,6 +218,16 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
     "one process; results are then named MODE-...-GEMM).",
 )
 @click.option(
+    "--mla-prefill",
+    "mla_prefills",
+    type=click.Choice(MLA_PREFILL_CHOICES),
+    multiple=True,
+    default=("auto",),
+    show_default=True,
+    help="Latent attention's prefill (CBQ_MLA_PREFILL, latent_prefill.py): absorbed, over expanded K/V, or each "
+    "step's cheaper; repeat to compare in one process (results are then named MODE-...-PREFILL).",
+)
+@click.option(
     "--constrain-json", is_flag=True, help="Constrain every request to a small JSON schema (bench_json_schema)."
 )
 @click.option(
@@ -266,6 +278,7 @@ def engine_bench(
     no_prefix_caching,
     decoders,
     decode_gemms,
+    mla_prefills,
     constrain_json,
     top_logprobs,
     variants,
@@ -302,16 +315,17 @@ def engine_bench(
     # deterministic and MODE-...-default), so that the cost of the mode is measured on one warm device.
     determinisms = ["deterministic", "default"] if engine_config.pop("deterministic", False) else ["default"]
     runs = [  # every setup, run for each (model, precision) in turn
-        (d, g, k, m, v)
+        (d, g, k, p, m, v)
         for d in decoders
         for g in decode_gemms
         for k in determinisms
+        for p in mla_prefills
         for v in parsed
         for m in modes
     ]
 
     def setup_suffix(
-        decoder: str, gemm: str, determinism: str, model: str = "", precision: str | None = None
+        decoder: str, gemm: str, determinism: str, model: str = "", precision: str | None = None, prefill: str = ""
     ) -> str:
         """What names a run's engine setup in its label, where more than one was asked for."""
         return "".join(
@@ -322,6 +336,7 @@ def engine_bench(
                 (determinism, len(determinisms) > 1),
                 (model, len(models) > 1),
                 (precision, len(precisions) > 1),
+                (prefill, len(mla_prefills) > 1),
             )
             if many
         )
@@ -368,7 +383,8 @@ def engine_bench(
             else:
                 warmup = warmup_requests(reqs, vocab_limit)
             first_of_load = True
-            for decoder, gemm, determinism, m, (is_json, num_top) in runs:
+            for decoder, gemm, determinism, prefill, m, (is_json, num_top) in runs:
+                os.environ[MLA_PREFILL_ENV] = prefill  # read at each step: this run's engine steps under it
                 config = EngineConfig(
                     mode=m,
                     device=str(dev),
@@ -404,7 +420,7 @@ def engine_bench(
                         with_variant(full if not results else full[: max(1, len(full) // 4)], is_json, num_top)
                     )
                 first_of_load = False
-                label = m + setup_suffix(decoder, gemm, determinism, model, precision)
+                label = m + setup_suffix(decoder, gemm, determinism, model, precision, prefill)
                 label += f"-{variant_name(is_json, num_top)}" if len(parsed) > 1 else ""
                 tracer = StepTracer(dev) if trace_out else None
                 result = run_engine_mode(engine, with_variant(reqs, is_json, num_top), label, bandwidth, tracer)
@@ -418,6 +434,7 @@ def engine_bench(
                     quantization=config.quantization,
                     kv_cache_dtype=config.kv_cache_dtype,
                     deterministic=determinism == "deterministic",
+                    mla_prefill=prefill,
                     setup_seconds=setup,
                     num_kv_blocks=engine.runner.num_kv_blocks,
                     max_model_len=engine.max_model_len,
@@ -447,13 +464,15 @@ def engine_bench(
         except Exception as exc:  # keep cbq's numbers even if transformers' API differs
             hf_error = f"{type(exc).__name__}: {exc}"
             click.echo(f"transformers generate_batch failed: {hf_error}", err=True)
+    os.environ.pop(MLA_PREFILL_ENV, None)
     suffixes = [
-        setup_suffix(d, g, k, n, p)
+        setup_suffix(d, g, k, n, p, f)
         for n in models
         for p in (precisions or [None])
         for d in decoders
         for g in decode_gemms
         for k in determinisms
+        for f in mla_prefills
     ]
     print_ratios(results, suffixes, list(models), len(determinisms) > 1, len(precisions) > 1)
     print_table(workload, ", ".join(models), results)

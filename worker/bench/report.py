@@ -114,6 +114,11 @@ def print_ratios(
             other = by_mode.get(r.mode.replace(f"-{precision}", "-bf16"))
             if precision not in (None, "bf16") and other is not None:
                 click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
+    for r in results:  # --mla-prefill repeated: each prefill choice against the absorbed one
+        prefill = r.extra.get("mla_prefill")
+        other = by_mode.get(r.mode.replace(f"-{prefill}", "-absorbed")) if prefill not in (None, "absorbed") else None
+        if other is not None and other is not r:
+            click.echo(f"{r.mode} / {other.mode} output tok/s: {r.output_tok_s / other.output_tok_s:.3f}")
     plain = [r for r in results if r.extra.get("variant") == "plain"]
     for r in results:
         if "variant" not in r.extra:  # transformers' run

@@ -9,7 +9,8 @@ norms and rotary embedding) and hands them here. Step metadata arrives through t
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,12 @@ class AttentionMetadata:
     # [T] the last key position each row sees where that is past its own (a Gemma 3 image's tokens in prefill see
     # their whole image: multimodal.py); None: causal. Only eager image steps set it, never a graph.
     key_limits: torch.Tensor | None = None
+    # (q_len, context_len) of each sequence after the leading `num_decode_seqs` (BatchMeta.prefill_lens): host ints
+    # for work sized per step (latent attention's expanded prefill); () in a decode-only step or where unknown.
+    prefill_lens: tuple[tuple[int, int], ...] = ()
+    # What a layer derives from this step's metadata once and the step's other layers reuse (latent attention's
+    # gather plan: latent_prefill.py), by its owner's key. A fresh dict each step.
+    step_cache: dict[str, Any] = field(default_factory=dict)
 
     def sliding_window(self, layer_idx: int) -> int:
         return self.sliding_windows[layer_idx] if self.sliding_windows else 0

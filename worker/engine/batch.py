@@ -52,6 +52,9 @@ class BatchMeta:
     # attention runs them through the split-K decode kernel and only the rest through the varlen kernel.
     num_decode_seqs: int = 0
     any_min_p: bool = False  # a random row has min_p > 0
+    # (q_len, context_len) of each sequence after the leading single-row ones (none in a decode-only step): what
+    # sizes a step's work on the host without reading the device (latent attention's expanded prefill).
+    prefill_lens: tuple[tuple[int, int], ...] = ()
 
 
 class IOSlot:
@@ -216,6 +219,7 @@ class BatchBuilder:
         h["seeds"][:num_samples] = step.seeds
         h["sample_positions"][:num_samples] = context_lens[samples]  # the sampled token's position
         random = temps[:num_samples] > 0
+        num_decode = _num_leading_single_rows(q_lens)
         return BatchMeta(
             slot=slot_index,
             num_tokens=num_tokens,
@@ -232,9 +236,12 @@ class BatchBuilder:
             any_random=bool(random.any()),
             any_top_k_top_p=bool((random & ((top_k > 0) | (top_p < 1.0))).any()),
             has_carry=bool(step.carry_seqs),
-            num_decode_seqs=_num_leading_single_rows(q_lens),
+            num_decode_seqs=num_decode,
             any_min_p=bool((random & (min_p > 0)).any()),
-        )
+            prefill_lens=() if step.is_decode_only else tuple(
+                zip(q_lens[num_decode:].tolist(), context_lens[num_decode:].tolist(), strict=True)
+            ),
+        )  # fmt: skip
 
 
 def _num_leading_single_rows(q_lens: np.ndarray) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from .attention import paged_attention_ref
 from .attention_backend import AttentionMetadata
 from .kernels.latent_attention import latent_decode_attention as latent_decode_kernel
+from .latent_prefill import LatentWidths, expanded_prefill, expands
 from .quant.fp8 import FP8_DTYPE, dequantize_weight
 
 LATENT_FORWARD_ATTR = "cbq_transformers_forward"  # the module's own forward, kept beside the latent one
@@ -43,17 +45,17 @@ def is_latent_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return k_cache.data_ptr() == v_cache.data_ptr() and k_cache.shape == v_cache.shape
 
 
-def absorbed_weights(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj's weight split per head: W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora] (views). An FP8 kv_b_proj
-    (`Fp8LinearModule`, kept FP8 on sm89+) is dequantized to `dtype` once and kept beside it (V3: 17M values a layer)."""
+def kv_b_heads(module: Any, dtype: torch.dtype) -> torch.Tensor:
+    """kv_b_proj's weight per head, [H, nope + v, kv_lora]: each head's W_UK rows, then its W_UV rows (a view). An FP8
+    kv_b_proj (`Fp8LinearModule`, kept FP8 on sm89+) is dequantized to `dtype` once and kept beside it (V3: 17M values
+    a layer)."""
     weight = module.kv_b_proj.weight
     if weight.dtype == FP8_DTYPE:
         weight = module.__dict__.get(DEQUANTIZED_KV_B_ATTR)
         if weight is None or weight.dtype != dtype:
             weight = dequantize_weight(module.kv_b_proj.layer, dtype)
             module.__dict__[DEQUANTIZED_KV_B_ATTR] = weight
-    per_head = weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
-    return per_head[:, : module.qk_nope_head_dim], per_head[:, module.qk_nope_head_dim :]
+    return weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
 
 
 def rotate(module: Any, q_rope: torch.Tensor, k_rope: torch.Tensor, position_embeddings):
@@ -95,10 +97,9 @@ def latent_attention_forward(
     latent = module.kv_a_layernorm(latent)
     q_rope, k_rope = rotate(module, q_rope, k_rope.view(batch, 1, num_tokens, rope), position_embeddings)
 
-    w_uk, w_uv = absorbed_weights(module, hidden_states.dtype)
     out = attend_latent(
         q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), latent[0], k_rope[0, 0], meta, module.layer_idx,
-        w_uk, w_uv, module.scaling,
+        kv_b_heads(module, hidden_states.dtype), module.v_head_dim, module.scaling,
     )  # fmt: skip
     return module.o_proj(out.reshape(batch, num_tokens, heads * module.v_head_dim)), None
 
@@ -110,31 +111,66 @@ def attend_latent(
     k_rope: torch.Tensor,
     meta: AttentionMetadata,
     layer_idx: int,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    kv_b: torch.Tensor,
+    v_dim: int,
     scale: float,
 ) -> torch.Tensor:
     """One layer's latent attention after its projections, shared by transformers' modules (`latent_attention_forward`)
     and the owned decoder (latent_layer.py): writes each token's row [latent; k_rope] into the layer's latent cache,
-    absorbs the query (W_UK^T q_nope), attends over the cache rows and maps the result through W_UV.
+    then attends. The leading single-row sequences (decodes) and, where latent_prefill.py's choice keeps them so, the
+    prefill rows attend absorbed: the query absorbed (W_UK^T q_nope) attends over the cache rows, the result mapped
+    through W_UV. Otherwise the prefill rows attend over expanded K/V (latent_prefill.py).
     q_nope [T, H, nope], q_rope [T, H, rope] (rotated), latent [T, kv_lora] (normed), k_rope [T, rope] (rotated),
-    w_uk [H, nope, kv_lora], w_uv [H, v, kv_lora] (`absorbed_weights`) -> [T, H, v]."""
-    kv_lora = latent.shape[-1]
+    kv_b [H, nope + v, kv_lora] (`kv_b_heads`) -> [T, H, v]."""
+    num_tokens, heads, nope = q_nope.shape
+    kv_lora, rope = latent.shape[-1], k_rope.shape[-1]
     cache, _ = meta.kv_caches[layer_idx]  # [blocks, block_size, 1, kv_lora + rope]
     row = torch.cat((latent, k_rope), dim=-1)[:, None]  # [T, 1, kv_lora + rope]
     cache_scale = meta.kv_scale(layer_idx)  # (s, s): one row serves as K and V
     meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, cache_scale)
+    num_seqs = meta.context_lens.shape[0]
+    num_decode = num_seqs if meta.is_decode_only else meta.num_decode_seqs
+    widths = LatentWidths(heads, nope, rope, v_dim, kv_lora)
+    if num_decode == num_seqs or not expands(meta, widths, cache.shape[1]):
+        return _absorbed(q_nope, q_rope, cache, meta, layer_idx, kv_b, nope, scale, num_decode)
+    out = q_nope.new_empty(num_tokens, heads, v_dim)
+    if num_decode:  # one row each: the first rows of the step
+        out[:num_decode] = _absorbed(
+            q_nope[:num_decode], q_rope[:num_decode], cache, meta, layer_idx, kv_b, nope, scale, num_decode
+        )  # fmt: skip
+    out[num_decode:] = expanded_prefill(
+        q_nope[num_decode:], q_rope[num_decode:], cache, meta, kv_b, widths, scale, cache_scale[0]
+    )  # fmt: skip
+    return out
+
+
+def _absorbed(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, layer_idx: int,
+    kv_b: torch.Tensor, nope: int, scale: float, num_decode: int,
+) -> torch.Tensor:  # fmt: skip
+    """Absorbed attention of `q_nope`'s rows: the whole step's, or (as many rows as `num_decode`) its leading decodes'.
+    Decodes on CUDA take the latent decode kernel (each cache tile loaded once, heads in blocks of 16); the torch
+    backend and prefill rows take the backend's paged attention with the cache as one shared head."""
+    kv_lora = cache.shape[-1] - q_rope.shape[-1]
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
     q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, kv_lora]
     num_seqs = meta.context_lens.shape[0]
-    if meta.backend.name == "triton" and (meta.is_decode_only or meta.num_decode_seqs == num_seqs):
-        # one row per sequence: the latent decode kernel (each cache tile loaded once, heads in blocks of 16)
+    only_decodes = q_nope.shape[0] == num_decode or num_decode == num_seqs
+    if meta.backend.name == "triton" and only_decodes:
         out = latent_decode_kernel(
-            q_latent.contiguous(), q_rope, cache, meta.block_tables, meta.context_lens, scale,
-            max_context_len=meta.max_context_len, cache_scale=cache_scale[0],
+            q_latent.contiguous(), q_rope, cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode], scale,
+            max_context_len=meta.max_context_len, cache_scale=meta.kv_scale(layer_idx)[0],
         )  # fmt: skip
-    else:  # prefill and mixed steps: the backend's paged attention, the cache as one shared head
+    else:
         query = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, kv_lora + rope]
-        out = meta.backend.attend(query, cache, cache, meta, scale, layer_idx)[..., :kv_lora]
+        sub = meta
+        if q_nope.shape[0] == num_decode and num_decode < num_seqs:  # the decodes of a mixed step
+            sub = replace(
+                meta, block_tables=meta.block_tables[:num_decode], cu_seqlens_q=meta.cu_seqlens_q[: num_decode + 1],
+                context_lens=meta.context_lens[:num_decode], is_decode_only=True, num_decode_seqs=num_decode,
+                prefill_lens=(), step_cache={},
+            )  # fmt: skip
+        out = meta.backend.attend(query, cache, cache, sub, scale, layer_idx)[..., :kv_lora]
     return torch.einsum("thc,hvc->thv", out, w_uv)  # [T, H, v]
 
 

@@ -23,7 +23,7 @@ import torch
 from .attention_backend import AttentionMetadata
 from .families.spec import Family, LayerSpec, LinearSpec, MlaSpec, Parallel
 from .fused_weights import LayerWeights, linear_quant, linear_weights, submodule
-from .latent_attention import absorbed_weights, attend_latent, rotate
+from .latent_attention import attend_latent, kv_b_heads, rotate
 from .layer_ops import LayerOps
 
 
@@ -80,7 +80,7 @@ class LatentAttention:
         # transformers builds these two norms with RMSNorm's default eps, not the config's rms_norm_eps
         kv_a_norm = submodule(layer, mla.kv_a_norm)
         self.kv_a_norm = (kv_a_norm.weight, kv_a_norm.variance_epsilon)
-        self.w_uk, self.w_uv = absorbed_weights(module, dtype)
+        self.kv_b = kv_b_heads(module, dtype)
         self.scale = float(module.scaling)
         self.rope = rope
 
@@ -96,7 +96,7 @@ class LatentAttention:
         latent = _norm(ops, latent, *self.kv_a_norm)
         q_rope, k_rope = rotate(self.module, q_rope[None], k_rope[None, :, None], self.rope(positions))
         out = attend_latent(
-            q_nope, q_rope[0], latent, k_rope[0, :, 0], attn, layer_idx, self.w_uk, self.w_uv, self.scale
+            q_nope, q_rope[0], latent, k_rope[0, :, 0], attn, layer_idx, self.kv_b, self.v_dim, self.scale
         )  # fmt: skip
         return out.reshape(num_tokens, self.heads * self.v_dim)
 

@@ -503,6 +503,7 @@ class ModelRunner:
             sliding_windows=self.sliding_windows,
             kv_scales=self.kv_scales,
             num_decode_seqs=meta.num_decode_seqs,
+            prefill_lens=meta.prefill_lens,
         )
         return self._forward(input_ids, d["positions"][:num_tokens], attn, logits_indices, images)
 
