@@ -471,11 +471,12 @@ def build_decoder(
     `tp`: `model` is one rank's shard (models/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
-    if getattr(model.config, "kv_lora_rank", None) and (choice != "owned" or deterministic or tp is not None):
-        # Latent attention: transformers' layers with cbq's attention, under "auto" on every device. The owned
-        # decoder runs these models (latent_layer.py: exact on the CPU), but its CUDA path has not yet run on a GPU:
+    if getattr(model.config, "kv_lora_rank", None) and (choice != "owned" or deterministic):
+        # Latent attention: transformers' layers with cbq's attention, under "auto" on every device (a TP shard's
+        # collectives then sit in its modules: models/shard_model.py). The owned decoder runs these models, in one
+        # process and on TP shards (latent_layer.py: exact on the CPU), but its CUDA path has not yet run on a GPU:
         # "auto" keeps today's path until its GPU tests (test_engine_deepseek_gpu.py's "owned" cases, `run_gpu.sh
-        # mlagpu`) and `run_gpu.sh w1mlaowned` have run; `--decoder owned` takes it now. TP shards keep today's path.
+        # mlagpu`) and `run_gpu.sh w1mlaowned` have run; `--decoder owned` takes it now.
         return _latent_attention_model(model, choice, deterministic, tp)
     if deterministic:
         use_triton = use_triton and decode_gemm.HAVE_TRITON

@@ -13,6 +13,8 @@ Each engine spawns one helper process: one engine per mode, the cases few and th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -78,6 +80,28 @@ def test_greedy_equals_one_process_at_tp2(v2_lite, mode):
         engine.close()
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_owned_decoder_runs_latent_attention_at_tp2(v2_lite, mode):
+    """`--decoder owned` on a latent-attention shard: each rank's owned decoder (latent_layer.py over the rank's heads,
+    the owned MoE path) names its collectives itself, so none is put into the shard's modules; greedy tokens equal
+    `generate`'s, with chunked prefill, preemption and the prefix cache."""
+    from worker.engine.decoder import OwnedDecoder
+
+    path, requests, reference, _ = v2_lite
+    engine = build_engine(path, mode=mode, tensor_parallel_size=2, decoder="owned", **CONFIG)
+    try:
+        assert isinstance(engine.runner.decoder, OwnedDecoder) and engine.runner.decoder.latent is not None
+        wrapped = [m for m in engine.model.modules() if isinstance(m, ReducedOutput | GatheredLogits)]
+        assert not wrapped, "the owned decoder runs the collectives: none sits in a module"
+        assert engine.model.config.num_attention_heads == 2
+        results = engine.generate(requests)
+        for request, result, expected in zip(requests, results, reference, strict=True):
+            assert result.token_ids == expected, request.request_id
+        assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_cache_hits > 0
+    finally:
+        engine.close()
+
+
 def test_fp8_latent_cache_at_tp2_equals_one_process(v2_lite):
     """--kv-cache-dtype fp8: every rank keeps the whole latent in e4m3 with the same static scales as one process, so
     greedy tokens equal one process's fp8 run, which differ from the fp32 cache's (the check would not notice an fp32
@@ -111,12 +135,12 @@ def v3_aligned(tmp_path_factory):
     return build_deepseek_checkpoint(tmp_path_factory.mktemp("v3-aligned"), "v3", overrides=V3_BLOCK_ALIGNED)
 
 
-@pytest.mark.parametrize("keep_fp8", [False, True])
-def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8):
+@pytest.mark.parametrize(("keep_fp8", "decoder"), [(False, "auto"), (True, "auto"), (False, "owned")])
+def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8, decoder):
     """Each rank reads its rows / columns of the block-wise FP8 linears with their blocks' scales (shard_fp8.py) and
     dequantizes them (one process's values, so greedy tokens equal `generate`'s too), or keeps them FP8 as sm89+ GPUs
     do (`keep_fp8`: the GEMM emulated on the CPU; the replicated latent projections kept FP8 as well), as one
-    process keeps them."""
+    process keeps them; dequantized, on the owned decoder too (V3's q LoRA and grouped sigmoid routing)."""
     model, tok = load_model(str(v3_aligned.path), torch.device("cpu"), torch.float32, keep_fp8=keep_fp8)
     requests = make_requests(tok, 5, seed=3, max_prompt=60, max_new=10)
     config = EngineConfig(**dict(CONFIG, num_kv_blocks=32))
@@ -125,10 +149,11 @@ def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8):
     if not keep_fp8:
         assert expected == [hf_greedy(model, tok, r) for r in requests]
     del model
-    engine = build_sharded_engine(str(v3_aligned.path), config, world_size=2, keep_fp8=keep_fp8)
+    engine = build_sharded_engine(str(v3_aligned.path), replace(config, decoder=decoder), world_size=2, keep_fp8=keep_fp8)
     try:
         attention = engine.model.model.layers[1].self_attn
         assert engine.model.config.num_attention_heads == 2
+        assert (engine.runner.decoder is not None) == (decoder == "owned")
         fp8 = [isinstance(m, Fp8LinearModule) for m in (attention.kv_a_proj_with_mqa, attention.q_a_proj)]
         assert fp8 == [keep_fp8, keep_fp8]
         assert [r.token_ids for r in engine.generate(requests)] == expected

@@ -14,11 +14,13 @@ sparse layer's experts their intermediate columns (layers/experts.py). Norms and
 replicated; q/k norms over the whole projection (OLMo 2) hold the rank's heads' entries. Its transformers
 forward computes only this rank's part: only the owned decoder, with `TensorParallel`'s collectives, runs it.
 
-Multi-head latent attention (DeepSeek-V2/V3), which no owned decoder runs yet, is the exception: its shard holds the
-rank's heads of the query projection and kv_b_proj (rows) and of o_proj (columns), the latent's projection and norms
-whole (every rank caches the whole latent), the dense first layers and the experts and shared experts split as for
-any family, and runs transformers' forward with cbq's latent attention, the collectives put into its modules at the
-end of loading (`put_collectives_in_modules`: layers/tensor_parallel.py's `ReducedOutput` and `GatheredLogits`).
+Multi-head latent attention (DeepSeek-V2/V3): its shard holds the rank's heads of the query projection and kv_b_proj
+(rows) and of o_proj (columns), the latent's projection and norms whole (every rank caches the whole latent), the dense
+first layers and the experts and shared experts split as for any family. `--decoder owned` runs it on the owned
+decoder (latent_layer.py over the rank's heads) with `TensorParallel`'s collectives, as any family; "auto" still runs
+transformers' forward with cbq's latent attention until the owned latent path has run on a GPU, the collectives put
+into its modules at the end of loading (`put_collectives_in_modules`: layers/tensor_parallel.py's `ReducedOutput` and
+`GatheredLogits`).
 
 The config's `vocab_size` stays the full vocabulary (the engine validates ids and builds grammars with it).
 
@@ -147,8 +149,8 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
         raise ModelLoadError(str(exc)) from None
     if engine_config.deterministic:  # partial sums in rank order: a row's bits never follow the step's size
         tp = dataclasses.replace(tp, fixed_order=True)
-    if family.mla is not None:  # transformers' forward runs it: the collectives go into its modules
-        put_collectives_in_modules(model, family, config, tp)
+    if family.mla is not None and engine_config.decoder != "owned":  # transformers' forward runs it (decoder.py
+        put_collectives_in_modules(model, family, config, tp)  # `build_decoder`): the collectives go into its modules
     model.generation_config = generation_config
     del source
     if device.type == "cuda":
@@ -158,8 +160,7 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
 
 
 def put_collectives_in_modules(model: Any, family: Family, config: Any, tp: TensorParallel) -> None:
-    """A shard that runs transformers' own forward (multi-head latent attention, which the owned decoder runs only
-    unsharded) with the collectives the owned decoder would run, as modules in the places of the ones whose outputs
+    """A shard that runs transformers' own forward (multi-head latent attention under decoder "auto") with the collectives the owned decoder would run, as modules in the places of the ones whose outputs
     are partial (layers/tensor_parallel.py): the input embedding the vocabulary-parallel one (its all-reduce), each
     o_proj, each dense MLP's down_proj and each sparse MLP (its experts' and shared experts' partial sums, added
     first: one all-reduce) a `ReducedOutput`, the LM head a `GatheredLogits`. Run last: the FP8 and `--quantization
