@@ -16,7 +16,7 @@ Conventions (all index tensors int32 unless stated):
   block_tables[B, max_blocks]: block ids of each sequence, in order.
   sliding_window: 0, or W: a row at position p then sees only keys at positions > p - W (the last W,
     itself included), as transformers' sliding-window mask does (Mistral, Qwen2/3 sliding layers).
-  key_limits[T] (int, optional; the torch reference only): row t sees keys up to position key_limits[t] instead
+  key_limits[T] (int, optional; the Triton prefill kernel's `key_limits` too): row t sees keys up to position key_limits[t] instead
     of its own (a Gemma 3 image's tokens in prefill see their whole image, which is in the same step), still
     within its sliding window, as transformers' AND(window, OR(causal, image block)).
 A step's new K/V are written before attention runs, so attention only ever reads the cache.

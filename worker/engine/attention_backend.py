@@ -137,12 +137,16 @@ class TritonAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if meta.key_limits is not None:
-            # NOTE: the Triton kernels are causal only; a step holding a bidirectional image's rows (one per image
-            # in prefill, never a decode graph) attends through the torch reference on the device.
-            return super().attend(q, k_cache, v_cache, meta, scale, layer_idx, pdl, softcap, sinks)
         window = meta.sliding_window(layer_idx)
         k_scale, v_scale = meta.kv_scale(layer_idx)
+        if meta.key_limits is not None:
+            # A step holding a bidirectional image's rows (Gemma 3 in prefill, never a decode graph): every row
+            # through the prefill kernel, each seeing to its key limit.
+            return self._k.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
+                max_query_len=meta.max_query_len, sliding_window=window, sinks=sinks, softcap=softcap,
+                k_scale=k_scale, v_scale=v_scale, key_limits=meta.key_limits,
+            )  # fmt: skip
         num_seqs = meta.context_lens.shape[0]
         if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
             return self._k.paged_decode_attention(

@@ -240,6 +240,42 @@ def check_sinks(num_heads, num_kv_heads, head_dim, block_size, dtype, device) ->
     return errs
 
 
+def check_key_limits(num_heads, num_kv_heads, head_dim, block_size, dtype, device) -> list[float]:
+    """Gemma 3's bidirectional image rows (`key_limits`: a row of an image sees to the image's last token, past its
+    own position) through the prefill kernel, as the torch reference computes them: a decode, a chunk on a cached
+    prefix holding an image of 20 tokens, a whole prompt with two images (one at its start, one ending the chunk),
+    with and without a sliding window narrower than an image; rows past the step come back as zeros."""
+    ctx, ql = [37, 70, 61], [1, 40, 61]
+    images = {1: [(35, 20)], 2: [(0, 12), (45, 16)]}  # sequence -> (first position, tokens) of each image
+    c = make_case(ctx, ql, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=3)
+    limits = []
+    for b, (n, q_len) in enumerate(zip(ctx, ql, strict=True)):
+        seq = list(range(n - q_len, n))
+        for start, tokens in images.get(b, []):
+            seq = [start + tokens - 1 if start <= p < start + tokens else p for p in seq]
+        limits += seq
+    key_limits = torch.tensor(limits + [0, 0], dtype=torch.int64, device=device)  # two padding rows
+    q = torch.cat([c["q"], torch.randn(2, num_heads, head_dim).to(dtype).to(device)])
+    errs = []
+    for window in (0, 9):
+        layout = (c[k] for k in ("k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens"))
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            ref = paged_attention_ref(q, *layout, c["scale"], sliding_window=window, key_limits=key_limits)
+        finally:
+            torch.set_float32_matmul_precision(prev)
+        causal = _reference_of_case(c, q, window)
+        assert not torch.allclose(ref, causal), "the image rows were meant to see past their own positions"
+        out = at.paged_prefill_attention(
+            q, c["k_cache"], c["v_cache"], c["block_tables"], c["cu_seqlens_q"], c["context_lens"], c["scale"],
+            max_query_len=max(ql), sliding_window=window, key_limits=key_limits,
+        )  # fmt: skip
+        errs.append(_assert_close(out, ref, dtype, f"key limits, window {window}, {dtype}"))
+        assert (out[sum(ql) :] == 0).all(), "padding rows are zeros"
+    return errs
+
+
 def test_reference_sinks_take_their_share_of_the_softmax():
     """One key: without a sink the output is its value; a sink s scales it by e^0 / (e^0 + e^s) (scores 0)."""
     k_cache = torch.zeros(2, 4, 1, 2)
@@ -398,6 +434,13 @@ def test_gpu_sinks(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_key_limits(dtype):
+    check_key_limits(8, 4, 256, 16, dtype, "cuda")  # Gemma 3 27B's head width
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_prefill_config_reads_the_devices_shared_memory():
     """The driver's figure is what the 5-stage rule compares: Hopper (227 KiB per program) pipelines deeper."""
     device = torch.device("cuda")
@@ -472,6 +515,8 @@ def _interpreter_checks() -> None:
     errs += check_sliding_window(4, 2, 16, 8, torch.float32, "cpu", windows=(1, 5, 17, 40, 1000))
     errs += check_sliding_window(6, 2, 24, 16, torch.bfloat16, "cpu", windows=(7, 33))
     errs += check_sinks(8, 2, 16, 8, torch.float32, "cpu")
+    errs += check_key_limits(4, 2, 16, 8, torch.float32, "cpu")
+    errs += check_key_limits(8, 4, 32, 16, torch.bfloat16, "cpu")
     print(f"interpreter checks passed: {len(errs)} attention checks, max relative error {max(errs):.3g}")
 
 

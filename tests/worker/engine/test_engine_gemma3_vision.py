@@ -21,6 +21,7 @@ from worker.media.gemma3 import Gemma3Images
 from worker.media.load import content_hash
 
 from .test_engine_vision import DECODERS, engine
+from .test_fused_kernels import _interpret, needs_triton
 
 MAX_NEW = 8
 
@@ -39,6 +40,10 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def processor(checkpoint):
+    return make_processor(checkpoint)
+
+
+def make_processor(checkpoint):
     """transformers' Gemma3Processor from the checkpoint's files (AutoProcessor would want torchvision)."""
     from transformers import AutoTokenizer, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -272,3 +277,38 @@ def test_parallel_samples_share_the_images(checkpoint, processor, reference, blo
     expected = generate(processor, reference, req)
     assert [sample.token_ids for sample in result.samples] == [expected, expected]
 
+
+
+# The engine on the Triton attention kernels (in Triton's interpreter on the CPU; on CUDA they are the default): an
+# image's rows attend both ways through the prefill kernel's key limits (kernels/attention.py `HAS_LIMITS`), where
+# they used to fall back to the torch reference. A subprocess, since TRITON_INTERPRET must be set before triton loads.
+TRITON_KEY_LIMITS_CHECK = """
+import pathlib, tempfile
+import torch
+from tests.worker.engine.test_attention_triton import _patch_triton_interpreter
+_patch_triton_interpreter()
+from tests.fixtures.vision_checkpoints import build_gemma3_vision
+from tests.worker.engine import test_engine_gemma3_vision as g
+from worker.engine import attention
+from worker.engine.engine import Engine
+from transformers import Gemma3ForConditionalGeneration
+
+checkpoint = build_gemma3_vision(pathlib.Path(tempfile.mkdtemp()))
+processor = g.make_processor(checkpoint)
+reference = Gemma3ForConditionalGeneration.from_pretrained(checkpoint.path, dtype=torch.float32).eval()
+reqs = g.mixed_requests(processor)[:2]  # one image; two images in one prompt
+expected = [g.generate(processor, reference, r) for r in reqs]
+calls = []
+reference_attention = attention.paged_attention_ref
+attention.paged_attention_ref = lambda *a, **k: calls.append(1) or reference_attention(*a, **k)
+engine = Engine.from_model(str(checkpoint.path), device="cpu", dtype="float32", attention_backend="triton", decoder="hf")
+got = [r.token_ids for r in engine.generate(reqs)]
+assert got == expected, (got, expected)
+assert not calls, "an image step fell back to the torch reference"
+print("gemma 3 images on the triton kernels equal generate")
+"""
+
+
+@needs_triton
+def test_images_on_the_triton_kernels_equal_generate_in_the_interpreter():
+    _interpret(TRITON_KEY_LIMITS_CHECK, "gemma 3 images on the triton kernels equal generate")

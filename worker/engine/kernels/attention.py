@@ -298,11 +298,13 @@ if HAVE_TRITON:
         DOT_PREC: tl.constexpr,
         softcap_log2=1.0,
         SOFTCAP: tl.constexpr = False,
+        limit=None,
     ):
         """One online-softmax step of the rows `q` over the KV positions `pos` of a paged sequence.
 
         MASK_TAIL: positions at or past `kv_end` are not read and score -inf. CAUSAL: position p is visible to
-        row r only if p <= q_pos[r] (this also hides the tail when kv_end - 1 is the largest q_pos), and a
+        row r only if p <= limit[r] (`limit`: the last key each row sees, q_pos where None; a bidirectional image's
+        rows see to their image's end), which also hides the tail when kv_end - 1 is the largest limit, and a
         row that sees nothing yet keeps a finite running max. SLIDING (with CAUSAL): p must also be
         > q_pos[r] - window, and the tail is hidden explicitly (kv_end may then sit below q_pos).
         Returns the updated (m_i, l_i, acc).
@@ -327,7 +329,10 @@ if HAVE_TRITON:
         if SOFTCAP:  # scale_log2 is scale / cap here: cap * tanh(scores / cap), in log2 units
             s = tanh(s) * softcap_log2
         if CAUSAL:
-            keep = pos[None, :] <= q_pos[:, None]
+            if limit is None:
+                keep = pos[None, :] <= q_pos[:, None]
+            else:
+                keep = pos[None, :] <= limit[:, None]
             if SLIDING:
                 keep = keep & (pos[None, :] > q_pos[:, None] - window) & valid[None, :]
             s = tl.where(keep, s, float("-inf"))
@@ -549,6 +554,8 @@ if HAVE_TRITON:
         softcap_log2=1.0,
         SOFTCAP: tl.constexpr = False,
         KV_FP8: tl.constexpr = False,
+        key_limits_ptr=None,
+        HAS_LIMITS: tl.constexpr = False,
     ):
         pid_q = tl.program_id(0)
         b = tl.program_id(1)
@@ -611,6 +618,13 @@ if HAVE_TRITON:
             full_lo = tl.minimum(tl.maximum(kv_end - window, 0), kv_end)
         full_end = full_lo + (tl.maximum(first_pos + 1 - full_lo, 0) // BLOCK_N) * BLOCK_N
         full_end = tl.minimum(full_end, kv_end)
+        # Key limits (a bidirectional image's rows see to the image's end, past their own position): each row's
+        # causal bound, at least its position; the masked phase then runs to the tile's largest. Every row still
+        # sees the keys up to first_pos, so phases 0 and 1 stay as they are.
+        limit = q_pos
+        if HAS_LIMITS:
+            limit = tl.maximum(tl.load(key_limits_ptr + tok, mask=row_valid, other=0).to(q_pos.dtype), q_pos)
+            kv_end = tl.maximum(kv_end, tl.max(tl.where(row_valid, limit + 1, 0), 0))
         if ONE_PATH:
             # NOTE: the unmasked loop may contract `score * scale - max` into one FMA where the masked one cannot
             # (a select sits between them), so a key scored in phase 1 under one query tiling and in phase 2 under
@@ -630,7 +644,7 @@ if HAVE_TRITON:
                     q, m_i, l_i, acc, n0 + offs_n, full_lo, q_pos, bt_row, k_base, v_base, d, d_mask,
                     stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
                     HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, True, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
-                    softcap_log2, SOFTCAP,
+                    softcap_log2, SOFTCAP, limit,
                 )  # fmt: skip
         # Phase 1: KV tiles every row sees; no score masking.
         for n0 in range(full_lo, full_end, BLOCK_N):
@@ -646,7 +660,7 @@ if HAVE_TRITON:
                 q, m_i, l_i, acc, n0 + offs_n, kv_end, q_pos, bt_row, k_base, v_base, d, d_mask,
                 stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, True, True, SLIDING, DOT_PREC,  # MASK_TAIL, CAUSAL, SLIDING
-                softcap_log2, SOFTCAP,
+                softcap_log2, SOFTCAP, limit,
             )  # fmt: skip
 
         has = l_i > 0.0
@@ -882,9 +896,12 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tiles_by_step: bool = False,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention of q [T, H, D] over the paged cache (each row within the last
     `sliding_window` keys when that is not 0). Returns [T, H, D]. `sinks` [H]: each head's sink logit.
+    `key_limits` [T] (int): the last key position each row sees, where that is past its own (a Gemma 3 image's rows
+    see their whole image, as attention.py's reference reads it); None: causal.
 
     B = len(context_lens). Row j of sequence b sits at position context_lens[b] - q_len_b + j. Rows past
     cu_seqlens_q[B] and sequences with context_lens 0 get zeros. `max_query_len` (host int, optional) must be
@@ -959,6 +976,8 @@ def paged_prefill_attention(
         softcap_log2=(softcap or 1.0) * LOG2E,
         SOFTCAP=softcap is not None,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        key_limits_ptr=context_lens if key_limits is None else key_limits,  # never read without HAS_LIMITS
+        HAS_LIMITS=key_limits is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
