@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from producer import settings
+from producer.client import OutageRetry, RedisUnreachable, one_line_error
 from producer.store.submit import ValidatedFile
 from schemas.chat import checked_chat_template_kwargs
 from schemas.result import OUTPUT_FORMATS
@@ -206,16 +207,30 @@ def ttl_option(f: Callable) -> Callable:
     )(f)
 
 
-def open_redis(url: str) -> redis.Redis:
-    """Connect and check that Redis answers, turning failures into a clear user error."""
+def open_redis(url: str, wait_s: float = 0) -> redis.Redis:
+    """Connect and check that Redis answers, turning failures into a clear user error. `wait_s`: a Redis that does not
+    answer yet (a stack still starting, a restart, a paused server) is waited for up to that long, with one line on
+    stderr, as a running worker rides out an outage (the worker's --redis-outage-limit); a malformed URL, a wrong
+    password or a refused command fails at once."""
     try:
         conn = settings.connect(url)
     except ValueError as exc:  # a malformed URL
         raise click.BadParameter(str(exc), param_hint="--redis-url") from None
+    where = settings.redact_url(url)
+
+    def on_outage(exc: Exception) -> None:
+        click.echo(f"Redis unreachable, waiting up to {wait_s:g} s: {where} ({one_line_error(exc)})", err=True)
+
+    def on_recovery(seconds: float) -> None:
+        click.echo(f"Redis answers after {seconds:.0f} s", err=True)
+
     try:
-        conn.ping()
-    except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, redis.ResponseError) as exc:
-        raise click.ClickException(f"cannot reach Redis at {settings.redact_url(url)}: {exc}") from None
+        if wait_s > 0:
+            OutageRetry(wait_s, on_outage, on_recovery)(conn.ping)
+        else:
+            conn.ping()
+    except (RedisUnreachable, redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, redis.ResponseError) as exc:
+        raise click.ClickException(f"cannot reach Redis at {where}: {exc}") from None
     return conn
 
 

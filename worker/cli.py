@@ -295,7 +295,7 @@ def worker(
     if not fake_engine:
         check_model(model)  # before anything waits for Redis
     is_demo = warn_if_demo_model(fake_engine)
-    conn = open_redis(redis_url)
+    conn = open_redis(redis_url, wait_s=redis_outage_limit)
     engine = build_engine(model, mode, device, fake_engine, engine_config, fake_latency=fake_latency)
     served_name = served_model_name(model, served_model_name_)
     click.echo(describe_engine(engine, model, served_name) + (f" ({DEMO_MODEL_NOTE})" if is_demo else ""), err=True)

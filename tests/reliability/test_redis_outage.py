@@ -155,3 +155,32 @@ def test_a_redis_pause_longer_than_stale_after_spends_no_retry(redis_server, sta
     assert retries_left == [2] * 8, (retries_left, logs())
     assert "re-enqueued while it ran here" not in logs()
     assert "no heartbeat could be written" in logs()
+
+
+def test_a_worker_started_while_redis_is_down_or_paused_waits_for_it(redis_server, start_worker, cbq, tmp_path):
+    """A worker that starts before Redis answers (a compose stack starting, a restart, a paused server: CI once saw
+    a worker started during a SIGSTOP exit at once with 'cannot reach Redis ... Timeout reading') waits for it within
+    --redis-outage-limit, says so in one line, then serves; past the limit it exits 1 with one line."""
+    conn = redis_server.connect()
+    batch_id = submit_prompts(cbq, tmp_path, 20, "--chunk-size", "10")
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)  # paused: connections open, reads time out
+    try:
+        paused = start_worker(*SLOW_FAKE, "--redis-outage-limit", "60")
+        wait_until(lambda: "Redis unreachable, waiting up to 60 s" in paused.output(), timeout=30, context=paused.output)
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    redis_server.kill()  # and then down: connections refused
+    time.sleep(2)
+    assert paused.proc.poll() is None, paused.output()
+    redis_server.start()
+    wait_until(lambda: store.get_status(conn, batch_id).is_done, timeout=60, context=paused.output)
+    assert "Redis answers after" in paused.output() and "Traceback" not in paused.output()
+    assert_exactly_once(conn, batch_id, 20)
+    paused.kill(signal.SIGTERM)
+    assert paused.wait() == 0
+    redis_server.kill()
+    gone = start_worker(*SLOW_FAKE, "--redis-outage-limit", "2")
+    assert gone.wait(30) == 1
+    lines = [line for line in gone.output().splitlines() if line.strip()]
+    assert lines[-1].startswith(f"Error: cannot reach Redis at {redis_server.url}: Redis unreachable for"), lines
