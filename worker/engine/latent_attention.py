@@ -117,9 +117,9 @@ def attend_latent(
 ) -> torch.Tensor:
     """One layer's latent attention after its projections, shared by transformers' modules (`latent_attention_forward`)
     and the owned decoder (latent_layer.py): writes each token's row [latent; k_rope] into the layer's latent cache,
-    then attends. The leading single-row sequences (decodes) and, where latent_prefill.py's choice keeps them so, the
-    prefill rows attend absorbed: the query absorbed (W_UK^T q_nope) attends over the cache rows, the result mapped
-    through W_UV. Otherwise the prefill rows attend over expanded K/V (latent_prefill.py).
+    then attends. The leading single-row sequences (decodes) attend absorbed: the query absorbed (W_UK^T q_nope)
+    attends over the cache rows, the result mapped through W_UV (on CUDA through the latent decode kernel, in a mixed
+    step too). The prefill rows attend absorbed as well, or over expanded K/V where latent_prefill.py's choice says so.
     q_nope [T, H, nope], q_rope [T, H, rope] (rotated), latent [T, kv_lora] (normed), k_rope [T, rope] (rotated),
     kv_b [H, nope + v, kv_lora] (`kv_b_heads`) -> [T, H, v]."""
     num_tokens, heads, nope = q_nope.shape
@@ -131,46 +131,61 @@ def attend_latent(
     num_seqs = meta.context_lens.shape[0]
     num_decode = num_seqs if meta.is_decode_only else meta.num_decode_seqs
     widths = LatentWidths(heads, nope, rope, v_dim, kv_lora)
-    if num_decode == num_seqs or not expands(meta, widths, cache.shape[1]):
-        return _absorbed(q_nope, q_rope, cache, meta, layer_idx, kv_b, nope, scale, num_decode)
+    if num_decode == num_seqs:  # one row a sequence (a decode step, or prompts' last single tokens)
+        decodes = meta if meta.is_decode_only else replace(meta, is_decode_only=True)
+        return _absorbed(q_nope, q_rope, cache, decodes, layer_idx, kv_b, nope, scale)
+    if num_decode == 0:
+        if expands(meta, widths, cache.shape[1]):
+            return expanded_prefill(q_nope, q_rope, cache, meta, kv_b, widths, scale, cache_scale[0])
+        return _absorbed(q_nope, q_rope, cache, meta, layer_idx, kv_b, nope, scale)
+    # A mixed step: its decodes (one row each, the step's first rows) and its prefill rows apart
     out = q_nope.new_empty(num_tokens, heads, v_dim)
-    if num_decode:  # one row each: the first rows of the step
-        out[:num_decode] = _absorbed(
-            q_nope[:num_decode], q_rope[:num_decode], cache, meta, layer_idx, kv_b, nope, scale, num_decode
+    decodes, prefills = _split(meta, num_decode)
+    out[:num_decode] = _absorbed(q_nope[:num_decode], q_rope[:num_decode], cache, decodes, layer_idx, kv_b, nope, scale)
+    if expands(meta, widths, cache.shape[1]):
+        out[num_decode:] = expanded_prefill(
+            q_nope[num_decode:], q_rope[num_decode:], cache, meta, kv_b, widths, scale, cache_scale[0]
         )  # fmt: skip
-    out[num_decode:] = expanded_prefill(
-        q_nope[num_decode:], q_rope[num_decode:], cache, meta, kv_b, widths, scale, cache_scale[0]
-    )  # fmt: skip
+    else:
+        out[num_decode:] = _absorbed(
+            q_nope[num_decode:], q_rope[num_decode:], cache, prefills, layer_idx, kv_b, nope, scale
+        )  # fmt: skip
     return out
+
+
+def _split(meta: AttentionMetadata, num_decode: int) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A mixed step's metadata as two steps: its leading `num_decode` one-row sequences, and the rest (their rows
+    counted from 0)."""
+    decodes = replace(
+        meta, block_tables=meta.block_tables[:num_decode], cu_seqlens_q=meta.cu_seqlens_q[: num_decode + 1],
+        context_lens=meta.context_lens[:num_decode], is_decode_only=True, num_decode_seqs=num_decode, prefill_lens=(),
+        step_cache={},
+    )  # fmt: skip
+    prefills = replace(
+        meta, block_tables=meta.block_tables[num_decode:], cu_seqlens_q=meta.cu_seqlens_q[num_decode:] - num_decode,
+        context_lens=meta.context_lens[num_decode:], num_decode_seqs=0, step_cache={},
+    )  # fmt: skip
+    return decodes, prefills
 
 
 def _absorbed(
     q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, layer_idx: int,
-    kv_b: torch.Tensor, nope: int, scale: float, num_decode: int,
+    kv_b: torch.Tensor, nope: int, scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """Absorbed attention of `q_nope`'s rows: the whole step's, or (as many rows as `num_decode`) its leading decodes'.
-    Decodes on CUDA take the latent decode kernel (each cache tile loaded once, heads in blocks of 16); the torch
-    backend and prefill rows take the backend's paged attention with the cache as one shared head."""
+    """Absorbed attention of the rows of the step `meta` describes. A decode-only one on CUDA takes the latent decode
+    kernel (each cache tile loaded once, heads in blocks of 16); the rest the backend's paged attention with the
+    cache as one shared head."""
     kv_lora = cache.shape[-1] - q_rope.shape[-1]
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
     q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, kv_lora]
-    num_seqs = meta.context_lens.shape[0]
-    only_decodes = q_nope.shape[0] == num_decode or num_decode == num_seqs
-    if meta.backend.name == "triton" and only_decodes:
+    if meta.backend.name == "triton" and meta.is_decode_only:
         out = latent_decode_kernel(
-            q_latent.contiguous(), q_rope, cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode], scale,
+            q_latent.contiguous(), q_rope, cache, meta.block_tables, meta.context_lens, scale,
             max_context_len=meta.max_context_len, cache_scale=meta.kv_scale(layer_idx)[0],
         )  # fmt: skip
     else:
         query = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, kv_lora + rope]
-        sub = meta
-        if q_nope.shape[0] == num_decode and num_decode < num_seqs:  # the decodes of a mixed step
-            sub = replace(
-                meta, block_tables=meta.block_tables[:num_decode], cu_seqlens_q=meta.cu_seqlens_q[: num_decode + 1],
-                context_lens=meta.context_lens[:num_decode], is_decode_only=True, num_decode_seqs=num_decode,
-                prefill_lens=(), step_cache={},
-            )  # fmt: skip
-        out = meta.backend.attend(query, cache, cache, sub, scale, layer_idx)[..., :kv_lora]
+        out = meta.backend.attend(query, cache, cache, meta, scale, layer_idx)[..., :kv_lora]
     return torch.einsum("thc,hvc->thv", out, w_uv)  # [T, H, v]
 
 

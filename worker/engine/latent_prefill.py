@@ -104,7 +104,9 @@ def _plan(meta: AttentionMetadata, num_decode: int, block_size: int) -> _Plan:
     if plan is None:
         counts = [-(-context // block_size) for _, context in meta.prefill_lens]
         tables = torch.zeros(len(counts), max(counts), dtype=torch.int32)
-        rows, cols, start = [], [], 0
+        rows: list[int] = []
+        cols: list[int] = []
+        start = 0
         for i, count in enumerate(counts):
             tables[i, :count] = torch.arange(start, start + count, dtype=torch.int32)
             rows += [num_decode + i] * count
