@@ -7,9 +7,10 @@ one, the latent's norm, transformers' own rotary on the decoupled rope dims (`La
 computed once for every position at load, read per token, so the rotated bits are generate's), then the math the
 hf path shares (latent_attention.attend_latent: the cache write, the absorbed query W_UK^T q_nope, the paged
 attention over the latent cache, the decode kernel on CUDA, W_UV). The output projection is the decoder's
-(`LayerWeights.o_weight`), as every family's. The GEMMs run through the decoder's `ops.linear`, so each weight's
-quantization could be its own method's, but quantized linears (the FP8 releases kept in FP8 on sm89+ CUDA) are
-refused until this path has run on a GPU (`latent_layer_spec`): decoder "auto" runs them. The norms run through `ops.add_norm` (Triton
+(`LayerWeights.o_weight`), as every family's. The GEMMs run through the decoder's `ops.linear`, so each weight is
+multiplied by its own method: the FP8 releases' linears kept in FP8 on sm89+ CUDA too (their query and latent input
+projections stacked where no block of scales straddles the two, else two GEMMs: `stacks_inputs`); kv_b_proj is
+dequantized once for the absorbed products (latent_attention.kv_b_heads). The norms run through `ops.add_norm` (Triton
 on CUDA, transformers' RMSNorm bit for bit on the CPU).
 """
 
@@ -30,18 +31,29 @@ from .layer_ops import LayerOps
 def latent_layer_spec(family: Family, config: Any, layers: Any, dtype: torch.dtype) -> LayerSpec:
     """The family's layer with its `qkv` GEMM the latent attention's input projection: the query's (q_proj, or
     q_a_proj under a q LoRA) rows, then kv_a_proj_with_mqa's (latent and rotary key), which read the same normed
-    input. `o` stays the output projection. Raises ValueError where a layer's attention linear is kept quantized
-    (the FP8 releases on sm89+ CUDA; the CPU dequantizes them at load): not yet run on a GPU, so "auto" runs them
-    (checked before any fusing, which would stack FP8 blocks across the two projections)."""
+    input, stacked into one GEMM where they can be (`stacks_inputs`); else the query's alone, kv_a_proj_with_mqa
+    its own GEMM (`LatentAttention`). `o` stays the output projection. A linear kept quantized (the FP8 releases
+    on sm89+ CUDA) is multiplied by its method, as every family's."""
     mla = family.mla
     assert mla is not None, f"{family.name} declares no latent attention"
-    query = (mla.q_a_proj, mla.q_b_proj) if config.q_lora_rank else (mla.q_proj,)
-    for layer in layers:
-        for path in (*query, mla.kv_a_proj, mla.kv_b_proj, mla.o_proj):
-            weight = getattr(submodule(layer, path), "weight", None)
-            if not isinstance(weight, torch.Tensor) or weight.dtype != dtype:
-                raise ValueError("the owned decoder's latent attention takes no quantized linears yet: use decoder 'auto'")
-    return dataclasses.replace(family.layer, qkv=LinearSpec((query[0], mla.kv_a_proj), Parallel.COLUMN))
+    query = _query_input(mla, config)
+    parts = (query, mla.kv_a_proj) if stacks_inputs(layers[0], mla, config) else (query,)
+    return dataclasses.replace(family.layer, qkv=LinearSpec(parts, Parallel.COLUMN))
+
+
+def _query_input(mla: MlaSpec, config: Any) -> str:
+    """The query's input projection: q_a_proj under a q LoRA, else q_proj."""
+    return mla.q_a_proj if config.q_lora_rank else mla.q_proj
+
+
+def stacks_inputs(layer: Any, mla: MlaSpec, config: Any) -> bool:
+    """Whether the query's input projection and kv_a_proj_with_mqa stack into one GEMM: always in the model dtype;
+    block-wise FP8 ones where the query's rows end on a block (the releases': q_a_proj's 1,536 rows, or V2-Lite's and
+    Moonlight's q_proj of 128 x 192 heads), so that no block of scales straddles the two."""
+    query = submodule(layer, _query_input(mla, config))
+    scheme = getattr(getattr(query, "layer", None), "scheme", None)
+    block_shape = getattr(scheme, "block_shape", None)
+    return block_shape is None or query.out_features % block_shape[0] == 0
 
 
 class LatentRope:
@@ -69,6 +81,12 @@ class LatentAttention:
         self.kv_lora, self.v_dim = module.kv_lora_rank, module.v_head_dim
         self.q_width = module.q_lora_rank or self.heads * (self.nope + self.rope_dim)
         self.in_weight, self.in_bias = weights.qkv_weight, weights.qkv_bias
+        # kv_a_proj_with_mqa as a GEMM of its own where it does not stack with the query's input (`stacks_inputs`)
+        self.kv_a_weight: Any = None
+        self.kv_a_bias: torch.Tensor | None = None
+        if not stacks_inputs(layer, mla, module.config):
+            kv_a = LinearSpec((mla.kv_a_proj,), Parallel.COLUMN)
+            self.kv_a_weight, self.kv_a_bias = linear_weights(layer, linear_quant(layer, kv_a))
         self.q_a_norm: tuple[torch.Tensor, float] | None = None
         self.q_b_weight: Any = None
         self.q_b_bias: torch.Tensor | None = None
@@ -89,7 +107,12 @@ class LatentAttention:
     ) -> torch.Tensor:
         num_tokens = normed.shape[0]
         projected = ops.linear(normed, self.in_weight, self.in_bias)
-        q, latent, k_rope = torch.split(projected, [self.q_width, self.kv_lora, self.rope_dim], dim=-1)
+        if self.kv_a_weight is None:
+            q, latent, k_rope = torch.split(projected, [self.q_width, self.kv_lora, self.rope_dim], dim=-1)
+        else:
+            q = projected
+            latent_rows = ops.linear(normed, self.kv_a_weight, self.kv_a_bias)
+            latent, k_rope = torch.split(latent_rows, [self.kv_lora, self.rope_dim], dim=-1)
         if self.q_a_norm is not None:  # the q LoRA: norm, then up-projection to every head's query
             q = ops.linear(_norm(ops, q, *self.q_a_norm), self.q_b_weight, self.q_b_bias)
         q_nope, q_rope = torch.split(q.view(num_tokens, self.heads, -1), [self.nope, self.rope_dim], dim=-1)

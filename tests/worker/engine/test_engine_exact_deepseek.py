@@ -247,15 +247,30 @@ def test_an_fp8_cache_holds_the_latent_or_per_head_kv(deepseek):
     assert k_cache.dtype == torch.float8_e4m3fn and not is_latent_cache(k_cache, v_cache)
 
 
-def test_owned_decoder_refuses_quantized_latent_linears_in_one_line(deepseek):
-    """A linear kept quantized (the FP8 releases on sm89+ CUDA; the CPU dequantizes them at load, so one is cast
-    here) is refused by the owned decoder until its latent path has run on a GPU; "auto" runs it."""
-    checkpoint, _, _ = deepseek("v3")
-    model, tok = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
-    kv_b = model.model.layers[0].self_attn.kv_b_proj
-    kv_b.weight = torch.nn.Parameter(kv_b.weight.to(torch.float8_e4m3fn), requires_grad=False)
-    with pytest.raises(ValueError, match="latent attention takes no quantized linears yet: use decoder 'auto'"):
-        Engine(model, tok, EngineConfig(decoder="owned", num_kv_blocks=8))
+@pytest.mark.parametrize("aligned", [False, True])
+def test_owned_decoder_runs_linears_kept_fp8_as_auto_does(deepseek, tmp_path, aligned):
+    """V3's block-wise FP8 linears kept FP8 (as on sm89+ GPUs; the GEMM emulated on the CPU) through the owned decoder's
+    latent attention: the query's and the latent's input projections as two GEMMs where the query's rows end inside
+    a [128, 128] block (the fixture's 96-row q_a_proj), stacked into one where they end on one (the fixture widened as
+    the releases are: 128 rows); greedy tokens equal decoder "auto"'s on the same FP8 weights."""
+    from tests.worker.engine.test_parallel_latent_attention import V3_BLOCK_ALIGNED
+    from worker.engine.decoder import OwnedDecoder
+    from worker.engine.quant.linear import Fp8LinearModule
+
+    path = build_deepseek_checkpoint(tmp_path, "v3", overrides=V3_BLOCK_ALIGNED).path if aligned else deepseek("v3")[0].path
+    model, tok = load_model(str(path), torch.device("cpu"), torch.float32, keep_fp8=True)
+    assert isinstance(model.model.layers[1].self_attn.q_a_proj, Fp8LinearModule)
+    reqs = make_requests(tok, 5, seed=3, max_prompt=50, max_new=10)
+    out = {}
+    for decoder in ("auto", "owned"):
+        engine = Engine(model, tok, EngineConfig(decoder=decoder, max_num_batched_tokens=24, num_kv_blocks=40))
+        out[decoder] = [r.token_ids for r in engine.generate(reqs)]
+        if decoder == "owned":
+            assert isinstance(engine.runner.decoder, OwnedDecoder)
+            stacked = [latent.kv_a_weight is None for latent in engine.runner.decoder.latent]
+            assert stacked == [aligned] * len(stacked)
+    assert len({t for ids in out["auto"] for t in ids}) >= 10, "varied text, or equality would prove little"
+    assert out["owned"] == out["auto"]
 
 
 @pytest.mark.parametrize("decoder", ["auto", "owned"])
