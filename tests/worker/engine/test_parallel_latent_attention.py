@@ -135,12 +135,13 @@ def v3_aligned(tmp_path_factory):
     return build_deepseek_checkpoint(tmp_path_factory.mktemp("v3-aligned"), "v3", overrides=V3_BLOCK_ALIGNED)
 
 
-@pytest.mark.parametrize(("keep_fp8", "decoder"), [(False, "auto"), (True, "auto"), (False, "owned")])
+@pytest.mark.parametrize(("keep_fp8", "decoder"), [(False, "auto"), (True, "auto"), (False, "owned"), (True, "owned")])
 def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8, decoder):
     """Each rank reads its rows / columns of the block-wise FP8 linears with their blocks' scales (shard_fp8.py) and
     dequantizes them (one process's values, so greedy tokens equal `generate`'s too), or keeps them FP8 as sm89+ GPUs
     do (`keep_fp8`: the GEMM emulated on the CPU; the replicated latent projections kept FP8 as well), as one
-    process keeps them; dequantized, on the owned decoder too (V3's q LoRA and grouped sigmoid routing)."""
+    process keeps them; on either decoder (the owned one: V3's q LoRA and grouped sigmoid routing, its FP8 linears
+    through their methods)."""
     model, tok = load_model(str(v3_aligned.path), torch.device("cpu"), torch.float32, keep_fp8=keep_fp8)
     requests = make_requests(tok, 5, seed=3, max_prompt=60, max_new=10)
     config = EngineConfig(**dict(CONFIG, num_kv_blocks=32))
