@@ -404,8 +404,11 @@ fi
 # on the first W6_HF_NUM requests (one left-padded batch), one process, with the vision encoder's share of cbq's run.
 # About 1.1M prefill and 256k decode tokens at W6_NUM=1000 (estimated to fit the call; set W6_NUM=400 if it does not).
 if has w6; then
-    timeout 560 python3 -m worker.bench vision --shape qwen2.5-vl-7b --num "${W6_NUM:-1000}" --output-len 256 \
-        --hf-num-requests "${W6_HF_NUM:-16}" --mode async --json-out "$OUT/w6_qwen2_5_vl_7b.json" 2>&1 | tail -12
+    # transformers' layers ("hf", auto's choice for VLMs today) and the owned decoder, each an engine over the same
+    # model, in one process: which one auto should take (decoder._auto_owned)
+    timeout 560 python3 -m worker.bench vision --shape qwen2.5-vl-7b --num "${W6_NUM:-600}" --output-len 256 \
+        --hf-num-requests "${W6_HF_NUM:-16}" --mode async --decoder hf --decoder owned \
+        --json-out "$OUT/w6_qwen2_5_vl_7b.json" 2>&1 | tail -14
 fi
 # Issue 50 item 6, the encoder's share: Qwen2.5-VL-7B's vision tower alone (random bf16 weights, no language model)
 # over 4 calls of 8 W6 pictures, transformers' sdpa (a call per window and image) vs cbq's packed attention (one

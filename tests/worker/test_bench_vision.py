@@ -89,6 +89,24 @@ def test_bench_vision_runs_the_tiny_shape_on_the_cpu(tmp_path, mode):
     assert row["targets"] == {"ratio": 10.0, "encoder_share_of_run": 0.25}
 
 
+def test_bench_vision_compares_decoders_in_one_process(tmp_path):
+    """`--decoder hf --decoder owned`: an engine each over the same model, each row's decoder named, the first one
+    compared with transformers."""
+    out = tmp_path / "vision.json"
+    args = ["vision", "--shape", "tiny", "--num", "3", "--output-len", "6", "--hf-num-requests", "2", "--warmup", "1"]
+    args += ["--mode", "sync", "--device", "cpu", "--decoder", "hf", "--decoder", "owned", "--json-out", str(out)]
+    result = CliRunner().invoke(bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "cbq hf" in result.output and "cbq owned" in result.output
+    report = json.loads(out.read_text())
+    assert "--decoder hf --decoder owned" in report["command"]
+    (row,) = report["rows"]
+    runs = row["cbq_by_decoder"]
+    assert list(runs) == ["hf", "owned"] and [r["decoder"] for r in runs.values()] == ["hf", "owned"]
+    assert row["cbq"] == runs["hf"] and all(r["output_tokens"] == 3 * 6 for r in runs.values())
+    assert row["hf_requests_equal"] == 2
+
+
 def test_eos_ignored_clears_a_vision_language_models_eos_and_restores_it(tmp_path):
     import torch
 

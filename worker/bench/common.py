@@ -228,8 +228,11 @@ def command_line(ctx: click.Context) -> str:
     words = ["cbq bench", ctx.command.name or "?"]
     for param in ctx.command.params:
         value = ctx.params[param.name]
-        if value is not None:
-            words += [param.opts[0], *(map(str, value) if isinstance(value, tuple | list) else [str(value)])]
+        if value is None:
+            continue
+        # a repeatable option once per value (--decoder hf --decoder owned); a tuple-valued one with its values
+        for one in value if getattr(param, "multiple", False) else [value]:
+            words += [param.opts[0], *(map(str, one) if isinstance(one, tuple | list) else [str(one)])]
     return " ".join(words)
 
 

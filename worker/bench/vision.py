@@ -37,6 +37,7 @@ import click
 from worker.bench.common import eos_ignored, run_header, triton_compiles
 from worker.bench.qwen_vl_checkpoint import QWEN2_5_VL_SHAPES, random_qwen2_5_vl
 from worker.bench.tokenizer_files import corpus
+from worker.engine.config import DECODERS
 
 W6_IMAGE_SIZE = (1024, 768)  # width, height
 WORKLOAD_W6 = {"num": 1000, "text_len": 100, "output_len": 256}
@@ -253,6 +254,16 @@ def _synchronize(device) -> None:
 )
 @click.option("--mode", type=click.Choice(["async", "sync"]), default="async", show_default=True)
 @click.option(
+    "--decoder",
+    "decoders",
+    type=click.Choice(DECODERS),
+    multiple=True,
+    default=("auto",),
+    show_default=True,
+    help="The language model's decoder(s) (EngineConfig.decoder); repeat to compare in one process (each an engine "
+    "of its own over the same model; the first is the one compared with transformers).",
+)
+@click.option(
     "--max-num-seqs", type=int, default=None, help="cbq's running requests at most (default: the engine's)."
 )
 @click.option(
@@ -279,6 +290,7 @@ def vision_bench(
     hf_num_requests,
     hf_batch_size,
     mode,
+    decoders,
     max_num_seqs,
     max_num_batched_tokens,
     warmup,
@@ -322,53 +334,21 @@ def vision_bench(
             for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
             if v
         }
-        config = EngineConfig(mode=mode, device=str(torch_device), dtype=dtype, **settings)
         family = family_for(whole.config)[0]
         assert family.vision is not None, f"{family.name} takes no images"
-        engine = Engine(VisionLanguageModel(whole, family.vision), tokenizer, config)
-        images = engine.runner.images
-        assert images is not None, "the engine took the model for a text-only one"
-        if warmup:
-            run_cbq(
-                engine, w6_requests(tokenizer.backend, warmup, text_len, output_len, WARMUP_SEED, image_size)
-            )
-        engine.reset_stats()
-        encoded_before, encoder_before = images.num_encoded, images.encode_seconds
-        with triton_compiles() as compiled:
-            wall, adding, results = run_cbq(engine, requests)
-        if compiled:
-            click.echo(
-                f"warning: {len(compiled)} Triton compile(s) during the measured run "
-                f"({', '.join(sorted(set(compiled)))}): its times include them",
-                err=True,
-            )
-        stats = engine.stats()
-        encoder = images.encode_seconds - encoder_before
-        output_tokens = sum(len(r.token_ids) for r in results.values())
-        # image tokens are prompt tokens, as OpenAI counts them
-        prompt_tokens = sum(r.usage.prompt_tokens for r in results.values())
-        cbq = _rates(num, output_tokens, wall)
-        cbq.update(
-            total_tok_s=(output_tokens + prompt_tokens) / wall,
-            prompt_tokens=prompt_tokens,
-            mean_image_tokens=(prompt_tokens - sum(len(r.prompt_ids) for r in requests)) / num + 1,
-            steps=stats.steps,
-            device_seconds=stats.busy_seconds,
-            encoder_seconds=encoder,
-            decoder_seconds=stats.busy_seconds - encoder,
-            encoder_share_of_run=encoder / wall,
-            encoder_share_of_device=encoder / stats.busy_seconds if stats.busy_seconds else 0.0,
-            images_encoded=images.num_encoded - encoded_before,
-            admission_seconds=adding,
-            num_preemptions=stats.num_preemptions,
-            triton_compiles=compiled,
-            mode=mode,
-            max_num_seqs=engine.config.max_num_seqs,
-            max_num_batched_tokens=engine.config.max_num_batched_tokens,
-            num_kv_blocks=engine.runner.num_kv_blocks,
-            graphs=len(engine.runner.graphs),
-        )
-        engine.close()
+        by_decoder: dict[str, dict[str, Any]] = {}
+        for decoder in decoders:
+            config = EngineConfig(mode=mode, device=str(torch_device), dtype=dtype, decoder=decoder, **settings)
+            engine = Engine(VisionLanguageModel(whole, family.vision), tokenizer, config)
+            by_decoder[decoder], outcome = _run_cbq_measured(engine, requests, tokenizer, warmup, text_len, output_len,
+                                                             image_size, mode)  # fmt: skip
+            if decoder == decoders[0]:
+                results = outcome
+            engine.close()
+            del engine
+            if torch_device.type == "cuda":
+                torch.cuda.empty_cache()
+        cbq = by_decoder[decoders[0]]
     row: dict[str, Any] = {
         "workload": workload,
         "shape": shape,
@@ -382,6 +362,8 @@ def vision_bench(
         "cbq": cbq,
         "hf": hf,
     }
+    if len(decoders) > 1:
+        row["cbq_by_decoder"] = by_decoder
     if hf is not None:
         row["ratio"] = cbq["requests_per_s"] / hf["requests_per_s"]
         # greedy on the same module: equal in fp32 (the CPU test checks it); in bf16 batching may flip near-ties
@@ -397,6 +379,55 @@ def vision_bench(
     }
     Path(json_out).write_text(json.dumps(report, indent=2))
     click.echo(f"wrote {json_out}")
+
+
+def _run_cbq_measured(
+    engine, requests, tokenizer, warmup: int, text_len: int, output_len: int, image_size, mode: str
+) -> tuple[dict[str, Any], dict]:
+    """One engine's measured W6 run after its warm-up: its rates and step profile, and its results by request id."""
+    images = engine.runner.images
+    assert images is not None, "the engine took the model for a text-only one"
+    if warmup:
+        run_cbq(engine, w6_requests(tokenizer.backend, warmup, text_len, output_len, WARMUP_SEED, image_size))
+    engine.reset_stats()
+    encoded_before, encoder_before = images.num_encoded, images.encode_seconds
+    with triton_compiles() as compiled:
+        wall, adding, results = run_cbq(engine, requests)
+    if compiled:
+        click.echo(
+            f"warning: {len(compiled)} Triton compile(s) during the measured run "
+            f"({', '.join(sorted(set(compiled)))}): its times include them",
+            err=True,
+        )
+    stats = engine.stats()
+    encoder = images.encode_seconds - encoder_before
+    output_tokens = sum(len(r.token_ids) for r in results.values())
+    # image tokens are prompt tokens, as OpenAI counts them
+    prompt_tokens = sum(r.usage.prompt_tokens for r in results.values())
+    num = len(requests)
+    cbq = _rates(num, output_tokens, wall)
+    cbq.update(
+        decoder="owned" if engine.runner.decoder is not None else "hf",
+        total_tok_s=(output_tokens + prompt_tokens) / wall,
+        prompt_tokens=prompt_tokens,
+        mean_image_tokens=(prompt_tokens - sum(len(r.prompt_ids) for r in requests)) / num + 1,
+        steps=stats.steps,
+        device_seconds=stats.busy_seconds,
+        encoder_seconds=encoder,
+        decoder_seconds=stats.busy_seconds - encoder,
+        encoder_share_of_run=encoder / wall,
+        encoder_share_of_device=encoder / stats.busy_seconds if stats.busy_seconds else 0.0,
+        images_encoded=images.num_encoded - encoded_before,
+        admission_seconds=adding,
+        num_preemptions=stats.num_preemptions,
+        triton_compiles=compiled,
+        mode=mode,
+        max_num_seqs=engine.config.max_num_seqs,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        num_kv_blocks=engine.runner.num_kv_blocks,
+        graphs=len(engine.runner.graphs),
+    )
+    return cbq, results
 
 
 def _rates(num_requests: int, output_tokens: int, seconds: float) -> dict[str, Any]:
@@ -417,10 +448,12 @@ def _print_table(row: dict[str, Any]) -> None:
         f"{row['output_len']} out"
     )
     click.echo(f"{'':<6} {'requests':>8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'seconds':>8}")
-    click.echo(
-        f"{'cbq':<6} {cbq['num_requests']:>8} {cbq['requests_per_s']:>8.2f} {cbq['output_tok_s']:>10.0f} "
-        f"{cbq['total_tok_s']:>12.0f} {cbq['seconds']:>8.1f}"
-    )
+    for name, run in row.get("cbq_by_decoder", {"": cbq}).items():
+        label = f"cbq {name}".strip()
+        click.echo(
+            f"{label:<6} {run['num_requests']:>8} {run['requests_per_s']:>8.2f} {run['output_tok_s']:>10.0f} "
+            f"{run['total_tok_s']:>12.0f} {run['seconds']:>8.1f}"
+        )
     if hf is not None:
         click.echo(
             f"{'hf':<6} {hf['num_requests']:>8} {hf['requests_per_s']:>8.2f} {hf['output_tok_s']:>10.0f} "
