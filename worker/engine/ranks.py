@@ -58,11 +58,14 @@ def agree_num_kv_blocks(state: ParallelState, model: Any, config: EngineConfig) 
     return min_over_ranks(state, num_blocks)
 
 
-def serve_rank(state: ParallelState, model_name: str, config: EngineConfig, keep_fp8: bool | None = None) -> None:
+def serve_rank(
+    state: ParallelState, model_name: str, config: EngineConfig, keep_fp8: bool | None = None,
+    keep_fp8_experts: bool | None = None,
+) -> None:  # fmt: skip
     """A helper rank's whole life (launch_ranks' target): its shard, its runner, rank 0's steps."""
 
     torch.set_grad_enabled(False)
-    model, tp, _ = load_shard(model_name, state, config, keep_fp8)
+    model, tp, _ = load_shard(model_name, state, config, keep_fp8, keep_fp8_experts)
     num_blocks = agree_num_kv_blocks(state, model, config)
     max_model_len = context_len(config, model.config, num_blocks)
     replica = Replica(state, None, measured=not config.num_kv_blocks, shares_samples=config.is_async)
@@ -94,11 +97,13 @@ def build_sharded_engine(
     device_ids: list[int] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     keep_fp8: bool | None = None,
+    keep_fp8_experts: bool | None = None,
 ):
     """An Engine whose model is split over `world_size` ranks (default `config.tensor_parallel_size`): this
     process is rank 0, the others are spawned here. World size 1 runs the same sharded code in this process
     (the tests' way to run it on one GPU). `backend` / `device_ids`: group.launch_ranks'; gloo lets several
-    ranks share one GPU (tests). `keep_fp8`: load_shard's (the tests keep FP8 on the CPU, its GEMM emulated)."""
+    ranks share one GPU (tests). `keep_fp8`, `keep_fp8_experts`: load_shard's (the tests keep FP8 on the CPU, its
+    GEMMs emulated)."""
     world_size = world_size or config.tensor_parallel_size
     config = dataclasses.replace(config, tensor_parallel_size=world_size)
     check_supported(model_name, config)
@@ -114,11 +119,11 @@ def build_sharded_engine(
             engine.fail(failure)
 
     group = launch_ranks(
-        world_size, serve_rank, (model_name, config, keep_fp8), device_type=device.type, device_ids=device_ids,
+        world_size, serve_rank, (model_name, config, keep_fp8, keep_fp8_experts), device_type=device.type, device_ids=device_ids,
         timeout_s=timeout_s, backend=backend, on_failure=end_the_loop,
     )  # fmt: skip
     try:
-        model, tp, tokenizer = load_shard(model_name, group.state, config, keep_fp8)
+        model, tp, tokenizer = load_shard(model_name, group.state, config, keep_fp8, keep_fp8_experts)
         num_blocks = agree_num_kv_blocks(group.state, model, config)
     except RankFailure:
         group.close(timeout_s=0)

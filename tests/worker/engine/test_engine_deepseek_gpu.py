@@ -72,7 +72,8 @@ def test_latent_bf16_graph_equals_eager(tmp_path, decoder):
 def test_latent_two_ranks_over_gloo_on_one_gpu_agree_with_one_process(tmp_path, name):
     """Tensor parallelism at TP=2 (two ranks sharing the GPU over gloo; NCCL refuses two ranks on one device) in fp32:
     heads split, the latent whole on each rank, the Triton latent kernels on each rank's heads. V3's FP8 fixture
-    widened so that its splits land on whole [128, 128] blocks (test_parallel_latent_attention.py), its experts dequantized.
+    widened so that its splits land on whole [128, 128] blocks (test_parallel_latent_attention.py), its experts dequantized
+    on both sides.
     The row-parallel sums round differently from one GEMM: agreement is near, not exact (exact on the CPU)."""
     from worker.engine.ranks import build_sharded_engine
 
@@ -81,15 +82,18 @@ def test_latent_two_ranks_over_gloo_on_one_gpu_agree_with_one_process(tmp_path, 
     overrides = V3_BLOCK_ALIGNED if name == "v3-aligned" else None
     checkpoint = build_deepseek_checkpoint(tmp_path / name, name.removesuffix("-aligned"), overrides=overrides)
     config = EngineConfig(device="cuda", dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512)
-    # The ranks' slice reader dequantizes an FP8 checkpoint's experts (models/shard_build.py); one process on sm89+
-    # would keep them FP8 and quantize their inputs (0.28 agreement on an H100 from that alone): compare like with like
+    # Experts kept FP8 quantize their inputs, dequantized ones do not (0.28 agreement on an H100 between the two from
+    # that alone): both sides dequantize them, to compare like with like (test_parallel_latent_attention.py compares
+    # kept FP8 experts at TP=2 with one process on the CPU)
     model, tok = load_model(str(checkpoint.path), torch.device("cuda"), torch.float32, keep_fp8_experts=False)
     reqs = make_requests(tok, 16, seed=9, max_prompt=300, max_new=32)
     one = Engine(model, tok, config)
     expected = [r.token_ids for r in one.generate(reqs)]
     del one, model
     torch.cuda.empty_cache()
-    two = build_sharded_engine(str(checkpoint.path), config, world_size=2, backend="gloo", device_ids=[0, 0])
+    two = build_sharded_engine(
+        str(checkpoint.path), config, world_size=2, backend="gloo", device_ids=[0, 0], keep_fp8_experts=False
+    )  # fmt: skip
     try:
         assert two.model.config.num_attention_heads == 2 and is_latent_cache(*two.runner.kv_caches[0])
         got = [r.token_ids for r in two.generate(reqs)]

@@ -171,6 +171,33 @@ def test_an_fp8_mixture_of_experts_at_tp2_equals_one_process(tmp_path_factory, f
     assert len({t for ids in reference.values() for t in ids}) > 5, "diverse greedy text"
 
 
+def test_an_fp8_mixture_of_experts_keeps_its_experts_fp8_at_tp2(tmp_path_factory):
+    """`keep_fp8_experts` under TP (sm89+ CUDA's default, forced on the CPU, the grouped GEMMs emulated): each rank
+    keeps its slice of every expert's intermediate columns as the release's e4m3 bytes with their [128, 128] block
+    scales (an `Fp8Experts` in the shard), a quarter of the bytes the dequantized experts take, so an FP8 release
+    too big for its ranks in bf16 (DeepSeek-V3/R1 at TP=8) fits. Greedy output equals one process's with its experts
+    kept FP8 (block-wise activations are quantized per 128-column group, inside each rank's aligned columns)."""
+    from worker.engine.moe.fp8_experts import Fp8Experts
+
+    folder = tmp_path_factory.mktemp("fp8-experts")  # 256 intermediate columns: a rank's 128 are one block
+    path = str(build_fp8_moe_checkpoint(folder, "fp8-block", shape=dict(head_dim=128, moe_intermediate_size=256)).path)
+    model, tokenizer = load_model(path, CPU, torch.float32, keep_fp8=True, keep_fp8_experts=True)
+    assert any(isinstance(m, Fp8Experts) for m in model.modules())
+    requests = make_requests(None, num=6)
+    reference = {r.request_id: r.token_ids for r in Engine(model, tokenizer, EngineConfig(**CONFIG)).generate(requests)}
+    del model
+    sharded = build_sharded_engine(path, EngineConfig(**CONFIG), world_size=2, keep_fp8=True, keep_fp8_experts=True)
+    try:
+        kept = [m for m in sharded.model.modules() if isinstance(m, Fp8Experts)]
+        assert kept and all(m.gate_up_proj.dtype == torch.float8_e4m3fn for m in kept)
+        assert kept[0].down_proj.shape[-1] == 128, "each rank holds half of every expert's 256 columns"
+        results = sharded.generate(requests)
+    finally:
+        sharded.close()
+    assert {r.request_id: r.token_ids for r in results} == reference
+    assert len({t for ids in reference.values() for t in ids}) > 5, "diverse greedy text"
+
+
 def test_quantization_fp8_on_a_mixture_of_experts_at_tp2_equals_one_process():
     """`--quantization fp8` on Qwen2-MoE at TP=2: the attention quantized per output channel with one process's
     scales (o's the whole row's), the sparse MLPs (experts, shared expert, router, the shared expert's gate) left

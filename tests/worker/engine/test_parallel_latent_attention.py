@@ -135,14 +135,23 @@ def v3_aligned(tmp_path_factory):
     return build_deepseek_checkpoint(tmp_path_factory.mktemp("v3-aligned"), "v3", overrides=V3_BLOCK_ALIGNED)
 
 
-@pytest.mark.parametrize(("keep_fp8", "decoder"), [(False, "auto"), (True, "auto"), (False, "owned"), (True, "owned")])
-def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8, decoder):
+@pytest.mark.parametrize(
+    ("keep_fp8", "keep_fp8_experts", "decoder"),
+    [(False, False, "auto"), (True, False, "auto"), (True, True, "auto"), (False, False, "owned"),
+     (True, False, "owned"), (True, True, "owned")],
+)  # fmt: skip
+def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8, keep_fp8_experts, decoder):
     """Each rank reads its rows / columns of the block-wise FP8 linears with their blocks' scales (shard_fp8.py) and
     dequantizes them (one process's values, so greedy tokens equal `generate`'s too), or keeps them FP8 as sm89+ GPUs
     do (`keep_fp8`: the GEMM emulated on the CPU; the replicated latent projections kept FP8 as well), as one
-    process keeps them; on either decoder (the owned one: V3's q LoRA and grouped sigmoid routing, its FP8 linears
+    process keeps them; with `keep_fp8_experts` each rank's slice of every expert's columns kept FP8 too (what lets
+    V3/R1 fit 8 GPUs); on either decoder (the owned one: V3's q LoRA and grouped sigmoid routing, its FP8 linears
     through their methods)."""
-    model, tok = load_model(str(v3_aligned.path), torch.device("cpu"), torch.float32, keep_fp8=keep_fp8)
+    from worker.engine.moe.fp8_experts import Fp8Experts
+
+    model, tok = load_model(
+        str(v3_aligned.path), torch.device("cpu"), torch.float32, keep_fp8=keep_fp8, keep_fp8_experts=keep_fp8_experts
+    )  # fmt: skip
     requests = make_requests(tok, 5, seed=3, max_prompt=60, max_new=10)
     config = EngineConfig(**dict(CONFIG, num_kv_blocks=32))
     expected = [r.token_ids for r in Engine(model, tok, config).generate(requests)]
@@ -150,11 +159,15 @@ def test_v3_fp8_block_aligned_equals_one_process_at_tp2(v3_aligned, keep_fp8, de
     if not keep_fp8:
         assert expected == [hf_greedy(model, tok, r) for r in requests]
     del model
-    engine = build_sharded_engine(str(v3_aligned.path), replace(config, decoder=decoder), world_size=2, keep_fp8=keep_fp8)
+    engine = build_sharded_engine(
+        str(v3_aligned.path), replace(config, decoder=decoder), world_size=2, keep_fp8=keep_fp8,
+        keep_fp8_experts=keep_fp8_experts,
+    )  # fmt: skip
     try:
         attention = engine.model.model.layers[1].self_attn
         assert engine.model.config.num_attention_heads == 2
         assert (engine.runner.decoder is not None) == (decoder == "owned")
+        assert any(isinstance(m, Fp8Experts) for m in engine.model.modules()) == keep_fp8_experts
         fp8 = [isinstance(m, Fp8LinearModule) for m in (attention.kv_a_proj_with_mqa, attention.q_a_proj)]
         assert fp8 == [keep_fp8, keep_fp8]
         assert [r.token_ids for r in engine.generate(requests)] == expected

@@ -133,9 +133,11 @@ def test_tp1_counts_latent_attention_dense_layers_and_shared_experts(name):
 
 
 def test_deepseek_v3_release_per_rank():
-    """V3 / R1's config: 671B at TP=1 (the MoE cost model's count); at TP=8 with FP8 linears kept (1 byte) its experts
-    and shared experts stay bf16 (as loaded under TP), ~166 GB a rank, which no H200 holds; the latent cache is
-    61 x 576 x 2 = 70,272 bytes a token on every rank (docs/operations.md's V3/R1 plan)."""
+    """V3 / R1's config: 671B at TP=1 (the MoE cost model's count); at TP=8 with FP8 linears kept (1 byte) and its
+    experts dequantized to bf16, ~167 GB a rank, which no H200 holds; with the routed experts kept FP8 too (each rank
+    its 256 of every expert's 2,048 columns, 1 byte a weight), ~85 GB, which fits (the shared experts stay bf16, as
+    every linear under a sparse MLP does); the latent cache is 61 x 576 x 2 = 70,272 bytes a token on every rank
+    (docs/operations.md's V3/R1 plan)."""
     from transformers import AutoConfig
 
     from worker.engine.moe.cost import MoeModelShape
@@ -146,4 +148,8 @@ def test_deepseek_v3_release_per_rank():
     shape = DecoderShape.from_config(config)
     assert weight_bytes_per_rank(shape, 1, 1).total == MoeModelShape.from_config(config).num_params
     assert weight_bytes_per_rank(shape, 8, 2, linear_bytes_per_param=1).total / 1e9 == pytest.approx(167.2, abs=0.1)
+    kept = weight_bytes_per_rank(shape, 8, 2, linear_bytes_per_param=1, expert_bytes_per_param=1)
+    routed = 58 * 256 * 3 * 7168 * 2048 // 8  # the sparse layers' routed experts, a rank's columns
+    assert weight_bytes_per_rank(shape, 8, 2, linear_bytes_per_param=1).total - kept.total == routed
+    assert kept.total / 1e9 == pytest.approx(85.4, abs=0.5)
     assert kv_bytes_per_token_per_rank(shape, 8, 2) == 70_272

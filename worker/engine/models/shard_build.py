@@ -261,8 +261,8 @@ def _load_moe(
     spec = spec_from_config(config)
     experts = load_experts(source, prefix, family.moe, spec, state, methods, **kw)
     params = router_tensors(source, prefix, family.moe, **kw)
-    if experts.fp8 is not None:
-        replace_experts(submodule(model, prefix), family.moe.experts, experts, spec)
+    if experts.fp8 is not None:  # the rank's experts: its slice of the intermediate size (the shard's config)
+        replace_experts(submodule(model, prefix), family.moe.experts, experts, spec_from_config(model.config))
     else:
         params |= expert_tensors(experts, prefix, family.moe)
     for name, tensor in params.items():

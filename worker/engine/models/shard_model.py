@@ -100,14 +100,21 @@ def unsupported_reason(family: Family, engine_config: EngineConfig) -> str | Non
 # --- loading (every rank) ----------------------------------------------------------------------------
 
 
-def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineConfig, keep_fp8: bool | None = None):
+def load_shard(
+    name_or_path: str, state: ParallelState, engine_config: EngineConfig, keep_fp8: bool | None = None,
+    keep_fp8_experts: bool | None = None,
+):  # fmt: skip
     """(shard model, TensorParallel, tokenizer) of rank `state.rank`. The tokenizer is rank 0's only (None on
     the others). `keep_fp8`: FP8 linears stay FP8 (`Fp8LinearModule`) rather than dequantized;
-    None: where FP8 tensor cores run them (sm89+ CUDA), as load_model decides. Raises ModelLoadError (one line)
+    None: where FP8 tensor cores run them (sm89+ CUDA), as load_model decides. `keep_fp8_experts`: an FP8 mixture of
+    experts' experts stay FP8 too (each rank its slice of every expert's columns, with their scales: `Fp8Experts`,
+    the FP8 grouped GEMMs); None: with `keep_fp8` on CUDA, as load_model decides. Raises ModelLoadError (one line)
     for what the sharded path does not run."""
     device = state.device
     dtype = resolve_dtype(engine_config.dtype, device)
     keep_fp8 = keeps_fp8(device) if keep_fp8 is None else keep_fp8
+    if keep_fp8_experts is None:
+        keep_fp8_experts = keep_fp8 and device.type == "cuda"
     tokenizer = None
     quant: QuantConfig | None = None
     if name_or_path in PRESETS:
@@ -140,9 +147,15 @@ def load_shard(name_or_path: str, state: ParallelState, engine_config: EngineCon
     linear_bytes: float | None = 1 if isinstance(quant, Fp8Config) and keep_fp8 else None
     if isinstance(quant, Int4Config) and keep_int4:
         linear_bytes = 0.5
+    sparse = loader.sparse_layers(config, family)
+    # an FP8 release's experts kept FP8 (`--quantization fp8` leaves a shard's experts in the model dtype)
+    serialized = quant is not None and quant.is_serialized
+    kept_experts = keep_fp8_experts and serialized and sparse is not None and sparse.fp8_format(quant) is not None
     if device.type == "cuda":
-        _check_fits(config, family, state, dtype, name_or_path, linear_bytes)
-    methods = LinearMethods(quant, keep_fp8, _stays_dense(config, family), keep_int4=keep_int4)
+        _check_fits(config, family, state, dtype, name_or_path, linear_bytes, expert_bytes=1 if kept_experts else None)
+    methods = LinearMethods(
+        quant, keep_fp8, _stays_dense(config, family), keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4
+    )
     try:
         model, tp = build_shard(config, family, source, state, dtype, methods)
     except LinearLoadError as exc:  # a checkpoint tensor that does not fit its format or the rank's split
@@ -191,15 +204,17 @@ def _check_fits(
     dtype: torch.dtype,
     model_name: str,
     linear_bytes_per_param: float | None = None,
+    expert_bytes: float | None = None,
 ) -> None:
-    """A ModelLoadError with the numbers when this rank's GPU cannot hold its shard (memory.py)."""
+    """A ModelLoadError with the numbers when this rank's GPU cannot hold its shard (memory.py). `expert_bytes`: a
+    routed expert weight's bytes where they differ from the model dtype's (1: kept FP8)."""
     shape = DecoderShape.from_config(config, qk_norm=family.layer.q_norm is not None)
     free_bytes = torch.cuda.mem_get_info(state.device)[0]
     try:
         # the other ranks check their own GPUs: only this rank's free bytes count here (its place names it)
         check_fits(
             shape, state.world_size, dtype.itemsize, [sys.maxsize] * state.rank + [free_bytes], model_name,
-            linear_bytes_per_param,
+            linear_bytes_per_param, expert_bytes,
         )  # fmt: skip
     except ValueError as exc:
         raise ModelLoadError(f"{exc} ({state.device})") from None

@@ -110,12 +110,13 @@ class RankWeightBytes:
 
 
 def weight_bytes_per_rank(
-    shape: DecoderShape, world_size: int, bytes_per_param: float, linear_bytes_per_param: float | None = None
-) -> RankWeightBytes:
+    shape: DecoderShape, world_size: int, bytes_per_param: float, linear_bytes_per_param: float | None = None,
+    expert_bytes_per_param: float | None = None,
+) -> RankWeightBytes:  # fmt: skip
     """The bytes rank 0 holds (every rank holds as much: the splits are even up to vocab padding).
     `linear_bytes_per_param`: the dense decoder linears' (q/k/v, o, gate/up, down) where they differ (1 for FP8
-    weights; their scales are left out, a few bytes a row or a block). Raises ValueError when the shape cannot be
-    split over `world_size` ranks."""
+    weights; their scales are left out, a few bytes a row or a block); `expert_bytes_per_param` the routed experts'
+    (1 where they are kept FP8). Raises ValueError when the shape cannot be split over `world_size` ranks."""
     s, n = shape, world_size
     heads = head_shard(s.num_heads, s.num_kv_heads, 0, n)
 
@@ -140,6 +141,7 @@ def weight_bytes_per_rank(
         replicated += 0 if kv_split else kv_rows
     # per layer; `dense_mlp` once per dense layer (every layer without experts)
     num_sparse = s.num_layers - s.num_dense_layers if s.num_experts else 0
+    expert_params = 0  # the routed experts' (the rank's columns of each), at `expert_bytes_per_param`
     num_dense = s.num_layers - num_sparse
     dense_mlp = 3 * s.hidden_size * part(s.intermediate_size, "intermediate_size") if num_dense else 0  # gate/up/down
     replicated += 2 * s.hidden_size + (2 * s.head_dim if s.qk_norm else 0)  # the two norms (+ q/k norms)
@@ -148,7 +150,7 @@ def weight_bytes_per_rank(
     if num_sparse:
         expert_columns = part(s.expert_intermediate_size, "the experts' intermediate size")
         shared_columns = part(s.shared_expert_intermediate_size, "the shared experts' intermediate size")
-        sharded += num_sparse * (s.num_experts * 3 * s.hidden_size * expert_columns)
+        expert_params = num_sparse * (s.num_experts * 3 * s.hidden_size * expert_columns)
         replicated += num_sparse * s.num_experts * s.hidden_size  # the router
         # shared experts: in the model dtype under FP8 as the experts (the sparse MLP stays dense)
         sharded += num_sparse * 3 * s.hidden_size * shared_columns
@@ -157,8 +159,9 @@ def weight_bytes_per_rank(
     sharded += vocab_rows * s.hidden_size * (1 if s.tie_word_embeddings else 2)
     replicated += s.hidden_size  # the final norm
     linear_bytes = bytes_per_param if linear_bytes_per_param is None else linear_bytes_per_param
+    expert_bytes = bytes_per_param if expert_bytes_per_param is None else expert_bytes_per_param
     return RankWeightBytes(
-        round(sharded * bytes_per_param + linear_sharded_total * linear_bytes),
+        round(sharded * bytes_per_param + linear_sharded_total * linear_bytes + expert_params * expert_bytes),
         round(replicated * bytes_per_param + linear_replicated * s.num_layers * linear_bytes),
     )
 
@@ -180,9 +183,10 @@ def check_fits(
     free_bytes_per_rank: list[int],
     model_name: str,
     linear_bytes_per_param: float | None = None,
+    expert_bytes_per_param: float | None = None,
 ) -> RankWeightBytes:
     """The per-rank weight bytes, or ValueError naming the numbers when some rank lacks the room."""
-    need = weight_bytes_per_rank(shape, world_size, bytes_per_param, linear_bytes_per_param)
+    need = weight_bytes_per_rank(shape, world_size, bytes_per_param, linear_bytes_per_param, expert_bytes_per_param)
     short = [(rank, free) for rank, free in enumerate(free_bytes_per_rank) if free < need.total]
     if short:
         rank, free = short[0]
