@@ -157,8 +157,10 @@ class ModelRunner:
             config.deterministic,
             tp=tp,
         )
-        # transformers' forward over FP8 experts runs their emulation (moe/fp8_experts.py), whose per-expert loop
-        # syncs with the host: that model's decode steps cannot be captured (DeepSeek-V3's FP8 fixture on CUDA)
+        # transformers' forward over FP8 experts (moe/fp8_experts.py) runs the grouped GEMMs in a workspace that grows
+        # to the largest step it meets, which a graph must not capture mid-growth (and without Triton, an emulation
+        # whose per-expert loop syncs with the host): that model's decode steps run eagerly (DeepSeek-V3's FP8 on
+        # decoder "auto"; the owned decoder sizes its MoE workspace once and captures them)
         self._forward_capturable = self.decoder is not None or expert_format_of(model) is None
 
         # `measured`: the cache's size came from free memory, not --num-kv-blocks (a replica's rank 0 holds the

@@ -261,17 +261,39 @@ def check_moe_forward_dispatch(device: str) -> None:
         )
 
 
+def check_fp8_experts_module(device: str) -> None:
+    """`Fp8Experts.forward_triton` (what transformers' forward runs on CUDA): the FP8 grouped GEMMs in the shared
+    workspace, which grows from a 5-token step to a 100-token one and is then reused by a second layer's module,
+    within the kernels' tolerance of the emulation (its CPU forward)."""
+    from worker.engine.moe import fp8_experts as fe
+
+    gen = torch.Generator().manual_seed(5)
+    spec, dev = spec_of("silu"), torch.device(device)
+    modules = [fe.Fp8Experts(fp8_experts(spec, fmt, gen, dev), spec) for fmt in (BLOCK, CHANNEL)]
+    fe._WORKSPACES.clear()
+    for module in modules:
+        for num_tokens in (5, 100):
+            hidden = (torch.randn(num_tokens, spec.hidden_size, generator=gen) * 2).to(dev)
+            weights, ids = uneven_routing(spec, num_tokens, gen, dev)
+            got = module.forward_triton(hidden, ids, weights)
+            want = experts_fp8_emulated(hidden, weights, ids, module.weights, spec)
+            assert rel(got, want) < INTERPRETER_TOL, (num_tokens, rel(got, want))
+    (workspace,) = fe._WORKSPACES.values()  # one for both modules, grown once
+    assert workspace.max_tokens == 128
+
+
 CHECK = r"""
 from tests.worker.engine.test_attention_triton import _patch_triton_interpreter
 from tests.worker.engine.test_quant_kernels import exact_interpreter_fp8_casts
 from tests.worker.engine.test_quant_small_step import exact_interpreter_fp8_dots
-from tests.worker.engine.test_moe_fp8 import check_fp8_kernels, check_moe_forward_dispatch
+from tests.worker.engine.test_moe_fp8 import check_fp8_experts_module, check_fp8_kernels, check_moe_forward_dispatch
 
 _patch_triton_interpreter()  # runtime loop bounds under numpy 2.4
 exact_interpreter_fp8_casts()
 exact_interpreter_fp8_dots()
 check_fp8_kernels("cpu")
 check_moe_forward_dispatch("cpu")
+check_fp8_experts_module("cpu")
 print("fp8 moe kernels match")
 """
 

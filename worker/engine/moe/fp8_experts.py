@@ -1,8 +1,10 @@
 """`Fp8Experts`: a sparse layer's routed experts kept in FP8 inside the transformers model, in the place of its
 stacked experts module (Qwen3MoeExperts, Glm4MoeNaiveMoe, ...), as quant/linear.py's `Fp8LinearModule` takes an
 `nn.Linear`'s. Owns the FP8 expert tensors (buffers, so `.to(device)` moves them); the owned decoder reads them as
-views (`weights`, models/moe_from_model.py), transformers' forward runs their emulation (reference.experts_fp8_emulated), so
-`model.generate` still runs, slowly: it is the reference path, not the hot one.
+views (`weights`, models/moe_from_model.py). transformers' forward (decoder "auto" on multi-head latent attention,
+`model.generate`) runs them through the FP8 grouped GEMMs on CUDA with Triton (triton_moe.experts_triton, in a
+workspace shared by every such layer and grown to the largest step: `shared_workspace`), and their emulation
+(reference.experts_fp8_emulated) elsewhere.
 
 Made at load, on CUDA with FP8 tensor cores (`models.load_model`'s `keep_fp8_experts`), from an FP8 checkpoint's
 per-expert linears (the one expert loader, loader.py, through `fp8.Fp8ExpertMethod`; in the shard model or by
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import triton_moe
 from .fp8 import ExpertFp8Scales, Fp8ExpertFormat, quantize_experts_per_channel
 from .reference import experts_ref
 from .spec import MoeSpec
@@ -58,7 +61,32 @@ class Fp8Experts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """transformers' experts call: (tokens [T, H], chosen experts [T, k], their weights [T, k]) -> [T, H]."""
+        if hidden_states.is_cuda and triton_moe.HAVE_TRITON:
+            return self.forward_triton(hidden_states, top_k_index, top_k_weights)
         return experts_ref(hidden_states, top_k_weights, top_k_index, self.weights, self.spec)
+
+    def forward_triton(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The FP8 grouped GEMMs (on CUDA; in Triton's interpreter on the CPU, the tests')."""
+        hidden = hidden_states.contiguous()
+        workspace = shared_workspace(self.spec, hidden.shape[0], hidden.dtype, hidden.device)
+        return triton_moe.experts_triton(hidden, top_k_weights, top_k_index, self.weights, self.spec, workspace)
+
+
+# One MoE workspace a (device, dtype, layer shape), shared by every `Fp8Experts` that transformers' forward calls (its
+# layers run one after another, as the owned decoder's MoE layers share theirs) and grown to the largest step seen
+# (a power of two of tokens): the owned decoder sizes its own once from the step budget instead.
+_WORKSPACES: dict[tuple[Any, ...], triton_moe.MoeWorkspace] = {}
+
+
+def shared_workspace(spec: MoeSpec, num_tokens: int, dtype: torch.dtype, device: torch.device) -> triton_moe.MoeWorkspace:
+    key = (device, dtype, spec.num_experts, spec.top_k, spec.expert_intermediate_size, spec.hidden_size)
+    workspace = _WORKSPACES.get(key)
+    if workspace is None or workspace.max_tokens < num_tokens:
+        size = 1 << max(num_tokens - 1, 63).bit_length()  # at least 64 tokens
+        workspace = _WORKSPACES[key] = triton_moe.MoeWorkspace.allocate(spec, size, dtype, device)
+    return workspace
 
 
 def expert_format_of(model: nn.Module) -> Fp8ExpertFormat | None:
