@@ -1,6 +1,6 @@
 """Attention rows that see past themselves (`key_limits`: a Gemma 3 image's tokens in prefill see their whole image):
 the torch reference equals a dense softmax under transformers' rule, AND(sliding window, OR(causal, image block)),
-over a paged cache; and the Triton backend hands such steps to the reference (its kernels are causal only)."""
+over a paged cache; and the Triton backend hands such steps whole to its prefill kernel, with the limits."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def test_rows_of_an_image_block_see_the_whole_block_within_the_window(window):
     assert not torch.allclose(got[image[0] : image[1] - 1], causal[image[0] : image[1] - 1])  # the block shows
 
 
-def test_the_triton_backend_runs_a_step_with_key_limits_through_the_reference(monkeypatch):
+def test_the_triton_backend_runs_a_step_with_key_limits_through_the_prefill_kernel(monkeypatch):
+    """A step with key limits goes whole (its decode rows too) to the prefill kernel, limits and all (the kernel's
+    own arithmetic against the reference: test_attention_triton.py's interpreter checks)."""
     pytest.importorskip("triton")
     from worker.engine.attention_backend import TritonAttentionBackend
 
@@ -69,7 +71,19 @@ def test_the_triton_backend_runs_a_step_with_key_limits_through_the_reference(mo
         backend=AttentionBackend(),
         key_limits=torch.tensor([0, 4, 4, 4, 4, 5], dtype=torch.int32),
     )
+    calls = []
+
+    class Kernels:  # records the call, computes the reference's answer
+        def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **kw):
+            calls.append(kw)
+            return AttentionBackend().attend(q, k_cache, v_cache, meta, scale, 0)
+
+        def paged_decode_attention(self, *args, **kwargs):
+            raise AssertionError("a step with key limits runs no decode kernel")
+
     backend = TritonAttentionBackend()
-    monkeypatch.setattr(backend, "_k", None)  # a kernel call would fail: none may run
+    monkeypatch.setattr(backend, "_k", Kernels())
     got = backend.attend(q, k_cache, v_cache, meta, 0.25, 0)
     assert torch.equal(got, AttentionBackend().attend(q, k_cache, v_cache, meta, 0.25, 0))
+    (kwargs,) = calls
+    assert kwargs["key_limits"] is meta.key_limits and kwargs["max_query_len"] == length
