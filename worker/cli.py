@@ -199,7 +199,7 @@ def recovery_options(f):
         default=queue_worker.DEFAULT_REDIS_OUTAGE_LIMIT_SECONDS,
         show_default=True,
         help="Seconds without Redis before the worker gives up (exit 1); until then it keeps generating and "
-        "writes the buffered results once Redis is back.",
+        "writes the buffered results once Redis is back. A worker starting before Redis answers waits as long.",
     )(f)
     f = click.option(
         "--maintenance-interval",
