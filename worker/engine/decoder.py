@@ -78,6 +78,7 @@ from .kernels import fused as fk
 from .kv_cache import head_dim_of
 from .latent_attention import install_latent_attention
 from .latent_layer import LatentAttention, LatentRope, latent_layer_spec
+from .latent_prefill import prefill_choice
 from .layer_ops import ACTIVATIONS, NORM_MATH, NORMS, QK_NORM_SPANS, layer_ops, rows_for
 from .layers.tensor_parallel import Shard, TensorParallel, WholeModel
 from .models import ModelLoadError, family_for
@@ -471,6 +472,8 @@ def build_decoder(
     `tp`: `model` is one rank's shard (models/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
+    if getattr(model.config, "kv_lora_rank", None):
+        prefill_choice()  # a bad CBQ_MLA_PREFILL fails here, at start, in one line, not in every prefill step
     if getattr(model.config, "kv_lora_rank", None) and (choice != "owned" or deterministic):
         # Latent attention: transformers' layers with cbq's attention, under "auto" on every device (a TP shard's
         # collectives then sit in its modules: models/shard_model.py). The owned decoder runs these models, in one

@@ -11,9 +11,10 @@ written once. Attention never expands them: with kv_b_proj's rows split per head
 absorbed into the latent space, [W_UK^T q_nope; q_rope] (kv_lora + rope wide), and attends, as multi-query attention
 with one shared head, over the cache rows themselves; the output sum_j p_j W_UV c_j is W_UV (sum_j p_j c_j): the
 attention's first kv_lora columns times W_UV. The same for prefill and decode steps (fp32 gives `generate`'s greedy
-tokens; the rounding differs from expanded attention by the order of the products). On CUDA a decode step's rows
-attend through kernels/latent_attention.py (its twin: `latent_decode_attention_ref`); prefill and mixed steps through
-the backend's paged attention with the cache as one shared head.
+tokens; the rounding differs from expanded attention by the order of the products). On CUDA decode rows (a decode
+step's, and a mixed step's leading ones) attend through kernels/latent_attention.py (its twin:
+`latent_decode_attention_ref`); prefill rows through the backend's paged attention with the cache as one shared head,
+or, where latent_prefill.py finds it cheaper, over K/V expanded per head from the cached latent.
 
 `--kv-cache-dtype fp8`: the cache is float8_e4m3fn, each layer's row (latent and rotary key alike) stored as
 row / s with one static per-tensor scale s (kv_cache.kv_scales_of: 1.0, or a checkpoint's k_scale; K and V are

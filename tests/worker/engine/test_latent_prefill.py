@@ -185,3 +185,13 @@ print("expanded latent prefill on the triton kernels equals generate")
 @needs_triton
 def test_expanded_prefill_on_the_triton_kernels_equals_generate_in_the_interpreter():
     _interpret(EXPANDED_TRITON_CHECK, "expanded latent prefill on the triton kernels equals generate")
+
+
+def test_a_bad_choice_fails_when_the_engine_starts(checkpoints, monkeypatch):
+    """`CBQ_MLA_PREFILL` is read in every prefill step: a bad value is refused when a latent-attention engine starts,
+    on either decoder, rather than failing each request."""
+    model, tok = load_model(str(checkpoints["v2-lite"]), torch.device("cpu"), torch.float32)
+    monkeypatch.setenv(MLA_PREFILL_ENV, "fast")
+    for decoder in ("auto", "owned"):
+        with pytest.raises(ValueError, match="CBQ_MLA_PREFILL='fast': expected one of auto, absorbed, expanded"):
+            Engine(model, tok, EngineConfig(decoder=decoder, num_kv_blocks=8))
