@@ -710,3 +710,34 @@ def test_gpu_engine_with_fp8_experts_agrees_with_the_dequantized_model(release):
     )
     print(f"FP8 experts vs dequantized experts: token agreement {agreement:.3f}, first tokens {firsts:.2f}")
     assert agreement >= ENGINE_AGREEMENT and firsts >= ENGINE_FIRST_TOKENS, (agreement, firsts)
+
+
+def test_quantization_fp8_quantizes_a_checkpoints_experts_as_the_one_loader_reads_them(tmp_path, monkeypatch):
+    """`--quantization fp8` with FP8 experts kept, on a bf16/fp32 checkpoint: the slice reader's expert method
+    quantizes each layer's experts per channel once they are read (no pass over the loaded model), to the bits the
+    preset's pass gives the same weights; the engine's tokens are the same too."""
+    from worker.engine.models import loader
+
+    from .conftest import make_requests
+
+    plain, _ = load_model("tiny-qwen3-moe", CPU, torch.float32)
+    plain.save_pretrained(tmp_path)
+    del plain
+    flags = dict(quantization="fp8", keep_fp8=True, keep_fp8_experts=True)
+    preset, tok = load_model("tiny-qwen3-moe", CPU, torch.float32, **flags)  # quantize_model_experts' pass
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pass over the loaded model quantized the experts")
+
+    monkeypatch.setattr(loader, "quantize_model_experts", refuse)
+    read, _ = load_model(str(tmp_path), CPU, torch.float32, **flags)
+    pairs = [(a, b) for a, b in zip(preset.modules(), read.modules(), strict=True) if isinstance(a, Fp8Experts)]
+    assert pairs and all(isinstance(b, Fp8Experts) for _, b in pairs)
+    for a, b in pairs:
+        assert a.format == b.format == CHANNEL
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale"):
+            assert torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)), name
+    requests = make_requests(tok, 4, seed=2, max_prompt=30, max_new=8)
+    config = EngineConfig(num_kv_blocks=32)
+    want = [r.token_ids for r in Engine(preset, tok, config).generate(requests)]
+    assert [r.token_ids for r in Engine(read, tok, config).generate(requests)] == want

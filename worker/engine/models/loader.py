@@ -229,7 +229,8 @@ def load_model(
         sparse = sparse_layers(model.config, family_for(model.config)[0])
         if not read_by_slice:  # the slice reader's methods quantized each linear as it was loaded
             quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
-        if sparse is not None and fp8_experts is not None:  # the routed experts per channel, a layer at a time
+        if sparse is not None and fp8_experts is not None and not read_by_slice:  # a preset's, or pickled weights':
+            # the routed experts per channel, a layer at a time (the slice reader's expert methods did it as they read)
             quantize_model_experts(model, sparse.layer_prefixes, sparse.mlp.experts, sparse.spec)
     model.eval().requires_grad_(False)
     return model, tokenizer

@@ -148,9 +148,12 @@ def load_shard(
     if isinstance(quant, Int4Config) and keep_int4:
         linear_bytes = 0.5
     sparse = loader.sparse_layers(config, family)
-    # an FP8 release's experts kept FP8 (`--quantization fp8` leaves a shard's experts in the model dtype)
-    serialized = quant is not None and quant.is_serialized
-    kept_experts = keep_fp8_experts and serialized and sparse is not None and sparse.fp8_format(quant) is not None
+    if quant is not None and not quant.is_serialized and state.world_size > 1:
+        # `--quantization fp8` keeps a replica's experts in the model dtype: a rank would scale its down rows over
+        # its own columns, not one process's rows (the dense row-parallel linears agree on theirs at load)
+        keep_fp8_experts = False
+    # experts kept FP8: an FP8 release's, or (one rank) quantized per channel as they are read
+    kept_experts = keep_fp8_experts and sparse is not None and sparse.fp8_format(quant) is not None
     if device.type == "cuda":
         _check_fits(config, family, state, dtype, name_or_path, linear_bytes, expert_bytes=1 if kept_experts else None)
     methods = LinearMethods(

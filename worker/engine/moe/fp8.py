@@ -146,6 +146,26 @@ class Fp8ExpertMethod(ExpertMethod):
         return ExpertFp8Scales(gate_up, down, self.format)  # checked with the weights (ExpertWeights.check)
 
 
+class OnlineFp8ExpertMethod(ExpertMethod):
+    """`--quantization fp8` on a layer of experts kept FP8: each expert's linears read as they are stored (the
+    unquantized method), then, once every expert is in, quantized per output channel where they lie
+    (`quantize_experts_per_channel`, as the dense linears' online method does at load), the stacks replaced by the
+    e4m3 ones and their scales kept beside them. The one loader's way: no pass over a loaded model. A rank of a
+    tensor-parallel replica scales its down rows over its own columns (finer than one process's rows)."""
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        gate_up, down = layer.get_parameter("gate_up").data, layer.get_parameter("down").data
+        gate_up_w, down_w, scales = quantize_experts_per_channel(gate_up, down)
+        del gate_up, down
+        for name, tensor in (("gate_up", gate_up_w), ("down", down_w), ("gate_up_scale", scales.gate_up),
+                             ("down_scale", scales.down)):  # fmt: skip
+            setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
+
+    def kernel_scales(self, layer: nn.Module) -> ExpertFp8Scales:
+        gate_up, down = layer.get_parameter("gate_up_scale").data, layer.get_parameter("down_scale").data
+        return ExpertFp8Scales(gate_up, down, Fp8ExpertFormat())
+
+
 # -- making and undoing the format ------------------------------------------------------------------------------
 
 

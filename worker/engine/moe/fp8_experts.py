@@ -8,9 +8,10 @@ workspace shared by every such layer and grown to the largest step: `shared_work
 
 Made at load, on CUDA with FP8 tensor cores (`models.load_model`'s `keep_fp8_experts`), from an FP8 checkpoint's
 per-expert linears (the one expert loader, loader.py, through `fp8.Fp8ExpertMethod`; in the shard model or by
-models/quant_loader.py) or by
-`--quantization fp8` (`quantize_model_experts`: each layer's experts quantized per output channel where they lie,
-one layer at a time, the layer's bf16 experts freed as its FP8 ones take their place). Only the families whose
+models/quant_loader.py); under `--quantization fp8`, from a checkpoint's experts quantized per output channel by
+their expert method as the one loader reads them (fp8.py `OnlineFp8ExpertMethod`), or for a preset (random weights,
+no checkpoint) by `quantize_model_experts` (each layer's experts quantized where they lie, one layer at a time, the
+layer's bf16 experts freed as its FP8 ones take their place). Only the families whose
 transformers module holds the kernels' layout (`MoeMlpSpec.kernel_layout`): gpt-oss's experts (MXFP4 in its
 release, biased) stay in the model dtype.
 """

@@ -17,7 +17,7 @@ from ..checkpoint import Checkpoint
 from ..quant.base import QuantConfig
 from ..quant.config import BlockFp8Config, CompressedTensorsFp8Config, FbgemmFp8Config, Fp8Config
 from ..quant.methods import Fp8LinearMethod, LinearMethods, fp8_linear_method
-from .fp8 import Fp8ExpertFormat, Fp8ExpertMethod, supported_scheme
+from .fp8 import Fp8ExpertFormat, Fp8ExpertMethod, OnlineFp8ExpertMethod, supported_scheme
 from .mxfp4 import Mxfp4ExpertMethod
 from .protocol import UNQUANTIZED_EXPERTS, DequantizedExperts, ExpertMethod
 
@@ -38,12 +38,15 @@ def expert_method_for(
 ) -> ExpertMethod:  # fmt: skip
     """The method of the layer of experts at checkpoint prefix `experts` (e.g. "model.layers.1.mlp.experts"):
     a format its tensors name (gpt-oss's MXFP4); a quantized checkpoint's experts kept as shipped where `methods`
-    keeps FP8 experts and `kept_fp8_format` gives their format, else dequantized to `dtype`; else unquantized
-    (`--quantization fp8` quantizes them after loading: fp8_experts.py)."""
+    keeps FP8 experts and `kept_fp8_format` gives their format, else dequantized to `dtype`; `--quantization fp8`
+    with FP8 experts kept: read unquantized, then quantized per channel (`OnlineFp8ExpertMethod`); else unquantized."""
     stored = next((m for m in _STORED_EXPERT_METHODS if m.stored(source, experts)), None)
     if stored is not None:
         return stored(dtype, device)
     quant = methods.quant
+    online = quant is not None and not quant.is_serialized
+    if online and methods.keep_fp8_experts and kept_fp8_format(quant, experts, kernel_layout) is not None:
+        return OnlineFp8ExpertMethod()  # `--quantization fp8`: quantized per channel once the layer is read
     if quant is None or not quant.is_serialized:
         return UNQUANTIZED_EXPERTS
     if methods.keep_fp8_experts and kept_fp8_format(quant, experts, kernel_layout) is not None:
