@@ -139,16 +139,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         window = meta.sliding_window(layer_idx)
         k_scale, v_scale = meta.kv_scale(layer_idx)
-        if meta.key_limits is not None:
-            # A step holding a bidirectional image's rows (Gemma 3 in prefill, never a decode graph): every row
-            # through the prefill kernel, each seeing to its key limit.
-            return self._k.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
-                max_query_len=meta.max_query_len, sliding_window=window, sinks=sinks, softcap=softcap,
-                k_scale=k_scale, v_scale=v_scale, key_limits=meta.key_limits,
-            )  # fmt: skip
         num_seqs = meta.context_lens.shape[0]
-        if meta.is_decode_only or meta.num_decode_seqs == num_seqs:
+        # A step holding a bidirectional image's rows (Gemma 3 in prefill, never a decode graph) sends every row to
+        # the prefill kernel, each seeing to its key limit: the decode kernels are causal only.
+        num_decode = 0 if meta.key_limits is not None else meta.num_decode_seqs
+        if meta.key_limits is None and (meta.is_decode_only or num_decode == num_seqs):
             return self._k.paged_decode_attention(
                 q,
                 k_cache,
@@ -166,7 +161,6 @@ class TritonAttentionBackend(AttentionBackend):
             )
         # Mixed step: the leading single-row sequences (decodes) through the split-K decode kernel, in
         # a varlen query tile each they would waste most of it; the rest through the varlen kernel.
-        num_decode = meta.num_decode_seqs
         out = torch.empty_like(q) if num_decode else None
         if out is not None:
             self._k.paged_decode_attention(
@@ -199,6 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
             softcap=softcap,
             k_scale=k_scale,
             v_scale=v_scale,
+            key_limits=meta.key_limits,
         )
 
 

@@ -131,42 +131,38 @@ def attend_latent(
     meta.backend.write_kv(row, row, cache, cache, meta.slot_mapping, cache_scale)
     num_seqs = meta.context_lens.shape[0]
     num_decode = num_seqs if meta.is_decode_only else meta.num_decode_seqs
-    widths = LatentWidths(heads, nope, rope, v_dim, kv_lora)
     if num_decode == num_seqs:  # one row a sequence (a decode step, or prompts' last single tokens)
         decodes = meta if meta.is_decode_only else replace(meta, is_decode_only=True)
         return _absorbed(q_nope, q_rope, cache, decodes, layer_idx, kv_b, nope, scale)
-    if num_decode == 0:
-        if expands(meta, widths, cache.shape[1]):
-            return expanded_prefill(q_nope, q_rope, cache, meta, kv_b, widths, scale, cache_scale[0])
-        return _absorbed(q_nope, q_rope, cache, meta, layer_idx, kv_b, nope, scale)
-    # A mixed step: its decodes (one row each, the step's first rows) and its prefill rows apart
-    out = q_nope.new_empty(num_tokens, heads, v_dim)
-    decodes, prefills = _split(meta, num_decode)
-    out[:num_decode] = _absorbed(q_nope[:num_decode], q_rope[:num_decode], cache, decodes, layer_idx, kv_b, nope, scale)
-    if expands(meta, widths, cache.shape[1]):
-        out[num_decode:] = expanded_prefill(
-            q_nope[num_decode:], q_rope[num_decode:], cache, meta, kv_b, widths, scale, cache_scale[0]
-        )  # fmt: skip
+    prefills = _prefill_part(meta, num_decode)
+    q_nope_p, q_rope_p = q_nope[num_decode:], q_rope[num_decode:]
+    widths = LatentWidths(heads, nope, rope, v_dim, kv_lora)
+    if expands(prefills, widths, cache.shape[1]):
+        prefill_out = expanded_prefill(q_nope_p, q_rope_p, cache, prefills, kv_b, widths, scale, cache_scale[0])
     else:
-        out[num_decode:] = _absorbed(
-            q_nope[num_decode:], q_rope[num_decode:], cache, prefills, layer_idx, kv_b, nope, scale
-        )  # fmt: skip
-    return out
-
-
-def _split(meta: AttentionMetadata, num_decode: int) -> tuple[AttentionMetadata, AttentionMetadata]:
-    """A mixed step's metadata as two steps: its leading `num_decode` one-row sequences, and the rest (their rows
-    counted from 0)."""
+        prefill_out = _absorbed(q_nope_p, q_rope_p, cache, prefills, layer_idx, kv_b, nope, scale)
+    if not num_decode:
+        return prefill_out
+    # A mixed step: its decodes (one row each, the step's first rows) apart, on their own kernel
     decodes = replace(
         meta, block_tables=meta.block_tables[:num_decode], cu_seqlens_q=meta.cu_seqlens_q[: num_decode + 1],
         context_lens=meta.context_lens[:num_decode], is_decode_only=True, num_decode_seqs=num_decode, prefill_lens=(),
-        step_cache={},
     )  # fmt: skip
-    prefills = replace(
+    out = q_nope.new_empty(num_tokens, heads, v_dim)
+    out[:num_decode] = _absorbed(q_nope[:num_decode], q_rope[:num_decode], cache, decodes, layer_idx, kv_b, nope, scale)
+    out[num_decode:] = prefill_out
+    return out
+
+
+def _prefill_part(meta: AttentionMetadata, num_decode: int) -> AttentionMetadata:
+    """The step's sequences after its leading `num_decode` one-row ones, as a step of their own (their rows counted
+    from 0; the step's `prefill_lens` and `step_cache` are theirs already)."""
+    if not num_decode:
+        return meta
+    return replace(
         meta, block_tables=meta.block_tables[num_decode:], cu_seqlens_q=meta.cu_seqlens_q[num_decode:] - num_decode,
-        context_lens=meta.context_lens[num_decode:], num_decode_seqs=0, step_cache={},
+        context_lens=meta.context_lens[num_decode:], num_decode_seqs=0,
     )  # fmt: skip
-    return decodes, prefills
 
 
 def _absorbed(

@@ -40,6 +40,7 @@ MLA_PREFILL_CHOICES = ("auto", "absorbed", "expanded")
 # (16 heads) expands up to ~43k context tokens a step.
 EXPANDED_ELEMENTS = 1 << 28
 _PLAN_KEY = "latent_prefill_plan"
+_CHOICE_KEY = "latent_prefill_expands"
 
 
 @dataclass(frozen=True)
@@ -74,19 +75,27 @@ def prefill_choice() -> str:
 
 
 def expands(meta: AttentionMetadata, widths: LatentWidths, block_size: int) -> bool:
-    """Whether this step's prefill rows (the sequences after the leading decodes) attend over expanded K/V."""
+    """Whether this step's prefill rows (`meta`: the sequences after the leading decodes) attend over expanded K/V.
+    Decided by the step's first layer and kept for the others (every layer of a model has the same widths)."""
     if not meta.prefill_lens:  # a decode-only step, or metadata built without the host's lengths
         return False
+    decided = meta.step_cache.get(_CHOICE_KEY)
+    if decided is None:
+        decided = meta.step_cache[_CHOICE_KEY] = _expands(meta.prefill_lens, widths, block_size)
+    return decided
+
+
+def _expands(prefill_lens: tuple[tuple[int, int], ...], widths: LatentWidths, block_size: int) -> bool:
     choice = prefill_choice()
     if choice == "absorbed":
         return False
-    gathered = sum(-(-context // block_size) for _, context in meta.prefill_lens) * block_size
+    gathered = sum(-(-context // block_size) for _, context in prefill_lens) * block_size
     if gathered * widths.heads * 2 * (widths.nope + widths.rope) > EXPANDED_ELEMENTS:
         return False
     if choice == "expanded":
         return True
-    pairs = sum(q_len * context for q_len, context in meta.prefill_lens)
-    keys = sum(context for _, context in meta.prefill_lens)
+    pairs = sum(q_len * context for q_len, context in prefill_lens)
+    keys = sum(context for _, context in prefill_lens)
     saved = pairs * (widths.absorbed_macs() - widths.expanded_macs())
     return saved >= keys * widths.expansion_macs()
 
@@ -99,7 +108,7 @@ class _Plan:
     block_tables: torch.Tensor  # [P, max blocks] rows of the gathered blocks
 
 
-def _plan(meta: AttentionMetadata, num_decode: int, block_size: int) -> _Plan:
+def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     plan = meta.step_cache.get(_PLAN_KEY)
     if plan is None:
         counts = [-(-context // block_size) for _, context in meta.prefill_lens]
@@ -109,7 +118,7 @@ def _plan(meta: AttentionMetadata, num_decode: int, block_size: int) -> _Plan:
         start = 0
         for i, count in enumerate(counts):
             tables[i, :count] = torch.arange(start, start + count, dtype=torch.int32)
-            rows += [num_decode + i] * count
+            rows += [i] * count
             cols += range(count)
             start += count
         device = meta.block_tables.device
@@ -128,12 +137,13 @@ def expanded_prefill(
     scale: float,
     cache_scale: float,
 ) -> torch.Tensor:
-    """Attention of the prefill rows (every row after the leading `meta.num_decode_seqs` decodes, whose latent rows
-    the cache already holds) over expanded K/V. q_nope [P, H, nope], q_rope [P, H, rope] (rotated), cache [blocks,
-    block_size, 1, kv_lora + rope], kv_b: kv_b_proj's weight per head [H, nope + v, kv_lora] -> [P, H, v]."""
-    num_decode = meta.num_decode_seqs
+    """Attention of the prefill rows over expanded K/V. `meta`: a step of prefill sequences alone (a mixed step's part
+    after its decodes: latent_attention's `_prefill_part`), whose latent rows the cache already holds. q_nope
+    [P, H, nope], q_rope [P, H, rope] (rotated), cache [blocks, block_size, 1, kv_lora + rope], kv_b: kv_b_proj's
+    weight per head [H, nope + v, kv_lora] -> [P, H, v]."""
+    assert meta.num_decode_seqs == 0, "the step's decodes are attended apart"
     block_size = cache.shape[1]
-    plan = _plan(meta, num_decode, block_size)
+    plan = _plan(meta, block_size)
     rows = from_cache(cache[plan.block_ids, :, 0], q_nope.dtype, cache_scale)  # [NB, bs, kv_lora + rope]
     latent, k_rope = torch.split(rows, [widths.kv_lora, widths.rope], dim=-1)
     heads, nope = widths.heads, widths.nope
@@ -145,10 +155,6 @@ def expanded_prefill(
         meta,
         kv_caches=[],
         block_tables=plan.block_tables,
-        cu_seqlens_q=meta.cu_seqlens_q[num_decode:] - num_decode,  # each decode holds one row
-        context_lens=meta.context_lens[num_decode:],
-        is_decode_only=False,
-        num_decode_seqs=0,
         sliding_windows=(),
         kv_scales=(),
         prefill_lens=(),

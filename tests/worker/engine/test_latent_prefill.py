@@ -91,8 +91,8 @@ def test_expanded_prefill_equals_absorbed_attention_on_a_mixed_step(monkeypatch,
         monkeypatch.setenv(MLA_PREFILL_ENV, choice)
         meta, inputs = _mixed_step(cache_dtype, cache_scale)
         results[choice] = _attend(meta, inputs)
-        if choice == "expanded":  # the plan is made once a step and kept for the step's other layers
-            assert set(meta.step_cache) == {"latent_prefill_plan"}
+        if choice == "expanded":  # the plan and the choice are made once a step and kept for its other layers
+            assert set(meta.step_cache) == {"latent_prefill_plan", "latent_prefill_expands"}
     assert len(calls) == 1
     assert results["expanded"].shape == (sum(q for q, _ in SEQS), WIDTHS.heads, WIDTHS.v)
     torch.testing.assert_close(results["expanded"], results["absorbed"], rtol=1e-5, atol=1e-5)
