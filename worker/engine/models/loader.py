@@ -53,7 +53,7 @@ from ..quant import (
     refuse_gguf,
 )
 from ..quant.int4.linear import keeps_int4
-from ..quant.linear import keeps_fp8, quantize_linears
+from ..quant.linear import keeps_fp8, keeps_fp8_experts, quantize_linears
 from ..quant.methods import LinearMethods
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .errors import ModelLoadError
@@ -165,7 +165,7 @@ def load_model(
     if keep_fp8 is None:
         keep_fp8 = keeps_fp8(device)
     if keep_fp8_experts is None:
-        keep_fp8_experts = keep_fp8 and device.type == "cuda"
+        keep_fp8_experts = keeps_fp8_experts(keep_fp8, device)
     read_by_slice = False  # the slice reader's methods quantize `--quantization fp8` linears as they load
     if keep_int4 is None:
         keep_int4 = keeps_int4(device, dtype)
@@ -196,8 +196,9 @@ def load_model(
             generation_config = _load_generation_config(name_or_path, config)
             tokenizer = _load_tokenizer(name_or_path, checkpoint_eos_token_ids(config, generation_config))
             sparse = sparse_layers(config, family)
-            stays_dense = sparse.holds if sparse is not None else lambda name: False
-            methods = LinearMethods(quant, keep_fp8, stays_dense, keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4)
+            methods = LinearMethods(
+                quant, keep_fp8, stays_dense(sparse), keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4
+            )
             if family.vision is not None:  # the whole vision-language model (models/vision.py)
                 model = load_vision_model(name_or_path, family, generation_config, dtype, device)
             elif not _only_pickled_weights(name_or_path):  # the one reader (shard_build.load_whole_model)
@@ -228,7 +229,7 @@ def load_model(
     if isinstance(quant, Fp8Config) and not quant.is_serialized:  # --quantization fp8: on the device, so it is quick
         sparse = sparse_layers(model.config, family_for(model.config)[0])
         if not read_by_slice:  # the slice reader's methods quantized each linear as it was loaded
-            quantize_linears(model, quant, keep_fp8, stays_dense=sparse.holds if sparse is not None else lambda name: False)
+            quantize_linears(model, quant, keep_fp8, stays_dense=stays_dense(sparse))
         if sparse is not None and fp8_experts is not None and not read_by_slice:  # a preset's, or pickled weights':
             # the routed experts per channel, a layer at a time (the slice reader's expert methods did it as they read)
             quantize_model_experts(model, sparse.layer_prefixes, sparse.mlp.experts, sparse.spec)
@@ -294,6 +295,12 @@ def sparse_layers(config, family: Family) -> SparseLayers | None:
     config, _ = _text_model(config, family)
     prefixes = tuple(f"{family.layers_path}.{i}" for i in moe_layer_ids(config))
     return SparseLayers(prefixes, family.moe, spec_from_config(config))
+
+
+def stays_dense(sparse: SparseLayers | None):
+    """Whether a module stays in the model dtype under FP8: those under a mixture of experts' sparse MLPs (`sparse`;
+    None: a dense model), which cbq's MoE kernels multiply unquantized."""
+    return (lambda _: False) if sparse is None else sparse.holds
 
 
 def family_for(config, images: bool = False) -> tuple[Family, DecoderArgs]:

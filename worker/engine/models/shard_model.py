@@ -71,7 +71,7 @@ from ..parallel.memory import DecoderShape, check_fits
 from ..quant import Fp8Config, QuantConfig
 from ..quant.int4.linear import keeps_int4
 from ..quant.int4.method import Int4Config
-from ..quant.linear import keeps_fp8, replace_module
+from ..quant.linear import keeps_fp8, keeps_fp8_experts, replace_module
 from ..quant.methods import LinearMethods
 from ..quant.protocol import LinearLoadError
 from . import PRESETS, ModelLoadError, family_for, load_model, loader, resolve_dtype
@@ -114,7 +114,7 @@ def load_shard(
     dtype = resolve_dtype(engine_config.dtype, device)
     keep_fp8 = keeps_fp8(device) if keep_fp8 is None else keep_fp8
     if keep_fp8_experts is None:
-        keep_fp8_experts = keep_fp8 and device.type == "cuda"
+        keep_fp8_experts = keeps_fp8_experts(keep_fp8, device)
     tokenizer = None
     quant: QuantConfig | None = None
     if name_or_path in PRESETS:
@@ -157,7 +157,7 @@ def load_shard(
     if device.type == "cuda":
         _check_fits(config, family, state, dtype, name_or_path, linear_bytes, expert_bytes=1 if kept_experts else None)
     methods = LinearMethods(
-        quant, keep_fp8, _stays_dense(config, family), keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4
+        quant, keep_fp8, loader.stays_dense(sparse), keep_fp8_experts=keep_fp8_experts, keep_int4=keep_int4
     )
     try:
         model, tp = build_shard(config, family, source, state, dtype, methods)
@@ -191,13 +191,6 @@ def put_collectives_in_modules(model: Any, family: Family, config: Any, tp: Tens
     head = model.get_output_embeddings()
     head_path = next(name for name, module in model.named_modules() if module is head)
     replace_module(model, head_path, GatheredLogits(head.weight, tp))
-
-
-def _stays_dense(config: Any, family: Family):
-    """Whether a module stays in the model dtype under FP8: those under a mixture of experts' sparse MLPs, which
-    cbq's MoE kernels multiply unquantized (as one process loads them)."""
-    sparse = loader.sparse_layers(config, family)
-    return (lambda _: False) if sparse is None else sparse.holds
 
 
 def _check_fits(

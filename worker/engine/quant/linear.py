@@ -79,6 +79,12 @@ def keeps_fp8(device: torch.device) -> bool:
     return has_fp8_tensor_cores(device)
 
 
+def keeps_fp8_experts(keep_fp8: bool, device: torch.device) -> bool:
+    """A mixture of experts' FP8 experts stay FP8 with its linears on CUDA (the FP8 grouped GEMMs); on the CPU they
+    run in the model dtype (the tests force them, the kernels then in Triton's interpreter)."""
+    return keep_fp8 and device.type == "cuda"
+
+
 def quantize_linears(
     model: nn.Module, quant: Fp8Config, keep_fp8: bool, stays_dense: Callable[[str], bool] = lambda name: False
 ) -> None:
