@@ -223,6 +223,14 @@ def eos_ignored(model):
         config.eos_token_id, model.generation_config.eos_token_id = saved
 
 
+def compared_choice(flag: str, dest: str, choices: tuple[str, ...], help: str):
+    """A setting the run may repeat to compare its values in one process (default "auto"): the values come back as a
+    tuple, each run labelled with its own."""
+    return click.option(
+        flag, dest, type=click.Choice(choices), multiple=True, default=("auto",), show_default=True, help=help
+    )
+
+
 def command_line(ctx: click.Context) -> str:
     """The command that reproduces this run: every option with the value it ran with, defaults included."""
     words = ["cbq bench", ctx.command.name or "?"]

@@ -26,6 +26,7 @@ from worker.bench.cache_workloads import CACHE_WORKLOADS, make_cache_workload
 from worker.bench.common import (
     OFFLINE_WORKLOADS,
     WORKLOADS,
+    compared_choice,
     eos_ignored,
     make_workload,
     triton_compiles,
@@ -198,33 +199,24 @@ def run_hf(model, reqs, output_len_cap: int | None) -> ModeResult:
     is_flag=True,
     help="Compute every prompt whole; W4 sends its n samples as n requests.",
 )
-@click.option(
+@compared_choice(
     "--decoder",
     "decoders",
-    type=click.Choice(DECODERS),
-    multiple=True,
-    default=("auto",),
-    show_default=True,
-    help="Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
+    DECODERS,
+    "Decoder(s) to run, each in every mode (repeat to compare; results are then named MODE-DECODER).",
 )
-@click.option(
+@compared_choice(
     "--decode-gemm",
     "decode_gemms",
-    type=click.Choice(DECODE_GEMMS),
-    multiple=True,
-    default=("auto",),
-    show_default=True,
-    help="Small-step GEMM path(s) of the owned decoder (EngineConfig.decode_gemm; repeat to compare in "
+    DECODE_GEMMS,
+    "Small-step GEMM path(s) of the owned decoder (EngineConfig.decode_gemm; repeat to compare in "
     "one process; results are then named MODE-...-GEMM).",
 )
-@click.option(
+@compared_choice(
     "--mla-prefill",
     "mla_prefills",
-    type=click.Choice(MLA_PREFILL_CHOICES),
-    multiple=True,
-    default=("auto",),
-    show_default=True,
-    help="Latent attention's prefill (CBQ_MLA_PREFILL, latent_prefill.py): absorbed, over expanded K/V, or each "
+    MLA_PREFILL_CHOICES,
+    "Latent attention's prefill (CBQ_MLA_PREFILL, latent_prefill.py): absorbed, over expanded K/V, or each "
     "step's cheaper; repeat to compare in one process (results are then named MODE-...-PREFILL).",
 )
 @click.option(

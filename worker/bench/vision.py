@@ -34,7 +34,7 @@ from typing import Any
 
 import click
 
-from worker.bench.common import eos_ignored, run_header, triton_compiles
+from worker.bench.common import compared_choice, eos_ignored, run_header, triton_compiles
 from worker.bench.qwen_vl_checkpoint import QWEN2_5_VL_SHAPES, random_qwen2_5_vl
 from worker.bench.tokenizer_files import corpus
 from worker.engine.config import DECODERS
@@ -253,14 +253,11 @@ def _synchronize(device) -> None:
     "--hf-batch-size", type=int, default=None, help="Requests per generate call; default: all N at once."
 )
 @click.option("--mode", type=click.Choice(["async", "sync"]), default="async", show_default=True)
-@click.option(
+@compared_choice(
     "--decoder",
     "decoders",
-    type=click.Choice(DECODERS),
-    multiple=True,
-    default=("auto",),
-    show_default=True,
-    help="The language model's decoder(s) (EngineConfig.decoder); repeat to compare in one process (each an engine "
+    DECODERS,
+    "The language model's decoder(s) (EngineConfig.decoder); repeat to compare in one process (each an engine "
     "of its own over the same model; the first is the one compared with transformers).",
 )
 @click.option(
