@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [w1mlaowned] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [w6encoder] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [testsF] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [w1mlaowned] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [w6encoder] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -60,8 +60,13 @@ B_GPU_TESTS="tests/worker/engine/test_family_kernels.py tests/worker/engine/test
     tests/worker/engine/test_deterministic_kernels.py"
 # testsE: the MoE files, out of testsB since a cold start cut B at 560 s after 23 tests (2026-12-01f)
 E_GPU_TESTS="tests/worker/engine/test_engine_moe_gpu.py tests/worker/engine/test_moe_triton.py"
+# testsF: latent attention (issue 47) and images (issue 50), out of testsC since they doubled its length
+F_GPU_TESTS="tests/worker/engine/test_engine_deepseek_gpu.py tests/worker/engine/test_latent_fp8.py
+    tests/worker/engine/test_latent_prefill.py tests/worker/engine/test_latent_attention.py
+    tests/worker/engine/test_engine_vision_gpu.py tests/worker/engine/test_engine_gemma3_vision_gpu.py
+    tests/worker/engine/test_engine_mistral3_vision_gpu.py tests/worker/engine/test_vision_attention.py"
 # testsC: every other GPU test file
-C_IGNORES=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
+C_IGNORES=$(for f in $CORE_GPU_TESTS $B_GPU_TESTS $D_GPU_TESTS $E_GPU_TESTS $F_GPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)
 if has testsA; then
     # shellcheck disable=SC2086  # the list is word-split on purpose
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $CORE_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_a.log" | tail -25
@@ -78,20 +83,24 @@ if has testsE; then
     # shellcheck disable=SC2086
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $E_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_e.log" | tail -25
 fi
+if has testsF; then
+    # shellcheck disable=SC2086
+    timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $F_GPU_TESTS -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_f.log" | tail -25
+fi
 if has testsC; then
     # shellcheck disable=SC2086
     timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu tests/worker/engine $C_IGNORES -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_c.log" | tail -25
 fi
 if has suite; then  # the whole gpu suite, its five groups side by side on the one GPU (each process capped at a share
     # of its memory: tests/conftest.py CBQ_TEST_GPU_SHARE); Triton's compiles, most of a group's time, take a core each
-    groups=(A B C D E) pids=()
+    groups=(A B C D E F) pids=()
     for group in "${groups[@]}"; do
         case $group in
-            A) files=$CORE_GPU_TESTS ;; B) files=$B_GPU_TESTS ;; D) files=$D_GPU_TESTS ;; E) files=$E_GPU_TESTS ;;
+            A) files=$CORE_GPU_TESTS ;; B) files=$B_GPU_TESTS ;; D) files=$D_GPU_TESTS ;; E) files=$E_GPU_TESTS ;; F) files=$F_GPU_TESTS ;;
             C) files="tests/worker/engine $C_IGNORES" ;;
         esac
         # shellcheck disable=SC2086
-        CBQ_TEST_GPU_SHARE=${GPU_SUITE_SHARE:-0.18} timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $files \
+        CBQ_TEST_GPU_SHARE=${GPU_SUITE_SHARE:-0.15} timeout "${GPU_TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu $files \
             -p no:cacheprovider --durations=15 >"$OUT/gpu_suite_$group.log" 2>&1 &
         pids+=($!)
     done
