@@ -54,7 +54,7 @@ from .kv_cache import (
     uses_latent_cache,
 )
 from .logits_processing import process_logits, to_device
-from .moe.fp8_experts import expert_format_of
+from .moe.fp8_experts import reserve_workspaces
 from .multimodal import ImageEncoder, StepImages, is_vision_model
 from .parallel.messages import Replica
 from .sampler import sample
@@ -157,11 +157,13 @@ class ModelRunner:
             config.deterministic,
             tp=tp,
         )
-        # transformers' forward over FP8 experts (moe/fp8_experts.py) runs the grouped GEMMs in a workspace that grows
-        # to the largest step it meets, which a graph must not capture mid-growth (and without Triton, an emulation
-        # whose per-expert loop syncs with the host): that model's decode steps run eagerly (DeepSeek-V3's FP8 on
-        # decoder "auto"; the owned decoder sizes its MoE workspace once and captures them)
-        self._forward_capturable = self.decoder is not None or expert_format_of(model) is None
+        # transformers' forward over FP8 experts (moe/fp8_experts.py, DeepSeek-V3's FP8 on decoder "auto") runs the
+        # grouped GEMMs in a shared workspace, which a graph must not capture mid-growth: sized here, once, for the
+        # largest step, before the KV cache takes what is left. Without Triton their emulation syncs with the host,
+        # and that model's decode steps run eagerly. (The owned decoder sizes its MoE workspace itself.)
+        self._forward_capturable = self.decoder is not None or reserve_workspaces(
+            model, max(config.max_num_batched_tokens, max(graph_buckets_for(config), default=0)), model.dtype
+        )
 
         # `measured`: the cache's size came from free memory, not --num-kv-blocks (a replica's rank 0 holds the
         # agreed count in its config, so its replica says so).

@@ -21,6 +21,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from tests.fixtures.fp8_checkpoints import build_fp8_moe_checkpoint
 from worker.engine.api import EngineRequest, SamplingParams
@@ -280,6 +281,11 @@ def check_fp8_experts_module(device: str) -> None:
             assert rel(got, want) < INTERPRETER_TOL, (num_tokens, rel(got, want))
     (workspace,) = fe._WORKSPACES.values()  # one for both modules, grown once
     assert workspace.max_tokens == 128
+    # The runner sizes it once for its largest step, where graphs can then capture the forward: on CUDA with Triton
+    fe._WORKSPACES.clear()
+    assert fe.reserve_workspaces(nn.ModuleList(modules), 300, torch.float32) == (device == "cuda")
+    assert [w.max_tokens for w in fe._WORKSPACES.values()] == ([512] if device == "cuda" else [])
+    assert fe.reserve_workspaces(nn.Linear(2, 2), 300, torch.float32), "no FP8 experts: nothing holds capture back"
 
 
 CHECK = r"""

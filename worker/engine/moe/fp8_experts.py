@@ -77,7 +77,8 @@ class Fp8Experts(nn.Module):
 
 # One MoE workspace a (device, dtype, layer shape), shared by every `Fp8Experts` that transformers' forward calls (its
 # layers run one after another, as the owned decoder's MoE layers share theirs) and grown to the largest step seen
-# (a power of two of tokens): the owned decoder sizes its own once from the step budget instead.
+# (a power of two of tokens), or sized once for the engine's step budget by `reserve_workspaces` (the model runner's,
+# so that decode steps can be captured in graphs); the owned decoder sizes its own once from the step budget.
 _WORKSPACES: dict[tuple[Any, ...], triton_moe.MoeWorkspace] = {}
 
 
@@ -88,6 +89,19 @@ def shared_workspace(spec: MoeSpec, num_tokens: int, dtype: torch.dtype, device:
         size = 1 << max(num_tokens - 1, 63).bit_length()  # at least 64 tokens
         workspace = _WORKSPACES[key] = triton_moe.MoeWorkspace.allocate(spec, size, dtype, device)
     return workspace
+
+
+def reserve_workspaces(model: nn.Module, num_tokens: int, dtype: torch.dtype) -> bool:
+    """Size the shared workspace of every `Fp8Experts` in `model` (activations in `dtype`) for steps of up to
+    `num_tokens` tokens now, so that no later step grows one (a CUDA graph captured before a growth would replay into
+    freed memory). Returns whether the model's forward over them is then capturable: yes on CUDA with Triton, not
+    with their emulation, whose per-expert loop reads device values on the host."""
+    experts = [m for m in model.modules() if isinstance(m, Fp8Experts)]
+    if not experts or not triton_moe.HAVE_TRITON or not experts[0].gate_up_proj.is_cuda:
+        return not experts
+    for module in experts:
+        shared_workspace(module.spec, num_tokens, dtype, module.gate_up_proj.device)
+    return True
 
 
 def expert_format_of(model: nn.Module) -> Fp8ExpertFormat | None:
