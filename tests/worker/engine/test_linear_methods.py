@@ -159,3 +159,5 @@ def test_per_tensor_scales_of_a_merged_layer_are_one_per_output_and_fused_per_ro
     assert torch.equal(layer(x), CompressedTensorsFp8LinearMethod(scheme).apply(expected, x, None))
     for part, piece in zip(fp8_parts(layer, [32, 16, 16]), pieces, strict=True):
         assert part.scheme == scheme and torch.equal(part.weight_scale, piece.weight_scale)
+        # its own allocation, not a view 4 or 8 bytes into the layer's: cuBLASLt refuses misaligned scales
+        assert part.weight_scale.storage_offset() == 0 and part.weight_scale.data_ptr() % 16 == 0

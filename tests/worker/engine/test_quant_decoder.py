@@ -187,6 +187,18 @@ def _check_each_linear_matches_its_emulation(model, ids: torch.Tensor) -> int:
     return len(captured)
 
 
+def test_quantization_fp8_keeps_each_linear_on_the_device_of_its_weight():
+    """`--quantization fp8` quantizes a model where it lies (a preset built on the GPU): each FP8 linear's weight
+    and scales stay on its weight's device (the "meta" device here stands for CUDA; the CPU cannot tell)."""
+    from worker.engine.quant.config import OnlineFp8Config
+    from worker.engine.quant.linear import quantize_linears
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).to("meta")
+    quantize_linears(model, OnlineFp8Config(), keep_fp8=True)
+    assert isinstance(model[0], Fp8LinearModule)
+    assert {t.device.type for t in model[0].state_dict().values()} == {"meta"}
+
+
 @pytest.mark.gpu
 @needs_fp8_gpu
 def test_gpu_quantization_fp8_runs_fp8_gemms_that_match_their_emulation(monkeypatch):

@@ -513,7 +513,9 @@ if HAVE_TRITON:
     # fall in a new class: a 1.4 s compile inside a measured W1 step on the H200. They are scalar loads and
     # bounds, so specialising on them buys nothing.
     @_jit_unspecialized(
-        ints=["num_seqs", "num_tokens"], pointers=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"]
+        ints=["num_seqs", "num_tokens"],
+        pointers=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr", "key_limits_ptr"],  # key_limits_ptr is
+        # context_lens_ptr where a step has no key limits: sliced the same way
     )
     def _prefill_kernel(
         q_ptr,

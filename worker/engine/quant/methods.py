@@ -142,7 +142,9 @@ class Fp8LinearMethod(LinearMethod):
                 f"{prefix}.weight is {weight.dtype} {list(weight.shape)}; {self.format_name} needs a 2-D weight"
             )
         dtype = weight.dtype if weight.is_floating_point() and weight.dtype != FP8_DTYPE else torch.float32
-        layer = load_whole_linear(self, tensors, prefix, tuple(weight.shape), dtype, missing=Fp8CheckpointError)
+        layer = load_whole_linear(
+            self, tensors, prefix, tuple(weight.shape), dtype, missing=Fp8CheckpointError, device=weight.device
+        )
         return fp8_linear_of(layer)
 
     def dequantize(self, layer: Fp8Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -180,8 +182,9 @@ def fp8_parts(layer: Any, rows: list[int]) -> list[Fp8Linear]:
     parts, row, scale_row = [], 0, 0
     for i, size in enumerate(rows):
         weight = whole.weight[row : row + size]
-        if shard_scales is not None:  # per tensor as shipped, whatever the fused layer runs
-            scale, part_scheme = shard_scales[i], replace(scheme, weight=WeightScale.TENSOR)
+        if shard_scales is not None:  # per tensor as shipped, whatever the fused layer runs; a copy, not a view:
+            # cuBLASLt refuses a scale 4 bytes into an allocation (CUBLAS_STATUS_NOT_SUPPORTED for k_proj on the H100)
+            scale, part_scheme = shard_scales[i].clone(), replace(scheme, weight=WeightScale.TENSOR)
         elif scheme.weight is WeightScale.CHANNEL:
             scale, part_scheme = whole.weight_scale[row : row + size], scheme
         elif scheme.weight is WeightScale.BLOCK:

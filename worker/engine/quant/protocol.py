@@ -248,14 +248,16 @@ def load_whole_linear(
     weight_shape: Sequence[int],
     dtype: torch.dtype,
     missing: type[Exception] = LinearLoadError,
+    device: torch.device | None = None,
 ) -> nn.Module:
     """Linear `prefix` whole (a world of one) from `tensors` (by checkpoint name) through `method`: its
-    parameters created at `weight_shape` [N, K], each loaded, then processed. What the one-process readers of a
-    single linear use (an expert's linear, `--quantization fp8` on a model in memory)."""
+    parameters created at `weight_shape` [N, K] on `device` (the CPU: None), each loaded, then processed. What the
+    one-process readers of a single linear use (an expert's linear, `--quantization fp8` on a model in memory, which
+    passes its weight's device so that the quantized linear stays there)."""
     n, k = weight_shape
     layer = nn.Module()
     sizes = LinearSizes(k, (n,))
-    method.create_weights(layer, sizes, dtype, None)
+    method.create_weights(layer, sizes, dtype, device)
     for name, param in split_params(layer):
         what = f"{prefix}.{checkpoint_name(name, param)}"
         if what not in tensors and split_of(param).optional:

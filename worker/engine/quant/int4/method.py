@@ -206,7 +206,9 @@ class Int4LinearMethod(LinearMethod):
             raise Int4CheckpointError(f"{what} is {list(words.shape)}; packed INT4 words are 2-D")
         n = words.shape[split.output_dim] * split.output_block
         k = words.shape[split.input_dim] * split.input_block
-        layer = load_whole_linear(self.kept(True), tensors, prefix, (n, k), torch.float32, missing=Int4CheckpointError)
+        layer = load_whole_linear(
+            self.kept(True), tensors, prefix, (n, k), torch.float32, missing=Int4CheckpointError, device=words.device
+        )
         parts: list[Int4Linear] = layer.int4_parts  # type: ignore[assignment]
         return parts[0]
 
