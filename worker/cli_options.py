@@ -211,8 +211,7 @@ engine_tuning_options = config_flags(
             "type": click.Choice(DECODERS),
             "help": "What runs the model's layers (default auto: cbq's owned decoder on CUDA where it runs the "
             "family, transformers' layers with cbq's attention elsewhere); either runs a vision-language model's "
-            "images (auto: hf for them until the owned decoder's CUDA path is measured; Gemma 3 4B-27B: their text "
-            "alone under --deterministic or --quantization). A decoder embedding "
+            "images (Gemma 3 4B-27B: their text alone under --deterministic or --quantization). A decoder embedding "
             "model runs packed through "
             "the owned decoder on every device under auto; hf: transformers' padded forward.",
         },

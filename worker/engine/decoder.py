@@ -444,11 +444,11 @@ def cos_sin_table(
 
 
 def _auto_owned(model: Any) -> bool:
-    """Whether "auto" takes the owned decoder on CUDA. A vision-language model's text stack runs on it exactly on the
-    CPU (images, M-RoPE, DeepStack), but its CUDA path has not yet run on a GPU: "auto" keeps transformers' layers
-    for it until the vision GPU tests (`run_gpu.sh visiongpu`) have; `--decoder owned` takes it now."""
-    vision = family_root(model) is not model  # its `config` is the language model's, which names no vision tower
-    return not vision and unsupported_reason(model) is None
+    """Whether "auto" takes the owned decoder on CUDA: wherever it runs the model. A vision-language model's text
+    stack included (images, M-RoPE, DeepStack: exact against `generate` in fp32 on both decoders on the CPU and, since
+    the GPU suite's `testsF` of 2026-12-06 on an H100, on CUDA); its `config` is the language model's, so the check
+    asks the model, not a `vision_config` the text config never has."""
+    return unsupported_reason(model) is None
 
 
 def build_decoder(

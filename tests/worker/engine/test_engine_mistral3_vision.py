@@ -219,14 +219,14 @@ def test_pixtral_runs_a_steps_images_in_calls_of_bounded_patches(checkpoint, mon
     torch.testing.assert_close(model.encode_images(pixels, sizes), whole, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_keeps_transformers_layers_for_a_vision_model_until_its_cuda_path_ran(checkpoint):
-    """`auto` on CUDA takes the owned decoder for a text model but not (yet) for a vision-language one, whose `config`
-    is its language model's: the check reads the model, not a `vision_config` the text config never has."""
-    from worker.engine.decoder import _auto_owned
+def test_auto_takes_the_owned_decoder_for_a_vision_model_through_its_whole(checkpoint, monkeypatch):
+    """`auto` on CUDA takes the owned decoder for a vision-language model as for a text one, asking the model, whose
+    `config` is its language model's: a reason found through the whole model keeps it on transformers' layers."""
+    from worker.engine import decoder
     from worker.engine.models import load_model
 
     model, _ = load_model(str(checkpoint.path), torch.device("cpu"), torch.float32)
-    assert getattr(model.config, "vision_config", None) is None  # what the first check read: it let auto through
-    assert not _auto_owned(model)
-    text, _ = load_model("tiny-llama", torch.device("cpu"), torch.float32)
-    assert _auto_owned(text)
+    assert getattr(model.config, "vision_config", None) is None  # a check of the config alone would see a text model
+    assert decoder._auto_owned(model)
+    monkeypatch.setattr(decoder, "unsupported_reason", lambda m: "its vision tower's family says no" if m is model else None)
+    assert not decoder._auto_owned(model)
