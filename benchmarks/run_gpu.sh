@@ -222,9 +222,10 @@ if has mlaprefill; then  # issue 47 item 5: W2 on the DeepSeek-V2-Lite shape, la
     bench 590 --model deepseek-v2-lite --mla-prefill absorbed --mla-prefill auto --workload W2 --mode async \
         --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 8192 --json-out "$OUT/w2_mla_prefill.json" 2>&1 | tail -12
 fi
-if has w1mlaowned; then  # issue 47 item 5: W1 on the DeepSeek-V2-Lite shape on transformers' layers with cbq's latent
-    # attention ("auto", today's path; "hf" would be transformers' attention over expanded per-head K/V) and on the
-    # owned decoder (latent_layer.py, the owned MoE path), in one process (W1_mla_owned)
+if has w1mlaowned; then  # issue 47 item 5: W1 on the DeepSeek-V2-Lite shape, "auto" and the owned decoder (latent_layer.py,
+    # the owned MoE path), in one process (W1_mla_owned). Measured at daeb512 (2026-12-06, H100), "auto" was then
+    # transformers' layers with cbq's latent attention: owned 1.36x, and "auto" takes the owned decoder on CUDA since,
+    # so the two now run the same path (the stage checks that they still measure alike)
     bench 540 --model deepseek-v2-lite --decoder auto --decoder owned --workload W1 --mode async \
         --max-num-seqs 32 --max-num-batched-tokens 2048 --max-model-len 8192 --json-out "$OUT/w1_mla_owned.json" 2>&1 | tail -12
 fi

@@ -474,12 +474,17 @@ def build_decoder(
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
     if getattr(model.config, "kv_lora_rank", None):
         prefill_choice()  # a bad CBQ_MLA_PREFILL fails here, at start, in one line, not in every prefill step
-    if getattr(model.config, "kv_lora_rank", None) and (choice != "owned" or deterministic):
-        # Latent attention: transformers' layers with cbq's attention, under "auto" on every device (a TP shard's
-        # collectives then sit in its modules: models/shard_model.py). The owned decoder runs these models, in one
-        # process and on TP shards (latent_layer.py: exact on the CPU), but its CUDA path has not yet run on a GPU:
-        # "auto" keeps today's path until its GPU tests (test_engine_deepseek_gpu.py's "owned" cases, `run_gpu.sh
-        # mlagpu`) and `run_gpu.sh w1mlaowned` have run; `--decoder owned` takes it now.
+    if getattr(model.config, "kv_lora_rank", None) and (
+        choice == "hf"
+        or deterministic
+        or (choice == "auto" and (device.type != "cuda" or tp is not None or not _auto_owned(model)))
+    ):
+        # Latent attention on transformers' layers with cbq's attention: "auto" on the CPU and on tensor-parallel
+        # shards (whose collectives then sit in their modules: models/shard_model.py). "auto" in one CUDA process
+        # takes the owned decoder (latent_layer.py, the owned MoE path): exact against `generate` in fp32 on CUDA
+        # and 1.36x the W1 output rate of transformers' layers on the DeepSeek-V2-Lite shape (H100, 2026-12-06,
+        # `run_gpu.sh mlagpu w1mlaowned`). Its ranks run the owned decoder exactly over gloo on the CPU, not yet
+        # measured on GPUs: `--decoder owned` takes it there.
         return _latent_attention_model(model, choice, deterministic, tp)
     if deterministic:
         use_triton = use_triton and decode_gemm.HAVE_TRITON

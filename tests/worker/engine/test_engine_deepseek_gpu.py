@@ -1,8 +1,9 @@
 """GPU checks of latent attention (DeepSeek-V2/V3): on CUDA, the latent path (latent_attention.py: the Triton write
 and attention kernels over the paged latent cache, decode steps in CUDA graphs) against `model.generate` in fp32 on
 the release-shaped fixtures (V3's FP8 weights dequantized), and graph vs eager in bf16; each on transformers' layers
-("auto") and on the owned decoder ("owned": latent_layer.py, the owned MoE path's Triton grouped GEMMs, the fused
-layer ops and the small-step GEMMs), which "auto" takes once these have passed.
+(what "auto" runs on tensor-parallel ranks, here "latent": the decoder choice "auto" with the owned decoder
+refused) and on the owned decoder ("owned": latent_layer.py, the owned MoE path's Triton grouped GEMMs, the fused
+layer ops and the small-step GEMMs), which "auto" takes in one CUDA process since these passed (2026-12-06).
 Run on the H200 by benchmarks/run_gpu.sh (`mlagpu`); skipped without CUDA."""
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ pytestmark = [
 ]
 
 
-DECODERS = ["auto", "owned"]  # transformers' layers with cbq's latent attention; the owned decoder
+DECODERS = ["latent", "owned"]  # transformers' layers with cbq's latent attention; the owned decoder
 
 
 def run(model, tok, reqs, **config) -> tuple[list[list[int]], Engine]:
-    engine = Engine(model, tok, EngineConfig(device="cuda", **config))
+    latent = config.get("decoder") == "latent"
+    if latent:  # "auto" where the owned decoder is not taken (tensor-parallel ranks): refused here, so auto keeps
+        # transformers' layers with cbq's latent attention in one process
+        config["decoder"] = "auto"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("worker.engine.decoder._auto_owned", lambda model: False)
+            engine = Engine(model, tok, EngineConfig(device="cuda", **config))
+    else:
+        engine = Engine(model, tok, EngineConfig(device="cuda", **config))
     assert is_latent_cache(*engine.runner.kv_caches[0])
-    assert (engine.runner.decoder is not None) == (config.get("decoder") == "owned")
+    assert (engine.runner.decoder is None) == latent
     results = engine.generate(reqs)
     engine.blocks.check_integrity([])
     assert all(r.error is None for r in results), [r.error for r in results if r.error][:3]
@@ -58,7 +67,7 @@ def test_latent_fp32_equals_generate(tmp_path, name, decoder):
 @pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_latent_bf16_graph_equals_eager(tmp_path, name, decoder):
-    """V3's FP8 experts stay FP8 (sm89+): on "auto", transformers' forward runs them in the shared workspace that
+    """V3's FP8 experts stay FP8 (sm89+): on "latent", transformers' forward runs them in the shared workspace that
     the runner sized for its largest step (fp8_experts.reserve_workspaces), so its decode steps are captured too."""
     checkpoint = build_deepseek_checkpoint(tmp_path / name, name)
     model, tok = load_model(str(checkpoint.path), torch.device("cuda"), torch.bfloat16)

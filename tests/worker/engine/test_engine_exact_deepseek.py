@@ -117,11 +117,34 @@ def test_greedy_with_prefix_cache_equals_generate(deepseek, name, mode, decoder)
     assert engine.stats().prefix_cache_hits > 0, "the shared prefixes were meant to hit the cache"
 
 
+def test_auto_takes_the_owned_decoder_in_one_cuda_process(deepseek, monkeypatch):
+    """decoder "auto" for latent attention: the owned decoder in one CUDA process (it passed the GPU tests and ran W1
+    1.36x faster); transformers' layers with cbq's latent attention on the CPU, on tensor-parallel shards, and
+    where the owned decoder cannot run the model; "hf" is transformers' own attention."""
+    from worker.engine import decoder as decoder_module
+
+    _, model, _ = deepseek("v2-lite")
+    monkeypatch.setattr(decoder_module, "OwnedDecoder", lambda *args, **kwargs: "owned")
+    installed: list[str] = []
+    monkeypatch.setattr(decoder_module, "install_latent_attention", lambda m: installed.append("latent"))
+
+    def build(choice, device="cuda", tp=None):
+        installed.clear()
+        built = decoder_module.build_decoder(model, choice, torch.device(device), 64, False, tp=tp)
+        return built or ("latent on transformers" if installed else "transformers")
+
+    assert build("auto") == build("owned") == "owned"
+    assert build("auto", "cpu") == "latent on transformers" and build("hf") == "transformers"
+    assert build("auto", tp=object()) == "latent on transformers"
+    monkeypatch.setattr(decoder_module, "unsupported_reason", lambda m: "not this one")
+    assert build("auto") == "latent on transformers"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_latent_cache_holds_one_row_per_token_and_generate_is_unchanged(deepseek, name):
     """"owned" and "auto" keep kv_lora_rank + qk_rope_head_dim values per token per layer (K and V one tensor); the
-    owned decoder runs the model, "auto" keeps transformers' layers (until the owned path has run on a GPU);
-    transformers' forward outside the engine is its own."""
+    owned decoder runs the model, "auto" keeps transformers' layers on the CPU (the owned decoder on CUDA:
+    test_auto_takes_the_owned_decoder_in_one_cuda_process); transformers' forward outside the engine is its own."""
     _, model, tok = deepseek(name)
     assert unsupported_reason(model) is None
     assert Engine(model, tok, EngineConfig(decoder="auto", num_kv_blocks=8)).runner.decoder is None
