@@ -211,9 +211,9 @@ engine_tuning_options = config_flags(
             "type": click.Choice(DECODERS),
             "help": "What runs the model's layers (default auto: cbq's owned decoder on CUDA where it runs the "
             "family, transformers' layers with cbq's attention elsewhere); either runs a vision-language model's "
-            "images (Gemma 3 4B-27B: their text alone under --deterministic or --quantization). A decoder embedding "
-            "model runs packed through "
-            "the owned decoder on every device under auto; hf: transformers' padded forward.",
+            "images (Gemma 3 4B-27B: their text alone under --deterministic or --quantization). An embedding model "
+            "runs packed under auto on every device (a decoder through the owned decoder, a BERT or XLM-RoBERTa "
+            "encoder through transformers' modules); hf: transformers' padded forward.",
         },
     ),
     DETERMINISTIC_FLAG,

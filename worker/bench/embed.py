@@ -9,7 +9,8 @@ and `SentenceTransformer.encode(batch_size=256)` on the same module in the same 
 not loaded twice). Prints a table (inputs/s, tokens/s, the ratio) and writes JSON; the two outputs' cosine over
 the first inputs is reported too.
 
-On a decoder shape cbq's engine runs its packed forward (worker/embedding/packed.py) by default; the same engine with
+On both shapes cbq's engine runs its packed forward by default (worker/embedding/packed.py on the decoder,
+packed_encoder.py on BERT); the same engine with
 transformers' padded forward (`decoder="hf"`, the engine before the packed forward) then runs the first
 `--hf-forward-num` inputs on the same weights, so one run reports the packed forward's gain ("packed/hf") as well.
 """
@@ -170,9 +171,10 @@ def sentence_transformer(model, folder: Path, pooling: str, device: str):
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="cbq's tokens per batch (padded ones included in transformers' forward).")
 @click.option("--decoder", type=click.Choice(["auto", "owned", "hf"]), default="auto", show_default=True,
-              help="cbq's forward: auto = packed on decoder shapes, transformers' on encoders; hf = transformers'.")
+              help="cbq's forward: auto = packed where it runs the model (decoder shapes, BERT), else transformers' "
+                   "padded one; hf = transformers' padded one.")
 @click.option("--hf-forward-num", type=int, default=None,
-              help="Decoder shapes run packed: also run cbq with transformers' forward on the first N inputs "
+              help="Where cbq runs packed, also run it with transformers' padded forward on the first N inputs "
                    "(default: --reference-num, else all; 0 skips it).")
 @click.option("--max-num-seqs", type=int, default=None, help="cbq's inputs per batch.")
 @click.option("--device", default="auto", show_default=True)

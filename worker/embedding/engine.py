@@ -6,10 +6,12 @@ worker, `cbq run` and `cbq serve`'s workers run it as they run the generation en
 Redis or request lines (admission turns those into `EmbeddingRequest`s: worker/embedding/admission.py).
 
 Each step runs one batch through one of two forwards (`forward`), then pools the last hidden states (pooling.py):
-- "packed" (decoders whose family cbq's owned decoder runs: Qwen3-Embedding, gte-Qwen2, e5-mistral; the default
-  for them): the batch's inputs laid end to end in one row of tokens, no padding, through the owned decoder's
-  varlen prefill with a scratch KV cache (packed.py). A batch holds at most `max_batch_tokens` real tokens.
-- "transformers" (encoders, and any decoder with `decoder="hf"`): transformers' base model (`AutoModel`: no LM
+- "packed" (the default where it runs the model): the batch's inputs laid end to end in one row of tokens, no
+  padding. Decoders whose family cbq's owned decoder runs (Qwen3-Embedding, gte-Qwen2, e5-mistral) go through the
+  owned decoder's varlen prefill with a scratch KV cache (packed.py); BERT, RoBERTa and XLM-RoBERTa encoders
+  through transformers' own modules, each input attending to itself (packed_encoder.py). A batch holds at most
+  `max_batch_tokens` real tokens.
+- "transformers" (ModernBERT, and any model with `decoder="hf"`): transformers' base model (`AutoModel`: no LM
   head, no KV cache kept; a decoder runs its prompt once, as a prefill that generates nothing), inputs padded on
   the right to the batch's longest; at most `max_batch_tokens` padded tokens.
 Batches are made by length either way: requests fall into buckets whose lengths differ by at most `BUCKET_RATIO`,
@@ -36,6 +38,7 @@ from worker.embedding.checkpoint import (
     read_embedding_spec,
 )
 from worker.embedding.packed import PackedDecoderForward, packed_unsupported_reason
+from worker.embedding.packed_encoder import PackedEncoderForward, packed_encoder_unsupported_reason
 from worker.embedding.pooling import pool
 from worker.engine.api import (
     EngineRequest,
@@ -99,7 +102,7 @@ class EmbeddingEngine:
         decoder: str = "auto",
     ):
         """`decoder`, as the generation engine's setting: "auto" runs the packed forward where it runs the model (a
-        decoder family the owned decoder implements) and transformers' elsewhere, "owned" the packed forward or a
+        decoder family the owned decoder implements, a BERT-style encoder) and transformers' padded one elsewhere, "owned" the packed forward or a
         ValueError, "hf" transformers' forward."""
         self.model = model
         self._tokenizer = tokenizer
@@ -107,7 +110,11 @@ class EmbeddingEngine:
         self.pad_token_id = pad_token_id
         self.device = device
         self.forward = choose_forward(model, spec, decoder)
-        self._packed = PackedDecoderForward(model, device, spec.max_seq_length) if self.forward == PACKED else None
+        self._packed: PackedDecoderForward | PackedEncoderForward | None = None
+        if self.forward == PACKED and spec.is_decoder:
+            self._packed = PackedDecoderForward(model, device, spec.max_seq_length)
+        elif self.forward == PACKED:
+            self._packed = PackedEncoderForward(model, device)
         defaults = DEFAULT_MAX_PACKED_TOKENS if self.forward == PACKED else DEFAULT_MAX_BATCH_TOKENS
         default_tokens = max(defaults.get(device.type, 16384), spec.max_seq_length)
         self.max_batch_tokens = max_batch_tokens or default_tokens  # by default, room for the longest input
@@ -381,7 +388,7 @@ class EmbeddingEngine:
     @torch.inference_mode()
     def launch(self, batch_ids: list[list[int]]) -> torch.Tensor:
         """Queue one batch's forward, pooling and normalization on the device (no sync): the [batch, dim] fp32
-        vectors. Packed (packed.py), or through transformers' model with inputs padded on the right to the longest
+        vectors. Packed (packed.py, packed_encoder.py), or through transformers' model with inputs padded on the right to the longest
         (real tokens keep positions 0..n-1; a decoder's causal mask keeps them from seeing the pads, an encoder's
         padding mask does)."""
         if self._packed is not None:
@@ -443,7 +450,7 @@ def choose_forward(model: torch.nn.Module, spec: EmbeddingSpec, decoder: str) ->
         raise ValueError(f"decoder must be one of auto, owned, hf; got {decoder!r}")
     if decoder == "hf":
         return TRANSFORMERS
-    reason = packed_unsupported_reason(model) if spec.is_decoder else f"{spec.model_type} is an encoder"
+    reason = packed_unsupported_reason(model) if spec.is_decoder else packed_encoder_unsupported_reason(model)
     if reason is None:
         return PACKED
     if decoder == "owned":

@@ -113,8 +113,14 @@ def test_refuses_what_the_model_cannot_run(embedding_checkpoints):
     assert len(results["own-dimension"].embedding) == engine.spec.dimension
 
 
-def test_batches_keep_padding_within_a_bucket(embedding_checkpoints):
-    engine = EmbeddingEngine.from_model(str(embedding_checkpoints["bert"]), device="cpu", max_num_batched_tokens=2048)
+@pytest.mark.parametrize("decoder", ["auto", "hf"])
+def test_batches_keep_padding_within_a_bucket(embedding_checkpoints, decoder):
+    """A batch holds one length bucket, within the token bound: real tokens packed ("auto" on BERT), padded ones in
+    transformers' padded forward ("hf")."""
+    engine = EmbeddingEngine.from_model(
+        str(embedding_checkpoints["bert"]), device="cpu", max_num_batched_tokens=2048, decoder=decoder
+    )
+    assert engine.forward == ("packed" if decoder == "auto" else "transformers")
     seen: list[list[int]] = []
     launch = engine.launch
 
@@ -130,7 +136,7 @@ def test_batches_keep_padding_within_a_bucket(embedding_checkpoints):
     assert sum(map(len, seen)) == len(requests)
     for lengths in seen:
         assert max(lengths) <= BUCKET_RATIO * min(lengths) + 1, lengths
-        assert max(lengths) * len(lengths) <= 2048
+        assert (sum(lengths) if decoder == "auto" else max(lengths) * len(lengths)) <= 2048
 
 
 def test_abort_of_a_waiting_request_cancels_it(embedding_checkpoints):

@@ -33,14 +33,16 @@ def test_cuda_equals_sentence_transformers(family, dtype, cosine_min, embedding_
     assert cosine.min().item() >= cosine_min, cosine
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "bert", "xlm_roberta"])
 def test_cuda_packed_equals_the_transformers_forward_bf16(family, embedding_checkpoints):
-    """The packed forward (owned decoder, Triton kernels) against transformers' padded forward on the same bf16
-    weights: what W7's before/after compares."""
+    """The packed forward (the owned decoder's Triton kernels for decoders, transformers' modules with the packed
+    attention for encoders) against transformers' padded forward on the same bf16 weights: what W7's before/after
+    compares."""
     path = embedding_checkpoints[family]
     hf = EmbeddingEngine.from_model(str(path), device="cuda", dtype="bf16", decoder="hf", max_num_batched_tokens=4096)
     packed = EmbeddingEngine(hf.model, hf.tokenizer, hf.spec, hf.pad_token_id, hf.device, max_batch_tokens=4096)
-    assert packed.forward == "packed" and packed._packed is not None and packed._packed.decoder.use_triton
+    assert packed.forward == "packed" and packed._packed is not None
+    assert not hf.spec.is_decoder or packed._packed.decoder.use_triton  # type: ignore[union-attr]
     batch = [hf.tokenizer.encode(hf.spec.prompt + t) for t in _texts(64, seed=3)]
     want = torch.tensor(hf.embed(batch))
     got = torch.tensor(packed.embed(batch))

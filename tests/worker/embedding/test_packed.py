@@ -1,4 +1,4 @@
-"""The packed decoder forward of embedding models (worker/embedding/packed.py) on the CPU: which models take it, the
+"""The packed forwards of embedding models (worker/embedding/packed.py, packed_encoder.py) on the CPU: which models take it, the
 same vectors as transformers' padded forward in every pooling mode, packed pooling against padded pooling, and
 batches bounded by their real tokens."""
 
@@ -26,7 +26,10 @@ MODES = ["cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken"]
         ("qwen3", "auto", PACKED),
         ("mistral", "owned", PACKED),
         ("qwen3", "hf", TRANSFORMERS),
-        ("bert", "auto", TRANSFORMERS),
+        ("bert", "auto", PACKED),
+        ("xlm_roberta", "owned", PACKED),
+        ("bert", "hf", TRANSFORMERS),
+        ("modernbert", "auto", TRANSFORMERS),
     ],
 )
 def test_decoder_families_take_the_packed_forward(family, decoder, forward, embedding_checkpoints):
@@ -35,13 +38,13 @@ def test_decoder_families_take_the_packed_forward(family, decoder, forward, embe
     assert f"{forward} forward" in engine.describe("m", "m")
 
 
-def test_decoder_owned_refuses_an_encoder(embedding_checkpoints):
-    with pytest.raises(EmbeddingCheckpointError, match="bert is an encoder"):
-        EmbeddingEngine.from_model(str(embedding_checkpoints["bert"]), device="cpu", decoder="owned")
+def test_decoder_owned_refuses_an_encoder_it_does_not_pack(embedding_checkpoints):
+    with pytest.raises(EmbeddingCheckpointError, match="modernbert is not an encoder cbq packs"):
+        EmbeddingEngine.from_model(str(embedding_checkpoints["modernbert"]), device="cpu", decoder="owned")
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "bert", "xlm_roberta"])
 def test_packed_equals_the_transformers_forward(family, mode, embedding_checkpoints):
     hf = EmbeddingEngine.from_model(str(embedding_checkpoints[family]), device="cpu", decoder="hf")
     spec = dataclasses.replace(hf.spec, pooling=mode)
@@ -52,6 +55,7 @@ def test_packed_equals_the_transformers_forward(family, mode, embedding_checkpoi
     assert max(map(len, batch)) > 32  # past the mistral fixture's sliding window
     want = torch.tensor(hf.embed(batch))
     got = torch.tensor(packed.embed(batch))
+    assert torch.equal(torch.tensor(hf.embed(batch)), want), "the padded forward keeps its own attention after"
     cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     assert cosine.min().item() >= COSINE_MIN, cosine
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)

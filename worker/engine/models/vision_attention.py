@@ -1,4 +1,5 @@
-"""One attention call per vision block for Qwen2.5-VL's and Qwen3-VL's towers (issue 50 item 6).
+"""One attention call per vision block for Qwen2.5-VL's and Qwen3-VL's towers (issue 50 item 6), and per layer for a
+packed encoder embedding model (worker/embedding/packed_encoder.py).
 
 transformers' Qwen-VL vision attention holds every image's patches in one packed sequence, cut by `cu_seqlens`
 (each image in the full-attention blocks; each window of at most 64 patches in Qwen2.5-VL's windowed blocks). Under
@@ -117,9 +118,14 @@ def packed_attention(
     return packing.unpack(out), None
 
 
-def use_packed_attention(vision_config: Any) -> None:
-    """Run the tower whose config this is (every one of its attention modules reads it) on `packed_attention`."""
+def register_packed_attention() -> None:
+    """Make `packed_attention` transformers' attention implementation PACKED_ATTENTION (what a config names)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+def use_packed_attention(vision_config: Any) -> None:
+    """Run the tower whose config this is (every one of its attention modules reads it) on `packed_attention`."""
+    register_packed_attention()
     vision_config._attn_implementation = PACKED_ATTENTION
