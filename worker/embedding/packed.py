@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from worker.embedding.checkpoint import PoolingMode
-from worker.embedding.pooling import pool_packed
+from worker.embedding.pooling import packed_layout, pool_packed
 from worker.engine.attention_backend import (
     AttentionBackend,
     AttentionMetadata,
@@ -86,16 +86,11 @@ class PackedDecoderForward:
     @torch.inference_mode()
     def launch(self, batch_ids: list[list[int]], pooling: PoolingMode, normalize: bool) -> torch.Tensor:
         """The batch's vectors [B, dim] fp32, pooled by `pooling` and L2-normalized when `normalize`."""
-        lengths_cpu = torch.tensor([len(ids) for ids in batch_ids], dtype=torch.int64)
-        num_tokens = int(lengths_cpu.sum())
-        cu_cpu = torch.zeros(len(batch_ids) + 1, dtype=torch.int64)
-        torch.cumsum(lengths_cpu, 0, out=cu_cpu[1:])
+        lengths_cpu, cu_cpu, input_of_token, positions_cpu = packed_layout(batch_ids)
         # each input's slots from a block boundary: its block table is start_block .. start_block + its blocks - 1
         blocks_per_input = (lengths_cpu + BLOCK_SIZE - 1) // BLOCK_SIZE
         start_block = torch.cumsum(blocks_per_input, 0) - blocks_per_input
         num_blocks = int(blocks_per_input.sum())
-        input_of_token = torch.repeat_interleave(torch.arange(len(batch_ids)), lengths_cpu)
-        positions_cpu = torch.arange(num_tokens) - cu_cpu[input_of_token]
         slots_cpu = start_block[input_of_token] * BLOCK_SIZE + positions_cpu
         max_len = int(lengths_cpu.max())
         max_blocks = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE

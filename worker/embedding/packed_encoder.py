@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from worker.embedding.checkpoint import PoolingMode
-from worker.embedding.pooling import pool_packed
+from worker.embedding.pooling import packed_layout, pool_packed
 from worker.engine.models.vision_attention import PACKED_ATTENTION, register_packed_attention
 
 # model types whose embeddings take position_ids and whose attention modules call transformers' attention interface
@@ -57,15 +57,10 @@ class PackedEncoderForward:
 
     @torch.inference_mode()
     def launch(self, batch_ids: list[list[int]], pooling: PoolingMode, normalize: bool) -> torch.Tensor:
-        lengths_cpu = torch.tensor([len(ids) for ids in batch_ids], dtype=torch.int64)
-        num_tokens = int(lengths_cpu.sum())
-        cu_cpu = torch.zeros(len(batch_ids) + 1, dtype=torch.int64)
-        torch.cumsum(lengths_cpu, 0, out=cu_cpu[1:])
-        input_of_token = torch.repeat_interleave(torch.arange(len(batch_ids)), lengths_cpu)
-        positions_cpu = torch.arange(num_tokens) - cu_cpu[input_of_token] + self.first_position
+        lengths_cpu, cu_cpu, _, positions_cpu = packed_layout(batch_ids)
         host = {
             "input_ids": torch.tensor([t for ids in batch_ids for t in ids], dtype=torch.int64),
-            "positions": positions_cpu,
+            "positions": positions_cpu + self.first_position,
             "cu_seqlens": cu_cpu.to(torch.int32),
             "cu_seqlens_long": cu_cpu,
             "lengths": lengths_cpu,

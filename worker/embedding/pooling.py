@@ -31,6 +31,17 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, mode: 
     return summed / counts.sqrt()
 
 
+def packed_layout(batch_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's inputs laid end to end in one row, on the host (int64): each input's length [B], their start offsets
+    cu_seqlens [B + 1], the input each token belongs to [T], and each token's position within its input [T]."""
+    lengths = torch.tensor([len(ids) for ids in batch_ids], dtype=torch.int64)
+    cu_seqlens = torch.zeros(len(batch_ids) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
+    input_of_token = torch.repeat_interleave(torch.arange(len(batch_ids)), lengths)
+    positions = torch.arange(int(cu_seqlens[-1])) - cu_seqlens[input_of_token]
+    return lengths, cu_seqlens, input_of_token, positions
+
+
 def pool_packed(hidden: torch.Tensor, cu_seqlens: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
     """[T, dim] hidden states of B inputs laid end to end, their [B + 1] start offsets (int64) and [B] lengths ->
     [B, dim] fp32. Reads nothing on the host (no sync)."""
