@@ -1,6 +1,6 @@
 """Gemma 3 with images on the CUDA path (decoder "hf": transformers' layers, cbq's paged attention; "owned": the owned
-decoder; steps holding an image's rows attend through the torch reference, the others through the Triton kernels
-and decode graphs; the SigLIP tower on the GPU): in fp32, greedy tokens equal `generate` on the same device. Run on
+decoder; steps holding an image's rows attend through the Triton prefill kernel with each row's key limit, the
+others through the Triton kernels and decode graphs; the SigLIP tower on the GPU): in fp32, greedy tokens equal `generate` on the same device. Run on
 the GPU machine; skipped without CUDA."""
 
 from __future__ import annotations
