@@ -6,7 +6,7 @@
 
 w1: 32 requests, prompt 256, 256 new tokens, 32 seqs / 2048 tokens per step (decode steps, graphs).
 w2: 400 W2 requests with outputs capped at 120 tokens, 1024 seqs / 8192 tokens (prefill-heavy mixed steps).
-Random-weight Llama-3-8B shape in bf16, async mode; `--precision` as `bench engine`'s (fp8: FP8 weights and KV),
+Random-weight Llama-3-8B shape in bf16 (`--model`: another preset, e.g. deepseek-v2-lite), async mode; `--precision` as `bench engine`'s (fp8: FP8 weights and KV),
 each precision's model loaded and freed in turn. Needs only torch, transformers and triton.
 """
 
@@ -29,9 +29,10 @@ from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import Engine  # noqa: E402
 from worker.engine.models import load_model  # noqa: E402
 
+# max_model_len as `bench engine --max-model-len 8192` runs the long-context shapes (DeepSeek-V2-Lite: 163,840)
 WORKLOADS = {
-    "w1": dict(max_num_seqs=32, max_num_batched_tokens=2048),
-    "w2": dict(max_num_seqs=1024, max_num_batched_tokens=8192),
+    "w1": dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=8192),
+    "w2": dict(max_num_seqs=1024, max_num_batched_tokens=8192, max_model_len=8192),
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (via the device tool) runs the GPU tests and the benchmarks:
-#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [testsF] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [w1mlaowned] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [w6encoder] [savecache]
+#   bash benchmarks/run_gpu.sh [enginetests] [suite] [testsA] [testsB] [testsC] [testsD] [testsE] [testsF] [moetests] [longropetests] [dettests] [familytests] [w1moe] [w2moe] [w1moefp8] [w1gptoss] [w2gptoss] [w1glm] [w2glm] [mlatests] [mlagpu] [visiongpu] [w1mla] [w2mla] [w1mlaowned] [mlaprofilew2] [families] [w1families] [w2families] [tests] [kernels] [sweeps] [chain] [w1] [w1nocache] [w3] [w4] [w1hf] [w2] [w2hf] [queue] [w2grammar] [w2det] [w1det] [invsweep] [fp8tests] [fp8quality] [w1fp8] [w2fp8] [fp8steptests] [fp8stepgemm] [fp8split] [fp8all] [int4tests] [w1fp8step] [tp1w1] [tp1w2] [fp8profile] [fp8profilew2] [int4gemm] [w1int4] [w2int4] [w5] [trace] [w7] [w7bert] [embedtests] [w6] [w6encoder] [savecache]
 # (no argument: all but enginetests, which `tests` includes, sweeps, and w2grammar: W2 async plain vs every request
 # constrained to a small JSON schema vs top_logprobs 5, in one process, about 6 minutes; w2det/w1det: deterministic
 # vs default mode, async, one process each; fp8tests/fp8quality/w1fp8/w2fp8: issue 26's FP8 KV kernel and engine
@@ -221,6 +221,11 @@ if has mlaprefill; then  # issue 47 item 5: W2 on the DeepSeek-V2-Lite shape, la
     # and each step's cheaper of absorbed and expanded K/V (latent_prefill.py, "auto": after), in one process
     bench 590 --model deepseek-v2-lite --mla-prefill absorbed --mla-prefill auto --workload W2 --mode async \
         --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 8192 --json-out "$OUT/w2_mla_prefill.json" 2>&1 | tail -12
+fi
+if has mlaprofilew2; then  # issue 47 item 5: W2's steps on the DeepSeek-V2-Lite shape per kernel (owned decoder): what holds
+    # its floor ratio at 0.55 (its 8,192-token mixed steps took 131 ms where their FLOPs need about 65)
+    timeout 400 python3 benchmarks/profile_step.py --model deepseek-v2-lite --workload w2 --decoder owned \
+        --out "$OUT/profile_w2_mla.txt" 2>&1 | tail -40
 fi
 if has w1mlaowned; then  # issue 47 item 5: W1 on the DeepSeek-V2-Lite shape, "auto" and the owned decoder (latent_layer.py,
     # the owned MoE path), in one process (W1_mla_owned). Measured at daeb512 (2026-12-06, H100), "auto" was then
