@@ -162,13 +162,15 @@ def test_latent_scales_are_the_layers_k_scale():
     assert kv_scales_of(model, EngineConfig(), latent=True) == ()
 
 
-def test_engine_fp8_latent_cache_agrees_with_fp32_and_doubles_the_blocks(v2_lite):
+@pytest.mark.parametrize("decoder", ["auto", "owned"])  # on CUDA "auto" is the owned decoder
+def test_engine_fp8_latent_cache_agrees_with_fp32_and_doubles_the_blocks(v2_lite, decoder):
     """Greedy tokens over an e4m3 latent cache vs the fp32 latent cache on the V2-Lite fixture: FP8 rounds each
     latent value to 3 mantissa bits, so a sequence may part after a near-tie; most first tokens agree (the FP8 KV
     cache tests' bound). One byte a value: a budget holds twice the blocks of a bf16 latent cache."""
     model, tok = v2_lite
-    fp8 = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=64))
-    exact = Engine(model, tok, EngineConfig(num_kv_blocks=64))
+    fp8 = Engine(model, tok, EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=64, decoder=decoder))
+    exact = Engine(model, tok, EngineConfig(num_kv_blocks=64, decoder=decoder))
+    assert (fp8.runner.decoder is not None) == (decoder == "owned")
     k_cache, v_cache = fp8.runner.kv_caches[0]
     assert k_cache.dtype == KV_FP8_DTYPE and is_latent_cache(k_cache, v_cache)
     reqs = make_requests(tok, 8, seed=3, max_prompt=80, max_new=12)
