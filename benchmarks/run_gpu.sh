@@ -16,8 +16,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# .whl-st/: sentence-transformers and what it imports (W7 and the embedding GPU tests only; ~47 MB, so a call that
+# carries a Triton cache in parts leaves it behind: the device tool carries 64 MiB)
+wheels=()
+for wheel in .whl/*.whl .whl-st/*.whl; do [[ -f $wheel ]] && wheels+=("$wheel"); done
+if (( ${#wheels[@]} )); then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -29,8 +33,13 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # cache into $OUT when it fits what the device tool brings back (16 MiB), to be copied to .gpu/ for the next call.
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-if [[ -f .gpu/triton-cache.tar.xz ]]; then
-    tar -xJf .gpu/triton-cache.tar.xz -C "$TRITON_CACHE_DIR" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried in"
+# A pack over 15 MB comes back from `savecache` in parts (triton-cache.tar.xz.part-00, -01, ...), each under the
+# device tool's 16 MiB a file; carried in, they are joined in their order.
+cache_parts=(.gpu/triton-cache.tar.xz .gpu/triton-cache.tar.xz.part-*)
+if [[ -f ${cache_parts[0]} ]]; then cache_parts=("${cache_parts[0]}"); else cache_parts=("${cache_parts[@]:1}"); fi
+if [[ -f ${cache_parts[0]:-} ]]; then
+    cat "${cache_parts[@]}" | tar -xJf - -C "$TRITON_CACHE_DIR" \
+        && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried in (${#cache_parts[@]} file(s))"
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
@@ -382,7 +391,7 @@ fi
 python3 benchmarks/collect_results.py "$OUT" >/dev/null && cp benchmarks/results.json "$OUT/results.json"
 # Issue 48 item 4: W7 (bulk embedding) through cbq's embedding engine vs sentence-transformers' encode(batch_size=256)
 # in the same process, bf16. sentence-transformers and its imports (scikit-learn, scipy, joblib, threadpoolctl) come
-# as wheels in .whl/. The 8B shape embeds about 100-200 inputs/s, so one call runs W7_NUM inputs (20,000 by default;
+# as wheels in .whl-st/. The 8B shape embeds about 100-200 inputs/s, so one call runs W7_NUM inputs (20,000 by default;
 # 100,000 would outlast the 10-minute call) and sentence-transformers the first W7_REF_NUM; their rates are compared.
 # The decoder shape runs cbq's packed forward (worker/embedding/packed.py) and, on the same first W7_REF_NUM inputs,
 # cbq with transformers' padded forward (the engine before it): the table's "packed/hf" column.
@@ -442,6 +451,9 @@ if has savecache; then
     size=$(stat -c %s /tmp/triton-cache.tar.xz)
     if (( size <= 16000000 )); then
         cp /tmp/triton-cache.tar.xz "$OUT/"
+    elif (( size <= 4 * 15000000 )); then  # in parts of 15 MB: at most 4 of the 8 files a call brings back
+        split -b 15000000 -d /tmp/triton-cache.tar.xz "$OUT/triton-cache.tar.xz.part-"
+        echo "triton cache: $size bytes packed, in $(ls "$OUT"/triton-cache.tar.xz.part-* | wc -l) parts"
     else
         echo "triton cache: $size bytes packed, more than the device tool brings back; not saved"
     fi
