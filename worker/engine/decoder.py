@@ -472,9 +472,10 @@ def build_decoder(
     `tp`: `model` is one rank's shard (models/shard_model.py): always the owned decoder, with its collectives."""
     assert choice in DECODERS, f"decoder must be one of {DECODERS}, got {choice!r}"
     assert gemm in DECODE_GEMMS, f"decode_gemm must be one of {DECODE_GEMMS}, got {gemm!r}"
-    if getattr(model.config, "kv_lora_rank", None):
+    latent = bool(getattr(model.config, "kv_lora_rank", None))
+    if latent:
         prefill_choice()  # a bad CBQ_MLA_PREFILL fails here, at start, in one line, not in every prefill step
-    if getattr(model.config, "kv_lora_rank", None) and (
+    if latent and (
         choice == "hf"
         or deterministic
         or (choice == "auto" and (device.type != "cuda" or tp is not None or not _auto_owned(model)))

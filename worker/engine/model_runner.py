@@ -145,6 +145,8 @@ class ModelRunner:
         self.images = ImageEncoder(model, device) if is_vision_model(model) else None
         if self.images is not None and (config.deterministic or tp is not None):
             raise ValueError("a vision-language model runs on one rank, not deterministic")
+        # The most tokens a step holds: the step budget, or a larger graph bucket
+        step_capacity = max(config.max_num_batched_tokens, max(graph_buckets_for(config), default=0))
         # The owned, fused decoder (None: transformers' forward with cbq's attention registered).
         self.decoder = build_decoder(
             model,
@@ -153,17 +155,16 @@ class ModelRunner:
             max_model_len,
             self.is_cuda and config.fused_kernels,
             config.decode_gemm,
-            max(config.max_num_batched_tokens, max(graph_buckets_for(config), default=0)),  # the builder's capacity
+            step_capacity,
             config.deterministic,
             tp=tp,
         )
-        # transformers' forward over FP8 experts (moe/fp8_experts.py, DeepSeek-V3's FP8 on decoder "auto") runs the
-        # grouped GEMMs in a shared workspace, which a graph must not capture mid-growth: sized here, once, for the
-        # largest step, before the KV cache takes what is left. Without Triton their emulation syncs with the host,
-        # and that model's decode steps run eagerly. (The owned decoder sizes its MoE workspace itself.)
-        self._forward_capturable = self.decoder is not None or reserve_workspaces(
-            model, max(config.max_num_batched_tokens, max(graph_buckets_for(config), default=0)), model.dtype
-        )
+        # transformers' forward over FP8 experts (moe/fp8_experts.py: decoder "hf" on an FP8 mixture of experts, or
+        # latent attention on transformers' layers) runs the grouped GEMMs in a shared workspace, which a graph must
+        # not capture mid-growth: sized here, once, for the largest step, before the KV cache takes what is left.
+        # Without Triton their emulation syncs with the host, and that model's decode steps run eagerly. (The owned
+        # decoder sizes its MoE workspace itself.)
+        self._forward_capturable = self.decoder is not None or reserve_workspaces(model, step_capacity, model.dtype)
 
         # `measured`: the cache's size came from free memory, not --num-kv-blocks (a replica's rank 0 holds the
         # agreed count in its config, so its replica says so).

@@ -1,8 +1,8 @@
 """`Fp8Experts`: a sparse layer's routed experts kept in FP8 inside the transformers model, in the place of its
 stacked experts module (Qwen3MoeExperts, Glm4MoeNaiveMoe, ...), as quant/linear.py's `Fp8LinearModule` takes an
 `nn.Linear`'s. Owns the FP8 expert tensors (buffers, so `.to(device)` moves them); the owned decoder reads them as
-views (`weights`, models/moe_from_model.py). transformers' forward (decoder "auto" on multi-head latent attention,
-`model.generate`) runs them through the FP8 grouped GEMMs on CUDA with Triton (triton_moe.experts_triton, in a
+views (`weights`, models/moe_from_model.py). transformers' forward (decoder "hf", latent attention on transformers'
+layers, `model.generate`) runs them through the FP8 grouped GEMMs on CUDA with Triton (triton_moe.experts_triton, in a
 workspace shared by every such layer and grown to the largest step: `shared_workspace`), and their emulation
 (reference.experts_fp8_emulated) elsewhere.
 
