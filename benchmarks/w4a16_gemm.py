@@ -8,12 +8,14 @@ the bytes per second of the weight as each variant reads it:
   bf16          what a bf16 model runs: kernels/decode_gemm.py's kernel for M <= 32 where it tiles the shape
                 (down: cuBLAS), cuBLAS above
   w4a16         kernels/w4a16.py's GEMM at its default launch (small steps: split over K by the fill rule, with
-                PDL; large steps: the tiled launch, whatever w4a16.large_step_kernel would choose)
+                PDL; large steps: the tiled launch, whatever w4a16.large_step_kernel would choose), each K tile
+                unpacked both ways (`w4a16.UNPACK`: reshaped into column order, or a dot per nibble position)
   dequant+cublas  w4a16.dequantize_weight (one kernel: the packed weight to bf16), then cuBLAS: large steps' other
                 path (its bytes counted as the packed weight's)
 Group 128, symmetric (what `bench engine --precision int4` packs). --sweep times the W4A16 kernel in each of
-SWEEP_CONFIGS and each split for M <= 32. What the numbers decide: SMALL_STEP_CONFIG, LARGE_STEP_CONFIG, the split
-rule (SPLIT_FILL, SPLIT_CHOICES) and DEQUANTIZE_FROM_M in kernels/w4a16.py.
+SWEEP_CONFIGS, each split for M <= 32 and each unpacking its K tile allows. What the numbers decide:
+SMALL_STEP_CONFIG, LARGE_STEP_CONFIG, the split rule (SPLIT_FILL, SPLIT_CHOICES), UNPACK and DEQUANTIZE_FROM_M in
+kernels/w4a16.py.
 """
 
 from __future__ import annotations
@@ -37,18 +39,15 @@ GROUP = 128
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for --sweep; BLOCK_K at most the group size
 SWEEP_CONFIGS = [
     (64, 128, 4, 2),
-    (64, 128, 4, 3),
     (64, 128, 4, 4),
-    (64, 128, 4, 6),
     (64, 128, 8, 3),
-    (64, 128, 8, 4),
     (64, 64, 4, 4),
     (128, 128, 4, 3),
     (128, 128, 8, 4),
     (128, 64, 8, 3),
-    (128, 64, 4, 4),
     (256, 64, 8, 3),
 ]
+UNPACKS = {"reshape": w4a16.UNPACK_RESHAPE, "nibbles": w4a16.UNPACK_NIBBLES}
 
 
 def packed_bytes(n: int, k: int) -> int:
@@ -78,13 +77,14 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
     else:
         timed("bf16", lambda i: F.linear(x, dense[i]))
 
-    def w4(i: int, config=None, split=None):
+    def w4(i: int, config=None, split=None, unpack=None):
         layer = layers[i]
         return w4a16.w4a16_gemm(
-            x, layer.qweight, layer.scales, layer.zeros, GROUP, pdl=pdl, config=config, split_k=split
+            x, layer.qweight, layer.scales, layer.zeros, GROUP, pdl=pdl, config=config, split_k=split, unpack=unpack
         )
 
-    timed("w4a16", w4)
+    for name, unpack in UNPACKS.items():
+        timed(f"w4a16 {name}", lambda i, u=unpack: w4(i, unpack=u))
     timed(
         "dequant+cublas",
         lambda i: F.linear(x, w4a16.dequantize_weight(layers[i].qweight, layers[i].scales, None, GROUP, x.dtype)),
@@ -92,10 +92,13 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
     if sweep:
         splits = [1, 2, 4, 8] if m <= w4a16.MAX_TOKENS else [None]
         for config in SWEEP_CONFIGS:
-            for split in splits:
-                if split is not None and (k // config[1]) % split:
-                    continue
-                timed(f"w4a16 {config} split {split}", lambda i, c=config, s=split: w4(i, c, s))
+            for name, unpack in UNPACKS.items():
+                if w4a16.unpack_for(config[1], unpack) != unpack:
+                    continue  # a K tile too shallow to unpack by nibble position
+                for split in splits:
+                    if split is not None and (k // config[1]) % split:
+                        continue
+                    timed(f"w4a16 {config} {name} split {split}", lambda i, c=config, s=split, u=unpack: w4(i, c, s, u))
     dense_bytes, int4_bytes = n * k * 2, packed_bytes(n, k)
     for label, us in times.items():
         read = dense_bytes if label == "bf16" else int4_bytes

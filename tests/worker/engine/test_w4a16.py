@@ -63,15 +63,19 @@ def check_kernel(device: str, torch_dtype: str = "bfloat16") -> None:
         bias = (torch.randn(n, generator=gen) * 0.1).to(device, dtype) if with_bias else None
         want = w4a16_twin(x, layer, bias).float()
         xs = x if layer.perm is None else x.index_select(1, layer.perm)
-        got = w4a16.w4a16_gemm(xs, layer.qweight, layer.scales, layer.zeros, group, bias).float()
-        torch.testing.assert_close(got, want, **tol, msg=f"case {i}: sym={symmetric} g={group} M={m}")
+        for unpack in (w4a16.UNPACK_RESHAPE, w4a16.UNPACK_NIBBLES):
+            got = w4a16.w4a16_gemm(xs, layer.qweight, layer.scales, layer.zeros, group, bias, unpack=unpack).float()
+            torch.testing.assert_close(got, want, **tol, msg=f"case {i}: sym={symmetric} g={group} M={m} {unpack=}")
         stored = w4a16.dequantize_weight(layer.qweight, layer.scales, layer.zeros, group, dtype)
         unpermuted = Int4Linear(layer.qweight, layer.scales, layer.zeros, group)
         assert torch.equal(stored, dequantize(unpermuted, dtype)), f"case {i}: the dequantization kernel's bits"
         for act, act_ref in ((fk.ACT_SILU, fk.silu_mul_ref), (fk.ACT_GELU_TANH, fk.gelu_tanh_mul_ref)):
             if m > w4a16.MAX_TOKENS or (act == fk.ACT_GELU_TANH and m != 7):
                 continue  # the gated launch is the small steps'; GELU once
-            gated = w4a16.w4a16_gemm(xs, layer.qweight, layer.scales, layer.zeros, group, bias, gated_act=act)
+            unpack = w4a16.UNPACK_NIBBLES if act == fk.ACT_SILU else w4a16.UNPACK_RESHAPE
+            gated = w4a16.w4a16_gemm(
+                xs, layer.qweight, layer.scales, layer.zeros, group, bias, gated_act=act, unpack=unpack
+            )
             torch.testing.assert_close(
                 gated.float(), act_ref(want.to(dtype)).float(), **tol, msg=f"case {i} gated, act {act}"
             )
@@ -105,12 +109,13 @@ def check_small_step_layer_ops() -> None:
     x = torch.randn(m, hidden, generator=gen)
     tol = dict(atol=1e-4, rtol=1e-4)
     for i, rows in enumerate(((heads + 2 * kv_heads) * head_dim, 2 * 96)):
-        layer = _layer(rows, hidden, 32, i == 0, False, torch.float32, "cpu", seed=20 + i)
+        layer = _layer(rows, hidden, 128 if i == 0 else 32, i == 0, False, torch.float32, "cpu", seed=20 + i)
         packed, dense = Int4Weight(layer), dequantize(layer, torch.float32)
         torch.testing.assert_close(ops.linear(x, packed, None), ops.linear(x, dense, None), **tol)
         if i == 1:
             torch.testing.assert_close(ops.gate_up_act(x, packed, None), ops.gate_up_act(x, dense, None), **tol)
             continue
+        w4a16.UNPACK = w4a16.UNPACK_NIBBLES  # this process only: the QKV launch unpacks by nibble position
         pos = torch.arange(m) + 3
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         angles = torch.outer(torch.arange(64).float(), inv)

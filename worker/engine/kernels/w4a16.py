@@ -24,10 +24,12 @@ the epilogue (`gated_act`: a program owns BLOCK_N gate rows and the up rows that
 then fused.act_mul round), and the QKV weight with decode_gemm's rotary + KV-write epilogue (`w4a16_qkv_rope_write`,
 over decode_gemm's rotary-pair tile rows).
 
-Per K tile (`dequantized_tile`): the tile's words are loaded once each, shifted and masked to 0..15 (eight nibbles
-per word, in column order by a reshape), the group's zero subtracted and its scale multiplied in fp32, rounded to
-x's dtype (the twin's dequantized weight, bit for bit), then multiplied with fp32 accumulation. A K tile never spans
-two groups (BLOCK_K divides the group size), so a tile reads one scale (and zero) per row.
+Per K tile (`tile_dot`): the tile's words are loaded once each, shifted and masked to 0..15 (eight nibbles per
+word), turned into floats without a conversion instruction (`exact_values`), the group's zero subtracted and its
+scale multiplied in fp32, rounded to x's dtype (the twin's dequantized weight, bit for bit), then multiplied with
+fp32 accumulation: either the nibbles reshaped into column order and one dot, or one dot per nibble position over
+the x columns it holds (`UNPACK`). A K tile never spans two groups (BLOCK_K divides the group size), so a tile reads
+one scale (and zero) per row.
 
 Launches depend only on shapes: CUDA-graph capturable.
 """
@@ -71,6 +73,17 @@ SPLIT_MIN_K_TILES = 16
 # times both at 512 and 8,192 rows; None sends every large step to the tiled kernel.
 DEQUANTIZE_FROM_M: int | None = 2048
 DEQUANTIZE_CONFIG = (64, 128, 4, 1)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the dequantization kernel
+# How a K tile's nibbles meet the MMA (`tile_dot`): reshaped into column order, or each nibble position its own dot
+# over the x columns it holds. Unmeasured: `benchmarks/w4a16_gemm.py --sweep` times both.
+UNPACK_RESHAPE, UNPACK_NIBBLES = 0, 1
+UNPACK = UNPACK_RESHAPE
+
+
+def unpack_for(block_k: int, unpack: int | None = None) -> int:
+    """`unpack` (default UNPACK) where the K tile allows it: by nibble position needs BLOCK_K / 8 columns a dot, at
+    least the MMA's least K."""
+    unpack = UNPACK if unpack is None else unpack
+    return unpack if block_k >= 8 * MIN_BLOCK_K else UNPACK_RESHAPE
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -125,6 +138,25 @@ def split_for(n_tiles: int, m_tiles: int, k_tiles: int, device: torch.device, sp
 if HAVE_TRITON:
 
     @triton.jit
+    def group_scale_zero(scales_ptr, zeros_ptr, group_offsets, group, n_mask, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Each row's scale of the tile's group in fp32, and its zero as 2^23 + zero (`exact_values`)."""
+        scale = tl.load(scales_ptr + group_offsets + group, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + group_offsets + group, mask=n_mask, other=0).to(tl.float32) + 8388608.0
+        else:
+            zero = tl.full([BLOCK_N], 8388616.0, tl.float32)  # 2^23 + 8
+        return scale, zero
+
+    @triton.jit
+    def exact_values(nibbles, zero, scale, dtype: tl.constexpr):
+        """(q - zero) * scale rounded to `dtype`, for int32 `nibbles` q in 0..15: q's bits put under 2^23's exponent
+        are the float 2^23 + q (one OR, where a conversion instruction runs at a sixteenth of the FMA rate), minus
+        2^23 + zero is q - zero exactly, and the product with a 16-bit scale is exact in fp32, so the one rounding is
+        packed.dequantize's: the twin's bits."""
+        q = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)  # 0x4B000000: 2^23's bits
+        return ((q - zero[:, None]) * scale[:, None]).to(dtype)
+
+    @triton.jit
     def dequantized_tile(
         qw_ptrs,  # [BLOCK_N, BLOCK_K / 8] pointers to the tile's words
         scales_ptr,
@@ -139,17 +171,50 @@ if HAVE_TRITON:
     ):
         """The weight tile [BLOCK_N, BLOCK_K] in `dtype`: each word loaded once, shifted by 0, 4, ..., 28 into
         [BLOCK_N, BLOCK_K / 8, 8] nibbles whose row-major order is the columns' (column k is nibble k % 8 of word
-        k // 8), then (q - zero) * scale in fp32, rounded: packed.dequantize's arithmetic, bit for bit."""
-        scale = tl.load(scales_ptr + group_offsets + group, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + group_offsets + group, mask=n_mask, other=0).to(tl.float32)
-        else:
-            zero = tl.full([BLOCK_N], 8.0, tl.float32)
+        k // 8), then `exact_values`: packed.dequantize's arithmetic, bit for bit."""
+        scale, zero = group_scale_zero(scales_ptr, zeros_ptr, group_offsets, group, n_mask, HAS_ZEROS, BLOCK_N)
         words = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
         shifts = (tl.arange(0, 8) * 4)[None, None, :]
         nibbles = (words[:, :, None] >> shifts) & 0xF  # the arithmetic shift's sign bits are masked off
-        q = tl.reshape(nibbles, [BLOCK_N, BLOCK_K]).to(tl.float32)
-        return ((q - zero[:, None]) * scale[:, None]).to(dtype)
+        return exact_values(tl.reshape(nibbles, [BLOCK_N, BLOCK_K]), zero, scale, dtype)
+
+    @triton.jit
+    def tile_dot(
+        acc,
+        qw_ptrs,  # [BLOCK_N, BLOCK_K / 8] pointers to the tile's words
+        x_rows,  # [1, BLOCK_M] pointers to each x row's first column of the tile
+        scales_ptr,
+        zeros_ptr,
+        group_offsets,
+        group,
+        n_mask,
+        m_mask,
+        HAS_ZEROS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        UNPACK: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        """acc + W tile @ x tile^T ([BLOCK_N, BLOCK_M] fp32). UNPACK_RESHAPE: the weight tile in column order
+        (`dequantized_tile`), one dot over the tile's x columns. UNPACK_NIBBLES: no reshape (a layout change that
+        goes through shared memory): the tile's nibble j of every word, the columns j, j + 8, ..., is its own
+        [BLOCK_N, BLOCK_K / 8] operand, multiplied by those x columns (a strided load of a few rows), eight dots; the
+        same products, summed in another order."""
+        dtype = x_rows.dtype.element_ty
+        if UNPACK == 0:
+            w = dequantized_tile(qw_ptrs, scales_ptr, zeros_ptr, group_offsets, group, n_mask, dtype, HAS_ZEROS,
+                                 BLOCK_N, BLOCK_K)  # fmt: skip
+            x = tl.load(x_rows + tl.arange(0, BLOCK_K)[:, None], mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+        else:
+            scale, zero = group_scale_zero(scales_ptr, zeros_ptr, group_offsets, group, n_mask, HAS_ZEROS, BLOCK_N)
+            words = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
+            strided = (tl.arange(0, BLOCK_K // 8) * 8)[:, None]
+            for j in tl.static_range(8):
+                w = exact_values((words >> (4 * j)) & 0xF, zero, scale, dtype)
+                x = tl.load(x_rows + strided + j, mask=m_mask[None, :], other=0.0)
+                acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+        return acc
 
     @triton.jit
     def _w4a16_dequantize_kernel(
@@ -203,41 +268,38 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,  # programs sharing a tile's K range (program_id(2) is the split)
+        UNPACK: tl.constexpr,  # UNPACK_RESHAPE or UNPACK_NIBBLES (`tile_dot`)
         USE_PDL: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
         m_mask = rm < M
         SPLIT_TILES: tl.constexpr = K_TILES // SPLIT_K
         k0 = tl.program_id(2) * (SPLIT_TILES * BLOCK_K)  # this split's first column
         qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
-        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None]  # x tile^T [BLOCK_K, BLOCK_M]
+        x_rows = x_ptr + rm[None, :].to(tl.int64) * stride_xm + k0  # x tile^T [BLOCK_K, BLOCK_M] from here
         group_ptrs = rn.to(tl.int64) * stride_sn
-        dtype = x_ptr.dtype.element_ty
         up_qw_ptrs = qw_ptrs + N * stride_qn
         up_group_ptrs = group_ptrs + N * stride_sn
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for t in range(SPLIT_TILES):
             group = (k0 + t * BLOCK_K) // GROUP_SIZE
-            w = dequantized_tile(
-                qw_ptrs, scales_ptr, zeros_ptr, group_ptrs, group, n_mask, dtype, HAS_ZEROS, BLOCK_N, BLOCK_K
-            )
-            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            acc = tile_dot(
+                acc, qw_ptrs, x_rows, scales_ptr, zeros_ptr, group_ptrs, group, n_mask, m_mask, HAS_ZEROS, BLOCK_N,
+                BLOCK_K, UNPACK, DOT_PREC,
+            )  # fmt: skip
             if GATED:
-                w_up = dequantized_tile(
-                    up_qw_ptrs, scales_ptr, zeros_ptr, up_group_ptrs, group, n_mask, dtype, HAS_ZEROS, BLOCK_N,
-                    BLOCK_K,
+                acc_up = tile_dot(
+                    acc_up, up_qw_ptrs, x_rows, scales_ptr, zeros_ptr, up_group_ptrs, group, n_mask, m_mask,
+                    HAS_ZEROS, BLOCK_N, BLOCK_K, UNPACK, DOT_PREC,
                 )  # fmt: skip
-                acc_up = tl.dot(w_up, x, acc_up, input_precision=DOT_PREC)
                 up_qw_ptrs += BLOCK_K // 8
             qw_ptrs += BLOCK_K // 8
-            x_ptrs += BLOCK_K
+            x_rows += BLOCK_K
         store_mask = m_mask[None, :] & n_mask[:, None]
         if SPLIT_K > 1:  # the tile's last program sums the partials in split order and stores (not with GATED)
             acc, last = split_k_sum(acc, partial_ptr, counter_ptr, SPLIT_K, BLOCK_N, BLOCK_M)
@@ -292,6 +354,7 @@ if HAVE_TRITON:
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        UNPACK: tl.constexpr,
         USE_PDL: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
@@ -300,23 +363,19 @@ if HAVE_TRITON:
         pdl_wait_and_release(USE_PDL)  # x is the previous kernel's output
         head, first, col = rope_tile_rows(HEAD_DIM, PAIRS)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
         rows = col >= 0  # every tile row is a weight row
         qw_ptrs = qw_ptr + col[:, None].to(tl.int64) * stride_qn + tl.arange(0, BLOCK_K // 8)[None, :]
-        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]
+        x_rows = x_ptr + rm[None, :].to(tl.int64) * stride_xm
         group_ptrs = col.to(tl.int64) * stride_sn
-        dtype = x_ptr.dtype.element_ty
         acc = tl.zeros([2 * PAIRS, BLOCK_M], dtype=tl.float32)
         for t in range(K_TILES):
-            w = dequantized_tile(
-                qw_ptrs, scales_ptr, zeros_ptr, group_ptrs, (t * BLOCK_K) // GROUP_SIZE, rows, dtype, HAS_ZEROS,
-                2 * PAIRS, BLOCK_K,
+            acc = tile_dot(
+                acc, qw_ptrs, x_rows, scales_ptr, zeros_ptr, group_ptrs, (t * BLOCK_K) // GROUP_SIZE, rows, m_mask,
+                HAS_ZEROS, 2 * PAIRS, BLOCK_K, UNPACK, DOT_PREC,
             )  # fmt: skip
-            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
             qw_ptrs += BLOCK_K // 8
-            x_ptrs += BLOCK_K
+            x_rows += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(bias_ptr + col).to(tl.float32)[:, None]
         qkv_rope_epilogue(
@@ -339,11 +398,12 @@ def w4a16_gemm(
     block_m: int | None = None,
     split_k: int | None = None,
     gated_act: int | None = None,
+    unpack: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (columns in the stored order: act-order gathered by the caller) @ W^T (+ bias) -> [M, N] in x's
     dtype, W the packed INT4 weight. The small-step launch for M <= MAX_TOKENS (split over K by `split_for` unless
     `split_k` is given), the tiled one above. `config`/`block_m` override `launch_config`/`block_m_for` (tests,
-    benchmarks). The caller checks `launch_config` is not None (the group size tiles).
+    benchmarks), `unpack` the module's UNPACK. The caller checks `launch_config` is not None (the group size tiles).
     `gated_act` (fused.ACT_*): W is a fused [gate; up] [2I, K] and the output act(x @ gate^T) * (x @ up^T) [M, I],
     rounded as this GEMM then fused.act_mul round (a program owns BLOCK_N gate rows and their up rows; no split)."""
     m, k = x.shape
@@ -395,6 +455,7 @@ def w4a16_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SPLIT_K=split,
+        UNPACK=unpack_for(block_k, unpack),
         USE_PDL=pdl,
         DOT_PREC=dot_precision(x.dtype, None),
         num_warps=num_warps,
@@ -489,6 +550,7 @@ def w4a16_qkv_rope_write(
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
+        UNPACK=unpack_for(block_k),
         USE_PDL=pdl,
         DOT_PREC=dot_precision(x.dtype, None),
         num_warps=num_warps,
