@@ -32,6 +32,7 @@ from skinny_gemm import LAYERS, graph_time_us  # noqa: E402 (benchmarks/ is the 
 
 from worker.engine.kernels import decode_gemm as dg  # noqa: E402
 from worker.engine.kernels import w4a16  # noqa: E402
+from worker.engine.kernels.pdl import pdl_usable  # noqa: E402
 from worker.engine.quant.int4 import quantize_rtn  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -59,7 +60,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
     layers = [quantize_rtn(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, GROUP) for _ in range(count)]
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    pdl = w4a16.pdl_usable(x.device) and m <= w4a16.MAX_TOKENS
+    pdl = pdl_usable(x.device) and m <= w4a16.MAX_TOKENS
     times: dict[str, float] = {}
 
     def timed(label: str, one) -> None:
