@@ -84,8 +84,8 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
             x, layer.qweight, layer.scales, layer.zeros, GROUP, pdl=pdl, config=config, split_k=split, unpack=unpack
         )
 
-    for name, unpack in UNPACKS.items():
-        timed(f"w4a16 {name}", lambda i, u=unpack: w4(i, unpack=u))
+    for how, unpack in UNPACKS.items():
+        timed(f"w4a16 {how}", lambda i, u=unpack: w4(i, unpack=u))
     timed(
         "dequant+cublas",
         lambda i: F.linear(x, w4a16.dequantize_weight(layers[i].qweight, layers[i].scales, None, GROUP, x.dtype)),
@@ -93,13 +93,13 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool) -> dict[str, flo
     if sweep:
         splits = [1, 2, 4, 8] if m <= w4a16.MAX_TOKENS else [None]
         for config in SWEEP_CONFIGS:
-            for name, unpack in UNPACKS.items():
+            for how, unpack in UNPACKS.items():
                 if w4a16.unpack_for(config[1], unpack) != unpack:
                     continue  # a K tile too shallow to unpack by nibble position
                 for split in splits:
                     if split is not None and (k // config[1]) % split:
                         continue
-                    timed(f"w4a16 {config} {name} split {split}", lambda i, c=config, s=split, u=unpack: w4(i, c, s, u))
+                    timed(f"w4a16 {config} {how} split {split}", lambda i, c=config, s=split, u=unpack: w4(i, c, s, u))
     dense_bytes, int4_bytes = n * k * 2, packed_bytes(n, k)
     for label, us in times.items():
         read = dense_bytes if label == "bf16" else int4_bytes

@@ -171,7 +171,7 @@ def test_gpu_w4a16_at_the_llama_3_8b_shapes(shape):
     pdl = pdl_usable(torch.device("cuda"))
     for symmetric in (True, False):
         layer = _layer(n, k, 128, symmetric, False, torch.bfloat16, "cuda", seed=n + k)
-        for m in (1, 7, 32, 100, 512, 2048):  # 2048: w4a16.DEQUANTIZE_FROM_M, dequantization then cuBLAS
+        for m in (1, 7, 32, 100, 512, 2048):  # above 32: dequantization then cuBLAS (w4a16.DEQUANTIZE_FROM_M)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = w4a16_twin(x, layer)
             got = int4_linear(x, layer, pdl=pdl).float()

@@ -68,15 +68,17 @@ SPLIT_MIN_K_TILES = 16
 # Large steps: this file's tiled GEMM (each weight tile dequantized in registers by every one of the M / BLOCK_M
 # programs that read it) up to DEQUANTIZE_FROM_M rows, above that the weight dequantized once to the model dtype
 # (`dequantize_weight`, a transient [N, K] tensor) and then cuBLAS. Why a row bound: the tiled kernel's unpacking
-# grows with M while dequantizing once costs ~2.5 bytes of traffic per weight whatever M is (gate/up: ~60 us at the
-# H200's bandwidth, 2% of its 8,192-row GEMM, a third of a 512-row one). Unmeasured: `benchmarks/w4a16_gemm.py`
-# times both at 512 and 8,192 rows; None sends every large step to the tiled kernel.
-DEQUANTIZE_FROM_M: int | None = 2048
+# grows with M while dequantizing once costs ~2.5 bytes of traffic per weight whatever M is. Measured
+# (`benchmarks/w4a16_gemm.py`, H100, 2026-12-06): at 512 rows the tiled kernel took 922 us on gate/up, the
+# dequantization then cuBLAS 281 (bf16 alone 156), and the same 3.3-3.8x on every projection: every large step
+# dequantizes. None sends every large step to the tiled kernel.
+DEQUANTIZE_FROM_M: int | None = MAX_TOKENS + 1
 DEQUANTIZE_CONFIG = (64, 128, 4, 1)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the dequantization kernel
 # How a K tile's nibbles meet the MMA (`tile_dot`): reshaped into column order, or each nibble position its own dot
-# over the x columns it holds. Unmeasured: `benchmarks/w4a16_gemm.py --sweep` times both.
+# over the x columns it holds. By nibble position was the faster on every Llama-3-8B projection at 1, 8 and 32 rows
+# (`benchmarks/w4a16_gemm.py`, H100, 2026-12-06): gate/up 64.7 vs 101.9 us at one row, down 60.8 vs 72.9 at 32.
 UNPACK_RESHAPE, UNPACK_NIBBLES = 0, 1
-UNPACK = UNPACK_RESHAPE
+UNPACK = UNPACK_NIBBLES
 
 
 def unpack_for(block_k: int, unpack: int | None = None) -> int:
