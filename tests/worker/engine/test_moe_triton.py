@@ -30,6 +30,8 @@ from .test_fused_kernels import _interpret
 
 SMALL = tm.LaunchConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 WIDE = tm.LaunchConfig(block_m=32, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)
+# the large tier's 128-row blocks (triton_moe._LARGE), on narrow columns: mostly padding rows at these sizes
+TALL = tm.LaunchConfig(block_m=128, block_n=16, block_k=16, group_m=8, num_warps=8, num_stages=1)
 
 
 def _spec(kind: str) -> MoeSpec:
@@ -133,7 +135,7 @@ def check_layers(device: str, dtypes) -> None:
             wide = _double(layer)
             ws = MoeWorkspace.allocate(spec, 64, dtype, dev)
             # prefill-sized first, then decode-sized: stale rows of the bigger step must not leak
-            for num_tokens, config in ((64, WIDE), (5, SMALL), (1, SMALL)):
+            for num_tokens, config in ((64, WIDE), (64, TALL), (5, SMALL), (1, SMALL)):
                 hidden = torch.randn(num_tokens, spec.hidden_size, generator=gen).to(dtype).to(dev)
                 # one routing for both (fp16 logits can tie; the two must not pick differently)
                 topk_weights, topk_ids = route(hidden, layer.router_weight, layer.router_bias, spec)
