@@ -226,18 +226,20 @@ def test_max_blocks_bounds_every_routing():
         assert tm.max_blocks(num_pairs, num_experts, block_m) >= worst
 
 
-def test_launch_config_table_and_heuristic():
+def test_launch_config_table_and_heuristic(monkeypatch):
     spec = MoeSpec("qwen3_moe", num_experts=128, top_k=8, hidden_size=2048, expert_intermediate_size=768)
     assert tm.heuristic_config(spec, 32).block_m == 16  # decode: 2 pairs per expert
-    assert tm.heuristic_config(spec, 1536).block_m == 64  # prefill: 96 per expert
-    assert tm.heuristic_config(spec, 8192).block_m == 128  # large: 512 per expert
+    assert tm.heuristic_config(spec, 8192).block_m == 64  # prefill: 512 per expert
     table = tm.LAUNCH_CONFIGS[(128, 768, "NVIDIA H200")]
     assert table[min(m for m in table if m >= 32)].block_m == 16
-    for tokens in (32, 1536, 2048, 8192):  # the table is the heuristic written out for its shape, mostly
-        assert table[min(m for m in table if m >= tokens)] == tm.heuristic_config(spec, tokens), tokens
     assert tm.config_for(spec, 32, torch.device("cpu")) == tm.heuristic_config(spec, 32)
-    # e4m3 experts keep the 64-row tile where bf16 ones take the large one (measured for bf16 alone)
-    assert tm.config_for(spec, 8192, torch.device("cpu"), fp8=True).block_m == 64
+    # bf16 experts take the large tile from 128 pairs an expert, over the heuristic and over a device's table alike;
+    # e4m3 experts keep what those choose
+    for device_name in ("cpu", "NVIDIA H200"):
+        monkeypatch.setattr(tm, "_device_name", lambda device, name=device_name: name)
+        assert tm.config_for(spec, 2047, torch.device("cpu")).block_m == 64, device_name  # 127.9 an expert
+        assert tm.config_for(spec, 2048, torch.device("cpu")).block_m == 128, device_name
+        assert tm.config_for(spec, 8192, torch.device("cpu"), fp8=True).block_m == 64, device_name
 
 
 @pytest.mark.skipif(not tm.HAVE_TRITON, reason="triton is not installed")

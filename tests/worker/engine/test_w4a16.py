@@ -115,20 +115,22 @@ def check_small_step_layer_ops() -> None:
         if i == 1:
             torch.testing.assert_close(ops.gate_up_act(x, packed, None), ops.gate_up_act(x, dense, None), **tol)
             continue
-        w4a16.UNPACK = w4a16.UNPACK_NIBBLES  # this process only: the QKV launch unpacks by nibble position
         pos = torch.arange(m) + 3
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         angles = torch.outer(torch.arange(64).float(), inv)
         cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-        outputs = []
-        for weight in (packed, dense):
-            caches = torch.zeros(2, 4, 16, kv_heads, head_dim)
-            q = ops.qkv_rope_write(
-                x, weight, None, pos, cos, sin, heads, kv_heads, caches[0], caches[1], torch.arange(m) + 16, pdl=False
-            )
-            outputs.append((q, caches))
-        torch.testing.assert_close(outputs[0][0], outputs[1][0], **tol)
-        torch.testing.assert_close(outputs[0][1], outputs[1][1], **tol)
+        for unpack in (w4a16.UNPACK_RESHAPE, w4a16.UNPACK_NIBBLES):  # the QKV launch's K tile, both ways
+            w4a16.UNPACK = unpack  # this process only
+            outputs = []
+            for weight in (packed, dense):
+                caches = torch.zeros(2, 4, 16, kv_heads, head_dim)
+                q = ops.qkv_rope_write(
+                    x, weight, None, pos, cos, sin, heads, kv_heads, caches[0], caches[1], torch.arange(m) + 16,
+                    pdl=False,
+                )  # fmt: skip
+                outputs.append((q, caches))
+            torch.testing.assert_close(outputs[0][0], outputs[1][0], **tol, msg=f"{unpack=}")
+            torch.testing.assert_close(outputs[0][1], outputs[1][1], **tol, msg=f"{unpack=}")
 
 
 def test_launch_config_tiles_each_group_size():

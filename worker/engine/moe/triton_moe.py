@@ -53,20 +53,22 @@ class LaunchConfig:
 
 
 # (num_experts, expert intermediate size, device name) -> {at most this many tokens per step: config}.
-# _DECODE, _MID and _PREFILL are the first heuristic's guesses; _LARGE (128 x 128 tiles, from 128 pairs an expert)
-# is measured: `benchmarks/moe_gemm.py` on an H100 (2026-12-06) timed one layer's experts at 2,048 and 8,192 tokens
-# 1.19x and 1.27x _PREFILL's speed on the DeepSeek-V2-Lite shape, 1.10x and 1.20x on Qwen3-30B-A3B's, where _PREFILL
-# stayed the best at 512 tokens and below. The H200 has the H100's SMs, so the compute-bound tiers carry over; the
-# decode tiers still await its tuning (issue 25, item 4), the tables below then only change numbers.
+# NOTE: these await tuning on the H200 (issue 25, item 4); they are the heuristic's choices written out for
+# the two benchmark shapes, so a tuning run only has to replace numbers here.
 _DECODE = LaunchConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
 _MID = LaunchConfig(block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=4)
 _PREFILL = LaunchConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-_LARGE = LaunchConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-LARGE_FROM_PAIRS = 128  # pairs an expert from which bf16 experts take _LARGE
 LAUNCH_CONFIGS: dict[tuple[int, int, str], dict[int, LaunchConfig]] = {
-    (128, 768, "NVIDIA H200"): {64: _DECODE, 512: _MID, 2047: _PREFILL, 1 << 30: _LARGE},  # Qwen3-30B-A3B
-    (32, 2880, "NVIDIA H200"): {16: _DECODE, 128: _MID, 1023: _PREFILL, 1 << 30: _LARGE},  # gpt-oss-20b
+    (128, 768, "NVIDIA H200"): {64: _DECODE, 512: _MID, 1 << 30: _PREFILL},  # Qwen3-30B-A3B
+    (32, 2880, "NVIDIA H200"): {16: _DECODE, 128: _MID, 1 << 30: _PREFILL},  # gpt-oss-20b
 }
+# Large steps of bf16 experts, whatever the table or the heuristic says below them: 128 x 128 tiles from
+# LARGE_FROM_PAIRS pairs an expert. Measured: `benchmarks/moe_gemm.py` on an H100 (2026-12-06) timed one layer's
+# experts at 2,048 and 8,192 tokens 1.19x and 1.27x _PREFILL's speed on the DeepSeek-V2-Lite shape, 1.10x and 1.20x on
+# Qwen3-30B-A3B's, where _PREFILL stayed the best at 512 tokens and below. These steps are compute-bound and the H200
+# has the H100's SMs. E4m3 experts (triton_fp8.py) keep the tables' and the heuristic's choice: not measured.
+_LARGE = LaunchConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+LARGE_FROM_PAIRS = 128
 
 
 def heuristic_config(spec: MoeSpec, num_tokens: int) -> LaunchConfig:
@@ -74,9 +76,7 @@ def heuristic_config(spec: MoeSpec, num_tokens: int) -> LaunchConfig:
     pairs_per_expert = num_tokens * spec.top_k / spec.num_experts
     if pairs_per_expert <= 16:
         return _DECODE
-    if pairs_per_expert <= 64:
-        return _MID
-    return _PREFILL if pairs_per_expert < LARGE_FROM_PAIRS else _LARGE
+    return _MID if pairs_per_expert <= 64 else _PREFILL
 
 
 @functools.cache
@@ -85,15 +85,15 @@ def _device_name(device: torch.device) -> str:
 
 
 def config_for(spec: MoeSpec, num_tokens: int, device: torch.device, fp8: bool = False) -> LaunchConfig:
-    """The step's configuration; `fp8`: e4m3 experts (triton_fp8.py), which keep _PREFILL where bf16 experts take
-    _LARGE (measured for bf16 alone)."""
+    """The step's configuration: _LARGE for a large step of bf16 experts, else the device's table for the shape,
+    else the heuristic. `fp8`: e4m3 experts, which never take _LARGE."""
+    if not fp8 and num_tokens * spec.top_k / spec.num_experts >= LARGE_FROM_PAIRS:
+        return _LARGE
     name = _device_name(device)
     table = LAUNCH_CONFIGS.get((spec.num_experts, spec.expert_intermediate_size, name))
     if table is None:
-        config = heuristic_config(spec, num_tokens)
-    else:
-        config = table[min((m for m in table if m >= num_tokens), default=max(table))]
-    return _PREFILL if fp8 and config is _LARGE else config
+        return heuristic_config(spec, num_tokens)
+    return table[min((m for m in table if m >= num_tokens), default=max(table))]
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
